@@ -1,0 +1,29 @@
+# make test : create .venv when missing, install, run the test suite
+# make demo : all set-up, then the main job on the embedded default
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: test demo install bench-ttt-memory clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+demo: $(STAMP)
+	$(BIN)/python -m eagle.selfcheck --out .eagle/selfcheck
+
+bench-ttt-memory: $(STAMP)
+	$(BIN)/python bench/ttt_memory.py
+
+clean:
+	rm -rf .eagle

@@ -1,0 +1,182 @@
+"""The EAGLE-3 draft head: fused target features + token embedding -> one decoder layer -> draft-vocab logits.
+
+Purpose: the model code of the head and nothing else. `Eagle3Draft.forward` runs the head over T new positions
+(with an optional KV cache, for drafting); `Eagle3Layer.project_qkv`/`finish` expose the two halves of the layer
+so that training-time test (`eagle.ttt`) can run its own memory-bounded attention between them.
+Not here: training loops, drafting policies, distribution, file formats.
+
+Shape legend: B batch, T new positions, L keys visible (past + T), H hidden size, D head dim, h heads,
+Vd draft vocabulary, V target vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eagle.config import DraftConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_inv_freq(cfg: DraftConfig) -> torch.Tensor:
+    """Inverse frequencies, with llama3 or linear scaling applied when the target uses it."""
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
+    s = cfg.rope_scaling or {}
+    kind = s.get("rope_type", s.get("type", "default"))
+    if kind == "linear":
+        inv = inv / float(s["factor"])
+    elif kind == "llama3":
+        factor, lo, hi = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
+        old = float(s["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        smooth = ((old / wavelen) - lo) / (hi - lo)
+        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+        mid = (1 - smooth) * inv / factor + smooth * inv
+        is_mid = (wavelen <= old / lo) & (wavelen >= old / hi)
+        inv = torch.where(is_mid, mid, scaled)
+    return inv.float()
+
+
+def apply_rope(x_BhTD: torch.Tensor, pos_BT: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    freqs_BTd = pos_BT.float()[..., None] * inv_freq.to(x_BhTD.device)
+    emb = torch.cat([freqs_BTd, freqs_BTd], dim=-1)[:, None]  # B,1,T,D
+    cos, sin = emb.cos().to(x_BhTD.dtype), emb.sin().to(x_BhTD.dtype)
+    x1, x2 = x_BhTD.chunk(2, dim=-1)
+    return x_BhTD * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class KVStore(Protocol):
+    """What the head needs from a KV cache: take the new keys/values, return every visible key/value."""
+
+    def update(self, k_BhTD: torch.Tensor, v_BhTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class Eagle3Layer(nn.Module):
+    """One Llama decoder layer whose attention reads concat(norm(embedding), norm(feature)), width 2H."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        H, h, kvh, D = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.cfg = cfg
+        self.self_attn = nn.Module()
+        self.self_attn.q_proj = nn.Linear(2 * H, h * D, bias=False)
+        self.self_attn.k_proj = nn.Linear(2 * H, kvh * D, bias=False)
+        self.self_attn.v_proj = nn.Linear(2 * H, kvh * D, bias=False)
+        self.self_attn.o_proj = nn.Linear(h * D, H, bias=False)
+        self.mlp = nn.Module()
+        self.mlp.gate_proj = nn.Linear(H, cfg.intermediate_size, bias=False)
+        self.mlp.up_proj = nn.Linear(H, cfg.intermediate_size, bias=False)
+        self.mlp.down_proj = nn.Linear(cfg.intermediate_size, H, bias=False)
+        self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def project_qkv(self, emb_BTH: torch.Tensor, hidden_BTH: torch.Tensor, pos_BT: torch.Tensor):
+        """Rotated q [B,h,T,D], k and v [B,kvh,T,D]."""
+        B, T, _ = hidden_BTH.shape
+        x = torch.cat([self.input_layernorm(emb_BTH), self.hidden_norm(hidden_BTH)], dim=-1)
+        a, c = self.self_attn, self.cfg
+        q = a.q_proj(x).view(B, T, c.num_attention_heads, c.head_dim).transpose(1, 2)
+        k = a.k_proj(x).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        v = a.v_proj(x).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        return apply_rope(q, pos_BT, self.inv_freq), apply_rope(k, pos_BT, self.inv_freq), v
+
+    def finish(self, hidden_BTH: torch.Tensor, attn_BhTD: torch.Tensor) -> torch.Tensor:
+        """Output projection, residual on the un-normalised input feature, then the MLP block."""
+        B, _, T, _ = attn_BhTD.shape
+        out = hidden_BTH + self.self_attn.o_proj(attn_BhTD.transpose(1, 2).reshape(B, T, -1))
+        m = self.mlp
+        y = self.post_attention_layernorm(out)
+        return out + m.down_proj(F.silu(m.gate_proj(y)) * m.up_proj(y))
+
+
+class Eagle3Draft(nn.Module):
+    """The head. `embed_tokens` is the target's embedding, frozen and never exported."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.cfg = cfg
+        H = cfg.hidden_size
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, H)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.fc = nn.Linear(3 * H, H, bias=False)
+        self.midlayer = Eagle3Layer(cfg)
+        self.norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+        self.set_draft_vocab(torch.arange(cfg.draft_vocab_size))
+
+    # ---- draft vocabulary -------------------------------------------------------------------------------------
+    def set_draft_vocab(self, target_ids: torch.Tensor) -> None:
+        """Install the draft vocabulary: `target_ids` (sorted, unique, length Vd) are the target ids it covers."""
+        ids = torch.as_tensor(target_ids, dtype=torch.long).to(self.d2t.device)
+        if ids.numel() != self.cfg.draft_vocab_size or not bool((ids[1:] > ids[:-1]).all()):
+            raise ValueError("draft vocabulary must be sorted unique target ids of length draft_vocab_size")
+        self.d2t.copy_(ids - torch.arange(ids.numel(), device=ids.device))
+        self.t2d.zero_()
+        self.t2d[ids] = True
+
+    def draft_ids(self) -> torch.Tensor:
+        """Target ids of the draft vocabulary, in draft order."""
+        return self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)
+
+    def to_target_ids(self, draft_idx: torch.Tensor) -> torch.Tensor:
+        return draft_idx + self.d2t[draft_idx]
+
+    # ---- forward ----------------------------------------------------------------------------------------------
+    def fuse(self, aux_BT3H: torch.Tensor) -> torch.Tensor:
+        """Linear fusion of the low/mid/high target hidden states."""
+        return self.fc(aux_BT3H.to(self.fc.weight.dtype))
+
+    def logits(self, hidden_BTH: torch.Tensor) -> torch.Tensor:
+        """Draft-vocab logits [B,T,Vd] from the layer's un-normalised output hidden state."""
+        return self.lm_head(self.norm(hidden_BTH))
+
+    def forward(self, input_ids_BT: torch.Tensor, hidden_BTH: torch.Tensor, pos_BT: torch.Tensor,
+                cache: KVStore | None = None, attn_mask_BTL: torch.Tensor | None = None):
+        """Run T positions. `hidden_BTH` is a fused feature (see `fuse`) or the head's own previous output.
+
+        Returns (out_hidden [B,T,H], logits [B,T,Vd]). `attn_mask_BTL` is boolean, True = may attend; None means
+        causal with every cached key visible.
+        """
+        layer = self.midlayer
+        emb = self.embed_tokens(input_ids_BT).to(hidden_BTH.dtype)
+        q, k, v = layer.project_qkv(emb, hidden_BTH, pos_BT)
+        if cache is not None:
+            k, v = cache.update(k, v)
+        attn = sdpa(q, k, v, attn_mask_BTL)
+        out = layer.finish(hidden_BTH, attn)
+        return out, self.logits(out)
+
+    def trainable_parameters(self):
+        return [p for n, p in self.named_parameters() if not n.startswith("embed_tokens")]
+
+
+def sdpa(q_BhTD: torch.Tensor, k_BhLD: torch.Tensor, v_BhLD: torch.Tensor,
+         mask_BTL: torch.Tensor | None) -> torch.Tensor:
+    """Grouped-query attention over L keys; the last T keys are the queries' own positions."""
+    T, L = q_BhTD.shape[2], k_BhLD.shape[2]
+    if mask_BTL is None:
+        mask = torch.ones(T, L, dtype=torch.bool, device=q_BhTD.device).tril(L - T)
+    else:
+        mask = mask_BTL[:, None] if mask_BTL.dim() == 3 else mask_BTL
+    rep = q_BhTD.shape[1] // k_BhLD.shape[1]
+    return F.scaled_dot_product_attention(q_BhTD, k_BhLD, v_BhLD, attn_mask=mask, enable_gqa=rep > 1)
