@@ -134,6 +134,18 @@ class Eagle3Draft(nn.Module):
         self.t2d.zero_()
         self.t2d[ids] = True
 
+    @torch.no_grad()
+    def init_from_target(self, embed_VH: torch.Tensor, lm_head_VH: torch.Tensor) -> None:
+        """Copy the target's (frozen) embedding and, for `lm_head`, its output rows of the draft vocabulary.
+
+        Call after `set_draft_vocab`.
+        """
+        if embed_VH.shape != self.embed_tokens.weight.shape or lm_head_VH.shape != embed_VH.shape:
+            raise ValueError(f"target embedding {tuple(embed_VH.shape)} / lm_head {tuple(lm_head_VH.shape)} do not "
+                             f"match the head's {tuple(self.embed_tokens.weight.shape)}")
+        self.embed_tokens.weight.copy_(embed_VH)
+        self.lm_head.weight.copy_(lm_head_VH[self.draft_ids()])
+
     def draft_ids(self) -> torch.Tensor:
         """Target ids of the draft vocabulary, in draft order."""
         return self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)
