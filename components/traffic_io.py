@@ -1,0 +1,235 @@
+"""Loaders for user traffic: OpenAI `messages` JSONL and ShareGPT `conversations` JSONL, normalised to one type.
+
+Purpose: `load_traffic(path)` reads a JSONL file of chats and returns `Conversation`s (id, messages with roles
+system/user/assistant, optional `segment` and `source_file` metadata). Formats, one JSON object per line:
+  OpenAI:   {"id": ..., "messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...], ...}
+  ShareGPT: {"id": ..., "conversations": [{"from": "system"|"human"|"gpt", "value": "..."}, ...], ...}
+`format="auto"` decides per line by the key present. Rules: at most one system message, and only first; at least
+one user turn; contents are strings. Blank lines are ignored; a line without an id gets `line-<n>`.
+A bad line raises `TrafficFormatError` naming the file, the line and the reason; with `skip_bad=True` bad lines
+are skipped and counted in `TrafficLoad.skipped`. An empty file (or one with no valid line) always raises.
+`traffic_sha256` hashes a file's bytes; `conversations_sha256` hashes the normalised content (format-independent).
+Run: `python -m components.traffic_io FILE...` prints counts per segment and the hashes.
+Not here: tokenisation, chat templates, regeneration of answers by a target.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Literal
+
+ROLES = ("system", "user", "assistant")
+SHAREGPT_ROLES = {"system": "system", "human": "user", "gpt": "assistant"}
+Format = Literal["auto", "openai", "sharegpt"]
+
+
+class TrafficFormatError(ValueError):
+    """A traffic file that cannot be read: `path`, `line` (1-based; 0 for the whole file) and `reason`."""
+
+    def __init__(self, path: Path | str, line: int, reason: str):
+        self.path, self.line, self.reason = str(path), line, reason
+        super().__init__(f"{path}:{line}: {reason}")
+
+
+@dataclass(frozen=True)
+class Message:
+    role: str  # "system" | "user" | "assistant"
+    content: str
+
+
+@dataclass(frozen=True)
+class Conversation:
+    id: str
+    messages: tuple[Message, ...]
+    segment: str | None = None
+    source_file: str | None = None
+
+    @property
+    def system(self) -> str | None:
+        return self.messages[0].content if self.messages[0].role == "system" else None
+
+    def to_openai(self) -> dict[str, Any]:
+        """The OpenAI `messages` form (a JSONL line of `write_openai_jsonl`)."""
+        d: dict[str, Any] = {"id": self.id}
+        if self.segment is not None:
+            d["segment"] = self.segment
+        if self.source_file is not None:
+            d["source_file"] = self.source_file
+        d["messages"] = [{"role": m.role, "content": m.content} for m in self.messages]
+        return d
+
+
+@dataclass(frozen=True)
+class SkippedLine:
+    line: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class TrafficLoad:
+    path: Path
+    conversations: tuple[Conversation, ...]
+    skipped: tuple[SkippedLine, ...]
+
+    @property
+    def skipped_reasons(self) -> dict[str, int]:
+        """How many lines were skipped for each reason (the reason without its per-line details)."""
+        return dict(collections.Counter(s.reason.split(":")[0] for s in self.skipped))
+
+
+def load_traffic(path: Path | str, format: Format = "auto", skip_bad: bool = False) -> TrafficLoad:
+    path = Path(path)
+    if format not in ("auto", "openai", "sharegpt"):
+        raise ValueError(f"unknown traffic format {format!r}; expected auto, openai or sharegpt")
+    convs: list[Conversation] = []
+    skipped: list[SkippedLine] = []
+    seen_any = False
+    with path.open(encoding="utf-8") as fh:
+        for lineno, raw in enumerate(fh, start=1):
+            if not raw.strip():
+                continue
+            seen_any = True
+            try:
+                convs.append(parse_line(raw, lineno, format))
+            except _LineError as e:
+                if not skip_bad:
+                    raise TrafficFormatError(path, lineno, str(e)) from None
+                skipped.append(SkippedLine(lineno, str(e)))
+    if not seen_any:
+        raise TrafficFormatError(path, 0, "empty file: no conversations")
+    if not convs:
+        raise TrafficFormatError(path, 0, f"no valid conversation; all {len(skipped)} lines were bad "
+                                          f"(first: line {skipped[0].line}: {skipped[0].reason})")
+    return TrafficLoad(path, tuple(convs), tuple(skipped))
+
+
+def load_conversations(path: Path | str, format: Format = "auto") -> list[Conversation]:
+    """Strict shortcut: the conversations of a file that must be entirely valid."""
+    return list(load_traffic(path, format).conversations)
+
+
+class _LineError(Exception):
+    pass
+
+
+def parse_line(raw: str, lineno: int, format: Format = "auto") -> Conversation:
+    try:
+        obj = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise _LineError(f"malformed JSON: {e.msg} at column {e.colno}") from None
+    if not isinstance(obj, dict):
+        raise _LineError(f"not a JSON object: got {type(obj).__name__}")
+    kind = format
+    if kind == "auto":
+        kind = "openai" if "messages" in obj else "sharegpt" if "conversations" in obj else "auto"
+        if kind == "auto":
+            raise _LineError("missing key: neither 'messages' (OpenAI) nor 'conversations' (ShareGPT)")
+    messages = _openai_messages(obj) if kind == "openai" else _sharegpt_messages(obj)
+    _check_turns(messages)
+    meta = {k: obj.get(k) for k in ("id", "segment", "source_file")}
+    for k, v in meta.items():
+        if v is not None and not isinstance(v, (str, int)):
+            raise _LineError(f"bad field: {k!r} must be a string, got {type(v).__name__}")
+    return Conversation(id=str(meta["id"]) if meta["id"] is not None else f"line-{lineno}",
+                        messages=tuple(messages), segment=_opt_str(meta["segment"]),
+                        source_file=_opt_str(meta["source_file"]))
+
+
+def _opt_str(v: Any) -> str | None:
+    return None if v is None else str(v)
+
+
+def _turns(obj: dict[str, Any], key: str) -> list[Any]:
+    turns = obj.get(key)
+    if not isinstance(turns, list):
+        raise _LineError(f"missing key: {key!r} must be a list, got {type(turns).__name__}")
+    if not turns:
+        raise _LineError(f"no user turn: {key!r} is empty")
+    return turns
+
+
+def _openai_messages(obj: dict[str, Any]) -> list[Message]:
+    out = []
+    for i, m in enumerate(_turns(obj, "messages")):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise _LineError(f"bad message: message {i} needs 'role' and 'content'")
+        if m["role"] not in ROLES:
+            raise _LineError(f"unknown role: {m['role']!r} in message {i}; expected one of {list(ROLES)}")
+        out.append(Message(m["role"], _content(m["content"], i)))
+    return out
+
+
+def _sharegpt_messages(obj: dict[str, Any]) -> list[Message]:
+    out = []
+    for i, m in enumerate(_turns(obj, "conversations")):
+        if not isinstance(m, dict) or "from" not in m or "value" not in m:
+            raise _LineError(f"bad message: turn {i} needs 'from' and 'value'")
+        if m["from"] not in SHAREGPT_ROLES:
+            raise _LineError(f"unknown role: {m['from']!r} in turn {i}; expected one of {list(SHAREGPT_ROLES)}")
+        out.append(Message(SHAREGPT_ROLES[m["from"]], _content(m["value"], i)))
+    return out
+
+
+def _content(value: Any, i: int) -> str:
+    if not isinstance(value, str):
+        raise _LineError(f"bad message: content of message {i} must be a string, got {type(value).__name__}")
+    return value
+
+
+def _check_turns(messages: list[Message]) -> None:
+    systems = [i for i, m in enumerate(messages) if m.role == "system"]
+    if systems and systems != [0]:
+        raise _LineError(f"misplaced system message: at position {systems[-1]}; only one leading system "
+                         "prompt is supported")
+    if not any(m.role == "user" for m in messages):
+        raise _LineError("no user turn: the conversation has only " + ", ".join(sorted({m.role for m in messages})))
+
+
+def write_openai_jsonl(path: Path | str, conversations: Iterable[Conversation]) -> str:
+    """Write one OpenAI-format line per conversation (UTF-8, sorted nothing, stable); return the file's sha256."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as fh:
+        for c in conversations:
+            fh.write(json.dumps(c.to_openai(), ensure_ascii=False) + "\n")
+    return traffic_sha256(path)
+
+
+def traffic_sha256(path: Path | str) -> str:
+    """sha256 of the file's bytes (lineage of the exact file used)."""
+    h = hashlib.sha256()
+    with Path(path).open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def conversations_sha256(conversations: Iterable[Conversation]) -> str:
+    """sha256 of the normalised conversations: equal for the same chats in OpenAI or ShareGPT form."""
+    h = hashlib.sha256()
+    for c in conversations:
+        h.update(json.dumps(c.to_openai(), ensure_ascii=False, sort_keys=True).encode() + b"\n")
+    return h.hexdigest()
+
+
+def main(argv: list[str] | None = None) -> int:
+    paths = argv if argv is not None else sys.argv[1:]
+    if not paths:
+        print("usage: python -m components.traffic_io FILE.jsonl...", file=sys.stderr)
+        return 2
+    for p in paths:
+        load = load_traffic(p, skip_bad=True)
+        segments = collections.Counter(c.segment or "-" for c in load.conversations)
+        print(json.dumps({"path": str(p), "conversations": len(load.conversations), "segments": dict(segments),
+                          "skipped": load.skipped_reasons, "sha256": traffic_sha256(p),
+                          "content_sha256": conversations_sha256(load.conversations)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
