@@ -1,0 +1,45 @@
+"""Build the embedded default from the command line and print its report summary as JSON.
+
+Run: `python -m components.embedded [--preset tiny|default|gpu] [--config FILE.json] [--root DIR] [--force]
+[--quiet]`. `--config` is a JSON object loaded strictly (unknown keys are errors); it replaces the preset, and
+sections or keys it omits take the dataclass defaults (those of `default()`).
+Not here: anything but argument parsing and printing; the work is `components.embedded.build.build_embedded`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m components.embedded", description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="default", choices=["tiny", "default", "gpu"])
+    p.add_argument("--config", type=Path, help="JSON config (strict); replaces --preset")
+    p.add_argument("--root", type=Path, default=Path(".eagle/embedded"), help="cache root (default: %(default)s)")
+    p.add_argument("--force", action="store_true", help="rebuild even when the build is cached")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+
+    from components.embedded.build import build_embedded  # heavy imports after argument parsing
+    from components.embedded.config import EmbeddedConfig
+
+    cfg = EmbeddedConfig.from_dict(json.loads(args.config.read_text())) if args.config \
+        else EmbeddedConfig.preset(args.preset)
+    result = build_embedded(cfg, args.root, force=args.force, progress=not args.quiet)
+    m = result.metrics
+    print(json.dumps({
+        "build_dir": str(result.build_dir), "cached": result.cached, "build_hash": result.build_hash,
+        "build_seconds": m.build_seconds, "heldout_loss": round(m.heldout_loss, 4),
+        "heldout_perplexity": round(m.heldout_perplexity, 2), "top1_agreement": m.top1_agreement,
+        "target_tokens_per_second": round(m.target_train.tokens_per_second),
+    }, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

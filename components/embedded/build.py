@@ -1,0 +1,200 @@
+"""Build the embedded default offline: tokenizer, Llama target, its fine-tune and traffic, cached by content hash.
+
+Purpose: `build_embedded(config, root)` reads the interpreter's standard library (`corpus.py`), and writes under
+`root/<hash>/` (default root `.eagle/embedded` in the working directory):
+  tokenizer/   byte-level BPE + chat template (`AutoTokenizer.from_pretrained` loads it)
+  target/      the base Llama target (`AutoModelForCausalLM.from_pretrained`), with tokenizer + generation config
+  finetune/    the target after continued training on the test-suite domain, saved the same way
+  traffic/     target-{train,heldout}.jsonl and finetune-{train,heldout}.jsonl (OpenAI `messages` JSONL)
+  report.json  the `EmbeddedResult`: paths, weight hashes, measured metrics
+The hash covers the corpus files (paths, contents, split), the config, this package's source and the versions of
+torch/transformers/tokenizers; a finished build (its report.json exists) is returned without work. A build is
+written to `<hash>.partial-<pid>` and renamed when complete, so an interrupted build leaves no half directory.
+Run: `python -m components.embedded --preset default` (see `__main__.py`).
+Not here: EAGLE heads, MLflow registration, Prefect; bitwise reproducibility across machines or thread counts
+(the same machine, config and seed give the same data, tokenizer and initial weights; float reductions may vary).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import tokenizers
+import torch
+import transformers
+from transformers import LlamaForCausalLM, PreTrainedTokenizerBase
+
+from components.embedded import corpus as corpus_mod
+from components.embedded import lm_train
+from components.embedded.config import EmbeddedConfig, TrainConfig
+from components.embedded.corpus import Domain
+from components.embedded.result import (REPORT, Continuation, DomainInfo, EmbeddedResult, Metrics, TrafficFiles,
+                                        load_result, write_report)
+from components.embedded.tokenizer import BOS, encode_texts, render_chat, train_tokenizer
+from components.embedded.traffic import domain_conversations, sample_traffic
+from components.traffic_io import Conversation, write_openai_jsonl
+
+log = logging.getLogger(__name__)
+DEFAULT_ROOT = Path(".eagle/embedded")
+HASH_CHARS = 16
+
+
+@dataclass(frozen=True)
+class DomainData:
+    """One domain's conversation pools and tokenised documents (chat samples and raw chunks) per split."""
+
+    domain: Domain
+    pools: dict[str, list[Conversation]]  # "train" | "heldout"
+    chat_ids: dict[str, list[list[int]]]
+    raw_ids: dict[str, list[list[int]]]
+
+
+def load_domains(cfg: EmbeddedConfig) -> tuple[Domain, Domain]:
+    base = corpus_mod.split_domain("stdlib", corpus_mod.base_files(cfg.corpus), cfg.corpus.heldout_fraction)
+    name, files, is_code = corpus_mod.finetune_files(cfg.corpus)
+    return base, corpus_mod.split_domain(name, files, cfg.corpus.heldout_fraction, is_code)
+
+
+def code_sha256() -> str:
+    """sha256 of this package's source and of `components/traffic_io.py` (what writes the traffic files)."""
+    here = Path(__file__).resolve().parent
+    h = hashlib.sha256()
+    for f in sorted(here.glob("*.py")) + [here.parent / "traffic_io.py"]:
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
+
+
+def build_hash(cfg: EmbeddedConfig, base: Domain, finetune: Domain) -> str:
+    payload = {"config": cfg.to_dict(), "corpus": [base.sha256, finetune.sha256], "code": code_sha256(),
+               "versions": [torch.__version__, transformers.__version__, tokenizers.__version__]}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def build_embedded(config: EmbeddedConfig | None = None, root: Path | str = DEFAULT_ROOT, *, force: bool = False,
+                   progress: bool = True) -> EmbeddedResult:
+    """Build (or find in the cache) the embedded default; see the module docstring for what lands where."""
+    cfg = config or EmbeddedConfig.default()
+    start = time.perf_counter()
+    base, finetune = load_domains(cfg)
+    full_hash = build_hash(cfg, base, finetune)
+    out = Path(root) / full_hash[:HASH_CHARS]
+    if not force and (out / REPORT).is_file():
+        log.info("embedded build %s found in %s; skipping", full_hash[:HASH_CHARS], out)
+        return load_result(out, cached=True)
+    tmp = Path(root) / f"{full_hash[:HASH_CHARS]}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    with lm_train.cpu_threads(cfg.train.num_threads):  # evaluation too; the fine-tune sets its own
+        _build_into(tmp, cfg, base, finetune, full_hash, start, progress)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return load_result(out, cached=False)
+
+
+def _build_into(tmp: Path, cfg: EmbeddedConfig, base: Domain, finetune: Domain, full_hash: str, start: float,
+                progress: bool) -> EmbeddedResult:
+    t0 = time.perf_counter()
+    tokenizer = train_tokenizer([f.text for f in base.train], cfg.tokenizer, progress,
+                                model_max_length=cfg.target.max_position_embeddings)
+    tokenizer_seconds = time.perf_counter() - t0
+    tokenizer.save_pretrained(tmp / "tokenizer")
+    data = [_domain_data(d, cfg, tokenizer, progress) for d in (base, finetune)]
+
+    target = lm_train.make_target(cfg.target, tokenizer, cfg.seed)
+    target_stats = _train_on(target, data[0], cfg.train, cfg.seed, "target", progress)
+    weights = {"target": lm_train.save_target(target, tokenizer, tmp / "target")}
+    tuned = LlamaForCausalLM.from_pretrained(tmp / "target", dtype=torch.float32)
+    finetune_stats = _train_on(tuned, data[1], cfg.finetune, cfg.seed + 1, "finetune", progress)
+    weights["finetune"] = lm_train.save_target(tuned, tokenizer, tmp / "finetune")
+
+    traffic = [_write_traffic(tmp / "traffic", role, d, cfg) for role, d in (("target", data[0]),
+                                                                           ("finetune", data[1]))]
+    loss, agreement = _evaluate(target, tuned, data, cfg)
+    heldout = sum(loss["target"][base.name].values()) / len(loss["target"][base.name])
+    continuations = _continuations(target, tuned, tokenizer, data, cfg)
+    metrics = Metrics(build_seconds=round(time.perf_counter() - start, 1),
+                      tokenizer_seconds=round(tokenizer_seconds, 2),
+                      target_train=target_stats, finetune_train=finetune_stats, heldout_loss=heldout,
+                      heldout_perplexity=math.exp(heldout), loss=loss, top1_agreement=agreement,
+                      continuations=tuple(continuations))
+    result = EmbeddedResult(
+        build_dir=tmp, build_hash=full_hash, cached=False, tokenizer_dir=tmp / "tokenizer",
+        target_dir=tmp / "target", finetune_dir=tmp / "finetune", target_traffic=traffic[0],
+        finetune_traffic=traffic[1], weights_sha256=weights,
+        domains=tuple(DomainInfo(d.name, len(d.train), len(d.heldout), d.sha256) for d in (base, finetune)),
+        metrics=metrics, config=cfg)
+    write_report(result)
+    return result
+
+
+def _domain_data(domain: Domain, cfg: EmbeddedConfig, tokenizer: PreTrainedTokenizerBase,
+                 progress: bool) -> DomainData:
+    pools, chat, raw = {}, {}, {}
+    for split, files in (("train", domain.train), ("heldout", domain.heldout)):
+        pools[split] = domain_conversations(files, domain.name, domain.is_code, cfg.corpus, cfg.traffic, cfg.seed)
+        texts = [render_chat([{"role": m.role, "content": m.content} for m in c.messages]) for c in pools[split]]
+        chat[split] = encode_texts(tokenizer, texts, f"{domain.name}/{split} chat", progress)
+        chunks = [BOS + c for f in files for c in corpus_mod.raw_chunks(f, cfg.corpus.chunk_lines)]
+        raw[split] = encode_texts(tokenizer, chunks, f"{domain.name}/{split} raw", progress)
+    return DomainData(domain, pools, chat, raw)
+
+
+def _train_on(model: LlamaForCausalLM, data: DomainData, tcfg: TrainConfig, seed: int, desc: str,
+              progress: bool) -> lm_train.TrainStats:
+    windows_NT = lm_train.pack_windows(data.chat_ids["train"], data.raw_ids["train"], tcfg.steps * tcfg.batch_size,
+                                       tcfg.seq_len, tcfg.raw_fraction, seed)
+    stats = lm_train.train(model, windows_NT, tcfg, seed, f"{desc} ({data.domain.name})", progress)
+    log.info("%s: %d steps, %.0f tokens/s, loss %.3f -> %.3f", desc, stats.steps, stats.tokens_per_second,
+             stats.first_loss, stats.last_loss)
+    return stats
+
+
+def _write_traffic(out: Path, role: str, data: DomainData, cfg: EmbeddedConfig) -> TrafficFiles:
+    train = sample_traffic(data.pools["train"], cfg.traffic.train_conversations, cfg.seed, f"{role}-train")
+    held = sample_traffic(data.pools["heldout"], cfg.traffic.heldout_conversations, cfg.seed, f"{role}-heldout")
+    paths = out / f"{role}-train.jsonl", out / f"{role}-heldout.jsonl"
+    shas = write_openai_jsonl(paths[0], train), write_openai_jsonl(paths[1], held)
+    return TrafficFiles(paths[0], paths[1], shas[0], shas[1], len(train), len(held))
+
+
+def _evaluate(target: LlamaForCausalLM, tuned: LlamaForCausalLM, data: list[DomainData],
+              cfg: EmbeddedConfig) -> tuple[dict, dict[str, float]]:
+    """Held-out losses of both models per domain and kind, and their top-1 agreement per domain."""
+    loss: dict[str, dict[str, dict[str, float]]] = {"target": {}, "finetune": {}}
+    agreement = {}
+    n, seq = cfg.eval.eval_windows, cfg.train.seq_len
+    for d in data:
+        agree_by_kind = []
+        for kind, docs in (("raw", d.raw_ids["heldout"]), ("chat", d.chat_ids["heldout"])):
+            if not docs:
+                continue
+            windows_NT = lm_train.pack_windows([], docs, n, seq, 1.0, cfg.seed)
+            la, lb, agree = lm_train.compare(target, tuned, windows_NT, cfg.train)
+            loss["target"].setdefault(d.domain.name, {})[kind] = la
+            loss["finetune"].setdefault(d.domain.name, {})[kind] = lb
+            agree_by_kind.append(agree)
+        agreement[d.domain.name] = sum(agree_by_kind) / len(agree_by_kind)
+    return loss, agreement
+
+
+def _continuations(target: LlamaForCausalLM, tuned: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase,
+                   data: list[DomainData], cfg: EmbeddedConfig) -> list[Continuation]:
+    out = []
+    for d in data:
+        pool = sorted(d.pools["heldout"], key=lambda c: (c.segment != "complete", c.id))
+        for conv in pool[:cfg.eval.continuations]:
+            last_user = max(i for i, m in enumerate(conv.messages) if m.role == "user")
+            prompt = [{"role": m.role, "content": m.content} for m in conv.messages[:last_user + 1]]
+            ids = tokenizer(render_chat(prompt, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+            reference = conv.messages[last_user + 1].content if last_user + 1 < len(conv.messages) else ""
+            gen = [lm_train.greedy(m, tokenizer, ids, cfg.eval.max_new_tokens) for m in (target, tuned)]
+            out.append(Continuation(d.domain.name, conv.segment or "", prompt[-1]["content"], reference, *gen))
+    return out

@@ -1,0 +1,178 @@
+"""Configuration of the embedded default: corpus, tokenizer, target shape, training, traffic, evaluation.
+
+Purpose: one frozen dataclass per concern, grouped in `EmbeddedConfig`, with three presets: `tiny()` (tests, builds
+in seconds), `default()` (the 2-core demo, about 10 minutes) and `gpu()` (a bigger target for one accelerator).
+`EmbeddedConfig.from_dict` is strict: an unknown key anywhere is an error naming the allowed keys.
+Not here: building anything (see `components.embedded.build`); run-time switches that do not change the artifacts
+(progress bars, the cache root) are arguments of `build_embedded`, not config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class CorpusConfig:
+    """Which standard-library files are read, and how they are cut into samples."""
+
+    max_base_files: int | None = None  # None: every eligible non-test module
+    max_file_bytes: int | None = None  # skip larger files (tiny preset only)
+    finetune_bytes: int = 3_000_000  # budget of test-suite source for the fine-tune domain
+    heldout_fraction: float = 0.06  # of files, per domain; held-out files are never trained on
+    chunk_lines: int = 60  # raw file chunks are cut at a blank line after this many lines
+    min_body_lines: int = 2
+    max_body_lines: int = 40
+
+
+@dataclass(frozen=True)
+class TokenizerConfig:
+    vocab_size: int = 8192  # includes the 256 byte tokens and the special tokens
+    min_frequency: int = 2
+
+
+@dataclass(frozen=True)
+class TargetConfig:
+    """Shape of the Llama target (a `LlamaConfig` is made from it)."""
+
+    num_layers: int = 6
+    hidden_size: int = 256
+    intermediate_size: int = 768
+    num_heads: int = 4
+    num_kv_heads: int = 4
+    max_position_embeddings: int = 2048
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = False
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training run (the base target, or the fine-tune continuing from it)."""
+
+    steps: int = 400
+    batch_size: int = 16
+    seq_len: int = 256
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # cosine decay to lr * min_lr_ratio
+    warmup_steps: int = 30
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    raw_fraction: float = 0.5  # share of training tokens from raw file chunks; the rest are chat samples
+    device: str = "cpu"
+    bf16_autocast: bool = True
+    num_threads: int = 0  # torch CPU threads during the build; 0 keeps torch's default (one per core)
+
+
+@dataclass(frozen=True)
+class TrafficConfig:
+    """Sizes of the traffic files written per domain (train and held-out never share a source file)."""
+
+    train_conversations: int = 2000
+    heldout_conversations: int = 300
+    system_prompt_fraction: float = 0.3
+    continue_answer_lines: int = 12
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    eval_windows: int = 48  # held-out windows of seq_len tokens per domain
+    continuations: int = 3  # greedy continuations reported per domain
+    max_new_tokens: int = 48
+
+
+@dataclass(frozen=True)
+class EmbeddedConfig:
+    seed: int = 0
+    corpus: CorpusConfig = field(default_factory=CorpusConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    target: TargetConfig = field(default_factory=TargetConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    finetune: TrainConfig = field(default_factory=lambda: TrainConfig(steps=80, lr=1e-3, warmup_steps=8))
+    traffic: TrafficConfig = field(default_factory=TrafficConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    @classmethod
+    def default(cls) -> "EmbeddedConfig":
+        """The 2-core CPU demo: 6 layers, hidden 256, vocab 8k (9.3M parameters); 400 x 16 x 256 = 1.6M tokens of
+        base training (about 8 minutes at 3,500 tokens/s on 2 quiet cores) and 0.33M tokens of fine-tune."""
+        return cls()
+
+    @classmethod
+    def tiny(cls) -> "EmbeddedConfig":
+        """For tests: a handful of small modules, vocab 512, hidden 64; builds in a few seconds."""
+        return cls(
+            corpus=CorpusConfig(max_base_files=12, max_file_bytes=12_000, finetune_bytes=40_000,
+                                heldout_fraction=0.25, chunk_lines=30),
+            tokenizer=TokenizerConfig(vocab_size=512),
+            target=TargetConfig(num_layers=6, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2,
+                                max_position_embeddings=512),
+            # one thread: a tiny model gains nothing from two, and loses a lot when other work shares the cores
+            train=TrainConfig(steps=10, batch_size=4, seq_len=64, lr=3e-3, warmup_steps=2, num_threads=1),
+            finetune=TrainConfig(steps=5, batch_size=4, seq_len=64, lr=3e-3, warmup_steps=1, num_threads=1),
+            traffic=TrafficConfig(train_conversations=24, heldout_conversations=8, continue_answer_lines=4),
+            eval=EvalConfig(eval_windows=4, continuations=1, max_new_tokens=8),
+        )
+
+    @classmethod
+    def gpu(cls) -> "EmbeddedConfig":
+        """A bigger target for one accelerator: 12 layers, hidden 768, vocab 16k; 33M tokens (the corpus is ~4M)."""
+        return cls(
+            corpus=CorpusConfig(finetune_bytes=12_000_000),
+            tokenizer=TokenizerConfig(vocab_size=16384),
+            target=TargetConfig(num_layers=12, hidden_size=768, intermediate_size=2048, num_heads=12,
+                                num_kv_heads=4, max_position_embeddings=4096),
+            train=TrainConfig(steps=2000, batch_size=32, seq_len=512, lr=1e-3, warmup_steps=100, device="cuda"),
+            finetune=TrainConfig(steps=300, batch_size=32, seq_len=512, lr=3e-4, warmup_steps=20, device="cuda"),
+            traffic=TrafficConfig(train_conversations=8000, heldout_conversations=600),
+            eval=EvalConfig(eval_windows=128, continuations=4, max_new_tokens=96),
+        )
+
+    @classmethod
+    def preset(cls, name: str) -> "EmbeddedConfig":
+        presets = {"tiny": cls.tiny, "default": cls.default, "gpu": cls.gpu}
+        if name not in presets:
+            raise ValueError(f"unknown preset {name!r}; choose one of {sorted(presets)}")
+        return presets[name]()
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "EmbeddedConfig":
+        """Strict: every key must be a field; nested sections may be partial (missing keys take defaults)."""
+        return _strict(cls, d, "EmbeddedConfig")
+
+
+def _strict(cls: type, d: Any, where: str) -> Any:
+    if not isinstance(d, dict):
+        raise ValueError(f"{where}: expected a mapping, got {type(d).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - set(fields))
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {unknown}; allowed: {sorted(fields)}")
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for name, value in d.items():
+        kind = hints[name]
+        if dataclasses.is_dataclass(kind):
+            value = _strict(kind, value, f"{where}.{name}")
+        else:
+            _check_scalar(kind, value, f"{where}.{name}")
+        kwargs[name] = value
+    return cls(**kwargs)
+
+
+def _check_scalar(kind: Any, value: Any, where: str) -> None:
+    allowed = typing.get_args(kind) if isinstance(kind, types.UnionType) else (kind,)
+    if value is None and type(None) in allowed:
+        return
+    if isinstance(value, bool) and bool not in allowed:
+        raise ValueError(f"{where}: expected {kind}, got a bool")
+    if float in allowed and isinstance(value, int):
+        return
+    if not any(t is not type(None) and isinstance(value, t) for t in allowed):
+        raise ValueError(f"{where}: expected {kind}, got {type(value).__name__} {value!r}")
