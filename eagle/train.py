@@ -1,0 +1,100 @@
+"""The head-training step, shared by the self-check and the distributed trainer (components/train.py).
+
+Purpose: build a head for a target from token counts (`init_head`), turn token batches into TTT batches with
+the target's features computed on the fly (`online_batch`) or from stored features (`TTTBatch` directly),
+an AdamW optimiser with linear warm-up and cosine decay (`make_optimizer`), and one optimisation step with
+gradient clipping and optional autocast (`train_step`).
+Not here: data loading, checkpoints, distribution, logging (the caller owns those; DDP wraps from outside).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from eagle.config import DraftConfig
+from eagle.draft import Eagle3Draft
+from eagle.features import target_forward, teacher_targets
+from eagle.ttt import TTTBatch, TTTConfig, TTTOutput, ttt_loss
+from eagle.vocab import select_draft_vocab
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 3e-4
+    warmup_steps: int = 50
+    total_steps: int = 1000
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 0.5
+
+    @classmethod
+    def tiny(cls) -> "OptimConfig":
+        return cls(lr=3e-3, warmup_steps=2, total_steps=20)
+
+
+def init_head(target: nn.Module, token_counts_V: torch.Tensor, draft_vocab_size: int,
+              always_include: Iterable[int] = ()) -> Eagle3Draft:
+    """A fresh head for `target`: draft vocabulary from counts, frozen target embedding, lm_head from its rows."""
+    cfg = DraftConfig.from_target(target.config, draft_vocab_size)
+    draft = Eagle3Draft(cfg)
+    draft.set_draft_vocab(select_draft_vocab(token_counts_V, cfg.draft_vocab_size, always_include))
+    draft.init_from_target(target.get_input_embeddings().weight.detach().float().cpu(),
+                           target.get_output_embeddings().weight.detach().float().cpu())
+    return draft
+
+
+@torch.no_grad()
+def online_batch(target: nn.Module, draft: Eagle3Draft, input_ids_BS: torch.Tensor, loss_mask_BS: torch.Tensor,
+                 attention_mask_BS: torch.Tensor | None = None) -> TTTBatch:
+    """Run the target over a right-padded batch and package its features and teacher signal."""
+    step = target_forward(target, input_ids_BS, draft.cfg.aux_layer_ids, attention_mask=attention_mask_BS)
+    teacher = teacher_targets(step.last_hidden_BTH, target.get_output_embeddings().weight, draft.draft_ids())
+    return TTTBatch(input_ids_BS, step.aux_BT3H, loss_mask_BS, teacher)
+
+
+def make_optimizer(params, cfg: OptimConfig):
+    """AdamW with linear warm-up to `lr`, then cosine decay to `lr * min_lr_ratio` at `total_steps`."""
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+
+    def factor(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        t = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.total_steps - cfg.warmup_steps))
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t))
+
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+
+def train_step(model: nn.Module, draft: Eagle3Draft, batch: TTTBatch, ttt: TTTConfig, opt, sched,
+               grad_clip: float, autocast_dtype: torch.dtype | None = None) -> TTTOutput:
+    """One optimisation step. `model` is the head itself or a DDP wrapper of it (used only for its hooks)."""
+    opt.zero_grad(set_to_none=True)
+    device_type = batch.input_ids_BS.device.type
+    with torch.autocast(device_type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
+        out = ttt_loss(draft, batch, ttt) if model is draft else model(batch)
+    if not torch.isfinite(out.loss):
+        raise FloatingPointError(f"non-finite TTT loss {float(out.loss)}: lower the learning rate or check the "
+                                 "features (NaN/inf in the stored hidden states?)")
+    out.loss.backward()
+    torch.nn.utils.clip_grad_norm_(draft.trainable_parameters(), grad_clip)
+    opt.step()
+    sched.step()
+    return out
+
+
+class TTTModule(nn.Module):
+    """Wraps a head so that DDP's forward is the TTT loss (DDP syncs gradients of the wrapped module)."""
+
+    def __init__(self, draft: Eagle3Draft, ttt: TTTConfig):
+        super().__init__()
+        self.draft = draft
+        self.ttt = ttt
+
+    def forward(self, batch: TTTBatch) -> TTTOutput:
+        return ttt_loss(self.draft, batch, self.ttt)
