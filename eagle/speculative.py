@@ -1,0 +1,299 @@
+"""Lossless speculative generation with a HF target and an EAGLE-3 head, and the plain-decoding baseline.
+
+Purpose: `generate_speculative` drafts with the head (a chain, or an EAGLE-2 dynamic tree), verifies the draft in
+one target pass, keeps what the target agrees with and rolls both KV caches back; `generate_plain` decodes one
+token per target pass with the same cache, mask and sampling helpers, so that timings compare like with like.
+Loop: the target's prefill captures the fused features f_i (inputs of `aux_layer_ids`); the head consumes
+(token x_{i+1}, f_i) at RoPE position i as its committed cache entries; drafting feeds the head its own output
+hidden state with each drafted token, position +1 per depth. After verification the accepted path's target
+features replace the head's speculative entries, and the target keeps only the accepted path's entries.
+Rows of a batch advance by their own accepted lengths (per-row cache lengths, positions and masks); a row stops at
+EOS or `max_new_tokens` and is then frozen while the others finish.
+How to run: `out = generate_speculative(target, draft, ids, mask, SpecConfig(method="tree"))`; `out.sequences`,
+`out.stats.tau`. Greedy when `temperature == 0`.
+Not here: sliding-window targets past their window, flash-attention backends (4-D masks need "sdpa"/"eager"),
+dropping finished rows from the batch, CUDA graphs / torch.compile.
+
+Shape legend: B batch, T new positions, V target vocabulary, Vd draft vocabulary, N verified nodes (root first),
+A kept path length (accepted drafts + 1), H hidden.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from eagle import sampling
+from eagle.draft import Eagle3Draft
+from eagle.features import decoder_layers, target_forward
+from eagle.kvcache import SlotCache, additive_mask, causal_region, check_no_sliding_window, visibility_mask
+from eagle.tree import Prefix, draft_chain, draft_tree, head_forward
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """How to generate. `budget` (tree only) counts drafted nodes, the root excluded."""
+
+    method: str = "chain"  # "chain" | "tree"
+    depth: int = 4
+    topk: int = 4
+    budget: int = 16
+    temperature: float = 0.0  # 0 means greedy
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+    eos_token_id: int | tuple[int, ...] | None = None
+    pad_token_id: int = 0
+
+    def __post_init__(self) -> None:
+        if self.method not in ("chain", "tree"):
+            raise ValueError(f"method must be 'chain' or 'tree', got {self.method!r}")
+        if self.depth < 1 or self.topk < 1 or self.max_new_tokens < 1:
+            raise ValueError("depth, topk and max_new_tokens must be >= 1")
+        if self.method == "tree" and not 1 <= self.budget <= self.topk + (self.depth - 1) * self.topk ** 2:
+            raise ValueError(f"budget must be in 1..topk + (depth-1)*topk^2, got {self.budget}")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def verify_width(self) -> int:
+        """Tokens per verification pass, the root included."""
+        return 1 + (self.depth if self.method == "chain" else self.budget)
+
+
+@dataclass
+class SpecStats:
+    """Per verification step and row: drafted tokens accepted (-1 where the row had already finished)."""
+
+    accept_lengths: torch.Tensor  # [steps, B]
+    depth: int
+
+    @property
+    def n_verify_steps(self) -> int:
+        return int(self.accept_lengths.shape[0])
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens per verification step, the bonus token included."""
+        a = self.accept_lengths[self.accept_lengths >= 0]
+        return float(a.float().mean() + 1) if a.numel() else 0.0
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        """alpha_k = (steps that accepted depth k) / (steps that reached depth k), k = 1..depth."""
+        a = self.accept_lengths[self.accept_lengths >= 0]
+        return [float((a >= k).sum() / (a >= k - 1).sum().clamp_min(1)) for k in range(1, self.depth + 1)]
+
+
+@dataclass
+class GenOutput:
+    """`sequences` [B, max_new_tokens]: new tokens only, `pad_token_id` after each row's `lengths` (EOS included)."""
+
+    sequences: torch.Tensor
+    lengths: torch.Tensor
+    stats: SpecStats | None = None
+
+
+class _Emitted:
+    """Output buffer; truncates each row at its first EOS and at max_new_tokens, then marks it done."""
+
+    def __init__(self, B: int, cfg: SpecConfig, device: torch.device):
+        self.tokens_BN = torch.full((B, cfg.max_new_tokens), cfg.pad_token_id, dtype=torch.long, device=device)
+        self.count_B = torch.zeros(B, dtype=torch.long, device=device)
+        self.done_B = torch.zeros(B, dtype=torch.bool, device=device)
+        eos = cfg.eos_token_id
+        self.eos = None if eos is None else torch.tensor([eos] if isinstance(eos, int) else list(eos), device=device)
+        self.max_new = cfg.max_new_tokens
+
+    def emit(self, tokens_BA: torch.Tensor, n_B: torch.Tensor) -> None:
+        B, A = tokens_BA.shape
+        ar = torch.arange(A, device=tokens_BA.device)[None]
+        ok_BA = (ar < n_B[:, None]) & ~self.done_B[:, None] & (self.count_B[:, None] + ar < self.max_new)
+        if self.eos is not None:
+            eos_BA = torch.isin(tokens_BA, self.eos) & ok_BA
+            first_B = torch.where(eos_BA.any(1), eos_BA.long().argmax(1), A)
+            ok_BA &= ar <= first_B[:, None]
+            self.done_B |= (eos_BA & ok_BA).any(1)
+        rows_BA = torch.arange(B, device=tokens_BA.device)[:, None].expand(B, A)
+        self.tokens_BN[rows_BA[ok_BA], (self.count_B[:, None] + ar)[ok_BA]] = tokens_BA[ok_BA]
+        self.count_B += ok_BA.sum(1)
+        self.done_B |= self.count_B >= self.max_new
+
+
+def pack_left(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Move each row's real tokens (mask 1, any padding side) to the front; returns (ids [B, T], lengths [B])."""
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    real = attention_mask.bool()
+    n_B = real.sum(1)
+    if bool((n_B == 0).any()):
+        raise ValueError("every row needs at least one prompt token")
+    order = torch.argsort((~real).to(torch.int8), dim=1, stable=True)
+    return input_ids.gather(1, order), n_B
+
+
+class TargetRunner:
+    """The target with its `SlotCache`: one pass over T new tokens placed after each row's committed prefix."""
+
+    def __init__(self, target: nn.Module, capacity: int, layer_ids: tuple[int, ...] = ()):
+        check_no_sliding_window(target.config, capacity)
+        self.target, self.layer_ids = target, tuple(layer_ids)
+        self.cache = SlotCache(len(decoder_layers(target)), capacity)
+        self.lm_head = target.get_output_embeddings()
+        self.dtype = next(target.parameters()).dtype
+        base = target.get_decoder()
+        self._base = base
+        self._cache_kw = "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+
+    def __call__(self, prefix: Prefix, ids_BT: torch.Tensor, pos_BT: torch.Tensor, region_BTR: torch.Tensor):
+        """Returns (final hidden [B, T, H], fused-layer inputs [B, T, 3H] or None without `layer_ids`)."""
+        T = ids_BT.shape[1]
+        self.cache.plan_after(prefix.lengths_B, prefix.longest, T)
+        mask = additive_mask(visibility_mask(prefix.lengths_B, region_BTR, prefix.longest + T), self.dtype)
+        if self.layer_ids:
+            step = target_forward(self.target, ids_BT, self.layer_ids, past_key_values=self.cache,
+                                  attention_mask=mask, position_ids=pos_BT, use_cache=True)
+            return step.last_hidden_BTH, step.aux_BT3H
+        out = self._base(input_ids=ids_BT, attention_mask=mask, position_ids=pos_BT, use_cache=True,
+                         **{self._cache_kw: self.cache})
+        return out.last_hidden_state, None
+
+    def prefill(self, ids_BT: torch.Tensor, n_B: torch.Tensor):
+        """Prompt pass; returns (logits at each row's last prompt token [B, V], fused features or None)."""
+        B, T = ids_BT.shape
+        pos_BT = torch.arange(T, device=ids_BT.device).expand(B, T)
+        hidden_BTH, aux = self(Prefix(torch.zeros_like(n_B), 0), ids_BT, pos_BT, causal_region(T, ids_BT.device))
+        last_BH = hidden_BTH[torch.arange(B, device=ids_BT.device), n_B - 1]
+        return self.lm_head(last_BH), aux
+
+
+def _pick(logits: torch.Tensor, cfg: SpecConfig, generator: torch.Generator | None) -> torch.Tensor:
+    if cfg.greedy:
+        return logits.argmax(-1)
+    return sampling.sample(sampling.probs(logits, cfg.temperature, cfg.top_p), generator)
+
+
+@torch.no_grad()
+def generate_plain(target: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                   cfg: SpecConfig, generator: torch.Generator | None = None) -> GenOutput:
+    """One token per target pass (greedy or temperature/top-p sampling), with the speculative path's helpers."""
+    ids_BT, n_B = pack_left(input_ids, attention_mask)
+    runner = TargetRunner(target, ids_BT.shape[1] + cfg.max_new_tokens + 1)
+    out = _Emitted(ids_BT.shape[0], cfg, ids_BT.device)
+    logits_BV, _ = runner.prefill(ids_BT, n_B)
+    one_B, one = torch.ones_like(n_B), causal_region(1, ids_BT.device)
+    lengths_B = n_B
+    while True:
+        tok_B = _pick(logits_BV, cfg, generator)
+        active_B = ~out.done_B
+        out.emit(tok_B[:, None], one_B)
+        if bool(out.done_B.all()):
+            return GenOutput(out.tokens_BN, out.count_B)
+        prefix = Prefix.of(lengths_B)
+        hidden_B1H, _ = runner(prefix, tok_B[:, None], lengths_B[:, None], one)
+        logits_BV = runner.lm_head(hidden_B1H[:, 0])
+        lengths_B = lengths_B + active_B.long()
+
+
+class _Speculator:
+    """State of one speculative generation: both runners, the head's cache, the config and the RNG."""
+
+    def __init__(self, target: nn.Module, draft: Eagle3Draft, cfg: SpecConfig, prompt_len: int,
+                 generator: torch.Generator | None):
+        if cfg.method == "tree" and cfg.topk > draft.cfg.draft_vocab_size:
+            raise ValueError("topk exceeds the draft vocabulary")
+        capacity = prompt_len + cfg.max_new_tokens + max(cfg.verify_width, cfg.depth * cfg.topk) + 2
+        self.target = TargetRunner(target, capacity, draft.cfg.aux_layer_ids)
+        self.draft, self.cfg, self.generator = draft, cfg, generator
+        self.head_cache = SlotCache(1, capacity)
+        self.vocab = self.target.lm_head.weight.shape[0]
+
+    def head_extend(self, prefix: Prefix, tokens_BA: torch.Tensor, aux_BA3H: torch.Tensor, n_B: torch.Tensor):
+        """Commit (token x_{i+1}, feature f_i) at positions lengths+i; returns the head's output at the n-th entry."""
+        B, A = tokens_BA.shape
+        ar = torch.arange(A, device=tokens_BA.device)
+        hidden_BAH, logits_BAV = head_forward(self.draft, self.head_cache, prefix, tokens_BA, self.draft.fuse(aux_BA3H),
+                                              prefix.lengths_B[:, None] + ar, causal_region(A, tokens_BA.device))
+        rows, last = torch.arange(B, device=tokens_BA.device), (n_B - 1).clamp(0, A - 1)
+        return hidden_BAH[rows, last], logits_BAV[rows, last]
+
+    def draft_pick(self, logits_BVd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.cfg.greedy:
+            return logits_BVd.argmax(-1), None
+        q_BVd = sampling.probs(logits_BVd, self.cfg.temperature, self.cfg.top_p)
+        return sampling.sample(q_BVd, self.generator), q_BVd
+
+    def step(self, prefix: Prefix, root_B: torch.Tensor, hidden_BH: torch.Tensor, logits_BVd: torch.Tensor):
+        """Draft, verify, and keep the target cache's accepted path at slots lengths..lengths+n.
+
+        Returns (accepted count n [B], kept tokens after the root [B, depth+1] with the next token at index n,
+        the target's fused features along the kept path [B, depth+1, 3H]).
+        """
+        cfg, dev = self.cfg, root_B.device
+        if cfg.method == "chain":
+            drafts_BK, q_BKVd = draft_chain(self.draft, self.head_cache, prefix, hidden_BH, logits_BVd, cfg.depth,
+                                            self.draft_pick)
+            tokens_BN = torch.cat([root_B[:, None], drafts_BK], 1)
+            pos_BN = prefix.lengths_B[:, None] + torch.arange(cfg.depth + 1, device=dev)
+            hidden_BNH, aux_BN3H = self.target(prefix, tokens_BN, pos_BN, causal_region(cfg.depth + 1, dev))
+            n_B, nxt_B = self.accept_chain(self.target.lm_head(hidden_BNH), drafts_BK, q_BKVd)
+            path_BA = torch.arange(cfg.depth + 1, device=dev).expand(len(n_B), -1)
+        else:
+            tree = draft_tree(self.draft, self.head_cache, prefix, root_B, hidden_BH, logits_BVd,
+                              (cfg.depth, cfg.topk, cfg.budget))
+            hidden_BNH, aux_BN3H = self.target(prefix, tree.tokens_BN, prefix.lengths_B[:, None] + tree.depth_BN,
+                                               tree.ancestors_BNN)
+            logits_BNV = self.target.lm_head(hidden_BNH)
+            choice_BN = _pick(logits_BNV, cfg, self.generator)
+            n_B, path_BA, nxt_B = sampling.walk_tree(tree.tokens_BN, tree.parent_BN, choice_BN, cfg.depth)
+            slots = prefix.lengths_B[:, None]
+            self.target.cache.move(slots + path_BA, slots + torch.arange(path_BA.shape[1], device=dev))
+            tokens_BN = tree.tokens_BN
+        kept_BA = torch.cat([tokens_BN.gather(1, path_BA[:, 1:]), torch.zeros_like(n_B)[:, None]], 1)
+        kept_BA.scatter_(1, n_B[:, None], nxt_B[:, None])
+        aux_BA3H = aux_BN3H.gather(1, path_BA[..., None].expand(-1, -1, aux_BN3H.shape[-1]))
+        return n_B, kept_BA, aux_BA3H
+
+    def accept_chain(self, logits_BNV: torch.Tensor, drafts_BK: torch.Tensor, q_BKVd: torch.Tensor | None):
+        if q_BKVd is None:
+            return sampling.accept_chain_greedy(logits_BNV, drafts_BK)
+        p_BNV = sampling.probs(logits_BNV, self.cfg.temperature, self.cfg.top_p)
+        B, K, Vd = q_BKVd.shape
+        q_BKV = q_BKVd.new_zeros(B, K, self.vocab)
+        q_BKV.scatter_(2, self.draft.draft_ids().expand(B, K, Vd), q_BKVd)
+        return sampling.accept_chain(p_BNV, q_BKV, drafts_BK, self.generator)
+
+
+@torch.no_grad()
+def generate_speculative(target: nn.Module, draft: Eagle3Draft, input_ids: torch.Tensor,
+                         attention_mask: torch.Tensor | None, cfg: SpecConfig,
+                         generator: torch.Generator | None = None) -> GenOutput:
+    """Speculative generation whose output is distributed exactly as `generate_plain`'s (identical when greedy)."""
+    ids_BT, n_B = pack_left(input_ids, attention_mask)
+    B, T = ids_BT.shape
+    spec = _Speculator(target, draft, cfg, T, generator)
+    out = _Emitted(B, cfg, ids_BT.device)
+    logits_BV, aux_BT3H = spec.target.prefill(ids_BT, n_B)
+    root_B = _pick(logits_BV, cfg, generator)
+    out.emit(root_B[:, None], torch.ones_like(n_B))
+    shifted_BT = torch.cat([ids_BT[:, 1:], ids_BT[:, :1]], 1).scatter(1, (n_B - 1)[:, None], root_B[:, None])
+    hidden_BH, dlogits_BVd = spec.head_extend(Prefix(torch.zeros_like(n_B), 0), shifted_BT, aux_BT3H, n_B)
+    lengths_B, accepted = n_B, []
+    while not bool(out.done_B.all()):
+        prefix = Prefix.of(lengths_B)
+        n_B, kept_BA, aux_BA3H = spec.step(prefix, root_B, hidden_BH, dlogits_BVd)
+        active_B = ~out.done_B
+        accepted.append(torch.where(active_B, n_B, -1))
+        out.emit(kept_BA, n_B + 1)
+        A = int(n_B.max()) + 1
+        hidden_BH, dlogits_BVd = spec.head_extend(prefix, kept_BA[:, :A], aux_BA3H[:, :A], n_B + 1)
+        root_B = kept_BA.gather(1, n_B[:, None])[:, 0]
+        lengths_B = lengths_B + (n_B + 1) * active_B
+    steps = torch.stack(accepted) if accepted else torch.zeros(0, B, dtype=torch.long)
+    return GenOutput(out.tokens_BN, out.count_B, SpecStats(steps, cfg.depth))

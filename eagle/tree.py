@@ -1,0 +1,148 @@
+"""Drafting with the EAGLE-3 head: one head pass over committed features, chains, and EAGLE-2 dynamic trees.
+
+Purpose: everything the draft side of a speculative step does, with the head's own preallocated `SlotCache`.
+- `head_forward`: one call of the head over T new entries written after each row's committed prefix.
+- `draft_chain`: depth d tokens, each step feeding the head its own previous output hidden state (RoPE +1 per step).
+- `draft_tree`: EAGLE-2: the root's top-k children, then per depth the top-k of each frontier node, scored by
+  cumulative draft log-probability; the next frontier is the best k of those k*k; finally the `budget` best of all
+  candidates form the tree (a stable sort puts a parent before a child of equal score, so the kept set always
+  contains every kept node's ancestors). `Tree.ancestors_BNN` is the verification pass's attention pattern.
+How to run: called by `eagle.speculative.generate_speculative`.
+Not here: verification, acceptance rules, the target's cache.
+
+Shape legend: B batch, T new entries, H hidden, Vd draft vocabulary, k top-k, R region slots, N tree nodes incl. root.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from eagle.draft import Eagle3Draft
+from eagle.kvcache import SlotCache, visibility_mask
+
+
+@dataclass
+class Prefix:
+    """Per-row committed cache lengths (slots [0, length) hold positions 0..length-1) and their maximum."""
+
+    lengths_B: torch.Tensor
+    longest: int
+
+    @classmethod
+    def of(cls, lengths_B: torch.Tensor) -> "Prefix":
+        return cls(lengths_B, int(lengths_B.max()))
+
+
+@dataclass
+class Tree:
+    """Draft tree per row; node 0 is the root (the last emitted token), parents come before their children."""
+
+    tokens_BN: torch.Tensor  # target ids
+    parent_BN: torch.Tensor  # node index of the parent; the root is its own parent
+    depth_BN: torch.Tensor
+    ancestors_BNN: torch.Tensor  # [b, i, j]: node j is node i or one of its ancestors
+
+
+def head_forward(draft: Eagle3Draft, cache: SlotCache, prefix: Prefix, tokens_BT: torch.Tensor,
+                 hidden_BTH: torch.Tensor, pos_BT: torch.Tensor, region_BTR: torch.Tensor, offset: int = 0):
+    """Head over T entries written at slots lengths+offset+t; queries see the prefix and `region_BTR` after it."""
+    T = tokens_BT.shape[1]
+    cache.plan_after(prefix.lengths_B, prefix.longest, T, offset)
+    mask_BTL = visibility_mask(prefix.lengths_B, region_BTR, prefix.longest + offset + T)
+    return draft(tokens_BT, hidden_BTH, pos_BT, cache.layers[0], mask_BTL)
+
+
+Pick = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
+
+
+def draft_chain(draft: Eagle3Draft, cache: SlotCache, prefix: Prefix, root_hidden_BH: torch.Tensor,
+                root_logits_BVd: torch.Tensor, depth: int, pick: Pick) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`depth` drafted target ids [B, d]; `pick(logits)` returns (draft index [B], the draft distribution or None).
+
+    Returns the tokens and, when `pick` samples, the draft distributions [B, d, Vd] they were drawn from.
+    """
+    B = root_hidden_BH.shape[0]
+    hidden_B1H, logits_BVd = root_hidden_BH[:, None], root_logits_BVd
+    pos_B1 = prefix.lengths_B[:, None] - 1
+    full = torch.ones(1, 1, depth, dtype=torch.bool, device=pos_B1.device)
+    tokens, dists = [], []
+    for j in range(depth):
+        idx_B, q_BVd = pick(logits_BVd)
+        tokens.append(draft.to_target_ids(idx_B))
+        dists.append(q_BVd)
+        if j + 1 == depth:
+            break
+        hidden_B1H, logits_B1V = head_forward(draft, cache, prefix, tokens[-1][:, None], hidden_B1H,
+                                              pos_B1 + j + 1, full[:, :, :j + 1], offset=j)
+        logits_BVd = logits_B1V[:, 0]
+    q = None if dists[0] is None else torch.stack(dists, dim=1)
+    return torch.stack(tokens, dim=1).view(B, depth), q
+
+
+def draft_tree(draft: Eagle3Draft, cache: SlotCache, prefix: Prefix, root_B: torch.Tensor,
+               root_hidden_BH: torch.Tensor, root_logits_BVd: torch.Tensor, shape: tuple[int, int, int]) -> Tree:
+    """EAGLE-2 dynamic tree of `budget` drafted nodes; `shape` = (depth, topk, budget)."""
+    depth, k, budget = shape
+    B, H = root_hidden_BH.shape
+    dev = root_B.device
+    score_Bk, idx_Bk = torch.log_softmax(root_logits_BVd.float(), -1).topk(k, dim=-1)
+    tok_Bk = draft.to_target_ids(idx_Bk)
+    cand_tok, cand_score = [tok_Bk], [score_Bk]
+    cand_parent, cand_depth = [torch.zeros_like(tok_Bk)], [torch.ones_like(tok_Bk)]
+    node_Bk = torch.arange(1, k + 1, device=dev).expand(B, k)
+    hid_BkH = root_hidden_BH[:, None].expand(B, k, H)
+    seen_BkR = torch.eye(k, dtype=torch.bool, device=dev)[None].expand(B, k, k)
+    n_nodes = 1 + k
+    for j in range(1, depth):
+        pos_Bk = (prefix.lengths_B - 1 + j)[:, None].expand(B, k)
+        out_BkH, logits_BkV = head_forward(draft, cache, prefix, tok_Bk, hid_BkH, pos_Bk, seen_BkR, (j - 1) * k)
+        s_Bkk, i_Bkk = torch.log_softmax(logits_BkV.float(), -1).topk(k, dim=-1)
+        cum_BC = (score_Bk[..., None] + s_Bkk).reshape(B, k * k)
+        toks_BC = draft.to_target_ids(i_Bkk).reshape(B, k * k)
+        cand_tok.append(toks_BC)
+        cand_score.append(cum_BC)
+        cand_parent.append(node_Bk[..., None].expand(B, k, k).reshape(B, k * k))
+        cand_depth.append(torch.full_like(toks_BC, j + 1))
+        if j + 1 < depth:
+            score_Bk, sel_Bk = cum_BC.topk(k, dim=-1)
+            parent_q_Bk = sel_Bk // k
+            tok_Bk = toks_BC.gather(1, sel_Bk)
+            node_Bk = n_nodes + sel_Bk
+            hid_BkH = out_BkH.gather(1, parent_q_Bk[..., None].expand(B, k, H))
+            grown = torch.zeros(B, k, k, dtype=torch.bool, device=dev)
+            grown[:, torch.arange(k), torch.arange(k)] = True
+            seen_BkR = torch.cat([seen_BkR.gather(1, parent_q_Bk[..., None].expand(B, k, j * k)), grown], -1)
+        n_nodes += k * k
+    return _rerank(root_B, torch.cat(cand_tok, 1), torch.cat(cand_score, 1), torch.cat(cand_parent, 1),
+                   torch.cat(cand_depth, 1), budget, depth)
+
+
+def _rerank(root_B: torch.Tensor, tok_BC: torch.Tensor, score_BC: torch.Tensor, parent_BC: torch.Tensor,
+            depth_BC: torch.Tensor, budget: int, depth: int) -> Tree:
+    """Keep the `budget` best candidates in creation order; parent indices renumbered to the kept nodes."""
+    B, C = tok_BC.shape
+    order_BC = score_BC.sort(dim=1, descending=True, stable=True).indices
+    keep_Bn = order_BC[:, :budget].sort(dim=1).values
+    new_index = torch.full((B, C + 1), -1, dtype=torch.long, device=tok_BC.device)
+    new_index[:, 0] = 0
+    new_index.scatter_(1, keep_Bn + 1, torch.arange(1, budget + 1, device=tok_BC.device).expand(B, budget))
+    parent_Bn = new_index.gather(1, parent_BC.gather(1, keep_Bn))
+    zero = torch.zeros_like(root_B)[:, None]
+    tokens_BN = torch.cat([root_B[:, None], tok_BC.gather(1, keep_Bn)], 1)
+    parent_BN = torch.cat([zero, parent_Bn], 1)
+    depth_BN = torch.cat([zero, depth_BC.gather(1, keep_Bn)], 1)
+    return Tree(tokens_BN, parent_BN, depth_BN, ancestors(parent_BN, depth))
+
+
+def ancestors(parent_BN: torch.Tensor, depth: int) -> torch.Tensor:
+    """[B, N, N] boolean: j is i or an ancestor of i (the root is its own parent)."""
+    B, N = parent_BN.shape
+    anc_BNN = torch.eye(N, dtype=torch.bool, device=parent_BN.device)[None].repeat(B, 1, 1)
+    cur_BN = parent_BN
+    for _ in range(depth):
+        anc_BNN.scatter_(2, cur_BN[..., None], True)
+        cur_BN = parent_BN.gather(1, cur_BN)
+    return anc_BNN
