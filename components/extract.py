@@ -1,0 +1,176 @@
+"""Stage 2, extract: the target's fused hidden states and teacher signal over the regenerated conversations.
+
+Purpose: `extract(cfg, target_dir, regen_dir, out_dir) -> ExtractResult`.
+- Always: tokenises every conversation with the target's chat template (assistant-only loss mask) into
+  `tokens.safetensors`, counts the trained tokens (`token_counts`, for the draft vocabulary) and saves the
+  target's embedding and lm_head (`target_heads.safetensors`), so training never needs more of the target in
+  offline mode.
+- `cfg.mode == "offline"`: also writes feature shards `features-XXXXX.safetensors` (input_ids int32, loss_mask
+  uint8, offsets int64, aux_hidden_states and last_hidden_state in `cfg.dtype`) and a manifest with the target's
+  path and weights hash, layer ids, dtype, each shard's sha256 and size, and bytes per token. Shards are written
+  atomically and a re-run keeps every shard whose hash matches the manifest of the previous attempt.
+- `cfg.mode == "online"`: stores no features; training computes the same tensors (rounded to the same dtype).
+Not here: training (components/train.py) and the dataset readers (components/datasets.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Literal
+
+from components.atomic import atomic_write_text
+from components.chat import tokenize_conversation
+from components.regenerate import read_regenerated
+from components.targets import load_target, weights_sha256
+
+MANIFEST = "manifest.json"
+
+
+@dataclass(frozen=True)
+class ExtractConfig:
+    mode: Literal["offline", "online"] = "offline"
+    max_len: int = 512
+    dtype: str = "bfloat16"
+    batch_size: int = 8
+    seqs_per_shard: int = 256
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("offline", "online"):
+            raise ValueError(f"extract mode must be 'offline' or 'online', got {self.mode!r}")
+        if self.dtype not in ("bfloat16", "float16", "float32"):
+            raise ValueError(f"feature dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
+
+
+@dataclass(frozen=True)
+class ExtractResult:
+    out_dir: str
+    mode: str
+    manifest: str
+    n_seqs: int
+    n_tokens: int
+    n_trained_tokens: int
+    bytes_per_token: float
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def tokenize_all(tokenizer, regen_dir: str, max_len: int):
+    """Token ids and loss masks of every regenerated conversation (sequences with no trained token dropped)."""
+    seqs, truncated = [], 0
+    for conv in read_regenerated(regen_dir):
+        t = tokenize_conversation(tokenizer, conv, max_len)
+        truncated += t.truncated
+        if sum(t.loss_mask) > 1:
+            seqs.append((t.input_ids, t.loss_mask))
+    if not seqs:
+        raise ValueError(f"{regen_dir}: no conversation has assistant tokens within {max_len} tokens")
+    return seqs, truncated
+
+
+def _save_tokens(out: Path, seqs, vocab_size: int) -> int:
+    import torch
+    from safetensors.torch import save_file
+
+    ids = torch.tensor([i for s, _ in seqs for i in s], dtype=torch.int32)
+    mask = torch.tensor([m for _, ms in seqs for m in ms], dtype=torch.uint8)
+    offsets = torch.tensor([0] + [len(s) for s, _ in seqs]).cumsum(0)
+    counts = torch.bincount(ids[mask.bool()].long(), minlength=vocab_size)
+    tmp = out / ".tokens.safetensors.tmp"
+    save_file({"input_ids": ids, "loss_mask": mask, "offsets": offsets, "token_counts": counts}, str(tmp))
+    tmp.replace(out / "tokens.safetensors")
+    return int(mask.sum())
+
+
+def _save_target_heads(out: Path, target) -> None:
+    from safetensors.torch import save_file
+
+    tensors = {"embed_tokens": target.get_input_embeddings().weight.detach().float().contiguous().cpu(),
+               "lm_head": target.get_output_embeddings().weight.detach().float().contiguous().cpu()}
+    tmp = out / ".target_heads.safetensors.tmp"
+    save_file(tensors, str(tmp))
+    tmp.replace(out / "target_heads.safetensors")
+
+
+def _write_shard(path: Path, target, layer_ids, seqs, cfg: ExtractConfig) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    from eagle.features import target_forward
+
+    dtype = getattr(torch, cfg.dtype)
+    aux, last = [], []
+    for b in range(0, len(seqs), cfg.batch_size):
+        chunk = seqs[b:b + cfg.batch_size]
+        width = max(len(s) for s, _ in chunk)
+        ids = torch.zeros(len(chunk), width, dtype=torch.long)
+        att = torch.zeros_like(ids)
+        for r, (s, _) in enumerate(chunk):
+            ids[r, :len(s)] = torch.tensor(s)
+            att[r, :len(s)] = 1
+        with torch.no_grad():
+            step = target_forward(target, ids.to(cfg.device), layer_ids, attention_mask=att.to(cfg.device))
+        for r, (s, _) in enumerate(chunk):
+            aux.append(step.aux_BT3H[r, :len(s)].to(dtype).cpu())
+            last.append(step.last_hidden_BTH[r, :len(s)].to(dtype).cpu())
+    tensors = {"input_ids": torch.tensor([i for s, _ in seqs for i in s], dtype=torch.int32),
+               "loss_mask": torch.tensor([m for _, ms in seqs for m in ms], dtype=torch.uint8),
+               "offsets": torch.tensor([0] + [len(s) for s, _ in seqs]).cumsum(0),
+               "aux_hidden_states": torch.cat(aux), "last_hidden_state": torch.cat(last)}
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file(tensors, str(tmp))
+    tmp.replace(path)
+
+
+def extract(cfg: ExtractConfig, target_dir: str, regen_dir: str, out_dir: str,
+            progress: Callable[[str], None] = print) -> ExtractResult:
+    from eagle.config import default_aux_layer_ids
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    target, tokenizer = load_target(target_dir, cfg.device)
+    seqs, truncated = tokenize_all(tokenizer, regen_dir, cfg.max_len)
+    n_trained = _save_tokens(out, seqs, target.config.vocab_size)
+    _save_target_heads(out, target)
+    layer_ids = list(default_aux_layer_ids(target.config.num_hidden_layers))
+    previous = json.loads((out / MANIFEST).read_text()) if (out / MANIFEST).is_file() else {}
+    known = {s["file"]: s["sha256"] for s in previous.get("shards", [])}
+    shards = []
+    if cfg.mode == "offline":
+        n_shards = -(-len(seqs) // cfg.seqs_per_shard)
+        for k in range(n_shards):
+            path = out / f"features-{k:05d}.safetensors"
+            part = seqs[k * cfg.seqs_per_shard:(k + 1) * cfg.seqs_per_shard]
+            t0 = time.perf_counter()
+            if not (path.is_file() and known.get(path.name) == _sha256(path)):
+                _write_shard(path, target, layer_ids, part, cfg)
+                progress(f"extract: shard {k + 1}/{n_shards}, {sum(len(s) for s, _ in part)} tokens "
+                         f"({time.perf_counter() - t0:.1f} s)")
+            shards.append({"file": path.name, "sha256": _sha256(path), "n_seqs": len(part),
+                           "n_tokens": sum(len(s) for s, _ in part), "bytes": path.stat().st_size})
+            manifest = _manifest(cfg, target_dir, layer_ids, seqs, n_trained, truncated, shards)
+            atomic_write_text(out / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+    manifest = _manifest(cfg, target_dir, layer_ids, seqs, n_trained, truncated, shards)
+    atomic_write_text(out / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+    return ExtractResult(str(out), cfg.mode, str(out / MANIFEST), len(seqs), manifest["n_tokens"], n_trained,
+                         manifest["bytes_per_token"])
+
+
+def _manifest(cfg: ExtractConfig, target_dir: str, layer_ids, seqs, n_trained: int, truncated: int, shards):
+    n_tokens = sum(len(s) for s, _ in seqs)
+    total = sum(s["bytes"] for s in shards)
+    return {"format_version": 1, "mode": cfg.mode, "target": {"path": str(target_dir),
+                                                               "weights_sha256": weights_sha256(target_dir)},
+            "layer_ids": layer_ids, "dtype": cfg.dtype, "max_len": cfg.max_len, "n_seqs": len(seqs),
+            "n_tokens": n_tokens, "n_trained_tokens": n_trained, "n_truncated": truncated,
+            "shards": shards, "bytes_per_token": total / n_tokens if shards else 0.0}
