@@ -128,23 +128,23 @@ def _loss_chunk(draft: Eagle3Draft, hidden_NH, probs_NV, weight_N):
 def _step_loss(draft: Eagle3Draft, out_BSH, probs_BSV, offset: int, weight_BS, chunk: int):
     """Weighted soft CE of `out` against `probs` shifted left by `offset`, and the draft argmax (draft ids).
 
-    Runs `chunk` positions at a time and reads the teacher in place (no shifted copy of [B, S, Vd]).
+    Runs `chunk` flattened rows at a time and gathers the teacher rows it needs (no shifted copy of [B, S, Vd]).
     """
-    B, S, _ = out_BSH.shape
+    B, S, H = out_BSH.shape
+    flat, probs, w = out_BSH.reshape(B * S, H), probs_BSV.reshape(B * S, -1), weight_BS.reshape(B * S)
     total, argmax = out_BSH.new_zeros((), dtype=torch.float32), []
-    for b in range(B):
-        for s in range(0, S, chunk):
-            e = min(s + chunk, S)
-            probs = probs_BSV[b, min(s + offset, S):min(e + offset, S)]
-            if probs.shape[0] < e - s:  # past the end: zero rows (their weight is zero too)
-                probs = torch.cat([probs, probs.new_zeros(e - s - probs.shape[0], probs.shape[1])])
-            args = (out_BSH[b, s:e], probs, weight_BS[b, s:e])
-            if torch.is_grad_enabled():
-                loss, am = checkpoint(_loss_chunk, draft, *args, use_reentrant=False)
-            else:
-                loss, am = _loss_chunk(draft, *args)
-            total = total + loss
-            argmax.append(am)
+    for s in range(0, B * S, chunk):
+        rows = torch.arange(s, min(s + chunk, B * S), device=flat.device)
+        src = rows + offset
+        inside = (rows % S) + offset < S  # rows past their sequence's end have weight 0
+        p = probs[src.clamp(max=B * S - 1)] * inside[:, None]
+        args = (flat[s:s + rows.numel()], p, w[s:s + rows.numel()])
+        if torch.is_grad_enabled():
+            loss, am = checkpoint(_loss_chunk, draft, *args, use_reentrant=False)
+        else:
+            loss, am = _loss_chunk(draft, *args)
+        total = total + loss
+        argmax.append(am)
     return total, torch.cat(argmax).view(B, S)
 
 
