@@ -1,0 +1,102 @@
+"""Prefect adapter: local defaults for the ephemeral mode, and emitting the events that trigger deployments.
+
+Purpose: `apply_prefect_defaults(settings)` keeps Prefect's state under the state dir (`PREFECT_HOME`), turns
+analytics off and keeps a server we start on loopback, each only where the user has not set it. Call it at
+the start of a program, before Prefect is imported when possible (Prefect reads its settings at import; if it
+is already imported, its settings are refreshed). `emit_event(...)` sends one event (the registry watcher
+sends `eagle.target.version-created`) to the API at PREFECT_API_URL, where a deployment's `triggers:` entry
+can start a flow run from it.
+
+Run: `python -m infra.prefect_env` prints the defaults it would set.
+Not here: flows, deployments, `serve()`. With no PREFECT_API_URL an event goes to a temporary ephemeral
+server that no deployment listens to: triggers need a running server (`prefect server start`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from contextlib import contextmanager
+from typing import Any, Iterator, Mapping
+
+from infra.settings import BIND_HOST, Settings
+
+
+def prefect_env_defaults(settings: Settings) -> dict[str, str]:
+    """The Prefect variables this project wants when the user has not chosen otherwise."""
+    return {
+        "PREFECT_HOME": str(settings.prefect_home),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_SERVER_API_HOST": BIND_HOST,
+    }
+
+
+def _refresh_prefect_settings() -> None:
+    """Prefect reads the environment once, at import: make an already imported Prefect read it again."""
+    if "prefect.context" in sys.modules:
+        from prefect.context import refresh_global_settings_context
+
+        refresh_global_settings_context()
+
+
+def apply_prefect_defaults(settings: Settings) -> dict[str, str]:
+    """Set each default that is absent from the environment; returns the ones it set."""
+    applied = {k: v for k, v in prefect_env_defaults(settings).items() if not os.environ.get(k)}
+    os.environ.update(applied)
+    if applied:
+        _refresh_prefect_settings()
+    return applied
+
+
+@contextmanager
+def prefect_defaults(settings: Settings) -> Iterator[dict[str, str]]:
+    """`apply_prefect_defaults` for the block only (tests): the variables it set are removed afterwards."""
+    applied = apply_prefect_defaults(settings)
+    try:
+        yield applied
+    finally:
+        for key in applied:
+            os.environ.pop(key, None)
+        if applied:
+            _refresh_prefect_settings()
+
+
+def emit_event(
+    event: str,
+    resource_id: str,
+    *,
+    payload: Mapping[str, Any] | None = None,
+    labels: Mapping[str, str] | None = None,
+    related: list[Mapping[str, str]] | None = None,
+    flush_timeout_s: float | None = 10.0,
+) -> str | None:
+    """Emit `event` about resource `resource_id`; returns the event id, or None when Prefect emits nothing.
+
+    Events leave through a background worker: with `flush_timeout_s` set, wait up to that long for it to
+    send, so that a short-lived process does not exit with the event still queued.
+    """
+    from prefect.events import emit_event as prefect_emit
+    from prefect.events.worker import EventsWorker
+
+    resource = {"prefect.resource.id": resource_id, **{str(k): str(v) for k, v in (labels or {}).items()}}
+    sent = prefect_emit(
+        event=event,
+        resource=resource,
+        payload=dict(payload or {}),
+        related=[dict(r) for r in related] if related else None,
+    )
+    if sent is None:
+        return None
+    if flush_timeout_s:
+        waiter = threading.Thread(target=EventsWorker.instance().wait_until_empty, daemon=True)
+        waiter.start()
+        waiter.join(flush_timeout_s)
+        if waiter.is_alive():
+            raise TimeoutError(f"event {event} was not sent within {flush_timeout_s} s: is PREFECT_API_URL up?")
+    return str(sent.id)
+
+
+if __name__ == "__main__":
+    for key, value in prefect_env_defaults(Settings.from_env()).items():
+        print(f"{key}={value}")

@@ -1,0 +1,78 @@
+"""Shared test fixtures: local settings, a SQLite MLflow store, a local Ray, a Prefect test harness.
+
+Purpose: every fixture that starts something is lazy (a test that does not ask for it pays nothing) and
+the expensive ones are made once per session:
+    eagle_settings   Settings under tmp_path/.eagle, ignoring the environment       (function, free)
+    mlflow_settings  eagle_settings with an MLflow SQLite DB ready in the state dir (function, ~0.1 s;
+                     the tables are made once per session, ~1-6 s, and the file copied)
+    mlflow_store     MlflowStore.connect(mlflow_settings)                           (function)
+    ray_local        a local Ray (2 CPUs, no dashboard, auth disabled)             (session, ~5-9 s)
+    prefect_harness  prefect_test_harness(server_startup_timeout=120), with Prefect's home under a tmp dir
+                                                                                    (session, ~15-20 s)
+Run: `python -m pytest tests/` (the fixtures are found by pytest).
+Not here: assertions. Heavy libraries are imported inside the fixtures, never at module scope.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from infra.settings import Settings
+
+
+@pytest.fixture
+def eagle_settings(tmp_path: Path) -> Settings:
+    return Settings.local(tmp_path / ".eagle", ray_auth_mode="disabled")
+
+
+@pytest.fixture(scope="session")
+def _mlflow_template_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An MLflow SQLite file with its tables created and no experiment of ours (so no artifact location)."""
+    from mlflow import MlflowClient
+
+    db = tmp_path_factory.mktemp("mlflow-template") / "mlflow.db"
+    MlflowClient(tracking_uri=f"sqlite:///{db}").search_experiments()
+    return db
+
+
+@pytest.fixture
+def mlflow_settings(eagle_settings: Settings, _mlflow_template_db: Path) -> Settings:
+    eagle_settings.state_dir.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(_mlflow_template_db, eagle_settings.state_dir / "mlflow.db")
+    return eagle_settings
+
+
+@pytest.fixture
+def mlflow_store(mlflow_settings: Settings):
+    from infra.mlflow_store import MlflowStore
+
+    return MlflowStore.connect(mlflow_settings)
+
+
+@pytest.fixture(scope="session")
+def ray_local(tmp_path_factory: pytest.TempPathFactory):
+    """Yields the `RaySessionInfo`; on teardown checks that Ray really stopped."""
+    import ray
+
+    from infra.ray_cluster import ray_session
+
+    settings = Settings.local(tmp_path_factory.mktemp("ray-state"), ray_auth_mode="disabled")
+    with ray_session(settings, num_cpus=2) as info:
+        yield info
+    assert not ray.is_initialized(), "ray_session left Ray running"
+
+
+@pytest.fixture(scope="session")
+def prefect_harness(tmp_path_factory: pytest.TempPathFactory):
+    """A temporary Prefect API for the whole session (PREFECT_API_URL points at it while it runs)."""
+    from infra.prefect_env import prefect_defaults
+
+    settings = Settings.local(tmp_path_factory.mktemp("prefect-state"))
+    with prefect_defaults(settings):
+        from prefect.testing.utilities import prefect_test_harness
+
+        with prefect_test_harness(server_startup_timeout=120):
+            yield

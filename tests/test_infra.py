@@ -1,0 +1,212 @@
+"""Tests of the `infra/` adapters against real services: SQLite MLflow, a local Ray, a Prefect test API.
+
+Purpose: registration is idempotent per run key, aliases move, a head never lands in a non-head model,
+model URIs resolve to downloaded files, settings never print credentials, unreachable services fail fast
+with an error that says what to do, Ray sessions start and stop, events reach the Prefect API.
+Run: `python -m pytest tests/test_infra.py` (about 30-45 s on 2 cores, most of it Ray and Prefect start-up).
+Not here: mocks. Nothing is left running: the fixtures stop Ray and the Prefect API.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from infra.settings import Settings, redact_uri
+
+SECRETS = {
+    "MLFLOW_TRACKING_TOKEN": "tok-123456",
+    "MLFLOW_TRACKING_USERNAME": "alice-user",
+    "MLFLOW_TRACKING_PASSWORD": "pw-987654",
+    "PREFECT_API_KEY": "pnu_secretkey",
+}
+
+
+def _head_dir(root: Path) -> Path:
+    head = root / "head"
+    head.mkdir(parents=True)
+    (head / "config.json").write_text('{"architectures": ["LlamaForCausalLMEagle3"]}')
+    (head / "model.safetensors").write_bytes(b"\x00" * 64)
+    return head
+
+
+# ---- settings ------------------------------------------------------------------------------------------
+
+
+def test_settings_defaults_live_under_the_state_dir(tmp_path):
+    s = Settings.from_env({}, cwd=tmp_path)
+    assert s.state_dir == (tmp_path / ".eagle").resolve()
+    assert s.mlflow_tracking_uri == f"sqlite:///{s.state_dir / 'mlflow.db'}"
+    assert s.mlflow_artifact_location == (s.state_dir / "mlartifacts").as_uri()
+    assert (s.ray_address, s.prefect_api_url, s.trust_remote_code) == (None, None, False)
+
+    s = Settings.from_env(
+        {"EAGLE_HOME": "st", "RAY_ADDRESS": "ray://h:10001", "EAGLE_TRUST_REMOTE_CODE": "1",
+         "MLFLOW_TRACKING_URI": "http://127.0.0.1:5000", "PREFECT_API_URL": "http://127.0.0.1:4200/api"},
+        cwd=tmp_path,
+    )
+    assert s.state_dir == (tmp_path / "st").resolve()
+    assert (s.ray_address, s.trust_remote_code) == ("ray://h:10001", True)
+    assert s.mlflow_artifact_location is None  # a server chooses its own artifact store
+    with pytest.raises(ValueError, match="EAGLE_TRUST_REMOTE_CODE"):
+        Settings.from_env({"EAGLE_TRUST_REMOTE_CODE": "maybe"})
+
+
+def test_settings_never_print_credentials(tmp_path):
+    env = dict(SECRETS, MLFLOW_TRACKING_URI="https://bob:hunter2pass@mlflow.example/")
+    s = Settings.from_env(env, cwd=tmp_path)
+    assert s.mlflow_tracking_token == "tok-123456"  # read ...
+    shown = repr(s) + str(s) + str(s.describe()) + f"{s}"
+    for secret in [*SECRETS.values(), "hunter2pass", "bob"]:
+        assert secret not in shown  # ... never shown
+    assert s.describe()["prefect_api_key"] == "set"
+    assert redact_uri("http://u:p@h:5000/x") == "http://***@h:5000/x"
+
+
+# ---- MLflow --------------------------------------------------------------------------------------------
+
+
+def test_register_is_idempotent_and_aliases_move(mlflow_store, tmp_path):
+    store = mlflow_store
+    with store.run("train-head", tags={"target": "tgt"}) as run_id:
+        store.log_params(run_id, {f"p{i}": i for i in range(120)})  # more than one batch of params
+        store.log_metric_rows(run_id, [(step, {"loss": 1.0 / (step + 1), "acc_0": 0.5}) for step in range(600)])
+        assert store.log_dir(run_id, _head_dir(tmp_path), "head") == f"runs:/{run_id}/head"
+
+    v1 = store.register("tgt-eagle3", run_id, "head", run_key="key-1", tags={"target_uri": "models:/tgt/1"})
+    again = store.register("tgt-eagle3", run_id, "head", run_key="key-1")
+    v2 = store.register("tgt-eagle3", run_id, "head", run_key="key-2")
+    assert isinstance(v1.version, int) and again == v1 and v2.version == v1.version + 1
+    assert v1.tags == {"target_uri": "models:/tgt/1", "run_key": "key-1"}
+    assert [v.version for v in store.find_versions("tgt-eagle3", run_key="key-2")] == [v2.version]
+    assert len(store.client.get_metric_history(run_id, "loss")) == 600
+
+    store.set_alias("tgt-eagle3", "champion", v1.version)
+    store.set_alias("tgt-eagle3", "challenger", v2.version)
+    assert store.get_alias("tgt-eagle3", "champion").version == v1.version
+    store.set_alias("tgt-eagle3", "champion", v2.version)
+    assert store.get_alias("tgt-eagle3", "champion").version == v2.version
+    assert store.get_alias("tgt-eagle3", "nothing") is None
+    assert [(v.version, v.aliases) for v in store.list_versions("tgt-eagle3")] == [
+        (v1.version, ()), (v2.version, ("challenger", "champion"))
+    ]
+    [model] = store.list_models(kind="eagle3-head")
+    assert model.name == "tgt-eagle3" and model.aliases == {"champion": v2.version, "challenger": v2.version}
+
+
+def test_head_refused_in_a_model_that_is_not_a_head(mlflow_store, tmp_path):
+    from infra.mlflow_store import RegistryCollision
+
+    with mlflow_store.run("target") as run_id:
+        mlflow_store.log_dir(run_id, _head_dir(tmp_path), "model")
+    target = mlflow_store.register("tgt", run_id, "model", run_key="t1", kind=None)  # a target, no kind
+    with pytest.raises(RegistryCollision, match="'tgt'.*kind"):
+        mlflow_store.register("tgt", run_id, "model", run_key="h1")
+    assert [v.version for v in mlflow_store.list_versions("tgt")] == [target.version]
+
+
+def test_model_uri_resolves_to_downloaded_files(mlflow_store, tmp_path):
+    head = _head_dir(tmp_path)
+    with mlflow_store.run("train-head") as run_id:
+        mlflow_store.log_dir(run_id, head, "head")
+    ref = mlflow_store.register("m-eagle3", run_id, "head", run_key="k")
+    mlflow_store.set_alias("m-eagle3", "champion", ref.version)
+
+    by_alias = mlflow_store.resolve("models:/m-eagle3@champion")
+    assert by_alias.is_relative_to(mlflow_store.settings.models_dir)
+    assert sorted(p.name for p in by_alias.iterdir()) == ["config.json", "model.safetensors"]
+    assert (by_alias / "model.safetensors").read_bytes() == (head / "model.safetensors").read_bytes()
+    assert mlflow_store.resolve(ref.uri) == by_alias  # same version: downloaded once
+    assert not [p for p in by_alias.parent.iterdir() if "partial" in p.name]  # no temporary left behind
+    with pytest.raises(LookupError, match="no alias"):
+        mlflow_store.resolve("models:/m-eagle3@challenger")
+    with pytest.raises(ValueError, match="not a model URI"):
+        mlflow_store.resolve("runs:/abc/head")
+
+
+def test_unreachable_tracking_server_fails_fast_and_clearly(tmp_path):
+    from infra.mlflow_store import MlflowStore, TrackingUnreachable
+
+    settings = Settings.local(tmp_path, mlflow_tracking_uri="http://user:pw-secret@127.0.0.1:9")
+    start = time.monotonic()
+    with pytest.raises(TrackingUnreachable) as err:
+        MlflowStore.connect(settings, timeout_s=2.0)
+    assert time.monotonic() - start < 5.0
+    message = str(err.value)
+    assert "127.0.0.1:9" in message and "MLFLOW_TRACKING_URI" in message and "mlflow server" in message
+    assert "pw-secret" not in message
+
+
+# ---- Ray -----------------------------------------------------------------------------------------------
+
+
+def test_local_ray_session_and_a_nested_one(ray_local, tmp_path):
+    import ray
+
+    from infra.ray_cluster import ray_session
+
+    assert ray_local.started and ray.is_initialized()
+    assert ray.cluster_resources()["CPU"] == 2
+    with ray_session(Settings.local(tmp_path)) as nested:  # already initialised: reuse, do not stop
+        assert not nested.started and nested.address == ray_local.address
+    assert ray.is_initialized()
+
+
+def test_unreachable_ray_address_fails_fast(tmp_path):
+    from infra.ray_cluster import RayUnreachable, ray_session
+
+    start = time.monotonic()
+    with pytest.raises(RayUnreachable, match="127.0.0.1:9.*RAY_ADDRESS"):
+        with ray_session(Settings.local(tmp_path, ray_address="127.0.0.1:9"), timeout_s=2.0):
+            pass
+    assert time.monotonic() - start < 5.0
+
+
+def test_train_configs_put_storage_under_the_state_dir(tmp_path):
+    from infra.ray_cluster import RayTrainConfig, train_run_configs
+
+    settings = Settings.local(tmp_path)
+    cfg = RayTrainConfig(num_workers=2, cpus_per_worker=0.5, max_failures=1, checkpoints_to_keep=2)
+    scaling, run = train_run_configs(cfg, "head-tgt", settings)
+    assert (scaling.num_workers, scaling.use_gpu, scaling.resources_per_worker) == (2, False, {"CPU": 0.5})
+    assert (run.name, run.storage_path) == ("head-tgt", str(tmp_path / "ray_results"))
+    assert run.failure_config.max_failures == 1 and run.checkpoint_config.num_to_keep == 2
+    with pytest.raises(ValueError):
+        RayTrainConfig(num_workers=-1)
+
+
+# ---- Prefect -------------------------------------------------------------------------------------------
+
+
+def test_prefect_defaults_respect_the_user(tmp_path, monkeypatch):
+    from infra.prefect_env import prefect_defaults
+
+    monkeypatch.setenv("PREFECT_SERVER_ANALYTICS_ENABLED", "true")  # the user's choice stays
+    monkeypatch.delenv("PREFECT_HOME", raising=False)
+    settings = Settings.local(tmp_path)
+    with prefect_defaults(settings) as applied:
+        assert applied["PREFECT_HOME"] == str(tmp_path / "prefect")
+        assert "PREFECT_SERVER_ANALYTICS_ENABLED" not in applied
+    assert "PREFECT_HOME" not in os.environ
+
+
+def test_emitted_event_reaches_the_prefect_api(prefect_harness):
+    from prefect.client.orchestration import get_client
+    from prefect.events.filters import EventFilter, EventNameFilter, EventResourceFilter
+
+    from infra.prefect_env import emit_event
+
+    resource = "mlflow.model-version.tgt.7"
+    event_id = emit_event("eagle.target.version-created", resource, payload={"uri": "models:/tgt/7"})
+    assert event_id is not None
+    wanted = EventFilter(event=EventNameFilter(name=["eagle.target.version-created"]),
+                         resource=EventResourceFilter(id=[resource]))
+    deadline = time.monotonic() + 20
+    with get_client(sync_client=True) as client:
+        while not (events := client.read_events(filter=wanted, limit=10).events) and time.monotonic() < deadline:
+            time.sleep(0.5)
+    assert [str(e.id) for e in events] == [event_id]
+    assert events[0].payload == {"uri": "models:/tgt/7"}
