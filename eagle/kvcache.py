@@ -81,7 +81,12 @@ class SlotCache(Cache):
     def __init__(self, num_layers: int, capacity: int):
         self.slot_plan = SlotPlan()
         self.capacity = capacity
+        self._arange = torch.arange(capacity)
         super().__init__(layers=[SlotLayer(self.slot_plan, capacity) for _ in range(num_layers)])
+
+    def slot_index(self, span: int) -> torch.Tensor:
+        """arange(span) on the device of the current plan, built once."""
+        return self._arange[:span]
 
     def plan(self, slots_BT: torch.Tensor, span: int) -> None:
         """Next forward writes row b's T entries at `slots_BT[b]`; attention reads slots [0, span)."""
@@ -89,8 +94,9 @@ class SlotCache(Cache):
             raise ValueError(f"KV cache capacity {self.capacity} exceeded (span {span})")
         p = self.slot_plan
         p.slots_BT, p.span = slots_BT, span
-        if p.rows_B1 is None or p.rows_B1.shape[0] != slots_BT.shape[0]:
+        if p.rows_B1 is None or p.rows_B1.shape[0] != slots_BT.shape[0] or p.rows_B1.device != slots_BT.device:
             p.rows_B1 = torch.arange(slots_BT.shape[0], device=slots_BT.device)[:, None]
+            self._arange = torch.arange(self.capacity, device=slots_BT.device)
 
     def plan_after(self, lengths_B: torch.Tensor, max_length: int, T: int, offset: int = 0) -> None:
         """Write T entries right after each row's first `lengths_B + offset` slots."""

@@ -28,7 +28,7 @@ from torch import nn
 
 from eagle import sampling
 from eagle.draft import Eagle3Draft
-from eagle.features import decoder_layers, target_forward
+from eagle.features import capture_layer_inputs, decoder_layers
 from eagle.kvcache import SlotCache, additive_mask, causal_region, check_no_sliding_window, visibility_mask
 from eagle.tree import Prefix, draft_chain, draft_tree, head_forward
 
@@ -147,22 +147,21 @@ class TargetRunner:
         self.cache = SlotCache(len(decoder_layers(target)), capacity)
         self.lm_head = target.get_output_embeddings()
         self.dtype = next(target.parameters()).dtype
-        base = target.get_decoder()
-        self._base = base
-        self._cache_kw = "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+        self._base = target.get_decoder()
+        params = inspect.signature(self._base.forward).parameters  # transformers >= 5.2x names the cache `cache`
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
 
     def __call__(self, prefix: Prefix, ids_BT: torch.Tensor, pos_BT: torch.Tensor, region_BTR: torch.Tensor):
         """Returns (final hidden [B, T, H], fused-layer inputs [B, T, 3H] or None without `layer_ids`)."""
         T = ids_BT.shape[1]
         self.cache.plan_after(prefix.lengths_B, prefix.longest, T)
         mask = additive_mask(visibility_mask(prefix.lengths_B, region_BTR, prefix.longest + T), self.dtype)
-        if self.layer_ids:
-            step = target_forward(self.target, ids_BT, self.layer_ids, past_key_values=self.cache,
-                                  attention_mask=mask, position_ids=pos_BT, use_cache=True)
-            return step.last_hidden_BTH, step.aux_BT3H
-        out = self._base(input_ids=ids_BT, attention_mask=mask, position_ids=pos_BT, use_cache=True,
-                         **{self._cache_kw: self.cache})
-        return out.last_hidden_state, None
+        kwargs = dict(input_ids=ids_BT, attention_mask=mask, position_ids=pos_BT, use_cache=True)
+        if not self.layer_ids:
+            return self._base(**kwargs, **{self._cache_kw: self.cache}).last_hidden_state, None
+        with capture_layer_inputs(self.target, self.layer_ids) as store:
+            out = self._base(**kwargs, **{self._cache_kw: self.cache})
+        return out.last_hidden_state, torch.cat([store[i] for i in self.layer_ids], dim=-1)
 
     def prefill(self, ids_BT: torch.Tensor, n_B: torch.Tensor):
         """Prompt pass; returns (logits at each row's last prompt token [B, V], fused features or None)."""
@@ -201,8 +200,9 @@ def generate_plain(target: nn.Module, input_ids: torch.Tensor, attention_mask: t
         lengths_B = lengths_B + active_B.long()
 
 
-class _Speculator:
-    """State of one speculative generation: both runners, the head's cache, the config and the RNG."""
+class Speculator:
+    """One speculative generation's state (target runner, head cache, config, RNG) and its two moves:
+    `head_extend` (commit verified features to the head) and `step` (draft, verify, accept). Public for profiling."""
 
     def __init__(self, target: nn.Module, draft: Eagle3Draft, cfg: SpecConfig, prompt_len: int,
                  generator: torch.Generator | None):
@@ -277,7 +277,7 @@ def generate_speculative(target: nn.Module, draft: Eagle3Draft, input_ids: torch
     """Speculative generation whose output is distributed exactly as `generate_plain`'s (identical when greedy)."""
     ids_BT, n_B = pack_left(input_ids, attention_mask)
     B, T = ids_BT.shape
-    spec = _Speculator(target, draft, cfg, T, generator)
+    spec = Speculator(target, draft, cfg, T, generator)
     out = _Emitted(B, cfg, ids_BT.device)
     logits_BV, aux_BT3H = spec.target.prefill(ids_BT, n_B)
     root_B = _pick(logits_BV, cfg, generator)

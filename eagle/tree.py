@@ -47,11 +47,19 @@ class Tree:
 
 
 def head_forward(draft: Eagle3Draft, cache: SlotCache, prefix: Prefix, tokens_BT: torch.Tensor,
-                 hidden_BTH: torch.Tensor, pos_BT: torch.Tensor, region_BTR: torch.Tensor, offset: int = 0):
-    """Head over T entries written at slots lengths+offset+t; queries see the prefix and `region_BTR` after it."""
+                 hidden_BTH: torch.Tensor, pos_BT: torch.Tensor, region: torch.Tensor | int, offset: int = 0):
+    """Head over T entries written at slots lengths+offset+t; queries see the prefix and the region after it.
+
+    `region` is a boolean [B or 1, T, R] visibility over the R slots after the prefix, or an int R when every
+    query sees all of them (a chain).
+    """
     T = tokens_BT.shape[1]
+    span = prefix.longest + offset + T
     cache.plan_after(prefix.lengths_B, prefix.longest, T, offset)
-    mask_BTL = visibility_mask(prefix.lengths_B, region_BTR, prefix.longest + offset + T)
+    if isinstance(region, int):
+        mask_BTL = (cache.slot_index(span)[None] < (prefix.lengths_B + region)[:, None])[:, None]
+    else:
+        mask_BTL = visibility_mask(prefix.lengths_B, region, span)
     return draft(tokens_BT, hidden_BTH, pos_BT, cache.layers[0], mask_BTL)
 
 
@@ -67,7 +75,6 @@ def draft_chain(draft: Eagle3Draft, cache: SlotCache, prefix: Prefix, root_hidde
     B = root_hidden_BH.shape[0]
     hidden_B1H, logits_BVd = root_hidden_BH[:, None], root_logits_BVd
     pos_B1 = prefix.lengths_B[:, None] - 1
-    full = torch.ones(1, 1, depth, dtype=torch.bool, device=pos_B1.device)
     tokens, dists = [], []
     for j in range(depth):
         idx_B, q_BVd = pick(logits_BVd)
@@ -76,7 +83,7 @@ def draft_chain(draft: Eagle3Draft, cache: SlotCache, prefix: Prefix, root_hidde
         if j + 1 == depth:
             break
         hidden_B1H, logits_B1V = head_forward(draft, cache, prefix, tokens[-1][:, None], hidden_B1H,
-                                              pos_B1 + j + 1, full[:, :, :j + 1], offset=j)
+                                              pos_B1 + j + 1, j + 1, offset=j)
         logits_BVd = logits_B1V[:, 0]
     q = None if dists[0] is None else torch.stack(dists, dim=1)
     return torch.stack(tokens, dim=1).view(B, depth), q

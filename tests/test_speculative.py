@@ -18,7 +18,7 @@ from eagle.draft import Eagle3Draft
 from eagle.features import target_forward
 from eagle.kvcache import SlotCache, visibility_mask
 from eagle.speculative import SpecConfig, SpecStats, TargetRunner, generate_plain, generate_speculative, pack_left
-from eagle.tree import Prefix, draft_tree
+from eagle.tree import Prefix, draft_chain, draft_tree
 
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=512)
@@ -160,7 +160,7 @@ def test_qwen3_target(qwen3_pair, method):
     assert spec.stats.tau > 1.2
 
 
-class _Recording(speculative._Speculator):
+class _Recording(speculative.Speculator):
     last: "_Recording | None" = None
 
     def __init__(self, *args, **kwargs):
@@ -172,7 +172,7 @@ class _Recording(speculative._Speculator):
 def test_caches_hold_exactly_the_accepted_sequence(llama_pair, method, monkeypatch):
     """After generation, both caches' committed entries equal a fresh pass over prompt + output."""
     target, draft = llama_pair
-    monkeypatch.setattr(speculative, "_Speculator", _Recording)
+    monkeypatch.setattr(speculative, "Speculator", _Recording)
     ids, mask = _prompts(2)
     out = generate_speculative(target, draft, ids, mask, SpecConfig(method=method, depth=4, topk=3, budget=10,
                                                                      max_new_tokens=17))
@@ -192,29 +192,62 @@ def test_caches_hold_exactly_the_accepted_sequence(llama_pair, method, monkeypat
                                    atol=1e-5, rtol=1e-4)
 
 
-def test_tree_shape_and_ancestors(llama_pair):
+def _uncached_head_logits(draft, tokens_T, feats_TH, path):
+    """Reference: the head's logits after drafting `path` (target ids) on top of committed entries, no cache."""
+    n = tokens_T.shape[0]
+    toks, hid = tokens_T, feats_TH
+    out, logits = draft(toks[None], hid[None], torch.arange(n)[None])
+    for s, tok in enumerate(path):
+        toks, hid = torch.cat([toks, tok.view(1)]), torch.cat([hid, out[0, -1:]])
+        out, logits = draft(toks[None], hid[None], torch.arange(n + s + 1)[None])
+    return logits[0, -1]
+
+
+def _committed_head(target, draft, cfg: SpecConfig):
+    """A Speculator after prefill of three padded prompts: (spec, packed ids, lengths, root, shifted, aux, hidden,
+    draft logits)."""
+    ids, n = pack_left(*_prompts(3))
+    spec = speculative.Speculator(target, draft, cfg, ids.shape[1], None)
+    logits, aux = spec.target.prefill(ids, n)
+    root = logits.argmax(-1)
+    shifted = torch.cat([ids[:, 1:], ids[:, :1]], 1).scatter(1, (n - 1)[:, None], root[:, None])
+    hidden, dlogits = spec.head_extend(Prefix.of(torch.zeros_like(n)), shifted, aux, n)
+    return spec, n, root, shifted, aux, hidden, dlogits
+
+
+def test_chain_drafting_against_uncached_reference(llama_pair):
     target, draft = llama_pair
-    ids, mask = _prompts(3)
-    ids, n = pack_left(ids, mask)
-    runner = TargetRunner(target, 40, draft.cfg.aux_layer_ids)
-    logits, aux = runner.prefill(ids, n)
-    head = SlotCache(1, 60)
-    shifted = torch.cat([ids[:, 1:], ids[:, :1]], 1).scatter(1, (n - 1)[:, None], logits.argmax(-1)[:, None])
-    head.plan(torch.arange(9)[None].expand(3, 9), 9)
-    hidden, dlogits = draft(shifted, draft.fuse(aux), torch.arange(9)[None].expand(3, 9), head.layers[0])
-    rows = torch.arange(3)
+    spec, n, _, shifted, aux, hidden, dlogits = _committed_head(target, draft, SpecConfig(depth=4))
+    drafts, q = draft_chain(draft, spec.head_cache, Prefix.of(n), hidden, dlogits, 4, spec.draft_pick)
+    assert q is None and drafts.shape == (3, 4)
+    with torch.no_grad():
+        for b in range(3):
+            feats = draft.fuse(aux[b, :n[b]])
+            for j in range(4):
+                ref = _uncached_head_logits(draft, shifted[b, :n[b]], feats, drafts[b, :j])
+                assert drafts[b, j] == draft.to_target_ids(ref.argmax())
+
+
+def test_tree_drafting_against_uncached_reference(llama_pair):
+    """Structure of the tree, and every node is a top-k child of its parent under an uncached head rerun."""
+    target, draft = llama_pair
     depth, k, budget = 4, 3, 11
-    tree = draft_tree(draft, head, Prefix.of(n), logits.argmax(-1), hidden[rows, n - 1], dlogits[rows, n - 1],
-                      (depth, k, budget))
+    cfg = SpecConfig(method="tree", depth=depth, topk=k, budget=budget)
+    spec, n, root, shifted, aux, hidden, dlogits = _committed_head(target, draft, cfg)
+    tree = draft_tree(draft, spec.head_cache, Prefix.of(n), root, hidden, dlogits, (depth, k, budget))
     assert tree.tokens_BN.shape == (3, budget + 1)
-    idx = torch.arange(budget + 1)
-    assert (tree.parent_BN[:, 1:] < idx[1:]).all(), "parents come before children"
+    assert (tree.parent_BN[:, 1:] < torch.arange(1, budget + 1)).all(), "parents come before children"
     assert torch.equal(tree.depth_BN[:, 1:], tree.depth_BN.gather(1, tree.parent_BN)[:, 1:] + 1)
-    assert (tree.depth_BN <= depth).all() and tree.depth_BN[:, 1:].min() >= 1
+    assert tree.depth_BN.max() <= depth
     assert torch.equal(tree.ancestors_BNN.sum(-1), tree.depth_BN + 1), "a node sees its root path and itself"
-    for b in range(3):  # siblings carry distinct tokens
-        pairs = set(zip(tree.parent_BN[b, 1:].tolist(), tree.tokens_BN[b, 1:].tolist()))
-        assert len(pairs) == budget
+    with torch.no_grad():
+        for b in range(3):
+            feats = draft.fuse(aux[b, :n[b]])
+            assert len(set(zip(tree.parent_BN[b].tolist(), tree.tokens_BN[b].tolist()))) == budget + 1
+            for i in range(1, budget + 1):
+                path = tree.ancestors_BNN[b, tree.parent_BN[b, i]].nonzero()[1:, 0]  # parent's path, root excluded
+                ref = _uncached_head_logits(draft, shifted[b, :n[b]], feats, tree.tokens_BN[b, path])
+                assert tree.tokens_BN[b, i] in draft.to_target_ids(ref.topk(k).indices)
 
 
 def test_slot_cache_move_and_visibility():
