@@ -59,6 +59,12 @@ class TrainingData:
             data._shards = data._open_shards(verify)
         return data
 
+    def target_config(self):
+        """The target's HF config, saved beside the features by the extract stage."""
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(self.root / "target_config")
+
     @property
     def n_seqs(self) -> int:
         return self.offsets.numel() - 1

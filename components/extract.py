@@ -142,6 +142,7 @@ def extract(cfg: ExtractConfig, target_dir: str, regen_dir: str, out_dir: str,
     seqs, truncated = tokenize_all(tokenizer, regen_dir, cfg.max_len)
     n_trained = _save_tokens(out, seqs, target.config.vocab_size)
     _save_target_heads(out, target)
+    target.config.save_pretrained(out / "target_config")
     layer_ids = list(default_aux_layer_ids(target.config.num_hidden_layers))
     previous = json.loads((out / MANIFEST).read_text()) if (out / MANIFEST).is_file() else {}
     known = {s["file"]: s["sha256"] for s in previous.get("shards", [])}

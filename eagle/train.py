@@ -41,11 +41,17 @@ class OptimConfig:
 def init_head(target: nn.Module, token_counts_V: torch.Tensor, draft_vocab_size: int,
               always_include: Iterable[int] = ()) -> Eagle3Draft:
     """A fresh head for `target`: draft vocabulary from counts, frozen target embedding, lm_head from its rows."""
-    cfg = DraftConfig.from_target(target.config, draft_vocab_size)
+    return head_from_tensors(target.config, token_counts_V, target.get_input_embeddings().weight,
+                             target.get_output_embeddings().weight, draft_vocab_size, always_include)
+
+
+def head_from_tensors(target_config, token_counts_V: torch.Tensor, embed_VH: torch.Tensor, lm_head_VH: torch.Tensor,
+                      draft_vocab_size: int, always_include: Iterable[int] = ()) -> Eagle3Draft:
+    """As `init_head`, from the target's config, embedding and lm_head alone (offline training)."""
+    cfg = DraftConfig.from_target(target_config, draft_vocab_size)
     draft = Eagle3Draft(cfg)
     draft.set_draft_vocab(select_draft_vocab(token_counts_V, cfg.draft_vocab_size, always_include))
-    draft.init_from_target(target.get_input_embeddings().weight.detach().float().cpu(),
-                           target.get_output_embeddings().weight.detach().float().cpu())
+    draft.init_from_target(embed_VH.detach().float().cpu(), lm_head_VH.detach().float().cpu())
     return draft
 
 

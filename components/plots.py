@@ -1,0 +1,67 @@
+"""PNG plots a person reads faster than tables: acceptance by draft position, training curves.
+
+Purpose: `plot_acceptance` (bars of conditional and cumulative acceptance per position, tau in the title) and
+`plot_training` (loss, per-step accuracy and simulated tau from a training history JSONL).
+Not here: what to measure (components/evaluate.py, components/train.py). Uses matplotlib's Agg backend.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_acceptance(conditional: list[float], cumulative: list[float], tau: float, path: str | Path) -> Path:
+    plt = _plt()
+    k = list(range(1, len(conditional) + 1))
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    w = 0.38
+    ax.bar([x - w / 2 for x in k], conditional, w, label="conditional α_k (accepted | reached)")
+    ax.bar([x + w / 2 for x in k], cumulative, w, label="cumulative P(accept length ≥ k)")
+    ax.set_xlabel("draft position k")
+    ax.set_ylabel("acceptance")
+    ax.set_ylim(0, 1.05)
+    ax.set_xticks(k)
+    ax.set_title(f"Acceptance by draft position (τ = {tau:.2f})")
+    ax.legend(fontsize=8)
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return Path(path)
+
+
+def plot_training(history_file: str | Path, path: str | Path) -> Path:
+    plt = _plt()
+    rows = [json.loads(x) for x in Path(history_file).read_text().splitlines() if x.strip()]
+    steps = [r["step"] for r in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.4))
+    a.plot(steps, [r["loss"] for r in rows])
+    a.set_xlabel("step")
+    a.set_ylabel("TTT loss")
+    a.grid(True, alpha=0.3)
+    accs = sorted((k for k in rows[0] if k.startswith("acc_")), key=lambda k: int(k.split("_")[1])) if rows else []
+    for k in accs:
+        b.plot(steps, [r[k] for r in rows], label=k)
+    if rows and "tau" in rows[0]:
+        b2 = b.twinx()
+        b2.plot(steps, [r["tau"] for r in rows], "k--", label="τ (simulated)")
+        b2.set_ylabel("simulated τ")
+    b.set_xlabel("step")
+    b.set_ylabel("accuracy per TTT step")
+    b.legend(fontsize=7, loc="lower right")
+    b.grid(True, alpha=0.3)
+    fig.suptitle("Head training")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return Path(path)

@@ -1,0 +1,251 @@
+"""Stage 3, train: the draft head with training-time test, distributed with Ray Train (DDP), resumable.
+
+Purpose: `train(cfg, extract_dir, out_dir, ...) -> TrainResult`. A Ray `TorchTrainer` runs `train_loop` on
+`cfg.num_workers` workers (0 = in the driver process, for tiny runs); each worker reads the extract stage's
+output (offline feature shards, or tokens + the target itself in online mode), rank 0 streams per-step TTT
+metrics to a `MetricsSink` (MLflow in the pipeline) and prints progress. AdamW with warm-up and cosine decay,
+gradient clipping, bf16 autocast on GPU.
+Checkpoints (`out_dir/checkpoints/step-XXXXXXX/`: head, optimiser, scheduler, step, RNG; the data position is
+the step, since batches are a pure function of (seed, step)) are written atomically by rank 0 and reported to
+Ray; a worker restarted by Ray's FailureConfig, or a re-run of the same stage after a crash, continues from the
+newest complete checkpoint. At the end rank 0 exports the head (vLLM/SGLang format + probe) to `out_dir/head`.
+Not here: evaluation, registration, the choice of hyper-parameters per target (flows/ pass the config).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 400
+    batch_size: int = 8
+    draft_vocab_size: int = 2048
+    ttt_steps: int = 7
+    gamma: float = 0.8
+    lr: float = 1e-3
+    warmup_steps: int = 20
+    grad_clip: float = 0.5
+    seed: int = 0
+    num_workers: int = 1  # 0: run in the driver process
+    use_gpu: bool = False
+    cpus_per_worker: int = 1
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 2
+    max_failures: int = 2
+    log_every: int = 10
+
+    @classmethod
+    def tiny(cls) -> "TrainConfig":
+        return cls(steps=12, batch_size=4, draft_vocab_size=128, ttt_steps=3, lr=3e-3, warmup_steps=2,
+                   num_workers=0, checkpoint_every=5, log_every=2)
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    head_dir: str
+    steps: int
+    resumed_from_step: int
+    final_metrics: dict[str, float]
+    history_file: str
+    seconds: float
+
+
+class MetricsSink(Protocol):
+    """Where rank 0 sends metrics; must be picklable (it travels to Ray workers)."""
+
+    def log(self, step: int, metrics: dict[str, float]) -> None: ...
+
+
+@dataclass(frozen=True)
+class JsonlSink:
+    path: str
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+
+
+@dataclass(frozen=True)
+class LoopArgs:
+    cfg: TrainConfig
+    extract_dir: str
+    out_dir: str
+    target_dir: str | None  # needed in online mode
+    lineage: dict[str, Any] = field(default_factory=dict)
+    sinks: tuple = ()
+    fail_at_step: int | None = None  # fault injection for tests: raise once at this step
+
+
+def latest_checkpoint(out_dir: str | Path) -> Path | None:
+    done = sorted(p for p in (Path(out_dir) / "checkpoints").glob("step-*") if (p / "DONE").is_file())
+    return done[-1] if done else None
+
+
+def _save_checkpoint(out_dir: Path, step: int, draft, opt, sched, keep: int) -> Path:
+    import torch
+    from safetensors.torch import save_file
+
+    from eagle.export import head_state_dict
+
+    root = out_dir / "checkpoints"
+    final = root / f"step-{step:07d}"
+    tmp = root / f".tmp-step-{step:07d}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(head_state_dict(draft), str(tmp / "head.safetensors"))
+    torch.save({"opt": opt.state_dict(), "sched": sched.state_dict(), "step": step,
+                "rng": torch.get_rng_state()}, tmp / "state.pt")
+    (tmp / "DONE").write_text(str(step))
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    for old in sorted(p for p in root.glob("step-*"))[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _load_checkpoint(path: Path, draft, opt, sched) -> int:
+    import torch
+    from safetensors.torch import load_file
+
+    draft.load_state_dict(load_file(str(path / "head.safetensors")), strict=False)
+    state = torch.load(path / "state.pt", weights_only=True)
+    opt.load_state_dict(state["opt"])
+    sched.load_state_dict(state["sched"])
+    torch.set_rng_state(state["rng"])
+    return int(state["step"])
+
+
+def train_loop(args: LoopArgs) -> None:
+    """Runs on every Ray worker (or in the driver when num_workers == 0)."""
+    import torch
+
+    from components.datasets import TrainingData, batches, ttt_batch
+    from eagle.export import export_head
+    from eagle.train import OptimConfig, TTTModule, head_from_tensors, make_optimizer, train_step
+    from eagle.ttt import TTTConfig
+
+    cfg, out = args.cfg, Path(args.out_dir)
+    rank, world, device = _dist_context(cfg)
+    torch.manual_seed(cfg.seed + rank)
+    data = TrainingData.open(args.extract_dir)
+    target = None
+    if data.manifest["mode"] == "online":
+        from components.targets import load_target
+
+        target = load_target(args.target_dir, str(device))[0]
+    draft = head_from_tensors(data.target_config(), data.token_counts, data.embed_tokens, data.lm_head,
+                              cfg.draft_vocab_size).to(device)
+    ttt = TTTConfig(ttt_steps=cfg.ttt_steps, gamma=cfg.gamma)
+    opt, sched = make_optimizer(draft.trainable_parameters(), OptimConfig(lr=cfg.lr, warmup_steps=cfg.warmup_steps,
+                                                                          total_steps=cfg.steps,
+                                                                          grad_clip=cfg.grad_clip))
+    ckpt = latest_checkpoint(out)
+    start = _load_checkpoint(ckpt, draft, opt, sched) if ckpt else 0
+    model = TTTModule(draft, ttt)
+    if world > 1:
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda"
+                                                          else None)
+    amp = torch.bfloat16 if device.type == "cuda" else None
+    t0, seen = time.perf_counter(), 0
+    for step, idx in batches(data.n_seqs, cfg.batch_size, cfg.seed, start, rank, world):
+        if step >= cfg.steps:
+            break
+        if args.fail_at_step is not None and step == args.fail_at_step and not (out / ".fault-injected").exists():
+            (out / ".fault-injected").write_text("1")
+            raise RuntimeError(f"injected fault at step {step}")
+        batch = ttt_batch(data, idx, draft.draft_ids(), device, target)
+        res = train_step(model, draft, batch, ttt, opt, sched, cfg.grad_clip, amp)
+        seen += int(batch.input_ids_BS.numel())
+        done = step + 1
+        if rank == 0 and (done % cfg.log_every == 0 or done == cfg.steps):
+            m = {**res.metrics(), "lr": sched.get_last_lr()[0],
+                 "tokens_per_s": seen * world / max(time.perf_counter() - t0, 1e-9)}
+            for s in args.sinks:
+                s.log(done, m)
+            print(f"train: step {done}/{cfg.steps} loss {m['loss']:.3f} acc_0 {m['acc_0']:.3f} "
+                  f"acc_{cfg.ttt_steps - 1} {m[f'acc_{cfg.ttt_steps - 1}']:.3f} tau(sim) {m['tau']:.2f} "
+                  f"{m['tokens_per_s']:.0f} tok/s", flush=True)
+        if done % cfg.checkpoint_every == 0 or done == cfg.steps:
+            path = _save_checkpoint(out, done, draft, opt, sched, cfg.keep_checkpoints) if rank == 0 else None
+            _report(done, path)  # every rank reports (a barrier in Ray Train); rank 0 attaches the checkpoint
+    if rank == 0:
+        export_head(draft, out / "head", lineage={**args.lineage, "train_config": asdict(cfg),
+                                                 "resumed_from_step": start})
+
+
+def _dist_context(cfg: TrainConfig):
+    import torch
+
+    try:
+        import ray.train
+
+        ctx = ray.train.get_context()
+        rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    except Exception:  # not inside a Ray Train worker (num_workers == 0 path)
+        rank, world = 0, 1
+    if cfg.use_gpu and torch.cuda.is_available():
+        import ray.train.torch
+
+        return rank, world, ray.train.torch.get_device()
+    return rank, world, torch.device("cpu")
+
+
+def _report(step: int, path: Path | None) -> None:
+    import ray.train
+
+    try:
+        ray.train.get_context().get_world_size()
+    except Exception:  # outside a Ray Train worker there is nothing to report to
+        return
+    ray.train.report({"step": step}, checkpoint=ray.train.Checkpoint.from_directory(str(path)) if path else None)
+
+
+def train(cfg: TrainConfig, extract_dir: str, out_dir: str, target_dir: str | None = None,
+          lineage: dict[str, Any] | None = None, sinks: tuple = (), storage_dir: str | None = None,
+          fail_at_step: int | None = None) -> TrainResult:
+    """Train a head on the extract stage's output; resumes from `out_dir/checkpoints` when present."""
+    from components.datasets import TrainingData
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    manifest = TrainingData.open(extract_dir, verify=True).manifest  # fail fast on bad shards, in the driver
+    if manifest["mode"] == "online" and not target_dir:
+        raise ValueError("online features need the target: pass target_dir")
+    history = out / "history.jsonl"
+    ckpt = latest_checkpoint(out)
+    resumed = int(ckpt.name.split("-")[1]) if ckpt else 0
+    if not ckpt:
+        history.unlink(missing_ok=True)
+    args = LoopArgs(cfg, str(extract_dir), str(out), target_dir, dict(lineage or {}),
+                    (JsonlSink(str(history)), *sinks), fail_at_step)
+    t0 = time.perf_counter()
+    if cfg.num_workers == 0:
+        train_loop(args)
+    else:
+        _fit_with_ray(args, storage_dir or str(out / "ray"))
+    rows = [json.loads(x) for x in history.read_text().splitlines()] if history.is_file() else []
+    return TrainResult(str(out / "head"), cfg.steps, resumed, rows[-1] if rows else {}, str(history),
+                       time.perf_counter() - t0)
+
+
+def _fit_with_ray(args: LoopArgs, storage: str) -> None:
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    cfg = args.cfg
+    trainer = TorchTrainer(
+        train_loop, train_loop_config=args,
+        scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_gpu,
+                                     resources_per_worker={"CPU": cfg.cpus_per_worker}),
+        run_config=RunConfig(name=Path(args.out_dir).name, storage_path=str(Path(storage).resolve()),
+                             failure_config=FailureConfig(max_failures=cfg.max_failures)))
+    result = trainer.fit()
+    if result.error:
+        raise RuntimeError(f"training failed after {cfg.max_failures} restarts: {result.error}") from result.error
