@@ -220,7 +220,9 @@ class MlflowStore:
 
     # ---- registry ---------------------------------------------------------------------------------------
 
-    def ensure_model(self, name: str, kind: str | None = HEAD_KIND, tags: Mapping[str, str] | None = None):
+    def ensure_model(
+        self, name: str, kind: str | None = HEAD_KIND, tags: Mapping[str, str] | None = None
+    ) -> RegisteredModelRef:
         """Create registered model `name` tagged `kind=<kind>`, or check that the existing one has that kind."""
         try:
             rm = self.client.get_registered_model(name)

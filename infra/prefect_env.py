@@ -4,16 +4,17 @@ Purpose: `apply_prefect_defaults(settings)` keeps Prefect's state under the stat
 analytics off and keeps a server we start on loopback, each only where the user has not set it. Call it at
 the start of a program, before Prefect is imported when possible (Prefect reads its settings at import; if it
 is already imported, its settings are refreshed). `emit_event(...)` sends one event (the registry watcher
-sends `eagle.target.version-created`) to the API at PREFECT_API_URL, where a deployment's `triggers:` entry
-can start a flow run from it.
+announces a new target version with it) to the Prefect API, where a deployment's `triggers:` entry can start
+a flow run from it.
 
 Run: `python -m infra.prefect_env` prints the defaults it would set.
-Not here: flows, deployments, `serve()`. With no PREFECT_API_URL an event goes to a temporary ephemeral
-server that no deployment listens to: triggers need a running server (`prefect server start`).
+Not here: flows, deployments, `serve()`. Triggers need a running server (`prefect server start`, or
+`serve()` against one): with no Prefect API, `emit_event` logs a warning and sends nothing.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import threading
@@ -21,6 +22,8 @@ from contextlib import contextmanager
 from typing import Any, Iterator, Mapping
 
 from infra.settings import BIND_HOST, Settings
+
+logger = logging.getLogger(__name__)
 
 
 def prefect_env_defaults(settings: Settings) -> dict[str, str]:
@@ -71,14 +74,20 @@ def emit_event(
     related: list[Mapping[str, str]] | None = None,
     flush_timeout_s: float | None = 10.0,
 ) -> str | None:
-    """Emit `event` about resource `resource_id`; returns the event id, or None when Prefect emits nothing.
+    """Emit `event` about resource `resource_id`; returns the event id, or None when nothing was sent.
 
-    Events leave through a background worker: with `flush_timeout_s` set, wait up to that long for it to
-    send, so that a short-lived process does not exit with the event still queued.
+    Nothing is sent without a Prefect API (PREFECT_API_URL, or a test harness): Prefect would otherwise start
+    a throwaway ephemeral server for the event, where no trigger can see it. Events leave through a
+    background worker: with `flush_timeout_s` set, wait up to that long for it to send, so that a
+    short-lived process does not exit with the event still queued.
     """
     from prefect.events import emit_event as prefect_emit
     from prefect.events.worker import EventsWorker
+    from prefect.settings import get_current_settings
 
+    if not get_current_settings().api.url:
+        logger.warning("no Prefect API (PREFECT_API_URL unset): event %s about %s not sent", event, resource_id)
+        return None
     resource = {"prefect.resource.id": resource_id, **{str(k): str(v) for k, v in (labels or {}).items()}}
     sent = prefect_emit(
         event=event,

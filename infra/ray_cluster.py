@@ -141,7 +141,7 @@ def ray_session(
         return
     if address is not None:
         try:
-            ray.init(address=address, include_dashboard=False)
+            ray.init(address=address)
         except ConnectionError as err:
             raise _unreachable(address, err) from err
         try:

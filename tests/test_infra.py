@@ -193,6 +193,17 @@ def test_prefect_defaults_respect_the_user(tmp_path, monkeypatch):
     assert "PREFECT_HOME" not in os.environ
 
 
+def test_no_event_is_sent_without_a_prefect_api():
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from infra.prefect_env import emit_event
+
+    with temporary_settings(restore_defaults={PREFECT_API_URL}):
+        start = time.monotonic()
+        assert emit_event("eagle.test", "eagle.nothing") is None
+        assert time.monotonic() - start < 2.0  # no ephemeral server was started for it
+
+
 def test_emitted_event_reaches_the_prefect_api(prefect_harness):
     from prefect.client.orchestration import get_client
     from prefect.events.filters import EventFilter, EventNameFilter, EventResourceFilter
