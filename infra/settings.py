@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Mapping
 from urllib.parse import urlsplit, urlunsplit
 
-BIND_HOST = "127.0.0.1"  # every service this project starts listens on loopback only
+BIND_HOST = "127.0.0.1"  # servers we start (Prefect, MLflow) listen on loopback; Ray cannot: see ray_cluster
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"", "0", "false", "no", "off"}
