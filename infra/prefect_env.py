@@ -46,6 +46,8 @@ def _refresh_prefect_settings() -> None:
 def apply_prefect_defaults(settings: Settings) -> dict[str, str]:
     """Set each default that is absent from the environment; returns the ones it set."""
     applied = {k: v for k, v in prefect_env_defaults(settings).items() if not os.environ.get(k)}
+    if "PREFECT_HOME" in applied:
+        settings.prefect_home.mkdir(parents=True, exist_ok=True)  # the ephemeral server's SQLite lives there
     os.environ.update(applied)
     if applied:
         _refresh_prefect_settings()

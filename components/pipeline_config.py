@@ -1,0 +1,97 @@
+"""One config for a whole pipeline run: a section per stage, presets, strict loading from JSON.
+
+Purpose: `PipelineConfig` groups the stage configs (`regenerate`, `extract`, `train`, `evaluate`, `register`);
+`PipelineConfig.preset("tiny" | "default")` gives the test and demo settings; `PipelineConfig.load(path)`
+reads a JSON file whose sections override a preset key by key, and refuses an unknown section or key, naming it.
+`fingerprint()` is a stable hash of the config (part of a run's identity).
+Not here: where things run (infra/ settings) or what to run (flows/).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from components.evaluate import EvaluateConfig
+from components.extract import ExtractConfig
+from components.regenerate import RegenerateConfig
+from components.register import RegisterConfig
+from components.train import TrainConfig
+
+
+class ConfigError(ValueError):
+    """A config file or override that names an unknown section or key, or has a value of the wrong type."""
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
+    extract: ExtractConfig = field(default_factory=ExtractConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
+    register: RegisterConfig = field(default_factory=RegisterConfig)
+
+    @classmethod
+    def tiny(cls) -> "PipelineConfig":
+        return cls(regenerate=RegenerateConfig(max_new_tokens=16, batch_size=8, shard_size=8, limit=16),
+                   extract=ExtractConfig(max_len=192, seqs_per_shard=8),
+                   train=TrainConfig.tiny(), evaluate=EvaluateConfig.tiny(), register=RegisterConfig(tau_floor=1.0))
+
+    @classmethod
+    def default(cls) -> "PipelineConfig":
+        """The demo on 2 CPU cores: a few minutes per head on the embedded default."""
+        return cls(regenerate=RegenerateConfig(max_new_tokens=96, batch_size=32, shard_size=64, limit=320),
+                   extract=ExtractConfig(max_len=320, seqs_per_shard=128),
+                   train=TrainConfig(steps=300, batch_size=8, draft_vocab_size=2048, ttt_steps=5, lr=2e-3,
+                                     warmup_steps=20, num_workers=1, checkpoint_every=100, log_every=20),
+                   evaluate=EvaluateConfig(method="chain", depth=5, max_new_tokens=96, limit=16),
+                   register=RegisterConfig(tau_floor=1.5))
+
+    @classmethod
+    def preset(cls, name: str) -> "PipelineConfig":
+        presets = {"tiny": cls.tiny, "default": cls.default}
+        if name not in presets:
+            raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(presets)}")
+        return presets[name]()
+
+    def override(self, data: dict[str, Any], where: str = "config") -> "PipelineConfig":
+        sections = {f.name for f in dataclasses.fields(self)}
+        out = self
+        for sec, values in data.items():
+            if sec not in sections:
+                raise ConfigError(f"{where}: unknown section {sec!r}; known: {sorted(sections)}")
+            if not isinstance(values, dict):
+                raise ConfigError(f"{where}: section {sec!r} must be a mapping")
+            current = getattr(self, sec)
+            known = {f.name: f for f in dataclasses.fields(current)}
+            for k, v in values.items():
+                if k not in known:
+                    raise ConfigError(f"{where}: unknown key {sec}.{k}; known: {sorted(known)}")
+            try:
+                out = dataclasses.replace(out, **{sec: dataclasses.replace(current, **values)})
+            except (TypeError, ValueError) as e:
+                raise ConfigError(f"{where}: section {sec!r}: {e}") from None
+        return out
+
+    @classmethod
+    def load(cls, path: str | Path | None, preset: str = "default") -> "PipelineConfig":
+        base = cls.preset(preset)
+        if path is None:
+            return base
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ConfigError(f"{path}: cannot read the config: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: the config must be a JSON object of sections")
+        return base.override(data, where=str(path))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def fingerprint(self) -> str:
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()

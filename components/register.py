@@ -1,0 +1,124 @@
+"""Stage 5, register: heads (and targets) in the MLflow model registry, with lineage and a promotion gate.
+
+Purpose:
+- `register_target(store, name, target_dir, role, base_model)`: a target (the base or a fine-tune) as a version of
+  registered model `name` (tag kind=causal-lm-target), with tags `weights_sha256`, `base_model`, `role`; once per
+  weights hash.
+- `register_head(store, cfg, head)`: the exported head directory (vLLM/SGLang format + probe) as a version of the
+  registered model `<target>-v<version>-eagle3` (one per target fine-tune), tagged with the target's name,
+  version and weights hash, the traffic hash, tau and speedup. Idempotent on `run_key`: re-registering a finished
+  run returns the existing version. Promotion gate: alias `champion` moves to the new version only if
+  tau >= `cfg.tau_floor` and tau >= the current champion's tau measured on the same held-out traffic in the same
+  run (`head.champion_tau`); otherwise the version becomes `challenger`.
+Not here: measuring tau (components/evaluate.py); connecting to MLflow (infra/mlflow_store.py).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from infra.mlflow_store import CHALLENGER, CHAMPION, MlflowStore
+
+TARGET_KIND = "causal-lm-target"
+
+
+@dataclass(frozen=True)
+class RegisterConfig:
+    tau_floor: float = 1.2
+    experiment_suffix: str = "-eagle3"
+
+
+@dataclass(frozen=True)
+class TargetRef:
+    name: str
+    version: int
+    weights_sha256: str
+    path: str
+
+
+@dataclass(frozen=True)
+class HeadToRegister:
+    head_dir: str
+    target: TargetRef
+    traffic_sha256: str
+    run_key: str
+    run_id: str  # the pipeline's MLflow run; the head is logged and registered from it
+    metrics: dict[str, float]  # at least tau and speedup
+    champion_tau: float | None  # the current champion's tau on the same traffic, same run (None: no champion)
+    evaluation_dir: str | None = None
+    params: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class RegisterResult:
+    model_name: str
+    version: int
+    uri: str
+    alias: str
+    promoted: bool
+    reason: str
+    run_id: str
+
+
+def head_model_name(target: TargetRef, suffix: str = "-eagle3") -> str:
+    return f"{target.name}-v{target.version}{suffix}"
+
+
+def register_target(store: MlflowStore, name: str, target_dir: str, role: str, base_model: str,
+                    weights_sha256: str) -> TargetRef:
+    """Register a target directory as a version of `name`; the same weights are registered once."""
+    store.ensure_model(name, kind=TARGET_KIND)
+    existing = store.find_versions(name, weights_sha256=weights_sha256)
+    if existing:
+        return TargetRef(name, existing[0].version, weights_sha256, target_dir)
+    with store.run(f"register-target-{name}-{role}", tags={"role": role}) as run_id:
+        store.log_dir(run_id, Path(target_dir), "target")
+        mv = store.register(name, run_id, "target", run_key=f"target:{weights_sha256}", kind=TARGET_KIND,
+                            tags={"weights_sha256": weights_sha256, "base_model": base_model, "role": role})
+    return TargetRef(name, mv.version, weights_sha256, target_dir)
+
+
+def _gate(cfg: RegisterConfig, tau: float, champion_tau: float | None) -> tuple[bool, str]:
+    if tau < cfg.tau_floor:
+        return False, f"tau {tau:.3f} < floor {cfg.tau_floor}"
+    if champion_tau is not None and tau < champion_tau:
+        return False, f"tau {tau:.3f} < champion's {champion_tau:.3f} on the same traffic"
+    if champion_tau is None:
+        return True, f"tau {tau:.3f} >= floor {cfg.tau_floor}; no champion yet"
+    return True, f"tau {tau:.3f} >= floor {cfg.tau_floor} and >= champion's {champion_tau:.3f}"
+
+
+def register_head(store: MlflowStore, cfg: RegisterConfig, head: HeadToRegister) -> RegisterResult:
+    name = head_model_name(head.target, cfg.experiment_suffix)
+    store.ensure_model(name)
+    existing = store.find_versions(name, run_key=head.run_key)
+    if existing:
+        v = store.get_version(name, existing[0].version)
+        alias = CHAMPION if CHAMPION in v.aliases else CHALLENGER
+        return RegisterResult(name, v.version, f"models:/{name}/{v.version}", alias, alias == CHAMPION,
+                              "already registered for this run key", v.run_id or "")
+    tau = float(head.metrics["tau"])
+    promoted, reason = _gate(cfg, tau, head.champion_tau)
+    tags = {"target_name": head.target.name, "target_version": str(head.target.version),
+            "target_weights_sha256": head.target.weights_sha256, "traffic_sha256": head.traffic_sha256,
+            "tau": f"{tau:.4f}", "speedup": f"{float(head.metrics.get('speedup', 0.0)):.4f}",
+            "gate": reason}
+    run_id = head.run_id
+    store.log_params(run_id, {"target": f"{head.target.name}/{head.target.version}",
+                              **{k: json.dumps(v) if isinstance(v, (dict, list)) else v
+                                 for k, v in (head.params or {}).items()}})
+    store.log_metrics(run_id, head.metrics)
+    if head.evaluation_dir:
+        store.log_dir(run_id, Path(head.evaluation_dir), "evaluation")
+    store.log_dir(run_id, Path(head.head_dir), "head")
+    mv = store.register(name, run_id, "head", run_key=head.run_key, tags=tags)
+    if promoted:
+        store.set_alias(name, CHAMPION, mv.version)
+        alias = CHAMPION
+    else:
+        store.set_alias(name, CHALLENGER, mv.version)
+        alias = CHALLENGER
+    return RegisterResult(name, mv.version, f"models:/{name}/{mv.version}", alias, promoted, reason, run_id)

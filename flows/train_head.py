@@ -1,0 +1,107 @@
+"""Flow `train-head`: one target version -> one registered, evaluated EAGLE-3 head.
+
+Purpose: resolve the target (a Hugging Face directory, registered on the fly, or `models:/name/version`),
+then regenerate -> extract -> train (Ray) -> evaluate (against the current champion, same traffic, same run)
+-> register with the promotion gate. A run's identity (`run_key`) is the hash of the target's weights, the
+traffic files and the config: its work directory is `<state>/runs/<target>-v<version>/<run_key[:12]>`, so a
+re-run after a crash resumes there (stages cached by Prefect, shards and checkpoints resumed by the components)
+and a re-run of a finished run registers nothing new. One run per target at a time (a lock under the state dir).
+Run: `eagle-heads train --target DIR|models:/name/version --traffic FILE --heldout FILE`, or as a deployment
+(prefect.yaml). Not here: any algorithm; see components/.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+from prefect import flow, get_run_logger, task
+
+from components.pipeline_config import PipelineConfig
+from components.register import HeadToRegister, RegisterResult, TargetRef, head_model_name, register_head, register_target
+from components.targets import weights_sha256
+from components.traffic_io import traffic_sha256
+from flows.tasks import evaluate_task, extract_task, fresh_if_missing, regenerate_task, train_task
+from infra.locks import target_lock
+from infra.metrics_sink import MlflowSink
+from infra.mlflow_store import CHAMPION, MlflowStore, parse_model_uri
+from infra.settings import Settings
+
+
+@task(name="register", retries=2, retry_delay_seconds=3)
+def register_task(settings: Settings, cfg, head: HeadToRegister) -> RegisterResult:
+    return register_head(MlflowStore.connect(settings), cfg, head)
+
+
+def resolve_target(store: MlflowStore, target: str, name: str | None = None) -> TargetRef:
+    """A local directory and registry identity for `target` (registering an HF directory if needed)."""
+    if target.startswith("models:/"):
+        model, version, _alias = parse_model_uri(target)
+        path = store.resolve(target)
+        if version is None:
+            version = store.get_alias(model, _alias).version  # type: ignore[union-attr]
+        sha = store.get_version(model, version).tags.get("weights_sha256") or weights_sha256(path)
+        return TargetRef(model, version, sha, str(path))
+    path = Path(target).resolve()
+    sha = weights_sha256(path)
+    return register_target(store, name or path.name, str(path), role="user", base_model="", weights_sha256=sha)
+
+
+def run_key_of(target: TargetRef, traffic: str, heldout: str, cfg: PipelineConfig) -> str:
+    parts = [target.weights_sha256, traffic_sha256(traffic), traffic_sha256(heldout), cfg.fingerprint()]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()
+
+
+@flow(name="train-head", log_prints=True)
+def train_head(target: str, traffic: str, heldout: str, preset: str = "default", config_path: str | None = None,
+               target_name: str | None = None) -> dict:
+    log = get_run_logger()
+    cfg = PipelineConfig.load(config_path, preset)
+    settings = Settings.from_env()
+    store = MlflowStore.connect(settings)
+    tref = resolve_target(store, target, target_name)
+    key = run_key_of(tref, traffic, heldout, cfg)
+    work = settings.state_dir / "runs" / f"{tref.name}-v{tref.version}" / key[:12]
+    work.mkdir(parents=True, exist_ok=True)
+    log.info(f"target {tref.name} v{tref.version} ({tref.path}); run {key[:12]} in {work}")
+    with target_lock(settings, f"{tref.name}-v{tref.version}"):
+        return _run(cfg, settings, store, tref, key, work, traffic, heldout)
+
+
+def _run(cfg: PipelineConfig, settings: Settings, store: MlflowStore, tref: TargetRef, key: str, work: Path,
+         traffic: str, heldout: str) -> dict:
+    name = head_model_name(tref, cfg.register.experiment_suffix)
+    existing = store.find_versions(name, run_key=key)
+    if existing:
+        v = store.get_version(name, existing[0].version)
+        print(f"run {key[:12]} already registered as {v.uri}; nothing to do")
+        return {"head_uri": v.uri, "aliases": list(v.aliases), "tau": float(v.tags.get("tau", "nan")),
+                "speedup": float(v.tags.get("speedup", "nan")), "identical": True, "created": False}
+    regen_dir, ext_dir, train_dir, eval_dir = (str(work / s) for s in ("regenerate", "extract", "train", "evaluate"))
+    regen = fresh_if_missing(regenerate_task, regen_dir)(cfg.regenerate, tref.path, traffic, regen_dir)
+    print(f"regenerate: {regen.ok} ok, {regen.failed} failed, {regen.skipped} skipped of {regen.total}")
+    ext = fresh_if_missing(extract_task, Path(ext_dir) / "manifest.json")(cfg.extract, tref.path, regen_dir, ext_dir)
+    with store.run(f"{name}-{key[:12]}", tags={"run_key": key, "target": f"{tref.name}/{tref.version}"}) as run_id:
+        lineage = {"target_name": tref.name, "target_version": tref.version,
+                   "target_weights_sha256": tref.weights_sha256, "traffic_sha256": traffic_sha256(traffic),
+                   "run_key": key}
+        tr = fresh_if_missing(train_task, Path(train_dir) / "head" / "model.safetensors")(
+            cfg.train, ext_dir, train_dir, tref.path, lineage, settings,
+            sinks=(MlflowSink(store.tracking_uri, run_id),))
+        champion = store.get_alias(name, CHAMPION)
+        champ_dir = str(store.resolve(champion.uri)) if champion else None
+        ev = fresh_if_missing(evaluate_task, Path(eval_dir) / "evaluation.json")(
+            cfg.evaluate, tref.path, tr.head_dir, heldout, eval_dir, champ_dir, tr.history_file)
+        head = HeadToRegister(head_dir=tr.head_dir, target=tref, traffic_sha256=traffic_sha256(traffic),
+                              run_key=key, run_id=run_id, metrics=ev.metrics(), champion_tau=ev.baseline_tau,
+                              evaluation_dir=eval_dir, params={"config": cfg.to_dict()})
+        reg = register_task(settings, cfg.register, head)
+    summary = {"head_uri": reg.uri, "alias": reg.alias, "promoted": reg.promoted, "gate": reg.reason,
+               "tau": ev.tau, "speedup": ev.speedup, "identical": ev.identical, "acceptance": ev.acceptance,
+               "per_segment": ev.per_segment, "train": asdict(tr), "regenerate": asdict(regen),
+               "extract": asdict(ext), "created": True, "work_dir": str(work)}
+    (work / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    print(f"registered {reg.uri} as {reg.alias}: {reg.reason}")
+    return summary
