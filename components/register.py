@@ -68,8 +68,12 @@ def head_model_name(target: TargetRef, suffix: str = "-eagle3") -> str:
 
 
 def register_target(store: MlflowStore, name: str, target_dir: str, role: str, base_model: str,
-                    weights_sha256: str) -> TargetRef:
-    """Register a target directory as a version of `name`; the same weights are registered once."""
+                    weights_sha256: str, extra_tags: dict[str, str] | None = None) -> TargetRef:
+    """Register a target directory as a version of `name`; the same weights are registered once.
+
+    `extra_tags` may name the version's traffic (`traffic_train`, `traffic_heldout`): the scheduled retrain and
+    the new-fine-tune trigger read them to know what to train and evaluate its head on.
+    """
     store.ensure_model(name, kind=TARGET_KIND)
     existing = store.find_versions(name, weights_sha256=weights_sha256)
     if existing:
@@ -77,7 +81,8 @@ def register_target(store: MlflowStore, name: str, target_dir: str, role: str, b
     with store.run(f"register-target-{name}-{role}", tags={"role": role}) as run_id:
         store.log_dir(run_id, Path(target_dir), "target")
         mv = store.register(name, run_id, "target", run_key=f"target:{weights_sha256}", kind=TARGET_KIND,
-                            tags={"weights_sha256": weights_sha256, "base_model": base_model, "role": role})
+                            tags={"weights_sha256": weights_sha256, "base_model": base_model, "role": role,
+                                  **(extra_tags or {})})
     return TargetRef(name, mv.version, weights_sha256, target_dir)
 
 
