@@ -30,7 +30,7 @@ from eagle import sampling
 from eagle.draft import Eagle3Draft
 from eagle.features import capture_layer_inputs, decoder_layers
 from eagle.kvcache import SlotCache, additive_mask, causal_region, check_no_sliding_window, visibility_mask
-from eagle.tree import Prefix, draft_chain, draft_tree, head_forward
+from eagle.tree import HeadRunner, Prefix, draft_chain, draft_tree
 
 
 @dataclass(frozen=True)
@@ -211,15 +211,15 @@ class Speculator:
         capacity = prompt_len + cfg.max_new_tokens + max(cfg.verify_width, cfg.depth * cfg.topk) + 2
         self.target = TargetRunner(target, capacity, draft.cfg.aux_layer_ids)
         self.draft, self.cfg, self.generator = draft, cfg, generator
-        self.head_cache = SlotCache(1, capacity)
+        self.head = HeadRunner(draft, capacity)
         self.vocab = self.target.lm_head.weight.shape[0]
 
     def head_extend(self, prefix: Prefix, tokens_BA: torch.Tensor, aux_BA3H: torch.Tensor, n_B: torch.Tensor):
         """Commit (token x_{i+1}, feature f_i) at positions lengths+i; returns the head's output at the n-th entry."""
         B, A = tokens_BA.shape
         ar = torch.arange(A, device=tokens_BA.device)
-        hidden_BAH, logits_BAV = head_forward(self.draft, self.head_cache, prefix, tokens_BA, self.draft.fuse(aux_BA3H),
-                                              prefix.lengths_B[:, None] + ar, causal_region(A, tokens_BA.device))
+        hidden_BAH, logits_BAV = self.head(prefix, tokens_BA, self.draft.fuse(aux_BA3H), prefix.lengths_B[:, None] + ar,
+                                           causal_region(A, tokens_BA.device))
         rows, last = torch.arange(B, device=tokens_BA.device), (n_B - 1).clamp(0, A - 1)
         return hidden_BAH[rows, last], logits_BAV[rows, last]
 
@@ -237,16 +237,14 @@ class Speculator:
         """
         cfg, dev = self.cfg, root_B.device
         if cfg.method == "chain":
-            drafts_BK, q_BKVd = draft_chain(self.draft, self.head_cache, prefix, hidden_BH, logits_BVd, cfg.depth,
-                                            self.draft_pick)
+            drafts_BK, q_BKVd = draft_chain(self.head, prefix, hidden_BH, logits_BVd, cfg.depth, self.draft_pick)
             tokens_BN = torch.cat([root_B[:, None], drafts_BK], 1)
             pos_BN = prefix.lengths_B[:, None] + torch.arange(cfg.depth + 1, device=dev)
             hidden_BNH, aux_BN3H = self.target(prefix, tokens_BN, pos_BN, causal_region(cfg.depth + 1, dev))
             n_B, nxt_B = self.accept_chain(self.target.lm_head(hidden_BNH), drafts_BK, q_BKVd)
             path_BA = torch.arange(cfg.depth + 1, device=dev).expand(len(n_B), -1)
         else:
-            tree = draft_tree(self.draft, self.head_cache, prefix, root_B, hidden_BH, logits_BVd,
-                              (cfg.depth, cfg.topk, cfg.budget))
+            tree = draft_tree(self.head, prefix, root_B, hidden_BH, logits_BVd, (cfg.depth, cfg.topk, cfg.budget))
             hidden_BNH, aux_BN3H = self.target(prefix, tree.tokens_BN, prefix.lengths_B[:, None] + tree.depth_BN,
                                                tree.ancestors_BNN)
             logits_BNV = self.target.lm_head(hidden_BNH)

@@ -1,7 +1,7 @@
 """Drafting with the EAGLE-3 head: one head pass over committed features, chains, and EAGLE-2 dynamic trees.
 
 Purpose: everything the draft side of a speculative step does, with the head's own preallocated `SlotCache`.
-- `head_forward`: one call of the head over T new entries written after each row's committed prefix.
+- `HeadRunner`: the head and its cache; one call runs T new entries written after each row's committed prefix.
 - `draft_chain`: depth d tokens, each step feeding the head its own previous output hidden state (RoPE +1 per step).
 - `draft_tree`: EAGLE-2: the root's top-k children, then per depth the top-k of each frontier node, scored by
   cumulative draft log-probability; the next frontier is the best k of those k*k; finally the `budget` best of all
@@ -46,28 +46,35 @@ class Tree:
     ancestors_BNN: torch.Tensor  # [b, i, j]: node j is node i or one of its ancestors
 
 
-def head_forward(draft: Eagle3Draft, cache: SlotCache, prefix: Prefix, tokens_BT: torch.Tensor,
-                 hidden_BTH: torch.Tensor, pos_BT: torch.Tensor, region: torch.Tensor | int, offset: int = 0):
-    """Head over T entries written at slots lengths+offset+t; queries see the prefix and the region after it.
+class HeadRunner:
+    """The head with its own preallocated `SlotCache`: one call runs T new entries after each row's prefix."""
 
-    `region` is a boolean [B or 1, T, R] visibility over the R slots after the prefix, or an int R when every
-    query sees all of them (a chain).
-    """
-    T = tokens_BT.shape[1]
-    span = prefix.longest + offset + T
-    cache.plan_after(prefix.lengths_B, prefix.longest, T, offset)
-    if isinstance(region, int):
-        mask_BTL = (cache.slot_index(span)[None] < (prefix.lengths_B + region)[:, None])[:, None]
-    else:
-        mask_BTL = visibility_mask(prefix.lengths_B, region, span)
-    return draft(tokens_BT, hidden_BTH, pos_BT, cache.layers[0], mask_BTL)
+    def __init__(self, draft: Eagle3Draft, capacity: int):
+        self.draft = draft
+        self.cache = SlotCache(1, capacity)
+
+    def __call__(self, prefix: Prefix, tokens_BT: torch.Tensor, hidden_BTH: torch.Tensor, pos_BT: torch.Tensor,
+                 region: torch.Tensor | int, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Entries written at slots lengths+offset+t; queries see the prefix and the region after it.
+
+        `region` is a boolean [B or 1, T, R] visibility over the R slots after the prefix, or an int R when every
+        query sees all of them (a chain). Returns the head's (output hidden [B, T, H], logits [B, T, Vd]).
+        """
+        T = tokens_BT.shape[1]
+        span = prefix.longest + offset + T
+        self.cache.plan_after(prefix.lengths_B, prefix.longest, T, offset)
+        if isinstance(region, int):
+            mask_BTL = (self.cache.slot_index(span)[None] < (prefix.lengths_B + region)[:, None])[:, None]
+        else:
+            mask_BTL = visibility_mask(prefix.lengths_B, region, span)
+        return self.draft(tokens_BT, hidden_BTH, pos_BT, self.cache.layers[0], mask_BTL)
 
 
 Pick = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
 
 
-def draft_chain(draft: Eagle3Draft, cache: SlotCache, prefix: Prefix, root_hidden_BH: torch.Tensor,
-                root_logits_BVd: torch.Tensor, depth: int, pick: Pick) -> tuple[torch.Tensor, torch.Tensor | None]:
+def draft_chain(head: HeadRunner, prefix: Prefix, root_hidden_BH: torch.Tensor, root_logits_BVd: torch.Tensor,
+                depth: int, pick: Pick) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`depth` drafted target ids [B, d]; `pick(logits)` returns (draft index [B], the draft distribution or None).
 
     Returns the tokens and, when `pick` samples, the draft distributions [B, d, Vd] they were drawn from.
@@ -78,21 +85,21 @@ def draft_chain(draft: Eagle3Draft, cache: SlotCache, prefix: Prefix, root_hidde
     tokens, dists = [], []
     for j in range(depth):
         idx_B, q_BVd = pick(logits_BVd)
-        tokens.append(draft.to_target_ids(idx_B))
+        tokens.append(head.draft.to_target_ids(idx_B))
         dists.append(q_BVd)
         if j + 1 == depth:
             break
-        hidden_B1H, logits_B1V = head_forward(draft, cache, prefix, tokens[-1][:, None], hidden_B1H,
-                                              pos_B1 + j + 1, j + 1, offset=j)
+        hidden_B1H, logits_B1V = head(prefix, tokens[-1][:, None], hidden_B1H, pos_B1 + j + 1, j + 1, offset=j)
         logits_BVd = logits_B1V[:, 0]
     q = None if dists[0] is None else torch.stack(dists, dim=1)
     return torch.stack(tokens, dim=1).view(B, depth), q
 
 
-def draft_tree(draft: Eagle3Draft, cache: SlotCache, prefix: Prefix, root_B: torch.Tensor,
-               root_hidden_BH: torch.Tensor, root_logits_BVd: torch.Tensor, shape: tuple[int, int, int]) -> Tree:
+def draft_tree(head: HeadRunner, prefix: Prefix, root_B: torch.Tensor, root_hidden_BH: torch.Tensor,
+               root_logits_BVd: torch.Tensor, shape: tuple[int, int, int]) -> Tree:
     """EAGLE-2 dynamic tree of `budget` drafted nodes; `shape` = (depth, topk, budget)."""
     depth, k, budget = shape
+    draft = head.draft
     B, H = root_hidden_BH.shape
     dev = root_B.device
     score_Bk, idx_Bk = torch.log_softmax(root_logits_BVd.float(), -1).topk(k, dim=-1)
@@ -105,7 +112,7 @@ def draft_tree(draft: Eagle3Draft, cache: SlotCache, prefix: Prefix, root_B: tor
     n_nodes = 1 + k
     for j in range(1, depth):
         pos_Bk = (prefix.lengths_B - 1 + j)[:, None].expand(B, k)
-        out_BkH, logits_BkV = head_forward(draft, cache, prefix, tok_Bk, hid_BkH, pos_Bk, seen_BkR, (j - 1) * k)
+        out_BkH, logits_BkV = head(prefix, tok_Bk, hid_BkH, pos_Bk, seen_BkR, offset=(j - 1) * k)
         s_Bkk, i_Bkk = torch.log_softmax(logits_BkV.float(), -1).topk(k, dim=-1)
         cum_BC = (score_Bk[..., None] + s_Bkk).reshape(B, k * k)
         toks_BC = draft.to_target_ids(i_Bkk).reshape(B, k * k)

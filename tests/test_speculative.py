@@ -188,7 +188,7 @@ def test_caches_hold_exactly_the_accepted_sequence(llama_pair, method, monkeypat
         head = SlotCache(1, n + 4)
         head.plan(torch.arange(n)[None], n)
         draft(full[:, 1:n + 1], draft.fuse(aux), torch.arange(n)[None], head.layers[0])
-        torch.testing.assert_close(spec.head_cache.layers[0].keys[b, :, :n], head.layers[0].keys[0, :, :n],
+        torch.testing.assert_close(spec.head.cache.layers[0].keys[b, :, :n], head.layers[0].keys[0, :, :n],
                                    atol=1e-5, rtol=1e-4)
 
 
@@ -218,7 +218,7 @@ def _committed_head(target, draft, cfg: SpecConfig):
 def test_chain_drafting_against_uncached_reference(llama_pair):
     target, draft = llama_pair
     spec, n, _, shifted, aux, hidden, dlogits = _committed_head(target, draft, SpecConfig(depth=4))
-    drafts, q = draft_chain(draft, spec.head_cache, Prefix.of(n), hidden, dlogits, 4, spec.draft_pick)
+    drafts, q = draft_chain(spec.head, Prefix.of(n), hidden, dlogits, 4, spec.draft_pick)
     assert q is None and drafts.shape == (3, 4)
     with torch.no_grad():
         for b in range(3):
@@ -234,7 +234,7 @@ def test_tree_drafting_against_uncached_reference(llama_pair):
     depth, k, budget = 4, 3, 11
     cfg = SpecConfig(method="tree", depth=depth, topk=k, budget=budget)
     spec, n, root, shifted, aux, hidden, dlogits = _committed_head(target, draft, cfg)
-    tree = draft_tree(draft, spec.head_cache, Prefix.of(n), root, hidden, dlogits, (depth, k, budget))
+    tree = draft_tree(spec.head, Prefix.of(n), root, hidden, dlogits, (depth, k, budget))
     assert tree.tokens_BN.shape == (3, budget + 1)
     assert (tree.parent_BN[:, 1:] < torch.arange(1, budget + 1)).all(), "parents come before children"
     assert torch.equal(tree.depth_BN[:, 1:], tree.depth_BN.gather(1, tree.parent_BN)[:, 1:] + 1)
