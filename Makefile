@@ -20,7 +20,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 demo: $(STAMP)
-	$(BIN)/python -m eagle.selfcheck --out .eagle/selfcheck
+	$(BIN)/eagle-heads demo
 
 bench-ttt-memory: $(STAMP)
 	$(BIN)/python bench/ttt_memory.py

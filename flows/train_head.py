@@ -77,7 +77,8 @@ def _run(cfg: PipelineConfig, settings: Settings, store: MlflowStore, tref: Targ
     if existing:
         v = store.get_version(name, existing[0].version)
         print(f"run {key[:12]} already registered as {v.uri}; nothing to do")
-        return {"head_uri": v.uri, "aliases": list(v.aliases), "tau": float(v.tags.get("tau", "nan")),
+        alias = "champion" if "champion" in v.aliases else "challenger"
+        return {"head_uri": v.uri, "alias": alias, "tau": float(v.tags.get("tau", "nan")),
                 "speedup": float(v.tags.get("speedup", "nan")), "identical": True, "created": False}
     regen_dir, ext_dir, train_dir, eval_dir = (str(work / s) for s in ("regenerate", "extract", "train", "evaluate"))
     regen = fresh_if_missing(regenerate_task, regen_dir)(cfg.regenerate, tref.path, traffic, regen_dir)

@@ -1,0 +1,144 @@
+"""The `eagle-heads` command line: demo, train, evaluate, watch.
+
+Purpose: argument parsing with clear errors, then one call into a flow (or the evaluate stage). `--help` and
+argument errors import nothing heavy; Prefect, MLflow and torch load only once a command runs.
+  eagle-heads demo [--preset default|tiny] [--embedded-preset default|tiny]
+  eagle-heads train --target DIR|models:/name/version --traffic FILE --heldout FILE [--name N] [--config F]
+  eagle-heads evaluate --head DIR|models:/name/version [--target DIR|models:/...] --traffic FILE [--json OUT]
+  eagle-heads watch [--once] [--interval S] [--dispatch event|local]
+Settings come from the environment (infra/settings.py): EAGLE_HOME, MLFLOW_TRACKING_URI, RAY_ADDRESS,
+PREFECT_API_URL. Exit codes: 0 success, 1 failure of the job, 2 bad arguments or unreachable services.
+Not here: any stage logic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="eagle-heads", description="Train, evaluate and register EAGLE-3 heads.")
+    sub = p.add_subparsers(dest="command", required=True)
+    d = sub.add_parser("demo", help="the whole job on the embedded default")
+    d.add_argument("--preset", default="default", choices=["default", "tiny"], help="pipeline preset")
+    d.add_argument("--embedded-preset", default="default", choices=["default", "tiny", "gpu"])
+    t = sub.add_parser("train", help="train, evaluate and register a head for one target")
+    t.add_argument("--target", required=True, help="HF model directory or models:/name/version")
+    t.add_argument("--traffic", required=True, help="training traffic (OpenAI messages or ShareGPT JSONL)")
+    t.add_argument("--heldout", required=True, help="held-out traffic for evaluation")
+    t.add_argument("--name", help="registry name for a target given as a directory (default: its folder name)")
+    t.add_argument("--preset", default="default", choices=["default", "tiny"])
+    t.add_argument("--config", help="JSON file overriding the preset, section by section")
+    e = sub.add_parser("evaluate", help="measure a head: tau, acceptance, speedup, identical outputs")
+    e.add_argument("--head", required=True, help="exported head directory or models:/name/version|@alias")
+    e.add_argument("--target", help="target directory or models:/...; default: the head's target from lineage")
+    e.add_argument("--traffic", required=True, help="held-out traffic JSONL")
+    e.add_argument("--json", help="write the result here as JSON")
+    e.add_argument("--preset", default="default", choices=["default", "tiny"])
+    w = sub.add_parser("watch", help="poll the registry and announce target versions without a head")
+    w.add_argument("--once", action="store_true", help="poll once and exit")
+    w.add_argument("--interval", type=float, default=60.0, help="seconds between polls")
+    w.add_argument("--dispatch", default="event", choices=["event", "local"],
+                   help="event: emit Prefect events for the trigger; local: also train here")
+    w.add_argument("--preset", default="default", choices=["default", "tiny"])
+    return p
+
+
+def _check_files(parser: argparse.ArgumentParser, *paths: str | None) -> None:
+    for p in paths:
+        if p and not p.startswith("models:/") and not Path(p).exists():
+            parser.error(f"{p}: no such file or directory")
+
+
+def _setup() -> None:
+    from infra.prefect_env import apply_prefect_defaults
+    from infra.settings import Settings
+
+    apply_prefect_defaults(Settings.from_env())
+
+
+def _quiet_prefect() -> None:
+    """After the job: keep Prefect's shutdown chatter from following our last line."""
+    logging.getLogger("prefect").setLevel(logging.WARNING)
+
+
+def _evaluate(a) -> dict:
+    from components.evaluate import evaluate
+    from components.pipeline_config import PipelineConfig
+    from infra.mlflow_store import MlflowStore
+    from infra.settings import Settings
+    from eagle.export import read_head_meta
+
+    settings = Settings.from_env()
+    store = MlflowStore.connect(settings) if "models:/" in (a.head + (a.target or "")) else None
+    head = str(store.resolve(a.head)) if a.head.startswith("models:/") else a.head
+    target = a.target
+    if target is None:
+        lin = read_head_meta(head)["lineage"]
+        if "target_name" not in lin:
+            raise SystemExit(f"{head}: no target in the head's lineage; pass --target")
+        target = f"models:/{lin['target_name']}/{lin['target_version']}"
+    if target.startswith("models:/"):
+        store = store or MlflowStore.connect(settings)
+        target = str(store.resolve(target))
+    cfg = PipelineConfig.preset(a.preset).evaluate
+    out = settings.state_dir / "evaluations" / time.strftime("%Y%m%d-%H%M%S")
+    res = evaluate(cfg, target, head, a.traffic, str(out))
+    from dataclasses import asdict
+
+    return asdict(res)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    a = parser.parse_args(argv)
+    _check_files(parser, getattr(a, "traffic", None), getattr(a, "heldout", None), getattr(a, "target", None),
+                 getattr(a, "config", None), getattr(a, "head", None))
+    try:
+        _setup()
+        if a.command == "demo":
+            from flows.demo import demo
+
+            res = demo(preset=a.preset, embedded_preset=a.embedded_preset)
+            _quiet_prefect()
+            print("\n".join(res["lines"]), flush=True)
+            return 0
+        if a.command == "train":
+            from flows.train_head import train_head
+
+            s = train_head(a.target, a.traffic, a.heldout, a.preset, a.config, a.name)
+            _quiet_prefect()
+            print(f"train: head={s['head_uri']} tau={s['tau']:.2f} speedup={s['speedup']:.2f}x "
+                  f"identical={'yes' if s.get('identical') else 'no'}")
+            return 0
+        if a.command == "evaluate":
+            res = _evaluate(a)
+            if a.json:
+                Path(a.json).write_text(json.dumps(res, indent=2) + "\n")
+            print(f"evaluate: tau={res['tau']:.2f} speedup={res['speedup']:.2f}x identical={res['identical']}")
+            return 0
+        from flows.watch import watch_registry
+
+        while True:
+            done = watch_registry(dispatch=a.dispatch, preset=a.preset)
+            print(f"watch: {len(done)} version(s) announced")
+            if a.once:
+                return 0
+            time.sleep(a.interval)
+    except KeyboardInterrupt:
+        return 130
+    except (ConnectionError, FileNotFoundError, LookupError) as e:
+        print(f"eagle-heads: error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # the job failed: one clear line, the traceback is in the logs above
+        print(f"eagle-heads: {a.command} failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,64 @@
+"""Flow `demo`: the whole job on the embedded default, as a new user sees it with `make demo`.
+
+Purpose: build (or reuse) the embedded default (tokenizer, base target, its fine-tune, traffic), register the
+base target as version 1 of `stdlib-llama`, train/evaluate/register its head through `train-head`, then register
+the fine-tune as version 2 and let the trigger path (registry watcher -> `on-new-finetune`) train its head.
+Returns a table of both heads whose last line is
+`demo: tau=<tau> speedup=<x>x identical=<yes|no> head=<models:/...@alias>` for the fine-tune's head
+(the CLI prints it after the flow, so it is the very last line of `make demo`).
+Run: `make demo` or `eagle-heads demo [--preset tiny]`.
+Not here: any stage logic.
+"""
+
+from __future__ import annotations
+
+from prefect import flow
+
+from components.register import register_target
+from components.targets import weights_sha256
+from flows.train_head import train_head
+from flows.watch import watch_registry
+from infra.mlflow_store import MlflowStore
+from infra.settings import Settings
+
+
+def _row(label: str, s: dict) -> str:
+    alpha = " ".join(f"{a:.2f}" for a in s.get("acceptance", []))
+    ident = {True: "yes", False: "NO", None: "n/a"}[s.get("identical")]
+    return (f"{label:<22} {s['head_uri']:<36} {s.get('alias', '-'):<10} {s['tau']:>5.2f} {s['speedup']:>7.2f}x "
+            f"{ident:>9}  {alpha}")
+
+
+@flow(name="demo", log_prints=True)
+def demo(preset: str = "default", embedded_preset: str = "default", target_name: str = "stdlib-llama") -> dict:
+    from components.embedded.build import build_embedded
+    from components.embedded.config import EmbeddedConfig
+
+    settings = Settings.from_env()
+    print(f"[1/4] embedded default ({embedded_preset}): build or reuse under {settings.state_dir / 'embedded'}")
+    emb = build_embedded(EmbeddedConfig.preset(embedded_preset), settings.state_dir / "embedded")
+    store = MlflowStore.connect(settings)
+    t, f = emb.target_traffic, emb.finetune_traffic
+    base = register_target(store, target_name, str(emb.target_dir), role="base", base_model="",
+                           weights_sha256=weights_sha256(emb.target_dir),
+                           extra_tags={"traffic_train": str(t.train), "traffic_heldout": str(t.heldout)})
+    print(f"[2/4] base target registered as models:/{target_name}/{base.version}; training its head")
+    r1 = train_head(f"models:/{target_name}/{base.version}", str(t.train), str(t.heldout), preset)
+    tuned = register_target(store, target_name, str(emb.finetune_dir), role="finetune",
+                            base_model=f"{target_name}/{base.version}", weights_sha256=weights_sha256(emb.finetune_dir),
+                            extra_tags={"traffic_train": str(f.train), "traffic_heldout": str(f.heldout)})
+    print(f"[3/4] fine-tune registered as models:/{target_name}/{tuned.version}; the registry watcher picks it up")
+    triggered = watch_registry(dispatch="local", preset=preset)
+    r2 = triggered.get(f"{target_name}/{tuned.version}")
+    if not isinstance(r2, dict):  # already had a head from an earlier demo: the run is idempotent
+        r2 = train_head(f"models:/{target_name}/{tuned.version}", str(f.train), str(f.heldout), preset)
+    print("[4/4] done")
+    name = r2["head_uri"].split("/")[1]
+    alias = r2.get("alias") or "champion"
+    ident = "yes" if r2.get("identical") else "no"
+    table = ["results (held-out traffic, greedy, outputs checked identical to plain decoding):",
+             f"{'target':<22} {'head':<36} {'alias':<10} {'tau':>5} {'speedup':>8} {'identical':>9}  alpha_1..k",
+             _row(f"{target_name} v{base.version} (base)", r1),
+             _row(f"{target_name} v{tuned.version} (fine-tune)", r2),
+             f"demo: tau={r2['tau']:.2f} speedup={r2['speedup']:.2f}x identical={ident} head=models:/{name}@{alias}"]
+    return {"base": r1, "finetune": r2, "lines": table}
