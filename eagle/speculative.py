@@ -35,7 +35,9 @@ from eagle.tree import HeadRunner, Prefix, draft_chain, draft_tree
 
 @dataclass(frozen=True)
 class SpecConfig:
-    """How to generate. `budget` (tree only) counts drafted nodes, the root excluded."""
+    """How to generate. `topk` and `budget` shape trees only; `budget` counts drafted nodes, the root excluded.
+    Chains sample their drafts from the head (standard rule); trees draft the top-k deterministically and sample
+    one token per node from the target (see `eagle.sampling`)."""
 
     method: str = "chain"  # "chain" | "tree"
     depth: int = 4
@@ -201,7 +203,7 @@ def generate_plain(target: nn.Module, input_ids: torch.Tensor, attention_mask: t
 
 
 class Speculator:
-    """One speculative generation's state (target runner, head cache, config, RNG) and its two moves:
+    """One speculative generation's state (target and head runners, config, RNG) and its two moves:
     `head_extend` (commit verified features to the head) and `step` (draft, verify, accept). Public for profiling."""
 
     def __init__(self, target: nn.Module, draft: Eagle3Draft, cfg: SpecConfig, prompt_len: int,
