@@ -115,7 +115,7 @@ def hf_answerer(target: Any, tokenizer: Any, cfg: RegenerateConfig) -> Answerer:
                                   top_k=0 if sample else None, max_new_tokens=cfg.max_new_tokens,
                                   pad_token_id=pad, eos_token_id=eos)
         for r, i in enumerate(keep):
-            results[i] = tokenizer.decode(out[r, width:], skip_special_tokens=True).strip()
+            results[i] = tokenizer.decode(out[r, width:], skip_special_tokens=True)  # verbatim: code's indent
         return results
 
     return answer
@@ -133,10 +133,14 @@ def endpoint_answerer(cfg: RegenerateConfig, retries: int = 3) -> Answerer:
             try:
                 req = urllib.request.Request(url, body, {"Content-Type": "application/json"})
                 with urllib.request.urlopen(req, timeout=cfg.endpoint_timeout_s) as r:
-                    return json.loads(r.read())["choices"][0]["message"]["content"]
-            except (urllib.error.URLError, OSError, KeyError, ValueError) as e:
+                    content = json.loads(r.read())["choices"][0]["message"]["content"]
+                if not isinstance(content, str):
+                    raise ValueError(f"no text in the answer (content {content!r})")
+                return content
+            except (urllib.error.URLError, OSError, KeyError, IndexError, TypeError, ValueError) as e:
                 err = RuntimeError(f"{url}: {e}")
-                time.sleep(0.5 * 2 ** attempt)
+                if attempt + 1 < retries:
+                    time.sleep(0.5 * 2 ** attempt)
         return err
 
     return lambda batch: [one(m) for m in batch]

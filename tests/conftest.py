@@ -76,3 +76,13 @@ def prefect_harness(tmp_path_factory: pytest.TempPathFactory):
 
         with prefect_test_harness(server_startup_timeout=120):
             yield
+
+
+@pytest.fixture(scope="session")
+def tiny_embedded(tmp_path_factory: pytest.TempPathFactory):
+    """The embedded default at `EmbeddedConfig.tiny()` (a real 6-layer target, its fine-tune, traffic), built once
+    per session (~5-10 s): `.target_dir`, `.finetune_dir`, `.target_traffic.train` / `.heldout`."""
+    from components.embedded.build import build_embedded
+    from components.embedded.config import EmbeddedConfig
+
+    return build_embedded(EmbeddedConfig.tiny(), tmp_path_factory.mktemp("embedded"), progress=False)

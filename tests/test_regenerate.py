@@ -1,0 +1,214 @@
+"""Stage 1 and the chat formatting it shares: real tokenizer and target of the tiny embedded default.
+
+Purpose: the loss mask covers exactly the assistant turns; regeneration accounts for every conversation
+(total = ok + failed + skipped), fails an over-long prompt alone with a reason, resumes by shard (a finished shard
+is never redone, a lost one is redone alone), answers multi-turn conversations turn by turn, keeps the target's
+text verbatim, and talks to an OpenAI-compatible server (a real HTTP server on loopback standing in for vLLM),
+where a server error is retried and then counted as a failure.
+Run: `python -m pytest tests/test_regenerate.py` (about 10 s once the tiny embedded default is built).
+Not here: mocks of the model or tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+
+from components.chat import ChatTemplateError, tokenize_conversation
+from components.regenerate import RegenerateConfig, hf_answerer, read_regenerated, regenerate
+from components.targets import load_target
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_embedded):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_embedded.target_dir)
+
+
+def _conv(cid: str, *turns: tuple[str, str]) -> dict:
+    return {"id": cid, "segment": "test", "messages": [{"role": r, "content": c} for r, c in turns]}
+
+
+def _write_traffic(path: Path, convs: list[dict]) -> str:
+    path.write_text("".join(json.dumps(c) + "\n" for c in convs))
+    return str(path)
+
+
+MULTI = [("system", "You write Python."), ("user", "def add(a, b):"), ("assistant", "    return a + b\n"),
+         ("user", "And sub?"), ("assistant", "def sub(a, b):\n    return a - b")]
+
+
+# ---- chat -------------------------------------------------------------------------------------------------------
+
+
+def test_loss_mask_covers_exactly_the_assistant_turns(tokenizer):
+    msgs = [{"role": r, "content": c} for r, c in MULTI]
+    t = tokenize_conversation(tokenizer, msgs, max_len=1024)
+    assert not t.truncated and len(t.input_ids) == len(t.loss_mask)
+    spans, cur = [], []  # contiguous runs of masked tokens, one per assistant turn
+    for tok, m in zip(t.input_ids, t.loss_mask):
+        if m:
+            cur.append(tok)
+        elif cur:
+            spans.append(cur)
+            cur = []
+    if cur:
+        spans.append(cur)
+    answers = [c for r, c in MULTI if r == "assistant"]
+    assert [tokenizer.decode(s) for s in spans] == [a + "<|end|>" for a in answers]  # the turn's end is trained too
+    # the same positions as the template's own {% generation %} markers
+    ref = tokenizer.apply_chat_template(msgs, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    assert list(ref["input_ids"]) == t.input_ids
+    assert list(ref["assistant_masks"]) == t.loss_mask
+
+
+def test_truncation_cuts_ids_and_mask_together(tokenizer):
+    msgs = [{"role": r, "content": c} for r, c in MULTI]
+    full = tokenize_conversation(tokenizer, msgs, max_len=1024)
+    cut = tokenize_conversation(tokenizer, msgs, max_len=10)
+    assert cut.truncated and cut.input_ids == full.input_ids[:10] and cut.loss_mask == full.loss_mask[:10]
+
+
+def test_no_chat_template_is_a_clear_error(tokenizer):
+    bare = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
+    bare.chat_template = None
+    with pytest.raises(ChatTemplateError, match="no chat template"):
+        tokenize_conversation(bare, [{"role": "user", "content": "hi"}], max_len=64)
+
+
+# ---- regenerate with the local target ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def traffic(tmp_path_factory) -> str:
+    convs = [_conv("short-0", ("user", "def f(x):")),
+             _conv("multi", *MULTI),
+             _conv("short-1", ("user", "import os\n"), ("assistant", "import sys")),
+             _conv("too-long", ("user", "x = 1\n" * 1200), ("assistant", "ok")),
+             _conv("short-2", ("user", "class A:"))]
+    return _write_traffic(tmp_path_factory.mktemp("traffic") / "train.jsonl", convs)
+
+
+CFG = RegenerateConfig(max_new_tokens=6, temperature=0.0, batch_size=4, shard_size=2)
+
+
+def _files(out: Path) -> dict[str, tuple[int, bytes]]:
+    return {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in sorted(out.glob("shard-*"))}
+
+
+def test_regenerate_accounts_fails_alone_and_resumes_by_shard(tiny_embedded, traffic, tmp_path):
+    out = tmp_path / "regen"
+    res = regenerate(CFG, tiny_embedded.target_dir, traffic, str(out), progress=lambda s: None)
+    assert (res.total, res.ok, res.failed, res.skipped) == (5, 4, 1, 0)
+    assert res.total == res.ok + res.failed + res.skipped
+    assert list(res.failures) == ["too-long"] and "exceeds the target's context" in res.failures["too-long"]
+    acc = json.loads((out / "accounting.json").read_text())
+    assert (acc["total"], acc["ok"], acc["failed"], acc["skipped"]) == (5, 4, 1, 0)
+    assert len(res.shards) == 3 and all(Path(s).is_file() for s in res.shards)
+    convs = {c.id: c for c in read_regenerated(str(out))}
+    assert sorted(convs) == ["multi", "short-0", "short-1", "short-2"]
+    multi = convs["multi"]
+    roles = [m.role for m in multi.messages]
+    assert roles == ["system", "user", "assistant", "user", "assistant"]  # answered turn by turn
+    assert [m.content for m in multi.messages if m.role != "assistant"] == [c for r, c in MULTI if r != "assistant"]
+    assert [m.content for m in convs["short-1"].messages if m.role == "assistant"] != ["import sys"]  # the target's
+    before = _files(out)
+
+    again = regenerate(CFG, tiny_embedded.target_dir, traffic, str(out), progress=lambda s: None)
+    assert (again.total, again.ok, again.failed, again.skipped) == (5, 0, 0, 5)
+    assert _files(out) == before  # nothing rewritten
+
+    for p in out.glob("shard-00002.*"):  # an interrupted run: the last shard never finished
+        p.unlink()
+    resumed = regenerate(CFG, tiny_embedded.target_dir, traffic, str(out), progress=lambda s: None)
+    assert (resumed.total, resumed.ok, resumed.failed, resumed.skipped) == (5, 1, 0, 4)
+    after = _files(out)
+    assert {k: v for k, v in after.items() if not k.startswith("shard-00002")} == \
+           {k: v for k, v in before.items() if not k.startswith("shard-00002")}
+    assert after["shard-00002.jsonl"][1] == before["shard-00002.jsonl"][1]  # greedy: the same answers again
+
+
+def test_answers_are_the_targets_text_verbatim(tiny_embedded):
+    """A target whose every token is a run of spaces: the answer is those spaces, not an empty string."""
+    target, tok = load_target(tiny_embedded.target_dir)
+    tok.padding_side = "left"
+    spaces = tok.convert_tokens_to_ids(tok.tokenize("    "))
+    assert len(spaces) == 1
+    target.generation_config.sequence_bias = {(spaces[0],): 1e4}
+    answer = hf_answerer(target, tok, RegenerateConfig(max_new_tokens=3, temperature=0.0))
+    msgs = [{"role": "user", "content": "def f(x):"}]
+    assert answer([msgs, [{"role": "system", "content": "Be brief."}, *msgs]]) == ["            "] * 2
+
+
+# ---- regenerate through an OpenAI-compatible endpoint -----------------------------------------------------------
+
+
+class _FakeVllm(BaseHTTPRequestHandler):
+    """POST /v1/chat/completions: answers `echo:<last user turn>`; a last user turn containing FAIL gets a 500."""
+
+    requests: list[dict] = []
+
+    def do_POST(self):  # noqa: N802 (http.server's naming)
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.requests.append({"path": self.path, **body})
+        last = body["messages"][-1]["content"]
+        if self.path != "/v1/chat/completions" or "FAIL" in last:
+            self.send_response(500 if "FAIL" in last else 404)
+            self.end_headers()
+            return
+        data = json.dumps({"choices": [{"message": {"role": "assistant", "content": f"echo:{last}"}}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def fake_vllm():
+    _FakeVllm.requests = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _FakeVllm)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", _FakeVllm.requests
+    server.shutdown()
+    server.server_close()
+    thread.join(5)
+
+
+def test_endpoint_answers_turn_by_turn_and_counts_server_errors(fake_vllm, tmp_path):
+    url, seen = fake_vllm
+    traffic = _write_traffic(tmp_path / "t.jsonl", [_conv("multi", *MULTI), _conv("bad", ("user", "FAIL please")),
+                                                    _conv("one", ("user", "hello"))])
+    cfg = RegenerateConfig(endpoint_url=url + "/", endpoint_model="tiny", max_new_tokens=7, temperature=0.5,
+                           shard_size=8, endpoint_timeout_s=10)
+    res = regenerate(cfg, str(tmp_path / "no-local-target"), traffic, str(tmp_path / "out"), progress=lambda s: None)
+    assert (res.total, res.ok, res.failed, res.skipped) == (3, 2, 1, 0)
+    assert "500" in res.failures["bad"] and res.failures["bad"].startswith("turn 1:")
+    assert sum("FAIL" in r["messages"][-1]["content"] for r in seen) == 3  # retried, then given up
+    multi = [r for r in seen if r["messages"][0]["role"] == "system"]
+    assert [len(r["messages"]) for r in multi] == [2, 4]  # turn 2 carries turn 1's answer as its history
+    assert multi[1]["messages"][2] == {"role": "assistant", "content": "echo:def add(a, b):"}
+    assert all(r["path"] == "/v1/chat/completions" and r["model"] == "tiny" and r["max_tokens"] == 7
+               and r["temperature"] == 0.5 for r in seen)
+    convs = {c.id: c for c in read_regenerated(str(tmp_path / "out"))}
+    assert [m.content for m in convs["multi"].messages if m.role == "assistant"] == ["echo:def add(a, b):",
+                                                                                     "echo:And sub?"]
+    assert [m.role for m in convs["one"].messages] == ["user", "assistant"]
