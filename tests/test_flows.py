@@ -1,0 +1,91 @@
+"""End to end: the Prefect flows on the tiny embedded default, with real MLflow (SQLite), Prefect and Ray paths.
+
+One session of work: the demo flow builds the tiny default, trains the base target's head through `train-head`,
+registers the fine-tune and lets the registry watcher + `on-new-finetune` (the trigger path) train its head.
+Then: a second identical run adds no registry version; the scheduled `retrain` finds every head fresh; the
+watcher announces nothing new; a changed traffic file makes the head stale.
+"""
+
+import json
+import os
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory, prefect_harness):
+    home = tmp_path_factory.mktemp("eagle-home")
+    old = {k: os.environ.get(k) for k in ("EAGLE_HOME", "MLFLOW_TRACKING_URI", "RAY_AUTH_MODE")}
+    os.environ["EAGLE_HOME"] = str(home)
+    os.environ.pop("MLFLOW_TRACKING_URI", None)
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    from flows.demo import demo
+
+    res = demo(preset="tiny", embedded_preset="tiny")
+    yield home, res
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def _store():
+    from infra.mlflow_store import MlflowStore
+    from infra.settings import Settings
+
+    return MlflowStore.connect(Settings.from_env())
+
+
+def test_demo_registers_a_head_per_target_version_through_the_trigger(demo_run):
+    home, res = demo_run
+    assert res["lines"][-1].startswith("demo: tau=") and "identical=yes" in res["lines"][-1]
+    store = _store()
+    heads = {m.name for m in store.list_models(kind="eagle3-head")}
+    assert heads == {"stdlib-llama-v1-eagle3", "stdlib-llama-v2-eagle3"}
+    targets = store.list_versions("stdlib-llama")
+    assert [v.tags["role"] for v in targets] == ["base", "finetune"]
+    for name in heads:
+        (v,) = store.list_versions(name)
+        assert v.tags["run_key"] and v.tags["traffic_sha256"] and float(v.tags["tau"]) >= 1.0
+        assert "champion" in v.aliases  # tiny preset floor is 1.0
+        head_dir = store.resolve(v.uri)
+        cfg = json.loads((head_dir / "config.json").read_text())
+        assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
+        assert (head_dir / "probe.safetensors").is_file()
+    v2 = store.list_versions("stdlib-llama-v2-eagle3")[0]
+    assert v2.tags["target_version"] == "2"
+    assert (home / "watcher" / "announced.json").is_file()
+
+
+def test_second_identical_run_adds_no_version_and_retrain_finds_heads_fresh(demo_run):
+    home, res = demo_run
+    from flows.retrain import retrain
+    from flows.train_head import train_head
+    from flows.watch import watch_registry
+
+    store = _store()
+    base = store.list_versions("stdlib-llama")[0]
+    again = train_head("models:/stdlib-llama/1", base.tags["traffic_train"], base.tags["traffic_heldout"], "tiny")
+    assert again["created"] is False and again["head_uri"] == res["base"]["head_uri"]
+    assert len(store.list_versions("stdlib-llama-v1-eagle3")) == 1
+    assert retrain(preset="tiny") == {"stdlib-llama/1": "fresh", "stdlib-llama/2": "fresh"}
+    assert watch_registry(dispatch="event", preset="tiny") == {}
+
+
+def test_changed_traffic_makes_the_head_stale(demo_run, tmp_path):
+    from flows.retrain import head_status
+
+    store = _store()
+    v1 = store.list_versions("stdlib-llama")[0]
+    path = v1.tags["traffic_train"]
+    original = open(path, "rb").read()
+    try:
+        with open(path, "ab") as f:
+            f.write(original.splitlines(keepends=True)[0])
+        assert head_status(store, "stdlib-llama", 1) == "stale"
+    finally:
+        open(path, "wb").write(original)
+    assert head_status(store, "stdlib-llama", 1) == "fresh"
