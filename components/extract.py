@@ -144,34 +144,40 @@ def extract(cfg: ExtractConfig, target_dir: str, regen_dir: str, out_dir: str,
     _save_target_heads(out, target)
     target.config.save_pretrained(out / "target_config")
     layer_ids = list(default_aux_layer_ids(target.config.num_hidden_layers))
+    target_sha = weights_sha256(target_dir)  # once: hashing a real target's weights takes a while
     previous = json.loads((out / MANIFEST).read_text()) if (out / MANIFEST).is_file() else {}
-    known = {s["file"]: s["sha256"] for s in previous.get("shards", [])}
+    same_source = (previous.get("dtype"), previous.get("layer_ids"), previous.get("target", {}).get("weights_sha256")) \
+        == (cfg.dtype, layer_ids, target_sha)
+    known = {s["file"]: (s["sha256"], s.get("tokens_sha256")) for s in previous.get("shards", [])} if same_source else {}
     shards = []
     if cfg.mode == "offline":
         n_shards = -(-len(seqs) // cfg.seqs_per_shard)
         for k in range(n_shards):
             path = out / f"features-{k:05d}.safetensors"
             part = seqs[k * cfg.seqs_per_shard:(k + 1) * cfg.seqs_per_shard]
+            tokens_sha = hashlib.sha256(json.dumps(part).encode()).hexdigest()  # the sequences this shard holds
             t0 = time.perf_counter()
-            if not (path.is_file() and known.get(path.name) == _sha256(path)):
+            sha = _sha256(path) if path.is_file() else None
+            if sha is None or known.get(path.name) != (sha, tokens_sha):
                 _write_shard(path, target, layer_ids, part, cfg)
+                sha = _sha256(path)
                 progress(f"extract: shard {k + 1}/{n_shards}, {sum(len(s) for s, _ in part)} tokens "
                          f"({time.perf_counter() - t0:.1f} s)")
-            shards.append({"file": path.name, "sha256": _sha256(path), "n_seqs": len(part),
+            shards.append({"file": path.name, "sha256": sha, "tokens_sha256": tokens_sha, "n_seqs": len(part),
                            "n_tokens": sum(len(s) for s, _ in part), "bytes": path.stat().st_size})
-            manifest = _manifest(cfg, target_dir, layer_ids, seqs, n_trained, truncated, shards)
+            manifest = _manifest(cfg, target_dir, target_sha, layer_ids, seqs, n_trained, truncated, shards)
             atomic_write_text(out / MANIFEST, json.dumps(manifest, indent=2) + "\n")
-    manifest = _manifest(cfg, target_dir, layer_ids, seqs, n_trained, truncated, shards)
+    manifest = _manifest(cfg, target_dir, target_sha, layer_ids, seqs, n_trained, truncated, shards)
     atomic_write_text(out / MANIFEST, json.dumps(manifest, indent=2) + "\n")
     return ExtractResult(str(out), cfg.mode, str(out / MANIFEST), len(seqs), manifest["n_tokens"], n_trained,
                          manifest["bytes_per_token"])
 
 
-def _manifest(cfg: ExtractConfig, target_dir: str, layer_ids, seqs, n_trained: int, truncated: int, shards):
+def _manifest(cfg: ExtractConfig, target_dir: str, target_sha: str, layer_ids, seqs, n_trained: int, truncated: int,
+              shards):
     n_tokens = sum(len(s) for s, _ in seqs)
     total = sum(s["bytes"] for s in shards)
-    return {"format_version": 1, "mode": cfg.mode, "target": {"path": str(target_dir),
-                                                               "weights_sha256": weights_sha256(target_dir)},
+    return {"format_version": 1, "mode": cfg.mode, "target": {"path": str(target_dir), "weights_sha256": target_sha},
             "layer_ids": layer_ids, "dtype": cfg.dtype, "max_len": cfg.max_len, "n_seqs": len(seqs),
             "n_tokens": n_tokens, "n_trained_tokens": n_trained, "n_truncated": truncated,
             "shards": shards, "bytes_per_token": total / n_tokens if shards else 0.0}

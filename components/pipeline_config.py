@@ -12,9 +12,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, Union
 
 from components.evaluate import EvaluateConfig
 from components.extract import ExtractConfig
@@ -68,9 +70,12 @@ class PipelineConfig:
                 raise ConfigError(f"{where}: section {sec!r} must be a mapping")
             current = getattr(self, sec)
             known = {f.name: f for f in dataclasses.fields(current)}
+            hints = typing.get_type_hints(type(current))
+            values = dict(values)
             for k, v in values.items():
                 if k not in known:
                     raise ConfigError(f"{where}: unknown key {sec}.{k}; known: {sorted(known)}")
+                values[k] = _typed(v, hints[k], f"{where}: {sec}.{k}")
             try:
                 out = dataclasses.replace(out, **{sec: dataclasses.replace(current, **values)})
             except (TypeError, ValueError) as e:
@@ -95,3 +100,30 @@ class PipelineConfig:
 
     def fingerprint(self) -> str:
         return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    origin = typing.get_origin(hint)
+    if origin in (Union, types.UnionType):
+        return any(_fits(value, h) for h in typing.get_args(hint))
+    if origin is Literal:
+        return value in typing.get_args(hint)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin in (tuple, list):
+        return isinstance(value, (tuple, list))
+    return hint is Any or not isinstance(hint, type) or isinstance(value, hint)
+
+
+def _typed(value: Any, hint: Any, what: str) -> Any:
+    """`value` checked against the field's annotation (JSON ints become floats, arrays tuples, where declared)."""
+    if not _fits(value, hint):
+        raise ConfigError(f"{what}: {value!r} is not of type {hint.__name__ if isinstance(hint, type) else hint}")
+    if hint is float or (typing.get_origin(hint) in (Union, types.UnionType) and float in typing.get_args(hint)
+                         and isinstance(value, int)):
+        return float(value)
+    if typing.get_origin(hint) is tuple:
+        return tuple(value)
+    return value

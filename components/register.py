@@ -106,6 +106,10 @@ def register_head(store: MlflowStore, cfg: RegisterConfig, head: HeadToRegister)
         return RegisterResult(name, v.version, f"models:/{name}/{v.version}", alias, alias == CHAMPION,
                               "already registered for this run key", v.run_id or "")
     tau = float(head.metrics["tau"])
+    champion = store.get_alias(name, CHAMPION)
+    if head.champion_tau is None and champion is not None:
+        raise ValueError(f"{name} has a champion (version {champion.version}) but no champion_tau was given: "
+                         "evaluate the champion on the same held-out traffic (evaluate's baseline_head_dir)")
     promoted, reason = _gate(cfg, tau, head.champion_tau)
     tags = {"target_name": head.target.name, "target_version": str(head.target.version),
             "target_weights_sha256": head.target.weights_sha256, "traffic_sha256": head.traffic_sha256,

@@ -14,12 +14,15 @@ Not here: evaluation, registration, the choice of hyper-parameters per target (f
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
+
+from components.atomic import atomic_write_text
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,9 @@ class LoopArgs:
     fail_at_step: int | None = None  # fault injection for tests: raise once at this step
 
 
+HISTORY = "history.jsonl"
+
+
 def latest_checkpoint(out_dir: str | Path) -> Path | None:
     done = sorted(p for p in (Path(out_dir) / "checkpoints").glob("step-*") if (p / "DONE").is_file())
     return done[-1] if done else None
@@ -122,6 +128,13 @@ def _load_checkpoint(path: Path, draft, opt, sched) -> int:
     return int(state["step"])
 
 
+def _trim_history(path: Path, step: int) -> None:
+    """Drop the rows logged after checkpoint `step`: the resumed run logs those steps again."""
+    if path.is_file():
+        rows = path.read_text().splitlines(keepends=True)
+        atomic_write_text(path, "".join(r for r in rows if r.strip() and json.loads(r)["step"] <= step))
+
+
 def train_loop(args: LoopArgs) -> None:
     """Runs on every Ray worker (or in the driver when num_workers == 0)."""
     import torch
@@ -148,6 +161,8 @@ def train_loop(args: LoopArgs) -> None:
                                                                           grad_clip=cfg.grad_clip))
     ckpt = latest_checkpoint(out)
     start = _load_checkpoint(ckpt, draft, opt, sched) if ckpt else 0
+    if rank == 0:
+        _trim_history(out / HISTORY, start)
     model = TTTModule(draft, ttt)
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda"
@@ -213,17 +228,19 @@ def train(cfg: TrainConfig, extract_dir: str, out_dir: str, target_dir: str | No
     """Train a head on the extract stage's output; resumes from `out_dir/checkpoints` when present."""
     from components.datasets import TrainingData
 
-    out = Path(out_dir)
+    out = Path(out_dir).resolve()  # Ray workers may run in another working directory
+    extract_dir = str(Path(extract_dir).resolve())
+    target_dir = str(Path(target_dir).resolve()) if target_dir else None
     out.mkdir(parents=True, exist_ok=True)
     manifest = TrainingData.open(extract_dir, verify=True).manifest  # fail fast on bad shards, in the driver
     if manifest["mode"] == "online" and not target_dir:
         raise ValueError("online features need the target: pass target_dir")
-    history = out / "history.jsonl"
+    history = out / HISTORY
     ckpt = latest_checkpoint(out)
     resumed = int(ckpt.name.split("-")[1]) if ckpt else 0
     if not ckpt:
         history.unlink(missing_ok=True)
-    args = LoopArgs(cfg, str(extract_dir), str(out), target_dir, dict(lineage or {}),
+    args = LoopArgs(cfg, extract_dir, str(out), target_dir, dict(lineage or {}),
                     (JsonlSink(str(history)), *sinks), fail_at_step)
     t0 = time.perf_counter()
     if cfg.num_workers == 0:
@@ -235,6 +252,11 @@ def train(cfg: TrainConfig, extract_dir: str, out_dir: str, target_dir: str | No
                        time.perf_counter() - t0)
 
 
+def _ray_run_name(out_dir: str) -> str:
+    """One Ray run per output directory: the flows share one storage path and name every output dir `train`."""
+    return f"{Path(out_dir).name}-{hashlib.sha256(str(Path(out_dir).resolve()).encode()).hexdigest()[:12]}"
+
+
 def _fit_with_ray(args: LoopArgs, storage: str) -> None:
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -244,7 +266,7 @@ def _fit_with_ray(args: LoopArgs, storage: str) -> None:
         train_loop, train_loop_config=args,
         scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_gpu,
                                      resources_per_worker={"CPU": cfg.cpus_per_worker}),
-        run_config=RunConfig(name=Path(args.out_dir).name, storage_path=str(Path(storage).resolve()),
+        run_config=RunConfig(name=_ray_run_name(args.out_dir), storage_path=str(Path(storage).resolve()),
                              failure_config=FailureConfig(max_failures=cfg.max_failures)))
     result = trainer.fit()
     if result.error:

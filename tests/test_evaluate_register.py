@@ -1,0 +1,214 @@
+"""Stages 4 and 5 and the pipeline config: evaluation of a real tiny head, registration in a SQLite MLflow.
+
+Purpose: evaluation reports tau, acceptance by position, per-segment figures and plots, and proves outputs
+identical; a broken verification rule is caught (NotLosslessError, report still written). Registration: the
+promotion gate (floor, champion's tau), idempotency on run_key and on a target's weights hash, lineage tags, and
+refusal to put a head among a target's versions. Pipeline config: strict loading, presets, a stable fingerprint.
+Run: `python -m pytest tests/test_evaluate_register.py` (about 20 s once the tiny embedded default is built).
+Not here: mocks of MLflow; the one monkeypatch breaks the verification rule on purpose.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from components.evaluate import EvaluateConfig, NotLosslessError, evaluate
+from components.extract import ExtractConfig, extract
+from components.pipeline_config import ConfigError, PipelineConfig
+from components.regenerate import RegenerateConfig, regenerate
+from components.register import HeadToRegister, RegisterConfig, TargetRef, register_head, register_target
+from components.targets import weights_sha256
+from components.traffic_io import load_traffic
+from components.train import TrainConfig, train
+from infra.mlflow_store import CHALLENGER, CHAMPION, RegistryCollision
+
+QUIET = dict(progress=lambda s: None)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def head(tiny_embedded, tmp_path_factory):
+    """A head trained by the real stages (regenerate -> extract -> train) on the tiny target."""
+    root = tmp_path_factory.mktemp("head")
+    regenerate(RegenerateConfig(max_new_tokens=12, temperature=1.0, shard_size=8, limit=8), tiny_embedded.target_dir,
+               str(tiny_embedded.target_traffic.train), str(root / "regen"), **QUIET)
+    extract(ExtractConfig(max_len=160, seqs_per_shard=8), tiny_embedded.target_dir, str(root / "regen"),
+            str(root / "ext"), **QUIET)
+    return train(TrainConfig.tiny(), str(root / "ext"), str(root / "train"))
+
+
+# ---- evaluate ---------------------------------------------------------------------------------------------------
+
+
+def test_evaluate_reports_acceptance_and_identical_outputs(tiny_embedded, head, tmp_path):
+    cfg = EvaluateConfig.tiny()
+    heldout = str(tiny_embedded.target_traffic.heldout)
+    res = evaluate(cfg, tiny_embedded.target_dir, head.head_dir, heldout, str(tmp_path / "eval"),
+                   baseline_head_dir=head.head_dir, history_file=head.history_file, **QUIET)
+    assert res.identical is True and res.n_samples == cfg.limit
+    assert 1.0 <= res.tau <= cfg.depth + 1
+    assert len(res.acceptance) == len(res.acceptance_cumulative) == cfg.depth
+    assert all(0.0 <= a <= 1.0 for a in res.acceptance + res.acceptance_cumulative)
+    assert all(b <= a + 1e-9 for a, b in zip(res.acceptance_cumulative, res.acceptance_cumulative[1:]))
+    segments = [c.segment for c in load_traffic(heldout).conversations[: cfg.limit]]
+    assert set(res.per_segment) == set(segments)
+    assert sum(s["verify_steps"] for s in res.per_segment.values()) > 0
+    assert res.baseline_tau == pytest.approx(res.tau)  # the same head as its own baseline, same prompts
+    assert res.n_tokens > 0 and res.speedup > 0 and res.plain_tokens_per_s > 0
+    report = json.loads(Path(res.report_file).read_text())
+    assert report["result"]["tau"] == res.tau and len(report["samples"]) == cfg.limit
+    assert {Path(p).name for p in res.plots} == {"acceptance_by_position.png", "training_curves.png"}
+    assert all(Path(p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in res.plots)
+    assert res.metrics()["identical"] == 1.0 and res.metrics()["alpha_1"] == res.acceptance[0]
+
+
+def test_a_broken_verification_rule_is_caught(tiny_embedded, head, tmp_path, monkeypatch):
+    """Accept every draft, whatever the target says: outputs change, and evaluation must fail loudly."""
+    from eagle import sampling
+    from eagle.export import export_head, load_head
+
+    def accept_all(logits_BKV, draft_BK):
+        n_B = torch.full((draft_BK.shape[0],), draft_BK.shape[1], dtype=torch.long)
+        return n_B, logits_BKV[:, -1].argmax(-1)
+
+    noisy = load_head(head.head_dir)  # a head whose drafts are mostly wrong, so accepting them changes outputs
+    torch.manual_seed(0)
+    torch.nn.init.normal_(noisy.lm_head.weight, std=1.0)
+    noisy_dir = export_head(noisy, tmp_path / "noisy")
+    monkeypatch.setattr(sampling, "accept_chain_greedy", accept_all)
+    with pytest.raises(NotLosslessError, match="differ from plain greedy"):
+        evaluate(EvaluateConfig.tiny(), tiny_embedded.target_dir, str(noisy_dir),
+                 str(tiny_embedded.target_traffic.heldout), str(tmp_path / "eval"), **QUIET)
+    report = json.loads((tmp_path / "eval" / "evaluation.json").read_text())
+    assert report["result"]["identical"] is False and not all(s["identical"] for s in report["samples"])
+
+
+# ---- register ---------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def target_ref(mlflow_store, tiny_embedded) -> TargetRef:
+    sha = weights_sha256(tiny_embedded.target_dir)
+    return register_target(mlflow_store, "tiny", tiny_embedded.target_dir, role="base", base_model="", weights_sha256=sha)
+
+
+def _head(store, target: TargetRef, head_dir: str, key: str, tau: float, champion_tau: float | None):
+    run_id = store.start_run(f"head-{key}")
+    return HeadToRegister(head_dir=head_dir, target=target, traffic_sha256="t" * 64, run_key=key, run_id=run_id,
+                          metrics={"tau": tau, "speedup": 1.1}, champion_tau=champion_tau,
+                          params={"config": {"steps": 12}})
+
+
+def test_promotion_gate_and_idempotent_registration(mlflow_store, target_ref, head):
+    cfg = RegisterConfig(tau_floor=1.5)
+    name = "tiny-v1-eagle3"
+    first = register_head(mlflow_store, cfg, _head(mlflow_store, target_ref, head.head_dir, "k1", 3.0, None))
+    assert (first.model_name, first.version, first.alias, first.promoted) == (name, 1, CHAMPION, True)
+    v1 = mlflow_store.get_version(name, 1)
+    assert v1.tags["target_weights_sha256"] == target_ref.weights_sha256 and v1.tags["tau"] == "3.0000"
+    assert v1.tags["target_name"] == "tiny" and v1.tags["target_version"] == "1" and v1.run_id == first.run_id
+
+    worse = register_head(mlflow_store, cfg, _head(mlflow_store, target_ref, head.head_dir, "k2", 2.5, 3.0))
+    assert (worse.version, worse.alias, worse.promoted) == (2, CHALLENGER, False)
+    assert "champion" in worse.reason
+    assert mlflow_store.get_alias(name, CHAMPION).version == 1  # the champion stays
+
+    low = register_head(mlflow_store, cfg, _head(mlflow_store, target_ref, head.head_dir, "k3", 1.2, 1.0))
+    assert (low.version, low.alias, low.promoted) == (3, CHALLENGER, False) and "floor" in low.reason
+    assert mlflow_store.get_alias(name, CHAMPION).version == 1
+
+    again = register_head(mlflow_store, cfg, _head(mlflow_store, target_ref, head.head_dir, "k1", 3.0, None))
+    assert (again.version, again.alias) == (1, CHAMPION)
+    assert [v.version for v in mlflow_store.list_versions(name)] == [1, 2, 3]  # no second version for k1
+
+    better = register_head(mlflow_store, cfg, _head(mlflow_store, target_ref, head.head_dir, "k4", 3.5, 3.0))
+    assert (better.version, better.promoted) == (4, True) and mlflow_store.get_alias(name, CHAMPION).version == 4
+
+
+def test_a_head_cannot_skip_the_champion_comparison(mlflow_store, target_ref, head):
+    cfg = RegisterConfig(tau_floor=1.0)
+    register_head(mlflow_store, cfg, _head(mlflow_store, target_ref, head.head_dir, "k1", 3.0, None))
+    with pytest.raises(ValueError, match="champion"):  # champion_tau=None claims there is no champion
+        register_head(mlflow_store, cfg, _head(mlflow_store, target_ref, head.head_dir, "k2", 2.0, None))
+    assert mlflow_store.get_alias("tiny-v1-eagle3", CHAMPION).version == 1
+
+
+def test_register_target_is_idempotent_on_weights(mlflow_store, tiny_embedded, target_ref):
+    sha = target_ref.weights_sha256
+    again = register_target(mlflow_store, "tiny", tiny_embedded.target_dir, role="base", base_model="",
+                            weights_sha256=sha)
+    assert again.version == target_ref.version == 1
+    assert [v.version for v in mlflow_store.list_versions("tiny")] == [1]
+    tags = mlflow_store.get_version("tiny", 1).tags
+    assert (tags["weights_sha256"], tags["base_model"], tags["role"]) == (sha, "", "base")
+    ft_sha = weights_sha256(tiny_embedded.finetune_dir)
+    ft = register_target(mlflow_store, "tiny", tiny_embedded.finetune_dir, role="finetune", base_model="tiny/1",
+                         weights_sha256=ft_sha)
+    assert ft.version == 2 and mlflow_store.get_version("tiny", 2).tags["base_model"] == "tiny/1"
+    assert {m.name: m.tags["kind"] for m in mlflow_store.list_models()} == {"tiny": "causal-lm-target"}
+
+
+def test_a_head_never_lands_among_a_targets_versions(mlflow_store, tiny_embedded, head):
+    sha = weights_sha256(tiny_embedded.target_dir)
+    register_target(mlflow_store, "tiny-v1-eagle3", tiny_embedded.target_dir, role="base", base_model="",
+                    weights_sha256=sha)
+    target = TargetRef("tiny", 1, sha, tiny_embedded.target_dir)
+    with pytest.raises(RegistryCollision, match="tiny-v1-eagle3"):
+        register_head(mlflow_store, RegisterConfig(), _head(mlflow_store, target, head.head_dir, "k1", 3.0, None))
+    assert [v.version for v in mlflow_store.list_versions("tiny-v1-eagle3")] == [1]
+
+
+# ---- pipeline config --------------------------------------------------------------------------------------------
+
+
+def _load(tmp_path: Path, data, preset: str = "tiny") -> PipelineConfig:
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps(data))
+    return PipelineConfig.load(path, preset)
+
+
+def test_presets_and_overrides(tmp_path):
+    assert PipelineConfig.load(None, "tiny") == PipelineConfig.tiny()
+    assert PipelineConfig.load(None, "default") == PipelineConfig.default()
+    cfg = _load(tmp_path, {"train": {"steps": 7}, "extract": {"mode": "online"}})
+    assert cfg.train.steps == 7 and cfg.extract.mode == "online"
+    assert cfg.train.batch_size == PipelineConfig.tiny().train.batch_size  # the rest of the preset stays
+    with pytest.raises(ConfigError, match="unknown preset 'huge'"):
+        PipelineConfig.preset("huge")
+
+
+@pytest.mark.parametrize("data, named", [
+    ({"trian": {"steps": 1}}, "unknown section 'trian'"),
+    ({"train": {"stepz": 1}}, "unknown key train.stepz"),
+    ({"train": 5}, "section 'train' must be a mapping"),
+    ({"extract": {"mode": "sideways"}}, r"extract.mode: 'sideways' is not of type .*'offline', 'online'"),
+    ({"extract": {"dtype": "int8"}}, "feature dtype must be"),
+    ({"train": {"steps": "ten"}}, "train.steps"),
+    ({"regenerate": {"limit": 2.5}}, "regenerate.limit"),
+])
+def test_bad_config_is_refused_by_name(tmp_path, data, named):
+    with pytest.raises(ConfigError, match=named):
+        _load(tmp_path, data)
+
+
+def test_optional_values_accept_null(tmp_path):
+    assert _load(tmp_path, {"regenerate": {"limit": None}, "train": {"lr": 1}}).regenerate.limit is None
+
+
+def test_fingerprint_is_stable_and_sensitive(tmp_path):
+    a = PipelineConfig.tiny()
+    assert a.fingerprint() == PipelineConfig.tiny().fingerprint() == _load(tmp_path, {}).fingerprint()
+    assert _load(tmp_path, {"train": {"steps": a.train.steps}}).fingerprint() == a.fingerprint()
+    assert _load(tmp_path, {"train": {"steps": a.train.steps + 1}}).fingerprint() != a.fingerprint()
+    assert len(a.fingerprint()) == 64 and a.fingerprint() != PipelineConfig.default().fingerprint()

@@ -1,0 +1,246 @@
+"""Stages 2 and 3 on the tiny embedded default: feature extraction (offline shards, online) and head training.
+
+Purpose: the offline manifest describes what is on disk (layer ids, dtype, shard hashes); a re-run rewrites no
+shard, but one with another dtype rewrites them all; a corrupted shard is refused by name; online mode stores no
+features; the TTT batch is the same from stored features and from the target, and so is a training step; training
+exports a head the target accepts; a run killed mid-way resumes from its last checkpoint and ends where an
+uninterrupted run ends; under Ray, FailureConfig restarts the failed worker group and the run completes.
+Run: `python -m pytest tests/test_extract_train.py` (about 15 s; `-m "not slow"` skips the ~40 s Ray test).
+Not here: mocks. Ray is a real local Ray (the `ray_local` fixture).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from components.datasets import FeatureStoreError, TrainingData, ttt_batch
+from components.extract import ExtractConfig, extract
+from components.regenerate import RegenerateConfig, regenerate
+from components.targets import load_target
+from components.train import TrainConfig, latest_checkpoint, train
+from eagle.export import load_head, read_head_meta, verify_probe
+
+QUIET = dict(progress=lambda s: None)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def regen_dir(tiny_embedded, tmp_path_factory) -> str:
+    out = tmp_path_factory.mktemp("stages") / "regen"
+    cfg = RegenerateConfig(max_new_tokens=16, temperature=1.0, batch_size=8, shard_size=8, limit=12, seed=0)
+    res = regenerate(cfg, tiny_embedded.target_dir, str(tiny_embedded.target_traffic.train), str(out), **QUIET)
+    assert res.ok >= 8
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def offline_dir(tiny_embedded, regen_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("stages") / "offline"
+    extract(ExtractConfig(max_len=160, dtype="float32", seqs_per_shard=4, batch_size=3), tiny_embedded.target_dir,
+            regen_dir, str(out), **QUIET)
+    return out
+
+
+@pytest.fixture(scope="module")
+def online_dir(tiny_embedded, regen_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("stages") / "online"
+    extract(ExtractConfig(mode="online", max_len=160, dtype="float32"), tiny_embedded.target_dir, regen_dir, str(out),
+            **QUIET)
+    return out
+
+
+@pytest.fixture(scope="module")
+def target(tiny_embedded):
+    return load_target(tiny_embedded.target_dir)[0]
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _mtimes(d: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_mtime_ns for p in sorted(d.glob("features-*.safetensors"))}
+
+
+# ---- extract ----------------------------------------------------------------------------------------------------
+
+
+def test_offline_manifest_describes_the_shards(offline_dir, target, tiny_embedded):
+    from components.extract import _sha256
+    from components.targets import weights_sha256
+
+    m = json.loads((offline_dir / "manifest.json").read_text())
+    n = target.config.num_hidden_layers
+    assert m["mode"] == "offline" and m["dtype"] == "float32"
+    assert m["layer_ids"] == [2, n // 2, n - 3]
+    assert m["target"]["weights_sha256"] == weights_sha256(tiny_embedded.target_dir)
+    assert len(m["shards"]) == -(-m["n_seqs"] // 4) >= 2
+    for s in m["shards"]:
+        path = offline_dir / s["file"]
+        assert s["sha256"] == _sha256(path) and s["bytes"] == path.stat().st_size
+        t = load_file(str(path))
+        assert t["aux_hidden_states"].dtype == torch.float32
+        assert t["aux_hidden_states"].shape == (s["n_tokens"], 3 * target.config.hidden_size)
+        assert t["last_hidden_state"].shape == (s["n_tokens"], target.config.hidden_size)
+        assert int(t["offsets"][-1]) == s["n_tokens"] and t["offsets"].numel() == s["n_seqs"] + 1
+    assert sum(s["n_seqs"] for s in m["shards"]) == m["n_seqs"]
+    assert sum(s["n_tokens"] for s in m["shards"]) == m["n_tokens"]
+    assert m["bytes_per_token"] > 4 * 4 * target.config.hidden_size  # 3H + H floats per token, at least
+    data = TrainingData.open(offline_dir)
+    assert data.n_seqs == m["n_seqs"] and int(data.loss_mask.sum()) == m["n_trained_tokens"] > 0
+    assert int(data.token_counts.sum()) == m["n_trained_tokens"]
+
+
+def test_rerun_rewrites_no_shard_but_a_new_dtype_rewrites_all(offline_dir, tiny_embedded, regen_dir, tmp_path):
+    out = _copy(offline_dir, tmp_path / "ext")
+    before = _mtimes(out)
+    written: list[str] = []
+    extract(ExtractConfig(max_len=160, dtype="float32", seqs_per_shard=4, batch_size=3), tiny_embedded.target_dir,
+            regen_dir, str(out), progress=written.append)
+    assert written == [] and _mtimes(out) == before
+    assert json.loads((out / "manifest.json").read_text())["shards"] == \
+        json.loads((offline_dir / "manifest.json").read_text())["shards"]
+
+    extract(ExtractConfig(max_len=160, dtype="bfloat16", seqs_per_shard=4, batch_size=3), tiny_embedded.target_dir,
+            regen_dir, str(out), progress=written.append)
+    assert len(written) == len(before)  # float32 shards are not bfloat16 shards
+    assert all(load_file(str(p))["aux_hidden_states"].dtype == torch.bfloat16 for p in out.glob("features-*"))
+    TrainingData.open(out)  # and the manifest matches them
+
+
+def test_corrupted_shard_is_refused_by_name(offline_dir, tmp_path):
+    out = _copy(offline_dir, tmp_path / "ext")
+    shard = out / "features-00001.safetensors"
+    raw = bytearray(shard.read_bytes())
+    raw[-3] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(FeatureStoreError, match="features-00001.safetensors.*sha256"):
+        TrainingData.open(out)
+    with pytest.raises(FeatureStoreError, match="features-00001.safetensors"):  # training fails fast, in the driver
+        train(TrainConfig.tiny(), str(out), str(tmp_path / "train"))
+    shard.write_bytes(bytes(raw[: len(raw) // 2]))  # truncated
+    with pytest.raises(FeatureStoreError, match="features-00001.safetensors"):
+        TrainingData.open(out)
+    shard.unlink()
+    with pytest.raises(FeatureStoreError, match="features-00001.safetensors.*missing"):
+        TrainingData.open(out)
+
+
+def test_online_mode_writes_no_features(online_dir, offline_dir):
+    assert not list(online_dir.glob("features-*"))
+    m = json.loads((online_dir / "manifest.json").read_text())
+    assert m["mode"] == "online" and m["shards"] == [] and m["bytes_per_token"] == 0.0
+    on, off = TrainingData.open(online_dir), TrainingData.open(offline_dir)
+    assert torch.equal(on.input_ids, off.input_ids) and torch.equal(on.loss_mask, off.loss_mask)
+    with pytest.raises(FeatureStoreError, match="no feature shard"):
+        on.features(0)
+
+
+# ---- offline == online ------------------------------------------------------------------------------------------
+
+
+def _head(data: TrainingData, seed: int = 0):
+    from eagle.train import head_from_tensors
+
+    torch.manual_seed(seed)
+    return head_from_tensors(data.target_config(), data.token_counts, data.embed_tokens, data.lm_head, 64)
+
+
+def test_offline_and_online_batches_and_steps_are_the_same(offline_dir, online_dir, target):
+    from eagle.train import OptimConfig, make_optimizer, train_step
+    from eagle.ttt import TTTConfig
+
+    off, on = TrainingData.open(offline_dir), TrainingData.open(online_dir)
+    idx = [0, 3, off.n_seqs - 1]  # different lengths: padding differs from the extract stage's batches
+    draft = _head(off)
+    a = ttt_batch(off, idx, draft.draft_ids(), "cpu")
+    b = ttt_batch(on, idx, draft.draft_ids(), "cpu", target=target)
+    assert torch.equal(a.input_ids_BS, b.input_ids_BS) and torch.equal(a.loss_mask_BS, b.loss_mask_BS)
+    m = a.loss_mask_BS.bool()
+    assert m.sum() > 10
+    torch.testing.assert_close(a.aux_BS3H[m], b.aux_BS3H[m], atol=1e-5, rtol=0)
+    torch.testing.assert_close(a.teacher.probs_BTVd[m], b.teacher.probs_BTVd[m], atol=1e-5, rtol=0)
+    assert torch.equal(a.teacher.argmax_BT[m], b.teacher.argmax_BT[m])
+
+    ttt = TTTConfig(ttt_steps=3)
+    losses = []
+    for batch in (a, b):
+        head = _head(off)
+        opt, sched = make_optimizer(head.trainable_parameters(), OptimConfig.tiny())
+        losses.append(float(train_step(head, head, batch, ttt, opt, sched, 0.5).loss.detach()))
+    assert losses[0] == pytest.approx(losses[1], abs=1e-5)
+
+
+# ---- train ------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trained(offline_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("stages") / "train"
+    res = train(TrainConfig.tiny(), str(offline_dir), str(out), lineage={"run_key": "k1"})
+    return res
+
+
+def _steps(history_file: str) -> list[int]:
+    return [json.loads(x)["step"] for x in Path(history_file).read_text().splitlines()]
+
+
+def test_train_exports_a_head_the_target_accepts(trained, target):
+    cfg = TrainConfig.tiny()
+    draft = load_head(trained.head_dir, target)
+    assert draft.cfg.draft_vocab_size == cfg.draft_vocab_size and draft.cfg.hidden_size == target.config.hidden_size
+    assert verify_probe(draft, trained.head_dir) < 1e-5
+    meta = read_head_meta(trained.head_dir)
+    assert meta["lineage"]["run_key"] == "k1" and meta["lineage"]["resumed_from_step"] == 0
+    assert meta["lineage"]["train_config"]["steps"] == cfg.steps
+    assert _steps(trained.history_file) == list(range(cfg.log_every, cfg.steps + 1, cfg.log_every))
+    assert trained.resumed_from_step == 0 and trained.final_metrics["step"] == cfg.steps
+    assert all(torch.isfinite(torch.tensor(v)) for v in trained.final_metrics.values())
+
+
+def test_killed_run_resumes_from_its_last_checkpoint(offline_dir, trained, tmp_path):
+    cfg = TrainConfig.tiny()  # checkpoints at 5, 10, 12; history every 2 steps
+    out = tmp_path / "train"
+    with pytest.raises(RuntimeError, match="injected fault at step 8"):
+        train(cfg, str(offline_dir), str(out), lineage={"run_key": "k1"}, fail_at_step=8)
+    assert latest_checkpoint(out).name == "step-0000005"
+    assert _steps(str(out / "history.jsonl")) == [2, 4, 6, 8]  # 6 and 8 are past the checkpoint
+    res = train(cfg, str(offline_dir), str(out), lineage={"run_key": "k1"}, fail_at_step=8)
+    meta = read_head_meta(res.head_dir)
+    assert res.resumed_from_step == 5 and meta["lineage"]["resumed_from_step"] == 5
+    steps = _steps(res.history_file)
+    assert steps == sorted(set(steps)) and steps[-1] == cfg.steps  # no step twice
+    assert latest_checkpoint(out).name == f"step-{cfg.steps:07d}"
+    # batches, optimiser, scheduler and RNG all resume: the same head as the uninterrupted run
+    a, b = load_file(str(Path(res.head_dir) / "model.safetensors")), load_file(str(Path(trained.head_dir) /
+                                                                                  "model.safetensors"))
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0, msg=k)
+
+
+@pytest.mark.slow
+def test_ray_failure_config_restarts_and_completes(offline_dir, ray_local, tmp_path):
+    cfg = TrainConfig(**{**TrainConfig.tiny().__dict__, "num_workers": 2, "steps": 8, "checkpoint_every": 3,
+                         "batch_size": 2, "max_failures": 1})
+    out = tmp_path / "train"
+    res = train(cfg, str(offline_dir), str(out), fail_at_step=5, storage_dir=str(tmp_path / "ray"))
+    assert (out / ".fault-injected").is_file()  # the fault fired, and fit() still returned: Ray restarted
+    meta = read_head_meta(res.head_dir)
+    assert meta["lineage"]["resumed_from_step"] == 3  # the restarted workers resumed from the checkpoint
+    steps = _steps(res.history_file)
+    assert steps == sorted(set(steps)) and steps[-1] == cfg.steps
+    assert latest_checkpoint(out).name == f"step-{cfg.steps:07d}"
