@@ -95,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--out", default=".eagle/selfcheck")
     ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--samples", type=int, default=256, help="target-answered prompts used as training data")
+    ap.add_argument("--new-tokens", type=int, default=64, help="tokens generated per prompt in the lossless check")
     a = ap.parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda but torch sees no CUDA device")
@@ -103,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[1/5] tiny random target on {a.device}", flush=True)
     target = tiny_target(a.device)
     print("[2/5] target answers random prompts (training data)", flush=True)
-    ids, mask = self_generated_data(target, n=256, prompt_len=8, new_tokens=56, seed=1)
+    ids, mask = self_generated_data(target, n=a.samples, prompt_len=8, new_tokens=56, seed=1)
     print(f"[3/5] training the head with TTT for {a.steps} steps", flush=True)
     t0 = time.perf_counter()
     draft, history = train_head(target, ids, mask, a.steps, batch_size=8, device=a.device)
@@ -118,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     probe_err = verify_probe(draft2, out / "head")
     print("[5/5] lossless check: speculative vs plain greedy", flush=True)
     held_out, _ = self_generated_data(target2, n=4, prompt_len=8, new_tokens=1, seed=99)
-    check = lossless_check(target2, draft2, held_out[:, :8], max_new_tokens=64)
+    check = lossless_check(target2, draft2, held_out[:, :8], max_new_tokens=a.new_tokens)
     report = {"device": a.device, "train_steps": a.steps, "train_seconds": round(train_s, 1),
               "final_metrics": history[-1], "probe_max_abs_diff": probe_err, **check,
               "total_seconds": round(time.perf_counter() - t_start, 1)}
