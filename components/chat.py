@@ -52,13 +52,15 @@ def tokenize_conversation(tokenizer: Any, conv: Conversation | Sequence[dict[str
     """Token ids of the whole conversation and a mask that is 1 exactly on assistant-turn tokens."""
     msgs = _messages(conv)
     ids = _render(tokenizer, msgs, add_generation_prompt=False)
+    text = tokenizer.apply_chat_template(msgs, tokenize=False)
     mask = [0] * len(ids)
     for i, m in enumerate(msgs):
         if m["role"] != "assistant":
             continue
         start = len(_render(tokenizer, msgs[:i], add_generation_prompt=True))
         end = len(_render(tokenizer, msgs[: i + 1], add_generation_prompt=False))
-        if end > len(ids) or start > end:
+        prefix_text = tokenizer.apply_chat_template(msgs[: i + 1], tokenize=False)  # e.g. no rewritten past turns
+        if end > len(ids) or start > end or not text.startswith(prefix_text):
             raise ChatTemplateError("the chat template does not render a prefix of the conversation as a prefix "
                                     "of its tokens; cannot locate assistant turns")
         for j in range(start, end):

@@ -83,6 +83,19 @@ def test_truncation_cuts_ids_and_mask_together(tokenizer):
     assert cut.truncated and cut.input_ids == full.input_ids[:10] and cut.loss_mask == full.loss_mask[:10]
 
 
+def test_a_template_that_rewrites_past_turns_is_refused(tokenizer):
+    """Like templates that drop earlier turns' reasoning: the mask of a prefix would not fit the whole."""
+    odd = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
+    odd.chat_template = tokenizer.chat_template.replace("{{ message['content'] }}<|end|>{% endgeneration %}",
+                                                        "{% if not loop.last %}[old] {% endif %}"
+                                                        "{{ message['content'] }}<|end|>{% endgeneration %}")
+    assert odd.chat_template != tokenizer.chat_template
+    msgs = [{"role": r, "content": c} for r, c in MULTI]
+    tokenize_conversation(odd, msgs[:3], max_len=1024)  # one assistant turn, the last: fine
+    with pytest.raises(ChatTemplateError, match="prefix"):
+        tokenize_conversation(odd, msgs, max_len=1024)
+
+
 def test_no_chat_template_is_a_clear_error(tokenizer):
     bare = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
     bare.chat_template = None
