@@ -1,0 +1,45 @@
+"""The `eagle-heads` CLI: fast help, clear errors for bad arguments and unreachable services."""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _cli(*args, env=None, timeout=120):
+    e = {**os.environ, **(env or {})}
+    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=ROOT, env=e, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_help_is_fast_and_imports_nothing_heavy():
+    t0 = time.perf_counter()
+    r = _cli("--help")
+    assert r.returncode == 0 and "demo" in r.stdout and "train" in r.stdout and "watch" in r.stdout
+    code = ("import sys, flows.cli; flows.cli._parser(); "
+            "print(sorted(m for m in ('torch', 'prefect', 'mlflow', 'ray') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True).stdout
+    assert out.strip() == "[]"
+    assert time.perf_counter() - t0 < 30
+
+
+def test_bad_arguments_exit_2_with_a_message(tmp_path):
+    r = _cli("train", "--target", str(tmp_path / "nope"), "--traffic", str(tmp_path / "t.jsonl"),
+             "--heldout", str(tmp_path / "h.jsonl"))
+    assert r.returncode == 2 and "no such file or directory" in r.stderr
+    r = _cli("train", "--traffic", "x")
+    assert r.returncode == 2 and "--target" in r.stderr
+    r = _cli("frobnicate")
+    assert r.returncode == 2 and "invalid choice" in r.stderr
+
+
+def test_unreachable_tracking_server_is_a_clear_error(tmp_path):
+    traffic = tmp_path / "t.jsonl"
+    traffic.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    env = {"EAGLE_HOME": str(tmp_path / ".eagle"), "MLFLOW_TRACKING_URI": "http://127.0.0.1:9"}
+    r = _cli("watch", "--once", env=env)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "127.0.0.1:9" in r.stderr and "error" in r.stderr.lower()
