@@ -147,14 +147,17 @@ def endpoint_answerer(cfg: RegenerateConfig, retries: int = 3) -> Answerer:
 
 
 def _load_local(target_dir: str, cfg: RegenerateConfig):
-    import torch
-
     from components.targets import load_target
 
-    torch.manual_seed(cfg.seed)
     target, tokenizer = load_target(target_dir, cfg.device)
     tokenizer.padding_side = "left"
     return hf_answerer(target, tokenizer, cfg)
+
+
+def _seed_shard(seed: int, shard: int) -> None:
+    import torch
+
+    torch.manual_seed(seed * 1_000_003 + shard)
 
 
 def regenerate(cfg: RegenerateConfig, target_dir: str, traffic_path: str, out_dir: str,
@@ -174,6 +177,7 @@ def regenerate(cfg: RegenerateConfig, target_dir: str, traffic_path: str, out_di
                 skipped += len(chunk)
                 continue
         answer = answer or (endpoint_answerer(cfg) if cfg.endpoint_url else _load_local(target_dir, cfg))
+        _seed_shard(cfg.seed, s)  # a shard's samples do not depend on which shards ran before it (resume = clean run)
         t0 = time.perf_counter()
         records = answer_all(chunk, answer, cfg.batch_size)
         good = [r for r in records if "messages" in r]
