@@ -7,8 +7,9 @@ Purpose: `extract(cfg, target_dir, regen_dir, out_dir) -> ExtractResult`.
   offline mode.
 - `cfg.mode == "offline"`: also writes feature shards `features-XXXXX.safetensors` (input_ids int32, loss_mask
   uint8, offsets int64, aux_hidden_states and last_hidden_state in `cfg.dtype`) and a manifest with the target's
-  path and weights hash, layer ids, dtype, each shard's sha256 and size, and bytes per token. Shards are written
-  atomically and a re-run keeps every shard whose hash matches the manifest of the previous attempt.
+  path and weights hash, layer ids, dtype, each shard's sha256, tokens hash and size, and bytes per token. Shards
+  are written atomically; a re-run keeps every shard whose file hash matches the previous manifest and that holds
+  the same sequences, from the same target weights, layers and dtype.
 - `cfg.mode == "online"`: stores no features; training computes the same tensors (rounded to the same dtype).
 Not here: training (components/train.py) and the dataset readers (components/datasets.py).
 """
@@ -147,8 +148,8 @@ def extract(cfg: ExtractConfig, target_dir: str, regen_dir: str, out_dir: str,
     target_sha = weights_sha256(target_dir)  # once: hashing a real target's weights takes a while
     previous = json.loads((out / MANIFEST).read_text()) if (out / MANIFEST).is_file() else {}
     same_source = (previous.get("dtype"), previous.get("layer_ids"), previous.get("target", {}).get("weights_sha256")) \
-        == (cfg.dtype, layer_ids, target_sha)
-    known = {s["file"]: (s["sha256"], s.get("tokens_sha256")) for s in previous.get("shards", [])} if same_source else {}
+        == (cfg.dtype, layer_ids, target_sha)  # else every shard holds other features: rewrite them all
+    known = {s["file"]: (s["sha256"], s.get("tokens_sha256")) for s in previous.get("shards", []) if same_source}
     shards = []
     if cfg.mode == "offline":
         n_shards = -(-len(seqs) // cfg.seqs_per_shard)

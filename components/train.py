@@ -8,7 +8,8 @@ gradient clipping, bf16 autocast on GPU.
 Checkpoints (`out_dir/checkpoints/step-XXXXXXX/`: head, optimiser, scheduler, step, RNG; the data position is
 the step, since batches are a pure function of (seed, step)) are written atomically by rank 0 and reported to
 Ray; a worker restarted by Ray's FailureConfig, or a re-run of the same stage after a crash, continues from the
-newest complete checkpoint. At the end rank 0 exports the head (vLLM/SGLang format + probe) to `out_dir/head`.
+newest complete checkpoint (and drops the history rows logged past it, which it logs again). At the end rank 0
+exports the head (vLLM/SGLang format + probe) to `out_dir/head`.
 Not here: evaluation, registration, the choice of hyper-parameters per target (flows/ pass the config).
 """
 

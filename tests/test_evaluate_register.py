@@ -100,7 +100,8 @@ def test_a_broken_verification_rule_is_caught(tiny_embedded, head, tmp_path, mon
 @pytest.fixture
 def target_ref(mlflow_store, tiny_embedded) -> TargetRef:
     sha = weights_sha256(tiny_embedded.target_dir)
-    return register_target(mlflow_store, "tiny", tiny_embedded.target_dir, role="base", base_model="", weights_sha256=sha)
+    return register_target(mlflow_store, "tiny", tiny_embedded.target_dir, role="base", base_model="",
+                           weights_sha256=sha)
 
 
 def _head(store, target: TargetRef, head_dir: str, key: str, tau: float, champion_tau: float | None):

@@ -167,6 +167,23 @@ def test_answers_are_the_targets_text_verbatim(tiny_embedded):
     assert answer([msgs, [{"role": "system", "content": "Be brief."}, *msgs]]) == ["            "] * 2
 
 
+def test_a_batch_answers_each_conversation_as_if_alone(tiny_embedded):
+    """Left padding with its attention mask and positions: batching must not change a greedy answer."""
+    target, tok = load_target(tiny_embedded.target_dir)
+    tok.padding_side = "left"
+    torch.manual_seed(0)
+    with torch.no_grad():  # the tiny target answers dots to everything; a noisy lm_head makes answers differ
+        target.lm_head.weight.normal_(std=0.5)
+    answer = hf_answerer(target, tok, RegenerateConfig(max_new_tokens=8, temperature=0.0))
+    batch = [[{"role": "user", "content": "def f(x):"}],
+             [{"role": "system", "content": "You write Python code for a living."},
+              {"role": "user", "content": "class Foo(object):\n    pass"}],
+             [{"role": "user", "content": "import os"}]]
+    together = answer(batch)
+    assert len(set(together)) == 3
+    assert together == [answer([msgs])[0] for msgs in batch]
+
+
 # ---- regenerate through an OpenAI-compatible endpoint -----------------------------------------------------------
 
 
