@@ -1,0 +1,304 @@
+"""Shared setup of the benchmarks: the embedded target, its traffic regenerated and extracted once, heads trained
+once per config, held-out prompts, interleaved timing, tables and result files.
+
+Purpose: every benchmark starts with `setup = prepare(quick)`:
+- the embedded default (`EmbeddedConfig.default()`), reused from `.eagle/embedded` when a finished build with that
+  config exists there (whatever its hash), else built; `--quick` uses `EmbeddedConfig.tiny()` under `.eagle/bench`;
+- the target's training traffic regenerated and extracted (offline features) once into
+  `.eagle/bench/<build>-<role>-<preset>/` (the stage components resume and are skipped when done);
+- `train_head(setup, name, TrainConfig)` trains a head with `components.train.train` once per (config, data) and
+  returns its directory; every benchmark that asks for the same config gets the same head.
+Results of a full run go to `bench/results/<name>.json` + `.png`; of a `--quick` run to `.eagle/bench/results-quick/`
+so a test never overwrites the committed figures. Every result file carries the machine state (cores, load average
+before and after, torch threads): the machine is shared, so read ratios measured side by side, not absolute speeds.
+Run: `python bench/common.py [--quick]` prepares the cache and prints where it is.
+Not here: what a benchmark measures (bench/*.py), any change to the stages themselves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from components.embedded import EmbeddedConfig, build_embedded, load_result  # noqa: E402
+from components.embedded.result import EmbeddedResult  # noqa: E402
+from components.extract import ExtractConfig, extract  # noqa: E402
+from components.regenerate import RegenerateConfig, regenerate  # noqa: E402
+from components.train import TrainConfig, train  # noqa: E402
+
+CACHE = ROOT / ".eagle" / "bench"
+EMBEDDED_ROOT = ROOT / ".eagle" / "embedded"
+RESULTS = ROOT / "bench" / "results"
+QUICK_RESULTS = CACHE / "results-quick"
+
+
+@dataclass(frozen=True)
+class Preset:
+    """Sizes of one benchmark setting: the embedded build, how much traffic, the base head-training config."""
+
+    name: str
+    embedded: EmbeddedConfig
+    regenerate: RegenerateConfig
+    extract: ExtractConfig
+    train: TrainConfig  # in-process (num_workers=0); benchmarks vary ttt_steps / data, never silently the budget
+    eval_prompts: int  # held-out prompts per evaluation
+    max_new_tokens: int
+
+    @classmethod
+    def quick(cls) -> "Preset":
+        return cls("quick", EmbeddedConfig.tiny(),
+                   RegenerateConfig(max_new_tokens=24, batch_size=8, shard_size=16, limit=24),
+                   ExtractConfig(max_len=160, seqs_per_shard=16),
+                   TrainConfig(steps=16, batch_size=4, draft_vocab_size=128, ttt_steps=3, lr=3e-3, warmup_steps=2,
+                               num_workers=0, checkpoint_every=1000, log_every=8),
+                   eval_prompts=3, max_new_tokens=16)
+
+    @classmethod
+    def default(cls) -> "Preset":
+        return cls("default", EmbeddedConfig.default(),
+                   RegenerateConfig(max_new_tokens=96, batch_size=32, shard_size=64, limit=768),
+                   ExtractConfig(max_len=320, seqs_per_shard=128),
+                   TrainConfig(steps=300, batch_size=8, draft_vocab_size=2048, ttt_steps=7, lr=2e-3, warmup_steps=20,
+                               num_workers=0, checkpoint_every=1000, log_every=25),
+                   eval_prompts=24, max_new_tokens=96)
+
+    @classmethod
+    def get(cls, quick: bool) -> "Preset":
+        return cls.quick() if quick else cls.default()
+
+
+@dataclass(frozen=True)
+class Setup:
+    preset: Preset
+    emb: EmbeddedResult
+    target_dir: Path
+    train_traffic: Path
+    heldout_traffic: Path
+    work: Path  # this (build, role, preset)'s cache directory
+    regen_dir: Path
+    extract_dir: Path
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def find_embedded(cfg: EmbeddedConfig, root: Path) -> EmbeddedResult | None:
+    """The newest finished build under `root` made with `cfg` (its hash may differ when the code moved on)."""
+    found = []
+    for report in root.glob("*/report.json"):
+        try:
+            res = load_result(report.parent)
+        except Exception:  # a report of an older format: not ours to reuse
+            continue
+        if res.config == cfg:
+            found.append((report.stat().st_mtime, res))
+    return max(found, key=lambda x: x[0])[1] if found else None
+
+
+def embedded(preset: Preset) -> EmbeddedResult:
+    root = EMBEDDED_ROOT if preset.name == "default" else CACHE / "embedded"
+    res = find_embedded(preset.embedded, root)
+    if res is None:
+        _say(f"bench: building the embedded {preset.name} target under {root} (once)")
+        res = build_embedded(preset.embedded, root, progress=False)
+    return res
+
+
+def _quiet(_msg: str) -> None:
+    pass
+
+
+def prepare(quick: bool, role: str = "target") -> Setup:
+    """Build or reuse the embedded target and regenerate + extract its training traffic once (cached)."""
+    preset = Preset.get(quick)
+    emb = embedded(preset)
+    target_dir = emb.target_dir if role == "target" else emb.finetune_dir
+    traffic = emb.target_traffic if role == "target" else emb.finetune_traffic
+    work = CACHE / f"{emb.build_hash[:12]}-{role}-{preset.name}"
+    regen_dir, ext_dir = work / "regenerate", work / "extract"
+    done = work / "prepared.json"
+    key = fingerprint(preset.regenerate, preset.extract, str(traffic.train))
+    if not done.is_file() or json.loads(done.read_text()).get("key") != key:
+        t0 = time.perf_counter()
+        _say(f"bench: regenerating {preset.regenerate.limit} conversations and extracting features into {work}")
+        regenerate(preset.regenerate, str(target_dir), str(traffic.train), str(regen_dir), progress=_quiet)
+        ext = extract(preset.extract, str(target_dir), str(regen_dir), str(ext_dir), progress=_quiet)
+        done.write_text(json.dumps({"key": key, "n_seqs": ext.n_seqs, "n_tokens": ext.n_tokens,
+                                    "seconds": round(time.perf_counter() - t0, 1)}) + "\n")
+    return Setup(preset, emb, Path(target_dir), Path(traffic.train), Path(traffic.heldout), work, regen_dir, ext_dir)
+
+
+def fingerprint(*parts: Any) -> str:
+    norm = [dataclasses.asdict(p) if dataclasses.is_dataclass(p) else p for p in parts]
+    return hashlib.sha256(json.dumps(norm, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+@dataclass(frozen=True)
+class TrainedHead:
+    head_dir: Path
+    seconds: float  # wall time of the training run (0 when it was found in the cache... see `cached`)
+    final_metrics: dict
+    cached: bool
+
+
+def train_head(setup: Setup, name: str, cfg: TrainConfig, extract_dir: Path | None = None) -> TrainedHead:
+    """Train a head with `components.train.train` (or reuse the one trained with the same config and data)."""
+    ext = Path(extract_dir or setup.extract_dir)
+    out = setup.work / "heads" / f"{name}-{fingerprint(cfg, str(ext))}"
+    info = out / "bench_train.json"
+    if info.is_file() and (out / "head" / "model.safetensors").is_file():
+        d = json.loads(info.read_text())
+        return TrainedHead(out / "head", d["seconds"], d["final_metrics"], True)
+    _say(f"bench: training head {name} ({cfg.steps} steps, ttt_steps {cfg.ttt_steps}) into {out}")
+    res = train(cfg, str(ext), str(out), target_dir=str(setup.target_dir))
+    info.write_text(json.dumps({"seconds": res.seconds, "final_metrics": res.final_metrics}) + "\n")
+    return TrainedHead(Path(res.head_dir), res.seconds, res.final_metrics, False)
+
+
+def heldout_prompts(tokenizer, path: Path, limit: int, max_prompt_tokens: int = 256) -> list[list[int]]:
+    """Token ids of the first user turn (chat template, generation prompt) of the first `limit` conversations."""
+    from components.chat import prompt_ids
+    from components.traffic_io import load_traffic
+
+    out = []
+    for conv in load_traffic(path).conversations:
+        first = next(i for i, m in enumerate(conv.messages) if m.role == "user")
+        ids = prompt_ids(tokenizer, [{"role": m.role, "content": m.content} for m in conv.messages[:first + 1]])
+        if len(ids) <= max_prompt_tokens:
+            out.append(ids)
+        if len(out) >= limit:
+            break
+    return out
+
+
+def eos_of(target) -> int | tuple[int, ...] | None:
+    eos = target.generation_config.eos_token_id
+    return tuple(eos) if isinstance(eos, list) else eos
+
+
+# ---- timing ----------------------------------------------------------------------------------------------------
+
+@dataclass
+class Run:
+    """What one method produced on one prompt."""
+
+    seconds: float
+    tokens: list[int]
+    extra: dict
+
+
+def interleaved(methods: dict[str, Callable[[list[int]], tuple[list[int], dict]]], prompts: list[list[int]],
+                warmup: int = 1) -> dict[str, list[Run]]:
+    """Run every method on every prompt, prompt by prompt, rotating the order, so all see the same machine state.
+
+    A method takes prompt ids and returns (new token ids, extra stats). The first `warmup` prompts run once
+    untimed per method first (first-call costs out of the timing).
+    """
+    for ids in prompts[:warmup]:
+        for fn in methods.values():
+            fn(ids)
+    names = list(methods)
+    out: dict[str, list[Run]] = {n: [] for n in names}
+    for i, ids in enumerate(prompts):
+        order = names[i % len(names):] + names[:i % len(names)]
+        for n in order:
+            t0 = time.perf_counter()
+            toks, extra = methods[n](ids)
+            out[n].append(Run(time.perf_counter() - t0, toks, extra))
+    return out
+
+
+def tokens_per_s(runs: list[Run]) -> float:
+    return sum(len(r.tokens) for r in runs) / max(sum(r.seconds for r in runs), 1e-9)
+
+
+# ---- reporting -------------------------------------------------------------------------------------------------
+
+def machine() -> dict[str, Any]:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                                timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    return {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "loadavg": list(os.getloadavg()),
+            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M"), "commit": commit,
+            "note": "shared machine: other engineers' jobs ran at the same time; compare ratios within one run"}
+
+
+def print_table(rows: list[dict[str, Any]], cols: list[str], title: str = "") -> str:
+    """Print rows as an aligned text table (floats with 3 significant decimals) and return it."""
+    def fmt(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:.3f}" if abs(v) < 100 else f"{v:.0f}"
+        return "" if v is None else str(v)
+
+    cells = [[fmt(r.get(c)) for c in cols] for r in rows]
+    width = [max(len(c), *(len(x[i]) for x in cells)) for i, c in enumerate(cols)]
+    lines = ([title] if title else []) + ["  ".join(c.rjust(w) for c, w in zip(cols, width)),
+                                          "  ".join("-" * w for w in width)]
+    lines += ["  ".join(x.rjust(w) for x, w in zip(row, width)) for row in cells]
+    text = "\n".join(lines)
+    print(text, flush=True)
+    return text
+
+
+def results_dir(quick: bool) -> Path:
+    d = QUICK_RESULTS if quick else RESULTS
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def write_results(name: str, quick: bool, payload: dict[str, Any], load_before: list[float]) -> Path:
+    info = {**machine(), "loadavg_before": load_before}
+    path = results_dir(quick) / f"{name}.json"
+    path.write_text(json.dumps({"benchmark": name, "preset": "quick" if quick else "default", "machine": info,
+                                **payload}, indent=2, default=str) + "\n")
+    print(f"wrote {path}", flush=True)
+    return path
+
+
+def pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def base_args(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--quick", action="store_true", help="tiny embedded preset, under 2 minutes (for tests)")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    return p
+
+
+def start(args: argparse.Namespace) -> list[float]:
+    """Apply common arguments; returns the load average at the start."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    return list(os.getloadavg())
+
+
+if __name__ == "__main__":
+    a = base_args(__doc__.splitlines()[0]).parse_args()
+    s = prepare(a.quick)
+    print(json.dumps({"build": str(s.emb.build_dir), "work": str(s.work),
+                      **json.loads((s.work / "prepared.json").read_text())}, indent=2))

@@ -1,0 +1,206 @@
+"""End-to-end decoding speed on held-out traffic: our EAGLE-3 head (chain, tree) against plain decoding, transformers'
+prompt-lookup decoding and transformers' assisted generation with a small draft model, at T=0 and T=1.
+
+Run: `python bench/speedup.py [--quick] [--prompts N] [--depth 5] [--tree 5,4,12]`
+Methods, all at batch 1 on the same held-out prompts, interleaved prompt by prompt (rotating order):
+  plain          `eagle.speculative.generate_plain` (the baseline the goals refer to)
+  eagle-chain    our head, chain of `--depth` drafts (`generate_speculative`)
+  eagle-tree     our head, EAGLE-2 dynamic tree (depth, top-k, budget)
+  hf-plain       `target.generate` (transformers' own loop, the baseline of its speculative methods)
+  hf-lookup      `target.generate(prompt_lookup_num_tokens=...)`
+  hf-assisted    `target.generate(assistant_model=...)`, a 2-layer Llama of the same tokenizer trained briefly on
+                 the target's corpus with the embedded trainer (components/embedded/lm_train.py), cached
+The head is the EAGLE-3 TTT head of bench/acceptance_vs_depth.py (the same cached one when it exists).
+Reports tokens/s, speedup over plain and over hf-plain, tokens per target forward (all target decoder calls,
+prefill included, counted by a hook: comparable across methods) and our tau (per verification step); at T=0 every
+method's output is compared with plain greedy decoding and mismatches are reported. Goals checked at T=0: our
+tau >= 4, >= 2.0x plain, >= 1.5x each alternative. Writes speedup.json and .png.
+Not measured here: batches > 1 (bench/batch.py), GPU timings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import common  # noqa: F401  (puts the repo root on sys.path)
+import torch
+
+from common import (Setup, base_args, eos_of, heldout_prompts, interleaved, prepare, print_table, pyplot,
+                    results_dir, start, tokens_per_s, train_head, write_results)
+
+
+def draft_lm(setup: Setup, layers: int = 2) -> Path:
+    """A small Llama of the target's tokenizer, trained briefly on the target's own corpus (cached)."""
+    from transformers import AutoTokenizer
+
+    from components.embedded import lm_train
+    from components.embedded.build import _domain_data, load_domains
+
+    cfg = setup.emb.config
+    small = dataclasses.replace(cfg.target, num_layers=layers)
+    tcfg = dataclasses.replace(cfg.train, steps=max(20, cfg.train.steps // 2))
+    out = setup.work / f"draft-lm-{common.fingerprint(small, tcfg)}"
+    if (out / "config.json").is_file():
+        return out
+    common._say(f"bench: training a {layers}-layer draft LM ({tcfg.steps} steps) into {out}")
+    tokenizer = AutoTokenizer.from_pretrained(setup.emb.tokenizer_dir)
+    data = _domain_data(load_domains(cfg)[0], cfg, tokenizer, progress=False)
+    windows = lm_train.pack_windows(data.chat_ids["train"], data.raw_ids["train"], tcfg.steps * tcfg.batch_size,
+                                    tcfg.seq_len, tcfg.raw_fraction, cfg.seed + 7)
+    model = lm_train.make_target(small, tokenizer, cfg.seed + 7)
+    stats = lm_train.train(model, windows, tcfg, cfg.seed + 7, "draft LM", progress=False)
+    lm_train.save_target(model, tokenizer, out)
+    (out / "bench_train.json").write_text(json.dumps(dataclasses.asdict(stats)) + "\n")
+    return out
+
+
+class CallCounter:
+    """Counts forward calls of the target's decoder (every prefill, decoding step or verification pass)."""
+
+    def __init__(self, target):
+        self.n = 0
+        target.get_decoder().register_forward_hook(self._hook)
+
+    def _hook(self, *_):
+        self.n += 1
+
+
+def methods(target, draft, assistant, temperature: float, args, max_new: int, counter: CallCounter):
+    from eagle.speculative import SpecConfig, generate_plain, generate_speculative
+
+    eos, greedy = eos_of(target), temperature == 0
+    depth, topk, budget = (int(x) for x in args.tree.split(","))
+    chain = SpecConfig(method="chain", depth=args.depth, temperature=temperature, max_new_tokens=max_new,
+                       eos_token_id=eos)
+    tree = dataclasses.replace(chain, method="tree", depth=depth, topk=topk, budget=budget)
+    gen = torch.Generator().manual_seed(0)
+    pad = target.generation_config.pad_token_id or 0
+    sample = {} if greedy else {"temperature": temperature, "top_k": 0, "top_p": 1.0}
+
+    def ours(fn, *a):
+        def run(ids):
+            c0 = counter.n
+            out = fn(target, *a[:-1], torch.tensor([ids]), None, a[-1], generator=gen)
+            n = int(out.lengths[0])
+            extra = {"calls": counter.n - c0}
+            if out.stats is not None:
+                s = out.stats.accept_lengths
+                extra["accept"] = s[s >= 0].tolist()
+            return out.sequences[0, :n].tolist(), extra
+        return run
+
+    def hf(**kw):
+        def run(ids):
+            c0 = counter.n
+            x = torch.tensor([ids])
+            out = target.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_new,
+                                  do_sample=not greedy, eos_token_id=eos, pad_token_id=pad, **sample, **kw)
+            toks = out[0, x.shape[1]:].tolist()
+            e = eos if isinstance(eos, tuple) else (eos,)
+            cut = next((i + 1 for i, t in enumerate(toks) if t in e), len(toks))
+            return toks[:cut], {"calls": counter.n - c0}
+        return run
+
+    return {"plain": ours(generate_plain, chain), "eagle-chain": ours(generate_speculative, draft, chain),
+            "eagle-tree": ours(generate_speculative, draft, tree), "hf-plain": hf(),
+            "hf-lookup": hf(prompt_lookup_num_tokens=args.lookup),
+            "hf-assisted": hf(assistant_model=assistant)}
+
+
+def summarize(runs: dict, greedy: bool) -> list[dict]:
+    rows, plain = [], runs["plain"]
+    base, hf_base = tokens_per_s(plain), tokens_per_s(runs["hf-plain"])
+    for name, rs in runs.items():
+        tps = tokens_per_s(rs)
+        toks, calls = sum(len(r.tokens) for r in rs), sum(r.extra["calls"] for r in rs)
+        acc = [a for r in rs for a in r.extra.get("accept", [])]
+        rows.append({"method": name, "tok_s": tps, "x_plain": tps / base, "x_hf_plain": tps / hf_base,
+                     "tok_per_call": toks / max(calls, 1), "tau": (sum(acc) / len(acc) + 1) if acc else None,
+                     "tokens": toks,
+                     "mismatch": sum(r.tokens != p.tokens for r, p in zip(rs, plain)) if greedy else None})
+    return rows
+
+
+def goals(rows: list[dict]) -> dict[str, dict]:
+    by = {r["method"]: r for r in rows}
+    best = max((by["eagle-chain"], by["eagle-tree"]), key=lambda r: r["tok_s"])
+    out = {"tau >= 4": {"measured": best["tau"], "goal": 4.0},
+           "speedup vs plain >= 2.0": {"measured": best["x_plain"], "goal": 2.0}}
+    for alt in ("hf-plain", "hf-lookup", "hf-assisted"):
+        out[f"vs {alt} >= 1.5"] = {"measured": best["tok_s"] / by[alt]["tok_s"], "goal": 1.5}
+    for g in out.values():
+        g["met"] = g["measured"] >= g["goal"]
+        g["shortfall"] = 0.0 if g["met"] else g["goal"] - g["measured"]
+    return {"best_ours": best["method"], **out}
+
+
+def plot(tables: dict[str, list[dict]], path: Path) -> None:
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(tables), figsize=(5.2 * len(tables), 3.8), squeeze=False)
+    for ax, (temp, rows) in zip(axes[0], tables.items()):
+        names = [r["method"] for r in rows]
+        ax.bar(names, [r["x_plain"] for r in rows], color=["#888" if "plain" in n else "#3a7" if "eagle" in n
+                                                           else "#c84" for n in names])
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_ylabel("speedup over plain (tokens/s ratio)")
+        ax.set_title(f"T = {temp}")
+        ax.tick_params(axis="x", rotation=35)
+        for i, r in enumerate(rows):
+            ax.text(i, r["x_plain"], f"{r['x_plain']:.2f}", ha="center", va="bottom", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main() -> None:
+    p = base_args(__doc__.splitlines()[0])
+    p.add_argument("--prompts", type=int, default=0, help="held-out prompts (0: the preset's)")
+    p.add_argument("--depth", type=int, default=5, help="chain depth")
+    p.add_argument("--tree", default="5,4,12", help="tree depth,topk,budget")
+    p.add_argument("--lookup", type=int, default=10, help="prompt_lookup_num_tokens")
+    p.add_argument("--temperatures", default="0,1")
+    args = p.parse_args()
+    load0 = start(args)
+    setup = prepare(args.quick)
+    head = train_head(setup, "eagle3-ttt7", dataclasses.replace(setup.preset.train, ttt_steps=7))
+    lm_dir = draft_lm(setup)
+
+    from components.targets import load_target
+    from eagle.export import load_head
+
+    target, tok = load_target(setup.target_dir)
+    assistant = _load_lm(lm_dir)  # load_target refuses < 4 layers (it checks for an EAGLE-3 target)
+    draft = load_head(head.head_dir, target).eval()
+    counter = CallCounter(target)
+    prompts = heldout_prompts(tok, setup.heldout_traffic, args.prompts or setup.preset.eval_prompts)
+    tables, texts = {}, []
+    with torch.no_grad():
+        for temp in (float(t) for t in args.temperatures.split(",")):
+            ms = methods(target, draft, assistant, temp, args, setup.preset.max_new_tokens, counter)
+            rows = summarize(interleaved(ms, prompts), temp == 0)
+            tables[f"{temp:g}"] = rows
+            texts.append(print_table(rows, ["method", "tok_s", "x_plain", "x_hf_plain", "tok_per_call", "tau",
+                                            "tokens", "mismatch"],
+                                     f"T={temp:g}, batch 1, {len(prompts)} held-out prompts, "
+                                     f"max {setup.preset.max_new_tokens} new tokens"))
+    g = goals(tables["0"]) if "0" in tables else {}
+    for name, v in g.items():
+        if isinstance(v, dict):
+            print(f"goal {name}: measured {v['measured']:.2f} -> {'met' if v['met'] else 'MISSED by %.2f' % v['shortfall']}")
+    png = results_dir(args.quick) / "speedup.png"
+    plot(tables, png)
+    write_results("speedup", args.quick, {"args": vars(args), "n_prompts": len(prompts), "tables": tables,
+                                          "goals_T0": g, "head_train_seconds": head.seconds,
+                                          "draft_lm": str(lm_dir), "text": texts, "plot": str(png)}, load0)
+
+
+def _load_lm(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+if __name__ == "__main__":
+    main()
