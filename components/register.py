@@ -102,7 +102,7 @@ def register_head(store: MlflowStore, cfg: RegisterConfig, head: HeadToRegister)
     existing = store.find_versions(name, run_key=head.run_key)
     if existing:
         v = store.get_version(name, existing[0].version)
-        alias = CHAMPION if CHAMPION in v.aliases else CHALLENGER
+        alias = CHAMPION if CHAMPION in v.aliases else (CHALLENGER if CHALLENGER in v.aliases else "none")
         return RegisterResult(name, v.version, f"models:/{name}/{v.version}", alias, alias == CHAMPION,
                               "already registered for this run key", v.run_id or "")
     tau = float(head.metrics["tau"])

@@ -77,7 +77,7 @@ def _run(cfg: PipelineConfig, settings: Settings, store: MlflowStore, tref: Targ
     if existing:
         v = store.get_version(name, existing[0].version)
         print(f"run {key[:12]} already registered as {v.uri}; nothing to do")
-        alias = "champion" if "champion" in v.aliases else "challenger"
+        alias = next((a for a in ("champion", "challenger") if a in v.aliases), "none")
         return {"head_uri": v.uri, "alias": alias, "tau": float(v.tags.get("tau", "nan")),
                 "speedup": float(v.tags.get("speedup", "nan")), "identical": True, "created": False}
     regen_dir, ext_dir, train_dir, eval_dir = (str(work / s) for s in ("regenerate", "extract", "train", "evaluate"))
