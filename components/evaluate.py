@@ -66,7 +66,9 @@ class EvaluateResult:
 
     def metrics(self) -> dict[str, float]:
         m = {"tau": self.tau, "speedup": self.speedup, "plain_tokens_per_s": self.plain_tokens_per_s,
-             "spec_tokens_per_s": self.spec_tokens_per_s, "identical": float(bool(self.identical))}
+             "spec_tokens_per_s": self.spec_tokens_per_s}
+        if self.identical is not None:  # sampled runs are not comparable token for token
+            m["identical"] = float(self.identical)
         m.update({f"alpha_{k + 1}": a for k, a in enumerate(self.acceptance)})
         if self.baseline_tau is not None:
             m["baseline_tau"] = self.baseline_tau
