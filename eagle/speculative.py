@@ -28,7 +28,7 @@ from torch import nn
 
 from eagle import sampling
 from eagle.draft import Eagle3Draft
-from eagle.features import capture_layer_inputs, decoder_layers
+from eagle.features import capture_layer_inputs, decoder_layers, packed_linears
 from eagle.kvcache import SlotCache, additive_mask, causal_region, check_no_sliding_window, visibility_mask
 from eagle.tree import HeadRunner, Prefix, draft_chain, draft_tree
 
@@ -184,6 +184,12 @@ def _pick(logits: torch.Tensor, cfg: SpecConfig, generator: torch.Generator | No
 def generate_plain(target: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                    cfg: SpecConfig, generator: torch.Generator | None = None) -> GenOutput:
     """One token per target pass (greedy or temperature/top-p sampling), with the speculative path's helpers."""
+    with packed_linears(target):
+        return _plain_loop(target, input_ids, attention_mask, cfg, generator)
+
+
+def _plain_loop(target: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                cfg: SpecConfig, generator: torch.Generator | None) -> GenOutput:
     ids_BT, n_B = pack_left(input_ids, attention_mask)
     runner = TargetRunner(target, ids_BT.shape[1] + cfg.max_new_tokens + 1)
     out = _Emitted(ids_BT.shape[0], cfg, ids_BT.device)
@@ -275,6 +281,13 @@ def generate_speculative(target: nn.Module, draft: Eagle3Draft, input_ids: torch
                          attention_mask: torch.Tensor | None, cfg: SpecConfig,
                          generator: torch.Generator | None = None) -> GenOutput:
     """Speculative generation whose output is distributed exactly as `generate_plain`'s (identical when greedy)."""
+    with packed_linears(target), packed_linears(draft):
+        return _speculative_loop(target, draft, input_ids, attention_mask, cfg, generator)
+
+
+def _speculative_loop(target: nn.Module, draft: Eagle3Draft, input_ids: torch.Tensor,
+                      attention_mask: torch.Tensor | None, cfg: SpecConfig,
+                      generator: torch.Generator | None) -> GenOutput:
     ids_BT, n_B = pack_left(input_ids, attention_mask)
     B, T = ids_BT.shape
     spec = Speculator(target, draft, cfg, T, generator)
