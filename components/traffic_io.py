@@ -191,7 +191,7 @@ def _check_turns(messages: list[Message]) -> None:
 
 
 def write_openai_jsonl(path: Path | str, conversations: Iterable[Conversation]) -> str:
-    """Write one OpenAI-format line per conversation (UTF-8, sorted nothing, stable); return the file's sha256."""
+    """Write one OpenAI-format line per conversation (UTF-8, keys in a fixed order); return the file's sha256."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", encoding="utf-8") as fh:

@@ -19,9 +19,9 @@ from components.traffic_io import load_traffic
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    root = tmp_path_factory.mktemp("embedded")
-    return root, build_embedded(EmbeddedConfig.tiny(), root, progress=False)
+def built(tiny_embedded):
+    """(cache root, result) of the session's tiny build (`tiny_embedded` in conftest.py builds it once)."""
+    return tiny_embedded.build_dir.parent, tiny_embedded
 
 
 def test_tiny_build_loads_with_auto_classes(built):

@@ -22,6 +22,7 @@ import json
 import logging
 import math
 import os
+import platform
 import shutil
 import time
 from dataclasses import dataclass
@@ -64,10 +65,10 @@ def load_domains(cfg: EmbeddedConfig) -> tuple[Domain, Domain]:
 
 
 def code_sha256() -> str:
-    """sha256 of this package's source and of `components/traffic_io.py` (what writes the traffic files)."""
+    """sha256 of this package's source (but the CLI) and of `components/traffic_io.py` (it writes the traffic)."""
     here = Path(__file__).resolve().parent
     h = hashlib.sha256()
-    for f in sorted(here.glob("*.py")) + [here.parent / "traffic_io.py"]:
+    for f in sorted(p for p in here.glob("*.py") if p.name != "__main__.py") + [here.parent / "traffic_io.py"]:
         h.update(f.name.encode() + b"\0" + f.read_bytes())
     return h.hexdigest()
 
@@ -92,8 +93,12 @@ def build_embedded(config: EmbeddedConfig | None = None, root: Path | str = DEFA
     tmp = Path(root) / f"{full_hash[:HASH_CHARS]}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    with lm_train.cpu_threads(cfg.train.num_threads):  # evaluation too; the fine-tune sets its own
-        _build_into(tmp, cfg, base, finetune, full_hash, start, progress)
+    try:
+        with lm_train.cpu_threads(cfg.train.num_threads):  # evaluation too; the fine-tune sets its own
+            _build_into(tmp, cfg, base, finetune, full_hash, start, progress)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return load_result(out, cached=False)
@@ -130,9 +135,16 @@ def _build_into(tmp: Path, cfg: EmbeddedConfig, base: Domain, finetune: Domain, 
         target_dir=tmp / "target", finetune_dir=tmp / "finetune", target_traffic=traffic[0],
         finetune_traffic=traffic[1], weights_sha256=weights,
         domains=tuple(DomainInfo(d.name, len(d.train), len(d.heldout), d.sha256) for d in (base, finetune)),
-        metrics=metrics, config=cfg)
+        metrics=metrics, config=cfg, environment=_environment(cfg))
     write_report(result)
     return result
+
+
+def _environment(cfg: EmbeddedConfig) -> dict[str, str]:
+    """What the timings depend on. The CPU count is the machine's; other processes may share those cores."""
+    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "tokenizers": tokenizers.__version__, "device": cfg.train.device, "torch_threads": str(torch.get_num_threads()),
+            "cpu_count": str(os.cpu_count()), "load_average_1m": f"{os.getloadavg()[0]:.2f}"}
 
 
 def _domain_data(domain: Domain, cfg: EmbeddedConfig, tokenizer: PreTrainedTokenizerBase,

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import types
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,6 +78,7 @@ class EmbeddedResult:
     domains: tuple[DomainInfo, DomainInfo]  # (base, fine-tune)
     metrics: Metrics
     config: EmbeddedConfig
+    environment: dict[str, str]  # versions, device, torch threads, CPU count, load average when the build ended
 
 
 def write_report(result: EmbeddedResult) -> Path:
@@ -120,6 +120,4 @@ def _from_json(kind: Any, value: Any, base: Path) -> Any:
         args = typing.get_args(kind)
         items = args[:1] * len(value) if len(args) == 2 and args[1] is Ellipsis else args
         return tuple(_from_json(a, v, base) for a, v in zip(items, value))
-    if isinstance(kind, types.UnionType) or origin is dict:
-        return value
-    return value
+    return value  # scalars, dicts of scalars, and values already of their type

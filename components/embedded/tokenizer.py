@@ -13,6 +13,7 @@ Not here: the corpus, or any model.
 
 from __future__ import annotations
 
+import time
 from typing import Iterable, Sequence
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -87,10 +88,13 @@ def encode_texts(tokenizer: PreTrainedTokenizerFast, texts: Sequence[str], desc:
                  progress: bool = True, batch: int = 512) -> list[list[int]]:
     """Token ids of each text (special tokens in the text are recognised; nothing is added)."""
     out: list[list[int]] = []
+    start, tokens = time.perf_counter(), 0
     with tqdm(total=len(texts), unit="doc", desc=desc, disable=not progress, mininterval=1.0) as bar:
         for i in range(0, len(texts), batch):
             enc = tokenizer.backend_tokenizer.encode_batch(list(texts[i:i + batch]), add_special_tokens=False)
             out.extend(e.ids for e in enc)
+            tokens += sum(len(e.ids) for e in enc)
             bar.update(len(enc))
-            bar.set_postfix(tokens=sum(len(e.ids) for e in enc), refresh=False)
+            bar.set_postfix(tokens=f"{tokens:,}", tok_s=f"{tokens / (time.perf_counter() - start):,.0f}",
+                            refresh=False)
     return out
