@@ -3,6 +3,9 @@
 Purpose: the model code of the head and nothing else. `Eagle3Draft.forward` runs the head over T new positions
 (with an optional KV cache, for drafting); `Eagle3Layer.project_qkv`/`finish` expose the two halves of the layer
 so that training-time test (`eagle.ttt`) can run its own memory-bounded attention between them.
+Inference (autograd off) takes a leaner route with the same results: q/k/v and gate/up each as one product over
+stacked weights, RoPE from a cos/sin table, one fused RMSNorm kernel, oneDNN for multi-row products on CPU
+(`eagle.features.linear`), and `forward(select_B=...)` computes the output of one new position per row only.
 Not here: training loops, drafting policies, distribution, file formats.
 
 Shape legend: B batch, T new positions, L keys visible (past + T), H hidden size, D head dim, h heads,
@@ -19,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eagle.config import DraftConfig
+from eagle.features import linear
 
 
 class RMSNorm(nn.Module):
@@ -28,6 +32,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == self.weight.dtype == torch.float32 and not torch.is_grad_enabled():
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)  # one kernel, the same bits as below
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -53,12 +59,56 @@ def rope_inv_freq(cfg: DraftConfig) -> torch.Tensor:
     return inv.float()
 
 
+def rope_cos_sin(pos_BT: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [B, T, D] of the positions' rotation angles (fp32 angles, cast to `dtype`)."""
+    freqs_BTd = pos_BT.float()[..., None] * inv_freq.to(pos_BT.device)
+    emb = torch.cat([freqs_BTd, freqs_BTd], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on the last dim (halves convention); cos/sin broadcast against x."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
 def apply_rope(x_BhTD: torch.Tensor, pos_BT: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    freqs_BTd = pos_BT.float()[..., None] * inv_freq.to(x_BhTD.device)
-    emb = torch.cat([freqs_BTd, freqs_BTd], dim=-1)[:, None]  # B,1,T,D
-    cos, sin = emb.cos().to(x_BhTD.dtype), emb.sin().to(x_BhTD.dtype)
-    x1, x2 = x_BhTD.chunk(2, dim=-1)
-    return x_BhTD * cos + torch.cat([-x2, x1], dim=-1) * sin
+    cos, sin = rope_cos_sin(pos_BT, inv_freq, x_BhTD.dtype)
+    return rotate(x_BhTD, cos[:, None], sin[:, None])
+
+
+class RopeTable:
+    """cos/sin of positions 0..n-1 computed once (CPU only: a lookup there cannot fail silently); the same values
+    `rope_cos_sin` computes per call. Grows when a position past the end is asked for."""
+
+    def __init__(self, inv_freq: torch.Tensor, n: int):
+        self.inv_freq, self.n, self.cos = inv_freq, n, None
+        self.sin: torch.Tensor | None = None
+
+    def __call__(self, pos_BT: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if pos_BT.device.type != "cpu":
+            return rope_cos_sin(pos_BT, self.inv_freq, dtype)
+        if self.cos is None or self.cos.dtype != dtype or self.cos.device != pos_BT.device:
+            self.cos, self.sin = rope_cos_sin(torch.arange(self.n), self.inv_freq.cpu(), dtype)
+        try:
+            return self.cos[pos_BT], self.sin[pos_BT]
+        except IndexError:
+            self.n, self.cos = max(2 * self.n, int(pos_BT.max()) + 1), None
+            return self(pos_BT, dtype)
+
+
+class _Stacked:
+    """The weights of several bias-free linears stacked by rows, rebuilt whenever one of them changes."""
+
+    __slots__ = ("key", "weight", "bias", "__weakref__")
+
+    def __init__(self, parts: tuple[torch.Tensor, ...]):
+        self.key = _version_key(parts)
+        self.weight, self.bias = torch.cat([p.detach() for p in parts]), None
+
+
+def _version_key(parts: tuple[torch.Tensor, ...]) -> tuple:
+    return tuple((p.data_ptr(), p._version, p.dtype) for p in parts)
 
 
 class KVStore(Protocol):
@@ -87,24 +137,48 @@ class Eagle3Layer(nn.Module):
         self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.rope = RopeTable(self.inv_freq, cfg.max_position_embeddings)
+        self._stacked: dict[str, _Stacked] = {}
+
+    def _apply(self, fn, *args, **kwargs):
+        out = super()._apply(fn, *args, **kwargs)
+        self.rope = RopeTable(self.inv_freq, self.rope.n)  # the table follows `inv_freq` to its device
+        return out
+
+    def stacked(self, name: str, *parts: torch.Tensor) -> _Stacked:
+        """`parts` stacked by rows (for one product instead of several), cached until a part changes."""
+        hit = self._stacked.get(name)
+        if hit is None or hit.key != _version_key(parts):
+            hit = self._stacked[name] = _Stacked(parts)
+        return hit
 
     def project_qkv(self, emb_BTH: torch.Tensor, hidden_BTH: torch.Tensor, pos_BT: torch.Tensor):
         """Rotated q [B,h,T,D], k and v [B,kvh,T,D]."""
         B, T, _ = hidden_BTH.shape
         x = torch.cat([self.input_layernorm(emb_BTH), self.hidden_norm(hidden_BTH)], dim=-1)
         a, c = self.self_attn, self.cfg
-        q = a.q_proj(x).view(B, T, c.num_attention_heads, c.head_dim).transpose(1, 2)
-        k = a.k_proj(x).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        v = a.v_proj(x).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        return apply_rope(q, pos_BT, self.inv_freq), apply_rope(k, pos_BT, self.inv_freq), v
+        h, kvh, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        cos, sin = self.rope(pos_BT, x.dtype)
+        if torch.is_grad_enabled():
+            q = a.q_proj(x).view(B, T, h, D).transpose(1, 2)
+            k = a.k_proj(x).view(B, T, kvh, D).transpose(1, 2)
+            v = a.v_proj(x).view(B, T, kvh, D).transpose(1, 2)
+            cos, sin = cos[:, None], sin[:, None]
+            return rotate(q, cos, sin), rotate(k, cos, sin), v
+        qkv = linear(x, self.stacked("qkv", a.q_proj.weight, a.k_proj.weight, a.v_proj.weight)).view(B, T, -1, D)
+        qk = rotate(qkv[:, :, :h + kvh], cos[:, :, None], sin[:, :, None]).transpose(1, 2)
+        return qk[:, :h], qk[:, h:], qkv[:, :, h + kvh:].transpose(1, 2)
 
     def finish(self, hidden_BTH: torch.Tensor, attn_BhTD: torch.Tensor) -> torch.Tensor:
         """Output projection, residual on the un-normalised input feature, then the MLP block."""
         B, _, T, _ = attn_BhTD.shape
-        out = hidden_BTH + self.self_attn.o_proj(attn_BhTD.transpose(1, 2).reshape(B, T, -1))
         m = self.mlp
+        out = hidden_BTH + linear(attn_BhTD.transpose(1, 2).reshape(B, T, -1), self.self_attn.o_proj)
         y = self.post_attention_layernorm(out)
-        return out + m.down_proj(F.silu(m.gate_proj(y)) * m.up_proj(y))
+        if torch.is_grad_enabled():
+            return out + m.down_proj(F.silu(m.gate_proj(y)) * m.up_proj(y))
+        gate, up = linear(y, self.stacked("gate_up", m.gate_proj.weight, m.up_proj.weight)).chunk(2, dim=-1)
+        return out + linear(F.silu(gate) * up, m.down_proj)
 
 
 class Eagle3Draft(nn.Module):
@@ -156,24 +230,31 @@ class Eagle3Draft(nn.Module):
     # ---- forward ----------------------------------------------------------------------------------------------
     def fuse(self, aux_BT3H: torch.Tensor) -> torch.Tensor:
         """Linear fusion of the low/mid/high target hidden states."""
-        return self.fc(aux_BT3H.to(self.fc.weight.dtype))
+        w = self.fc.weight
+        return linear(aux_BT3H if aux_BT3H.dtype == w.dtype else aux_BT3H.to(w.dtype), self.fc)
 
     def logits(self, hidden_BTH: torch.Tensor) -> torch.Tensor:
         """Draft-vocab logits [B,T,Vd] from the layer's un-normalised output hidden state."""
-        return self.lm_head(self.norm(hidden_BTH))
+        return linear(self.norm(hidden_BTH), self.lm_head)
 
     def forward(self, input_ids_BT: torch.Tensor, hidden_BTH: torch.Tensor, pos_BT: torch.Tensor,
-                cache: KVStore | None = None, attn_mask_BTL: torch.Tensor | None = None):
+                cache: KVStore | None = None, attn_mask_BTL: torch.Tensor | None = None,
+                select_B: torch.Tensor | None = None):
         """Run T positions. `hidden_BTH` is a fused feature (see `fuse`) or the head's own previous output.
 
         Returns (out_hidden [B,T,H], logits [B,T,Vd]). `attn_mask_BTL` is boolean, True = may attend; None means
-        causal with every cached key visible.
+        causal with every cached key visible. With `select_B` (one new position per row) only those positions'
+        outputs are computed ([B,1,H], [B,1,Vd]); every position's keys and values still go to the cache.
         """
         layer = self.midlayer
-        emb = self.embed_tokens(input_ids_BT).to(hidden_BTH.dtype)
+        emb = self.embed_tokens(input_ids_BT)
+        if emb.dtype != hidden_BTH.dtype:
+            emb = emb.to(hidden_BTH.dtype)
         q, k, v = layer.project_qkv(emb, hidden_BTH, pos_BT)
         if cache is not None:
             k, v = cache.update(k, v)
+        if select_B is not None:
+            q, hidden_BTH, attn_mask_BTL = _select(q, hidden_BTH, attn_mask_BTL, k.shape[2], select_B)
         attn = sdpa(q, k, v, attn_mask_BTL)
         out = layer.finish(hidden_BTH, attn)
         return out, self.logits(out)
@@ -182,12 +263,28 @@ class Eagle3Draft(nn.Module):
         return [p for n, p in self.named_parameters() if not n.startswith("embed_tokens")]
 
 
+def _select(q_BhTD: torch.Tensor, hidden_BTH: torch.Tensor, mask_BTL: torch.Tensor | None, L: int,
+            select_B: torch.Tensor):
+    """Row b's query, input feature and mask row at new position `select_B[b]`: [B,h,1,D], [B,1,H], [B,1,L].
+    A missing mask means causal: new position i (of T) sees keys 0..L-T+i."""
+    B, h, T, D = q_BhTD.shape
+    i_B1 = select_B[:, None]
+    q = q_BhTD.gather(2, i_B1[:, None, :, None].expand(B, h, 1, D))
+    hidden = hidden_BTH.gather(1, i_B1[..., None].expand(B, 1, hidden_BTH.shape[-1]))
+    if mask_BTL is None:
+        mask = (torch.arange(L, device=q.device) <= (L - T) + i_B1)[:, None]
+    else:
+        mask_BTL = mask_BTL if mask_BTL.dim() == 3 else mask_BTL[:, 0]
+        mask = mask_BTL.expand(B, -1, -1).gather(1, i_B1[..., None].expand(B, 1, L))
+    return q, hidden, mask
+
+
 def sdpa(q_BhTD: torch.Tensor, k_BhLD: torch.Tensor, v_BhLD: torch.Tensor,
          mask_BTL: torch.Tensor | None) -> torch.Tensor:
     """Grouped-query attention over L keys; the last T keys are the queries' own positions."""
     T, L = q_BhTD.shape[2], k_BhLD.shape[2]
     if mask_BTL is None:
-        mask = torch.ones(T, L, dtype=torch.bool, device=q_BhTD.device).tril(L - T)
+        mask = None if T == 1 else torch.ones(T, L, dtype=torch.bool, device=q_BhTD.device).tril(L - T)
     else:
         mask = mask_BTL[:, None] if mask_BTL.dim() == 3 else mask_BTL
     rep = q_BhTD.shape[1] // k_BhLD.shape[1]

@@ -224,12 +224,11 @@ class Speculator:
 
     def head_extend(self, prefix: Prefix, tokens_BA: torch.Tensor, aux_BA3H: torch.Tensor, n_B: torch.Tensor):
         """Commit (token x_{i+1}, feature f_i) at positions lengths+i; returns the head's output at the n-th entry."""
-        B, A = tokens_BA.shape
+        A = tokens_BA.shape[1]
         ar = torch.arange(A, device=tokens_BA.device)
-        hidden_BAH, logits_BAV = self.head(prefix, tokens_BA, self.draft.fuse(aux_BA3H), prefix.lengths_B[:, None] + ar,
-                                           causal_region(A, tokens_BA.device))
-        rows, last = torch.arange(B, device=tokens_BA.device), (n_B - 1).clamp(0, A - 1)
-        return hidden_BAH[rows, last], logits_BAV[rows, last]
+        hidden_B1H, logits_B1V = self.head(prefix, tokens_BA, self.draft.fuse(aux_BA3H), prefix.lengths_B[:, None] + ar,
+                                           None, select_B=(n_B - 1).clamp(0, A - 1))
+        return hidden_B1H[:, 0], logits_B1V[:, 0]
 
     def draft_pick(self, logits_BVd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.cfg.greedy:

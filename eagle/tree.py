@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 
 from eagle.draft import Eagle3Draft
-from eagle.kvcache import SlotCache, visibility_mask
+from eagle.kvcache import SlotCache, causal_region, visibility_mask
 
 
 @dataclass
@@ -54,20 +54,26 @@ class HeadRunner:
         self.cache = SlotCache(1, capacity)
 
     def __call__(self, prefix: Prefix, tokens_BT: torch.Tensor, hidden_BTH: torch.Tensor, pos_BT: torch.Tensor,
-                 region: torch.Tensor | int, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                 region: torch.Tensor | int | None, offset: int = 0,
+                 select_B: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Entries written at slots lengths+offset+t; queries see the prefix and the region after it.
 
-        `region` is a boolean [B or 1, T, R] visibility over the R slots after the prefix, or an int R when every
-        query sees all of them (a chain). Returns the head's (output hidden [B, T, H], logits [B, T, Vd]).
+        `region` is a boolean [B or 1, T, R] visibility over the R slots after the prefix, an int R when every
+        query sees all of them (a chain), or None for causal over the T new entries. Returns the head's (output
+        hidden [B, T, H], logits [B, T, Vd]), or with `select_B` only those of new entry `select_B[b]` per row
+        ([B, 1, H], [B, 1, Vd]).
         """
-        T = tokens_BT.shape[1]
+        T, B = tokens_BT.shape[1], tokens_BT.shape[0]
         span = prefix.longest + offset + T
         self.cache.plan_after(prefix.lengths_B, prefix.longest, T, offset)
-        if isinstance(region, int):
+        if B == 1 and (region is None or isinstance(region, int)):
+            mask_BTL = None  # one row: its prefix is the longest, so the head's default (causal) is the same
+        elif isinstance(region, int):
             mask_BTL = (self.cache.slot_index(span)[None] < (prefix.lengths_B + region)[:, None])[:, None]
         else:
+            region = causal_region(T, tokens_BT.device) if region is None else region
             mask_BTL = visibility_mask(prefix.lengths_B, region, span)
-        return self.draft(tokens_BT, hidden_BTH, pos_BT, self.cache.layers[0], mask_BTL)
+        return self.draft(tokens_BT, hidden_BTH, pos_BT, self.cache.layers[0], mask_BTL, select_B)
 
 
 Pick = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
