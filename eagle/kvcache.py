@@ -23,14 +23,16 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 
 class SlotPlan:
-    """Where the next forward writes (`slots_BT`, per row) and how many leading slots attention reads (`span`)."""
+    """Where the next forward writes (`slots_BT`, per row) and how many leading slots attention reads (`span`).
+    `start` is set instead of `slots_BT` when every row writes the same consecutive slots start..start+T-1."""
 
-    __slots__ = ("slots_BT", "rows_B1", "span")
+    __slots__ = ("slots_BT", "rows_B1", "span", "start")
 
     def __init__(self) -> None:
         self.slots_BT: torch.Tensor | None = None
         self.rows_B1: torch.Tensor | None = None
         self.span = 0
+        self.start: int | None = None
 
 
 class SlotLayer(CacheLayerMixin):
@@ -56,8 +58,13 @@ class SlotLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         p = self.plan
-        self.keys[p.rows_B1, :, p.slots_BT] = key_states.transpose(1, 2)
-        self.values[p.rows_B1, :, p.slots_BT] = value_states.transpose(1, 2)
+        if p.start is not None:
+            T = key_states.shape[2]
+            self.keys[:, :, p.start:p.start + T] = key_states
+            self.values[:, :, p.start:p.start + T] = value_states
+        else:
+            self.keys[p.rows_B1, :, p.slots_BT] = key_states.transpose(1, 2)
+            self.values[p.rows_B1, :, p.slots_BT] = value_states.transpose(1, 2)
         return self.keys[:, :, :p.span], self.values[:, :, :p.span]
 
     def move(self, src_BT: torch.Tensor, dst_BT: torch.Tensor) -> None:
@@ -93,13 +100,20 @@ class SlotCache(Cache):
         if span > self.capacity:
             raise ValueError(f"KV cache capacity {self.capacity} exceeded (span {span})")
         p = self.slot_plan
-        p.slots_BT, p.span = slots_BT, span
+        p.slots_BT, p.span, p.start = slots_BT, span, None
         if p.rows_B1 is None or p.rows_B1.shape[0] != slots_BT.shape[0] or p.rows_B1.device != slots_BT.device:
             p.rows_B1 = torch.arange(slots_BT.shape[0], device=slots_BT.device)[:, None]
             self._arange = torch.arange(self.capacity, device=slots_BT.device)
 
     def plan_after(self, lengths_B: torch.Tensor, max_length: int, T: int, offset: int = 0) -> None:
-        """Write T entries right after each row's first `lengths_B + offset` slots."""
+        """Write T entries right after each row's first `lengths_B + offset` slots (`max_length` = max of lengths)."""
+        if lengths_B.shape[0] == 1:  # one row: its length is `max_length`, no slot tensor needed
+            span = max_length + offset + T
+            if span > self.capacity:
+                raise ValueError(f"KV cache capacity {self.capacity} exceeded (span {span})")
+            p = self.slot_plan
+            p.slots_BT, p.span, p.start = None, span, max_length + offset
+            return
         ar = torch.arange(offset, offset + T, device=lengths_B.device)
         self.plan(lengths_B[:, None] + ar, max_length + offset + T)
 
