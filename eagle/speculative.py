@@ -21,14 +21,16 @@ A kept path length (accepted drafts + 1), H hidden.
 from __future__ import annotations
 
 import inspect
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 from torch import nn
 
 from eagle import sampling
 from eagle.draft import Eagle3Draft
-from eagle.features import capture_layer_inputs, decoder_layers, packed_linears
+from eagle.features import capture_layer_inputs, decoder_layers, linear, packed_linears
 from eagle.kvcache import SlotCache, additive_mask, causal_region, check_no_sliding_window, visibility_mask
 from eagle.tree import HeadRunner, Prefix, draft_chain, draft_tree
 
@@ -141,7 +143,11 @@ def pack_left(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> t
 
 
 class TargetRunner:
-    """The target with its `SlotCache`: one pass over T new tokens placed after each row's committed prefix."""
+    """The target with its `SlotCache`: one pass over T new tokens placed after each row's committed prefix.
+    Inside `with runner.session():` its linears use the CPU kernels of `eagle.features.linear` and the feature
+    capture hooks stay attached (calls outside a session attach them per call)."""
+
+    CAUSAL_ROWS = 64  # passes of up to this many tokens of one row slice a prebuilt causal mask
 
     def __init__(self, target: nn.Module, capacity: int, layer_ids: tuple[int, ...] = ()):
         check_no_sliding_window(target.config, capacity)
@@ -152,26 +158,56 @@ class TargetRunner:
         self._base = target.get_decoder()
         params = inspect.signature(self._base.forward).parameters  # transformers >= 5.2x names the cache `cache`
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._store: dict[int, torch.Tensor] | None = None
+        self._causal: torch.Tensor | None = None
 
-    def __call__(self, prefix: Prefix, ids_BT: torch.Tensor, pos_BT: torch.Tensor, region_BTR: torch.Tensor):
-        """Returns (final hidden [B, T, H], fused-layer inputs [B, T, 3H] or None without `layer_ids`)."""
+    @contextmanager
+    def session(self) -> Iterator[None]:
+        with packed_linears(self.target), ExitStack() as stack:
+            if self.layer_ids and self._store is None:
+                self._store = stack.enter_context(capture_layer_inputs(self.target, self.layer_ids))
+                stack.callback(setattr, self, "_store", None)
+            yield
+
+    def logits(self, hidden_BTH: torch.Tensor) -> torch.Tensor:
+        return linear(hidden_BTH, self.lm_head) if type(self.lm_head) is nn.Linear else self.lm_head(hidden_BTH)
+
+    def __call__(self, prefix: Prefix, ids_BT: torch.Tensor, pos_BT: torch.Tensor, region_BTR: torch.Tensor | None):
+        """Returns (final hidden [B, T, H], fused-layer inputs [B, T, 3H] or None without `layer_ids`).
+        `region_BTR` None means causal over the T new tokens."""
         T = ids_BT.shape[1]
         self.cache.plan_after(prefix.lengths_B, prefix.longest, T)
-        mask = additive_mask(visibility_mask(prefix.lengths_B, region_BTR, prefix.longest + T), self.dtype)
-        kwargs = dict(input_ids=ids_BT, attention_mask=mask, position_ids=pos_BT, use_cache=True)
+        kwargs = dict(input_ids=ids_BT, attention_mask=self._mask(prefix, T, region_BTR), position_ids=pos_BT,
+                      use_cache=True)
+        kwargs[self._cache_kw] = self.cache
         if not self.layer_ids:
-            return self._base(**kwargs, **{self._cache_kw: self.cache}).last_hidden_state, None
-        with capture_layer_inputs(self.target, self.layer_ids) as store:
-            out = self._base(**kwargs, **{self._cache_kw: self.cache})
+            return self._base(**kwargs).last_hidden_state, None
+        with ExitStack() as stack:
+            store = self._store if self._store is not None else \
+                stack.enter_context(capture_layer_inputs(self.target, self.layer_ids))
+            out = self._base(**kwargs)
         return out.last_hidden_state, torch.cat([store[i] for i in self.layer_ids], dim=-1)
+
+    def _mask(self, prefix: Prefix, T: int, region_BTR: torch.Tensor | None) -> torch.Tensor:
+        """Additive [B, 1, T, span] mask; one row and a causal region slice a prebuilt one."""
+        C, dev = self.cache.capacity, prefix.lengths_B.device
+        if region_BTR is None and prefix.lengths_B.shape[0] == 1 and T <= self.CAUSAL_ROWS:
+            if self._causal is None or self._causal.device != dev:  # row t sees columns j <= C + t
+                ok = torch.arange(C + self.CAUSAL_ROWS, device=dev)[None] <= C + torch.arange(self.CAUSAL_ROWS,
+                                                                                              device=dev)[:, None]
+                self._causal = additive_mask(ok[None], self.dtype)
+            L = prefix.longest  # slice column C - L + j: slot j of the row is visible iff j <= L + t
+            return self._causal[:, :, :T, C - L:C + T]
+        region = causal_region(T, dev) if region_BTR is None else region_BTR
+        return additive_mask(visibility_mask(prefix.lengths_B, region, prefix.longest + T), self.dtype)
 
     def prefill(self, ids_BT: torch.Tensor, n_B: torch.Tensor):
         """Prompt pass; returns (logits at each row's last prompt token [B, V], fused features or None)."""
         B, T = ids_BT.shape
         pos_BT = torch.arange(T, device=ids_BT.device).expand(B, T)
-        hidden_BTH, aux = self(Prefix(torch.zeros_like(n_B), 0), ids_BT, pos_BT, causal_region(T, ids_BT.device))
+        hidden_BTH, aux = self(Prefix(torch.zeros_like(n_B), 0), ids_BT, pos_BT, None)
         last_BH = hidden_BTH[torch.arange(B, device=ids_BT.device), n_B - 1]
-        return self.lm_head(last_BH), aux
+        return self.logits(last_BH), aux
 
 
 def _pick(logits: torch.Tensor, cfg: SpecConfig, generator: torch.Generator | None) -> torch.Tensor:
@@ -184,17 +220,17 @@ def _pick(logits: torch.Tensor, cfg: SpecConfig, generator: torch.Generator | No
 def generate_plain(target: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                    cfg: SpecConfig, generator: torch.Generator | None = None) -> GenOutput:
     """One token per target pass (greedy or temperature/top-p sampling), with the speculative path's helpers."""
-    with packed_linears(target):
-        return _plain_loop(target, input_ids, attention_mask, cfg, generator)
-
-
-def _plain_loop(target: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                cfg: SpecConfig, generator: torch.Generator | None) -> GenOutput:
     ids_BT, n_B = pack_left(input_ids, attention_mask)
     runner = TargetRunner(target, ids_BT.shape[1] + cfg.max_new_tokens + 1)
+    with runner.session():
+        return _plain_loop(runner, ids_BT, n_B, cfg, generator)
+
+
+def _plain_loop(runner: TargetRunner, ids_BT: torch.Tensor, n_B: torch.Tensor, cfg: SpecConfig,
+                generator: torch.Generator | None) -> GenOutput:
     out = _Emitted(ids_BT.shape[0], cfg, ids_BT.device)
     logits_BV, _ = runner.prefill(ids_BT, n_B)
-    one_B, one = torch.ones_like(n_B), causal_region(1, ids_BT.device)
+    one_B = torch.ones_like(n_B)
     lengths_B = n_B
     while True:
         tok_B = _pick(logits_BV, cfg, generator)
@@ -203,8 +239,8 @@ def _plain_loop(target: nn.Module, input_ids: torch.Tensor, attention_mask: torc
         if bool(out.done_B.all()):
             return GenOutput(out.tokens_BN, out.count_B)
         prefix = Prefix.of(lengths_B)
-        hidden_B1H, _ = runner(prefix, tok_B[:, None], lengths_B[:, None], one)
-        logits_BV = runner.lm_head(hidden_B1H[:, 0])
+        hidden_B1H, _ = runner(prefix, tok_B[:, None], lengths_B[:, None], None)
+        logits_BV = runner.logits(hidden_B1H[:, 0])
         lengths_B = lengths_B + active_B.long()
 
 
@@ -247,14 +283,14 @@ class Speculator:
             drafts_BK, q_BKVd = draft_chain(self.head, prefix, hidden_BH, logits_BVd, cfg.depth, self.draft_pick)
             tokens_BN = torch.cat([root_B[:, None], drafts_BK], 1)
             pos_BN = prefix.lengths_B[:, None] + torch.arange(cfg.depth + 1, device=dev)
-            hidden_BNH, aux_BN3H = self.target(prefix, tokens_BN, pos_BN, causal_region(cfg.depth + 1, dev))
-            n_B, nxt_B = self.accept_chain(self.target.lm_head(hidden_BNH), drafts_BK, q_BKVd)
+            hidden_BNH, aux_BN3H = self.target(prefix, tokens_BN, pos_BN, None)
+            n_B, nxt_B = self.accept_chain(self.target.logits(hidden_BNH), drafts_BK, q_BKVd)
             path_BA = torch.arange(cfg.depth + 1, device=dev).expand(len(n_B), -1)
         else:
             tree = draft_tree(self.head, prefix, root_B, hidden_BH, logits_BVd, (cfg.depth, cfg.topk, cfg.budget))
             hidden_BNH, aux_BN3H = self.target(prefix, tree.tokens_BN, prefix.lengths_B[:, None] + tree.depth_BN,
                                                tree.ancestors_BNN)
-            logits_BNV = self.target.lm_head(hidden_BNH)
+            logits_BNV = self.target.logits(hidden_BNH)
             choice_BN = _pick(logits_BNV, cfg, self.generator)
             n_B, path_BA, nxt_B = sampling.walk_tree(tree.tokens_BN, tree.parent_BN, choice_BN, cfg.depth)
             slots = prefix.lengths_B[:, None]
@@ -280,16 +316,15 @@ def generate_speculative(target: nn.Module, draft: Eagle3Draft, input_ids: torch
                          attention_mask: torch.Tensor | None, cfg: SpecConfig,
                          generator: torch.Generator | None = None) -> GenOutput:
     """Speculative generation whose output is distributed exactly as `generate_plain`'s (identical when greedy)."""
-    with packed_linears(target), packed_linears(draft):
-        return _speculative_loop(target, draft, input_ids, attention_mask, cfg, generator)
-
-
-def _speculative_loop(target: nn.Module, draft: Eagle3Draft, input_ids: torch.Tensor,
-                      attention_mask: torch.Tensor | None, cfg: SpecConfig,
-                      generator: torch.Generator | None) -> GenOutput:
     ids_BT, n_B = pack_left(input_ids, attention_mask)
     B, T = ids_BT.shape
     spec = Speculator(target, draft, cfg, T, generator)
+    with spec.target.session():
+        return _speculative_loop(spec, ids_BT, n_B)
+
+
+def _speculative_loop(spec: Speculator, ids_BT: torch.Tensor, n_B: torch.Tensor) -> GenOutput:
+    cfg, generator, B = spec.cfg, spec.generator, ids_BT.shape[0]
     out = _Emitted(B, cfg, ids_BT.device)
     logits_BV, aux_BT3H = spec.target.prefill(ids_BT, n_B)
     root_B = _pick(logits_BV, cfg, generator)
