@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from components.atomic import atomic_write_text
+from components.atomic import atomic_write_text, remove_stale_temps
 from components.chat import prompt_ids
 from components.traffic_io import Conversation, load_traffic
 
@@ -52,6 +52,10 @@ class RegenerateResult:
 
 
 Answerer = Callable[[list[list[dict[str, str]]]], list[str | Exception]]
+
+
+class RegenerateError(ValueError):
+    """No conversation of the traffic could be regenerated (every one failed)."""
 
 
 def _history_turns(conv: Conversation) -> tuple[list[dict[str, str]], list[str]]:
@@ -88,8 +92,15 @@ def answer_all(convs: Sequence[Conversation], answer: Answerer, batch_size: int)
 
 
 def hf_answerer(target: Any, tokenizer: Any, cfg: RegenerateConfig) -> Answerer:
-    """Batched HF generation with left padding; prompts too long for the context fail individually."""
+    """Batched generation by the HF target with left padding; prompts too long for the context fail individually.
+
+    Decoding uses `eagle.speculative.generate_plain` (the HF model's forward with a preallocated KV cache; greedy
+    or temperature/top-p sampling, tested token-for-token against HF greedy), about 1.8x faster than
+    `model.generate` on a CPU.
+    """
     import torch
+
+    from eagle.speculative import SpecConfig, generate_plain
 
     limit = int(getattr(target.config, "max_position_embeddings", 2048)) - cfg.max_new_tokens
     eos = target.generation_config.eos_token_id
@@ -108,14 +119,13 @@ def hf_answerer(target: Any, tokenizer: Any, cfg: RegenerateConfig) -> Answerer:
         for r, i in enumerate(keep):
             inp[r, width - len(ids[i]):] = torch.tensor(ids[i])
             att[r, width - len(ids[i]):] = 1
-        sample = cfg.temperature > 0
-        with torch.no_grad():
-            out = target.generate(inp.to(cfg.device), attention_mask=att.to(cfg.device), do_sample=sample,
-                                  temperature=cfg.temperature if sample else None, top_p=cfg.top_p if sample else None,
-                                  top_k=0 if sample else None, max_new_tokens=cfg.max_new_tokens,
-                                  pad_token_id=pad, eos_token_id=eos)
+        spec = SpecConfig(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
+                          eos_token_id=tuple(eos) if isinstance(eos, list) else eos, pad_token_id=pad)
+        with torch.inference_mode():  # the same model and sampling rule as HF generate, with the lean KV cache
+            out = generate_plain(target, inp.to(cfg.device), att.to(cfg.device), spec)
         for r, i in enumerate(keep):
-            results[i] = tokenizer.decode(out[r, width:], skip_special_tokens=True)  # verbatim: code's indent
+            toks = out.sequences[r, : int(out.lengths[r])]
+            results[i] = tokenizer.decode(toks, skip_special_tokens=True)  # verbatim: code's indent
         return results
 
     return answer
@@ -146,10 +156,10 @@ def endpoint_answerer(cfg: RegenerateConfig, retries: int = 3) -> Answerer:
     return lambda batch: [one(m) for m in batch]
 
 
-def _load_local(target_dir: str, cfg: RegenerateConfig):
+def _load_local(target_dir: str, cfg: RegenerateConfig, trust_remote_code: bool):
     from components.targets import load_target
 
-    target, tokenizer = load_target(target_dir, cfg.device)
+    target, tokenizer = load_target(target_dir, cfg.device, trust_remote_code=trust_remote_code)
     tokenizer.padding_side = "left"
     return hf_answerer(target, tokenizer, cfg)
 
@@ -161,12 +171,18 @@ def _seed_shard(seed: int, shard: int) -> None:
 
 
 def regenerate(cfg: RegenerateConfig, target_dir: str, traffic_path: str, out_dir: str,
-               answer: Answerer | None = None, progress: Callable[[str], None] = print) -> RegenerateResult:
-    """Regenerate the traffic's answers into `out_dir` (resuming a previous run) and return the accounting."""
+               answer: Answerer | None = None, progress: Callable[[str], None] = print,
+               trust_remote_code: bool = False) -> RegenerateResult:
+    """Regenerate the traffic's answers into `out_dir` (resuming a previous run) and return the accounting.
+
+    A shard whose every conversation failed is not marked done, so a re-run tries it again (an endpoint that was
+    down); when no conversation at all could be regenerated, `RegenerateError` says why (accounting.json is written).
+    """
     convs = list(load_traffic(traffic_path).conversations)[: cfg.limit]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    shards, ok, failed, skipped, failures = [], 0, 0, 0, {}
+    remove_stale_temps(out)  # left by a run killed mid-write
+    shards, ok, failed, skipped, failures, usable = [], 0, 0, 0, {}, 0
     for s, start in enumerate(range(0, len(convs), cfg.shard_size)):
         chunk = convs[start:start + cfg.shard_size]
         data, meta = out / f"shard-{s:05d}.jsonl", out / f"shard-{s:05d}.json"
@@ -175,16 +191,19 @@ def regenerate(cfg: RegenerateConfig, target_dir: str, traffic_path: str, out_di
             done = json.loads(meta.read_text())
             if done.get("ids") == [c.id for c in chunk]:
                 skipped += len(chunk)
+                usable += int(done.get("ok", 0))
                 continue
-        answer = answer or (endpoint_answerer(cfg) if cfg.endpoint_url else _load_local(target_dir, cfg))
+        answer = answer or (endpoint_answerer(cfg) if cfg.endpoint_url else
+                            _load_local(target_dir, cfg, trust_remote_code))
         _seed_shard(cfg.seed, s)  # a shard's samples do not depend on which shards ran before it (resume = clean run)
         t0 = time.perf_counter()
         records = answer_all(chunk, answer, cfg.batch_size)
         good = [r for r in records if "messages" in r]
         bad = {r["id"]: r["error"] for r in records if "error" in r}
-        atomic_write_text(data, "".join(json.dumps(r) + "\n" for r in good))
-        atomic_write_text(meta, json.dumps({"ids": [c.id for c in chunk], "ok": len(good), "failed": bad}) + "\n")
-        ok, failed = ok + len(good), failed + len(bad)
+        if good:  # the data first, then the sidecar that marks the shard done
+            atomic_write_text(data, "".join(json.dumps(r) + "\n" for r in good))
+            atomic_write_text(meta, json.dumps({"ids": [c.id for c in chunk], "ok": len(good), "failed": bad}) + "\n")
+        ok, failed, usable = ok + len(good), failed + len(bad), usable + len(good)
         failures.update(bad)
         progress(f"regenerate: shard {s + 1}/{-(-len(convs) // cfg.shard_size)}: {len(good)} ok, {len(bad)} failed "
                  f"({time.perf_counter() - t0:.1f} s)")
@@ -192,6 +211,11 @@ def regenerate(cfg: RegenerateConfig, target_dir: str, traffic_path: str, out_di
     assert res.total == res.ok + res.failed + res.skipped
     atomic_write_text(out / "accounting.json", json.dumps({"total": res.total, "ok": ok, "failed": failed,
                                                             "skipped": skipped, "failures": failures}, indent=2))
+    if usable == 0:
+        first = next(iter(failures.items()), ("-", "-"))
+        raise RegenerateError(f"{traffic_path}: none of {len(convs)} conversations could be regenerated by the target "
+                              f"(first failure: {first[0]}: {first[1]}); every reason is in {out / 'accounting.json'}. "
+                              "Shorten the prompts, lower regenerate.max_new_tokens, or check the endpoint")
     return res
 
 

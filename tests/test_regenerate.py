@@ -155,13 +155,27 @@ def test_regenerate_accounts_fails_alone_and_resumes_by_shard(tiny_embedded, tra
     assert after["shard-00002.jsonl"][1] == before["shard-00002.jsonl"][1]  # seeded per shard: the same samples
 
 
+class _Biased(torch.nn.Module):
+    """The target's lm_head with a huge bias on one token (the target then says only that token)."""
+
+    def __init__(self, lm_head, token):
+        super().__init__()
+        self.inner = lm_head
+        self.token = token
+
+    def forward(self, x):
+        out = self.inner(x)
+        out[..., self.token] += 1e4
+        return out
+
+
 def test_answers_are_the_targets_text_verbatim(tiny_embedded):
     """A target whose every token is a run of spaces: the answer is those spaces, not an empty string."""
     target, tok = load_target(tiny_embedded.target_dir)
     tok.padding_side = "left"
     spaces = tok.convert_tokens_to_ids(tok.tokenize("    "))
     assert len(spaces) == 1
-    target.generation_config.sequence_bias = {(spaces[0],): 1e4}
+    target.set_output_embeddings(_Biased(target.get_output_embeddings(), spaces[0]))
     answer = hf_answerer(target, tok, RegenerateConfig(max_new_tokens=3, temperature=0.0))
     msgs = [{"role": "user", "content": "def f(x):"}]
     assert answer([msgs, [{"role": "system", "content": "Be brief."}, *msgs]]) == ["            "] * 2
