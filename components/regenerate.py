@@ -65,7 +65,8 @@ def _history_turns(conv: Conversation) -> tuple[list[dict[str, str]], list[str]]
     return system, users
 
 
-def answer_all(convs: Sequence[Conversation], answer: Answerer, batch_size: int) -> list[dict[str, Any]]:
+def answer_all(convs: Sequence[Conversation], answer: Answerer, batch_size: int,
+               on_batch: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
     """Regenerate every conversation turn by turn; each record is ok (messages) or failed (reason)."""
     states = []
     for c in convs:
@@ -78,11 +79,15 @@ def answer_all(convs: Sequence[Conversation], answer: Answerer, batch_size: int)
             s["msgs"].append({"role": "user", "content": s["users"][t]})
         for b in range(0, len(live), batch_size):
             chunk = live[b:b + batch_size]
+            t0 = time.perf_counter()
             for s, reply in zip(chunk, answer([s["msgs"] for s in chunk])):
                 if isinstance(reply, Exception):
                     s["error"] = f"turn {t + 1}: {reply}"
                 else:
                     s["msgs"].append({"role": "assistant", "content": reply})
+            if on_batch:
+                on_batch(f"  turn {t + 1}: {min(b + batch_size, len(live))}/{len(live)} conversations "
+                         f"({time.perf_counter() - t0:.1f} s for this batch)")
     out = []
     for s in states:
         c = s["conv"]
@@ -197,7 +202,7 @@ def regenerate(cfg: RegenerateConfig, target_dir: str, traffic_path: str, out_di
                             _load_local(target_dir, cfg, trust_remote_code))
         _seed_shard(cfg.seed, s)  # a shard's samples do not depend on which shards ran before it (resume = clean run)
         t0 = time.perf_counter()
-        records = answer_all(chunk, answer, cfg.batch_size)
+        records = answer_all(chunk, answer, cfg.batch_size, on_batch=progress)
         good = [r for r in records if "messages" in r]
         bad = {r["id"]: r["error"] for r in records if "error" in r}
         if good:  # the data first, then the sidecar that marks the shard done
