@@ -47,7 +47,12 @@ class TrainingData:
         mpath = root / "manifest.json"
         if not mpath.is_file():
             raise FeatureStoreError(f"{root}: no manifest.json; run the extract stage first")
-        manifest = json.loads(mpath.read_text())
+        try:
+            manifest = json.loads(mpath.read_text())
+            manifest["mode"], manifest["shards"], manifest["dtype"]
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+            raise FeatureStoreError(f"{mpath}: not a readable extract manifest ({type(e).__name__}: {e}); "
+                                    "delete it and re-run extract") from None
         try:
             tok = load_file(str(root / "tokens.safetensors"))
             heads = load_file(str(root / "target_heads.safetensors"))
@@ -59,11 +64,11 @@ class TrainingData:
             data._shards = data._open_shards(verify)
         return data
 
-    def target_config(self):
+    def target_config(self, trust_remote_code: bool = False):
         """The target's HF config, saved beside the features by the extract stage."""
         from transformers import AutoConfig
 
-        return AutoConfig.from_pretrained(self.root / "target_config")
+        return AutoConfig.from_pretrained(self.root / "target_config", trust_remote_code=trust_remote_code)
 
     @property
     def n_seqs(self) -> int:

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from components.atomic import atomic_write_text
+from components.atomic import atomic_write_text, remove_stale_temps
 
 
 class NotLosslessError(AssertionError):
@@ -95,7 +95,7 @@ def _prompts(tokenizer, traffic_path: str, cfg: EvaluateConfig):
 
 def evaluate(cfg: EvaluateConfig, target_dir: str, head_dir: str, traffic_path: str, out_dir: str,
              baseline_head_dir: str | None = None, history_file: str | None = None,
-             progress: Callable[[str], None] = print) -> EvaluateResult:
+             progress: Callable[[str], None] = print, trust_remote_code: bool = False) -> EvaluateResult:
     import torch
 
     from components.targets import load_target
@@ -104,7 +104,8 @@ def evaluate(cfg: EvaluateConfig, target_dir: str, head_dir: str, traffic_path: 
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    target, tokenizer = load_target(target_dir, cfg.device)
+    remove_stale_temps(out)  # left by a run killed mid-write
+    target, tokenizer = load_target(target_dir, cfg.device, trust_remote_code=trust_remote_code)
     draft = load_head(head_dir, target, device=cfg.device).eval()
     baseline = load_head(baseline_head_dir, target, device=cfg.device).eval() if baseline_head_dir else None
     eos = target.generation_config.eos_token_id

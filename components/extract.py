@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Literal
 
-from components.atomic import atomic_write_text
+from components.atomic import atomic_path, atomic_write_text, remove_stale_temps
 from components.chat import tokenize_conversation
 from components.regenerate import read_regenerated
 from components.targets import load_target, weights_sha256
@@ -87,9 +87,8 @@ def _save_tokens(out: Path, seqs, vocab_size: int) -> int:
     mask = torch.tensor([m for _, ms in seqs for m in ms], dtype=torch.uint8)
     offsets = torch.tensor([0] + [len(s) for s, _ in seqs]).cumsum(0)
     counts = torch.bincount(ids[mask.bool()].long(), minlength=vocab_size)
-    tmp = out / ".tokens.safetensors.tmp"
-    save_file({"input_ids": ids, "loss_mask": mask, "offsets": offsets, "token_counts": counts}, str(tmp))
-    tmp.replace(out / "tokens.safetensors")
+    with atomic_path(out / "tokens.safetensors") as tmp:
+        save_file({"input_ids": ids, "loss_mask": mask, "offsets": offsets, "token_counts": counts}, str(tmp))
     return int(mask.sum())
 
 
@@ -98,9 +97,8 @@ def _save_target_heads(out: Path, target) -> None:
 
     tensors = {"embed_tokens": target.get_input_embeddings().weight.detach().float().contiguous().cpu(),
                "lm_head": target.get_output_embeddings().weight.detach().float().contiguous().cpu()}
-    tmp = out / ".target_heads.safetensors.tmp"
-    save_file(tensors, str(tmp))
-    tmp.replace(out / "target_heads.safetensors")
+    with atomic_path(out / "target_heads.safetensors") as tmp:
+        save_file(tensors, str(tmp))
 
 
 def _write_shard(path: Path, target, layer_ids, seqs, cfg: ExtractConfig) -> None:
@@ -128,25 +126,25 @@ def _write_shard(path: Path, target, layer_ids, seqs, cfg: ExtractConfig) -> Non
                "loss_mask": torch.tensor([m for _, ms in seqs for m in ms], dtype=torch.uint8),
                "offsets": torch.tensor([0] + [len(s) for s, _ in seqs]).cumsum(0),
                "aux_hidden_states": torch.cat(aux), "last_hidden_state": torch.cat(last)}
-    tmp = path.with_name(f".{path.name}.tmp")
-    save_file(tensors, str(tmp))
-    tmp.replace(path)
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp))
 
 
 def extract(cfg: ExtractConfig, target_dir: str, regen_dir: str, out_dir: str,
-            progress: Callable[[str], None] = print) -> ExtractResult:
+            progress: Callable[[str], None] = print, trust_remote_code: bool = False) -> ExtractResult:
     from eagle.config import default_aux_layer_ids
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    target, tokenizer = load_target(target_dir, cfg.device)
+    remove_stale_temps(out)  # left by a run killed mid-write
+    target, tokenizer = load_target(target_dir, cfg.device, trust_remote_code=trust_remote_code)
     seqs, truncated = tokenize_all(tokenizer, regen_dir, cfg.max_len)
     n_trained = _save_tokens(out, seqs, target.config.vocab_size)
     _save_target_heads(out, target)
-    target.config.save_pretrained(out / "target_config")
+    atomic_write_text(out / "target_config" / "config.json", target.config.to_json_string())
     layer_ids = list(default_aux_layer_ids(target.config.num_hidden_layers))
     target_sha = weights_sha256(target_dir)  # once: hashing a real target's weights takes a while
-    previous = json.loads((out / MANIFEST).read_text()) if (out / MANIFEST).is_file() else {}
+    previous = _previous_manifest(out / MANIFEST)
     same_source = (previous.get("dtype"), previous.get("layer_ids"), previous.get("target", {}).get("weights_sha256")) \
         == (cfg.dtype, layer_ids, target_sha)  # else every shard holds other features: rewrite them all
     known = {s["file"]: (s["sha256"], s.get("tokens_sha256")) for s in previous.get("shards", []) if same_source}
@@ -172,6 +170,15 @@ def extract(cfg: ExtractConfig, target_dir: str, regen_dir: str, out_dir: str,
     atomic_write_text(out / MANIFEST, json.dumps(manifest, indent=2) + "\n")
     return ExtractResult(str(out), cfg.mode, str(out / MANIFEST), len(seqs), manifest["n_tokens"], n_trained,
                          manifest["bytes_per_token"])
+
+
+def _previous_manifest(path: Path) -> dict:
+    """The manifest of an earlier run, or {} when there is none or it is unreadable (then every shard is redone)."""
+    try:
+        previous = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return previous if isinstance(previous, dict) else {}
 
 
 def _manifest(cfg: ExtractConfig, target_dir: str, target_sha: str, layer_ids, seqs, n_trained: int, truncated: int,

@@ -2,13 +2,16 @@
 
 Purpose: `plot_acceptance` (bars of conditional and cumulative acceptance per position, tau in the title) and
 `plot_training` (loss, per-step accuracy and simulated tau from a training history JSONL).
-Not here: what to measure (components/evaluate.py, components/train.py). Uses matplotlib's Agg backend.
+Not here: what to measure (components/evaluate.py, components/train.py). Uses matplotlib's Agg backend; a plot
+file appears whole or not at all (written aside, then renamed).
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+from components.atomic import atomic_path
 
 
 def _plt():
@@ -35,14 +38,22 @@ def plot_acceptance(conditional: list[float], cumulative: list[float], tau: floa
     ax.legend(fontsize=8)
     ax.grid(True, axis="y", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    try:
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, dpi=100, format="png")
+    finally:
+        plt.close(fig)
     return Path(path)
 
 
 def plot_training(history_file: str | Path, path: str | Path) -> Path:
     plt = _plt()
-    rows = [json.loads(x) for x in Path(history_file).read_text().splitlines() if x.strip()]
+    rows = []
+    for x in Path(history_file).read_text().splitlines():
+        try:
+            rows.append(json.loads(x))
+        except json.JSONDecodeError:  # a line torn by a killed writer
+            continue
     steps = [r["step"] for r in rows]
     fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.4))
     a.plot(steps, [r["loss"] for r in rows])
@@ -62,6 +73,9 @@ def plot_training(history_file: str | Path, path: str | Path) -> Path:
     b.grid(True, alpha=0.3)
     fig.suptitle("Head training")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    try:
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, dpi=100, format="png")
+    finally:
+        plt.close(fig)
     return Path(path)

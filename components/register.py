@@ -7,9 +7,11 @@ Purpose:
 - `register_head(store, cfg, head)`: the exported head directory (vLLM/SGLang format + probe) as a version of the
   registered model `<target>-v<version>-eagle3` (one per target fine-tune), tagged with the target's name,
   version and weights hash, the traffic hash, tau and speedup. Idempotent on `run_key`: re-registering a finished
-  run returns the existing version. Promotion gate: alias `champion` moves to the new version only if
-  tau >= `cfg.tau_floor` and tau >= the current champion's tau measured on the same held-out traffic in the same
-  run (`head.champion_tau`); otherwise the version becomes `challenger`.
+  run returns the existing version (and sets the alias its gate chose, if a killed run never did:
+  `finish_registration`). Promotion gate: alias `champion` moves to the new version only if tau >= `cfg.tau_floor`
+  and tau >= the current champion's tau measured on the same held-out traffic in the same run
+  (`head.champion_tau`); otherwise the version becomes `challenger`.
+- `check_head_name(store, target)`: refuses, before any work, a head name taken by a model that is not a head.
 Not here: measuring tau (components/evaluate.py); connecting to MLflow (infra/mlflow_store.py).
 """
 
@@ -20,9 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from infra.mlflow_store import CHALLENGER, CHAMPION, MlflowStore
+from infra.mlflow_store import CHALLENGER, CHAMPION, MlflowStore, ModelVersionRef
 
 TARGET_KIND = "causal-lm-target"
+PROMOTED_TAG = "promoted"  # the gate's decision, so a registration cut short can be finished
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,15 @@ def register_target(store: MlflowStore, name: str, target_dir: str, role: str, b
     return TargetRef(name, mv.version, weights_sha256, target_dir)
 
 
+def check_head_name(store: MlflowStore, target: TargetRef, cfg: RegisterConfig | None = None) -> str:
+    """The head model's name for `target`; `RegistryCollision` now (not after training) if a non-head holds it."""
+    from infra.mlflow_store import HEAD_KIND
+
+    name = head_model_name(target, (cfg or RegisterConfig()).experiment_suffix)
+    store.check_kind(name, HEAD_KIND)
+    return name
+
+
 def _gate(cfg: RegisterConfig, tau: float, champion_tau: float | None) -> tuple[bool, str]:
     if tau < cfg.tau_floor:
         return False, f"tau {tau:.3f} < floor {cfg.tau_floor}"
@@ -96,12 +108,29 @@ def _gate(cfg: RegisterConfig, tau: float, champion_tau: float | None) -> tuple[
     return True, f"tau {tau:.3f} >= floor {cfg.tau_floor} and >= champion's {champion_tau:.3f}"
 
 
+def finish_registration(store: MlflowStore, name: str, version: int) -> ModelVersionRef:
+    """The version, with the alias its gate decided set if a killed run created it but never moved the alias.
+
+    The gate's decision is the version's `promoted` tag. The alias moves only forward: a newer version that holds
+    it (a later run) keeps it. Versions with an alias, or superseded ones, are returned unchanged.
+    """
+    v = store.get_version(name, version)
+    if CHAMPION in v.aliases or CHALLENGER in v.aliases or PROMOTED_TAG not in v.tags:
+        return v
+    alias = CHAMPION if v.tags[PROMOTED_TAG] == "true" else CHALLENGER
+    current = store.get_alias(name, alias)
+    if current is None or current.version < v.version:
+        store.set_alias(name, alias, v.version)
+        v = store.get_version(name, version)
+    return v
+
+
 def register_head(store: MlflowStore, cfg: RegisterConfig, head: HeadToRegister) -> RegisterResult:
     name = head_model_name(head.target, cfg.experiment_suffix)
     store.ensure_model(name)
     existing = store.find_versions(name, run_key=head.run_key)
     if existing:
-        v = store.get_version(name, existing[0].version)
+        v = finish_registration(store, name, existing[0].version)
         alias = CHAMPION if CHAMPION in v.aliases else (CHALLENGER if CHALLENGER in v.aliases else "none")
         return RegisterResult(name, v.version, f"models:/{name}/{v.version}", alias, alias == CHAMPION,
                               "already registered for this run key", v.run_id or "")
@@ -114,7 +143,7 @@ def register_head(store: MlflowStore, cfg: RegisterConfig, head: HeadToRegister)
     tags = {"target_name": head.target.name, "target_version": str(head.target.version),
             "target_weights_sha256": head.target.weights_sha256, "traffic_sha256": head.traffic_sha256,
             "tau": f"{tau:.4f}", "speedup": f"{float(head.metrics.get('speedup', 0.0)):.4f}",
-            "gate": reason}
+            "gate": reason, PROMOTED_TAG: str(promoted).lower()}
     run_id = head.run_id
     store.log_params(run_id, {"target": f"{head.target.name}/{head.target.version}",
                               **{k: json.dumps(v) if isinstance(v, (dict, list)) else v

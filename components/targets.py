@@ -2,8 +2,9 @@
 
 Purpose: `load_target(path, device)` returns (model, tokenizer) in eval mode, weights through safetensors only,
 `trust_remote_code` off unless the caller turns it on, and a clear error for a directory that is not a causal LM
-with enough layers for an EAGLE-3 head, or whose tokenizer does not fit the model. `weights_sha256` hashes the
-weight files for lineage.
+with enough layers for an EAGLE-3 head, or whose tokenizer does not fit the model or has no chat template;
+`check_target(path)` makes the same checks without loading the weights (flows check their inputs up front).
+`weights_sha256` hashes the weight files for lineage.
 Not here: registry URIs (infra/ resolves `models:/...` to a local directory first).
 """
 
@@ -20,16 +21,22 @@ class TargetError(ValueError):
     """A target directory that cannot serve as an EAGLE-3 target."""
 
 
-def load_target(path: str | Path, device: str = "cpu", trust_remote_code: bool = False, dtype: Any = None):
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+def check_target(path: str | Path, trust_remote_code: bool = False):
+    """(config, tokenizer) of a target directory, checked without loading its weights; `TargetError` says why not."""
+    from transformers import AutoConfig, AutoTokenizer
 
     path = Path(path)
     if not (path / "config.json").is_file():
-        raise TargetError(f"{path}: not a Hugging Face model directory (no config.json)")
+        raise TargetError(f"{path}: not a Hugging Face model directory (no config.json); pass the directory that "
+                          "holds config.json, the tokenizer and *.safetensors")
     if not list(path.glob("*.safetensors")):
-        raise TargetError(f"{path}: no .safetensors weights; only safetensors are loaded (no pickle)")
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        raise TargetError(f"{path}: no .safetensors weights; only safetensors are loaded (no pickle): convert the "
+                          "checkpoint with `save_pretrained(..., safe_serialization=True)`")
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception as e:  # malformed JSON, unknown model_type, remote code refused
+        raise TargetError(f"{path}/config.json: cannot be read as a transformers config ({e}); for a model that "
+                          "ships its own code set EAGLE_TRUST_REMOTE_CODE=1 if you trust it") from None
     archs = getattr(config, "architectures", None) or []
     if not any(a.endswith("ForCausalLM") for a in archs):
         raise TargetError(f"{path}: architectures {archs} is not a causal LM (need e.g. LlamaForCausalLM)")
@@ -37,13 +44,32 @@ def load_target(path: str | Path, device: str = "cpu", trust_remote_code: bool =
         default_aux_layer_ids(int(getattr(config, "num_hidden_layers", 0)))
     except ValueError as e:
         raise TargetError(f"{path}: {e}") from None
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32, use_safetensors=True,
-                                                 trust_remote_code=trust_remote_code).to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception as e:
+        raise TargetError(f"{path}: cannot load its tokenizer ({e}); save the target's tokenizer beside it "
+                          "(tokenizer.save_pretrained)") from None
     if len(tokenizer) > config.vocab_size:
         raise TargetError(f"{path}: tokenizer has {len(tokenizer)} tokens but the model's vocabulary is "
                           f"{config.vocab_size}: the tokenizer does not belong to this model")
-    return model, tokenizer
+    if not getattr(tokenizer, "chat_template", None):
+        raise TargetError(f"{path}: the tokenizer has no chat template; add one (tokenizer.chat_template, saved "
+                          "in tokenizer_config.json or chat_template.jinja)")
+    return config, tokenizer
+
+
+def load_target(path: str | Path, device: str = "cpu", trust_remote_code: bool = False, dtype: Any = None):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config, tokenizer = check_target(path, trust_remote_code)  # before the (slow) weights
+    try:
+        model = AutoModelForCausalLM.from_pretrained(Path(path), dtype=dtype or torch.float32, use_safetensors=True,
+                                                     trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, RuntimeError) as e:  # truncated file, shapes that do not fit config.json
+        raise TargetError(f"{path}: cannot load its weights ({str(e)[:400]}); check that the *.safetensors files "
+                          "are complete and belong to config.json") from None
+    return model.to(device).eval(), tokenizer
 
 
 def weights_sha256(path: str | Path) -> str:

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from components.atomic import atomic_write_text
+from components.atomic import atomic_write_text, remove_stale_temps
 
 
 @dataclass(frozen=True)
@@ -85,6 +85,7 @@ class LoopArgs:
     lineage: dict[str, Any] = field(default_factory=dict)
     sinks: tuple = ()
     fail_at_step: int | None = None  # fault injection for tests: raise once at this step
+    trust_remote_code: bool = False  # for the target (online mode) and its config
 
 
 HISTORY = "history.jsonl"
@@ -106,10 +107,17 @@ def _save_checkpoint(out_dir: Path, step: int, draft, opt, sched, keep: int) -> 
     tmp = root / f".tmp-step-{step:07d}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_file(head_state_dict(draft), str(tmp / "head.safetensors"))
-    torch.save({"opt": opt.state_dict(), "sched": sched.state_dict(), "step": step,
-                "rng": torch.get_rng_state()}, tmp / "state.pt")
-    (tmp / "DONE").write_text(str(step))
+    try:
+        save_file(head_state_dict(draft), str(tmp / "head.safetensors"))
+        torch.save({"opt": opt.state_dict(), "sched": sched.state_dict(), "step": step,
+                    "rng": torch.get_rng_state()}, tmp / "state.pt")
+        (tmp / "DONE").write_text(str(step))
+    except BaseException as err:  # a full disk: leave no half checkpoint, say where
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(err, OSError):
+            raise OSError(err.errno, f"cannot write checkpoint {final}: {err.strerror or err}; the previous "
+                                     "checkpoint is intact: free space and re-run (training resumes)") from err
+        raise
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
     for old in sorted(p for p in root.glob("step-*"))[:-keep]:
@@ -129,11 +137,21 @@ def _load_checkpoint(path: Path, draft, opt, sched) -> int:
     return int(state["step"])
 
 
+def _history_rows(path: Path) -> list[dict]:
+    """The rows of a history file; a last line torn by a killed writer is dropped."""
+    rows = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
 def _trim_history(path: Path, step: int) -> None:
-    """Drop the rows logged after checkpoint `step`: the resumed run logs those steps again."""
+    """Drop the rows logged after checkpoint `step` (and torn lines): the resumed run logs those steps again."""
     if path.is_file():
-        rows = path.read_text().splitlines(keepends=True)
-        atomic_write_text(path, "".join(r for r in rows if r.strip() and json.loads(r)["step"] <= step))
+        atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in _history_rows(path) if r["step"] <= step))
 
 
 def train_loop(args: LoopArgs) -> None:
@@ -153,8 +171,9 @@ def train_loop(args: LoopArgs) -> None:
     if data.manifest["mode"] == "online":
         from components.targets import load_target
 
-        target = load_target(args.target_dir, str(device))[0]
-    draft = head_from_tensors(data.target_config(), data.token_counts, data.embed_tokens, data.lm_head,
+        target = load_target(args.target_dir, str(device), trust_remote_code=args.trust_remote_code)[0]
+    draft = head_from_tensors(data.target_config(args.trust_remote_code), data.token_counts, data.embed_tokens,
+                              data.lm_head,
                               cfg.draft_vocab_size).to(device)
     ttt = TTTConfig(ttt_steps=cfg.ttt_steps, gamma=cfg.gamma)
     opt, sched = make_optimizer(draft.trainable_parameters(), OptimConfig(lr=cfg.lr, warmup_steps=cfg.warmup_steps,
@@ -177,7 +196,10 @@ def train_loop(args: LoopArgs) -> None:
             (out / ".fault-injected").write_text("1")
             raise RuntimeError(f"injected fault at step {step}")
         batch = ttt_batch(data, idx, draft.draft_ids(), device, target)
-        res = train_step(model, draft, batch, ttt, opt, sched, cfg.grad_clip, amp)
+        try:
+            res = train_step(model, draft, batch, ttt, opt, sched, cfg.grad_clip, amp)
+        except FloatingPointError as e:  # before the optimiser step: the checkpoints stay clean
+            raise FloatingPointError(f"{args.extract_dir}, step {step + 1}: {e}") from None
         seen += int(batch.input_ids_BS.numel())
         done = step + 1
         if rank == 0 and (done % cfg.log_every == 0 or done == cfg.steps):
@@ -225,7 +247,7 @@ def _report(step: int, path: Path | None) -> None:
 
 def train(cfg: TrainConfig, extract_dir: str, out_dir: str, target_dir: str | None = None,
           lineage: dict[str, Any] | None = None, sinks: tuple = (), storage_dir: str | None = None,
-          fail_at_step: int | None = None) -> TrainResult:
+          fail_at_step: int | None = None, trust_remote_code: bool = False) -> TrainResult:
     """Train a head on the extract stage's output; resumes from `out_dir/checkpoints` when present."""
     from components.datasets import TrainingData
 
@@ -233,6 +255,7 @@ def train(cfg: TrainConfig, extract_dir: str, out_dir: str, target_dir: str | No
     extract_dir = str(Path(extract_dir).resolve())
     target_dir = str(Path(target_dir).resolve()) if target_dir else None
     out.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(out, extra=(".head.*", "checkpoints/.tmp-step-*"))  # left by a run killed mid-write
     manifest = TrainingData.open(extract_dir, verify=True).manifest  # fail fast on bad shards, in the driver
     if manifest["mode"] == "online" and not target_dir:
         raise ValueError("online features need the target: pass target_dir")
@@ -242,13 +265,13 @@ def train(cfg: TrainConfig, extract_dir: str, out_dir: str, target_dir: str | No
     if not ckpt:
         history.unlink(missing_ok=True)
     args = LoopArgs(cfg, extract_dir, str(out), target_dir, dict(lineage or {}),
-                    (JsonlSink(str(history)), *sinks), fail_at_step)
+                    (JsonlSink(str(history)), *sinks), fail_at_step, trust_remote_code)
     t0 = time.perf_counter()
     if cfg.num_workers == 0:
         train_loop(args)
     else:
         _fit_with_ray(args, storage_dir or str(out / "ray"))
-    rows = [json.loads(x) for x in history.read_text().splitlines()] if history.is_file() else []
+    rows = _history_rows(history)
     return TrainResult(str(out / "head"), cfg.steps, resumed, rows[-1] if rows else {}, str(history),
                        time.perf_counter() - t0)
 

@@ -7,7 +7,8 @@ argument errors import nothing heavy; Prefect, MLflow and torch load only once a
   eagle-heads evaluate --head DIR|models:/name/version [--target DIR|models:/...] --traffic FILE [--json OUT]
   eagle-heads watch [--once] [--interval S] [--dispatch event|local]
 Settings come from the environment (infra/settings.py): EAGLE_HOME, MLFLOW_TRACKING_URI, RAY_ADDRESS,
-PREFECT_API_URL. Exit codes: 0 success, 1 failure of the job, 2 bad arguments or unreachable services.
+PREFECT_API_URL. Exit codes: 0 success, 1 failure of the job, 2 bad arguments, bad input (traffic, target,
+config, registry name; checked before any work starts) or unreachable services.
 Not here: any stage logic.
 """
 
@@ -42,24 +43,66 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--preset", default="default", choices=["default", "tiny"])
     w = sub.add_parser("watch", help="poll the registry and announce target versions without a head")
     w.add_argument("--once", action="store_true", help="poll once and exit")
-    w.add_argument("--interval", type=float, default=60.0, help="seconds between polls")
+    w.add_argument("--interval", type=_positive, default=60.0, help="seconds between polls")
     w.add_argument("--dispatch", default="event", choices=["event", "local"],
                    help="event: emit Prefect events for the trigger; local: also train here")
     w.add_argument("--preset", default="default", choices=["default", "tiny"])
     return p
 
 
-def _check_files(parser: argparse.ArgumentParser, *paths: str | None) -> None:
-    for p in paths:
-        if p and not p.startswith("models:/") and not Path(p).exists():
-            parser.error(f"{p}: no such file or directory")
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: the interval must be > 0 seconds")
+    return value
 
 
-def _setup() -> None:
+def _check_files(parser: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    for opt in ("target", "head", "traffic", "heldout", "config"):
+        p = getattr(a, opt, None)
+        if not p or p.startswith("models:/"):
+            continue
+        if not Path(p).exists():
+            parser.error(f"--{opt} {p}: no such file or directory")
+        if opt in ("traffic", "heldout", "config") and not Path(p).is_file():
+            parser.error(f"--{opt} {p}: not a file")
+
+
+def _setup():
     from infra.prefect_env import apply_prefect_defaults
     from infra.settings import Settings
 
-    apply_prefect_defaults(Settings.from_env())
+    settings = Settings.from_env()
+    apply_prefect_defaults(settings)
+    return settings
+
+
+def _input_errors() -> tuple[type[BaseException], ...]:
+    """Errors that mean bad input (exit 2): each names the input and what to do."""
+    from components.chat import ChatTemplateError
+    from components.pipeline_config import ConfigError
+    from components.regenerate import RegenerateError
+    from components.targets import TargetError
+    from components.traffic_io import TrafficFormatError
+    from eagle.export import HeadMismatchError
+    from infra.mlflow_store import RegistryCollision
+
+    return (TrafficFormatError, ConfigError, TargetError, RegistryCollision, RegenerateError, ChatTemplateError,
+            HeadMismatchError)
+
+
+def _preflight_train(a, settings) -> None:
+    """Bad input and unreachable services fail here, in seconds, before the flow starts or writes anything."""
+    from components.pipeline_config import PipelineConfig
+    from flows.train_head import check_inputs
+    from infra.mlflow_health import probe_tracking
+
+    cfg = PipelineConfig.load(a.config, a.preset)
+    check_inputs(a.target, a.traffic, a.heldout, cfg, settings)
+    probe_tracking(settings)
 
 
 def _quiet_prefect() -> None:
@@ -88,7 +131,7 @@ def _evaluate(a) -> dict:
         target = str(store.resolve(target))
     cfg = PipelineConfig.preset(a.preset).evaluate
     out = settings.state_dir / "evaluations" / time.strftime("%Y%m%d-%H%M%S")
-    res = evaluate(cfg, target, head, a.traffic, str(out))
+    res = evaluate(cfg, target, head, a.traffic, str(out), trust_remote_code=settings.trust_remote_code)
     from dataclasses import asdict
 
     return asdict(res)
@@ -97,10 +140,17 @@ def _evaluate(a) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     a = parser.parse_args(argv)
-    _check_files(parser, getattr(a, "traffic", None), getattr(a, "heldout", None), getattr(a, "target", None),
-                 getattr(a, "config", None), getattr(a, "head", None))
+    _check_files(parser, a)
     try:
-        _setup()
+        settings = _setup()
+    except ValueError as e:  # a malformed setting in the environment
+        print(f"eagle-heads: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        if a.command in ("demo", "watch"):
+            from infra.mlflow_health import probe_tracking
+
+            probe_tracking(settings)  # in seconds, before a flow starts
         if a.command == "demo":
             from flows.demo import demo
 
@@ -109,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
             print("\n".join(res["lines"]), flush=True)
             return 0
         if a.command == "train":
+            _preflight_train(a, settings)
             from flows.train_head import train_head
 
             s = train_head(a.target, a.traffic, a.heldout, a.preset, a.config, a.name)
@@ -119,7 +170,9 @@ def main(argv: list[str] | None = None) -> int:
         if a.command == "evaluate":
             res = _evaluate(a)
             if a.json:
-                Path(a.json).write_text(json.dumps(res, indent=2) + "\n")
+                from components.atomic import atomic_write_text
+
+                atomic_write_text(a.json, json.dumps(res, indent=2) + "\n")
             print(f"evaluate: tau={res['tau']:.2f} speedup={res['speedup']:.2f}x identical={res['identical']}")
             return 0
         from flows.watch import watch_registry
@@ -133,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except (ConnectionError, FileNotFoundError, LookupError) as e:
+        print(f"eagle-heads: error: {e}", file=sys.stderr)
+        return 2
+    except _input_errors() as e:
         print(f"eagle-heads: error: {e}", file=sys.stderr)
         return 2
     except Exception as e:  # the job failed: one clear line, the traceback is in the logs above

@@ -3,7 +3,9 @@
 Purpose: each task calls one component and carries the orchestration concerns only. Results are cached on
 INPUTS + TASK_SOURCE and persisted (under the state dir's Prefect home), so a re-run of the same run skips the
 stages that finished; `fresh_if_missing` refreshes a stage's cache when its output files are gone, so a cached
-path never points at nothing. Regeneration and registration retry (endpoint and tracking-server hiccups).
+path never points at nothing. Regeneration and registration retry (endpoint and tracking-server hiccups), but
+never on bad input (`ValueError`: traffic, target, config, features), which fails at once with its message.
+`trust_remote_code` comes from the settings (EAGLE_TRUST_REMOTE_CODE) and reaches every model load.
 Not here: the wiring (flows/train_head.py) or any algorithm (components/, eagle/).
 """
 
@@ -22,39 +24,52 @@ from components.train import TrainConfig, TrainResult, train
 CACHE = INPUTS + TASK_SOURCE
 
 
+def transient(task_obj, task_run, state) -> bool:
+    """Retry condition: retry a failure unless it is bad input (a ValueError names what to fix)."""
+    try:
+        state.result()
+    except ValueError:
+        return False
+    except BaseException:  # noqa: BLE001 (any other failure may pass)
+        return True
+    return True
+
+
 def fresh_if_missing(task_obj, *paths: str | Path):
     """The task with its cache refreshed when any of `paths` does not exist."""
     missing = any(not Path(p).exists() for p in paths)
     return task_obj.with_options(refresh_cache=missing) if missing else task_obj
 
 
-@task(name="regenerate", cache_policy=CACHE, persist_result=True, retries=2, retry_delay_seconds=5)
-def regenerate_task(cfg: RegenerateConfig, target_dir: str, traffic: str, out_dir: str) -> RegenerateResult:
-    res = regenerate(cfg, target_dir, traffic, out_dir)
-    if res.ok + res.skipped == 0:
-        raise RuntimeError(f"regeneration produced no conversation ({res.failed} failed): "
-                           f"see {out_dir}/accounting.json")
-    return res
+@task(name="regenerate", cache_policy=CACHE, persist_result=True, retries=2, retry_delay_seconds=5,
+      retry_condition_fn=transient)
+def regenerate_task(cfg: RegenerateConfig, target_dir: str, traffic: str, out_dir: str,
+                    trust_remote_code: bool = False) -> RegenerateResult:
+    return regenerate(cfg, target_dir, traffic, out_dir, trust_remote_code=trust_remote_code)
 
 
 @task(name="extract", cache_policy=CACHE, persist_result=True)
-def extract_task(cfg: ExtractConfig, target_dir: str, regen_dir: str, out_dir: str) -> ExtractResult:
-    return extract(cfg, target_dir, regen_dir, out_dir)
+def extract_task(cfg: ExtractConfig, target_dir: str, regen_dir: str, out_dir: str,
+                 trust_remote_code: bool = False) -> ExtractResult:
+    return extract(cfg, target_dir, regen_dir, out_dir, trust_remote_code=trust_remote_code)
 
 
 @task(name="train", cache_policy=CACHE - "sinks", persist_result=True)
 def train_task(cfg: TrainConfig, extract_dir: str, out_dir: str, target_dir: str, lineage: dict,
                ray_settings, sinks: tuple = ()) -> TrainResult:
+    trust = ray_settings.trust_remote_code
     if cfg.num_workers == 0:
-        return train(cfg, extract_dir, out_dir, target_dir, lineage, sinks)
+        return train(cfg, extract_dir, out_dir, target_dir, lineage, sinks, trust_remote_code=trust)
     from infra.ray_cluster import ray_session
 
     with ray_session(ray_settings):
         return train(cfg, extract_dir, out_dir, target_dir, lineage, sinks,
-                     storage_dir=str(ray_settings.ray_storage_dir))
+                     storage_dir=str(ray_settings.ray_storage_dir), trust_remote_code=trust)
 
 
 @task(name="evaluate", cache_policy=CACHE, persist_result=True)
 def evaluate_task(cfg: EvaluateConfig, target_dir: str, head_dir: str, heldout: str, out_dir: str,
-                  baseline_head_dir: str | None, history_file: str | None) -> EvaluateResult:
-    return evaluate(cfg, target_dir, head_dir, heldout, out_dir, baseline_head_dir, history_file)
+                  baseline_head_dir: str | None, history_file: str | None,
+                  trust_remote_code: bool = False) -> EvaluateResult:
+    return evaluate(cfg, target_dir, head_dir, heldout, out_dir, baseline_head_dir, history_file,
+                    trust_remote_code=trust_remote_code)

@@ -5,7 +5,10 @@ then regenerate -> extract -> train (Ray) -> evaluate (against the current champ
 -> register with the promotion gate. A run's identity (`run_key`) is the hash of the target's weights, the
 traffic files and the config: its work directory is `<state>/runs/<target>-v<version>/<run_key[:12]>`, so a
 re-run after a crash resumes there (stages cached by Prefect, shards and checkpoints resumed by the components)
-and a re-run of a finished run registers nothing new. One run per target at a time (a lock under the state dir).
+and a re-run of a finished run registers nothing new (a run killed mid-registration is finished: its alias is
+set). One run per target at a time (a lock under the state dir); registering a target directory is locked too,
+so two runs started at once for a new target register it once. Inputs (traffic files, target directory, config,
+head model name, Ray address) are checked before anything is written (`check_inputs`).
 Run: `eagle-heads train --target DIR|models:/name/version --traffic FILE --heldout FILE`, or as a deployment
 (prefect.yaml). Not here: any algorithm; see components/.
 """
@@ -19,23 +22,59 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger, task
 
+from components.atomic import atomic_write_text
 from components.pipeline_config import PipelineConfig
-from components.register import HeadToRegister, RegisterResult, TargetRef, head_model_name, register_head, register_target
-from components.targets import weights_sha256
-from components.traffic_io import traffic_sha256
-from flows.tasks import evaluate_task, extract_task, fresh_if_missing, regenerate_task, train_task
+from components.register import (HeadToRegister, RegisterResult, TargetRef, check_head_name, finish_registration,
+                                 head_model_name, register_head, register_target)
+from components.targets import TargetError, check_target, weights_sha256
+from components.traffic_io import TrafficFormatError, load_traffic, traffic_sha256
+from flows.tasks import evaluate_task, extract_task, fresh_if_missing, regenerate_task, train_task, transient
 from infra.locks import target_lock
 from infra.metrics_sink import MlflowSink
+from infra.mlflow_health import store_errors
 from infra.mlflow_store import CHAMPION, MlflowStore, parse_model_uri
 from infra.settings import Settings
 
 
-@task(name="register", retries=2, retry_delay_seconds=3)
+@task(name="register", retries=2, retry_delay_seconds=3, retry_condition_fn=transient)
 def register_task(settings: Settings, cfg, head: HeadToRegister) -> RegisterResult:
-    return register_head(MlflowStore.connect(settings), cfg, head)
+    with store_errors(settings, f"registering the head of run {head.run_key[:12]}"):
+        return register_head(MlflowStore.connect(settings), cfg, head)
 
 
-def resolve_target(store: MlflowStore, target: str, name: str | None = None) -> TargetRef:
+def _check_traffic(path: str, what: str) -> None:
+    try:
+        load_traffic(path)
+    except TrafficFormatError as e:
+        hint = ("give a JSONL file with at least one conversation" if e.line == 0 else
+                f"fix or remove line {e.line} (each line: an OpenAI `messages` or ShareGPT `conversations` object)")
+        raise TrafficFormatError(e.path, e.line, f"{e.reason} ({what}; {hint})") from None
+    except UnicodeDecodeError as e:
+        raise TrafficFormatError(path, 0, f"not UTF-8 text (byte {e.start}: {e.reason}) ({what}; traffic is "
+                                          "UTF-8 JSONL)") from None
+    except IsADirectoryError:
+        raise TrafficFormatError(path, 0, f"is a directory ({what}; pass a JSONL file)") from None
+
+
+def check_inputs(target: str, traffic: str, heldout: str, cfg: PipelineConfig, settings: Settings) -> None:
+    """Refuse bad input before anything is written: traffic files, a target directory, a Ray address in use."""
+    _check_traffic(traffic, "training traffic")
+    _check_traffic(heldout, "held-out traffic")
+    if not target.startswith("models:/"):
+        check_target(target, settings.trust_remote_code)
+    else:
+        try:
+            parse_model_uri(target)
+        except ValueError as e:
+            raise TargetError(f"{e}; pass a model directory or a registered target version") from None
+    if cfg.train.num_workers > 0 and settings.ray_address:
+        from infra.ray_cluster import probe_ray
+
+        probe_ray(settings)
+
+
+def resolve_target(store: MlflowStore, target: str, name: str | None = None,
+                   settings: Settings | None = None) -> TargetRef:
     """A local directory and registry identity for `target` (registering an HF directory if needed)."""
     if target.startswith("models:/"):
         model, version, _alias = parse_model_uri(target)
@@ -46,7 +85,9 @@ def resolve_target(store: MlflowStore, target: str, name: str | None = None) -> 
         return TargetRef(model, version, sha, str(path))
     path = Path(target).resolve()
     sha = weights_sha256(path)
-    return register_target(store, name or path.name, str(path), role="user", base_model="", weights_sha256=sha)
+    name = name or path.name
+    with target_lock(settings or store.settings, f"register-target-{name}"):  # two runs at once: one version
+        return register_target(store, name, str(path), role="user", base_model="", weights_sha256=sha)
 
 
 def run_key_of(target: TargetRef, traffic: str, heldout: str, cfg: PipelineConfig) -> str:
@@ -60,8 +101,10 @@ def train_head(target: str, traffic: str, heldout: str, preset: str = "default",
     log = get_run_logger()
     cfg = PipelineConfig.load(config_path, preset)
     settings = Settings.from_env()
+    check_inputs(target, traffic, heldout, cfg, settings)
     store = MlflowStore.connect(settings)
-    tref = resolve_target(store, target, target_name)
+    tref = resolve_target(store, target, target_name, settings)
+    check_head_name(store, tref, cfg.register)  # a head name taken by another kind of model: refuse before the work
     key = run_key_of(tref, traffic, heldout, cfg)
     work = settings.state_dir / "runs" / f"{tref.name}-v{tref.version}" / key[:12]
     work.mkdir(parents=True, exist_ok=True)
@@ -75,15 +118,17 @@ def _run(cfg: PipelineConfig, settings: Settings, store: MlflowStore, tref: Targ
     name = head_model_name(tref, cfg.register.experiment_suffix)
     existing = store.find_versions(name, run_key=key)
     if existing:
-        v = store.get_version(name, existing[0].version)
+        v = finish_registration(store, name, existing[0].version)
         print(f"run {key[:12]} already registered as {v.uri}; nothing to do")
         alias = next((a for a in ("champion", "challenger") if a in v.aliases), "none")
         return {"head_uri": v.uri, "alias": alias, "tau": float(v.tags.get("tau", "nan")),
                 "speedup": float(v.tags.get("speedup", "nan")), "identical": True, "created": False}
     regen_dir, ext_dir, train_dir, eval_dir = (str(work / s) for s in ("regenerate", "extract", "train", "evaluate"))
-    regen = fresh_if_missing(regenerate_task, regen_dir)(cfg.regenerate, tref.path, traffic, regen_dir)
+    trust = settings.trust_remote_code
+    regen = fresh_if_missing(regenerate_task, regen_dir)(cfg.regenerate, tref.path, traffic, regen_dir, trust)
     print(f"regenerate: {regen.ok} ok, {regen.failed} failed, {regen.skipped} skipped of {regen.total}")
-    ext = fresh_if_missing(extract_task, Path(ext_dir) / "manifest.json")(cfg.extract, tref.path, regen_dir, ext_dir)
+    ext = fresh_if_missing(extract_task, Path(ext_dir) / "manifest.json")(cfg.extract, tref.path, regen_dir, ext_dir,
+                                                                           trust)
     with store.run(f"{name}-{key[:12]}", tags={"run_key": key, "target": f"{tref.name}/{tref.version}"}) as run_id:
         lineage = {"target_name": tref.name, "target_version": tref.version,
                    "target_weights_sha256": tref.weights_sha256, "traffic_sha256": traffic_sha256(traffic),
@@ -94,7 +139,7 @@ def _run(cfg: PipelineConfig, settings: Settings, store: MlflowStore, tref: Targ
         champion = store.get_alias(name, CHAMPION)
         champ_dir = str(store.resolve(champion.uri)) if champion else None
         ev = fresh_if_missing(evaluate_task, Path(eval_dir) / "evaluation.json")(
-            cfg.evaluate, tref.path, tr.head_dir, heldout, eval_dir, champ_dir, tr.history_file)
+            cfg.evaluate, tref.path, tr.head_dir, heldout, eval_dir, champ_dir, tr.history_file, trust)
         head = HeadToRegister(head_dir=tr.head_dir, target=tref, traffic_sha256=traffic_sha256(traffic),
                               run_key=key, run_id=run_id, metrics=ev.metrics(), champion_tau=ev.baseline_tau,
                               evaluation_dir=eval_dir, params={"config": cfg.to_dict()})
@@ -103,6 +148,6 @@ def _run(cfg: PipelineConfig, settings: Settings, store: MlflowStore, tref: Targ
                "tau": ev.tau, "speedup": ev.speedup, "identical": ev.identical, "acceptance": ev.acceptance,
                "per_segment": ev.per_segment, "train": asdict(tr), "regenerate": asdict(regen),
                "extract": asdict(ext), "created": True, "work_dir": str(work)}
-    (work / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    atomic_write_text(work / "summary.json", json.dumps(summary, indent=2, default=str) + "\n")
     print(f"registered {reg.uri} as {reg.alias}: {reg.reason}")
     return summary

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 @dataclass
 class MlflowSink:
-    tracking_uri: str
-    run_id: str
+    tracking_uri: str = field(repr=False)  # may hold credentials: never in a repr (Ray and Prefect log reprs)
+    run_id: str = ""
     _client: object = field(default=None, repr=False, compare=False)
     _warned: bool = field(default=False, repr=False, compare=False)
 

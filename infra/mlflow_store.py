@@ -5,10 +5,13 @@ record a training run and register its head: log the head's safetensors director
 `runs:/<run_id>/<path>` with `register` (idempotent on a `run_key` tag), move the `champion`/`challenger`
 aliases, and `resolve` a `models:/name/version` or `models:/name@alias` URI to a local directory.
 Registered models that hold heads carry the tag `kind=eagle3-head`; registering a head into a model without
-it is refused, so a head never lands among a target's versions.
+it is refused, so a head never lands among a target's versions (`check_kind` checks a name without writing).
+Two processes opening a new SQLite store at once take turns creating its tables (a lock beside the file).
+A failed run body ends its MLflow run FAILED without hiding the body's error if the store is down too.
 
 Run: `python -m infra.mlflow_store` connects with `Settings.from_env()` and lists registered models.
-Not here: what a head is or how it is scored (components), the promotion gate, tracking-server management.
+Not here: what a head is or how it is scored (components), the promotion gate, tracking-server management,
+probing the server and classifying its failures (infra/mlflow_health.py).
 `connect` also points MLflow's process-wide tracking and registry URIs at the store, because MLflow resolves
 some URIs (logged models, `models:/<model_id>`) through its global client.
 Not safe against two processes registering the same `run_key` at the same instant (MLflow has no conditional
@@ -18,7 +21,9 @@ create); the flows run one registration per key.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import hashlib
+import logging
 import re
 import shutil
 import tempfile
@@ -38,6 +43,8 @@ from mlflow.exceptions import MlflowException
 from mlflow.utils.validation import MAX_METRICS_PER_BATCH, MAX_PARAMS_TAGS_PER_BATCH
 
 from infra.settings import Settings, redact_uri
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_EXPERIMENT = "eagle3-heads"
 KIND_TAG = "kind"
@@ -107,7 +114,7 @@ def _version_ref(mv, aliases: Iterable[str] = ()) -> ModelVersionRef:
     )
 
 
-def _probe_http(uri: str, timeout_s: float) -> None:
+def probe_http(uri: str, timeout_s: float) -> None:
     """Any HTTP answer from `<uri>/health` counts as reachable; no answer within `timeout_s` does not."""
     try:
         urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s).close()
@@ -122,9 +129,43 @@ def _probe_http(uri: str, timeout_s: float) -> None:
         ) from err
 
 
+def _check_kind(rm, kind: str) -> None:
+    found = (rm.tags or {}).get(KIND_TAG)
+    if found != kind:
+        raise RegistryCollision(
+            f"registered model {rm.name!r} exists with {KIND_TAG}={found!r}, not {kind!r}: refusing to add a "
+            f"version of kind {kind!r} to it. Register under another name (heads are usually '<target>-eagle3'; "
+            "for a target given as a directory pass another --name)."
+        )
+
+
 def _prepare_local_store(uri: str) -> None:
     if uri.startswith("sqlite:///"):
         Path(uri[len("sqlite:///") :]).expanduser().parent.mkdir(parents=True, exist_ok=True)
+
+
+def _create_experiment(client: MlflowClient, name: str, settings: Settings):
+    try:
+        client.create_experiment(name, artifact_location=settings.mlflow_artifact_location)
+    except MlflowException as race:  # another process (on a tracking server) created it first
+        if race.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+    return client.get_experiment_by_name(name)
+
+
+@contextmanager
+def _creating_store(uri: str) -> Iterator[None]:
+    """Hold `<db>.lock` while MLflow opens a SQLite store: two processes creating its tables at once corrupt
+    the schema migration (alembic: "expected to match one row"); the second waits and finds them made."""
+    if not uri.startswith("sqlite:///"):
+        yield
+        return
+    with open(Path(uri[len("sqlite:///") :]).expanduser().with_suffix(".lock"), "a+") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
 class MlflowStore:
@@ -142,19 +183,17 @@ class MlflowStore:
         """Open the store named by `settings`, creating the SQLite directory and the experiment when missing."""
         uri = settings.mlflow_tracking_uri
         if uri.startswith(("http://", "https://")):
-            _probe_http(uri, timeout_s)
+            probe_http(uri, timeout_s)
         _prepare_local_store(uri)
         mlflow.set_tracking_uri(uri)
         mlflow.set_registry_uri(uri)
         client = MlflowClient(tracking_uri=uri, registry_uri=uri)
         try:
-            exp = client.get_experiment_by_name(experiment)
-            if exp is None:
-                exp_id = client.create_experiment(experiment, artifact_location=settings.mlflow_artifact_location)
-            else:
-                exp_id = exp.experiment_id
-                if exp.lifecycle_stage == "deleted":
-                    client.restore_experiment(exp_id)
+            with _creating_store(uri):  # the first call creates the tables of a new SQLite store
+                exp = client.get_experiment_by_name(experiment) or _create_experiment(client, experiment, settings)
+            exp_id = exp.experiment_id
+            if exp.lifecycle_stage == "deleted":
+                client.restore_experiment(exp_id)
         except MlflowException as err:
             raise TrackingUnreachable(
                 f"MLflow at {redact_uri(uri)} refused the experiment {experiment!r}: {err.message}"
@@ -181,12 +220,18 @@ class MlflowStore:
         try:
             yield run_id
         except KeyboardInterrupt:
-            self.end_run(run_id, "KILLED")
+            self._end_quietly(run_id, "KILLED")
             raise
         except BaseException:
-            self.end_run(run_id, "FAILED")
+            self._end_quietly(run_id, "FAILED")  # the store may be what failed: keep the original error
             raise
         self.end_run(run_id, "FINISHED")
+
+    def _end_quietly(self, run_id: str, status: str) -> None:
+        try:
+            self.end_run(run_id, status)
+        except Exception as err:  # noqa: BLE001 (reported, and the body's error propagates)
+            logger.warning("could not mark MLflow run %s %s: %s", run_id, status, err)
 
     def log_params(self, run_id: str, params: Mapping[str, object]) -> None:
         items = [Param(str(k), str(v)) for k, v in params.items()]
@@ -220,6 +265,16 @@ class MlflowStore:
 
     # ---- registry ---------------------------------------------------------------------------------------
 
+    def check_kind(self, name: str, kind: str) -> None:
+        """Read-only: `RegistryCollision` if registered model `name` exists with another kind (absent is fine)."""
+        try:
+            rm = self.client.get_registered_model(name)
+        except MlflowException as err:
+            if err.error_code == "RESOURCE_DOES_NOT_EXIST":
+                return
+            raise
+        _check_kind(rm, kind)
+
     def ensure_model(
         self, name: str, kind: str | None = HEAD_KIND, tags: Mapping[str, str] | None = None
     ) -> RegisteredModelRef:
@@ -236,12 +291,8 @@ class MlflowStore:
                 if race.error_code != "RESOURCE_ALREADY_EXISTS":
                     raise
                 rm = self.client.get_registered_model(name)
-        found = (rm.tags or {}).get(KIND_TAG)
-        if kind is not None and found != kind:
-            raise RegistryCollision(
-                f"registered model {name!r} exists with {KIND_TAG}={found!r}, not {kind!r}: refusing to add a "
-                f"version of kind {kind!r} to it. Register under another name (heads are usually '<target>-eagle3')."
-            )
+        if kind is not None:
+            _check_kind(rm, kind)
         return RegisteredModelRef(name=rm.name, tags=dict(rm.tags or {}), aliases=dict(rm.aliases or {}))
 
     def register(
@@ -348,7 +399,13 @@ class MlflowStore:
         dest = Path(dst_root or self.settings.models_dir) / store_key / safe_name / str(version)
         if dest.is_dir():
             return dest
-        download_uri = self.client.get_model_version_download_uri(name, str(version))
+        try:
+            download_uri = self.client.get_model_version_download_uri(name, str(version))
+        except MlflowException as err:
+            if err.error_code != "RESOURCE_DOES_NOT_EXIST":
+                raise
+            raise LookupError(f"{uri}: no such registered model version in {redact_uri(self.tracking_uri)}; "
+                              "check the name and version (`python -m infra.mlflow_store` lists the models)") from None
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{version}.partial-", dir=dest.parent))
         try:

@@ -104,6 +104,12 @@ def _probe(address: str, timeout_s: float) -> None:
         raise _unreachable(address, err) from err
 
 
+def probe_ray(settings: Settings, timeout_s: float = 5.0) -> None:
+    """`RayUnreachable` now if `settings.ray_address` names a cluster that does not answer (no address: nothing)."""
+    if settings.ray_address is not None:
+        _probe(settings.ray_address, timeout_s)
+
+
 @contextmanager
 def _env_var(name: str, value: str | None) -> Iterator[None]:
     """Set `name` for the duration of the block (None: leave it alone), then restore it."""
