@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eagle.config import DraftConfig
-from eagle.features import linear
+from eagle.features import linear, version
 
 
 class RMSNorm(nn.Module):
@@ -108,7 +108,7 @@ class _Stacked:
 
 
 def _version_key(parts: tuple[torch.Tensor, ...]) -> tuple:
-    return tuple((p.data_ptr(), p._version, p.dtype) for p in parts)
+    return tuple((p.data_ptr(), version(p), p.dtype) for p in parts)
 
 
 class KVStore(Protocol):

@@ -34,10 +34,15 @@ def _packable(x: torch.Tensor, w: torch.Tensor) -> bool:
             and torch.backends.mkldnn.is_available())
 
 
+def version(t: torch.Tensor) -> int:
+    """In-place update counter (inference-mode tensors have none: they cannot change outside inference mode)."""
+    return 0 if t.is_inference() else t._version
+
+
 def _packed_weight(layer: nn.Module) -> torch.Tensor:
     """The layer's weight in oneDNN's blocked layout, packed again whenever the weight changes."""
     w = layer.weight
-    key = (w.data_ptr(), w._version, w.dtype, tuple(w.shape))
+    key = (w.data_ptr(), version(w), w.dtype, tuple(w.shape))
     hit = _PACKED.get(layer)
     if hit is None or hit[0] != key:
         hit = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), 8))

@@ -216,14 +216,21 @@ def _pick(logits: torch.Tensor, cfg: SpecConfig, generator: torch.Generator | No
     return sampling.sample(sampling.probs(logits, cfg.temperature, cfg.top_p), generator)
 
 
-@torch.no_grad()
 def generate_plain(target: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                    cfg: SpecConfig, generator: torch.Generator | None = None) -> GenOutput:
     """One token per target pass (greedy or temperature/top-p sampling), with the speculative path's helpers."""
-    ids_BT, n_B = pack_left(input_ids, attention_mask)
-    runner = TargetRunner(target, ids_BT.shape[1] + cfg.max_new_tokens + 1)
-    with runner.session():
-        return _plain_loop(runner, ids_BT, n_B, cfg, generator)
+    with torch.inference_mode():
+        ids_BT, n_B = pack_left(input_ids, attention_mask)
+        runner = TargetRunner(target, ids_BT.shape[1] + cfg.max_new_tokens + 1)
+        with runner.session():
+            out = _plain_loop(runner, ids_BT, n_B, cfg, generator)
+    return _outside_inference_mode(out)
+
+
+def _outside_inference_mode(out: GenOutput) -> GenOutput:
+    """Copies that autograd code may use (inference-mode tensors cannot be saved for backward)."""
+    stats = None if out.stats is None else SpecStats(out.stats.accept_lengths.clone(), out.stats.depth)
+    return GenOutput(out.sequences.clone(), out.lengths.clone(), stats)
 
 
 def _plain_loop(runner: TargetRunner, ids_BT: torch.Tensor, n_B: torch.Tensor, cfg: SpecConfig,
@@ -311,16 +318,16 @@ class Speculator:
         return sampling.accept_chain(p_BNV, q_BKV, drafts_BK, self.generator)
 
 
-@torch.no_grad()
 def generate_speculative(target: nn.Module, draft: Eagle3Draft, input_ids: torch.Tensor,
                          attention_mask: torch.Tensor | None, cfg: SpecConfig,
                          generator: torch.Generator | None = None) -> GenOutput:
     """Speculative generation whose output is distributed exactly as `generate_plain`'s (identical when greedy)."""
-    ids_BT, n_B = pack_left(input_ids, attention_mask)
-    B, T = ids_BT.shape
-    spec = Speculator(target, draft, cfg, T, generator)
-    with spec.target.session():
-        return _speculative_loop(spec, ids_BT, n_B)
+    with torch.inference_mode():
+        ids_BT, n_B = pack_left(input_ids, attention_mask)
+        spec = Speculator(target, draft, cfg, ids_BT.shape[1], generator)
+        with spec.target.session():
+            out = _speculative_loop(spec, ids_BT, n_B)
+    return _outside_inference_mode(out)
 
 
 def _speculative_loop(spec: Speculator, ids_BT: torch.Tensor, n_B: torch.Tensor) -> GenOutput:
