@@ -34,6 +34,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator, Mapping
+from urllib.parse import urlsplit, urlunsplit
 
 import mlflow
 import mlflow.artifacts
@@ -115,9 +116,16 @@ def _version_ref(mv, aliases: Iterable[str] = ()) -> ModelVersionRef:
 
 
 def probe_http(uri: str, timeout_s: float) -> None:
-    """Any HTTP answer from `<uri>/health` counts as reachable; no answer within `timeout_s` does not."""
+    """Any HTTP answer from `<uri>/health` counts as reachable; no answer within `timeout_s` does not.
+
+    Credentials in the URI (`user:password@`) are left out of the probe: urllib cannot send them, and any answer,
+    401 included, proves the server is there.
+    """
+    parts = urlsplit(uri)
+    host = f"[{parts.hostname}]" if parts.hostname and ":" in parts.hostname else (parts.hostname or "")
+    bare = urlunsplit(parts._replace(netloc=host + (f":{parts.port}" if parts.port else "")))
     try:
-        urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s).close()
+        urllib.request.urlopen(bare.rstrip("/") + "/health", timeout=timeout_s).close()
     except urllib.error.HTTPError:
         return  # the server answered (auth, proxy or a 404): it is there
     except (OSError, ValueError) as err:

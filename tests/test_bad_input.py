@@ -206,6 +206,32 @@ def test_unreachable_tracking_uri(cli):
     assert "s3cret-pw" not in err and "someone" not in err  # credentials are never shown
 
 
+def test_tracking_uri_with_credentials_reaches_a_server_that_is_up():
+    """The probe leaves `user:password@` out (urllib would read it as part of the host name) and never shows it."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from infra.mlflow_health import probe_tracking
+    from infra.settings import Settings
+
+    class Health(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            self.send_response(401 if self.headers.get("Authorization") is None else 200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        uri = f"http://someone:s3cret-pw@127.0.0.1:{server.server_address[1]}"
+        probe_tracking(Settings.from_env({"MLFLOW_TRACKING_URI": uri}), timeout_s=5)  # a 401 is an answer
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_unreachable_ray_address(cli):
     rc, err = cli(preset="default", env={"RAY_ADDRESS": "127.0.0.1:9"})  # the default preset trains on Ray
     assert rc == 2 and "Ray cluster at 127.0.0.1:9 is unreachable" in err and "RAY_ADDRESS" in err, err
