@@ -62,6 +62,16 @@ def test_second_build_is_cached_with_the_same_hash(built):
     assert build_hash(other, *load_domains(other)) != first.build_hash
 
 
+def test_rebuild_from_scratch_is_bitwise_identical(built, tmp_path):
+    _, first = built
+    again = build_embedded(EmbeddedConfig.tiny(), tmp_path, force=True, progress=False)
+    assert not again.cached and again.build_hash == first.build_hash
+    assert again.weights_sha256 == first.weights_sha256
+    assert (again.target_traffic.train_sha256, again.finetune_traffic.heldout_sha256) == \
+        (first.target_traffic.train_sha256, first.finetune_traffic.heldout_sha256)
+    assert (again.tokenizer_dir / "tokenizer.json").read_bytes() == (first.tokenizer_dir / "tokenizer.json").read_bytes()
+
+
 def test_chat_template_round_trips(built):
     _, result = built
     tok = AutoTokenizer.from_pretrained(result.tokenizer_dir)
