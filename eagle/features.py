@@ -7,7 +7,10 @@ which the teacher distribution is computed in chunks (`teacher_targets`). Forwar
 layer inputs as they pass, so every other layer's hidden state is freed as usual.
 CPU kernels for inference: `linear` sends multi-row products through oneDNN with a weight packed once and cached
 (MKL's fp32 GEMM is 2-4x slower at 2-64 rows on these CPUs; one row stays on MKL's GEMV); `packed_linears(model)`
-routes a whole model's `nn.Linear` layers through it for the duration of a `with` block.
+routes a whole model's `nn.Linear` layers through it for the duration of a `with` block. `LeanDecoder` runs the
+decoder stack of a Llama/Mistral/Qwen2/Qwen3 model over its own modules and HF's own attention and RoPE functions,
+without HF's per-call machinery (output capture, mask preparation, keyword plumbing): the same operations in the same
+order, about 0.5 ms less per pass of the 9M embedded target on CPU.
 Not here: tokenisation, chat templates, storage of shards.
 """
 
@@ -15,6 +18,8 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
+import warnings
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -163,3 +168,83 @@ def teacher_targets(last_hidden_BTH: torch.Tensor, lm_head_VH: torch.Tensor, dra
         in_vocab.append(t2d[top])
         probs.append(torch.softmax(logits[:, draft_ids], dim=-1))
     return Teacher(torch.cat(probs).view(B, T, -1), torch.cat(in_vocab).view(B, T), torch.cat(argmax).view(B, T))
+
+
+_LEAN_VERDICTS: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
+
+
+class LeanDecoder:
+    """`model.model(...)` for the Llama family, layer by layer over the model's own modules, with a caller's cache
+    (`update(k, v)` per layer) and additive 4-D mask; captures the inputs of `layer_ids` on the way.
+    `LeanDecoder.of(target)` is None for anything else (other families, attention other than "sdpa") and for a
+    model whose HF forward it failed to reproduce once (`confirm`); `trusted` once it has reproduced it."""
+
+    FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+    def __init__(self, target: nn.Module):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        self.target = weakref.ref(target)
+        self.base, self.layers = target.get_decoder(), decoder_layers(target)
+        self.attention = sdpa_attention_forward
+        self.rope = sys.modules[type(self.layers[0].self_attn).__module__].apply_rotary_pos_emb
+        self.trusted = _LEAN_VERDICTS.get(target, False)
+
+    def confirm(self, hf: Sequence[torch.Tensor | None], lean: Sequence[torch.Tensor | None]) -> bool:
+        """Trust this decoder for its model iff its outputs match HF's forward on the same pass."""
+        ok = all((a is None and b is None) or (a is not None and b is not None and a.shape == b.shape and bool(
+            (a.float() - b.float()).abs().max() <= 1e-3 * a.float().abs().max() + 1e-6)) for a, b in zip(hf, lean))
+        if not ok:
+            warnings.warn("eagle: the lean decoder does not reproduce this target's HF forward; using HF's")
+        _LEAN_VERDICTS[self.target()] = self.trusted = ok
+        return ok
+
+    @classmethod
+    def of(cls, target: nn.Module) -> "LeanDecoder | None":
+        c = target.config
+        if _LEAN_VERDICTS.get(target) is False or c.model_type not in cls.FAMILIES or getattr(c, "_attn_implementation", None) != "sdpa" \
+                or getattr(c, "pretraining_tp", 1) != 1 or getattr(c, "hidden_act", "silu") != "silu":
+            return None
+        linears = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                   "mlp.up_proj", "mlp.down_proj")
+        norms = ("input_layernorm", "post_attention_layernorm")
+        try:
+            ok = all(type(layer.get_submodule(n)) is nn.Linear for layer in decoder_layers(target) for n in linears) \
+                and all(type(layer.get_submodule(n)).__name__.endswith("RMSNorm")
+                        for layer in decoder_layers(target) for n in norms)
+        except AttributeError:
+            return None
+        return cls(target) if ok else None
+
+    def __call__(self, ids_BT: torch.Tensor, pos_BT: torch.Tensor, mask: torch.Tensor, cache_layers: Sequence[Any],
+                 layer_ids: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(final normed hidden [B, T, H], inputs of `layer_ids` concatenated [B, T, 3H] or None)."""
+        h = self.base.embed_tokens(ids_BT)
+        cos_sin = self.base.rotary_emb(h, pos_BT)
+        seen: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            if i in layer_ids:
+                seen[i] = h
+            h = self._layer(layer, h, cos_sin, mask, cache_layers[i])
+        return _norm(self.base.norm, h), (torch.cat([seen[i] for i in layer_ids], dim=-1) if layer_ids else None)
+
+    def _layer(self, layer: nn.Module, h: torch.Tensor, cos_sin, mask: torch.Tensor, cache_layer: Any) -> torch.Tensor:
+        a, m = layer.self_attn, layer.mlp
+        x = _norm(layer.input_layernorm, h)
+        shape = (*x.shape[:-1], -1, a.head_dim)
+        q, k, v = (linear(x, p).view(shape) for p in (a.q_proj, a.k_proj, a.v_proj))
+        if hasattr(a, "q_norm"):  # Qwen3
+            q, k = a.q_norm(q), a.k_norm(k)
+        q, k = self.rope(q.transpose(1, 2), k.transpose(1, 2), *cos_sin)
+        k, v = cache_layer.update(k, v.transpose(1, 2))
+        out, _ = self.attention(a, q, k, v, mask, dropout=0.0, scaling=a.scaling)
+        h = h + linear(out.reshape(*x.shape[:-1], -1).contiguous(), a.o_proj)
+        y = _norm(layer.post_attention_layernorm, h)
+        return h + linear(F.silu(linear(y, m.gate_proj)) * linear(y, m.up_proj), m.down_proj)
+
+
+def _norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """HF's RMSNorm module; in fp32 as one kernel (the same bits as its upcast-normalise-scale formula)."""
+    if x.dtype == torch.float32 and norm.weight.dtype == torch.float32 and hasattr(norm, "variance_epsilon"):
+        return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
+    return norm(x)

@@ -145,6 +145,21 @@ def additive_mask(mask_BTL: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return out.masked_fill_(~mask_BTL, torch.finfo(dtype).min)[:, None]
 
 
+class CausalMask:
+    """Additive masks of one row's pass of T <= `rows` new tokens after L committed slots (causal among the new ones),
+    sliced from one prebuilt [1, 1, rows, capacity + rows] mask: no per-pass construction."""
+
+    def __init__(self, capacity: int, rows: int, dtype: torch.dtype, device: torch.device | str):
+        col = torch.arange(capacity + rows, device=device)[None]
+        self.capacity, self.rows = capacity, rows
+        self.mask = additive_mask((col <= capacity + torch.arange(rows, device=device)[:, None])[None], dtype)
+
+    def __call__(self, L: int, T: int) -> torch.Tensor:
+        """[1, 1, T, L + T]: column C - L + j of row t is visible iff j <= L + t."""
+        C = self.capacity
+        return self.mask[:, :, :T, C - L:C + T]
+
+
 def check_no_sliding_window(config: Any, total_length: int) -> None:
     """Refuse a target whose sliding window would matter: these masks are always full-causal."""
     window = getattr(config, "sliding_window", None)

@@ -30,8 +30,9 @@ from torch import nn
 
 from eagle import sampling
 from eagle.draft import Eagle3Draft
-from eagle.features import capture_layer_inputs, decoder_layers, linear, packed_linears
-from eagle.kvcache import SlotCache, additive_mask, causal_region, check_no_sliding_window, visibility_mask
+from eagle.features import LeanDecoder, capture_layer_inputs, decoder_layers, linear, packed_linears
+from eagle.kvcache import (CausalMask, SlotCache, additive_mask, causal_region, check_no_sliding_window,
+                          visibility_mask)
 from eagle.tree import HeadRunner, Prefix, draft_chain, draft_tree
 
 
@@ -144,8 +145,9 @@ def pack_left(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> t
 
 class TargetRunner:
     """The target with its `SlotCache`: one pass over T new tokens placed after each row's committed prefix.
-    Inside `with runner.session():` its linears use the CPU kernels of `eagle.features.linear` and the feature
-    capture hooks stay attached (calls outside a session attach them per call)."""
+    Llama-family targets run through `LeanDecoder` once it has reproduced HF's forward on a first pass (every other
+    target through HF). Inside `with runner.session():` linears use the CPU kernels of `eagle.features.linear` and
+    HF's feature capture hooks stay attached (outside a session they are attached per call)."""
 
     CAUSAL_ROWS = 64  # passes of up to this many tokens of one row slice a prebuilt causal mask
 
@@ -159,7 +161,8 @@ class TargetRunner:
         params = inspect.signature(self._base.forward).parameters  # transformers >= 5.2x names the cache `cache`
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._store: dict[int, torch.Tensor] | None = None
-        self._causal: torch.Tensor | None = None
+        self._causal: CausalMask | None = None
+        self._lean = LeanDecoder.of(target)
 
     @contextmanager
     def session(self) -> Iterator[None]:
@@ -177,8 +180,18 @@ class TargetRunner:
         `region_BTR` None means causal over the T new tokens."""
         T = ids_BT.shape[1]
         self.cache.plan_after(prefix.lengths_B, prefix.longest, T)
-        kwargs = dict(input_ids=ids_BT, attention_mask=self._mask(prefix, T, region_BTR), position_ids=pos_BT,
-                      use_cache=True)
+        mask = self._mask(prefix, T, region_BTR)
+        lean = self._lean
+        if lean is not None and lean.trusted:
+            return lean(ids_BT, pos_BT, mask, self.cache.layers, self.layer_ids)
+        out = self._hf(ids_BT, pos_BT, mask)
+        if lean is not None and not lean.confirm(out, lean(ids_BT, pos_BT, mask, self.cache.layers, self.layer_ids)):
+            self._hf(ids_BT, pos_BT, mask)  # put HF's own entries back into the cache
+            self._lean = None
+        return out
+
+    def _hf(self, ids_BT: torch.Tensor, pos_BT: torch.Tensor, mask: torch.Tensor):
+        kwargs = dict(input_ids=ids_BT, attention_mask=mask, position_ids=pos_BT, use_cache=True)
         kwargs[self._cache_kw] = self.cache
         if not self.layer_ids:
             return self._base(**kwargs).last_hidden_state, None
@@ -190,14 +203,11 @@ class TargetRunner:
 
     def _mask(self, prefix: Prefix, T: int, region_BTR: torch.Tensor | None) -> torch.Tensor:
         """Additive [B, 1, T, span] mask; one row and a causal region slice a prebuilt one."""
-        C, dev = self.cache.capacity, prefix.lengths_B.device
+        dev = prefix.lengths_B.device
         if region_BTR is None and prefix.lengths_B.shape[0] == 1 and T <= self.CAUSAL_ROWS:
-            if self._causal is None or self._causal.device != dev:  # row t sees columns j <= C + t
-                ok = torch.arange(C + self.CAUSAL_ROWS, device=dev)[None] <= C + torch.arange(self.CAUSAL_ROWS,
-                                                                                              device=dev)[:, None]
-                self._causal = additive_mask(ok[None], self.dtype)
-            L = prefix.longest  # slice column C - L + j: slot j of the row is visible iff j <= L + t
-            return self._causal[:, :, :T, C - L:C + T]
+            if self._causal is None or self._causal.mask.device != dev:
+                self._causal = CausalMask(self.cache.capacity, self.CAUSAL_ROWS, self.dtype, dev)
+            return self._causal(prefix.longest, T)
         region = causal_region(T, dev) if region_BTR is None else region_BTR
         return additive_mask(visibility_mask(prefix.lengths_B, region, prefix.longest + T), self.dtype)
 
