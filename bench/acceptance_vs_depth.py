@@ -15,6 +15,7 @@ Not measured here: wall-clock speed (bench/speedup.py); sampling (T > 0).
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import time
@@ -131,13 +132,17 @@ def plot(res: dict[str, dict], path: Path) -> None:
     plt.close(fig)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = base_args(__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=0, help="training steps per head (0: the preset's)")
     p.add_argument("--prompts", type=int, default=0, help="held-out prompts (0: the preset's)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     load0 = start(args)
-    setup = prepare(args.quick)
+    run(prepare(args.quick), args, load0)
+
+
+def run(setup: Setup, args: argparse.Namespace, load0: list[float]) -> None:
+    """The benchmark on a prepared setup (see bench/common.py); prints the table, writes the result files."""
     base = setup.preset.train
     base = dataclasses.replace(base, steps=args.steps or base.steps)
     trained = {"eagle3-ttt7": train_head(setup, "eagle3-ttt7", dataclasses.replace(base, ttt_steps=7)),

@@ -14,6 +14,7 @@ both methods alike).
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import time
 from pathlib import Path
@@ -21,8 +22,8 @@ from pathlib import Path
 import common  # noqa: F401  (puts the repo root on sys.path)
 import torch
 
-from common import base_args, eos_of, heldout_prompts, prepare, print_table, pyplot, results_dir, start, train_head, \
-    write_results
+from common import (Setup, base_args, eos_of, heldout_prompts, prepare, print_table, pyplot, results_dir, start,
+                    train_head, write_results)
 
 
 def padded(prompts: list[list[int]], B: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,16 +80,20 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = base_args(__doc__.splitlines()[0])
     p.add_argument("--batches", default="", help="comma-separated batch sizes (default 1..64; quick 1,2,4)")
     p.add_argument("--depth", type=int, default=5)
     p.add_argument("--method", default="chain", choices=("chain", "tree"))
     p.add_argument("--max-new", type=int, default=0, help="new tokens per row (0: 64, quick: the preset's)")
     p.add_argument("--repeats", type=int, default=2, help="timed runs per method and batch (ABBA order)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     load0 = start(args)
-    setup = prepare(args.quick)
+    run(prepare(args.quick), args, load0)
+
+
+def run(setup: Setup, args: argparse.Namespace, load0: list[float]) -> None:
+    """The benchmark on a prepared setup (see bench/common.py); prints the table, writes the result files."""
     head = train_head(setup, "eagle3-ttt7", dataclasses.replace(setup.preset.train, ttt_steps=7))
     batches = [int(b) for b in (args.batches or ("1,2,4" if args.quick else "1,2,4,8,16,32,64")).split(",")]
     max_new = args.max_new or (setup.preset.max_new_tokens if args.quick else 64)

@@ -11,6 +11,7 @@ Purpose: every benchmark starts with `setup = prepare(quick)`:
 Results of a full run go to `bench/results/<name>.json` + `.png`; of a `--quick` run to `.eagle/bench/results-quick/`
 so a test never overwrites the committed figures. Every result file carries the machine state (cores, load average
 before and after, torch threads): the machine is shared, so read ratios measured side by side, not absolute speeds.
+Torch runs one thread by default (`--threads`): on 2 busy cores a second thread made matrix products 5x slower.
 Run: `python bench/common.py [--quick]` prepares the cache and prints where it is.
 Not here: what a benchmark measures (bench/*.py), any change to the stages themselves.
 """
@@ -41,10 +42,9 @@ from components.extract import ExtractConfig, extract  # noqa: E402
 from components.regenerate import RegenerateConfig, regenerate  # noqa: E402
 from components.train import TrainConfig, train  # noqa: E402
 
-CACHE = ROOT / ".eagle" / "bench"
+CACHE = ROOT / ".eagle" / "bench"  # `--cache DIR` moves it (set by `start`); read it as `common.CACHE`
 EMBEDDED_ROOT = ROOT / ".eagle" / "embedded"
 RESULTS = ROOT / "bench" / "results"
-QUICK_RESULTS = CACHE / "results-quick"
 
 
 @dataclass(frozen=True)
@@ -63,15 +63,15 @@ class Preset:
     def quick(cls) -> "Preset":
         return cls("quick", EmbeddedConfig.tiny(),
                    RegenerateConfig(max_new_tokens=24, batch_size=8, shard_size=16, limit=24),
-                   ExtractConfig(max_len=160, seqs_per_shard=16),
-                   TrainConfig(steps=16, batch_size=4, draft_vocab_size=128, ttt_steps=3, lr=3e-3, warmup_steps=2,
-                               num_workers=0, checkpoint_every=1000, log_every=8),
+                   ExtractConfig(max_len=128, seqs_per_shard=16),
+                   TrainConfig(steps=8, batch_size=4, draft_vocab_size=128, ttt_steps=3, lr=3e-3, warmup_steps=2,
+                               num_workers=0, checkpoint_every=1000, log_every=4),
                    eval_prompts=3, max_new_tokens=16)
 
     @classmethod
     def default(cls) -> "Preset":
         return cls("default", EmbeddedConfig.default(),
-                   RegenerateConfig(max_new_tokens=96, batch_size=32, shard_size=64, limit=768),
+                   RegenerateConfig(max_new_tokens=96, batch_size=32, shard_size=64, limit=512),
                    ExtractConfig(max_len=320, seqs_per_shard=128),
                    TrainConfig(steps=300, batch_size=8, draft_vocab_size=2048, ttt_steps=7, lr=2e-3, warmup_steps=20,
                                num_workers=0, checkpoint_every=1000, log_every=25),
@@ -111,9 +111,24 @@ def find_embedded(cfg: EmbeddedConfig, root: Path) -> EmbeddedResult | None:
     return max(found, key=lambda x: x[0])[1] if found else None
 
 
-def embedded(preset: Preset) -> EmbeddedResult:
+def _live_partial_builds(root: Path) -> list[Path]:
+    """`<hash>.partial-<pid>` directories whose building process is still running."""
+    live = []
+    for d in root.glob("*.partial-*"):
+        pid = d.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and Path(f"/proc/{pid}").exists():
+            live.append(d)
+    return live
+
+
+def embedded(preset: Preset, wait_s: float = 3600) -> EmbeddedResult:
+    """The finished build of the preset's config; waits for one in progress (another process) before building."""
     root = EMBEDDED_ROOT if preset.name == "default" else CACHE / "embedded"
-    res = find_embedded(preset.embedded, root)
+    deadline = time.time() + wait_s
+    while (res := find_embedded(preset.embedded, root)) is None and _live_partial_builds(root) \
+            and time.time() < deadline:
+        _say(f"bench: waiting for the embedded build in progress ({_live_partial_builds(root)[0].name})")
+        time.sleep(30)
     if res is None:
         _say(f"bench: building the embedded {preset.name} target under {root} (once)")
         res = build_embedded(preset.embedded, root, progress=False)
@@ -231,11 +246,15 @@ def tokens_per_s(runs: list[Run]) -> float:
 # ---- reporting -------------------------------------------------------------------------------------------------
 
 def machine() -> dict[str, Any]:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                                timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        commit = ""
+    def git(*a: str) -> str:
+        try:
+            return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    commit = git("rev-parse", "--short", "HEAD")
+    if git("status", "--porcelain", "--", "eagle", "components"):  # a shared checkout: say what ran
+        commit += " + uncommitted changes in eagle/ or components/"
     return {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "loadavg": list(os.getloadavg()),
             "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M"), "commit": commit,
             "note": "shared machine: other engineers' jobs ran at the same time; compare ratios within one run"}
@@ -259,7 +278,7 @@ def print_table(rows: list[dict[str, Any]], cols: list[str], title: str = "") ->
 
 
 def results_dir(quick: bool) -> Path:
-    d = QUICK_RESULTS if quick else RESULTS
+    d = CACHE / "results-quick" if quick else RESULTS
     d.mkdir(parents=True, exist_ok=True)
     return d
 
@@ -285,12 +304,19 @@ def pyplot():
 def base_args(description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--quick", action="store_true", help="tiny embedded preset, under 2 minutes (for tests)")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads (default 1: on a shared 2-core machine two threads oversubscribe the "
+                        "cores and every op runs several times slower; 0 keeps torch's default)")
+    p.add_argument("--cache", default="", help=f"cache directory (default {CACHE.relative_to(ROOT)}; the embedded "
+                   "default is still looked for in .eagle/embedded)")
     return p
 
 
 def start(args: argparse.Namespace) -> list[float]:
     """Apply common arguments; returns the load average at the start."""
+    global CACHE
+    if args.cache:
+        CACHE = Path(args.cache).resolve()
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -299,6 +325,7 @@ def start(args: argparse.Namespace) -> list[float]:
 
 if __name__ == "__main__":
     a = base_args(__doc__.splitlines()[0]).parse_args()
+    start(a)
     s = prepare(a.quick)
     print(json.dumps({"build": str(s.emb.build_dir), "work": str(s.work),
                       **json.loads((s.work / "prepared.json").read_text())}, indent=2))

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import common  # noqa: F401  (puts the repo root on sys.path)
 
-from common import CACHE, Setup, base_args, prepare, print_table, pyplot, results_dir, start, write_results
+from common import Setup, base_args, prepare, print_table, pyplot, results_dir, start, write_results
 from components.extract import ExtractConfig, extract
 from components.train import TrainConfig, train
 
@@ -93,7 +93,7 @@ def online_extract(setup: Setup) -> Path:
 
 
 def run_one(setup: Setup, cfg: TrainConfig, ext: Path, name: str, storage: Path) -> dict:
-    out = CACHE / "train-throughput" / f"{name}-{time.strftime('%H%M%S')}"
+    out = common.CACHE / "train-throughput" / f"{name}-{time.strftime('%H%M%S')}"
     with WorkerMemory() as mem:
         t0 = time.perf_counter()
         res = train(cfg, str(ext), str(out), target_dir=str(setup.target_dir), storage_dir=str(storage))
@@ -136,7 +136,7 @@ def main() -> None:
     from infra.ray_cluster import ray_session
     from infra.settings import Settings
 
-    settings = Settings.local(CACHE / "ray-state", ray_auth_mode="disabled")
+    settings = Settings.local(common.CACHE / "ray-state", ray_auth_mode="disabled")
     rows = []
     with ray_session(settings, num_cpus=2):
         for mode, ext in exts.items():

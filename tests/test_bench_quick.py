@@ -1,0 +1,59 @@
+"""The cheap benchmarks run end to end in `--quick` mode and write result files that make sense.
+
+Purpose: keep bench/ runnable. speedup, batch and acceptance_vs_depth run as scripts with `--quick` (the tiny
+embedded preset) in one temporary cache directory (`--cache`, shared so the tiny build, the regenerated traffic
+and the TTT head are made once), each under a timeout; the tests read the JSON they write: every method and
+head is present, greedy outputs equal plain greedy decoding, ratios are positive.
+Run: `python -m pytest -m slow tests/test_bench_quick.py` (about 2-3 minutes on 2 cores with a cold cache).
+Not here: the figures themselves (a tiny target's numbers mean nothing), data_scaling and train_throughput
+(several trainings or Ray starts each; run them by hand).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("bench-cache")
+
+
+def run_quick(name: str, cache: Path, timeout_s: int = 240) -> dict:
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / f"{name}.py"), "--quick", "--cache", str(cache)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+    assert proc.returncode == 0, f"{name} --quick failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    result = cache / "results-quick" / f"{name}.json"
+    assert result.is_file() and result.with_suffix(".png").is_file()
+    return json.loads(result.read_text())
+
+
+def test_speedup_quick(cache: Path) -> None:
+    r = run_quick("speedup", cache)
+    greedy = {row["method"]: row for row in r["tables"]["0"]}
+    assert set(greedy) == {"plain", "eagle-chain", "eagle-tree", "hf-plain", "hf-lookup", "hf-assisted"}
+    assert all(row["mismatch"] == 0 for name, row in greedy.items() if name.startswith(("plain", "eagle"))), greedy
+    assert all(row["tok_s"] > 0 and row["tok_per_call"] >= 1.0 for row in greedy.values())
+    assert greedy["eagle-chain"]["tau"] >= 1.0 and "speedup vs plain >= 2.0" in r["goals_T0"]
+
+
+def test_batch_quick(cache: Path) -> None:
+    r = run_quick("batch", cache)
+    assert [row["batch"] for row in r["rows"]] == [1, 2, 4]
+    assert all(row["mismatch_rows"] == 0 and row["ratio"] > 0 for row in r["rows"]), r["rows"]
+
+
+def test_acceptance_vs_depth_quick(cache: Path) -> None:
+    r = run_quick("acceptance_vs_depth", cache)
+    assert set(r["heads"]) == {"eagle3-ttt7", "eagle3-ttt1", "eagle1"}
+    for head in r["heads"].values():
+        assert len(head["alpha"]) == 7 and all(0 <= a <= 1 for a in head["alpha"])
+        assert head["mismatches"] == 0 and head["tau"] >= 1.0
