@@ -151,6 +151,12 @@ def main(argv: list[str] | None = None) -> int:
             from infra.mlflow_health import probe_tracking
 
             probe_tracking(settings)  # in seconds, before a flow starts
+        if a.command == "train":
+            _preflight_train(a, settings)
+        if a.command != "evaluate":
+            from infra.prefect_env import start_local_api
+
+            start_local_api()  # Prefect's own start-up races with another process on a new Prefect home
         if a.command == "demo":
             from flows.demo import demo
 
@@ -159,7 +165,6 @@ def main(argv: list[str] | None = None) -> int:
             print("\n".join(res["lines"]), flush=True)
             return 0
         if a.command == "train":
-            _preflight_train(a, settings)
             from flows.train_head import train_head
 
             s = train_head(a.target, a.traffic, a.heldout, a.preset, a.config, a.name)

@@ -7,6 +7,9 @@ is already imported, its settings are refreshed). `emit_event(...)` sends one ev
 announces a new target version with it) to the Prefect API, where a deployment's `triggers:` entry can start
 a flow run from it.
 
+`start_local_api()` starts Prefect's temporary local API (loopback) under a lock, so that two processes sharing a
+new Prefect home do not migrate its database at the same time.
+
 Run: `python -m infra.prefect_env` prints the defaults it would set.
 Not here: flows, deployments, `serve()`. Triggers need a running server (`prefect server start`, or
 `serve()` against one): with no Prefect API, `emit_event` logs a warning and sends nothing.
@@ -65,6 +68,34 @@ def prefect_defaults(settings: Settings) -> Iterator[dict[str, str]]:
             os.environ.pop(key, None)
         if applied:
             _refresh_prefect_settings()
+
+
+def start_local_api() -> str | None:
+    """Start Prefect's temporary local API now, under a lock in the Prefect home, when no PREFECT_API_URL is set.
+
+    Prefect starts it by itself at the first flow run; two processes sharing a new Prefect home then create and
+    migrate its database at the same time and one of them fails ("duplicate column name"). Started here first (the
+    server is one per process and the flows reuse it), the second process waits for the first one's migration.
+    Returns the API URL, or None when a Prefect server is configured (nothing to start).
+    """
+    import fcntl
+
+    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED, get_current_settings
+
+    if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
+        return None
+    from prefect.server.api.server import SubprocessASGIServer
+
+    home = get_current_settings().home
+    home.mkdir(parents=True, exist_ok=True)
+    with open(home / "local-api-start.lock", "a+") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        try:
+            server = SubprocessASGIServer()
+            server.start()
+        finally:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+    return server.api_url
 
 
 def emit_event(

@@ -3,9 +3,11 @@
 Purpose: the pipeline runs unattended, so it must survive a kill at any moment and a flaky store. These tests
 run the real CLI (`python -m flows.cli train --preset tiny ...`) as subprocesses on the tiny embedded default,
 each with its own EAGLE_HOME, against one Prefect test API:
-- `reference`: two runs started at once on a fresh home (one trains and registers, the other waits for the
-  per-target lock and finds the run registered): one target version, one head version, both exit 0. Its
-  artifacts are the uninterrupted run the chain is compared with.
+- `reference`: two runs started at once on a fresh home, in the default local mode (each starts Prefect's
+  temporary API on the shared Prefect home; one trains and registers, the other waits for the per-target lock
+  and finds the run registered): one target version, one head version, both exit 0. Its artifacts are the
+  uninterrupted run the chain is compared with. The other runs share one Prefect test API (a killed process
+  would leave its temporary API server running).
 - `chain`: one home, one run killed (`kill -9`) in each stage, in order, each time resumed by the next run:
   mid-regeneration (a shard's temp file half written), mid-extraction (a feature shard half written),
   mid-training (checkpoint 10 written but not yet renamed into place), the store failing every registration
@@ -62,11 +64,13 @@ def _work(home: Path) -> Path:
     return work
 
 
-def _child_env(home: Path, api_url: str, fault: dict | None) -> dict[str, str]:
+def _child_env(home: Path, api_url: str | None, fault: dict | None) -> dict[str, str]:
     drop = ("PREFECT_", "MLFLOW_", "EAGLE_", "RAY_ADDRESS")
     env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
-    env.update(EAGLE_HOME=str(home), PREFECT_API_URL=api_url, RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1",
+    env.update(EAGLE_HOME=str(home), RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1",
                PREFECT_SERVER_ANALYTICS_ENABLED="false", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+    if api_url:  # else Prefect's temporary local API, started by each process, as a user without a server gets
+        env["PREFECT_API_URL"] = api_url
     if fault:
         env["PYTHONPATH"] = os.pathsep.join([str(FAULTS), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         env["EAGLE_TEST_FAULT"] = json.dumps(fault)
@@ -79,12 +83,13 @@ class Cli:
     def __init__(self, emb, api_url: str):
         self.emb, self.api_url = emb, api_url
 
-    def start(self, home: Path, fault: dict | None = None) -> tuple[subprocess.Popen, list[str], threading.Event]:
+    def start(self, home: Path, fault: dict | None = None,
+              shared_api: bool = True) -> tuple[subprocess.Popen, list[str], threading.Event]:
         t = self.emb.target_traffic
         cmd = [sys.executable, "-m", "flows.cli", "train", "--preset", "tiny", "--target", str(self.emb.target_dir),
                "--traffic", str(t.train), "--heldout", str(t.heldout), "--name", "t"]
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=_child_env(home, self.api_url, fault), stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
+        env = _child_env(home, self.api_url if shared_api else None, fault)
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         lines: list[str] = []
         paused = threading.Event()
 
@@ -134,9 +139,9 @@ def _store(home: Path):
 
 @pytest.fixture(scope="module")
 def reference(cli, tmp_path_factory):
-    """Two runs for the same new target started at the same time, on a fresh home."""
+    """Two runs for the same new target started at the same time, on a fresh home, each with Prefect's local API."""
     home = tmp_path_factory.mktemp("reference") / ".eagle"
-    a, b = cli.start(home), cli.start(home)
+    a, b = cli.start(home, shared_api=False), cli.start(home, shared_api=False)
     return home, [cli.finish(*a), cli.finish(*b)]
 
 
@@ -289,8 +294,8 @@ def test_a_killed_ray_worker_is_restarted_from_the_last_checkpoint(reference, ra
                 Path(self.marker).write_text(str(os.getpid()))
                 os.kill(os.getpid(), signal.SIGKILL)
 
-    cfg = TrainConfig(**{**TrainConfig.tiny().__dict__, "num_workers": 2, "steps": 8, "checkpoint_every": 3,
-                         "batch_size": 2, "max_failures": 1})
+    cfg = TrainConfig(**{**TrainConfig.tiny().__dict__, "num_workers": 1, "steps": 8, "checkpoint_every": 3,
+                         "batch_size": 2, "max_failures": 1})  # one worker: the 2-worker restart is in test_extract_train
     marker, out = tmp_path / "killed-pid", tmp_path / "train"
     res = train(cfg, str(_work(reference[0]) / "extract"), str(out), sinks=(KillWorker(str(marker), 4),),
                 storage_dir=str(tmp_path / "ray"))

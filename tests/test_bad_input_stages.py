@@ -1,0 +1,271 @@
+"""Bad input met by the stages (the rest of HARDENING.md's bad-input table; the CLI's rows are in test_bad_input.py).
+
+Purpose: one test per row: prompts longer than the target's context, a head for another target, corrupted,
+truncated or unreadable feature files, a NaN loss, a history line torn by a kill, a full disk while writing a
+regenerated shard, a feature shard or a checkpoint, a head or target name taken by the other kind of model, an
+unknown registered version. Each error names the input and what to do; nothing half-written remains.
+Run: `python -m pytest tests/test_bad_input_stages.py` (about 20 s once the tiny embedded default is built).
+Not here: kills and outages (tests/test_faults.py).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+QUIET = dict(progress=lambda s: None)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _jsonl(path: Path, *rows) -> str:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return str(path)
+
+
+def _leftovers(root: Path) -> list[str]:
+    """Temp or partial files anywhere under `root` (what a write cut short would leave)."""
+    return [str(p) for p in root.rglob("*") if p.name.endswith(".tmp") or p.name.startswith((".tmp-", ".head."))]
+
+
+def test_prompts_longer_than_the_targets_context(tiny_embedded, tmp_path):
+    from components.regenerate import RegenerateConfig, RegenerateError, regenerate
+
+    traffic = _jsonl(tmp_path / "long.jsonl", *[{"id": f"long-{i}", "messages": [
+        {"role": "user", "content": "x = 1\n" * 400}]} for i in range(3)])
+    out = tmp_path / "regen"
+    with pytest.raises(RegenerateError) as err:
+        regenerate(RegenerateConfig(max_new_tokens=8, shard_size=2), tiny_embedded.target_dir, traffic, str(out),
+                   **QUIET)
+    msg = str(err.value)
+    assert traffic in msg and "long-0" in msg and "exceeds the target's context" in msg and "Shorten the prompts" in msg
+    assert sorted(p.name for p in out.iterdir()) == ["accounting.json"]  # no shard marked done: a re-run retries
+    assert json.loads((out / "accounting.json").read_text())["failed"] == 3
+
+
+@pytest.fixture(scope="module")
+def extracted(tiny_embedded, tmp_path_factory) -> Path:
+    from components.extract import ExtractConfig, extract
+    from components.regenerate import RegenerateConfig, regenerate
+
+    root = tmp_path_factory.mktemp("bad-input")
+    regenerate(RegenerateConfig(max_new_tokens=8, shard_size=4, limit=8), tiny_embedded.target_dir,
+               str(tiny_embedded.target_traffic.train), str(root / "regen"), **QUIET)
+    extract(ExtractConfig(max_len=128, dtype="float32", seqs_per_shard=4), tiny_embedded.target_dir,
+            str(root / "regen"), str(root / "ext"), **QUIET)
+    return root
+
+
+def _target_copy(tiny_embedded, tmp_path: Path, edit=None) -> Path:
+    d = tmp_path / "target"
+    shutil.copytree(tiny_embedded.target_dir, d)
+    if edit:
+        cfg = json.loads((d / "config.json").read_text())
+        edit(cfg)
+        (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def test_a_head_for_another_target(tiny_embedded, extracted, tmp_path):
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    from components.evaluate import EvaluateConfig, evaluate
+    from components.train import TrainConfig, train
+    from eagle.export import HeadMismatchError
+
+    head = train(TrainConfig(**{**TrainConfig.tiny().__dict__, "steps": 2}), str(extracted / "ext"),
+                 str(tmp_path / "train")).head_dir
+    other = _target_copy(tiny_embedded, tmp_path)  # same tokenizer and template, another shape
+    cfg = AutoConfig.from_pretrained(other, trust_remote_code=False)
+    cfg.hidden_size, cfg.intermediate_size, cfg.head_dim = 32, 64, 8
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(other)
+    with pytest.raises(HeadMismatchError) as err:
+        evaluate(EvaluateConfig.tiny(), str(other), head, str(tiny_embedded.target_traffic.heldout),
+                 str(tmp_path / "eval"), **QUIET)
+    msg = str(err.value)
+    assert head in msg and "hidden_size: head expects 64, target has 32" in msg and "train a head for this" in msg
+    assert not list((tmp_path / "eval").iterdir())
+
+
+def _ext_copy(extracted: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(extracted / "ext", tmp_path / "ext"))
+
+
+@pytest.mark.parametrize("damage", ["flip-a-byte", "truncate", "delete", "bad-manifest", "bad-tokens"])
+def test_damaged_feature_files(extracted, tmp_path, damage):
+    from components.datasets import FeatureStoreError
+    from components.train import TrainConfig, train
+
+    ext = _ext_copy(extracted, tmp_path)
+    shard = ext / "features-00001.safetensors"
+    raw = shard.read_bytes()
+    named, hint = {"flip-a-byte": (shard.name, "delete it and re-run extract"),
+                   "truncate": (shard.name, "delete it and re-run extract"),
+                   "delete": (shard.name, "re-run extract"),
+                   "bad-manifest": ("manifest.json", "delete it and re-run extract"),
+                   "bad-tokens": ("tokens/target_heads", "re-run extract")}[damage]
+    if damage == "flip-a-byte":
+        shard.write_bytes(raw[:-5] + bytes([raw[-5] ^ 0xFF]) + raw[-4:])
+    elif damage == "truncate":
+        shard.write_bytes(raw[: len(raw) // 2])
+    elif damage == "delete":
+        shard.unlink()
+    elif damage == "bad-manifest":
+        (ext / "manifest.json").write_text('{"mode": "offline", "shards": [')
+    else:
+        (ext / "tokens.safetensors").write_bytes(b"\x00" * 10)
+    with pytest.raises(FeatureStoreError) as err:
+        train(TrainConfig.tiny(), str(ext), str(tmp_path / "train"))
+    assert named in str(err.value) and hint in str(err.value), str(err.value)
+    assert not (tmp_path / "train" / "checkpoints").exists() and not (tmp_path / "train" / "head").exists()
+
+
+def test_a_nan_loss_stops_training_before_any_checkpoint(extracted, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from components.extract import _sha256
+    from components.train import TrainConfig, train
+
+    ext = _ext_copy(extracted, tmp_path)
+    manifest = json.loads((ext / "manifest.json").read_text())
+    for s in manifest["shards"]:  # hidden states with NaN, as an fp16 target that overflowed would give
+        t = load_file(str(ext / s["file"]))
+        t["aux_hidden_states"][:] = float("nan")
+        save_file(t, str(ext / s["file"]))
+        s["sha256"] = _sha256(ext / s["file"])
+    (ext / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(FloatingPointError) as err:
+        train(TrainConfig.tiny(), str(ext), str(tmp_path / "train"))
+    msg = str(err.value)
+    assert str(ext) in msg and "step 1" in msg and "non-finite TTT loss" in msg and "lower the learning rate" in msg
+    assert not (tmp_path / "train" / "checkpoints").exists() and not (tmp_path / "train" / "head").exists()
+
+
+def test_a_history_line_torn_by_a_kill_is_dropped_on_resume(extracted, tmp_path):
+    from components.train import TrainConfig, train
+
+    out = tmp_path / "train"
+    with pytest.raises(RuntimeError, match="injected fault at step 8"):
+        train(TrainConfig.tiny(), str(extracted / "ext"), str(out), fail_at_step=8)
+    with open(out / "history.jsonl", "a") as f:
+        f.write('{"step": 9, "loss": 1.2')  # the process died in the middle of this line
+    res = train(TrainConfig.tiny(), str(extracted / "ext"), str(out), fail_at_step=8)
+    steps = [json.loads(x)["step"] for x in Path(res.history_file).read_text().splitlines()]
+    assert res.resumed_from_step == 5 and steps == [2, 4, 6, 8, 10, 12]
+
+
+def _enospc(*_args):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_full_disk_writing_a_feature_shard(tiny_embedded, extracted, tmp_path, monkeypatch):
+    import safetensors.torch
+
+    from components.extract import ExtractConfig, extract
+
+    real = safetensors.torch.save_file
+
+    def full(tensors, filename, metadata=None):
+        real(tensors, filename, metadata)
+        if "features-00001" in filename:  # half of it reached the disk, then no space
+            os.truncate(filename, os.path.getsize(filename) // 2)
+            _enospc()
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    out = tmp_path / "ext"
+    cfg = ExtractConfig(max_len=128, dtype="float32", seqs_per_shard=4)
+    with pytest.raises(OSError) as err:
+        extract(cfg, tiny_embedded.target_dir, str(extracted / "regen"), str(out), **QUIET)
+    assert err.value.errno == errno.ENOSPC
+    assert str(out / "features-00001.safetensors") in str(err.value) and "free space" in str(err.value)
+    assert not _leftovers(out) and not (out / "features-00001.safetensors").exists()
+    assert [s["file"] for s in json.loads((out / "manifest.json").read_text())["shards"]] == [
+        "features-00000.safetensors"]  # the manifest lists only what is whole
+    monkeypatch.setattr(safetensors.torch, "save_file", real)
+    res = extract(cfg, tiny_embedded.target_dir, str(extracted / "regen"), str(out), **QUIET)  # space freed
+    assert json.loads(Path(res.manifest).read_text())["shards"] == \
+        json.loads((extracted / "ext" / "manifest.json").read_text())["shards"]
+
+
+def test_full_disk_writing_a_regenerated_shard(tiny_embedded, tmp_path, monkeypatch):
+    from components import atomic
+    from components.regenerate import RegenerateConfig, regenerate
+
+    real = os.fsync
+
+    def full(fd):
+        if "shard-00001.jsonl" in os.readlink(f"/proc/self/fd/{fd}"):
+            _enospc()
+        real(fd)
+
+    monkeypatch.setattr(atomic.os, "fsync", full)
+    out = tmp_path / "regen"
+    with pytest.raises(OSError) as err:
+        regenerate(RegenerateConfig(max_new_tokens=4, shard_size=2, limit=4), tiny_embedded.target_dir,
+                   str(tiny_embedded.target_traffic.train), str(out), **QUIET)
+    assert err.value.errno == errno.ENOSPC and str(out / "shard-00001.jsonl") in str(err.value)
+    assert sorted(p.name for p in out.iterdir()) == ["shard-00000.json", "shard-00000.jsonl"]  # nothing else
+
+
+def test_full_disk_writing_a_checkpoint(extracted, tmp_path, monkeypatch):
+    from components.train import TrainConfig, latest_checkpoint, train
+
+    real = torch.save
+
+    def full(obj, f, *args, **kwargs):
+        real(obj, f, *args, **kwargs)
+        if "step-0000010" in str(f):
+            _enospc()
+
+    monkeypatch.setattr(torch, "save", full)
+    out = tmp_path / "train"
+    with pytest.raises(OSError) as err:
+        train(TrainConfig.tiny(), str(extracted / "ext"), str(out))
+    assert err.value.errno == errno.ENOSPC and str(out / "checkpoints" / "step-0000010") in str(err.value)
+    assert latest_checkpoint(out).name == "step-0000005" and not _leftovers(out) and not (out / "head").exists()
+    monkeypatch.setattr(torch, "save", real)
+    assert train(TrainConfig.tiny(), str(extracted / "ext"), str(out)).resumed_from_step == 5  # space freed
+
+
+def test_head_name_taken_by_a_model_that_is_not_a_head(mlflow_store, tiny_embedded):
+    from components.register import TargetRef, check_head_name, register_target
+    from components.targets import weights_sha256
+    from infra.mlflow_store import RegistryCollision
+
+    sha = weights_sha256(tiny_embedded.target_dir)
+    register_target(mlflow_store, "t-v1-eagle3", tiny_embedded.target_dir, "base", "", sha)  # a target, by mistake
+    with pytest.raises(RegistryCollision) as err:
+        check_head_name(mlflow_store, TargetRef("t", 1, sha, tiny_embedded.target_dir))
+    assert "'t-v1-eagle3' exists with kind='causal-lm-target', not 'eagle3-head'" in str(err.value)
+    assert "another --name" in str(err.value)
+    assert [v.version for v in mlflow_store.list_versions("t-v1-eagle3")] == [1]
+
+
+def test_target_name_taken_by_a_head(mlflow_store, tiny_embedded):
+    from components.register import register_target
+    from components.targets import weights_sha256
+    from infra.mlflow_store import RegistryCollision
+
+    mlflow_store.ensure_model("my-head")  # kind=eagle3-head
+    with pytest.raises(RegistryCollision, match="'my-head' exists with kind='eagle3-head', not 'causal-lm-target'"):
+        register_target(mlflow_store, "my-head", tiny_embedded.target_dir, "user", "",
+                        weights_sha256(tiny_embedded.target_dir))
+    assert mlflow_store.list_versions("my-head") == []
+
+
+def test_unknown_registered_version(mlflow_store):
+    with pytest.raises(LookupError, match="models:/nope/3: no such registered model version"):
+        mlflow_store.resolve("models:/nope/3")
