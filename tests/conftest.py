@@ -86,3 +86,17 @@ def tiny_embedded(tmp_path_factory: pytest.TempPathFactory):
     from components.embedded.config import EmbeddedConfig
 
     return build_embedded(EmbeddedConfig.tiny(), tmp_path_factory.mktemp("embedded"), progress=False)
+
+
+@pytest.fixture(autouse=True)
+def _prefect_logging_on_live_streams():
+    """Prefect's console log handler keeps the stderr of the moment logging was set up; a test that ran the CLI
+    under `capsys` leaves it pointing at a closed stream. Set Prefect's logging up again for each test that
+    already imported Prefect (costs nothing for the others)."""
+    import sys
+
+    if "prefect.logging.configuration" in sys.modules:
+        from prefect.logging.configuration import setup_logging
+
+        setup_logging(incremental=False)
+    yield
