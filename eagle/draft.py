@@ -137,7 +137,7 @@ class Eagle3Layer(nn.Module):
         self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
-        self.rope = RopeTable(self.inv_freq, cfg.max_position_embeddings)
+        self.rope = RopeTable(self.inv_freq, min(cfg.max_position_embeddings, 4096))
         self._stacked: dict[str, _Stacked] = {}
 
     def _apply(self, fn, *args, **kwargs):
