@@ -8,7 +8,8 @@ announces a new target version with it) to the Prefect API, where a deployment's
 a flow run from it.
 
 `start_local_api()` starts Prefect's temporary local API (loopback) under a lock, so that two processes sharing a
-new Prefect home do not migrate its database at the same time.
+new Prefect home do not migrate its database at the same time, and ties the server's life to this process (a
+`kill -9` would otherwise leave it running).
 
 Run: `python -m infra.prefect_env` prints the defaults it would set.
 Not here: flows, deployments, `serve()`. Triggers need a running server (`prefect server start`, or
@@ -76,6 +77,8 @@ def start_local_api() -> str | None:
     Prefect starts it by itself at the first flow run; two processes sharing a new Prefect home then create and
     migrate its database at the same time and one of them fails ("duplicate column name"). Started here first (the
     server is one per process and the flows reuse it), the second process waits for the first one's migration.
+    The server process is tied to this one (Linux: it gets SIGTERM when this process dies, `kill -9` included):
+    Prefect stops it from `atexit`, which a kill skips, and it would keep running.
     Returns the API URL, or None when a Prefect server is configured (nothing to start).
     """
     import fcntl
@@ -92,10 +95,44 @@ def start_local_api() -> str | None:
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
         try:
             server = SubprocessASGIServer()
-            server.start()
+            with _children_die_with_us():
+                server.start()
         finally:
             fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
     return server.api_url
+
+
+@contextmanager
+def _children_die_with_us() -> Iterator[None]:
+    """Processes started in the block (by this thread) get SIGTERM when this process dies (Linux; else nothing).
+
+    Uses `preexec_fn`, which is safe while the process has a single thread: call it before any flow runs.
+    """
+    import ctypes
+    import signal
+    import subprocess
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux
+        yield
+        return
+
+    def tie() -> None:
+        prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+
+    real = subprocess.Popen
+
+    class Tied(real):  # type: ignore[misc, valid-type]
+        def __init__(self, *args, **kwargs):
+            kwargs.setdefault("preexec_fn", tie)
+            super().__init__(*args, **kwargs)
+
+    subprocess.Popen = Tied  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        subprocess.Popen = real  # type: ignore[misc]
 
 
 def emit_event(

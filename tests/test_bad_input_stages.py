@@ -3,7 +3,8 @@
 Purpose: one test per row: prompts longer than the target's context, a head for another target, corrupted,
 truncated or unreadable feature files, a NaN loss, a history line torn by a kill, a full disk while writing a
 regenerated shard, a feature shard or a checkpoint, a head or target name taken by the other kind of model, an
-unknown registered version. Each error names the input and what to do; nothing half-written remains.
+unknown registered version; bad input is not retried (an outage is). Each error names the input and what to do;
+nothing half-written remains.
 Run: `python -m pytest tests/test_bad_input_stages.py` (about 20 s once the tiny embedded default is built).
 Not here: kills and outages (tests/test_faults.py).
 """
@@ -269,3 +270,27 @@ def test_target_name_taken_by_a_head(mlflow_store, tiny_embedded):
 def test_unknown_registered_version(mlflow_store):
     with pytest.raises(LookupError, match="models:/nope/3: no such registered model version"):
         mlflow_store.resolve("models:/nope/3")
+
+
+@pytest.mark.parametrize("error, attempts", [("bad input", 1), ("outage", 3)])
+def test_bad_input_is_not_retried_but_an_outage_is(prefect_harness, monkeypatch, error, attempts):
+    from prefect import flow
+
+    from components.regenerate import RegenerateConfig, RegenerateError
+    from flows import tasks
+
+    calls = []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        raise RegenerateError("every prompt is too long") if error == "bad input" else ConnectionError("endpoint down")
+
+    monkeypatch.setattr(tasks, "regenerate", failing)
+
+    @flow
+    def one_stage():
+        return tasks.regenerate_task.with_options(retry_delay_seconds=0)(RegenerateConfig(), "t", "x.jsonl", "out")
+
+    with pytest.raises((RegenerateError, ConnectionError)):
+        one_stage()
+    assert len(calls) == attempts

@@ -2,12 +2,12 @@
 
 Purpose: the pipeline runs unattended, so it must survive a kill at any moment and a flaky store. These tests
 run the real CLI (`python -m flows.cli train --preset tiny ...`) as subprocesses on the tiny embedded default,
-each with its own EAGLE_HOME, against one Prefect test API:
+one EAGLE_HOME per scenario:
 - `reference`: two runs started at once on a fresh home, in the default local mode (each starts Prefect's
   temporary API on the shared Prefect home; one trains and registers, the other waits for the per-target lock
   and finds the run registered): one target version, one head version, both exit 0. Its artifacts are the
-  uninterrupted run the chain is compared with. The other runs share one Prefect test API (a killed process
-  would leave its temporary API server running).
+  uninterrupted run the chain is compared with. The first killed run is in local mode too: its temporary API
+  server must not outlive it. The other runs share one Prefect test API (faster).
 - `chain`: one home, one run killed (`kill -9`) in each stage, in order, each time resumed by the next run:
   mid-regeneration (a shard's temp file half written), mid-extraction (a feature shard half written),
   mid-training (checkpoint 10 written but not yet renamed into place), the store failing every registration
@@ -53,6 +53,7 @@ class Run:
     out: str
     paused: str | None = None  # the FAULT-PAUSE line, if the run was stopped and killed
     at_pause: dict = field(default_factory=dict)  # what the test saw on disk while it was stopped
+    orphans: list[str] = field(default_factory=list)  # child processes still alive 10 s after the kill
 
 
 def _sha(path: Path) -> str:
@@ -106,21 +107,52 @@ class Cli:
         deadline = time.monotonic() + timeout
         while proc.poll() is None and not paused.is_set() and time.monotonic() < deadline:
             time.sleep(0.05)
-        seen = {}
+        seen, kids = {}, []
         if paused.is_set():
             time.sleep(0.2)  # the child stops itself right after printing the line
             seen = look() if look else {}
+            kids = _children(proc.pid)  # e.g. Prefect's temporary API server in local mode
             os.kill(proc.pid, signal.SIGKILL)
         elif proc.poll() is None:
             proc.kill()
         proc.wait(30)
+        orphans = _outlive(kids, 10.0)
         time.sleep(0.1)  # let the reader drain the pipe
         out = "".join(lines)
         pause = next((x.strip() for x in lines if x.startswith("FAULT-PAUSE")), None)
-        return Run(proc.returncode, out, pause, seen)
+        return Run(proc.returncode, out, pause, seen, orphans)
 
-    def run(self, home: Path, fault: dict | None = None, look=None) -> Run:
-        return self.finish(*self.start(home, fault), look=look)
+    def run(self, home: Path, fault: dict | None = None, look=None, shared_api: bool = True) -> Run:
+        return self.finish(*self.start(home, fault, shared_api), look=look)
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(d))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+def _outlive(pids: list[int], timeout: float) -> list[str]:
+    """The command lines of `pids` still running after `timeout` seconds (those are then killed: no leak)."""
+    def alive(p: int) -> bool:
+        try:
+            return Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    deadline = time.monotonic() + timeout
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [p for p in pids if alive(p)]
+    names = [Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:120] for p in left]
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    return names
 
 
 @pytest.fixture(scope="module")
@@ -183,7 +215,7 @@ def chain(cli, reference, tmp_path_factory) -> tuple[Path, dict[str, Run]]:
     home = tmp_path_factory.mktemp("chain") / ".eagle"
     runs: dict[str, Run] = {}
     runs["regenerate"] = cli.run(home, {"pause_rename": "shard-00001.jsonl", "truncate": True},
-                                 look=lambda: _look_regenerate(home)())
+                                 look=lambda: _look_regenerate(home)(), shared_api=False)  # local mode
     runs["extract"] = cli.run(home, {"pause_rename": "features-00001.safetensors", "truncate": True},
                               look=lambda: _look_extract(home)())
     runs["train"] = cli.run(home, {"pause_rename": "step-0000010"}, look=lambda: _look_train(home)())
@@ -203,6 +235,7 @@ def _killed(run: Run) -> None:
 def test_kill_mid_regeneration(chain):
     run = chain[1]["regenerate"]
     _killed(run)
+    assert not run.orphans, f"still running after the kill: {run.orphans}"  # Prefect's local API went with it
     files = run.at_pause["files"]
     assert "shard-00000.jsonl" in files and "shard-00001.jsonl" not in files and "shard-00001.json" not in files
     assert any(f.startswith(".shard-00001.jsonl.") for f in files)  # its half-written temp file
