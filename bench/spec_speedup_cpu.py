@@ -42,8 +42,8 @@ class OracleSpeculator(speculative.Speculator):
     (plain Python bookkeeping, so that the oracle adds next to nothing to the measured cost)."""
 
     reference_draft_idx: list[int]  # draft index of each token of prompt + the target's greedy continuation
-    alpha: float
-    seed: int
+    alpha: float = 1.0
+    seed: int = 0
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -78,11 +78,13 @@ def setup(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> dict:
-    """Minimum ms per generated token of every configuration, tau of each speculative one, identical outputs."""
+    """Minimum ms of every configuration's generation, tau and verification steps of each speculative one,
+    whether all outputs were identical to plain."""
     target, draft, ids, seq, ref_out = setup(args)
     now = clock("cpu")
     best: dict[str, float] = {}
     taus: dict[str, float] = {}
+    steps: dict[str, int] = {}
     identical = True
     speculative.Speculator = OracleSpeculator
     to_draft = torch.cumsum(draft.t2d.long(), 0) - 1  # target id -> draft index (for ids in the draft vocabulary)
@@ -92,19 +94,22 @@ def run(args: argparse.Namespace) -> dict:
             for key, fn in _configs(args, target, draft, ids):
                 t0 = now()
                 out = fn()
-                best[key] = min(best.get(key, float("inf")), (now() - t0) * 1e3 / args.new)
-                identical &= torch.equal(out.sequences, ref_out)
+                best[key] = min(best.get(key, float("inf")), (now() - t0) * 1e3)
+                if not key.endswith("1 token"):
+                    identical &= torch.equal(out.sequences, ref_out)
                 if out.stats is not None:
-                    taus[key] = out.stats.tau  # the same in every round: the draws repeat
+                    taus[key], steps[key] = out.stats.tau, out.stats.n_verify_steps  # the draws repeat each round
     finally:
         speculative.Speculator = OracleSpeculator.__mro__[1]
-    return {"ms_per_token": best, "tau": taus, "identical": identical}
+    return {"ms": best, "tau": taus, "verify_steps": steps, "identical": identical}
 
 
 def _configs(args, target, draft, ids):
     """plain; every depth with a perfect drafter (tau = depth + 1: the cost of a cycle); the check depth at each
     alpha with `--seeds` acceptance patterns (measured speedups to hold the cost model against)."""
     yield "plain", lambda: generate_plain(target, ids, None, SpecConfig(max_new_tokens=args.new))
+    yield "plain 1 token", lambda: generate_plain(target, ids, None, SpecConfig(max_new_tokens=1))
+    yield "spec 1 token", lambda: generate_speculative(target, draft, ids, None, SpecConfig(max_new_tokens=1))
     runs = [(1.0, depth, 0) for depth in args.depths]
     runs += [(alpha, args.check_depth, seed) for alpha in args.alphas for seed in range(args.seeds)]
     for alpha, depth, seed in runs:
@@ -122,23 +127,27 @@ def expected_tau(alpha: float, depth: int) -> float:
 
 def report(args: argparse.Namespace, res: dict) -> dict:
     """Prints the cycle costs and the projected and measured speedups; returns the cycle costs."""
-    ms, plain = res["ms_per_token"], res["ms_per_token"]["plain"]
-    cycle = {d: ms[f"alpha 1.0 depth {d} seed 0"] * (d + 1) for d in args.depths}
-    print(f"plain: {plain:.3f} ms/token; outputs identical to plain: {res['identical']}")
-    print("cycle = one draft-verify-accept-extend step, from a perfect drafter (prefill and loop included)")
+    ms, n = res["ms"], args.new
+    plain = (ms["plain"] - ms["plain 1 token"]) / (n - 1)  # one decoding step, prefill excluded
+    cycle = {d: (ms[f"alpha 1.0 depth {d} seed 0"] - ms["spec 1 token"]) / res["verify_steps"][
+        f"alpha 1.0 depth {d} seed 0"] for d in args.depths}
+    print(f"plain step: {plain:.3f} ms; prefill: plain {ms['plain 1 token']:.2f} ms, speculative "
+          f"{ms['spec 1 token']:.2f} ms; outputs identical to plain: {res['identical']}")
+    print("cycle = one draft-verify-accept-extend step of the loop, prefill excluded (from a perfect drafter)")
     print(f"{'depth':>5s} {'cycle ms':>9s} {'x plain':>8s} | projected speedup at tau 3 / 4 / 5 | "
           + " ".join(f"alpha {a}" for a in args.alphas))
     for d in args.depths:
         at_tau = " ".join(f"{t * plain / cycle[d]:5.2f}x" if t <= d + 1 else "   -  " for t in (3, 4, 5))
         by_alpha = " ".join(f"{expected_tau(a, d) * plain / cycle[d]:8.2f}x" for a in args.alphas)
         print(f"{d:5d} {cycle[d]:9.3f} {cycle[d] / plain:8.3f} | {at_tau:>34s} | {by_alpha}")
-    print(f"measured at depth {args.check_depth} (mean over {args.seeds} acceptance patterns):")
+    print(f"measured end to end at depth {args.check_depth}, {n} tokens after a {args.prompt}-token prompt, "
+          f"prefill included (mean over {args.seeds} acceptance patterns):")
     for a in args.alphas:
         keys = [f"alpha {a} depth {args.check_depth} seed {s}" for s in range(args.seeds)]
         tau = sum(res["tau"][k] for k in keys) / len(keys)
-        speed = sum(plain / ms[k] for k in keys) / len(keys)
+        speed = sum(ms["plain"] / ms[k] for k in keys) / len(keys)
         model = tau * plain / cycle[args.check_depth] if args.check_depth in cycle else float("nan")
-        print(f"  alpha {a}: tau {tau:.2f}, speedup {speed:.2f}x (cost model at this tau: {model:.2f}x)")
+        print(f"  alpha {a}: tau {tau:.2f}, speedup {speed:.2f}x (steady-state projection at this tau: {model:.2f}x)")
     return cycle
 
 
