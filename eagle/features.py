@@ -176,8 +176,9 @@ _LEAN_VERDICTS: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDi
 class LeanDecoder:
     """`model.model(...)` for the Llama family, layer by layer over the model's own modules, with a caller's cache
     (`update(k, v)` per layer) and additive 4-D mask; captures the inputs of `layer_ids` on the way.
-    `LeanDecoder.of(target)` is None for anything else (other families, attention other than "sdpa") and for a
-    model whose HF forward it failed to reproduce once (`confirm`); `trusted` once it has reproduced it."""
+    `LeanDecoder.of(target)` is None for anything else (other families, attention other than "sdpa", modules with
+    forward hooks) and for a model whose HF forward it failed to reproduce once (`confirm`); `trusted` once it has
+    reproduced it."""
 
     FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -202,6 +203,8 @@ class LeanDecoder:
     @classmethod
     def of(cls, target: nn.Module) -> "LeanDecoder | None":
         c = target.config
+        if any(m._forward_hooks or m._forward_pre_hooks for m in target.modules()):
+            return None  # someone watches or alters the forward: leave it to HF
         if _LEAN_VERDICTS.get(target) is False or c.model_type not in cls.FAMILIES or getattr(c, "_attn_implementation", None) != "sdpa" \
                 or getattr(c, "pretraining_tp", 1) != 1 or getattr(c, "hidden_act", "silu") != "silu":
             return None
