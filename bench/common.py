@@ -73,7 +73,7 @@ class Preset:
         return cls("default", EmbeddedConfig.default(),
                    RegenerateConfig(max_new_tokens=96, batch_size=32, shard_size=64, limit=512),
                    ExtractConfig(max_len=320, seqs_per_shard=128),
-                   TrainConfig(steps=300, batch_size=8, draft_vocab_size=2048, ttt_steps=7, lr=2e-3, warmup_steps=20,
+                   TrainConfig(steps=150, batch_size=8, draft_vocab_size=2048, ttt_steps=7, lr=2e-3, warmup_steps=15,
                                num_workers=0, checkpoint_every=1000, log_every=25),
                    eval_prompts=24, max_new_tokens=96)
 
