@@ -30,7 +30,9 @@ import torch.nn.functional as F
 from torch import nn
 
 _PACKED: "weakref.WeakKeyDictionary[nn.Module, tuple[tuple, torch.Tensor]]" = weakref.WeakKeyDictionary()
-_MIN_PACKED_WORK = 1 << 20  # rows x weight elements; below it MKL is as fast as oneDNN (in this loop's cache state)
+# oneDNN from these sizes (rows x weight elements) on: MKL's one-row GEMV is hard to beat below ~1M weights, its
+# few-row GEMM is 1.5-4x slower than oneDNN's from ~0.5M multiply-adds on (measured on the project's AMD CPUs)
+_MIN_PACKED_ONE_ROW, _MIN_PACKED_ROWS = 1 << 20, 1 << 19
 
 
 def _packable(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -59,7 +61,7 @@ def linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
     """`F.linear(x, layer.weight, layer.bias)`; without autograd, a CPU input of several rows uses oneDNN."""
     w = layer.weight
     rows = x.numel() // max(x.shape[-1], 1)
-    if rows * w.numel() < _MIN_PACKED_WORK or not _packable(x, w):
+    if rows * w.numel() < (_MIN_PACKED_ONE_ROW if rows == 1 else _MIN_PACKED_ROWS) or not _packable(x, w):
         return F.linear(x, w, layer.bias)
     return torch.ops.mkldnn._linear_pointwise(x, _packed_weight(layer), layer.bias, "none", [None], "")
 
