@@ -5,9 +5,10 @@ embedding) and keep only what an EAGLE-3 head needs: the hidden states *entering
 default 2, N//2, N-3, i.e. HF `hidden_states[2]`, `[N//2]`, `[N-3]`) and the final normed hidden state, from
 which the teacher distribution is computed in chunks (`teacher_targets`). Forward pre-hooks capture the three
 layer inputs as they pass, so every other layer's hidden state is freed as usual.
-CPU kernels for inference: `linear` sends multi-row products through oneDNN with a weight packed once and cached
-(MKL's fp32 GEMM is 2-4x slower at 2-64 rows on these CPUs; one row stays on MKL's GEMV); `packed_linears(model)`
-routes a whole model's `nn.Linear` layers through it for the duration of a `with` block. `LeanDecoder` runs the
+CPU kernels for inference: `linear` sends multi-row products (and one-row products with >= 1M weights) through
+oneDNN with a weight packed once and cached (MKL's fp32 GEMM is 1.5-4x slower at 2-64 rows on these CPUs; small
+one-row products stay on MKL's GEMV); `packed_linears(model)` routes a whole model's `nn.Linear` layers through it
+for the duration of a `with` block (the model is patched meanwhile, for every thread). `LeanDecoder` runs the
 decoder stack of a Llama/Mistral/Qwen2/Qwen3 model over its own modules and HF's own attention and RoPE functions,
 without HF's per-call machinery (output capture, mask preparation, keyword plumbing): the same operations in the same
 order, about 0.5 ms less per pass of the 9M embedded target on CPU.

@@ -11,6 +11,9 @@ Rows of a batch advance by their own accepted lengths (per-row cache lengths, po
 EOS or `max_new_tokens` and is then frozen while the others finish.
 How to run: `out = generate_speculative(target, draft, ids, mask, SpecConfig(method="tree"))`; `out.sequences`,
 `out.stats.tau`. Greedy when `temperature == 0`.
+Speed (both functions alike): inference mode; the target runner's session (CPU kernels, feature hooks attached
+once), `LeanDecoder` for Llama-family targets, preallocated caches written by slice for one row, prebuilt causal
+masks; the head's lean inference path (`eagle.draft`). At batch 1 on a shared 2-core CPU use 1 torch thread.
 Not here: sliding-window targets past their window, flash-attention backends (4-D masks need "sdpa"/"eager"),
 dropping finished rows from the batch, CUDA graphs / torch.compile.
 
