@@ -48,8 +48,8 @@ class PipelineConfig:
         """The demo on 2 CPU cores: a few minutes per head on the embedded default."""
         return cls(regenerate=RegenerateConfig(max_new_tokens=96, batch_size=32, shard_size=64, limit=320),
                    extract=ExtractConfig(max_len=320, seqs_per_shard=128),
-                   train=TrainConfig(steps=300, batch_size=8, draft_vocab_size=2048, ttt_steps=5, lr=2e-3,
-                                     warmup_steps=20, num_workers=1, checkpoint_every=100, log_every=20),
+                   train=TrainConfig(steps=120, batch_size=8, draft_vocab_size=2048, ttt_steps=5, lr=3e-3,
+                                     warmup_steps=10, num_workers=1, checkpoint_every=40, log_every=10),
                    evaluate=EvaluateConfig(method="chain", depth=5, max_new_tokens=96, limit=16),
                    register=RegisterConfig(tau_floor=1.5))
 
