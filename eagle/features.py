@@ -58,11 +58,15 @@ def _packed_weight(layer: nn.Module) -> torch.Tensor:
     return hit[1]
 
 
-def linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
-    """`F.linear(x, layer.weight, layer.bias)`; without autograd, a CPU input of several rows uses oneDNN."""
+def linear(x: torch.Tensor, layer: nn.Module, packed: bool | None = None) -> torch.Tensor:
+    """`F.linear(x, layer.weight, layer.bias)`; without autograd on CPU through oneDNN's packed weight when `packed`
+    (None: when the product is large enough, see above). A weight used at varying row counts should be given one
+    fixed choice: touching both copies costs cache capacity, which a draft-verify cycle is short of."""
     w = layer.weight
-    rows = x.numel() // max(x.shape[-1], 1)
-    if rows * w.numel() < (_MIN_PACKED_ONE_ROW if rows == 1 else _MIN_PACKED_ROWS) or not _packable(x, w):
+    if packed is None:
+        rows = x.numel() // max(x.shape[-1], 1)
+        packed = rows * w.numel() >= (_MIN_PACKED_ONE_ROW if rows == 1 else _MIN_PACKED_ROWS)
+    if not packed or not _packable(x, w):
         return F.linear(x, w, layer.bias)
     return torch.ops.mkldnn._linear_pointwise(x, _packed_weight(layer), layer.bias, "none", [None], "")
 
