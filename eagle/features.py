@@ -31,9 +31,10 @@ import torch.nn.functional as F
 from torch import nn
 
 _PACKED: "weakref.WeakKeyDictionary[nn.Module, tuple[tuple, torch.Tensor]]" = weakref.WeakKeyDictionary()
-# oneDNN from these sizes (rows x weight elements) on: MKL's one-row GEMV is hard to beat below ~1M weights, its
-# few-row GEMM is 1.5-4x slower than oneDNN's from ~0.5M multiply-adds on (measured on the project's AMD CPUs)
-_MIN_PACKED_ONE_ROW, _MIN_PACKED_ROWS = 1 << 20, 1 << 19
+# oneDNN from these sizes (rows x weight elements) on: MKL's one-row GEMV is hard to beat below ~1M weights; its
+# few-row GEMM is 1.5-4x slower than oneDNN's in the draft-verify loop (measured end to end on the project's AMD
+# CPUs: all several-row products through oneDNN, 0.90-0.92x the time of a 0.5M multiply-add threshold)
+_MIN_PACKED_ONE_ROW, _MIN_PACKED_ROWS = 1 << 20, 1 << 16
 
 
 def _packable(x: torch.Tensor, w: torch.Tensor) -> bool:
