@@ -111,12 +111,6 @@ def _version_key(parts: tuple[torch.Tensor, ...]) -> tuple:
     return tuple((p.data_ptr(), version(p), p.dtype) for p in parts)
 
 
-# The head's large products always take oneDNN's packed weights, at one row (drafting) as at several (committing
-# verified entries): one copy of each weight in the caches, and oneDNN's one-row product is the faster one when the
-# weights come from L3 or memory, as they do after each verification pass. The small o/down products stay on MKL.
-PACKED = True
-
-
 class KVStore(Protocol):
     """What the head needs from a KV cache: take the new keys/values, return every visible key/value."""
 
@@ -171,7 +165,7 @@ class Eagle3Layer(nn.Module):
             v = a.v_proj(x).view(B, T, kvh, D).transpose(1, 2)
             cos, sin = cos[:, None], sin[:, None]
             return rotate(q, cos, sin), rotate(k, cos, sin), v
-        qkv = linear(x, self.stacked("qkv", a.q_proj.weight, a.k_proj.weight, a.v_proj.weight), PACKED).view(B, T, -1, D)
+        qkv = linear(x, self.stacked("qkv", a.q_proj.weight, a.k_proj.weight, a.v_proj.weight)).view(B, T, -1, D)
         qk = rotate(qkv[:, :, :h + kvh], cos[:, :, None], sin[:, :, None]).transpose(1, 2)
         return qk[:, :h], qk[:, h:], qkv[:, :, h + kvh:].transpose(1, 2)
 
@@ -183,7 +177,7 @@ class Eagle3Layer(nn.Module):
         y = self.post_attention_layernorm(out)
         if torch.is_grad_enabled():
             return out + m.down_proj(F.silu(m.gate_proj(y)) * m.up_proj(y))
-        gate, up = linear(y, self.stacked("gate_up", m.gate_proj.weight, m.up_proj.weight), PACKED).chunk(2, dim=-1)
+        gate, up = linear(y, self.stacked("gate_up", m.gate_proj.weight, m.up_proj.weight)).chunk(2, dim=-1)
         return out + linear(F.silu(gate) * up, m.down_proj)
 
 
@@ -237,11 +231,11 @@ class Eagle3Draft(nn.Module):
     def fuse(self, aux_BT3H: torch.Tensor) -> torch.Tensor:
         """Linear fusion of the low/mid/high target hidden states."""
         w = self.fc.weight
-        return linear(aux_BT3H if aux_BT3H.dtype == w.dtype else aux_BT3H.to(w.dtype), self.fc, PACKED)
+        return linear(aux_BT3H if aux_BT3H.dtype == w.dtype else aux_BT3H.to(w.dtype), self.fc)
 
     def logits(self, hidden_BTH: torch.Tensor) -> torch.Tensor:
         """Draft-vocab logits [B,T,Vd] from the layer's un-normalised output hidden state."""
-        return linear(self.norm(hidden_BTH), self.lm_head, PACKED)
+        return linear(self.norm(hidden_BTH), self.lm_head)
 
     def forward(self, input_ids_BT: torch.Tensor, hidden_BTH: torch.Tensor, pos_BT: torch.Tensor,
                 cache: KVStore | None = None, attn_mask_BTL: torch.Tensor | None = None,

@@ -5,10 +5,10 @@ embedding) and keep only what an EAGLE-3 head needs: the hidden states *entering
 default 2, N//2, N-3, i.e. HF `hidden_states[2]`, `[N//2]`, `[N-3]`) and the final normed hidden state, from
 which the teacher distribution is computed in chunks (`teacher_targets`). Forward pre-hooks capture the three
 layer inputs as they pass, so every other layer's hidden state is freed as usual.
-CPU kernels for inference: `linear` sends multi-row products (and one-row products with >= 1M weights) through
-oneDNN with a weight packed once and cached (MKL's fp32 GEMM is 1.5-4x slower at 2-64 rows on these CPUs; small
-one-row products stay on MKL's GEMV); `packed_linears(model)` routes a whole model's `nn.Linear` layers through it
-for the duration of a `with` block (the model is patched meanwhile, for every thread). `LeanDecoder` runs the
+CPU kernels for inference: `linear` sends products through oneDNN with a weight packed once and cached (MKL's fp32
+GEMM is 1.5-4x slower at 2-64 rows on these CPUs, and in decoding loops its GEMV too); `packed_linears(model)`
+routes a whole model's `nn.Linear` layers through it for the duration of a `with` block (the model is patched
+meanwhile, for every thread). `LeanDecoder` runs the
 decoder stack of a Llama/Mistral/Qwen2/Qwen3 model over its own modules and HF's own attention and RoPE functions,
 without HF's per-call machinery (output capture, mask preparation, keyword plumbing): the same operations in the same
 order, about 0.5 ms less per pass of the 9M embedded target on CPU.
@@ -31,10 +31,11 @@ import torch.nn.functional as F
 from torch import nn
 
 _PACKED: "weakref.WeakKeyDictionary[nn.Module, tuple[tuple, torch.Tensor]]" = weakref.WeakKeyDictionary()
-# oneDNN from these sizes (rows x weight elements) on: MKL's one-row GEMV is hard to beat below ~1M weights; its
-# few-row GEMM is 1.5-4x slower than oneDNN's in the draft-verify loop (measured end to end on the project's AMD
-# CPUs: all several-row products through oneDNN, 0.90-0.92x the time of a 0.5M multiply-add threshold)
-_MIN_PACKED_ONE_ROW, _MIN_PACKED_ROWS = 1 << 20, 1 << 16
+# oneDNN for every product from this size (rows x weight elements) on. MKL's GEMV/GEMM win in tight loops over hot
+# weights, oneDNN in the decoding loops, where the weights come from L3 or memory each step (measured end to end on
+# the project's AMD CPUs: plain decoding 0.92x, the speculative cycle 0.90x the time of MKL for the smaller products).
+# One kernel per weight also means one copy of it in the caches.
+_MIN_PACKED = 1 << 16
 
 
 def _packable(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -59,15 +60,10 @@ def _packed_weight(layer: nn.Module) -> torch.Tensor:
     return hit[1]
 
 
-def linear(x: torch.Tensor, layer: nn.Module, packed: bool | None = None) -> torch.Tensor:
-    """`F.linear(x, layer.weight, layer.bias)`; without autograd on CPU through oneDNN's packed weight when `packed`
-    (None: when the product is large enough, see above). A weight used at varying row counts should be given one
-    fixed choice: touching both copies costs cache capacity, which a draft-verify cycle is short of."""
+def linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+    """`F.linear(x, layer.weight, layer.bias)`; without autograd on CPU, through oneDNN's packed weight."""
     w = layer.weight
-    if packed is None:
-        rows = x.numel() // max(x.shape[-1], 1)
-        packed = rows * w.numel() >= (_MIN_PACKED_ONE_ROW if rows == 1 else _MIN_PACKED_ROWS)
-    if not packed or not _packable(x, w):
+    if x.numel() // max(x.shape[-1], 1) * w.numel() < _MIN_PACKED or not _packable(x, w):
         return F.linear(x, w, layer.bias)
     return torch.ops.mkldnn._linear_pointwise(x, _packed_weight(layer), layer.bias, "none", [None], "")
 
