@@ -8,11 +8,14 @@ Rows are interleaved round by round and each reports its minimum over all rounds
 minimum is the least disturbed figure. With one thread the time is the thread's CPU time (immune to being
 descheduled by other jobs), else wall time. Prints one table (milliseconds, and ratio to one plain decoding step)
 and writes bench/results/spec_profile.json.
-"plain step" is one token of `generate_plain`, its prefill subtracted. Whole-step rows time `draft -> verify ->
-accept -> roll back -> head extend` in the real loop, where target and head weights evict each other from the CPU
-caches, so they exceed the sum of the isolated rows. The projected speedup is tau * (plain step) / (whole step):
-a random head accepts nothing, so tau has to come from an evaluation run of a trained head
-(`bench/spec_speedup_cpu.py` measures it end to end with an oracle drafter).
+"plain step" is one step of the plain loop (target pass over 1 token, lm_head, argmax) and "whole step" one
+`draft -> verify -> accept -> roll back -> head extend` cycle, each repeated on the same state: every repetition
+streams the same weights as the real loop does (target and head weights evict each other from the CPU caches, so a
+whole step exceeds the sum of the isolated rows), and both are short, so the minimum finds undisturbed runs of each.
+"plain step in generate_plain" is one token of a whole `generate_plain` run, its prefill subtracted: long runs
+cannot dodge the other jobs, so it reads higher on a busy machine. The projected speedup is
+tau * (plain step) / (whole step): a random head accepts nothing, so tau has to come from an evaluation run of a
+trained head (`bench/spec_speedup_cpu.py` measures it end to end with an oracle drafter).
 Not measured here: acceptance, end-to-end wall time of a trained pair, GPU timings unless --device cuda.
 """
 
@@ -76,6 +79,8 @@ def rows_of(args: argparse.Namespace, target, draft, spec: Speculator, ids: torc
     prefix, root = Prefix.of(n_B), logits.argmax(-1)
     hidden, dlogits = spec.head_extend(Prefix(torch.zeros_like(n_B), 0), ids, aux, n_B)
     r: dict[str, tuple[Callable[[], object], int]] = {
+        "plain step": (lambda: spec.target.logits(spec.target(prefix, root[:, None], prefix.lengths_B[:, None],
+                                                              None)[0][:, 0]).argmax(-1), 10),
         "plain, N+1 tokens": (lambda: generate_plain(target, ids, None, chain), 1),
         "plain, 1 token": (lambda: generate_plain(target, ids, None, SpecConfig(max_new_tokens=1)), 2)}
     for width in (1, args.depth + 1, args.budget + 1):
@@ -109,7 +114,7 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
         spec = Speculator(target, draft, tree, args.prompt, None)  # the larger cache; `spec.cfg` switches per row
         with spec.target.session():
             r = interleaved(rows_of(args, target, draft, spec, ids), args.rounds, args.device)
-    r["plain step"] = (r.pop("plain, N+1 tokens") - r.pop("plain, 1 token")) / (args.new - 1)
+    r["plain step in generate_plain"] = (r.pop("plain, N+1 tokens") - r.pop("plain, 1 token")) / (args.new - 1)
     return r
 
 
