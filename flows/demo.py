@@ -25,7 +25,7 @@ from infra.settings import Settings
 def _row(label: str, s: dict) -> str:
     alpha = " ".join(f"{a:.2f}" for a in s.get("acceptance", []))
     ident = {True: "yes", False: "NO", None: "n/a"}[s.get("identical")]
-    return (f"{label:<22} {s['head_uri']:<36} {s.get('alias', '-'):<10} {s['tau']:>5.2f} {s['speedup']:>7.2f}x "
+    return (f"{label:<28} {s['head_uri']:<36} {s.get('alias', '-'):<10} {s['tau']:>5.2f} {s['speedup']:>7.2f}x "
             f"{ident:>9}  {alpha}")
 
 
@@ -57,7 +57,7 @@ def demo(preset: str = "default", embedded_preset: str = "default", target_name:
     alias = r2.get("alias") or "champion"
     ident = "yes" if r2.get("identical") else "no"
     table = ["results (held-out traffic, greedy, outputs checked identical to plain decoding):",
-             f"{'target':<22} {'head':<36} {'alias':<10} {'tau':>5} {'speedup':>8} {'identical':>9}  alpha_1..k",
+             f"{'target':<28} {'head':<36} {'alias':<10} {'tau':>5} {'speedup':>8} {'identical':>9}  alpha_1..k",
              _row(f"{target_name} v{base.version} (base)", r1),
              _row(f"{target_name} v{tuned.version} (fine-tune)", r2),
              f"demo: tau={r2['tau']:.2f} speedup={r2['speedup']:.2f}x identical={ident} head=models:/{name}@{alias}"]
