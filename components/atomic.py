@@ -1,6 +1,7 @@
 """Atomic file writes: a reader sees the old file or the new one, never half of one.
 
-Purpose: `atomic_write_text` / `atomic_write_bytes` write to a temp file beside the target, fsync, then rename;
+Purpose: `atomic_write_text` / `atomic_write_bytes` write to a temp file beside the target, fsync, then rename
+(`file_sha256` hashes a file the same streamed way everywhere);
 `atomic_path(path)` gives such a temp path to writers that want a file name (safetensors, `torch.save`,
 matplotlib). On any failure (a full disk, a crash inside the writer) the temp file is removed and an `OSError`
 names the target path. `remove_stale_temps(dir)` deletes the temp files a killed process left behind (call it
@@ -10,6 +11,7 @@ Not here: directory-level atomicity (eagle/export.py renames whole directories; 
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -72,3 +74,12 @@ def remove_stale_temps(directory: str | Path, extra: tuple[str, ...] = ()) -> li
     for p in gone:
         shutil.rmtree(p, ignore_errors=True) if p.is_dir() and not p.is_symlink() else p.unlink(missing_ok=True)
     return gone
+
+
+def file_sha256(path: str | Path) -> str:
+    """sha256 of a file's bytes, streamed."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()

@@ -11,7 +11,6 @@ Not here: the training loop (components/train.py).
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +20,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from components.atomic import file_sha256
 from eagle.features import teacher_targets
 from eagle.ttt import TTTBatch
 
@@ -80,7 +80,7 @@ class TrainingData:
             path = self.root / s["file"]
             if not path.is_file():
                 raise FeatureStoreError(f"{path}: feature shard missing; re-run extract (it resumes)")
-            if verify and _sha256(path) != s["sha256"]:
+            if verify and file_sha256(path) != s["sha256"]:
                 raise FeatureStoreError(f"{path}: sha256 does not match the manifest (corrupted or truncated); "
                                         "delete it and re-run extract")
             shards.append((start, start + s["n_seqs"], path))
@@ -103,14 +103,6 @@ class TrainingData:
                     a, b = int(offs[i - start]), int(offs[i - start + 1])
                     return f.get_slice("aux_hidden_states")[a:b], f.get_slice("last_hidden_state")[a:b]
         raise FeatureStoreError(f"sequence {i} is in no feature shard (online extract?)")
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def epoch_order(n: int, epoch: int, seed: int) -> list[int]:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Literal
 
-from components.atomic import atomic_path, atomic_write_text, remove_stale_temps
+from components.atomic import atomic_path, atomic_write_text, file_sha256, remove_stale_temps
 from components.chat import tokenize_conversation
 from components.regenerate import read_regenerated
 from components.targets import load_target, weights_sha256
@@ -56,14 +56,6 @@ class ExtractResult:
     n_tokens: int
     n_trained_tokens: int
     bytes_per_token: float
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def tokenize_all(tokenizer, regen_dir: str, max_len: int):
@@ -156,10 +148,10 @@ def extract(cfg: ExtractConfig, target_dir: str, regen_dir: str, out_dir: str,
             part = seqs[k * cfg.seqs_per_shard:(k + 1) * cfg.seqs_per_shard]
             tokens_sha = hashlib.sha256(json.dumps(part).encode()).hexdigest()  # the sequences this shard holds
             t0 = time.perf_counter()
-            sha = _sha256(path) if path.is_file() else None
+            sha = file_sha256(path) if path.is_file() else None
             if sha is None or known.get(path.name) != (sha, tokens_sha):
                 _write_shard(path, target, layer_ids, part, cfg)
-                sha = _sha256(path)
+                sha = file_sha256(path)
                 progress(f"extract: shard {k + 1}/{n_shards}, {sum(len(s) for s, _ in part)} tokens "
                          f"({time.perf_counter() - t0:.1f} s)")
             shards.append({"file": path.name, "sha256": sha, "tokens_sha256": tokens_sha, "n_seqs": len(part),

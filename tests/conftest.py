@@ -100,3 +100,14 @@ def _prefect_logging_on_live_streams():
 
         setup_logging(incremental=False)
     yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_torch_thread():
+    """Every model in the tests is tiny: one thread is as fast, and far faster when other work shares the cores."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

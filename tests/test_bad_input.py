@@ -25,14 +25,6 @@ QUIET = dict(progress=lambda s: None)
 USER = {"role": "user", "content": "def f(x):"}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _jsonl(path: Path, *rows) -> str:
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
     return str(path)

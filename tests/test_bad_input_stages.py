@@ -23,14 +23,6 @@ import torch
 QUIET = dict(progress=lambda s: None)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _jsonl(path: Path, *rows) -> str:
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
     return str(path)
@@ -137,7 +129,7 @@ def test_damaged_feature_files(extracted, tmp_path, damage):
 def test_a_nan_loss_stops_training_before_any_checkpoint(extracted, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from components.extract import _sha256
+    from components.atomic import file_sha256 as _sha256
     from components.train import TrainConfig, train
 
     ext = _ext_copy(extracted, tmp_path)

@@ -29,14 +29,6 @@ from infra.mlflow_store import CHALLENGER, CHAMPION, RegistryCollision
 QUIET = dict(progress=lambda s: None)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def head(tiny_embedded, tmp_path_factory):
     """A head trained by the real stages (regenerate -> extract -> train) on the tiny target."""

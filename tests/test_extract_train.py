@@ -29,14 +29,6 @@ from eagle.export import load_head, read_head_meta, verify_probe
 QUIET = dict(progress=lambda s: None)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def regen_dir(tiny_embedded, tmp_path_factory) -> str:
     out = tmp_path_factory.mktemp("stages") / "regen"
@@ -80,7 +72,7 @@ def _mtimes(d: Path) -> dict[str, int]:
 
 
 def test_offline_manifest_describes_the_shards(offline_dir, target, tiny_embedded):
-    from components.extract import _sha256
+    from components.atomic import file_sha256 as _sha256
     from components.targets import weights_sha256
 
     m = json.loads((offline_dir / "manifest.json").read_text())

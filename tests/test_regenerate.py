@@ -24,14 +24,6 @@ from components.regenerate import RegenerateConfig, hf_answerer, read_regenerate
 from components.targets import load_target
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def tokenizer(tiny_embedded):
     from transformers import AutoTokenizer

@@ -21,14 +21,6 @@ from eagle.draft import Eagle3Draft
 from eagle.speculative import SpecConfig, generate_speculative
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def tv_bound(k: int, n: int, delta: float = 1e-6) -> float:
     return 0.5 * math.sqrt(k / n) + math.sqrt(math.log(1 / delta) / (2 * n))
 

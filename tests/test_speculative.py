@@ -24,14 +24,6 @@ SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_att
              num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=512)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _train_pair(target: torch.nn.Module, draft_vocab: int, seed: int) -> Eagle3Draft:
     """Scale the target's residual branches down, then fit a head to its argmax on its own greedy and sampled
     continuations of random prompts: step 0 on true features, step 1 on the head's own output."""
