@@ -94,7 +94,7 @@ def run(setup: Setup, args: argparse.Namespace, load0: list[float]) -> None:
     heads = []
     for f in fractions:
         ext_dir, manifest = subset_extract(setup, f)
-        heads.append((f, manifest, train_head(setup, "eagle3-ttt7", cfg_train, ext_dir)))
+        heads.append((f, manifest, train_head(setup, f"eagle3-ttt{cfg_train.ttt_steps}", cfg_train, ext_dir)))
 
     from components.targets import load_target
     from eagle.export import load_head

@@ -1,7 +1,7 @@
 """End-to-end decoding speed on held-out traffic: our EAGLE-3 head (chain, tree) against plain decoding, transformers'
 prompt-lookup decoding and transformers' assisted generation with a small draft model, at T=0 and T=1.
 
-Run: `python bench/speedup.py [--quick] [--prompts N] [--depth 5] [--tree 5,4,12]`
+Run: `python bench/speedup.py [--quick] [--prompts N] [--depth 5] [--tree 5,4,12] [--head-steps N]`
 Methods, all at batch 1 on the same held-out prompts, interleaved prompt by prompt (rotating order):
   plain          `eagle.speculative.generate_plain` (the baseline the goals refer to)
   eagle-chain    our head, chain of `--depth` drafts (`generate_speculative`)
@@ -162,6 +162,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tree", default="5,4,12", help="tree depth,topk,budget")
     p.add_argument("--lookup", type=int, default=10, help="prompt_lookup_num_tokens")
     p.add_argument("--temperatures", default="0,1")
+    p.add_argument("--head-steps", type=int, default=0,
+                   help="train the head this many steps instead of the preset's (results go to speedup-head<N>.*)")
     args = p.parse_args(argv)
     load0 = start(args)
     run(prepare(args.quick), args, load0)
@@ -169,7 +171,9 @@ def main(argv: list[str] | None = None) -> None:
 
 def run(setup: Setup, args: argparse.Namespace, load0: list[float]) -> None:
     """The benchmark on a prepared setup (see bench/common.py); prints the table, writes the result files."""
-    head = train_head(setup, "eagle3-ttt7", dataclasses.replace(setup.preset.train, ttt_steps=7))
+    steps = args.head_steps or setup.preset.train.steps
+    head = train_head(setup, "eagle3-ttt7", dataclasses.replace(setup.preset.train, ttt_steps=7, steps=steps))
+    name = "speedup" if steps == setup.preset.train.steps else f"speedup-head{steps}"
     lm_dir = draft_lm(setup)
 
     from components.targets import load_target
@@ -194,9 +198,9 @@ def run(setup: Setup, args: argparse.Namespace, load0: list[float]) -> None:
     for name, v in g.items():
         if isinstance(v, dict):
             print(f"goal {name}: measured {v['measured']:.2f} -> {'met' if v['met'] else 'MISSED by %.2f' % v['shortfall']}")
-    png = results_dir(args.quick) / "speedup.png"
+    png = results_dir(args.quick) / f"{name}.png"
     plot(tables, png)
-    write_results("speedup", args.quick, {"args": vars(args), "n_prompts": len(prompts), "tables": tables,
+    write_results(name, args.quick, {"args": vars(args), "n_prompts": len(prompts), "tables": tables,
                                           "goals_T0": g, "head_train_seconds": head.seconds,
                                           "draft_lm": str(lm_dir), "text": texts, "plot": str(png)}, load0)
 
