@@ -195,9 +195,9 @@ def run(setup: Setup, args: argparse.Namespace, load0: list[float]) -> None:
                                      f"T={temp:g}, batch 1, {len(prompts)} held-out prompts, "
                                      f"max {setup.preset.max_new_tokens} new tokens"))
     g = goals(tables["0"]) if "0" in tables else {}
-    for name, v in g.items():
+    for goal, v in g.items():
         if isinstance(v, dict):
-            print(f"goal {name}: measured {v['measured']:.2f} -> {'met' if v['met'] else 'MISSED by %.2f' % v['shortfall']}")
+            print(f"goal {goal}: measured {v['measured']:.2f} -> {'met' if v['met'] else 'MISSED by %.2f' % v['shortfall']}")
     png = results_dir(args.quick) / f"{name}.png"
     plot(tables, png)
     write_results(name, args.quick, {"args": vars(args), "n_prompts": len(prompts), "tables": tables,
