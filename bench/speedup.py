@@ -126,9 +126,10 @@ def summarize(runs: dict, greedy: bool) -> list[dict]:
 
 def goals(rows: list[dict]) -> dict[str, dict]:
     by = {r["method"]: r for r in rows}
-    best = max((by["eagle-chain"], by["eagle-tree"]), key=lambda r: r["tok_s"])
-    out = {"tau >= 4": {"measured": best["tau"], "goal": 4.0},
-           "speedup vs plain >= 2.0": {"measured": best["x_plain"], "goal": 2.0}}
+    best = max((by["eagle-chain"], by["eagle-tree"]), key=lambda r: r["tok_s"])  # our fastest method
+    top_tau = max((by["eagle-chain"], by["eagle-tree"]), key=lambda r: r["tau"])
+    out = {"tau >= 4": {"measured": top_tau["tau"], "goal": 4.0, "method": top_tau["method"]},
+           "speedup vs plain >= 2.0": {"measured": best["x_plain"], "goal": 2.0, "method": best["method"]}}
     for alt in ("hf-plain", "hf-lookup", "hf-assisted"):
         out[f"vs {alt} >= 1.5"] = {"measured": best["tok_s"] / by[alt]["tok_s"], "goal": 1.5}
     for g in out.values():
@@ -197,7 +198,8 @@ def run(setup: Setup, args: argparse.Namespace, load0: list[float]) -> None:
     g = goals(tables["0"]) if "0" in tables else {}
     for goal, v in g.items():
         if isinstance(v, dict):
-            print(f"goal {goal}: measured {v['measured']:.2f} -> {'met' if v['met'] else 'MISSED by %.2f' % v['shortfall']}")
+            print(f"goal {goal}: measured {v['measured']:.2f} ({v.get('method', g['best_ours'])}) -> "
+                  f"{'met' if v['met'] else 'MISSED by %.2f' % v['shortfall']}")
     png = results_dir(args.quick) / f"{name}.png"
     plot(tables, png)
     write_results(name, args.quick, {"args": vars(args), "n_prompts": len(prompts), "tables": tables,
