@@ -23,6 +23,17 @@ def _plt():
     return plt
 
 
+def _save(plt, fig, path: str | Path) -> Path:
+    """Write the figure atomically as PNG and release it."""
+    fig.tight_layout()
+    try:
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, dpi=100, format="png")
+    finally:
+        plt.close(fig)
+    return Path(path)
+
+
 def plot_acceptance(conditional: list[float], cumulative: list[float], tau: float, path: str | Path) -> Path:
     plt = _plt()
     k = list(range(1, len(conditional) + 1))
@@ -37,13 +48,7 @@ def plot_acceptance(conditional: list[float], cumulative: list[float], tau: floa
     ax.set_title(f"Acceptance by draft position (τ = {tau:.2f})")
     ax.legend(fontsize=8)
     ax.grid(True, axis="y", alpha=0.3)
-    fig.tight_layout()
-    try:
-        with atomic_path(path) as tmp:
-            fig.savefig(tmp, dpi=100, format="png")
-    finally:
-        plt.close(fig)
-    return Path(path)
+    return _save(plt, fig, path)
 
 
 def plot_training(history_file: str | Path, path: str | Path) -> Path:
@@ -72,10 +77,4 @@ def plot_training(history_file: str | Path, path: str | Path) -> Path:
     b.legend(fontsize=7, loc="lower right")
     b.grid(True, alpha=0.3)
     fig.suptitle("Head training")
-    fig.tight_layout()
-    try:
-        with atomic_path(path) as tmp:
-            fig.savefig(tmp, dpi=100, format="png")
-    finally:
-        plt.close(fig)
-    return Path(path)
+    return _save(plt, fig, path)
