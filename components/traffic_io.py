@@ -5,7 +5,7 @@ system/user/assistant, optional `segment` and `source_file` metadata). Formats, 
   OpenAI:   {"id": ..., "messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...], ...}
   ShareGPT: {"id": ..., "conversations": [{"from": "system"|"human"|"gpt", "value": "..."}, ...], ...}
 `format="auto"` decides per line by the key present. Rules: at most one system message, and only first; at least
-one user turn; contents are strings. Blank lines are ignored; a line without an id gets `line-<n>`.
+one user turn; contents are strings; lines are UTF-8 (a leading byte-order mark is allowed). Blank lines are ignored; a line without an id gets `line-<n>`.
 A bad line raises `TrafficFormatError` naming the file, the line and the reason; with `skip_bad=True` bad lines
 are skipped and counted in `TrafficLoad.skipped`. An empty file (or one with no valid line) always raises.
 `traffic_sha256` hashes a file's bytes; `conversations_sha256` hashes the normalised content (format-independent).
@@ -89,13 +89,13 @@ def load_traffic(path: Path | str, format: Format = "auto", skip_bad: bool = Fal
     convs: list[Conversation] = []
     skipped: list[SkippedLine] = []
     seen_any = False
-    with path.open(encoding="utf-8") as fh:
-        for lineno, raw in enumerate(fh, start=1):
-            if not raw.strip():
+    with path.open("rb") as fh:  # bytes: a line that is not UTF-8 is one bad line, not a crash of the whole read
+        for lineno, raw_bytes in enumerate(fh, start=1):
+            if not raw_bytes.strip():
                 continue
             seen_any = True
             try:
-                convs.append(parse_line(raw, lineno, format))
+                convs.append(parse_line(_decode(raw_bytes, lineno), lineno, format))
             except _LineError as e:
                 if not skip_bad:
                     raise TrafficFormatError(path, lineno, str(e)) from None
@@ -115,6 +115,16 @@ def load_conversations(path: Path | str, format: Format = "auto") -> list[Conver
 
 class _LineError(Exception):
     pass
+
+
+def _decode(raw: bytes, lineno: int) -> str:
+    if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte-order mark, as some editors write
+        raw = raw[3:]
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise _LineError(f"not UTF-8 text: byte 0x{raw[e.start]:02x} at column {e.start + 1} (re-encode the file "
+                         "as UTF-8)") from None
 
 
 def parse_line(raw: str, lineno: int, format: Format = "auto") -> Conversation:
@@ -188,6 +198,11 @@ def _check_turns(messages: list[Message]) -> None:
                          "prompt is supported")
     if not any(m.role == "user" for m in messages):
         raise _LineError("no user turn: the conversation has only " + ", ".join(sorted({m.role for m in messages})))
+
+
+# Bump when `write_openai_jsonl` writes different bytes for the same conversations: the embedded default's build
+# hash covers this number instead of this module's source (tests/test_traffic_io.py pins the output bytes).
+WRITER_VERSION = 1
 
 
 def write_openai_jsonl(path: Path | str, conversations: Iterable[Conversation]) -> str:

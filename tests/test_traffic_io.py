@@ -117,3 +117,33 @@ def test_file_hash_changes_with_content_but_content_hash_ignores_format(tmp_path
     a, b = _write(tmp_path, OPENAI, "a.jsonl"), _write(tmp_path, SHAREGPT, "b.jsonl")
     assert traffic_sha256(a) != traffic_sha256(b)
     assert len(traffic_sha256(a)) == 64
+
+
+def test_a_line_that_is_not_utf8_is_a_named_error_or_a_skipped_line(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    bad = json.dumps({"id": "c", "messages": [{"role": "user", "content": "caf\u00e9"}]}, ensure_ascii=False)
+    path.write_bytes((json.dumps(OPENAI[0]) + "\n").encode() + bad.encode("latin-1") + b"\n")
+    with pytest.raises(TrafficFormatError, match=r"latin1.jsonl:2: not UTF-8 text: byte 0xe9 at column \d+") as e:
+        load_traffic(path)
+    assert e.value.line == 2
+    load = load_traffic(path, skip_bad=True)
+    assert [c.id for c in load.conversations] == ["a"] and load.skipped_reasons == {"not UTF-8 text": 1}
+
+
+def test_a_leading_byte_order_mark_is_accepted(tmp_path):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps(x) + "\n" for x in OPENAI).encode())
+    assert [c.id for c in load_traffic(path).conversations] == ["a", "b"]
+
+
+def test_writer_output_is_pinned_to_its_version(tmp_path):
+    """The embedded build hash covers WRITER_VERSION, not the writer's source: if this fails, the writer now writes
+    other bytes; bump `traffic_io.WRITER_VERSION` (cached embedded builds must be rebuilt) and update the hash."""
+    from components.traffic_io import WRITER_VERSION
+
+    convs = load_traffic(_write(tmp_path, OPENAI)).conversations
+    sha = write_openai_jsonl(tmp_path / "out.jsonl", convs)
+    assert (WRITER_VERSION, sha) == (1, PINNED_WRITER_SHA256)
+
+
+PINNED_WRITER_SHA256 = "6abd2831ac7397fb8e4face690d0842007ab7e1282d98ae3f654a53ad341a496"

@@ -7,8 +7,8 @@ Purpose: `build_embedded(config, root)` reads the interpreter's standard library
   finetune/    the target after continued training on the test-suite domain, saved the same way
   traffic/     target-{train,heldout}.jsonl and finetune-{train,heldout}.jsonl (OpenAI `messages` JSONL)
   report.json  the `EmbeddedResult`: paths, weight hashes, measured metrics
-The hash covers the corpus files (paths, contents, split), the config, this package's source and the versions of
-torch/transformers/tokenizers; a finished build (its report.json exists) is returned without work. A build is
+The hash covers the corpus files (paths, contents, split), the config, this package's source, the traffic writer's
+version and the versions of torch/transformers/tokenizers; a finished build (its report.json exists) is returned without work. A build is
 written to `<hash>.partial-<pid>` and renamed when complete, so an interrupted build leaves no half directory.
 Run: `python -m components.embedded --preset default` (see `__main__.py`).
 Not here: EAGLE heads, MLflow registration, Prefect; bitwise reproducibility across machines or thread counts
@@ -41,7 +41,7 @@ from components.embedded.result import (REPORT, Continuation, DomainInfo, Embedd
                                         load_result, write_report)
 from components.embedded.tokenizer import BOS, encode_texts, render_chat, train_tokenizer
 from components.embedded.traffic import domain_conversations, sample_traffic
-from components.traffic_io import Conversation, write_openai_jsonl
+from components.traffic_io import WRITER_VERSION, Conversation, write_openai_jsonl
 
 log = logging.getLogger(__name__)
 DEFAULT_ROOT = Path(".eagle/embedded")
@@ -65,11 +65,13 @@ def load_domains(cfg: EmbeddedConfig) -> tuple[Domain, Domain]:
 
 
 def code_sha256() -> str:
-    """sha256 of this package's source (but the CLI) and of `components/traffic_io.py` (it writes the traffic)."""
+    """sha256 of this package's source (but the CLI) and of the traffic writer's version number (the loaders in
+    `components/traffic_io.py` can change without changing a byte of what the build writes)."""
     here = Path(__file__).resolve().parent
     h = hashlib.sha256()
-    for f in sorted(p for p in here.glob("*.py") if p.name != "__main__.py") + [here.parent / "traffic_io.py"]:
+    for f in sorted(p for p in here.glob("*.py") if p.name != "__main__.py"):
         h.update(f.name.encode() + b"\0" + f.read_bytes())
+    h.update(f"traffic_io.WRITER_VERSION={WRITER_VERSION}".encode())
     return h.hexdigest()
 
 
