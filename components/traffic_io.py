@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Literal
 
+from components.atomic import atomic_path
+
 ROLES = ("system", "user", "assistant")
 SHAREGPT_ROLES = {"system": "system", "human": "user", "gpt": "assistant"}
 Format = Literal["auto", "openai", "sharegpt"]
@@ -208,8 +210,7 @@ WRITER_VERSION = 1
 def write_openai_jsonl(path: Path | str, conversations: Iterable[Conversation]) -> str:
     """Write one OpenAI-format line per conversation (UTF-8, keys in a fixed order); return the file's sha256."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", encoding="utf-8") as fh:
+    with atomic_path(path) as tmp, tmp.open("w", encoding="utf-8") as fh:  # a crash leaves no half file
         for c in conversations:
             fh.write(json.dumps(c.to_openai(), ensure_ascii=False) + "\n")
     return traffic_sha256(path)

@@ -40,8 +40,6 @@ WRITE_ALLOWLIST = {  # (file, source snippet of the call) -> why it need not be 
     ("components/train.py", "save_file"): "inside the checkpoint's temp dir, renamed whole",
     ("components/train.py", "(out / '.fault-injected').write_text"): "test-only marker of the injected fault",
     ("components/train.py", "open(self.path, 'a')"): "appends one history line; a torn last line is dropped on read",
-    ("components/traffic_io.py", "path.open('w', encoding='utf-8')"): "the embedded build writes into a "
-                                                                       "directory it renames when complete",
     ("infra/locks.py", "open(path, 'a+')"): "a lock file: its content is never read",
     ("infra/prefect_env.py", "open(home / 'local-api-start.lock', 'a+')"): "a lock file: its content is never read",
     ("infra/mlflow_store.py", "open(Path(uri[len('sqlite:///'):]).expanduser().with_suffix('.lock'), 'a+')"):
