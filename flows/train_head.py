@@ -49,9 +49,6 @@ def _check_traffic(path: str, what: str) -> None:
         hint = ("give a JSONL file with at least one conversation" if e.line == 0 else
                 f"fix or remove line {e.line} (each line: an OpenAI `messages` or ShareGPT `conversations` object)")
         raise TrafficFormatError(e.path, e.line, f"{e.reason} ({what}; {hint})") from None
-    except UnicodeDecodeError as e:
-        raise TrafficFormatError(path, 0, f"not UTF-8 text (byte {e.start}: {e.reason}) ({what}; traffic is "
-                                          "UTF-8 JSONL)") from None
     except IsADirectoryError:
         raise TrafficFormatError(path, 0, f"is a directory ({what}; pass a JSONL file)") from None
 
