@@ -53,6 +53,7 @@ class HeadToRegister:
     champion_tau: float | None  # the current champion's tau on the same traffic, same run (None: no champion)
     evaluation_dir: str | None = None
     params: dict[str, Any] | None = None
+    init_from: str | None = None  # the head a warm-started run began from (models:/name/version)
 
 
 @dataclass(frozen=True)
@@ -144,6 +145,8 @@ def register_head(store: MlflowStore, cfg: RegisterConfig, head: HeadToRegister)
             "target_weights_sha256": head.target.weights_sha256, "traffic_sha256": head.traffic_sha256,
             "tau": f"{tau:.4f}", "speedup": f"{float(head.metrics.get('speedup', 0.0)):.4f}",
             "gate": reason, PROMOTED_TAG: str(promoted).lower()}
+    if head.init_from:
+        tags["init_from"] = head.init_from
     run_id = head.run_id
     store.log_params(run_id, {"target": f"{head.target.name}/{head.target.version}",
                               **{k: json.dumps(v) if isinstance(v, (dict, list)) else v

@@ -9,7 +9,10 @@ Checkpoints (`out_dir/checkpoints/step-XXXXXXX/`: head, optimiser, scheduler, st
 the step, since batches are a pure function of (seed, step)) are written atomically by rank 0 and reported to
 Ray; a worker restarted by Ray's FailureConfig, or a re-run of the same stage after a crash, continues from the
 newest complete checkpoint (and drops the history rows logged past it, which it logs again). At the end rank 0
-exports the head (vLLM/SGLang format + probe) to `out_dir/head`.
+exports the head (vLLM/SGLang format + probe) to `out_dir/head`. Warm start (`init_head_dir`): training starts
+from another exported head of a target with the same shapes (the flows pass the base target's champion head when
+training a fine-tune of it), keeping that head's draft vocabulary; `TrainConfig.warm_start_steps` is the step
+budget for such runs.
 Not here: evaluation, registration, the choice of hyper-parameters per target (flows/ pass the config).
 """
 
@@ -44,11 +47,13 @@ class TrainConfig:
     keep_checkpoints: int = 2
     max_failures: int = 2
     log_every: int = 10
+    warm_start: bool = True  # a fine-tune's head starts from its base target's champion head when there is one
+    warm_start_steps: int = 0  # steps of a warm-started run (0: `steps`)
 
     @classmethod
     def tiny(cls) -> "TrainConfig":
         return cls(steps=12, batch_size=4, draft_vocab_size=128, ttt_steps=3, lr=3e-3, warmup_steps=2,
-                   num_workers=0, checkpoint_every=5, log_every=2)
+                   num_workers=0, checkpoint_every=5, log_every=2, warm_start_steps=6)
 
 
 @dataclass(frozen=True)
@@ -86,6 +91,7 @@ class LoopArgs:
     sinks: tuple = ()
     fail_at_step: int | None = None  # fault injection for tests: raise once at this step
     trust_remote_code: bool = False  # for the target (online mode) and its config
+    init_head_dir: str | None = None  # warm start: an exported head of a related target (its weights, its vocab)
 
 
 HISTORY = "history.jsonl"
@@ -172,9 +178,12 @@ def train_loop(args: LoopArgs) -> None:
         from components.targets import load_target
 
         target = load_target(args.target_dir, str(device), trust_remote_code=args.trust_remote_code)[0]
-    draft = head_from_tensors(data.target_config(args.trust_remote_code), data.token_counts, data.embed_tokens,
-                              data.lm_head,
-                              cfg.draft_vocab_size).to(device)
+    if args.init_head_dir:
+        draft = warm_start_head(args.init_head_dir, data.target_config(args.trust_remote_code),
+                                data.embed_tokens).to(device)
+    else:
+        draft = head_from_tensors(data.target_config(args.trust_remote_code), data.token_counts, data.embed_tokens,
+                                  data.lm_head, cfg.draft_vocab_size).to(device)
     ttt = TTTConfig(ttt_steps=cfg.ttt_steps, gamma=cfg.gamma)
     opt, sched = make_optimizer(draft.trainable_parameters(), OptimConfig(lr=cfg.lr, warmup_steps=cfg.warmup_steps,
                                                                           total_steps=cfg.steps,
@@ -218,6 +227,19 @@ def train_loop(args: LoopArgs) -> None:
                                                  "resumed_from_step": start})
 
 
+def warm_start_head(head_dir: str, target_config, embed_VH):
+    """The exported head in `head_dir` as the starting point for this target: its weights and draft vocabulary,
+    this target's (frozen) embedding. Refuses a head whose shapes do not fit the target, naming both."""
+    from eagle.export import check_target, load_head, read_head_meta
+    from eagle.config import DraftConfig
+
+    cfg = DraftConfig.from_dict(read_head_meta(head_dir)["draft_config"])
+    check_target(cfg, target_config, where=f"warm-start head {head_dir}")
+    draft = load_head(head_dir)
+    draft.embed_tokens.weight.data.copy_(embed_VH.float())
+    return draft
+
+
 def _dist_context(cfg: TrainConfig):
     import torch
 
@@ -247,8 +269,12 @@ def _report(step: int, path: Path | None) -> None:
 
 def train(cfg: TrainConfig, extract_dir: str, out_dir: str, target_dir: str | None = None,
           lineage: dict[str, Any] | None = None, sinks: tuple = (), storage_dir: str | None = None,
-          fail_at_step: int | None = None, trust_remote_code: bool = False) -> TrainResult:
-    """Train a head on the extract stage's output; resumes from `out_dir/checkpoints` when present."""
+          fail_at_step: int | None = None, trust_remote_code: bool = False,
+          init_head_dir: str | None = None) -> TrainResult:
+    """Train a head on the extract stage's output; resumes from `out_dir/checkpoints` when present.
+
+    `init_head_dir` (an exported head) warm-starts training from that head's weights and draft vocabulary instead
+    of a fresh head, e.g. the base target's head for a fine-tune of it; a checkpoint still takes precedence."""
     from components.datasets import TrainingData
 
     out = Path(out_dir).resolve()  # Ray workers may run in another working directory
@@ -264,8 +290,10 @@ def train(cfg: TrainConfig, extract_dir: str, out_dir: str, target_dir: str | No
     resumed = int(ckpt.name.split("-")[1]) if ckpt else 0
     if not ckpt:
         history.unlink(missing_ok=True)
+    if init_head_dir:
+        init_head_dir = str(Path(init_head_dir).resolve())
     args = LoopArgs(cfg, extract_dir, str(out), target_dir, dict(lineage or {}),
-                    (JsonlSink(str(history)), *sinks), fail_at_step, trust_remote_code)
+                    (JsonlSink(str(history)), *sinks), fail_at_step, trust_remote_code, init_head_dir)
     t0 = time.perf_counter()
     if cfg.num_workers == 0:
         train_loop(args)

@@ -56,15 +56,17 @@ def extract_task(cfg: ExtractConfig, target_dir: str, regen_dir: str, out_dir: s
 
 @task(name="train", cache_policy=CACHE - "sinks", persist_result=True)
 def train_task(cfg: TrainConfig, extract_dir: str, out_dir: str, target_dir: str, lineage: dict,
-               ray_settings, sinks: tuple = ()) -> TrainResult:
+               ray_settings, sinks: tuple = (), init_head_dir: str | None = None) -> TrainResult:
     trust = ray_settings.trust_remote_code
     if cfg.num_workers == 0:
-        return train(cfg, extract_dir, out_dir, target_dir, lineage, sinks, trust_remote_code=trust)
+        return train(cfg, extract_dir, out_dir, target_dir, lineage, sinks, trust_remote_code=trust,
+                     init_head_dir=init_head_dir)
     from infra.ray_cluster import ray_session
 
     with ray_session(ray_settings):
         return train(cfg, extract_dir, out_dir, target_dir, lineage, sinks,
-                     storage_dir=str(ray_settings.ray_storage_dir), trust_remote_code=trust)
+                     storage_dir=str(ray_settings.ray_storage_dir), trust_remote_code=trust,
+                     init_head_dir=init_head_dir)
 
 
 @task(name="evaluate", cache_policy=CACHE, persist_result=True)

@@ -2,7 +2,9 @@
 
 Purpose: resolve the target (a Hugging Face directory, registered on the fly, or `models:/name/version`),
 then regenerate -> extract -> train (Ray) -> evaluate (against the current champion, same traffic, same run)
--> register with the promotion gate. A run's identity (`run_key`) is the hash of the target's weights, the
+-> register with the promotion gate. A fine-tune's head (the target version's `base_model` tag names its base)
+warm-starts from the base target's champion head when there is one (`train.warm_start`, with
+`train.warm_start_steps` steps). A run's identity (`run_key`) is the hash of the target's weights, the
 traffic files and the config: its work directory is `<state>/runs/<target>-v<version>/<run_key[:12]>`, so a
 re-run after a crash resumes there (stages cached by Prefect, shards and checkpoints resumed by the components)
 and a re-run of a finished run registers nothing new (a run killed mid-registration is finished: its alias is
@@ -15,14 +17,15 @@ Run: `eagle-heads train --target DIR|models:/name/version --traffic FILE --heldo
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from prefect import flow, get_run_logger, task
 
-from components.atomic import atomic_write_text
+from components.atomic import atomic_write_text, file_sha256
 from components.pipeline_config import PipelineConfig
 from components.register import (HeadToRegister, RegisterResult, TargetRef, check_head_name, finish_registration,
                                  head_model_name, register_head, register_target)
@@ -87,8 +90,55 @@ def resolve_target(store: MlflowStore, target: str, name: str | None = None,
         return register_target(store, name, str(path), role="user", base_model="", weights_sha256=sha)
 
 
-def run_key_of(target: TargetRef, traffic: str, heldout: str, cfg: PipelineConfig) -> str:
+@dataclass(frozen=True)
+class ParentHead:
+    """The head a warm-started run starts from: its registry URI, local directory and weights hash."""
+
+    uri: str
+    path: str
+    weights_sha256: str
+
+
+def parent_head(store: MlflowStore, tref: TargetRef, cfg: PipelineConfig,
+                trust_remote_code: bool = False) -> ParentHead | None:
+    """The champion head of the target this version was fine-tuned from (its `base_model` tag, "name/version"),
+    when warm start is on and that head fits this target's shapes; else None (a fresh head)."""
+    if not cfg.train.warm_start:
+        return None
+    try:
+        base = store.get_version(tref.name, tref.version).tags.get("base_model", "")
+    except Exception:  # a target that is not a registry version of its own name: nothing to inherit from
+        return None
+    if not base or "/" not in base:
+        return None
+    base_name, base_version = base.rsplit("/", 1)
+    if not base_version.isdigit():
+        return None
+    head_name = head_model_name(TargetRef(base_name, int(base_version), "", ""), cfg.register.experiment_suffix)
+    champion = store.get_alias(head_name, CHAMPION)
+    if champion is None:
+        return None
+    path = store.resolve(champion.uri)
+    from transformers import AutoConfig
+
+    from eagle.config import DraftConfig
+    from eagle.export import HeadMismatchError, check_target, read_head_meta
+
+    try:
+        check_target(DraftConfig.from_dict(read_head_meta(path)["draft_config"]),
+                     AutoConfig.from_pretrained(tref.path, trust_remote_code=trust_remote_code), where=champion.uri)
+    except HeadMismatchError as e:
+        get_run_logger().warning(f"no warm start from {champion.uri}: {e}")
+        return None
+    return ParentHead(f"models:/{head_name}/{champion.version}", str(path),
+                      file_sha256(Path(path) / "model.safetensors"))
+
+
+def run_key_of(target: TargetRef, traffic: str, heldout: str, cfg: PipelineConfig,
+               parent: ParentHead | None = None) -> str:
     parts = [target.weights_sha256, traffic_sha256(traffic), traffic_sha256(heldout), cfg.fingerprint()]
+    if parent is not None:  # a warm-started head depends on the head it started from
+        parts.append(parent.weights_sha256)
     return hashlib.sha256("|".join(parts).encode()).hexdigest()
 
 
@@ -102,16 +152,21 @@ def train_head(target: str, traffic: str, heldout: str, preset: str = "default",
     store = MlflowStore.connect(settings)
     tref = resolve_target(store, target, target_name, settings)
     check_head_name(store, tref, cfg.register)  # a head name taken by another kind of model: refuse before the work
-    key = run_key_of(tref, traffic, heldout, cfg)
+    parent = parent_head(store, tref, cfg, settings.trust_remote_code)
+    if parent is not None:
+        log.info(f"warm start from {parent.uri} (the base target's champion head)")
+        if cfg.train.warm_start_steps:
+            cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=cfg.train.warm_start_steps))
+    key = run_key_of(tref, traffic, heldout, cfg, parent)
     work = settings.state_dir / "runs" / f"{tref.name}-v{tref.version}" / key[:12]
     work.mkdir(parents=True, exist_ok=True)
     log.info(f"target {tref.name} v{tref.version} ({tref.path}); run {key[:12]} in {work}")
     with target_lock(settings, f"{tref.name}-v{tref.version}"):
-        return _run(cfg, settings, store, tref, key, work, traffic, heldout)
+        return _run(cfg, settings, store, tref, key, work, traffic, heldout, parent)
 
 
 def _run(cfg: PipelineConfig, settings: Settings, store: MlflowStore, tref: TargetRef, key: str, work: Path,
-         traffic: str, heldout: str) -> dict:
+         traffic: str, heldout: str, parent: ParentHead | None = None) -> dict:
     name = head_model_name(tref, cfg.register.experiment_suffix)
     existing = store.find_versions(name, run_key=key)
     if existing:
@@ -129,22 +184,24 @@ def _run(cfg: PipelineConfig, settings: Settings, store: MlflowStore, tref: Targ
     with store.run(f"{name}-{key[:12]}", tags={"run_key": key, "target": f"{tref.name}/{tref.version}"}) as run_id:
         lineage = {"target_name": tref.name, "target_version": tref.version,
                    "target_weights_sha256": tref.weights_sha256, "traffic_sha256": traffic_sha256(traffic),
-                   "run_key": key}
+                   "run_key": key, **({"init_from": parent.uri} if parent else {})}
         tr = fresh_if_missing(train_task, Path(train_dir) / "head" / "model.safetensors")(
             cfg.train, ext_dir, train_dir, tref.path, lineage, settings,
-            sinks=(MlflowSink(store.tracking_uri, run_id),))
+            sinks=(MlflowSink(store.tracking_uri, run_id),), init_head_dir=parent.path if parent else None)
         champion = store.get_alias(name, CHAMPION)
         champ_dir = str(store.resolve(champion.uri)) if champion else None
         ev = fresh_if_missing(evaluate_task, Path(eval_dir) / "evaluation.json")(
             cfg.evaluate, tref.path, tr.head_dir, heldout, eval_dir, champ_dir, tr.history_file, trust)
         head = HeadToRegister(head_dir=tr.head_dir, target=tref, traffic_sha256=traffic_sha256(traffic),
                               run_key=key, run_id=run_id, metrics=ev.metrics(), champion_tau=ev.baseline_tau,
-                              evaluation_dir=eval_dir, params={"config": cfg.to_dict()})
+                              evaluation_dir=eval_dir, params={"config": cfg.to_dict()},
+                              init_from=parent.uri if parent else None)
         reg = register_task(settings, cfg.register, head)
     summary = {"head_uri": reg.uri, "alias": reg.alias, "promoted": reg.promoted, "gate": reg.reason,
                "tau": ev.tau, "speedup": ev.speedup, "identical": ev.identical, "acceptance": ev.acceptance,
                "per_segment": ev.per_segment, "train": asdict(tr), "regenerate": asdict(regen),
-               "extract": asdict(ext), "created": True, "work_dir": str(work)}
+               "extract": asdict(ext), "created": True, "work_dir": str(work),
+               "init_from": parent.uri if parent else None}
     atomic_write_text(work / "summary.json", json.dumps(summary, indent=2, default=str) + "\n")
     print(f"registered {reg.uri} as {reg.alias}: {reg.reason}")
     return summary

@@ -224,6 +224,35 @@ def test_killed_run_resumes_from_its_last_checkpoint(offline_dir, trained, tmp_p
         torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0, msg=k)
 
 
+def test_warm_start_begins_at_the_given_head_and_learns_faster(offline_dir, trained, target, tmp_path):
+    import dataclasses
+
+    parent = load_file(str(Path(trained.head_dir) / "model.safetensors"))
+    frozen = dataclasses.replace(TrainConfig.tiny(), steps=2, lr=0.0, log_every=1)
+    res = train(frozen, str(offline_dir), str(tmp_path / "frozen"), init_head_dir=trained.head_dir)
+    child = load_file(str(Path(res.head_dir) / "model.safetensors"))
+    assert set(child) == set(parent)
+    for k in parent:  # lr 0: the exported head is the head it started from, draft vocabulary included
+        torch.testing.assert_close(child[k], parent[k], atol=0, rtol=0, msg=k)
+    cfg = dataclasses.replace(TrainConfig.tiny(), steps=2, log_every=1)
+    warm = train(cfg, str(offline_dir), str(tmp_path / "warm"), init_head_dir=trained.head_dir)
+    cold = train(cfg, str(offline_dir), str(tmp_path / "cold"))
+    first = [json.loads(Path(r.history_file).read_text().splitlines()[0])["loss"] for r in (warm, cold)]
+    assert first[0] < first[1], first  # same batches: the trained head starts lower
+
+
+def test_warm_start_refuses_a_head_of_another_shape(trained, target):
+    import copy
+
+    from components.train import warm_start_head
+    from eagle.export import HeadMismatchError
+
+    other = copy.deepcopy(target.config)
+    other.hidden_size *= 2
+    with pytest.raises(HeadMismatchError, match=r"warm-start head .*\(hidden_size: head expects 64, target has 128\)"):
+        warm_start_head(trained.head_dir, other, target.get_input_embeddings().weight)
+
+
 @pytest.mark.slow
 def test_ray_failure_config_restarts_and_completes(offline_dir, ray_local, tmp_path):
     cfg = TrainConfig(**{**TrainConfig.tiny().__dict__, "num_workers": 2, "steps": 8, "checkpoint_every": 3,

@@ -57,6 +57,12 @@ def test_demo_registers_a_head_per_target_version_through_the_trigger(demo_run):
         assert (head_dir / "probe.safetensors").is_file()
     v2 = store.list_versions("stdlib-llama-v2-eagle3")[0]
     assert v2.tags["target_version"] == "2"
+    # the fine-tune's head warm-started from the base target's champion head, and says so in its lineage
+    assert v2.tags["init_from"] == "models:/stdlib-llama-v1-eagle3/1"
+    assert "init_from" not in store.list_versions("stdlib-llama-v1-eagle3")[0].tags
+    meta = json.loads((store.resolve(v2.uri) / "eagle_head.json").read_text())
+    assert meta["lineage"]["init_from"] == "models:/stdlib-llama-v1-eagle3/1"
+    assert meta["lineage"]["train_config"]["steps"] == 6  # the tiny preset's warm_start_steps
     assert (home / "watcher" / "announced.json").is_file()
 
 
