@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The one command of a lent accelerator (issue #5): `bash bench/gpu.sh [--quick] [more bench/gpu.py options]`.
+# Runs bench/gpu.py (build the embedded `gpu` target, regenerate, extract, train the head, MFU, speedup at batch 1
+# and 64) under its internal budget (450 s; --quick 100 s) and a hard `timeout` 60 s later (TERM: gpu.py still
+# writes what it measured). Writes gpu.json and gpu.log into $OUT when set (the device tool brings $OUT back), else
+# into bench/results/ (--quick: .eagle/bench/results-quick/). Python: $PYTHON, else .venv/bin/python when present,
+# else python3 (the device's, with torch, transformers, safetensors, tokenizers).
+# Not here: anything gpu.py does; this only picks the interpreter, the output directory and the hard limit.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+quick=0
+for a in "$@"; do [ "$a" = "--quick" ] && quick=1; done
+if [ -n "${OUT:-}" ]; then out="$OUT"; elif [ "$quick" = 1 ]; then out=.eagle/bench/results-quick; else out=bench/results; fi
+mkdir -p "$out"
+if [ -n "${PYTHON:-}" ]; then py="$PYTHON"; elif [ -x .venv/bin/python ]; then py=.venv/bin/python; else py=python3; fi
+hard=$([ "$quick" = 1 ] && echo 160 || echo 510)
+
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+{
+  echo "gpu.sh: $(date -u '+%Y-%m-%d %H:%M:%S UTC'), python $py, output $out, hard limit ${hard}s"
+  git log -1 --format='gpu.sh: commit %h %s' 2>/dev/null
+  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  "$py" -c 'import torch, transformers; print("gpu.sh: torch", torch.__version__, "cuda", torch.version.cuda,
+"available", torch.cuda.is_available(), "transformers", transformers.__version__)'
+  timeout --signal=TERM --kill-after=15 "$hard" "$py" bench/gpu.py --out "$out" "$@"
+  rc=$?
+  echo "gpu.sh: exit $rc"
+  exit $rc
+} 2>&1 | tee "$out/gpu.log"
