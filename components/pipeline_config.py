@@ -45,11 +45,17 @@ class PipelineConfig:
 
     @classmethod
     def default(cls) -> "PipelineConfig":
-        """The demo on 2 CPU cores: a few minutes per head on the embedded default."""
+        """The demo on 2 CPU cores: a few minutes per head on the embedded default.
+
+        One Ray worker with both cores (2 torch threads trained 1.7x the tokens/s of 1, measured on the demo's
+        features); a fine-tune's head warm-started from its base's head gets 60 steps (on the embedded fine-tune:
+        tau 2.89 after 60 warm steps, 2.95 after 120 fresh ones, 1.94 after 40 fresh ones).
+        """
         return cls(regenerate=RegenerateConfig(max_new_tokens=96, batch_size=32, shard_size=64, limit=320),
                    extract=ExtractConfig(max_len=320, seqs_per_shard=128),
                    train=TrainConfig(steps=120, batch_size=8, draft_vocab_size=2048, ttt_steps=5, lr=3e-3,
-                                     warmup_steps=10, num_workers=1, checkpoint_every=40, log_every=10),
+                                     warmup_steps=10, num_workers=1, cpus_per_worker=2, checkpoint_every=40,
+                                     log_every=10, warm_start_steps=60),
                    evaluate=EvaluateConfig(method="chain", depth=5, max_new_tokens=96, limit=16),
                    register=RegisterConfig(tau_floor=1.5))
 
