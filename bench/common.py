@@ -43,6 +43,7 @@ from components.regenerate import RegenerateConfig, regenerate  # noqa: E402
 from components.train import TrainConfig, train  # noqa: E402
 
 CACHE = ROOT / ".eagle" / "bench"  # `--cache DIR` moves it (set by `start`); read it as `common.CACHE`
+SETUP_THREADS = 0  # torch threads for the cached setup (regenerate, extract, head training); 0: as --threads
 EMBEDDED_ROOT = ROOT / ".eagle" / "embedded"
 RESULTS = ROOT / "bench" / "results"
 
@@ -152,11 +153,19 @@ def prepare(quick: bool, role: str = "target") -> Setup:
     if not done.is_file() or json.loads(done.read_text()).get("key") != key:
         t0 = time.perf_counter()
         _say(f"bench: regenerating {preset.regenerate.limit} conversations and extracting features into {work}")
-        regenerate(preset.regenerate, str(target_dir), str(traffic.train), str(regen_dir), progress=_quiet)
-        ext = extract(preset.extract, str(target_dir), str(regen_dir), str(ext_dir), progress=_quiet)
+        with setup_threads():
+            regenerate(preset.regenerate, str(target_dir), str(traffic.train), str(regen_dir), progress=_quiet)
+            ext = extract(preset.extract, str(target_dir), str(regen_dir), str(ext_dir), progress=_quiet)
         done.write_text(json.dumps({"key": key, "n_seqs": ext.n_seqs, "n_tokens": ext.n_tokens,
                                     "seconds": round(time.perf_counter() - t0, 1)}) + "\n")
     return Setup(preset, emb, Path(target_dir), Path(traffic.train), Path(traffic.heldout), work, regen_dir, ext_dir)
+
+
+def setup_threads():
+    """Torch threads for setup work (`--setup-threads`): it is not measured, so it may use every core."""
+    from components.embedded.lm_train import cpu_threads
+
+    return cpu_threads(SETUP_THREADS)
 
 
 def fingerprint(*parts: Any) -> str:
@@ -181,7 +190,8 @@ def train_head(setup: Setup, name: str, cfg: TrainConfig, extract_dir: Path | No
         d = json.loads(info.read_text())
         return TrainedHead(out / "head", d["seconds"], d["final_metrics"], True)
     _say(f"bench: training head {name} ({cfg.steps} steps, ttt_steps {cfg.ttt_steps}) into {out}")
-    res = train(cfg, str(ext), str(out), target_dir=str(setup.target_dir))
+    with setup_threads():
+        res = train(cfg, str(ext), str(out), target_dir=str(setup.target_dir))
     info.write_text(json.dumps({"seconds": res.seconds, "final_metrics": res.final_metrics}) + "\n")
     return TrainedHead(Path(res.head_dir), res.seconds, res.final_metrics, False)
 
@@ -307,6 +317,9 @@ def base_args(description: str) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (default 1: on a shared 2-core machine two threads oversubscribe the "
                         "cores and every op runs several times slower; 0 keeps torch's default)")
+    p.add_argument("--setup-threads", type=int, default=0,
+                   help="torch threads for the cached setup (regenerate, extract, training heads): not measured, so "
+                        "2 halves the first run on a quiet 2-core machine (default 0: as --threads)")
     p.add_argument("--cache", default="", help=f"cache directory (default {CACHE.relative_to(ROOT)}; the embedded "
                    "default is still looked for in .eagle/embedded)")
     return p
@@ -314,7 +327,8 @@ def base_args(description: str) -> argparse.ArgumentParser:
 
 def start(args: argparse.Namespace) -> list[float]:
     """Apply common arguments; returns the load average at the start."""
-    global CACHE
+    global CACHE, SETUP_THREADS
+    SETUP_THREADS = args.setup_threads
     if args.cache:
         CACHE = Path(args.cache).resolve()
     if args.threads:
