@@ -147,6 +147,10 @@ def register_head(store: MlflowStore, cfg: RegisterConfig, head: HeadToRegister)
             "gate": reason, PROMOTED_TAG: str(promoted).lower()}
     if head.init_from:
         tags["init_from"] = head.init_from
+    alphas = [head.metrics[k] for k in sorted((k for k in head.metrics if k.startswith("alpha_")),
+                                              key=lambda k: int(k.split("_")[1]))]
+    if alphas:
+        tags["acceptance"] = " ".join(f"{a:.4f}" for a in alphas)  # per-position acceptance, alpha_1..alpha_k
     run_id = head.run_id
     store.log_params(run_id, {"target": f"{head.target.name}/{head.target.version}",
                               **{k: json.dumps(v) if isinstance(v, (dict, list)) else v

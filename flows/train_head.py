@@ -174,7 +174,8 @@ def _run(cfg: PipelineConfig, settings: Settings, store: MlflowStore, tref: Targ
         print(f"run {key[:12]} already registered as {v.uri}; nothing to do")
         alias = next((a for a in ("champion", "challenger") if a in v.aliases), "none")
         return {"head_uri": v.uri, "alias": alias, "tau": float(v.tags.get("tau", "nan")),
-                "speedup": float(v.tags.get("speedup", "nan")), "identical": True, "created": False}
+                "speedup": float(v.tags.get("speedup", "nan")), "identical": True, "created": False,
+                "acceptance": [float(a) for a in v.tags.get("acceptance", "").split()]}
     regen_dir, ext_dir, train_dir, eval_dir = (str(work / s) for s in ("regenerate", "extract", "train", "evaluate"))
     trust = settings.trust_remote_code
     regen = fresh_if_missing(regenerate_task, regen_dir)(cfg.regenerate, tref.path, traffic, regen_dir, trust)

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.helpers import target_copy
 
 QUIET = dict(progress=lambda s: None)
 USER = {"role": "user", "content": "def f(x):"}
@@ -127,30 +128,20 @@ def test_bad_arguments(cli, args, needle):
     assert rc == 2 and needle in err, err
 
 
-def _target_copy(tiny_embedded, tmp_path: Path, edit=None) -> Path:
-    d = tmp_path / "target"
-    shutil.copytree(tiny_embedded.target_dir, d)
-    if edit:
-        cfg = json.loads((d / "config.json").read_text())
-        edit(cfg)
-        (d / "config.json").write_text(json.dumps(cfg))
-    return d
-
-
 def test_target_that_is_not_a_causal_lm(cli, tiny_embedded, tmp_path):
-    d = _target_copy(tiny_embedded, tmp_path, lambda c: c.update(architectures=["LlamaForSequenceClassification"]))
+    d = target_copy(tiny_embedded, tmp_path, lambda c: c.update(architectures=["LlamaForSequenceClassification"]))
     rc, err = cli(target=str(d))
     assert rc == 2 and str(d) in err and "is not a causal LM (need e.g. LlamaForCausalLM)" in err, err
 
 
 def test_target_with_too_few_layers(cli, tiny_embedded, tmp_path):
-    d = _target_copy(tiny_embedded, tmp_path, lambda c: c.update(num_hidden_layers=3))
+    d = target_copy(tiny_embedded, tmp_path, lambda c: c.update(num_hidden_layers=3))
     rc, err = cli(target=str(d))
     assert rc == 2 and str(d) in err and "3" in err and "layers" in err, err
 
 
 def test_target_with_pickle_weights_only(cli, tiny_embedded, tmp_path):
-    d = _target_copy(tiny_embedded, tmp_path)
+    d = target_copy(tiny_embedded, tmp_path)
     (d / "model.safetensors").rename(d / "pytorch_model.bin")
     rc, err = cli(target=str(d))
     assert rc == 2 and "no .safetensors weights; only safetensors are loaded (no pickle)" in err, err
@@ -159,7 +150,7 @@ def test_target_with_pickle_weights_only(cli, tiny_embedded, tmp_path):
 def test_tokenizer_of_another_model(cli, tiny_embedded, tmp_path):
     from transformers import AutoTokenizer
 
-    d = _target_copy(tiny_embedded, tmp_path)
+    d = target_copy(tiny_embedded, tmp_path)
     tok = AutoTokenizer.from_pretrained(d, trust_remote_code=False)
     tok.add_tokens([f"<extra_{i}>" for i in range(64)])  # a tokenizer bigger than the model's vocabulary
     tok.save_pretrained(d)
@@ -168,7 +159,7 @@ def test_tokenizer_of_another_model(cli, tiny_embedded, tmp_path):
 
 
 def test_target_without_chat_template(cli, tiny_embedded, tmp_path):
-    d = _target_copy(tiny_embedded, tmp_path)
+    d = target_copy(tiny_embedded, tmp_path)
     for f in d.glob("chat_template*"):
         f.unlink()
     cfg = json.loads((d / "tokenizer_config.json").read_text())

@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import target_copy
+
 QUIET = dict(progress=lambda s: None)
 
 
@@ -61,16 +63,6 @@ def extracted(tiny_embedded, tmp_path_factory) -> Path:
     return root
 
 
-def _target_copy(tiny_embedded, tmp_path: Path, edit=None) -> Path:
-    d = tmp_path / "target"
-    shutil.copytree(tiny_embedded.target_dir, d)
-    if edit:
-        cfg = json.loads((d / "config.json").read_text())
-        edit(cfg)
-        (d / "config.json").write_text(json.dumps(cfg))
-    return d
-
-
 def test_a_head_for_another_target(tiny_embedded, extracted, tmp_path):
     from transformers import AutoConfig, LlamaForCausalLM
 
@@ -80,7 +72,7 @@ def test_a_head_for_another_target(tiny_embedded, extracted, tmp_path):
 
     head = train(TrainConfig(**{**TrainConfig.tiny().__dict__, "steps": 2}), str(extracted / "ext"),
                  str(tmp_path / "train")).head_dir
-    other = _target_copy(tiny_embedded, tmp_path)  # same tokenizer and template, another shape
+    other = target_copy(tiny_embedded, tmp_path)  # same tokenizer and template, another shape
     cfg = AutoConfig.from_pretrained(other, trust_remote_code=False)
     cfg.hidden_size, cfg.intermediate_size, cfg.head_dim = 32, 64, 8
     torch.manual_seed(0)
