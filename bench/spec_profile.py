@@ -16,6 +16,9 @@ whole step exceeds the sum of the isolated rows), and both are short, so the min
 cannot dodge the other jobs, so it reads higher on a busy machine. The projected speedup is
 tau * (plain step) / (whole step): a random head accepts nothing, so tau has to come from an evaluation run of a
 trained head (`bench/spec_speedup_cpu.py` measures it end to end with an oracle drafter).
+"in cycle: <phase>" rows split whole chain cycles into their phases, timed inside each cycle (median of
+20 x rounds cycles): a phase there pays for the cache misses the previous phase caused, which the isolated rows
+(warm caches) do not show.
 Not measured here: acceptance, end-to-end wall time of a trained pair, GPU timings unless --device cuda.
 """
 
@@ -106,6 +109,44 @@ def _whole_step(spec: Speculator, cfg: SpecConfig, prefix: Prefix, root, hidden,
     spec.head_extend(prefix, kept_BA[:, :A], aux_BA3H[:, :A], n_B + 1)
 
 
+PHASES = ("draft chain", "target pass", "target lm_head", "accept", "keep path", "head extend")
+
+
+def cycle_breakdown(spec: Speculator, cfg: SpecConfig, prefix: Prefix, root, hidden, dlogits, n: int,
+                    device: str) -> dict[str, float]:
+    """Median milliseconds of each phase of `n` whole chain cycles, timed inside the cycle (the same calls as
+    `Speculator.step` + `head_extend`): unlike the isolated rows, each phase here starts with the caches as the
+    previous phase left them (the target's 28 MB of weights and the head's 7 MB evict each other from L3)."""
+    now, dev = clock(device), root.device
+    spec.cfg = cfg
+    times: dict[str, list[float]] = {k: [] for k in PHASES}
+    for _ in range(n):
+        t = [now()]
+        drafts_BK, q = draft_chain(spec.head, prefix, hidden, dlogits, cfg.depth, spec.draft_pick)
+        tokens_BN = torch.cat([root[:, None], drafts_BK], 1)
+        pos_BN = prefix.lengths_B[:, None] + torch.arange(cfg.depth + 1, device=dev)
+        t.append(now())
+        hidden_BNH, aux_BN3H = spec.target(prefix, tokens_BN, pos_BN, None)
+        t.append(now())
+        logits_BNV = spec.target.logits(hidden_BNH)
+        t.append(now())
+        n_B, nxt_B = spec.accept_chain(logits_BNV, drafts_BK, q)
+        t.append(now())
+        path_BA = torch.arange(cfg.depth + 1, device=dev).expand(len(n_B), -1)
+        kept_BA = torch.cat([tokens_BN.gather(1, path_BA[:, 1:]), torch.zeros_like(n_B)[:, None]], 1)
+        kept_BA.scatter_(1, n_B[:, None], nxt_B[:, None])
+        aux_BA3H = aux_BN3H.gather(1, path_BA[..., None].expand(-1, -1, aux_BN3H.shape[-1]))
+        t.append(now())
+        A = int(n_B.max()) + 1
+        spec.head_extend(prefix, kept_BA[:, :A], aux_BA3H[:, :A], n_B + 1)
+        t.append(now())
+        for k, name in enumerate(PHASES):
+            times[name].append((t[k + 1] - t[k]) * 1e3)
+    out = {name: float(torch.tensor(v).median()) for name, v in times.items()}
+    out["sum of phases"] = sum(out.values())
+    return out
+
+
 def measure(args: argparse.Namespace) -> dict[str, float]:
     target, draft = build(args.device)
     ids = torch.randint(0, 8192, (args.batch, args.prompt), device=args.device)
@@ -114,7 +155,15 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
         spec = Speculator(target, draft, tree, args.prompt, None)  # the larger cache; `spec.cfg` switches per row
         with spec.target.session():
             r = interleaved(rows_of(args, target, draft, spec, ids), args.rounds, args.device)
+            n_B = torch.full((args.batch,), args.prompt, device=args.device)
+            logits, aux = spec.target.prefill(ids, n_B)
+            prefix = Prefix.of(n_B)
+            hidden, dlogits = spec.head_extend(Prefix(torch.zeros_like(n_B), 0), ids, aux, n_B)
+            chain = SpecConfig(method="chain", depth=args.depth, max_new_tokens=args.new)
+            cycle = cycle_breakdown(spec, chain, prefix, logits.argmax(-1), hidden, dlogits, 20 * args.rounds,
+                                    args.device)
     r["plain step in generate_plain"] = (r.pop("plain, N+1 tokens") - r.pop("plain, 1 token")) / (args.new - 1)
+    r.update({f"in cycle: {k}": v for k, v in cycle.items()})
     return r
 
 

@@ -105,10 +105,7 @@ def parent_head(store: MlflowStore, tref: TargetRef, cfg: PipelineConfig,
     when warm start is on and that head fits this target's shapes; else None (a fresh head)."""
     if not cfg.train.warm_start:
         return None
-    try:
-        base = store.get_version(tref.name, tref.version).tags.get("base_model", "")
-    except Exception:  # a target that is not a registry version of its own name: nothing to inherit from
-        return None
+    base = store.get_version(tref.name, tref.version).tags.get("base_model", "")  # `resolve_target` registered it
     if not base or "/" not in base:
         return None
     base_name, base_version = base.rsplit("/", 1)
