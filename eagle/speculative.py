@@ -54,6 +54,9 @@ class SpecConfig:
     max_new_tokens: int = 64
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int = 0
+    # chains stop drafting early when the head's top probability for the next draft is below this in every row
+    # (its drafts there are mostly rejected; skipping them saves head steps). 0: always draft `depth` tokens.
+    min_draft_prob: float = 0.0
 
     def __post_init__(self) -> None:
         if self.method not in ("chain", "tree"):
@@ -64,6 +67,8 @@ class SpecConfig:
             raise ValueError(f"budget must be in 1..topk + (depth-1)*topk^2, got {self.budget}")
         if self.temperature < 0 or not 0 < self.top_p <= 1:
             raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
+        if not 0 <= self.min_draft_prob < 1:
+            raise ValueError(f"min_draft_prob must be in [0, 1), got {self.min_draft_prob}")
 
     @property
     def greedy(self) -> bool:
@@ -81,6 +86,7 @@ class SpecStats:
 
     accept_lengths: torch.Tensor  # [steps, B]
     depth: int
+    drafted: torch.Tensor | None = None  # [steps] tokens drafted per step (< depth when a chain stopped early)
 
     @property
     def n_verify_steps(self) -> int:
@@ -94,9 +100,12 @@ class SpecStats:
 
     @property
     def per_position_acceptance(self) -> list[float]:
-        """alpha_k = (steps that accepted depth k) / (steps that reached depth k), k = 1..depth."""
-        a = self.accept_lengths[self.accept_lengths >= 0]
-        return [float((a >= k).sum() / (a >= k - 1).sum().clamp_min(1)) for k in range(1, self.depth + 1)]
+        """alpha_k = (steps that accepted depth k) / (steps that reached depth k, having drafted it), k = 1..depth."""
+        live = self.accept_lengths >= 0
+        a = self.accept_lengths[live]
+        d = (self.drafted[:, None].expand_as(self.accept_lengths)[live] if self.drafted is not None
+             else torch.full_like(a, self.depth))
+        return [float((a >= k).sum() / ((a >= k - 1) & (d >= k)).sum().clamp_min(1)) for k in range(1, self.depth + 1)]
 
 
 @dataclass
@@ -242,7 +251,9 @@ def generate_plain(target: nn.Module, input_ids: torch.Tensor, attention_mask: t
 
 def _outside_inference_mode(out: GenOutput) -> GenOutput:
     """Copies that autograd code may use (inference-mode tensors cannot be saved for backward)."""
-    stats = None if out.stats is None else SpecStats(out.stats.accept_lengths.clone(), out.stats.depth)
+    st = out.stats
+    stats = None if st is None else SpecStats(st.accept_lengths.clone(), st.depth,
+                                              None if st.drafted is None else st.drafted.clone())
     return GenOutput(out.sequences.clone(), out.lengths.clone(), stats)
 
 
@@ -295,17 +306,20 @@ class Speculator:
     def step(self, prefix: Prefix, root_B: torch.Tensor, hidden_BH: torch.Tensor, logits_BVd: torch.Tensor):
         """Draft, verify, and keep the target cache's accepted path at slots lengths..lengths+n.
 
-        Returns (accepted count n [B], kept tokens after the root [B, depth+1] with the next token at index n,
-        the target's fused features along the kept path [B, depth+1, 3H]).
+        Returns (accepted count n [B], kept tokens after the root [B, K+1] with the next token at index n,
+        the target's fused features along the kept path [B, K+1, 3H]); K = the drafted depth (`depth`, or less
+        when a chain stopped early).
         """
         cfg, dev = self.cfg, root_B.device
         if cfg.method == "chain":
-            drafts_BK, q_BKVd = draft_chain(self.head, prefix, hidden_BH, logits_BVd, cfg.depth, self.draft_pick)
+            drafts_BK, q_BKVd = draft_chain(self.head, prefix, hidden_BH, logits_BVd, cfg.depth, self.draft_pick,
+                                            cfg.min_draft_prob)
+            K = drafts_BK.shape[1]
             tokens_BN = torch.cat([root_B[:, None], drafts_BK], 1)
-            pos_BN = prefix.lengths_B[:, None] + torch.arange(cfg.depth + 1, device=dev)
+            pos_BN = prefix.lengths_B[:, None] + torch.arange(K + 1, device=dev)
             hidden_BNH, aux_BN3H = self.target(prefix, tokens_BN, pos_BN, None)
             n_B, nxt_B = self.accept_chain(self.target.logits(hidden_BNH), drafts_BK, q_BKVd)
-            path_BA = torch.arange(cfg.depth + 1, device=dev).expand(len(n_B), -1)
+            path_BA = torch.arange(K + 1, device=dev).expand(len(n_B), -1)
         else:
             tree = draft_tree(self.head, prefix, root_B, hidden_BH, logits_BVd, (cfg.depth, cfg.topk, cfg.budget))
             hidden_BNH, aux_BN3H = self.target(prefix, tree.tokens_BN, prefix.lengths_B[:, None] + tree.depth_BN,
@@ -351,16 +365,17 @@ def _speculative_loop(spec: Speculator, ids_BT: torch.Tensor, n_B: torch.Tensor)
     out.emit(root_B[:, None], torch.ones_like(n_B))
     shifted_BT = torch.cat([ids_BT[:, 1:], ids_BT[:, :1]], 1).scatter(1, (n_B - 1)[:, None], root_B[:, None])
     hidden_BH, dlogits_BVd = spec.head_extend(Prefix(torch.zeros_like(n_B), 0), shifted_BT, aux_BT3H, n_B)
-    lengths_B, accepted = n_B, []
+    lengths_B, accepted, drafted = n_B, [], []
     while not bool(out.done_B.all()):
         prefix = Prefix.of(lengths_B)
         n_B, kept_BA, aux_BA3H = spec.step(prefix, root_B, hidden_BH, dlogits_BVd)
         active_B = ~out.done_B
         accepted.append(torch.where(active_B, n_B, -1))
+        drafted.append(kept_BA.shape[1] - 1)
         out.emit(kept_BA, n_B + 1)
         A = int(n_B.max()) + 1
         hidden_BH, dlogits_BVd = spec.head_extend(prefix, kept_BA[:, :A], aux_BA3H[:, :A], n_B + 1)
         root_B = kept_BA.gather(1, n_B[:, None])[:, 0]
         lengths_B = lengths_B + (n_B + 1) * active_B
     steps = torch.stack(accepted) if accepted else torch.zeros(0, B, dtype=torch.long)
-    return GenOutput(out.tokens_BN, out.count_B, SpecStats(steps, cfg.depth))
+    return GenOutput(out.tokens_BN, out.count_B, SpecStats(steps, cfg.depth, torch.tensor(drafted, dtype=torch.long)))

@@ -80,8 +80,10 @@ Pick = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
 
 
 def draft_chain(head: HeadRunner, prefix: Prefix, root_hidden_BH: torch.Tensor, root_logits_BVd: torch.Tensor,
-                depth: int, pick: Pick) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`depth` drafted target ids [B, d]; `pick(logits)` returns (draft index [B], the draft distribution or None).
+                depth: int, pick: Pick, min_prob: float = 0.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Up to `depth` drafted target ids [B, d]; `pick(logits)` returns (draft index [B], the draft distribution or
+    None). With `min_prob` > 0 drafting stops (after at least one token) as soon as the head's top probability for
+    the next draft is below `min_prob` in every row, so d may be less than `depth`.
 
     Returns the tokens and, when `pick` samples, the draft distributions [B, d, Vd] they were drawn from.
     """
@@ -90,6 +92,8 @@ def draft_chain(head: HeadRunner, prefix: Prefix, root_hidden_BH: torch.Tensor, 
     pos_B1 = prefix.lengths_B[:, None] - 1
     tokens, dists = [], []
     for j in range(depth):
+        if j and min_prob > 0 and bool((torch.softmax(logits_BVd.float(), -1).amax(-1) < min_prob).all()):
+            break
         idx_B, q_BVd = pick(logits_BVd)
         tokens.append(head.draft.to_target_ids(idx_B))
         dists.append(q_BVd)
@@ -98,7 +102,7 @@ def draft_chain(head: HeadRunner, prefix: Prefix, root_hidden_BH: torch.Tensor, 
         hidden_B1H, logits_B1V = head(prefix, tokens[-1][:, None], hidden_B1H, pos_B1 + j + 1, j + 1, offset=j)
         logits_BVd = logits_B1V[:, 0]
     q = None if dists[0] is None else torch.stack(dists, dim=1)
-    return torch.stack(tokens, dim=1).view(B, depth), q
+    return torch.stack(tokens, dim=1).view(B, len(tokens)), q
 
 
 def draft_tree(head: HeadRunner, prefix: Prefix, root_B: torch.Tensor, root_hidden_BH: torch.Tensor,

@@ -9,6 +9,7 @@ probability below 1e-6. Draws are vectorised: one batched call of the rule (or o
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -168,7 +169,10 @@ CHAIN = SpecConfig(method="chain", depth=2, temperature=0.9, top_p=0.95, max_new
 TREE = SpecConfig(method="tree", depth=2, topk=2, budget=4, temperature=1.2, top_p=0.9, max_new_tokens=3)
 
 
-@pytest.mark.parametrize("cfg", [CHAIN, TREE], ids=["chain", "tree"])
+CHAIN_EXIT = dataclasses.replace(CHAIN, min_draft_prob=0.5)  # early exit: fewer drafts, the same distribution
+
+
+@pytest.mark.parametrize("cfg", [CHAIN, TREE, CHAIN_EXIT], ids=["chain", "tree", "chain-early-exit"])
 def test_speculative_sampling_keeps_joint_distribution(tiny_pair, cfg):
     errs, tau = _errors(*tiny_pair, cfg, E2E_DRAWS)
     print(f"{cfg.method}: TV / bound per prompt = {errs}, tau = {tau:.3f}")

@@ -7,6 +7,8 @@ acceptance: some steps accept nothing, some the whole chain, rows differ.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -125,6 +127,23 @@ def test_greedy_speculative_equals_plain(llama_pair, method, batch):
     assert acc.max() >= 2 and (acc == 0).any(), "the test pair should accept some drafts and reject others"
     assert spec.stats.tau > 1.3
     assert spec.stats.n_verify_steps < 40
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_early_exit_chain_drafts_less_and_stays_identical(llama_pair, batch):
+    target, draft = llama_pair
+    ids, mask = _prompts(batch)
+    cfg = SpecConfig(method="chain", depth=4, max_new_tokens=40, min_draft_prob=0.6)
+    plain = generate_plain(target, ids, mask, cfg)
+    spec = generate_speculative(target, draft, ids, mask, cfg)
+    _same(spec, plain)
+    full = generate_speculative(target, draft, ids, mask, dataclasses.replace(cfg, min_draft_prob=0.0))
+    d = spec.stats.drafted
+    assert d.min() >= 1 and d.max() <= 4 and (d < 4).any(), "the threshold should stop some chains early"
+    assert (full.stats.drafted == 4).all()
+    acc = spec.stats.accept_lengths
+    assert (acc <= d[:, None]).all()  # never more accepted than drafted
+    assert d.sum() < full.stats.drafted.sum()
 
 
 @pytest.mark.parametrize("method", ["chain", "tree"])
@@ -262,6 +281,9 @@ def test_stats():
     assert stats.n_verify_steps == 3
     assert stats.tau == pytest.approx((1 + 3 + 4 + 2) / 4)
     assert stats.per_position_acceptance == pytest.approx([3 / 4, 2 / 3, 1 / 2])
+    # with early exit a step that drafted only k tokens did not reach depth k + 1
+    stats = SpecStats(acc, depth=3, drafted=torch.tensor([3, 3, 1]))
+    assert stats.per_position_acceptance == pytest.approx([3 / 4, 2 / 2, 1 / 2])
 
 
 def test_config_validation():
@@ -271,3 +293,5 @@ def test_config_validation():
         SpecConfig(method="tree", depth=2, topk=2, budget=7)
     with pytest.raises(ValueError):
         SpecConfig(top_p=0.0)
+    with pytest.raises(ValueError, match="min_draft_prob"):
+        SpecConfig(min_draft_prob=1.0)
