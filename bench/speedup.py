@@ -181,6 +181,8 @@ def run(setup: Setup, args: argparse.Namespace, load0: list[float]) -> None:
     steps = args.head_steps or setup.preset.train.steps
     head = train_head(setup, "eagle3-ttt7", dataclasses.replace(setup.preset.train, ttt_steps=7, steps=steps))
     name = "speedup" if steps == setup.preset.train.steps else f"speedup-head{steps}"
+    if args.depth != 5:
+        name += f"-depth{args.depth}"
     if args.min_draft_prob:
         name += f"-exit{args.min_draft_prob:g}"
     lm_dir = draft_lm(setup)
