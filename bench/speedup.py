@@ -167,6 +167,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tree", default="5,4,12", help="tree depth,topk,budget")
     p.add_argument("--lookup", type=int, default=10, help="prompt_lookup_num_tokens")
     p.add_argument("--temperatures", default="0,1")
+    p.add_argument("--draft-dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="the head's weights at inference (the target stays float32)")
     p.add_argument("--min-draft-prob", type=float, default=0.0,
                    help="also run the chain with early exit at this draft confidence (row eagle-chain-exit)")
     p.add_argument("--head-steps", type=int, default=0,
@@ -183,6 +185,8 @@ def run(setup: Setup, args: argparse.Namespace, load0: list[float]) -> None:
     name = "speedup" if steps == setup.preset.train.steps else f"speedup-head{steps}"
     if args.depth != 5:
         name += f"-depth{args.depth}"
+    if args.draft_dtype != "float32":
+        name += f"-{args.draft_dtype}"
     if args.min_draft_prob:
         name += f"-exit{args.min_draft_prob:g}"
     lm_dir = draft_lm(setup)
@@ -192,7 +196,7 @@ def run(setup: Setup, args: argparse.Namespace, load0: list[float]) -> None:
 
     target, tok = load_target(setup.target_dir)
     assistant = _load_lm(lm_dir)  # load_target refuses < 4 layers (it checks for an EAGLE-3 target)
-    draft = load_head(head.head_dir, target).eval()
+    draft = load_head(head.head_dir, target, dtype=getattr(torch, args.draft_dtype)).eval()
     counter = CallCounter(target)
     prompts = heldout_prompts(tok, setup.heldout_traffic, args.prompts or setup.preset.eval_prompts)
     tables, texts = {}, []
