@@ -153,6 +153,8 @@ def test_local_ray_session_and_a_nested_one(ray_local, tmp_path):
     with ray_session(Settings.local(tmp_path)) as nested:  # already initialised: reuse, do not stop
         assert not nested.started and nested.address == ray_local.address
     assert ray.is_initialized()
+    # Ray Train's print patch is off in our workers: it forwarded every progress line twice
+    assert ray.get_runtime_context().runtime_env["env_vars"]["RAY_TRAIN_ENABLE_PRINT_PATCH"] == "0"
 
 
 def test_unreachable_ray_address_fails_fast(tmp_path):
