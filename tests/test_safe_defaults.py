@@ -223,7 +223,8 @@ def test_a_local_ray_keeps_its_token_auth(monkeypatch, tmp_path):
     with pytest.raises(_Stop):
         with ray_session(Settings.from_env({"EAGLE_HOME": str(tmp_path)})):
             pass
-    assert seen["include_dashboard"] is False and seen["runtime_env"] is None and seen["env"] is None
+    assert seen["include_dashboard"] is False and seen["env"] is None
+    assert "RAY_AUTH_MODE" not in seen["runtime_env"]["env_vars"]  # workers inherit no auth override either
 
 
 # ---- credentials --------------------------------------------------------------------------------------------------
