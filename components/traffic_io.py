@@ -5,7 +5,8 @@ system/user/assistant, optional `segment` and `source_file` metadata). Formats, 
   OpenAI:   {"id": ..., "messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...], ...}
   ShareGPT: {"id": ..., "conversations": [{"from": "system"|"human"|"gpt", "value": "..."}, ...], ...}
 `format="auto"` decides per line by the key present. Rules: at most one system message, and only first; at least
-one user turn; contents are strings; lines are UTF-8 (a leading byte-order mark is allowed). Blank lines are ignored; a line without an id gets `line-<n>`.
+one user turn; contents are strings; lines are UTF-8 (a leading byte-order mark is allowed). Blank lines are
+ignored; a line without an id gets `line-<n>`.
 A bad line raises `TrafficFormatError` naming the file, the line and the reason; with `skip_bad=True` bad lines
 are skipped and counted in `TrafficLoad.skipped`. An empty file (or one with no valid line) always raises.
 `traffic_sha256` hashes a file's bytes; `conversations_sha256` hashes the normalised content (format-independent).
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Literal
 
-from components.atomic import atomic_path
+from components.atomic import atomic_path, file_sha256
 
 ROLES = ("system", "user", "assistant")
 SHAREGPT_ROLES = {"system": "system", "human": "user", "gpt": "assistant"}
@@ -218,11 +219,7 @@ def write_openai_jsonl(path: Path | str, conversations: Iterable[Conversation]) 
 
 def traffic_sha256(path: Path | str) -> str:
     """sha256 of the file's bytes (lineage of the exact file used)."""
-    h = hashlib.sha256()
-    with Path(path).open("rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    return file_sha256(path)
 
 
 def conversations_sha256(conversations: Iterable[Conversation]) -> str:

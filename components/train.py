@@ -230,12 +230,10 @@ def train_loop(args: LoopArgs) -> None:
 def warm_start_head(head_dir: str, target_config, embed_VH):
     """The exported head in `head_dir` as the starting point for this target: its weights and draft vocabulary,
     this target's (frozen) embedding. Refuses a head whose shapes do not fit the target, naming both."""
-    from eagle.export import check_target, load_head, read_head_meta
-    from eagle.config import DraftConfig
+    from eagle.export import check_target, load_head
 
-    cfg = DraftConfig.from_dict(read_head_meta(head_dir)["draft_config"])
-    check_target(cfg, target_config, where=f"warm-start head {head_dir}")
     draft = load_head(head_dir)
+    check_target(draft.cfg, target_config, where=f"warm-start head {head_dir}")
     draft.embed_tokens.weight.data.copy_(embed_VH.float())
     return draft
 
