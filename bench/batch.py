@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=2, help="timed runs per method and batch (ABBA order)")
     args = p.parse_args(argv)
     load0 = start(args)
-    run(prepare(args.quick), args, load0)
+    run(prepare(args.quick, conversations=args.conversations), args, load0)
 
 
 def run(setup: Setup, args: argparse.Namespace, load0: list[float]) -> None:

@@ -90,9 +90,10 @@ class Setup:
     target_dir: Path
     train_traffic: Path
     heldout_traffic: Path
-    work: Path  # this (build, role, preset)'s cache directory
+    work: Path  # this (build, role, preset, conversations)'s cache directory
     regen_dir: Path
     extract_dir: Path
+    shared: Path  # the (build, role, preset)'s cache directory: what does not depend on the traffic (draft LMs)
 
 
 def _say(msg: str) -> None:
@@ -140,13 +141,22 @@ def _quiet(_msg: str) -> None:
     pass
 
 
-def prepare(quick: bool, role: str = "target") -> Setup:
-    """Build or reuse the embedded target and regenerate + extract its training traffic once (cached)."""
+def prepare(quick: bool, role: str = "target", conversations: int = 0) -> Setup:
+    """Build or reuse the embedded target and regenerate + extract its training traffic once (cached).
+
+    `conversations` > 0 regenerates that many training conversations instead of the preset's `limit` (its own cache
+    directory, suffix `-c<N>`); more than the traffic file holds means all of them.
+    """
     preset = Preset.get(quick)
+    suffix = ""
+    if conversations and conversations != preset.regenerate.limit:
+        preset = dataclasses.replace(preset, regenerate=dataclasses.replace(preset.regenerate, limit=conversations))
+        suffix = f"-c{conversations}"
     emb = embedded(preset)
     target_dir = emb.target_dir if role == "target" else emb.finetune_dir
     traffic = emb.target_traffic if role == "target" else emb.finetune_traffic
-    work = CACHE / f"{emb.build_hash[:12]}-{role}-{preset.name}"
+    shared = CACHE / f"{emb.build_hash[:12]}-{role}-{preset.name}"
+    work = shared.with_name(shared.name + suffix)
     regen_dir, ext_dir = work / "regenerate", work / "extract"
     done = work / "prepared.json"
     key = fingerprint(preset.regenerate, preset.extract, str(traffic.train))
@@ -158,7 +168,8 @@ def prepare(quick: bool, role: str = "target") -> Setup:
             ext = extract(preset.extract, str(target_dir), str(regen_dir), str(ext_dir), progress=_quiet)
         done.write_text(json.dumps({"key": key, "n_seqs": ext.n_seqs, "n_tokens": ext.n_tokens,
                                     "seconds": round(time.perf_counter() - t0, 1)}) + "\n")
-    return Setup(preset, emb, Path(target_dir), Path(traffic.train), Path(traffic.heldout), work, regen_dir, ext_dir)
+    return Setup(preset, emb, Path(target_dir), Path(traffic.train), Path(traffic.heldout), work, regen_dir, ext_dir,
+                 shared)
 
 
 def setup_threads():
@@ -320,6 +331,8 @@ def base_args(description: str) -> argparse.ArgumentParser:
     p.add_argument("--setup-threads", type=int, default=0,
                    help="torch threads for the cached setup (regenerate, extract, training heads): not measured, so "
                         "2 halves the first run on a quiet 2-core machine (default 0: as --threads)")
+    p.add_argument("--conversations", type=int, default=0,
+                   help="training conversations to regenerate (0: the preset's 512; the embedded traffic has 2,000)")
     p.add_argument("--cache", default="", help=f"cache directory (default {CACHE.relative_to(ROOT)}; the embedded "
                    "default is still looked for in .eagle/embedded)")
     return p
@@ -340,6 +353,6 @@ def start(args: argparse.Namespace) -> list[float]:
 if __name__ == "__main__":
     a = base_args(__doc__.splitlines()[0]).parse_args()
     start(a)
-    s = prepare(a.quick)
+    s = prepare(a.quick, conversations=a.conversations)
     print(json.dumps({"build": str(s.emb.build_dir), "work": str(s.work),
                       **json.loads((s.work / "prepared.json").read_text())}, indent=2))

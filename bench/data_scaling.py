@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompts", type=int, default=0, help="held-out prompts (0: the preset's)")
     args = p.parse_args(argv)
     load0 = start(args)
-    run(prepare(args.quick), args, load0)
+    run(prepare(args.quick, conversations=args.conversations), args, load0)
 
 
 def run(setup: Setup, args: argparse.Namespace, load0: list[float]) -> None:

@@ -42,7 +42,7 @@ def draft_lm(setup: Setup, layers: int = 2) -> Path:
     cfg = setup.emb.config
     small = dataclasses.replace(cfg.target, num_layers=layers)
     tcfg = dataclasses.replace(cfg.train, steps=max(20, cfg.train.steps // 4))
-    out = setup.work / f"draft-lm-{common.fingerprint(small, tcfg)}"
+    out = setup.shared / f"draft-lm-{common.fingerprint(small, tcfg)}"
     if (out / "config.json").is_file():
         return out
     common._say(f"bench: training a {layers}-layer draft LM ({tcfg.steps} steps) into {out}")
@@ -173,9 +173,12 @@ def main(argv: list[str] | None = None) -> None:
                    help="also run the chain with early exit at this draft confidence (row eagle-chain-exit)")
     p.add_argument("--head-steps", type=int, default=0,
                    help="train the head this many steps instead of the preset's (results go to speedup-head<N>.*)")
+    p.add_argument("--setup-only", action="store_true",
+                   help="prepare the data, the head and the assistant draft LM (cached), then stop without measuring: "
+                        "run the setup while the machine is busy, measure later on quiet cores")
     args = p.parse_args(argv)
     load0 = start(args)
-    run(prepare(args.quick), args, load0)
+    run(prepare(args.quick, conversations=args.conversations), args, load0)
 
 
 def run(setup: Setup, args: argparse.Namespace, load0: list[float]) -> None:
@@ -183,6 +186,8 @@ def run(setup: Setup, args: argparse.Namespace, load0: list[float]) -> None:
     steps = args.head_steps or setup.preset.train.steps
     head = train_head(setup, "eagle3-ttt7", dataclasses.replace(setup.preset.train, ttt_steps=7, steps=steps))
     name = "speedup" if steps == setup.preset.train.steps else f"speedup-head{steps}"
+    if args.conversations:
+        name += f"-conv{args.conversations}"
     if args.depth != 5:
         name += f"-depth{args.depth}"
     if args.draft_dtype != "float32":
@@ -190,6 +195,9 @@ def run(setup: Setup, args: argparse.Namespace, load0: list[float]) -> None:
     if args.min_draft_prob:
         name += f"-exit{args.min_draft_prob:g}"
     lm_dir = draft_lm(setup)
+    if args.setup_only:
+        print(f"setup done: head {head.head_dir} ({head.seconds:.0f} s of training), draft LM {lm_dir}", flush=True)
+        return
 
     from components.targets import load_target
     from eagle.export import load_head

@@ -127,7 +127,7 @@ def main() -> None:
     p.add_argument("--workers", default="1,2")
     args = p.parse_args()
     load0 = start(args)
-    setup = prepare(args.quick)
+    setup = prepare(args.quick, conversations=args.conversations)
     steps = args.steps or (6 if args.quick else 30)
     base = dataclasses.replace(setup.preset.train, steps=steps, log_every=max(1, steps // 6), checkpoint_every=steps,
                                cpus_per_worker=1, max_failures=0)

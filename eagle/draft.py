@@ -152,10 +152,11 @@ class Eagle3Layer(nn.Module):
             hit = self._stacked[name] = _Stacked(parts)
         return hit
 
-    def project_qkv(self, emb_BTH: torch.Tensor, hidden_BTH: torch.Tensor, pos_BT: torch.Tensor):
-        """Rotated q [B,h,T,D], k and v [B,kvh,T,D]."""
+    def project_qkv(self, emb_BTH: torch.Tensor, hidden_BTH: torch.Tensor, pos_BT: torch.Tensor,
+                    emb_normed: bool = False):
+        """Rotated q [B,h,T,D], k and v [B,kvh,T,D]. `emb_normed`: `emb_BTH` has been through `input_layernorm`."""
         B, T, _ = hidden_BTH.shape
-        x = torch.cat([self.input_layernorm(emb_BTH), self.hidden_norm(hidden_BTH)], dim=-1)
+        x = torch.cat([emb_BTH if emb_normed else self.input_layernorm(emb_BTH), self.hidden_norm(hidden_BTH)], dim=-1)
         a, c = self.self_attn, self.cfg
         h, kvh, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         cos, sin = self.rope(pos_BT, x.dtype)
@@ -227,6 +228,22 @@ class Eagle3Draft(nn.Module):
     def to_target_ids(self, draft_idx: torch.Tensor) -> torch.Tensor:
         return draft_idx + self.d2t[draft_idx]
 
+    def draft_inputs(self) -> torch.Tensor:
+        """`input_layernorm(embedding)` of every draft-vocabulary token, [Vd, H] in draft order (inference only).
+
+        Drafting feeds the head its own draft-vocabulary picks: one row lookup here replaces the embedding lookup,
+        its norm and the id conversion per step. Rebuilt whenever the embedding, that norm or the vocabulary change.
+        """
+        parts = (self.embed_tokens.weight, self.midlayer.input_layernorm.weight, self.d2t)
+        key = _version_key(parts)
+        hit = self.__dict__.get("_draft_inputs")
+        if hit is None or hit[0] != key:
+            with torch.no_grad():
+                emb = self.embed_tokens.weight[self.draft_ids()]
+                hit = (key, self.midlayer.input_layernorm(emb.to(self.fc.weight.dtype)))
+            self.__dict__["_draft_inputs"] = hit
+        return hit[1]
+
     # ---- forward ----------------------------------------------------------------------------------------------
     def fuse(self, aux_BT3H: torch.Tensor) -> torch.Tensor:
         """Linear fusion of the low/mid/high target hidden states."""
@@ -237,20 +254,22 @@ class Eagle3Draft(nn.Module):
         """Draft-vocab logits [B,T,Vd] from the layer's un-normalised output hidden state."""
         return linear(self.norm(hidden_BTH), self.lm_head)
 
-    def forward(self, input_ids_BT: torch.Tensor, hidden_BTH: torch.Tensor, pos_BT: torch.Tensor,
+    def forward(self, input_ids_BT: torch.Tensor | None, hidden_BTH: torch.Tensor, pos_BT: torch.Tensor,
                 cache: KVStore | None = None, attn_mask_BTL: torch.Tensor | None = None,
-                select_B: torch.Tensor | None = None):
+                select_B: torch.Tensor | None = None, normed_emb_BTH: torch.Tensor | None = None):
         """Run T positions. `hidden_BTH` is a fused feature (see `fuse`) or the head's own previous output.
 
         Returns (out_hidden [B,T,H], logits [B,T,Vd]). `attn_mask_BTL` is boolean, True = may attend; None means
         causal with every cached key visible. With `select_B` (one new position per row) only those positions'
         outputs are computed ([B,1,H], [B,1,Vd]); every position's keys and values still go to the cache.
+        `normed_emb_BTH` (rows of `draft_inputs()`) replaces the tokens' embedding and its norm; `input_ids_BT` is
+        then unused.
         """
         layer = self.midlayer
-        emb = self.embed_tokens(input_ids_BT)
+        emb = self.embed_tokens(input_ids_BT) if normed_emb_BTH is None else normed_emb_BTH
         if emb.dtype != hidden_BTH.dtype:
             emb = emb.to(hidden_BTH.dtype)
-        q, k, v = layer.project_qkv(emb, hidden_BTH, pos_BT)
+        q, k, v = layer.project_qkv(emb, hidden_BTH, pos_BT, emb_normed=normed_emb_BTH is not None)
         if cache is not None:
             k, v = cache.update(k, v)
         if select_B is not None:

@@ -53,17 +53,18 @@ class HeadRunner:
         self.draft = draft
         self.cache = SlotCache(1, capacity)
 
-    def __call__(self, prefix: Prefix, tokens_BT: torch.Tensor, hidden_BTH: torch.Tensor, pos_BT: torch.Tensor,
-                 region: torch.Tensor | int | None, offset: int = 0,
-                 select_B: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, prefix: Prefix, tokens_BT: torch.Tensor | None, hidden_BTH: torch.Tensor,
+                 pos_BT: torch.Tensor, region: torch.Tensor | int | None, offset: int = 0,
+                 select_B: torch.Tensor | None = None,
+                 normed_emb_BTH: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Entries written at slots lengths+offset+t; queries see the prefix and the region after it.
 
         `region` is a boolean [B or 1, T, R] visibility over the R slots after the prefix, an int R when every
         query sees all of them (a chain), or None for causal over the T new entries. Returns the head's (output
         hidden [B, T, H], logits [B, T, Vd]), or with `select_B` only those of new entry `select_B[b]` per row
-        ([B, 1, H], [B, 1, Vd]).
+        ([B, 1, H], [B, 1, Vd]). `normed_emb_BTH` (rows of `Eagle3Draft.draft_inputs`) stands for the tokens.
         """
-        T, B = tokens_BT.shape[1], tokens_BT.shape[0]
+        B, T = hidden_BTH.shape[0], hidden_BTH.shape[1]
         span = prefix.longest + offset + T
         self.cache.plan_after(prefix.lengths_B, prefix.longest, T, offset)
         if B == 1 and (region is None or isinstance(region, int)):
@@ -73,7 +74,7 @@ class HeadRunner:
         else:
             region = causal_region(T, tokens_BT.device) if region is None else region
             mask_BTL = visibility_mask(prefix.lengths_B, region, span)
-        return self.draft(tokens_BT, hidden_BTH, pos_BT, self.cache.layers[0], mask_BTL, select_B)
+        return self.draft(tokens_BT, hidden_BTH, pos_BT, self.cache.layers[0], mask_BTL, select_B, normed_emb_BTH)
 
 
 Pick = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
@@ -89,20 +90,22 @@ def draft_chain(head: HeadRunner, prefix: Prefix, root_hidden_BH: torch.Tensor, 
     """
     B = root_hidden_BH.shape[0]
     hidden_B1H, logits_BVd = root_hidden_BH[:, None], root_logits_BVd
-    pos_B1 = prefix.lengths_B[:, None] - 1
-    tokens, dists = [], []
+    pos_BD = prefix.lengths_B[:, None] + torch.arange(depth, device=root_hidden_BH.device)  # step j's at column j
+    inputs_VdH = head.draft.draft_inputs()  # the picks go back in as draft-vocabulary rows, no id conversion
+    picks, dists = [], []
     for j in range(depth):
         if j and min_prob > 0 and bool((torch.softmax(logits_BVd.float(), -1).amax(-1) < min_prob).all()):
             break
         idx_B, q_BVd = pick(logits_BVd)
-        tokens.append(head.draft.to_target_ids(idx_B))
+        picks.append(idx_B)
         dists.append(q_BVd)
         if j + 1 == depth:
             break
-        hidden_B1H, logits_B1V = head(prefix, tokens[-1][:, None], hidden_B1H, pos_B1 + j + 1, j + 1, offset=j)
+        hidden_B1H, logits_B1V = head(prefix, None, hidden_B1H, pos_BD[:, j:j + 1], j + 1, offset=j,
+                                      normed_emb_BTH=inputs_VdH[idx_B][:, None])
         logits_BVd = logits_B1V[:, 0]
     q = None if dists[0] is None else torch.stack(dists, dim=1)
-    return torch.stack(tokens, dim=1).view(B, len(tokens)), q
+    return head.draft.to_target_ids(torch.stack(picks, dim=1).view(B, len(picks))), q
 
 
 def draft_tree(head: HeadRunner, prefix: Prefix, root_B: torch.Tensor, root_hidden_BH: torch.Tensor,

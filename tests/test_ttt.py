@@ -99,6 +99,31 @@ def test_draft_vocab_selection_and_mapping():
         d.set_draft_vocab(torch.tensor([3, 2, 1, 0]))
 
 
+def test_draft_inputs_follow_embedding_norm_and_vocabulary():
+    """The drafting table is input_layernorm(embedding) of the draft vocabulary, rebuilt when any of them changes,
+    and a head step fed its rows equals the step fed the tokens."""
+    torch.manual_seed(0)
+    d = Eagle3Draft(DraftConfig.tiny(vocab_size=32, draft_vocab_size=8)).eval()
+    d.set_draft_vocab(torch.tensor([1, 3, 4, 8, 9, 20, 30, 31]))
+
+    def expected():
+        return d.midlayer.input_layernorm(d.embed_tokens.weight[d.draft_ids()])
+
+    with torch.no_grad():
+        table = d.draft_inputs()
+        assert torch.equal(table, expected()) and d.draft_inputs() is table, "built once"
+        d.midlayer.input_layernorm.weight.mul_(2)
+        assert torch.equal(d.draft_inputs(), expected())
+        d.set_draft_vocab(torch.arange(8) * 3)
+        assert torch.equal(d.draft_inputs(), expected())
+    with torch.inference_mode():
+        idx = torch.tensor([[2, 5, 7]])
+        hidden, pos = torch.randn(1, 3, 64), torch.arange(3)[None]
+        a = d(d.to_target_ids(idx), hidden, pos)
+        b = d(None, hidden, pos, normed_emb_BTH=d.draft_inputs()[idx])
+        assert all(torch.allclose(x, y, atol=1e-6) for x, y in zip(a, b))
+
+
 def test_count_tokens_uses_loss_mask_only():
     c = count_tokens(torch.zeros(5, dtype=torch.long), torch.tensor([[1, 1, 2, 4]]), torch.tensor([[0, 1, 1, 0]]))
     assert c.tolist() == [0, 1, 1, 0, 0]
