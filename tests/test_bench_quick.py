@@ -27,10 +27,12 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("bench-cache")
 
 
-def run_quick(name: str, cache: Path, timeout_s: int = 240) -> dict:
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / f"{name}.py"), "--quick", "--cache", str(cache)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+def run_quick(name: str, cache: Path, timeout_s: int = 240, *extra: str) -> dict:
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / f"{name}.py"), "--quick", "--cache", str(cache),
+                           *extra], cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
     assert proc.returncode == 0, f"{name} --quick failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    if "--setup-only" in extra:
+        return {"stdout": proc.stdout}
     result = cache / "results-quick" / f"{name}.json"
     assert result.is_file() and result.with_suffix(".png").is_file()
     return json.loads(result.read_text())
@@ -57,3 +59,15 @@ def test_acceptance_vs_depth_quick(cache: Path) -> None:
     for head in r["heads"].values():
         assert len(head["alpha"]) == 7 and all(0 <= a <= 1 for a in head["alpha"])
         assert head["mismatches"] == 0 and head["tau"] >= 1.0
+
+
+def test_speedup_setup_only_with_more_conversations(cache: Path) -> None:
+    """`--conversations N` regenerates N conversations in a cache directory of its own; `--setup-only` trains and
+    stops before measuring (no result file)."""
+    r = run_quick("speedup", cache, 240, "--conversations", "12", "--setup-only", "--head-steps", "4")
+    assert "setup done: head" in r["stdout"]
+    work = [d for d in cache.glob("*-target-quick-c12") if d.is_dir()]
+    assert len(work) == 1 and json.loads((work[0] / "prepared.json").read_text())["n_seqs"] <= 12
+    assert list(work[0].glob("heads/eagle3-ttt7-*/head/model.safetensors"))
+    assert not (cache / "results-quick" / "speedup-head4-conv12.json").exists()
+
