@@ -8,6 +8,8 @@ about ten minutes the heads are cheaper than the other benchmarks' (K=3 TTT step
 T=0 on the same held-out prompts (`generate_speculative`, outputs checked identical to plain greedy decoding).
 Reports per fraction: conversations, trained tokens, tau, alpha_1 and alpha_depth, and the training run's
 simulated tau and final loss. Writes data_scaling.json and .png.
+Other settings than the defaults name their files (`data_scaling-conv2000-steps400-ttt7-depth7.json`): with
+`--conversations 2000` the pool is the embedded traffic's 2,000 training conversations instead of 512.
 Not measured here: a budget that grows with the data (every head gets the same steps), wall-clock speed.
 """
 
@@ -117,9 +119,12 @@ def run(setup: Setup, args: argparse.Namespace, load0: list[float]) -> None:
                                f"a{args.depth}", "sim_tau", "train_loss", "mismatch"],
                         f"tau vs training data, {cfg_train.steps} steps x batch {cfg_train.batch_size} each, "
                         f"chain depth {args.depth}, T=0, {len(prompts)} held-out prompts")
-    png = results_dir(args.quick) / "data_scaling.png"
+    name = "data_scaling" + "".join(f"-{k}{v}" for k, v in (("conv", args.conversations), ("steps", args.steps),
+                                                             ("ttt", args.ttt if args.ttt != 3 else 0),
+                                                             ("depth", args.depth if args.depth != 4 else 0)) if v)
+    png = results_dir(args.quick) / f"{name}.png"
     plot(rows, png, args.depth)
-    write_results("data_scaling", args.quick, {"args": vars(args), "train_config": dataclasses.asdict(cfg_train),
+    write_results(name, args.quick, {"args": vars(args), "train_config": dataclasses.asdict(cfg_train),
                                                "rows": rows, "table": table, "plot": str(png)}, load0)
 
 
