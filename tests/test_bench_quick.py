@@ -71,3 +71,11 @@ def test_speedup_setup_only_with_more_conversations(cache: Path) -> None:
     assert list(work[0].glob("heads/eagle3-ttt7-*/head/model.safetensors"))
     assert not (cache / "results-quick" / "speedup-head4-conv12.json").exists()
 
+
+
+def test_chain_depth_quick(cache: Path) -> None:
+    r = run_quick("chain_depth", cache, 240, "--depths", "2,3", "--trees", "3,2,4")
+    rows = {row["method"]: row for row in r["rows"]}
+    assert list(rows) == ["plain", "chain-2", "chain-3", "tree-3,2,4"]
+    assert all(row["mismatch"] == 0 and row["tok_s"] > 0 for row in rows.values()), rows
+    assert len(rows["chain-3"]["alpha"]) == 3 and rows["chain-2"]["tau"] >= 1.0 and r["fastest"] in rows

@@ -1,0 +1,136 @@
+"""How deep to draft: tokens/s over plain decoding and tau of our head's chains at several depths, side by side.
+
+Run: `python bench/chain_depth.py [--quick] [--depths 5,6,7,8,9] [--trees 7,2,12] [--head-steps N]
+[--conversations N]`
+One run measures plain decoding (`eagle.speculative.generate_plain`) and a chain of every listed depth (and any
+`--trees` depth,topk,budget shapes, `;`-separated) with the same head on the same held-out prompts, at T=0 and batch
+1, interleaved prompt by prompt (rotating order), so the ratios compare like with like. Every output is checked
+identical to plain greedy decoding. The head is `bench/speedup.py`'s (the same cached one for the same
+`--head-steps` and `--conversations`). Prints the table (ratio to plain, tau, tokens per target pass, per-position
+acceptance) and writes chain_depth*.json and .png (`-head<N>`, `-conv<N>` name non-default heads).
+Why: a deeper chain pays while the head's per-position acceptance stays high (TTT keeps it flat) and a head step is
+cheap next to a target pass; where the extra head step costs more than the extra accepted tokens is a property of
+the head and the hardware, so it is measured, not assumed.
+Not measured here: T > 0, batches > 1, transformers' methods (bench/speedup.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+import common  # noqa: F401  (puts the repo root on sys.path)
+import torch
+
+from common import (Setup, base_args, eos_of, heldout_prompts, interleaved, prepare, print_table, pyplot,
+                    results_dir, start, tokens_per_s, train_head, write_results)
+
+
+def configs(args: argparse.Namespace, max_new: int, eos) -> dict:
+    from eagle.speculative import SpecConfig
+
+    base = SpecConfig(method="chain", max_new_tokens=max_new, eos_token_id=eos)
+    out = {f"chain-{d}": dataclasses.replace(base, depth=d) for d in (int(x) for x in args.depths.split(","))}
+    for shape in filter(None, args.trees.split(";")):
+        depth, topk, budget = (int(x) for x in shape.split(","))
+        out[f"tree-{depth},{topk},{budget}"] = dataclasses.replace(base, method="tree", depth=depth, topk=topk,
+                                                                   budget=budget)
+    return {"plain": base, **out}
+
+
+def measure(target, draft, prompts: list[list[int]], cfgs: dict) -> list[dict]:
+    from eagle.speculative import generate_plain, generate_speculative
+
+    def method(name: str, cfg):
+        def run(ids):
+            x = torch.tensor([ids])
+            out = generate_plain(target, x, None, cfg) if name == "plain" else \
+                generate_speculative(target, draft, x, None, cfg)
+            n = int(out.lengths[0])
+            if out.stats is None:
+                return out.sequences[0, :n].tolist(), {"calls": n}
+            a = out.stats.accept_lengths
+            return out.sequences[0, :n].tolist(), {"calls": 1 + int((a >= 0).sum()), "accept": a[a >= 0].tolist()}
+        return run
+
+    with torch.no_grad():
+        runs = interleaved({name: method(name, cfg) for name, cfg in cfgs.items()}, prompts)
+    base = tokens_per_s(runs["plain"])
+    rows = []
+    for name, rs in runs.items():
+        acc = torch.tensor([a for r in rs for a in r.extra.get("accept", [])], dtype=torch.float)
+        depth = cfgs[name].depth
+        alpha = [float((acc >= k).sum() / (acc >= k - 1).sum().clamp_min(1)) for k in range(1, depth + 1)] \
+            if acc.numel() else []
+        toks = sum(len(r.tokens) for r in rs)
+        rows.append({"method": name, "tok_s": tokens_per_s(rs), "x_plain": tokens_per_s(rs) / base,
+                     "tau": float(acc.mean() + 1) if acc.numel() else None,
+                     "tok_per_call": toks / max(sum(r.extra["calls"] for r in rs), 1), "tokens": toks,
+                     "mismatch": sum(r.tokens != p.tokens for r, p in zip(rs, runs["plain"])), "alpha": alpha})
+    return rows
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    plt = pyplot()
+    chains = [r for r in rows if r["method"].startswith("chain-")]
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    d = [int(r["method"].split("-")[1]) for r in chains]
+    ax.plot(d, [r["x_plain"] for r in chains], marker="o", color="#3a7", label="× plain (tokens/s)")
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xlabel("chain depth")
+    ax.set_ylabel("speedup over plain decoding")
+    ax2 = ax.twinx()
+    ax2.plot(d, [r["tau"] for r in chains], marker="s", ls="--", color="#c84", label="τ")
+    ax2.set_ylabel("τ (tokens per verification)")
+    for r in rows:
+        if r["method"].startswith("tree-"):
+            ax.axhline(r["x_plain"], color="#888", ls=":", lw=1)
+            ax.text(d[0], r["x_plain"], f" {r['method']}", fontsize=7, va="bottom")
+    ax.legend(loc="upper left", fontsize=8)
+    ax2.legend(loc="lower right", fontsize=8)
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = base_args(__doc__.splitlines()[0])
+    p.add_argument("--depths", default="5,6,7,8,9", help="chain depths")
+    p.add_argument("--trees", default="", help="tree shapes depth,topk,budget separated by ';' (none by default)")
+    p.add_argument("--prompts", type=int, default=0, help="held-out prompts (0: the preset's)")
+    p.add_argument("--head-steps", type=int, default=0, help="the head of `speedup.py --head-steps N`")
+    args = p.parse_args(argv)
+    load0 = start(args)
+    run(prepare(args.quick, conversations=args.conversations), args, load0)
+
+
+def run(setup: Setup, args: argparse.Namespace, load0: list[float]) -> None:
+    """The benchmark on a prepared setup (see bench/common.py); prints the table, writes the result files."""
+    steps = args.head_steps or setup.preset.train.steps
+    head = train_head(setup, "eagle3-ttt7", dataclasses.replace(setup.preset.train, ttt_steps=7, steps=steps))
+    name = "chain_depth" + (f"-head{steps}" if steps != setup.preset.train.steps else "") + \
+        (f"-conv{args.conversations}" if args.conversations else "")
+
+    from components.targets import load_target
+    from eagle.export import load_head
+
+    target, tok = load_target(setup.target_dir)
+    draft = load_head(head.head_dir, target).eval()
+    prompts = heldout_prompts(tok, setup.heldout_traffic, args.prompts or setup.preset.eval_prompts)
+    rows = measure(target, draft, prompts, configs(args, setup.preset.max_new_tokens, eos_of(target)))
+    best = max((r for r in rows if r["method"] != "plain"), key=lambda r: r["x_plain"])
+    table = print_table(rows, ["method", "tok_s", "x_plain", "tau", "tok_per_call", "tokens", "mismatch"],
+                        f"T=0, batch 1, {len(prompts)} held-out prompts, max {setup.preset.max_new_tokens} new "
+                        f"tokens, head {head.head_dir.parent.name} ({steps} steps)")
+    print(f"fastest: {best['method']} at {best['x_plain']:.2f}x plain (tau {best['tau']:.2f})")
+    png = results_dir(args.quick) / f"{name}.png"
+    plot(rows, png)
+    write_results(name, args.quick, {"args": vars(args), "n_prompts": len(prompts), "rows": rows,
+                                     "fastest": best["method"], "head": str(head.head_dir), "table": table,
+                                     "plot": str(png)}, load0)
+
+
+if __name__ == "__main__":
+    main()
