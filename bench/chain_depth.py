@@ -24,7 +24,7 @@ import common  # noqa: F401  (puts the repo root on sys.path)
 import torch
 
 from common import (Setup, base_args, eos_of, heldout_prompts, interleaved, prepare, print_table, pyplot,
-                    results_dir, start, tokens_per_s, train_head, write_results)
+                    results_dir, speed_head, start, tokens_per_s, write_results)
 
 
 def configs(args: argparse.Namespace, max_new: int, eos) -> dict:
@@ -108,10 +108,8 @@ def main(argv: list[str] | None = None) -> None:
 
 def run(setup: Setup, args: argparse.Namespace, load0: list[float]) -> None:
     """The benchmark on a prepared setup (see bench/common.py); prints the table, writes the result files."""
-    steps = args.head_steps or setup.preset.train.steps
-    head = train_head(setup, "eagle3-ttt7", dataclasses.replace(setup.preset.train, ttt_steps=7, steps=steps))
-    name = "chain_depth" + (f"-head{steps}" if steps != setup.preset.train.steps else "") + \
-        (f"-conv{args.conversations}" if args.conversations else "")
+    head, suffix = speed_head(setup, args.head_steps, args.conversations)
+    name = "chain_depth" + suffix
 
     from components.targets import load_target
     from eagle.export import load_head
@@ -123,7 +121,7 @@ def run(setup: Setup, args: argparse.Namespace, load0: list[float]) -> None:
     best = max((r for r in rows if r["method"] != "plain"), key=lambda r: r["x_plain"])
     table = print_table(rows, ["method", "tok_s", "x_plain", "tau", "tok_per_call", "tokens", "mismatch"],
                         f"T=0, batch 1, {len(prompts)} held-out prompts, max {setup.preset.max_new_tokens} new "
-                        f"tokens, head {head.head_dir.parent.name} ({steps} steps)")
+                        f"tokens, head {head.head_dir.parent.name}")
     print(f"fastest: {best['method']} at {best['x_plain']:.2f}x plain (tau {best['tau']:.2f})")
     png = results_dir(args.quick) / f"{name}.png"
     plot(rows, png)

@@ -207,6 +207,16 @@ def train_head(setup: Setup, name: str, cfg: TrainConfig, extract_dir: Path | No
     return TrainedHead(Path(res.head_dir), res.seconds, res.final_metrics, False)
 
 
+def speed_head(setup: Setup, head_steps: int, conversations: int) -> tuple[TrainedHead, str]:
+    """The TTT (K=7) head that `speedup.py` and `chain_depth.py` measure (`head_steps` 0: the preset's steps), and
+    the suffix that names their result files after it (`-head<N>`, `-conv<N>`; empty for the preset's head)."""
+    steps = head_steps or setup.preset.train.steps
+    head = train_head(setup, "eagle3-ttt7", dataclasses.replace(setup.preset.train, ttt_steps=7, steps=steps))
+    suffix = (f"-head{steps}" if steps != setup.preset.train.steps else "") + \
+        (f"-conv{conversations}" if conversations else "")
+    return head, suffix
+
+
 def heldout_prompts(tokenizer, path: Path, limit: int, max_prompt_tokens: int = 256) -> list[list[int]]:
     """Token ids of the first user turn (chat template, generation prompt) of the first `limit` conversations."""
     from components.chat import prompt_ids

@@ -29,7 +29,7 @@ import common  # noqa: F401  (puts the repo root on sys.path)
 import torch
 
 from common import (Setup, base_args, eos_of, heldout_prompts, interleaved, prepare, print_table, pyplot,
-                    results_dir, start, tokens_per_s, train_head, write_results)
+                    results_dir, speed_head, start, tokens_per_s, write_results)
 
 
 def draft_lm(setup: Setup, layers: int = 2) -> Path:
@@ -183,11 +183,8 @@ def main(argv: list[str] | None = None) -> None:
 
 def run(setup: Setup, args: argparse.Namespace, load0: list[float]) -> None:
     """The benchmark on a prepared setup (see bench/common.py); prints the table, writes the result files."""
-    steps = args.head_steps or setup.preset.train.steps
-    head = train_head(setup, "eagle3-ttt7", dataclasses.replace(setup.preset.train, ttt_steps=7, steps=steps))
-    name = "speedup" if steps == setup.preset.train.steps else f"speedup-head{steps}"
-    if args.conversations:
-        name += f"-conv{args.conversations}"
+    head, suffix = speed_head(setup, args.head_steps, args.conversations)
+    name = "speedup" + suffix
     if args.depth != 5:
         name += f"-depth{args.depth}"
     if args.draft_dtype != "float32":
