@@ -1,7 +1,7 @@
 """How deep to draft: tokens/s over plain decoding and tau of our head's chains at several depths, side by side.
 
 Run: `python bench/chain_depth.py [--quick] [--depths 5,6,7,8,9] [--trees 7,2,12] [--head-steps N]
-[--conversations N]`
+[--conversations N] [--runs N]`
 One run measures plain decoding (`eagle.speculative.generate_plain`) and a chain of every listed depth (and any
 `--trees` depth,topk,budget shapes, `;`-separated) with the same head on the same held-out prompts, at T=0 and batch
 1, interleaved prompt by prompt (rotating order), so the ratios compare like with like. Every output is checked
@@ -11,6 +11,8 @@ acceptance) and writes chain_depth*.json and .png (`-head<N>`, `-conv<N>` name n
 Why: a deeper chain pays while the head's per-position acceptance stays high (TTT keeps it flat) and a head step is
 cheap next to a target pass; where the extra head step costs more than the extra accepted tokens is a property of
 the head and the hardware, so it is measured, not assumed.
+`--runs N` repeats the whole measurement in N fresh processes and reports each ratio's median, min and max
+(`chain_depth*-runs<N>.json`): the same code and data in another process read several percent apart here.
 Not measured here: T > 0, batches > 1, transformers' methods (bench/speedup.py).
 """
 
@@ -18,6 +20,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import statistics
+import sys
 from pathlib import Path
 
 import common  # noqa: F401  (puts the repo root on sys.path)
@@ -101,9 +106,65 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--trees", default="", help="tree shapes depth,topk,budget separated by ';' (none by default)")
     p.add_argument("--prompts", type=int, default=0, help="held-out prompts (0: the preset's)")
     p.add_argument("--head-steps", type=int, default=0, help="the head of `speedup.py --head-steps N`")
+    p.add_argument("--runs", type=int, default=1,
+                   help="repeat the whole measurement in N fresh processes and report each ratio's median and range "
+                        "(one process's memory layout moves every ratio by several percent on this machine)")
+    p.add_argument("--out", default="", help=argparse.SUPPRESS)  # where a child process of --runs writes its JSON
     args = p.parse_args(argv)
     load0 = start(args)
+    if args.runs > 1:
+        repeat(args, argv if argv is not None else sys.argv[1:], load0)
+        return
     run(prepare(args.quick, conversations=args.conversations), args, load0)
+
+
+def repeat(args: argparse.Namespace, argv: list[str], load0: list[float]) -> None:
+    """`--runs N`: the same measurement in N fresh processes, one after the other; per method the median, min and
+    max of its ratio to plain decoding (tau is the same in every run: greedy decoding is deterministic)."""
+    import subprocess
+    import tempfile
+
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.runs):
+            out = Path(tmp) / f"run{i}.json"
+            cmd = [sys.executable, __file__, *_without(argv, "--runs"), "--runs", "1", "--out", str(out)]
+            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+            runs.append(json.loads(out.read_text()))
+            print(f"run {i + 1}/{args.runs}: " + ", ".join(f"{r['method']} {r['x_plain']:.3f}"
+                                                           for r in runs[-1]["rows"][1:]), flush=True)
+    rows = []
+    for j, first in enumerate(runs[0]["rows"]):
+        x = sorted(r["rows"][j]["x_plain"] for r in runs)
+        rows.append({**first, "x_plain_median": statistics.median(x), "x_plain_min": x[0], "x_plain_max": x[-1],
+                     "x_plain_runs": x, "tok_s_median": statistics.median(r["rows"][j]["tok_s"] for r in runs),
+                     "mismatch": max(r["rows"][j]["mismatch"] for r in runs)})
+    table = print_table(rows, ["method", "tok_s_median", "x_plain_median", "x_plain_min", "x_plain_max", "tau",
+                               "tok_per_call", "mismatch"],
+                        f"{args.runs} fresh processes, T=0, batch 1, {runs[0]['n_prompts']} held-out prompts, head "
+                        f"{Path(runs[0]['head']).parent.name}")
+    best = max(rows[1:], key=lambda r: r["x_plain_median"])
+    print(f"fastest: {best['method']} at {best['x_plain_median']:.2f}x plain (median of {args.runs} runs, "
+          f"{best['x_plain_min']:.2f}-{best['x_plain_max']:.2f})")
+    name = Path(runs[0]["plot"]).stem + f"-runs{args.runs}"
+    png = results_dir(args.quick) / f"{name}.png"
+    plot([{**r, "x_plain": r["x_plain_median"]} for r in rows], png)
+    write_results(name, args.quick, {"args": vars(args), "n_prompts": runs[0]["n_prompts"], "rows": rows,
+                                     "fastest": best["method"], "head": runs[0]["head"], "table": table,
+                                     "plot": str(png)}, load0)
+
+
+def _without(argv: list[str], flag: str) -> list[str]:
+    """`argv` less `flag` and its value (`--flag V` or `--flag=V`)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == flag:
+            skip = True
+        elif not a.startswith(flag + "="):
+            out.append(a)
+    return out
 
 
 def run(setup: Setup, args: argparse.Namespace, load0: list[float]) -> None:
@@ -124,10 +185,13 @@ def run(setup: Setup, args: argparse.Namespace, load0: list[float]) -> None:
                         f"tokens, head {head.head_dir.parent.name}")
     print(f"fastest: {best['method']} at {best['x_plain']:.2f}x plain (tau {best['tau']:.2f})")
     png = results_dir(args.quick) / f"{name}.png"
+    payload = {"args": vars(args), "n_prompts": len(prompts), "rows": rows, "fastest": best["method"],
+               "head": str(head.head_dir), "table": table, "plot": str(png)}
+    if args.out:  # a child of --runs: its parent aggregates and writes the result files
+        Path(args.out).write_text(json.dumps(payload, default=str))
+        return
     plot(rows, png)
-    write_results(name, args.quick, {"args": vars(args), "n_prompts": len(prompts), "rows": rows,
-                                     "fastest": best["method"], "head": str(head.head_dir), "table": table,
-                                     "plot": str(png)}, load0)
+    write_results(name, args.quick, payload, load0)
 
 
 if __name__ == "__main__":

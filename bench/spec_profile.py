@@ -7,7 +7,7 @@ the same state as inside `generate_*` (inference mode, the target runner's sessi
 Rows are interleaved round by round and each reports its minimum over all rounds: this machine is shared, and the
 minimum is the least disturbed figure. With one thread the time is the thread's CPU time (immune to being
 descheduled by other jobs), else wall time. Prints one table (milliseconds, and ratio to one plain decoding step)
-and writes bench/results/spec_profile.json.
+and writes bench/results/spec_profile.json (`spec_profile-depth<d>.json` for another `--depth`).
 "plain step" is one step of the plain loop (target pass over 1 token, lm_head, argmax) and "whole step" one
 `draft -> verify -> accept -> roll back -> head extend` cycle, each repeated on the same state: every repetition
 streams the same weights as the real loop does (target and head weights evict each other from the CPU caches, so a
@@ -190,7 +190,8 @@ def main() -> None:
     for name in ("chain", "tree"):
         step = r[f"whole step, {name}"]
         print(f"projected speedup, {name}: " + ", ".join(f"tau {t}: {t * plain / step:.2f}x" for t in (3, 4, 5)))
-    out = ROOT / "bench" / "results" / "spec_profile.json"
+    name = "spec_profile" + (f"-depth{args.depth}" if args.depth != 5 else "")
+    out = ROOT / "bench" / "results" / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "clock": clock_name, "ms": r}, indent=2))
 

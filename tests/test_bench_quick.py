@@ -79,3 +79,14 @@ def test_chain_depth_quick(cache: Path) -> None:
     assert list(rows) == ["plain", "chain-2", "chain-3", "tree-3,2,4"]
     assert all(row["mismatch"] == 0 and row["tok_s"] > 0 for row in rows.values()), rows
     assert len(rows["chain-3"]["alpha"]) == 3 and rows["chain-2"]["tau"] >= 1.0 and r["fastest"] in rows
+
+
+def test_chain_depth_runs_in_fresh_processes(cache: Path) -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "chain_depth.py"), "--quick", "--cache", str(cache),
+                           "--depths", "2", "--runs", "2"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.count("run ") >= 2 and "median of 2 runs" in proc.stdout
+    r = json.loads((cache / "results-quick" / "chain_depth-runs2.json").read_text())
+    row = {row["method"]: row for row in r["rows"]}["chain-2"]
+    assert len(row["x_plain_runs"]) == 2 and row["x_plain_min"] <= row["x_plain_median"] <= row["x_plain_max"]
+    assert row["mismatch"] == 0
