@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 import common  # noqa: F401  (puts the repo root on sys.path)
@@ -59,11 +60,23 @@ def draft_lm(setup: Setup, layers: int = 2) -> Path:
 
 class CallCounter:
     """Counts forward calls of the target's HF decoder in transformers' `generate` (prefill, decoding steps,
-    verification passes). Our loops may bypass the HF module; their passes are counted from their outputs."""
+    verification passes) while `counting()`. Our loops' passes are counted from their outputs.
+
+    The hook exists only inside `counting()`: a forward hook anywhere on the target makes our loops leave their
+    lean decoder for HF's forward (`eagle.features.LeanDecoder.of`), which would slow plain decoding and our head
+    alike and skew the ratio between them (it did, in runs before 2026-11-30 06:30)."""
 
     def __init__(self, target):
         self.n = 0
-        target.get_decoder().register_forward_hook(self._hook)
+        self.decoder = target.get_decoder()
+
+    @contextmanager
+    def counting(self):
+        handle = self.decoder.register_forward_hook(self._hook)
+        try:
+            yield
+        finally:
+            handle.remove()
 
     def _hook(self, *_):
         self.n += 1
@@ -96,8 +109,9 @@ def methods(target, draft, assistant, temperature: float, args, max_new: int, co
         def run(ids):
             c0 = counter.n
             x = torch.tensor([ids])
-            out = target.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_new,
-                                  do_sample=not greedy, eos_token_id=eos, pad_token_id=pad, **sample, **kw)
+            with counter.counting():
+                out = target.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_new,
+                                      do_sample=not greedy, eos_token_id=eos, pad_token_id=pad, **sample, **kw)
             toks = out[0, x.shape[1]:].tolist()
             e = eos if isinstance(eos, tuple) else (eos,)
             cut = next((i + 1 for i, t in enumerate(toks) if t in e), len(toks))

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+_HOOK_WARNED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # targets already warned about their hooks
 _PACKED: "weakref.WeakKeyDictionary[nn.Module, tuple[tuple, torch.Tensor]]" = weakref.WeakKeyDictionary()
 # oneDNN for every product from this size (rows x weight elements) on. MKL's GEMV/GEMM win in tight loops over hot
 # weights, oneDNN in the decoding loops, where the weights come from L3 or memory each step (measured end to end on
@@ -208,7 +209,11 @@ class LeanDecoder:
     def of(cls, target: nn.Module) -> "LeanDecoder | None":
         c = target.config
         if any(m._forward_hooks or m._forward_pre_hooks for m in target.modules()):
-            return None  # someone watches or alters the forward: leave it to HF
+            if target not in _HOOK_WARNED:  # someone watches or alters the forward: leave it to HF, say so once
+                _HOOK_WARNED.add(target)
+                warnings.warn(f"eagle: {type(target).__name__} has forward hooks, so decoding runs through HF's "
+                              "forward instead of the lean decoder (slower); remove them to get the lean path")
+            return None
         if _LEAN_VERDICTS.get(target) is False or c.model_type not in cls.FAMILIES or getattr(c, "_attn_implementation", None) != "sdpa" \
                 or getattr(c, "pretraining_tp", 1) != 1 or getattr(c, "hidden_act", "silu") != "silu":
             return None

@@ -90,3 +90,24 @@ def test_chain_depth_runs_in_fresh_processes(cache: Path) -> None:
     row = {row["method"]: row for row in r["rows"]}["chain-2"]
     assert len(row["x_plain_runs"]) == 2 and row["x_plain_min"] <= row["x_plain_median"] <= row["x_plain_max"]
     assert row["mismatch"] == 0
+
+
+def test_call_counter_hooks_the_target_only_while_counting() -> None:
+    """speedup.py counts transformers' passes with a forward hook; outside `counting()` the target must have none,
+    or our loops would leave their lean decoder (slower plain and speculative decoding alike)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from speedup import CallCounter
+
+    from eagle.features import LeanDecoder
+
+    target = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                          num_attention_heads=2, num_key_value_heads=2, vocab_size=64)).eval()
+    counter = CallCounter(target)
+    assert LeanDecoder.of(target) is not None
+    with counter.counting(), torch.no_grad():
+        target(torch.tensor([[1, 2, 3]]))
+        assert counter.n == 1
+    assert LeanDecoder.of(target) is not None

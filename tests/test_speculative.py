@@ -295,3 +295,29 @@ def test_config_validation():
         SpecConfig(top_p=0.0)
     with pytest.raises(ValueError, match="min_draft_prob"):
         SpecConfig(min_draft_prob=1.0)
+
+
+def test_forward_hooks_send_decoding_through_hf_with_one_warning(llama_pair):
+    """A hook on the target (someone counting or altering passes) disables the lean decoder: the loops then run
+    HF's forward (same tokens) and say so once, instead of silently running slower."""
+    from eagle.features import LeanDecoder
+
+    target, draft = llama_pair
+    ids, mask = _prompts(2)
+    cfg = SpecConfig(depth=3, max_new_tokens=8)
+    lean = generate_speculative(target, draft, ids, mask, cfg)
+    assert LeanDecoder.of(target) is not None
+    calls = []
+    handle = target.get_decoder().register_forward_hook(lambda *_: calls.append(1))
+    try:
+        with pytest.warns(UserWarning, match="forward hooks"):
+            hooked = generate_speculative(target, draft, ids, mask, cfg)
+        assert LeanDecoder.of(target) is None and calls, "the hook saw HF's forward passes"
+        import warnings
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            generate_plain(target, ids, mask, cfg)  # warned once per target only
+    finally:
+        handle.remove()
+    _same(lean, hooked)
+    assert LeanDecoder.of(target) is not None
