@@ -85,7 +85,7 @@ def train_step(model: nn.Module, draft: Eagle3Draft, batch: TTTBatch, ttt: TTTCo
     with torch.autocast(device_type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
         out = ttt_loss(draft, batch, ttt) if model is draft else model(batch)
     if not torch.isfinite(out.loss):
-        raise FloatingPointError(f"non-finite TTT loss {float(out.loss)}: lower the learning rate or check the "
+        raise FloatingPointError(f"non-finite TTT loss {out.loss.item()}: lower the learning rate or check the "
                                  "features (NaN/inf in the stored hidden states?)")
     out.loss.backward()
     torch.nn.utils.clip_grad_norm_(draft.trainable_parameters(), grad_clip)
