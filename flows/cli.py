@@ -5,6 +5,7 @@ argument errors import nothing heavy; Prefect, MLflow and torch load only once a
   eagle-heads demo [--preset default|tiny] [--embedded-preset default|tiny]
   eagle-heads train --target DIR|models:/name/version --traffic FILE --heldout FILE [--name N] [--config F]
   eagle-heads evaluate --head DIR|models:/name/version [--target DIR|models:/...] --traffic FILE [--json OUT]
+                      [--method chain|tree] [--depth D] [--limit N]
   eagle-heads watch [--once] [--interval S] [--dispatch event|local]
 Settings come from the environment (infra/settings.py): EAGLE_HOME, MLFLOW_TRACKING_URI, RAY_ADDRESS,
 PREFECT_API_URL. Exit codes: 0 success, 1 failure of the job, 2 bad arguments, bad input (traffic, target,
@@ -41,6 +42,10 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--traffic", required=True, help="held-out traffic JSONL")
     e.add_argument("--json", help="write the result here as JSON")
     e.add_argument("--preset", default="default", choices=["default", "tiny"])
+    e.add_argument("--method", choices=["chain", "tree"], help="drafting method (default: the preset's, chain)")
+    e.add_argument("--depth", type=_count, help="draft depth (default: the preset's; a well-trained head pays "
+                                                "deeper, see README 'How much to train and how deep to draft')")
+    e.add_argument("--limit", type=_count, help="held-out conversations to decode (default: the preset's)")
     w = sub.add_parser("watch", help="poll the registry and announce target versions without a head")
     w.add_argument("--once", action="store_true", help="poll once and exit")
     w.add_argument("--interval", type=_positive, default=60.0, help="seconds between polls")
@@ -57,6 +62,16 @@ def _positive(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
     if not value > 0:
         raise argparse.ArgumentTypeError(f"{text!r}: the interval must be > 0 seconds")
+    return value
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be >= 1")
     return value
 
 
@@ -111,6 +126,8 @@ def _quiet_prefect() -> None:
 
 
 def _evaluate(a) -> dict:
+    from dataclasses import replace
+
     from components.evaluate import evaluate
     from components.pipeline_config import PipelineConfig
     from infra.mlflow_store import MlflowStore
@@ -130,6 +147,8 @@ def _evaluate(a) -> dict:
         store = store or MlflowStore.connect(settings)
         target = str(store.resolve(target))
     cfg = PipelineConfig.preset(a.preset).evaluate
+    cfg = replace(cfg, **{k: v for k, v in (("method", a.method), ("depth", a.depth), ("limit", a.limit))
+                          if v is not None})
     out = settings.state_dir / "evaluations" / time.strftime("%Y%m%d-%H%M%S")
     res = evaluate(cfg, target, head, a.traffic, str(out), trust_remote_code=settings.trust_remote_code)
     from dataclasses import asdict

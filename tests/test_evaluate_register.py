@@ -65,6 +65,24 @@ def test_evaluate_reports_acceptance_and_identical_outputs(tiny_embedded, head, 
     assert res.metrics()["identical"] == 1.0 and res.metrics()["alpha_1"] == res.acceptance[0]
 
 
+def test_cli_evaluate_takes_method_depth_and_limit(tiny_embedded, head, tmp_path, monkeypatch, capsys):
+    """`eagle-heads evaluate --depth/--method/--limit` override the preset's evaluation; a bad count exits 2."""
+    from flows import cli
+
+    monkeypatch.setenv("EAGLE_HOME", str(tmp_path / ".eagle"))
+    out = tmp_path / "eval.json"
+    args = ["evaluate", "--head", str(head.head_dir), "--target", str(tiny_embedded.target_dir), "--traffic",
+            str(tiny_embedded.target_traffic.heldout), "--preset", "tiny", "--json", str(out)]
+    assert cli.main([*args, "--depth", "2", "--limit", "2"]) == 0
+    res = json.loads(out.read_text())
+    assert len(res["acceptance"]) == 2 and res["n_samples"] == 2 and res["identical"] is True
+    assert cli.main([*args, "--method", "tree", "--depth", "3"]) == 0
+    assert len(json.loads(out.read_text())["acceptance"]) == 3
+    with pytest.raises(SystemExit) as e:
+        cli.main([*args, "--depth", "0"])
+    assert e.value.code == 2 and "--depth" in capsys.readouterr().err
+
+
 def test_a_broken_verification_rule_is_caught(tiny_embedded, head, tmp_path, monkeypatch):
     """Accept every draft, whatever the target says: outputs change, and evaluation must fail loudly."""
     from eagle import sampling
