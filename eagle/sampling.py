@@ -5,10 +5,12 @@ target and draft logits), and the rules that decide how many drafted tokens a ve
 - `accept_chain_greedy`: drafts kept while they equal the target's argmax, then the target's argmax (bonus).
 - `accept_chain`: the standard rule for drafts x ~ q: keep x with probability min(1, p(x)/q(x)); at the first
   rejection draw from norm(max(0, p - q)) (`residual`); when all are kept, draw the bonus from p.
-- `walk_tree`: for tree drafts (chosen deterministically, top-k, so each proposal is a point mass): draw y ~ p at
-  every node (or take the argmax), follow the child whose token is y, stop at the first node without one and emit
-  its y. This is the multi-candidate rejection rule (SpecInfer / EAGLE) with point-mass proposals: every emitted
-  token is a fresh draw from p at its own context, so it is exact.
+- `walk_tree`: for greedy tree drafts (top-k, deterministic): take the target's argmax at every node, follow the
+  child whose token it is, stop at the first node without one and emit its argmax.
+- `walk_tree_sampled`: for sampling trees whose children were drawn i.i.d. from their parent's draft distribution:
+  recursive rejection (SpecInfer's multi-draft rule): try the children in draw order, keep x with probability
+  min(1, r(x)/q(x)), after each rejection r <- norm(max(0, r - q)); emit a draw from r where no child is kept.
+  Exact, and it accepts at least what a chain's single draft does at every node.
 How to run: pure tensor functions, used by `eagle.speculative`; tested statistically in tests/test_sampling.py.
 Not here: models, caches, the drafting policy.
 
@@ -93,3 +95,48 @@ def walk_tree(tokens_BN: torch.Tensor, parent_BN: torch.Tensor, choice_BN: torch
     path_BA = torch.stack(path, dim=1)
     n_B = (path_BA[:, 1:] != path_BA[:, :-1]).sum(1)
     return n_B, path_BA, choice_BN.gather(1, cur_B[:, None])[:, 0]
+
+
+def walk_tree_sampled(tokens_BN: torch.Tensor, parent_BN: torch.Tensor, p_BNV: torch.Tensor, q_BNVd: torch.Tensor,
+                      draft_ids_Vd: torch.Tensor, depth: int, generator: torch.Generator | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Recursive rejection over a tree whose children were drawn i.i.d. from their parent's draft distribution
+    (`eagle.tree.draft_tree_sampled`; multi-draft speculative sampling as in SpecInfer).
+
+    At node u with target distribution r = p_u: try u's children in the order they were drawn; keep child x with
+    probability min(1, r(x) / q_u(x)) and continue from it; after a rejection r <- norm(max(0, r - q_u)). When no
+    child is kept (or u has none) the next token is drawn from r. Every emitted token is then distributed exactly as
+    p at its context. `p_BNV`: target probabilities at every node; `q_BNVd`: the draft distribution each node's
+    children were drawn from (draft vocabulary, target ids `draft_ids_Vd`). Returns what `walk_tree` returns.
+    """
+    B, N = tokens_BN.shape
+    V, dev = p_BNV.shape[-1], tokens_BN.device
+    rows = torch.arange(B, device=dev)
+    cur_B = torch.zeros(B, dtype=torch.long, device=dev)
+    alive_B = torch.ones(B, dtype=torch.bool, device=dev)
+    is_node = torch.arange(N, device=dev)[None] > 0
+    r_BV = p_BNV[:, 0]
+    path = [cur_B]
+    for _ in range(depth):
+        kids_BN = (parent_BN == cur_B[:, None]) & is_node
+        rank_BN = kids_BN.long().cumsum(1) - 1
+        n_kids_B = kids_BN.sum(1)
+        q_BV = p_BNV.new_zeros(B, V).scatter_(1, draft_ids_Vd.expand(B, -1), q_BNVd[rows, cur_B])
+        moved_B = torch.zeros_like(alive_B)
+        for i in range(int(n_kids_B.max()) if bool(alive_B.any()) else 0):
+            live_B = alive_B & ~moved_B & (n_kids_B > i)
+            child_B = (kids_BN & (rank_BN == i)).long().argmax(1)
+            tok_B = tokens_BN[rows, child_B]
+            u_B = torch.rand(B, generator=generator, device=dev)
+            keep_B = live_B & (u_B * q_BV[rows, tok_B] < r_BV[rows, tok_B])
+            res_BV = residual(r_BV, q_BV)
+            res_BV = res_BV / res_BV.sum(-1, keepdim=True)
+            r_BV = torch.where((live_B & ~keep_B)[:, None], res_BV, r_BV)
+            cur_B = torch.where(keep_B, child_B, cur_B)
+            r_BV = torch.where(keep_B[:, None], p_BNV[rows, cur_B], r_BV)
+            moved_B = moved_B | keep_B
+        alive_B = alive_B & moved_B
+        path.append(cur_B)
+    path_BA = torch.stack(path, dim=1)
+    n_B = (path_BA[:, 1:] != path_BA[:, :-1]).sum(1)
+    return n_B, path_BA, sample(r_BV, generator)

@@ -36,14 +36,15 @@ from eagle.draft import Eagle3Draft
 from eagle.features import LeanDecoder, capture_layer_inputs, decoder_layers, linear, packed_linears
 from eagle.kvcache import (CausalMask, SlotCache, additive_mask, causal_region, check_no_sliding_window,
                           visibility_mask)
-from eagle.tree import HeadRunner, Prefix, draft_chain, draft_tree
+from eagle.tree import HeadRunner, Prefix, draft_chain, draft_tree, draft_tree_sampled
 
 
 @dataclass(frozen=True)
 class SpecConfig:
     """How to generate. `topk` and `budget` shape trees only; `budget` counts drafted nodes, the root excluded.
-    Chains sample their drafts from the head (standard rule); trees draft the top-k deterministically and sample
-    one token per node from the target (see `eagle.sampling`)."""
+    Chains sample their drafts from the head (standard rule). Greedy trees draft the top-k (EAGLE-2); sampling
+    trees draw `topk` children per expanded node from the head and verify them by recursive rejection, keeping
+    whole sibling groups (`budget // topk` of them; see `eagle.tree.draft_tree_sampled`, `eagle.sampling`)."""
 
     method: str = "chain"  # "chain" | "tree"
     depth: int = 5  # on a 2-core CPU a head step costs ~0.1-0.2 plain steps: 5 is best for alpha ~0.7-0.85
@@ -297,6 +298,9 @@ class Speculator:
                                            None, select_B=(n_B - 1).clamp(0, A - 1))
         return hidden_B1H[:, 0], logits_B1V[:, 0]
 
+    def _draft_probs(self, logits_BTVd: torch.Tensor) -> torch.Tensor:
+        return sampling.probs(logits_BTVd, self.cfg.temperature, self.cfg.top_p)
+
     def draft_pick(self, logits_BVd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.cfg.greedy:
             return logits_BVd.argmax(-1), None
@@ -321,12 +325,23 @@ class Speculator:
             n_B, nxt_B = self.accept_chain(self.target.logits(hidden_BNH), drafts_BK, q_BKVd)
             path_BA = torch.arange(K + 1, device=dev).expand(len(n_B), -1)
         else:
-            tree = draft_tree(self.head, prefix, root_B, hidden_BH, logits_BVd, (cfg.depth, cfg.topk, cfg.budget))
+            shape = (cfg.depth, cfg.topk, cfg.budget)
+            if cfg.greedy:
+                tree = draft_tree(self.head, prefix, root_B, hidden_BH, logits_BVd, shape)
+            else:
+                root_q_BVd = sampling.probs(logits_BVd, cfg.temperature, cfg.top_p)
+                tree, q_BNVd = draft_tree_sampled(self.head, prefix, hidden_BH, root_q_BVd, root_B, shape,
+                                                  self._draft_probs, self.generator)
             hidden_BNH, aux_BN3H = self.target(prefix, tree.tokens_BN, prefix.lengths_B[:, None] + tree.depth_BN,
                                                tree.ancestors_BNN)
             logits_BNV = self.target.logits(hidden_BNH)
-            choice_BN = _pick(logits_BNV, cfg, self.generator)
-            n_B, path_BA, nxt_B = sampling.walk_tree(tree.tokens_BN, tree.parent_BN, choice_BN, cfg.depth)
+            if cfg.greedy:
+                n_B, path_BA, nxt_B = sampling.walk_tree(tree.tokens_BN, tree.parent_BN, logits_BNV.argmax(-1),
+                                                         cfg.depth)
+            else:
+                p_BNV = sampling.probs(logits_BNV, cfg.temperature, cfg.top_p)
+                n_B, path_BA, nxt_B = sampling.walk_tree_sampled(tree.tokens_BN, tree.parent_BN, p_BNV, q_BNVd,
+                                                                 self.draft.draft_ids(), cfg.depth, self.generator)
             slots = prefix.lengths_B[:, None]
             self.target.cache.move(slots + path_BA, slots + torch.arange(path_BA.shape[1], device=dev))
             tokens_BN = tree.tokens_BN

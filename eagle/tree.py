@@ -144,12 +144,76 @@ def draft_tree(head: HeadRunner, prefix: Prefix, root_B: torch.Tensor, root_hidd
             seen_BkR = torch.cat([seen_BkR.gather(1, parent_q_Bk[..., None].expand(B, k, j * k)), grown], -1)
         n_nodes += k * k
     return _rerank(root_B, torch.cat(cand_tok, 1), torch.cat(cand_score, 1), torch.cat(cand_parent, 1),
-                   torch.cat(cand_depth, 1), budget, depth)
+                   torch.cat(cand_depth, 1), budget, depth)[0]
+
+
+def draft_tree_sampled(head: HeadRunner, prefix: Prefix, root_hidden_BH: torch.Tensor, root_q_BVd: torch.Tensor,
+                       root_B: torch.Tensor, shape: tuple[int, int, int], probs: Callable[[torch.Tensor], torch.Tensor],
+                       generator: torch.Generator | None) -> tuple[Tree, torch.Tensor]:
+    """A tree for sampling (T > 0): every expanded node gets `topk` children drawn i.i.d. from its own draft
+    distribution, so `sampling.walk_tree_sampled` can verify them with recursive rejection (exact).
+
+    Which nodes get children may depend on anything drawn before them (here: the best `topk` cumulative draft
+    log-probabilities per depth, as in `draft_tree`), but never which of a node's children are kept: a node's
+    children are kept or dropped together (`budget` keeps whole groups, best parent score first), in the order
+    they were drawn. `probs(logits)` turns head logits into draft distributions (temperature, top-p). Returns the
+    tree and, per node, the draft distribution its children were drawn from ([B, N, Vd], zero for leaves).
+    """
+    depth, k, budget = shape
+    draft = head.draft
+    B, H = root_hidden_BH.shape
+    dev = root_B.device
+    groups = max(1, budget // k)  # whole sibling groups that fit the budget
+    idx_Bk = torch.multinomial(root_q_BVd, k, replacement=True, generator=generator)
+    score_Bk = root_q_BVd.gather(1, idx_Bk).clamp_min(1e-30).log()
+    cand_idx, cand_score, cand_group = [idx_Bk], [score_Bk], [torch.zeros_like(score_Bk)]
+    cand_parent, cand_depth = [torch.zeros_like(idx_Bk)], [torch.ones_like(idx_Bk)]
+    frontier_q: list[tuple[torch.Tensor, torch.Tensor]] = [(torch.zeros(B, 1, dtype=torch.long, device=dev),
+                                                            root_q_BVd[:, None])]
+    node_Bk = torch.arange(1, k + 1, device=dev).expand(B, k)
+    hid_BkH = root_hidden_BH[:, None].expand(B, k, H)
+    seen_BkR = torch.eye(k, dtype=torch.bool, device=dev)[None].expand(B, k, k)
+    tok_Bk, n_nodes = draft.to_target_ids(idx_Bk), 1 + k
+    for j in range(1, depth):
+        pos_Bk = (prefix.lengths_B - 1 + j)[:, None].expand(B, k)
+        out_BkH, logits_BkV = head(prefix, tok_Bk, hid_BkH, pos_Bk, seen_BkR, offset=(j - 1) * k)
+        q_BkVd = probs(logits_BkV)
+        kids_Bkk = torch.multinomial(q_BkVd.reshape(B * k, -1), k, replacement=True,
+                                     generator=generator).view(B, k, k)
+        frontier_q.append((node_Bk, q_BkVd))
+        lq_Bkk = q_BkVd.gather(2, kids_Bkk).clamp_min(1e-30).log()
+        cum_BC = (score_Bk[..., None] + lq_Bkk).reshape(B, k * k)
+        cand_idx.append(kids_Bkk.reshape(B, k * k))
+        cand_score.append(cum_BC)
+        cand_group.append(score_Bk[..., None].expand(B, k, k).reshape(B, k * k))
+        cand_parent.append(node_Bk[..., None].expand(B, k, k).reshape(B, k * k))
+        cand_depth.append(torch.full_like(cum_BC, j + 1, dtype=torch.long))
+        if j + 1 < depth:
+            score_Bk, sel_Bk = cum_BC.topk(k, dim=-1)
+            parent_q_Bk = sel_Bk // k
+            tok_Bk = draft.to_target_ids(cand_idx[-1].gather(1, sel_Bk))
+            node_Bk = n_nodes + sel_Bk
+            hid_BkH = out_BkH.gather(1, parent_q_Bk[..., None].expand(B, k, H))
+            grown = torch.zeros(B, k, k, dtype=torch.bool, device=dev)
+            grown[:, torch.arange(k), torch.arange(k)] = True
+            seen_BkR = torch.cat([seen_BkR.gather(1, parent_q_Bk[..., None].expand(B, k, j * k)), grown], -1)
+        n_nodes += k * k
+    idx_BC = torch.cat(cand_idx, 1)
+    tree, keep_Bn = _rerank(root_B, draft.to_target_ids(idx_BC), torch.cat(cand_group, 1),
+                            torch.cat(cand_parent, 1), torch.cat(cand_depth, 1), groups * k, depth)
+    # the draft distribution each kept node's children were drawn from, in the tree's numbering
+    Vd = root_q_BVd.shape[-1]
+    q_BCVd = root_q_BVd.new_zeros(B, n_nodes, Vd)  # candidate node index (0 = root) -> distribution
+    for node_BF, q_BFVd in frontier_q:
+        q_BCVd.scatter_(1, node_BF[..., None].expand(-1, -1, Vd), q_BFVd)
+    kept_BN = torch.cat([torch.zeros_like(keep_Bn[:, :1]), keep_Bn + 1], 1)
+    return tree, q_BCVd.gather(1, kept_BN[..., None].expand(-1, -1, Vd))
 
 
 def _rerank(root_B: torch.Tensor, tok_BC: torch.Tensor, score_BC: torch.Tensor, parent_BC: torch.Tensor,
-            depth_BC: torch.Tensor, budget: int, depth: int) -> Tree:
-    """Keep the `budget` best candidates in creation order; parent indices renumbered to the kept nodes."""
+            depth_BC: torch.Tensor, budget: int, depth: int) -> tuple[Tree, torch.Tensor]:
+    """Keep the `budget` best candidates in creation order; parent indices renumbered to the kept nodes.
+    Also returns the kept candidates' indices [B, budget] (candidate c is node c + 1 before renumbering)."""
     B, C = tok_BC.shape
     order_BC = score_BC.sort(dim=1, descending=True, stable=True).indices
     keep_Bn = order_BC[:, :budget].sort(dim=1).values
@@ -161,7 +225,7 @@ def _rerank(root_B: torch.Tensor, tok_BC: torch.Tensor, score_BC: torch.Tensor, 
     tokens_BN = torch.cat([root_B[:, None], tok_BC.gather(1, keep_Bn)], 1)
     parent_BN = torch.cat([zero, parent_Bn], 1)
     depth_BN = torch.cat([zero, depth_BC.gather(1, keep_Bn)], 1)
-    return Tree(tokens_BN, parent_BN, depth_BN, ancestors(parent_BN, depth))
+    return Tree(tokens_BN, parent_BN, depth_BN, ancestors(parent_BN, depth)), keep_Bn
 
 
 def ancestors(parent_BN: torch.Tensor, depth: int) -> torch.Tensor:

@@ -193,12 +193,25 @@ def _first_child_walk(tokens, parent, choice, depth):
     return (path[:, 1:] != path[:, :-1]).sum(1), path, choice.gather(1, cur[:, None])[:, 0]
 
 
-@pytest.mark.parametrize("cfg", [CHAIN, TREE], ids=["chain", "tree"])
-def test_broken_rules_fail_end_to_end(tiny_pair, cfg, monkeypatch):
-    if cfg.method == "chain":
-        monkeypatch.setattr(sampling, "residual", lambda p, q: p)
+def _first_child_walk_sampled(tokens, parent, p, q, draft_ids, depth, generator=None):
+    """Broken: keeps the first child whatever the target's probabilities, then draws from p at the last node."""
+    n, path, _ = _first_child_walk(tokens, parent, torch.zeros_like(tokens), depth)
+    last = path[:, -1]
+    return n, path, sampling.sample(p[torch.arange(len(last)), last], generator)
+
+
+def _residual_ignored(r, q):
+    """Broken: after a rejection the target distribution is left as it was (no max(0, r - q))."""
+    return r
+
+
+@pytest.mark.parametrize("cfg,broken", [(CHAIN, "residual"), (TREE, "walk"), (TREE, "residual")],
+                         ids=["chain", "tree-first-child", "tree-no-residual"])
+def test_broken_rules_fail_end_to_end(tiny_pair, cfg, broken, monkeypatch):
+    if broken == "residual":
+        monkeypatch.setattr(sampling, "residual", _residual_ignored)
     else:
-        monkeypatch.setattr(sampling, "walk_tree", _first_child_walk)
+        monkeypatch.setattr(sampling, "walk_tree_sampled", _first_child_walk_sampled)
     errs, _ = _errors(*tiny_pair, cfg, CHUNK)  # the effect is large: fewer draws suffice
     print(f"broken {cfg.method}: TV / bound per prompt = {errs}")
     assert min(errs) > 2.0
