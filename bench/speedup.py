@@ -205,6 +205,10 @@ def run(setup: Setup, args: argparse.Namespace, load0: list[float]) -> None:
         name += f"-{args.draft_dtype}"
     if args.min_draft_prob:
         name += f"-exit{args.min_draft_prob:g}"
+    if args.tree != "5,4,12":
+        name += "-tree" + args.tree.replace(",", "_")
+    if args.temperatures != "0,1":
+        name += "-T" + args.temperatures.replace(",", "_")
     lm_dir = draft_lm(setup)
     if args.setup_only:
         print(f"setup done: head {head.head_dir} ({head.seconds:.0f} s of training), draft LM {lm_dir}", flush=True)
