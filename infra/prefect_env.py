@@ -1,7 +1,8 @@
 """Prefect adapter: local defaults for the ephemeral mode, and emitting the events that trigger deployments.
 
 Purpose: `apply_prefect_defaults(settings)` keeps Prefect's state under the state dir (`PREFECT_HOME`), turns
-analytics off and keeps a server we start on loopback, each only where the user has not set it. Call it at
+analytics off, keeps a server we start on loopback and gives the temporary API 120 s to start (Prefect's 20 s
+is too tight on 2 loaded cores), each only where the user has not set it. Call it at
 the start of a program, before Prefect is imported when possible (Prefect reads its settings at import; if it
 is already imported, its settings are refreshed). `emit_event(...)` sends one event (the registry watcher
 announces a new target version with it) to the Prefect API, where a deployment's `triggers:` entry can start
@@ -36,6 +37,9 @@ def prefect_env_defaults(settings: Settings) -> dict[str, str]:
         "PREFECT_HOME": str(settings.prefect_home),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "PREFECT_SERVER_API_HOST": BIND_HOST,
+        # Prefect waits 20 s for its temporary API; it takes 10-19 s on an idle 2-core machine and more under load
+        # (a CI run next to a training job timed out at 20 s), so wait longer before calling it a failure
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
     }
 
 

@@ -192,6 +192,8 @@ def test_prefect_defaults_respect_the_user(tmp_path, monkeypatch):
     with prefect_defaults(settings) as applied:
         assert applied["PREFECT_HOME"] == str(tmp_path / "prefect")
         assert "PREFECT_SERVER_ANALYTICS_ENABLED" not in applied
+        from prefect.settings import get_current_settings
+        assert get_current_settings().server.ephemeral.startup_timeout_seconds == 120
     assert "PREFECT_HOME" not in os.environ
 
 
