@@ -135,13 +135,9 @@ def draft_tree(head: HeadRunner, prefix: Prefix, root_B: torch.Tensor, root_hidd
         cand_depth.append(torch.full_like(toks_BC, j + 1))
         if j + 1 < depth:
             score_Bk, sel_Bk = cum_BC.topk(k, dim=-1)
-            parent_q_Bk = sel_Bk // k
             tok_Bk = toks_BC.gather(1, sel_Bk)
             node_Bk = n_nodes + sel_Bk
-            hid_BkH = out_BkH.gather(1, parent_q_Bk[..., None].expand(B, k, H))
-            grown = torch.zeros(B, k, k, dtype=torch.bool, device=dev)
-            grown[:, torch.arange(k), torch.arange(k)] = True
-            seen_BkR = torch.cat([seen_BkR.gather(1, parent_q_Bk[..., None].expand(B, k, j * k)), grown], -1)
+            hid_BkH, seen_BkR = _next_frontier(out_BkH, seen_BkR, sel_Bk, j)
         n_nodes += k * k
     return _rerank(root_B, torch.cat(cand_tok, 1), torch.cat(cand_score, 1), torch.cat(cand_parent, 1),
                    torch.cat(cand_depth, 1), budget, depth)[0]
@@ -190,13 +186,9 @@ def draft_tree_sampled(head: HeadRunner, prefix: Prefix, root_hidden_BH: torch.T
         cand_depth.append(torch.full_like(cum_BC, j + 1, dtype=torch.long))
         if j + 1 < depth:
             score_Bk, sel_Bk = cum_BC.topk(k, dim=-1)
-            parent_q_Bk = sel_Bk // k
             tok_Bk = draft.to_target_ids(cand_idx[-1].gather(1, sel_Bk))
             node_Bk = n_nodes + sel_Bk
-            hid_BkH = out_BkH.gather(1, parent_q_Bk[..., None].expand(B, k, H))
-            grown = torch.zeros(B, k, k, dtype=torch.bool, device=dev)
-            grown[:, torch.arange(k), torch.arange(k)] = True
-            seen_BkR = torch.cat([seen_BkR.gather(1, parent_q_Bk[..., None].expand(B, k, j * k)), grown], -1)
+            hid_BkH, seen_BkR = _next_frontier(out_BkH, seen_BkR, sel_Bk, j)
         n_nodes += k * k
     idx_BC = torch.cat(cand_idx, 1)
     tree, keep_Bn = _rerank(root_B, draft.to_target_ids(idx_BC), torch.cat(cand_group, 1),
@@ -208,6 +200,18 @@ def draft_tree_sampled(head: HeadRunner, prefix: Prefix, root_hidden_BH: torch.T
         q_BCVd.scatter_(1, node_BF[..., None].expand(-1, -1, Vd), q_BFVd)
     kept_BN = torch.cat([torch.zeros_like(keep_Bn[:, :1]), keep_Bn + 1], 1)
     return tree, q_BCVd.gather(1, kept_BN[..., None].expand(-1, -1, Vd))
+
+
+def _next_frontier(out_BkH: torch.Tensor, seen_BkR: torch.Tensor, sel_Bk: torch.Tensor, j: int):
+    """The next depth's frontier, candidates `sel_Bk` of the k*k children of the current one: their input hidden
+    states (their parents' head outputs) and what their head entries may see (their parents' view plus themselves,
+    over the j*k entries written so far and the k new ones)."""
+    B, k, H = out_BkH.shape
+    parent_Bk = sel_Bk // k
+    hid_BkH = out_BkH.gather(1, parent_Bk[..., None].expand(B, k, H))
+    grown = torch.zeros(B, k, k, dtype=torch.bool, device=out_BkH.device)
+    grown[:, torch.arange(k), torch.arange(k)] = True
+    return hid_BkH, torch.cat([seen_BkR.gather(1, parent_Bk[..., None].expand(B, k, j * k)), grown], -1)
 
 
 def _rerank(root_B: torch.Tensor, tok_BC: torch.Tensor, score_BC: torch.Tensor, parent_BC: torch.Tensor,
