@@ -304,7 +304,7 @@ class Speculator:
     def draft_pick(self, logits_BVd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.cfg.greedy:
             return logits_BVd.argmax(-1), None
-        q_BVd = sampling.probs(logits_BVd, self.cfg.temperature, self.cfg.top_p)
+        q_BVd = self._draft_probs(logits_BVd)
         return sampling.sample(q_BVd, self.generator), q_BVd
 
     def step(self, prefix: Prefix, root_B: torch.Tensor, hidden_BH: torch.Tensor, logits_BVd: torch.Tensor):
@@ -329,9 +329,8 @@ class Speculator:
             if cfg.greedy:
                 tree = draft_tree(self.head, prefix, root_B, hidden_BH, logits_BVd, shape)
             else:
-                root_q_BVd = sampling.probs(logits_BVd, cfg.temperature, cfg.top_p)
-                tree, q_BNVd = draft_tree_sampled(self.head, prefix, hidden_BH, root_q_BVd, root_B, shape,
-                                                  self._draft_probs, self.generator)
+                tree, q_BNVd = draft_tree_sampled(self.head, prefix, hidden_BH, self._draft_probs(logits_BVd),
+                                                  root_B, shape, self._draft_probs, self.generator)
             hidden_BNH, aux_BN3H = self.target(prefix, tree.tokens_BN, prefix.lengths_B[:, None] + tree.depth_BN,
                                                tree.ancestors_BNN)
             logits_BNV = self.target.logits(hidden_BNH)

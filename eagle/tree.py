@@ -72,7 +72,7 @@ class HeadRunner:
         elif isinstance(region, int):
             mask_BTL = (self.cache.slot_index(span)[None] < (prefix.lengths_B + region)[:, None])[:, None]
         else:
-            region = causal_region(T, tokens_BT.device) if region is None else region
+            region = causal_region(T, hidden_BTH.device) if region is None else region
             mask_BTL = visibility_mask(prefix.lengths_B, region, span)
         return self.draft(tokens_BT, hidden_BTH, pos_BT, self.cache.layers[0], mask_BTL, select_B, normed_emb_BTH)
 
