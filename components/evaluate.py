@@ -42,6 +42,11 @@ class EvaluateConfig:
     max_prompt_tokens: int = 384
     device: str = "cpu"
     seed: int = 0
+    engine: str = "local"  # "vllm": also serve the head in vLLM and measure it there (components/engine_eval.py)
+
+    def __post_init__(self) -> None:
+        if self.engine not in ("local", "vllm"):
+            raise ValueError(f"evaluate engine must be 'local' or 'vllm', got {self.engine!r}")
 
     @classmethod
     def tiny(cls) -> "EvaluateConfig":
@@ -75,7 +80,8 @@ class EvaluateResult:
         return m
 
 
-def _prompts(tokenizer, traffic_path: str, cfg: EvaluateConfig):
+def held_out_prompts(tokenizer, traffic_path: str, cfg: EvaluateConfig) -> list[tuple[str, list[int]]]:
+    """(segment, prompt token ids) of the first user turn of each held-out conversation, with the chat template."""
     from components.chat import prompt_ids
     from components.traffic_io import load_traffic
 
@@ -112,7 +118,7 @@ def evaluate(cfg: EvaluateConfig, target_dir: str, head_dir: str, traffic_path: 
     spec = SpecConfig(method=cfg.method, depth=cfg.depth, topk=cfg.topk, budget=cfg.budget,
                       temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
                       eos_token_id=tuple(eos) if isinstance(eos, list) else eos)
-    prompts = _prompts(tokenizer, traffic_path, cfg)
+    prompts = held_out_prompts(tokenizer, traffic_path, cfg)
     gen = torch.Generator(device=cfg.device).manual_seed(cfg.seed)
     t_plain = t_spec = 0.0
     n_tokens, identical, samples = 0, True, []
@@ -134,7 +140,8 @@ def evaluate(cfg: EvaluateConfig, target_dir: str, head_dir: str, traffic_path: 
             n_tokens += int(sp.lengths.sum())
             acc = sp.stats.accept_lengths[sp.stats.accept_lengths >= 0]
             samples.append({"segment": segment, "accept_lengths": acc.tolist(), "identical": same,
-                            "plain_s": t1 - t0, "spec_s": t2 - t1, "tokens": int(sp.lengths.sum())})
+                            "plain_s": t1 - t0, "spec_s": t2 - t1, "tokens": int(sp.lengths.sum()),
+                            "output_ids": sp.sequences[0, :int(sp.lengths[0])].tolist()})
             if baseline is not None:
                 b = generate_speculative(target, baseline, x, None, spec, generator=gen).stats.accept_lengths
                 base_acc.append(b[b >= 0])

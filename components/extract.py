@@ -5,6 +5,11 @@ Purpose: `extract(cfg, target_dir, regen_dir, out_dir) -> ExtractResult`.
   `tokens.safetensors`, counts the trained tokens (`token_counts`, for the draft vocabulary) and saves the
   target's embedding and lm_head (`target_heads.safetensors`), so training never needs more of the target in
   offline mode.
+  Its config goes to `target_config/config.json`, with the dtype the target's own config states (the head is
+  exported in it).
+- The fused layers are `cfg.aux_layer_ids` (checked against the target's depth), or
+  when empty `eagle.config.default_aux_layer_ids` of the target's depth; the manifest's `layer_ids` records them
+  and training builds the head with exactly those.
 - `cfg.mode == "offline"`: also writes feature shards `features-XXXXX.safetensors` (input_ids int32, loss_mask
   uint8, offsets int64, aux_hidden_states and last_hidden_state in `cfg.dtype`) and a manifest with the target's
   path and weights hash, layer ids, dtype, each shard's sha256, tokens hash and size, and bytes per token. Shards
@@ -16,6 +21,7 @@ Not here: training (components/train.py) and the dataset readers (components/dat
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import time
@@ -26,7 +32,7 @@ from typing import Callable, Literal
 from components.atomic import atomic_path, atomic_write_text, file_sha256, remove_stale_temps
 from components.chat import tokenize_conversation
 from components.regenerate import read_regenerated
-from components.targets import load_target, weights_sha256
+from components.targets import declared_dtype, load_target, weights_sha256
 
 MANIFEST = "manifest.json"
 
@@ -39,12 +45,18 @@ class ExtractConfig:
     batch_size: int = 8
     seqs_per_shard: int = 256
     device: str = "cpu"
+    aux_layer_ids: tuple[int, ...] = ()  # fused layers (inputs of these target layers); empty: the default rule
 
     def __post_init__(self) -> None:
         if self.mode not in ("offline", "online"):
             raise ValueError(f"extract mode must be 'offline' or 'online', got {self.mode!r}")
         if self.dtype not in ("bfloat16", "float16", "float32"):
             raise ValueError(f"feature dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
+        ids = tuple(self.aux_layer_ids)
+        if ids and not (len(ids) == 3 and all(type(i) is int for i in ids) and 1 <= ids[0] < ids[1] < ids[2]):
+            raise ValueError(f"aux_layer_ids {list(ids)} must be three distinct ascending layer ids >= 1, or empty "
+                             "for the default rule of the target's depth")
+        object.__setattr__(self, "aux_layer_ids", ids)
 
 
 @dataclass(frozen=True)
@@ -124,17 +136,15 @@ def _write_shard(path: Path, target, layer_ids, seqs, cfg: ExtractConfig) -> Non
 
 def extract(cfg: ExtractConfig, target_dir: str, regen_dir: str, out_dir: str,
             progress: Callable[[str], None] = print, trust_remote_code: bool = False) -> ExtractResult:
-    from eagle.config import default_aux_layer_ids
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(out)  # left by a run killed mid-write
     target, tokenizer = load_target(target_dir, cfg.device, trust_remote_code=trust_remote_code)
+    layer_ids = fused_layer_ids(cfg, target.config.num_hidden_layers, target_dir)
     seqs, truncated = tokenize_all(tokenizer, regen_dir, cfg.max_len)
     n_trained = _save_tokens(out, seqs, target.config.vocab_size)
     _save_target_heads(out, target)
-    atomic_write_text(out / "target_config" / "config.json", target.config.to_json_string())
-    layer_ids = list(default_aux_layer_ids(target.config.num_hidden_layers))
+    _save_target_config(out, target, target_dir)
     target_sha = weights_sha256(target_dir)  # once: hashing a real target's weights takes a while
     previous = _previous_manifest(out / MANIFEST)
     same_source = (previous.get("dtype"), previous.get("layer_ids"), previous.get("target", {}).get("weights_sha256")) \
@@ -162,6 +172,25 @@ def extract(cfg: ExtractConfig, target_dir: str, regen_dir: str, out_dir: str,
     atomic_write_text(out / MANIFEST, json.dumps(manifest, indent=2) + "\n")
     return ExtractResult(str(out), cfg.mode, str(out / MANIFEST), len(seqs), manifest["n_tokens"], n_trained,
                          manifest["bytes_per_token"])
+
+
+def fused_layer_ids(cfg: ExtractConfig, n: int, target_dir: str) -> list[int]:
+    """`cfg.aux_layer_ids` checked against the target's depth `n`, or the default rule for it."""
+    from eagle.config import check_aux_layer_ids, default_aux_layer_ids
+
+    if not cfg.aux_layer_ids:
+        return list(default_aux_layer_ids(n))
+    try:
+        return list(check_aux_layer_ids(cfg.aux_layer_ids, n))
+    except ValueError as e:
+        raise ValueError(f"extract.aux_layer_ids for {target_dir}: {e}") from None
+
+
+def _save_target_config(out: Path, target, target_dir: str) -> None:
+    """The loaded target's config, stating the dtype of the target's own config.json (it was loaded in fp32)."""
+    config = copy.deepcopy(target.config)
+    config.dtype = declared_dtype(target_dir)
+    atomic_write_text(out / "target_config" / "config.json", config.to_json_string())
 
 
 def _previous_manifest(path: Path) -> dict:

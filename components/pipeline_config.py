@@ -49,14 +49,15 @@ class PipelineConfig:
 
         One Ray worker with both cores (2 torch threads trained 1.7x the tokens/s of 1, measured on the demo's
         features); a fine-tune's head warm-started from its base's head gets 60 steps (on the embedded fine-tune:
-        tau 2.89 after 60 warm steps, 2.95 after 120 fresh ones, 1.94 after 40 fresh ones).
+        tau 2.89 after 60 warm steps, 2.95 after 120 fresh ones, 1.94 after 40 fresh ones). Each head is also
+        served by vLLM and measured there (`evaluate.engine: vllm`), as production will run it.
         """
         return cls(regenerate=RegenerateConfig(max_new_tokens=96, batch_size=32, shard_size=64, limit=320),
                    extract=ExtractConfig(max_len=320, seqs_per_shard=128),
                    train=TrainConfig(steps=120, batch_size=8, draft_vocab_size=2048, ttt_steps=5, lr=3e-3,
                                      warmup_steps=10, num_workers=1, cpus_per_worker=2, checkpoint_every=40,
                                      log_every=10, warm_start_steps=60),
-                   evaluate=EvaluateConfig(method="chain", depth=5, max_new_tokens=96, limit=16),
+                   evaluate=EvaluateConfig(method="chain", depth=5, max_new_tokens=96, limit=16, engine="vllm"),
                    register=RegisterConfig(tau_floor=1.5))
 
     @classmethod
@@ -119,8 +120,16 @@ def _fits(value: Any, hint: Any) -> bool:
     if hint is int:
         return isinstance(value, int) and not isinstance(value, bool)
     if origin in (tuple, list):
-        return isinstance(value, (tuple, list))
+        return isinstance(value, (tuple, list)) and all(_fits(v, h) for v, h in zip(value, _item_hints(hint, value)))
     return hint is Any or not isinstance(hint, type) or isinstance(value, hint)
+
+
+def _item_hints(hint: Any, value: Any) -> list[Any]:
+    """The annotation of each item of a `tuple[X, ...]`, `tuple[X, Y]` or `list[X]` value (Any when unstated)."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) is tuple and args and args[-1] is not Ellipsis:
+        return list(args) if len(args) == len(value) else [None] * len(value)  # None fits nothing: wrong length
+    return [args[0] if args else Any] * len(value)
 
 
 def _typed(value: Any, hint: Any, what: str) -> Any:

@@ -126,6 +126,26 @@ def finish_registration(store: MlflowStore, name: str, version: int) -> ModelVer
     return v
 
 
+def _alphas(metrics: dict[str, float], prefix: str) -> list[float]:
+    keys = [k for k in metrics if k.startswith(prefix) and k[len(prefix):].isdigit()]
+    return [metrics[k] for k in sorted(keys, key=lambda k: int(k[len(prefix):]))]
+
+
+def _acceptance_tags(metrics: dict[str, float]) -> dict[str, str]:
+    """Per-position acceptance (alpha_1..alpha_k) as measured here, and the engine's figures when it measured them
+    (`tau_vllm`, `speedup_vllm`, `identical_vllm`, `acceptance_vllm`)."""
+    tags = {}
+    for name, prefix in (("acceptance", "alpha_"), ("acceptance_vllm", "alpha_vllm_")):
+        if alphas := _alphas(metrics, prefix):
+            tags[name] = " ".join(f"{a:.4f}" for a in alphas)
+    for k in ("tau_vllm", "speedup_vllm"):
+        if k in metrics:
+            tags[k] = f"{float(metrics[k]):.4f}"
+    if "identical_vllm" in metrics:
+        tags["identical_vllm"] = "true" if metrics["identical_vllm"] else "false"
+    return tags
+
+
 def register_head(store: MlflowStore, cfg: RegisterConfig, head: HeadToRegister) -> RegisterResult:
     name = head_model_name(head.target, cfg.experiment_suffix)
     store.ensure_model(name)
@@ -147,10 +167,7 @@ def register_head(store: MlflowStore, cfg: RegisterConfig, head: HeadToRegister)
             "gate": reason, PROMOTED_TAG: str(promoted).lower()}
     if head.init_from:
         tags["init_from"] = head.init_from
-    alphas = [head.metrics[k] for k in sorted((k for k in head.metrics if k.startswith("alpha_")),
-                                              key=lambda k: int(k.split("_")[1]))]
-    if alphas:
-        tags["acceptance"] = " ".join(f"{a:.4f}" for a in alphas)  # per-position acceptance, alpha_1..alpha_k
+    tags.update(_acceptance_tags(head.metrics))
     run_id = head.run_id
     store.log_params(run_id, {"target": f"{head.target.name}/{head.target.version}",
                               **{k: json.dumps(v) if isinstance(v, (dict, list)) else v

@@ -4,13 +4,15 @@ Purpose: `load_target(path, device)` returns (model, tokenizer) in eval mode, we
 `trust_remote_code` off unless the caller turns it on, and a clear error for a directory that is not a causal LM
 with enough layers for an EAGLE-3 head, or whose tokenizer does not fit the model or has no chat template;
 `check_target(path)` makes the same checks without loading the weights (flows check their inputs up front).
-`weights_sha256` hashes the weight files for lineage.
+`weights_sha256` hashes the weight files for lineage; `declared_dtype` is the dtype the target's config.json
+states (targets are loaded in float32 here, which rewrites the loaded config's dtype; engines use the stated one).
 Not here: registry URIs (infra/ resolves `models:/...` to a local directory first).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +72,12 @@ def load_target(path: str | Path, device: str = "cpu", trust_remote_code: bool =
         raise TargetError(f"{path}: cannot load its weights ({str(e)[:400]}); check that the *.safetensors files "
                           "are complete and belong to config.json") from None
     return model.to(device).eval(), tokenizer
+
+
+def declared_dtype(path: str | Path) -> str:
+    """The dtype the target's config.json states (`dtype`, or the older `torch_dtype`); "float32" if none."""
+    raw = json.loads((Path(path) / "config.json").read_text())
+    return str(raw.get("dtype") or raw.get("torch_dtype") or "float32").removeprefix("torch.")
 
 
 def weights_sha256(path: str | Path) -> str:

@@ -13,6 +13,8 @@ exports the head (vLLM/SGLang format + probe) to `out_dir/head`. Warm start (`in
 from another exported head of a target with the same shapes (the flows pass the base target's champion head when
 training a fine-tune of it), keeping that head's draft vocabulary; `TrainConfig.warm_start_steps` is the step
 budget for such runs.
+The head fuses the layers the features were extracted at (the manifest's `layer_ids`); a warm-start head or a
+checkpoint made for other layer ids is refused, naming both.
 Not here: evaluation, registration, the choice of hyper-parameters per target (flows/ pass the config).
 """
 
@@ -103,6 +105,7 @@ def latest_checkpoint(out_dir: str | Path) -> Path | None:
 
 
 def _save_checkpoint(out_dir: Path, step: int, draft, opt, sched, keep: int) -> Path:
+    """Head weights, optimiser, scheduler, step, RNG and the head's layer ids, written atomically."""
     import torch
     from safetensors.torch import save_file
 
@@ -116,7 +119,7 @@ def _save_checkpoint(out_dir: Path, step: int, draft, opt, sched, keep: int) -> 
     try:
         save_file(head_state_dict(draft), str(tmp / "head.safetensors"))
         torch.save({"opt": opt.state_dict(), "sched": sched.state_dict(), "step": step,
-                    "rng": torch.get_rng_state()}, tmp / "state.pt")
+                    "rng": torch.get_rng_state(), "aux_layer_ids": list(draft.cfg.aux_layer_ids)}, tmp / "state.pt")
         (tmp / "DONE").write_text(str(step))
     except BaseException as err:  # a full disk: leave no half checkpoint, say where
         shutil.rmtree(tmp, ignore_errors=True)
@@ -132,15 +135,27 @@ def _save_checkpoint(out_dir: Path, step: int, draft, opt, sched, keep: int) -> 
 
 
 def _load_checkpoint(path: Path, draft, opt, sched) -> int:
+    """Restore a checkpoint into `draft`, `opt`, `sched` and the RNG; refuse one made for other layer ids."""
     import torch
     from safetensors.torch import load_file
 
-    draft.load_state_dict(load_file(str(path / "head.safetensors")), strict=False)
     state = torch.load(path / "state.pt", weights_only=True)
+    _check_checkpoint(path, state, draft.cfg.aux_layer_ids, draft.cfg.target_num_layers)
+    draft.load_state_dict(load_file(str(path / "head.safetensors")), strict=False)
     opt.load_state_dict(state["opt"])
     sched.load_state_dict(state["sched"])
     torch.set_rng_state(state["rng"])
     return int(state["step"])
+
+
+def _check_checkpoint(path: Path, state: dict, layer_ids, num_layers: int) -> None:
+    """Refuse a checkpoint (its `state.pt` dict) trained on other fused layers than `layer_ids`."""
+    n = num_layers
+    theirs = list(state.get("aux_layer_ids") or (2, n // 2, n - 3))  # a checkpoint without ids used (2, N//2, N-3)
+    if theirs != list(layer_ids):
+        raise ValueError(f"checkpoint {path} was trained on features of layers {theirs}, but the features are of "
+                         f"layers {list(layer_ids)}: delete {path.parent} to train afresh, or extract with "
+                         f"aux_layer_ids {theirs}")
 
 
 def _history_rows(path: Path) -> list[dict]:
@@ -178,12 +193,13 @@ def train_loop(args: LoopArgs) -> None:
         from components.targets import load_target
 
         target = load_target(args.target_dir, str(device), trust_remote_code=args.trust_remote_code)[0]
+    layer_ids = data.manifest["layer_ids"]
     if args.init_head_dir:
         draft = warm_start_head(args.init_head_dir, data.target_config(args.trust_remote_code),
-                                data.embed_tokens).to(device)
+                                data.embed_tokens, layer_ids).to(device)
     else:
         draft = head_from_tensors(data.target_config(args.trust_remote_code), data.token_counts, data.embed_tokens,
-                                  data.lm_head, cfg.draft_vocab_size).to(device)
+                                  data.lm_head, cfg.draft_vocab_size, aux_layer_ids=layer_ids).to(device)
     ttt = TTTConfig(ttt_steps=cfg.ttt_steps, gamma=cfg.gamma)
     opt, sched = make_optimizer(draft.trainable_parameters(), OptimConfig(lr=cfg.lr, warmup_steps=cfg.warmup_steps,
                                                                           total_steps=cfg.steps,
@@ -227,13 +243,18 @@ def train_loop(args: LoopArgs) -> None:
                                                  "resumed_from_step": start})
 
 
-def warm_start_head(head_dir: str, target_config, embed_VH):
+def warm_start_head(head_dir: str, target_config, embed_VH, aux_layer_ids):
     """The exported head in `head_dir` as the starting point for this target: its weights and draft vocabulary,
-    this target's (frozen) embedding. Refuses a head whose shapes do not fit the target, naming both."""
-    from eagle.export import check_target, load_head
+    this target's (frozen) embedding. Refuses a head whose shapes do not fit the target, or that fuses other
+    layers than `aux_layer_ids` (those of the features), naming both."""
+    from eagle.export import HeadMismatchError, check_target, load_head
 
     draft = load_head(head_dir)
     check_target(draft.cfg, target_config, where=f"warm-start head {head_dir}")
+    if list(draft.cfg.aux_layer_ids) != list(aux_layer_ids):
+        raise HeadMismatchError(f"warm-start head {head_dir} fuses layers {list(draft.cfg.aux_layer_ids)}, but the "
+                                f"features are of layers {list(aux_layer_ids)}: extract with aux_layer_ids "
+                                f"{list(draft.cfg.aux_layer_ids)} or train without the warm start")
     draft.embed_tokens.weight.data.copy_(embed_VH.float())
     return draft
 
@@ -273,18 +294,18 @@ def train(cfg: TrainConfig, extract_dir: str, out_dir: str, target_dir: str | No
 
     `init_head_dir` (an exported head) warm-starts training from that head's weights and draft vocabulary instead
     of a fresh head, e.g. the base target's head for a fine-tune of it; a checkpoint still takes precedence."""
-    from components.datasets import TrainingData
-
     out = Path(out_dir).resolve()  # Ray workers may run in another working directory
     extract_dir = str(Path(extract_dir).resolve())
     target_dir = str(Path(target_dir).resolve()) if target_dir else None
     out.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(out, extra=(".head.*", "checkpoints/.tmp-step-*"))  # left by a run killed mid-write
-    manifest = TrainingData.open(extract_dir, verify=True).manifest  # fail fast on bad shards, in the driver
-    if manifest["mode"] == "online" and not target_dir:
-        raise ValueError("online features need the target: pass target_dir")
+    layer_ids, n_layers = _check_extract(extract_dir, target_dir, trust_remote_code)  # fail fast, in the driver
     history = out / HISTORY
     ckpt = latest_checkpoint(out)
+    if ckpt:
+        import torch
+
+        _check_checkpoint(ckpt, torch.load(ckpt / "state.pt", weights_only=True), layer_ids, n_layers)
     resumed = int(ckpt.name.split("-")[1]) if ckpt else 0
     if not ckpt:
         history.unlink(missing_ok=True)
@@ -300,6 +321,22 @@ def train(cfg: TrainConfig, extract_dir: str, out_dir: str, target_dir: str | No
     rows = _history_rows(history)
     return TrainResult(str(out / "head"), cfg.steps, resumed, rows[-1] if rows else {}, str(history),
                        time.perf_counter() - t0)
+
+
+def _check_extract(extract_dir: str, target_dir: str | None, trust_remote_code: bool) -> tuple[list[int], int]:
+    """Shards that match their manifest, the target for online features, layer ids a head can fuse; returns
+    (the manifest's layer ids, the target's depth)."""
+    from components.datasets import TrainingData
+    from eagle.config import check_aux_layer_ids
+
+    data = TrainingData.open(extract_dir, verify=True)
+    if data.manifest["mode"] == "online" and not target_dir:
+        raise ValueError("online features need the target: pass target_dir")
+    n = data.target_config(trust_remote_code).num_hidden_layers
+    try:
+        return list(check_aux_layer_ids(data.manifest.get("layer_ids") or (), n)), n
+    except ValueError as e:
+        raise ValueError(f"{data.root / 'manifest.json'}: {e}; re-run the extract stage") from None
 
 
 def _ray_run_name(out_dir: str) -> str:

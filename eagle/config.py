@@ -1,22 +1,49 @@
 """Configuration of an EAGLE-3 draft head.
 
-Purpose: one frozen dataclass, `DraftConfig`, that fixes every shape of a head and the target it belongs to.
+Purpose: one frozen dataclass, `DraftConfig`, that fixes every shape of a head and the target it belongs to:
+the target's shapes and depth, the draft vocabulary size, the fused layer ids `aux_layer_ids` (three distinct
+ascending ids in 1..N-1; id k is the hidden state entering target decoder layer k) and the target's dtype
+`target_dtype` (the dtype engines run the head in, hence the dtype it is exported in).
 Build it from a Hugging Face target config with `DraftConfig.from_target(...)`, or `DraftConfig.tiny()` in tests.
+`default_aux_layer_ids(N)` is the rule for a target of N layers; `check_aux_layer_ids(ids, N)` validates others.
 Not here: training hyper-parameters (see `eagle.ttt.TTTConfig`) or anything about orchestration.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import operator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
+
+TARGET_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
-    """Layers whose *input* hidden states are fused: 2, N//2, N-3 (EAGLE-3's low, middle, high)."""
+    """Layers whose *input* hidden states are fused (EAGLE-3's low, middle, high) for a target of N layers.
+
+    Rule: (2, N//2, N-3) when those are strictly ascending (N >= 7), else (1, N//2, N-1), so that
+    small targets get three distinct ids too: N=4 -> (1, 2, 3), 5 -> (1, 2, 4), 6 -> (1, 3, 5), 7 -> (2, 3, 4),
+    8 -> (2, 4, 5). Engines fuse exactly three distinct states; repeated ids make vLLM capture fewer.
+    """
     if num_layers < 4:
         raise ValueError(f"an EAGLE-3 head needs a target with at least 4 decoder layers, got {num_layers}")
-    return (2, num_layers // 2, num_layers - 3)
+    ids = (2, num_layers // 2, num_layers - 3)
+    return ids if ids[0] < ids[1] < ids[2] else (1, num_layers // 2, num_layers - 1)
+
+
+def check_aux_layer_ids(ids: Any, num_layers: int) -> tuple[int, int, int]:
+    """`ids` as a tuple, if they are three distinct ascending ints within 1..num_layers-1; else a ValueError."""
+    ids = tuple(ids)
+    ok = len(ids) == 3 and not any(isinstance(i, bool) for i in ids)
+    try:
+        ids = tuple(operator.index(i) for i in ids)
+    except TypeError:
+        ok = False
+    if not (ok and 1 <= ids[0] < ids[1] < ids[2] <= num_layers - 1):
+        raise ValueError(f"aux_layer_ids {list(ids)} are not three distinct ascending layer ids within "
+                         f"1..{num_layers - 1} (the target has {num_layers} decoder layers)")
+    return ids  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -36,11 +63,14 @@ class DraftConfig:
     hidden_act: str = "silu"
     aux_layer_ids: tuple[int, int, int] = field(default=())  # type: ignore[assignment]
     target_model_type: str = "llama"
+    target_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         if not self.aux_layer_ids:
             object.__setattr__(self, "aux_layer_ids", default_aux_layer_ids(self.target_num_layers))
-        object.__setattr__(self, "aux_layer_ids", tuple(int(i) for i in self.aux_layer_ids))
+        object.__setattr__(self, "aux_layer_ids", check_aux_layer_ids(self.aux_layer_ids, self.target_num_layers))
+        if self.target_dtype not in TARGET_DTYPES:
+            raise ValueError(f"target_dtype must be one of {TARGET_DTYPES}, got {self.target_dtype!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
         if not 0 < self.draft_vocab_size <= self.vocab_size:
@@ -57,8 +87,10 @@ class DraftConfig:
                    target_num_layers=6, max_position_embeddings=512)
 
     @classmethod
-    def from_target(cls, target_config: Any, draft_vocab_size: int) -> "DraftConfig":
-        """Shapes from a HF `PretrainedConfig` of the Llama, Qwen2/3 or Mistral families."""
+    def from_target(cls, target_config: Any, draft_vocab_size: int,
+                    aux_layer_ids: Sequence[int] = ()) -> "DraftConfig":
+        """Shapes and dtype from a HF `PretrainedConfig` of the Llama, Qwen2/3 or Mistral families; fused layer
+        ids `aux_layer_ids` (empty: `default_aux_layer_ids` of the target's depth)."""
         c = target_config
         for name in ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "intermediate_size"):
             if getattr(c, name, None) is None:
@@ -72,7 +104,8 @@ class DraftConfig:
                    draft_vocab_size=min(draft_vocab_size, c.vocab_size), target_num_layers=c.num_hidden_layers,
                    rms_norm_eps=float(getattr(c, "rms_norm_eps", 1e-6)), rope_theta=rope[0], rope_scaling=rope[1],
                    max_position_embeddings=int(getattr(c, "max_position_embeddings", 2048)),
-                   hidden_act=getattr(c, "hidden_act", "silu"), target_model_type=getattr(c, "model_type", "llama"))
+                   hidden_act=getattr(c, "hidden_act", "silu"), aux_layer_ids=tuple(aux_layer_ids),
+                   target_model_type=getattr(c, "model_type", "llama"), target_dtype=dtype_name(c))
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -86,6 +119,12 @@ class DraftConfig:
         if unknown:
             raise ValueError(f"unknown DraftConfig keys: {sorted(unknown)}")
         return cls(**{**d, "aux_layer_ids": tuple(d.get("aux_layer_ids", ()))})
+
+
+def dtype_name(target_config: Any) -> str:
+    """The dtype a HF config declares (`dtype`, or the older `torch_dtype`), as a name like "bfloat16"."""
+    d = getattr(target_config, "dtype", None) or vars(target_config).get("torch_dtype")
+    return str(d).removeprefix("torch.") if d else "float32"
 
 
 def _rope_of(c: Any) -> tuple[float, dict[str, Any] | None]:

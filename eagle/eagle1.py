@@ -2,10 +2,10 @@
 
 Purpose: the baseline of `bench/acceptance_vs_depth.py`. `Eagle1Draft` is the EAGLE-3 head (`eagle.draft`) with a
 different input: instead of `fc` over the fused low/mid/high states it reads one feature, the input of the
-target's last decoder layer, as is (its `aux_layer_ids` repeat that layer three times, so the unchanged capture and
-drafting code of `eagle.speculative` run it; `fuse` keeps one copy). It is trained as EAGLE-1 was: at position i,
-from (token x_{i+1}, true feature f_i plus uniform noise), the head's output should regress the next feature
-f_{i+1} (smooth L1) and its logits should match the target's next-token distribution (soft cross-entropy on the
+target's last decoder layer, as is (its `aux_layer_ids` are the inputs of the last three layers, so the unchanged
+capture and drafting code of `eagle.speculative` run it; `fuse` keeps the last one). It is trained as EAGLE-1 was:
+at position i, from (token x_{i+1}, true feature f_i plus uniform noise), the head's output should regress the next
+feature f_{i+1} (smooth L1) and its logits should match the target's next-token distribution (soft cross-entropy on the
 draft vocabulary, weight 0.1); drafting then feeds the predicted feature back, one step at a time. Features are
 computed online from the target (`eagle1_batch`), since the extract stage stores EAGLE-3's layers.
 How to run: `head = eagle1_head(target, token_counts, Vd)`, then `eagle1_loss(head, eagle1_batch(...))` per step;
@@ -32,16 +32,16 @@ from eagle.vocab import select_draft_vocab
 
 
 def eagle1_config(cfg: DraftConfig) -> DraftConfig:
-    """The same head shapes, reading the input of the last decoder layer (three times, see the module doc)."""
+    """The same head shapes, reading the input of the last decoder layer (the last of three, see the module doc)."""
     top = cfg.target_num_layers - 1
-    return dataclasses.replace(cfg, aux_layer_ids=(top, top, top))
+    return dataclasses.replace(cfg, aux_layer_ids=(top - 2, top - 1, top))
 
 
 class Eagle1Draft(Eagle3Draft):
     """The EAGLE-3 head whose input feature is the top feature itself (no fusion; `fc` is unused)."""
 
     def fuse(self, aux_BT3H: torch.Tensor) -> torch.Tensor:
-        return aux_BT3H[..., :self.cfg.hidden_size].to(self.lm_head.weight.dtype)
+        return aux_BT3H[..., -self.cfg.hidden_size:].to(self.lm_head.weight.dtype)
 
     def trainable_parameters(self):
         return [p for n, p in self.named_parameters() if not n.startswith(("embed_tokens", "fc."))]
@@ -69,7 +69,7 @@ class Eagle1Batch:
 def eagle1_batch(target: nn.Module, draft: Eagle1Draft, input_ids_BS: torch.Tensor, loss_mask_BS: torch.Tensor,
                  attention_mask_BS: torch.Tensor) -> Eagle1Batch:
     """Run the target over a right-padded batch: its top feature and the teacher on the draft vocabulary."""
-    top = draft.cfg.aux_layer_ids[0]
+    top = draft.cfg.aux_layer_ids[-1]
     step = target_forward(target, input_ids_BS, (top,), attention_mask=attention_mask_BS)
     teacher = teacher_targets(step.last_hidden_BTH, target.get_output_embeddings().weight, draft.draft_ids())
     return Eagle1Batch(input_ids_BS, step.aux_BT3H.float(), loss_mask_BS, teacher)

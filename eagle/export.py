@@ -1,14 +1,27 @@
-"""Export and import of a head in the checkpoint format that vLLM and SGLang load, plus a verification probe.
+"""Export and import of a head in the checkpoint format that vLLM and SGLang load unmodified, plus a probe.
 
 Purpose: `export_head(draft, out_dir)` writes
-  config.json        LlamaForCausalLMEagle3, one layer, the target's shapes, every norm flag explicit;
-  model.safetensors  fc, midlayer.*, norm, lm_head, d2t (int64), t2d (bool); no embed_tokens (the engine
-                     shares the target's);
-  probe.safetensors  fused-input features, token ids, positions and this implementation's step-0 draft logits,
-                     so a serving team can check that their loader reproduces the head;
-  eagle_head.json    our own metadata: the full DraftConfig and the caller's lineage (never read by engines).
-The directory appears atomically (written aside, then renamed). `load_head(dir, target)` rebuilds the head and
-refuses a head made for another target with a message naming the mismatch.
+  config.json              LlamaForCausalLMEagle3, one layer, the target's shapes, every norm flag explicit, the
+                           fused layer ids for both engines (see below) and `torch_dtype`;
+  model.safetensors        fc, midlayer.*, norm, lm_head, d2t (int64), t2d (bool); no embed_tokens (the engine
+                           shares the target's). When the draft vocabulary is the target's (Vd == V) d2t and t2d
+                           are left out: the mapping is the identity and vLLM has no parameter to load them into;
+  probe/probe.safetensors  fused-input features, token ids, positions and the exported head's step-0 draft logits,
+                           so a serving team can check that their loader reproduces the head. It sits in a
+                           subdirectory because both engines load every top-level `*.safetensors` as weights;
+  eagle_head.json          our own metadata: the full DraftConfig and the caller's lineage (never read by engines).
+Fused layer ids: ours are `DraftConfig.aux_layer_ids`, id k = the hidden state entering target decoder layer k,
+three distinct ascending ids in 1..N-1. vLLM reads them as they are from the top-level
+`eagle_aux_hidden_state_layer_ids`; SGLang reads `eagle_config.eagle_aux_hidden_state_layer_ids` and captures the
+input of layer id + 1, so that list holds our ids minus one (`sglang_capture_layers` and `vllm_capture_layers`
+restate each engine's reading). SGLang's `fc` is fixed at 3H, hence always three ids.
+Dtype: engines run the head in the target's dtype (vLLM always; SGLang's `--dtype auto` reads each model's own
+config), so by default the float tensors are written in `DraftConfig.target_dtype` and `torch_dtype` says so; an
+explicit `dtype=` overrides. The probe's logits are those of the weights as written.
+The directory appears atomically (written aside, then renamed). `load_head(dir, target)` rebuilds the head,
+refuses a head made for another target with a message naming the mismatch, reads a probe at either place, and
+folds a head whose draft config repeats a layer id into the equivalent three-distinct-id head
+(`fold_duplicate_aux`).
 Not here: registries, URIs, downloads (see infra/).
 """
 
@@ -18,8 +31,9 @@ import json
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -29,8 +43,11 @@ from eagle.draft import Eagle3Draft
 
 FORMAT_VERSION = 1
 WEIGHTS = "model.safetensors"
-PROBE = "probe.safetensors"
+PROBE = "probe/probe.safetensors"
+LEGACY_PROBE = "probe.safetensors"
 META = "eagle_head.json"
+VOCAB_MAP = ("d2t", "t2d")
+NUM_AUX = 3
 
 
 class HeadMismatchError(ValueError):
@@ -39,6 +56,7 @@ class HeadMismatchError(ValueError):
 
 def engine_config(cfg: DraftConfig, dtype: torch.dtype) -> dict[str, Any]:
     """The config.json both engines read for an EAGLE-3 Llama-style head."""
+    ids = list(cfg.aux_layer_ids)
     return {
         "architectures": ["LlamaForCausalLMEagle3"],
         "model_type": "llama",
@@ -60,15 +78,35 @@ def engine_config(cfg: DraftConfig, dtype: torch.dtype) -> dict[str, Any]:
         "norm_before_residual": False,
         "attention_bias": False,
         "mlp_bias": False,
+        "num_aux_hidden_states": NUM_AUX,
+        "eagle_aux_hidden_state_layer_ids": ids,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in ids], "use_aux_hidden_state": True},
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
 
 
+def vllm_capture_layers(config: dict[str, Any], target_num_layers: int) -> list[int]:
+    """The target layers whose inputs vLLM fuses for a head with this config.json (its lookup order)."""
+    ids = config.get("eagle_aux_hidden_state_layer_ids") or \
+        (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    n = target_num_layers
+    return list(ids) if ids else sorted({2, n // 2, n - 3})
+
+
+def sglang_capture_layers(config: dict[str, Any], target_num_layers: int) -> list[int]:
+    """The target layers whose inputs SGLang fuses for a head with this config.json (it counts one lower)."""
+    ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    n = target_num_layers
+    return [v + 1 for v in ids] if ids is not None else [2, n // 2, n - 3]
+
+
 def head_state_dict(draft: Eagle3Draft, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """Exported tensors: everything but the (target-owned) embedding; float weights cast to `dtype` if given."""
+    """Exported tensors: everything but the (target-owned) embedding, and d2t/t2d only when Vd < V; float
+    weights cast to `dtype` if given."""
+    identity_vocab = draft.cfg.draft_vocab_size == draft.cfg.vocab_size
     out = {}
     for name, t in draft.state_dict().items():
-        if name.startswith("embed_tokens"):
+        if name.startswith("embed_tokens") or (identity_vocab and name in VOCAB_MAP):
             continue
         t = t.detach()
         if dtype is not None and t.is_floating_point():
@@ -81,7 +119,7 @@ def make_probe(draft: Eagle3Draft, n_tokens: int = 16, seed: int = 0) -> dict[st
     """Seeded features and tokens, and the head's step-0 logits on them (fp32)."""
     cfg = draft.cfg
     g = torch.Generator().manual_seed(seed)
-    aux = torch.randn(1, n_tokens, 3 * cfg.hidden_size, generator=g)
+    aux = torch.randn(1, n_tokens, NUM_AUX * cfg.hidden_size, generator=g)
     ids = torch.randint(0, cfg.vocab_size, (1, n_tokens), generator=g)
     pos = torch.arange(n_tokens)[None]
     p = next(draft.parameters())
@@ -90,35 +128,56 @@ def make_probe(draft: Eagle3Draft, n_tokens: int = 16, seed: int = 0) -> dict[st
     return {"aux_hidden_states": aux, "input_ids": ids, "position_ids": pos, "draft_logits": logits.float().cpu()}
 
 
+@contextmanager
+def _holding(draft: Eagle3Draft, tensors: dict[str, torch.Tensor]) -> Iterator[Eagle3Draft]:
+    """`draft` with `tensors` (the weights as written, maybe rounded) loaded; its own weights restored after."""
+    saved = {n: t.detach().clone() for n, t in draft.state_dict().items() if n in tensors}
+    draft.load_state_dict(tensors, strict=False)
+    try:
+        yield draft
+    finally:
+        draft.load_state_dict(saved, strict=False)
+
+
 def export_head(draft: Eagle3Draft, out_dir: str | Path, lineage: dict[str, Any] | None = None,
                 dtype: torch.dtype | None = None) -> Path:
-    """Write the head to `out_dir` (replaced atomically if it exists) and return the path."""
+    """Write the head to `out_dir` (replaced atomically if it exists) and return the path.
+
+    Float tensors are written in `dtype`, by default the target's (`draft.cfg.target_dtype`)."""
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tensors = head_state_dict(draft, dtype)
-    used = dtype or draft.lm_head.weight.dtype
+    used = dtype or getattr(torch, draft.cfg.target_dtype)
+    tensors = head_state_dict(draft, used)
+    with _holding(draft, tensors):
+        probe = make_probe(draft)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
-        save_file(make_probe(draft), str(tmp / PROBE), metadata={"format": "pt"})
+        (tmp / PROBE).parent.mkdir()
+        save_file(probe, str(tmp / PROBE), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(engine_config(draft.cfg, used), indent=2) + "\n")
         meta = {"format_version": FORMAT_VERSION, "draft_config": draft.cfg.to_dict(), "lineage": lineage or {}}
         (tmp / META).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
-        for f in tmp.iterdir():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-        if out.exists():
-            old = out.with_name(f".{out.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            out.rename(old)
-            tmp.rename(out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(out)
+        for f in tmp.rglob("*"):
+            if f.is_file():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+        _replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _replace_dir(tmp: Path, out: Path) -> None:
+    if out.exists():
+        old = out.with_name(f".{out.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(out)
 
 
 def read_head_meta(head_dir: str | Path) -> dict[str, Any]:
@@ -142,18 +201,48 @@ def check_target(cfg: DraftConfig, target_config: Any, where: str = "head") -> N
                                 "train a head for this target or pass the target it was trained for")
 
 
+def fold_duplicate_aux(draft_config: dict[str, Any], tensors: dict[str, torch.Tensor]
+                       ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The same head with three distinct ascending layer ids, when its draft config repeats or misorders ids.
+
+    `fc` is linear in the concatenated features, so the column blocks of a repeated id are summed into one block;
+    each missing id is filled with the smallest unused id in 1..N-1 and a zero block; the ids are sorted and the
+    blocks permuted with them. The result computes the same function and keeps `fc` at 3H columns."""
+    ids = [int(i) for i in draft_config.get("aux_layer_ids") or ()]
+    if not ids or (len(ids) == NUM_AUX and all(a < b for a, b in zip(ids, ids[1:]))):
+        return draft_config, tensors
+    H, n = int(draft_config["hidden_size"]), int(draft_config["target_num_layers"])
+    fc_HX = tensors["fc.weight"]
+    if fc_HX.shape[1] != len(ids) * H:
+        raise ValueError(f"fc.weight {tuple(fc_HX.shape)} does not fit aux_layer_ids {ids} of hidden size {H}")
+    blocks: dict[int, torch.Tensor] = {}
+    for j, i in enumerate(ids):
+        blocks[i] = blocks.get(i, 0) + fc_HX[:, j * H:(j + 1) * H].float()
+    for i in range(1, n):
+        if len(blocks) >= NUM_AUX:
+            break
+        blocks.setdefault(i, torch.zeros(fc_HX.shape[0], H))
+    new_ids = sorted(blocks)
+    fc = torch.cat([blocks[i] for i in new_ids], dim=1).to(fc_HX.dtype)
+    return {**draft_config, "aux_layer_ids": new_ids}, {**tensors, "fc.weight": fc.contiguous()}
+
+
 def load_head(head_dir: str | Path, target: torch.nn.Module | None = None,
               device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> Eagle3Draft:
     """Rebuild an exported head. With `target`, check it matches and install the target's embedding."""
     head_dir = Path(head_dir)
-    cfg = DraftConfig.from_dict(read_head_meta(head_dir)["draft_config"])
+    meta = read_head_meta(head_dir)
+    tensors = load_file(str(head_dir / WEIGHTS))
+    config, tensors = fold_duplicate_aux(meta["draft_config"], tensors)
+    cfg = DraftConfig.from_dict(config)
     if target is not None:
         check_target(cfg, target.config, where=str(head_dir))
-    tensors = load_file(str(head_dir / WEIGHTS))
-    draft = Eagle3Draft(cfg)
+    draft = Eagle3Draft(cfg)  # its vocabulary map starts as the identity, which Vd == V heads may leave out
     expected = set(head_state_dict(draft))
-    if set(tensors) != expected:
-        raise ValueError(f"{head_dir / WEIGHTS}: tensors {sorted(set(tensors) ^ expected)} missing or unexpected")
+    optional = set(VOCAB_MAP) if cfg.draft_vocab_size == cfg.vocab_size else set()
+    if set(tensors) - optional != expected:
+        raise ValueError(f"{head_dir / WEIGHTS}: tensors {sorted((set(tensors) - optional) ^ expected)} missing "
+                         "or unexpected")
     if dtype is not None:
         draft = draft.to(dtype)
     draft.load_state_dict(tensors, strict=False)
@@ -164,7 +253,8 @@ def load_head(head_dir: str | Path, target: torch.nn.Module | None = None,
 
 def verify_probe(draft: Eagle3Draft, head_dir: str | Path) -> float:
     """Max abs difference between this head's step-0 logits and the probe's (0.0 for a faithful loader)."""
-    probe = load_file(str(Path(head_dir) / PROBE))
+    path = Path(head_dir) / PROBE
+    probe = load_file(str(path if path.is_file() else Path(head_dir) / LEGACY_PROBE))
     p = next(draft.parameters())
     with torch.no_grad():
         _, logits = draft(probe["input_ids"].to(p.device), draft.fuse(probe["aux_hidden_states"].to(p.device, p.dtype)),

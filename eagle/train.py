@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -39,16 +39,19 @@ class OptimConfig:
 
 
 def init_head(target: nn.Module, token_counts_V: torch.Tensor, draft_vocab_size: int,
-              always_include: Iterable[int] = ()) -> Eagle3Draft:
-    """A fresh head for `target`: draft vocabulary from counts, frozen target embedding, lm_head from its rows."""
+              always_include: Iterable[int] = (), aux_layer_ids: Sequence[int] = ()) -> Eagle3Draft:
+    """A fresh head for `target`: draft vocabulary from counts, frozen target embedding, lm_head from its rows;
+    fused layers `aux_layer_ids` (empty: the default rule for the target's depth)."""
     return head_from_tensors(target.config, token_counts_V, target.get_input_embeddings().weight,
-                             target.get_output_embeddings().weight, draft_vocab_size, always_include)
+                             target.get_output_embeddings().weight, draft_vocab_size, always_include, aux_layer_ids)
 
 
 def head_from_tensors(target_config, token_counts_V: torch.Tensor, embed_VH: torch.Tensor, lm_head_VH: torch.Tensor,
-                      draft_vocab_size: int, always_include: Iterable[int] = ()) -> Eagle3Draft:
-    """As `init_head`, from the target's config, embedding and lm_head alone (offline training)."""
-    cfg = DraftConfig.from_target(target_config, draft_vocab_size)
+                      draft_vocab_size: int, always_include: Iterable[int] = (),
+                      aux_layer_ids: Sequence[int] = ()) -> Eagle3Draft:
+    """As `init_head`, from the target's config, embedding and lm_head alone (offline training, where the
+    layer ids are those the features were extracted at)."""
+    cfg = DraftConfig.from_target(target_config, draft_vocab_size, aux_layer_ids)
     draft = Eagle3Draft(cfg)
     draft.set_draft_vocab(select_draft_vocab(token_counts_V, cfg.draft_vocab_size, always_include))
     draft.init_from_target(embed_VH.detach().float().cpu(), lm_head_VH.detach().float().cpu())

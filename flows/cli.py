@@ -6,6 +6,8 @@ argument errors import nothing heavy; Prefect, MLflow and torch load only once a
   eagle-heads train --target DIR|models:/name/version --traffic FILE --heldout FILE [--name N] [--config F]
   eagle-heads evaluate --head DIR|models:/name/version [--target DIR|models:/...] --traffic FILE [--json OUT]
                       [--method chain|tree] [--depth D] [--limit N]
+                      [--engine local|vllm]
+  eagle-heads serve --head models:/name@alias|DIR [--target ...] [--port P] [--k K] [--print-only]
   eagle-heads watch [--once] [--interval S] [--dispatch event|local]
 Settings come from the environment (infra/settings.py): EAGLE_HOME, MLFLOW_TRACKING_URI, RAY_ADDRESS,
 PREFECT_API_URL. Exit codes: 0 success, 1 failure of the job, 2 bad arguments, bad input (traffic, target,
@@ -46,6 +48,15 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--depth", type=_count, help="draft depth (default: the preset's; a well-trained head pays "
                                                 "deeper, see README 'How much to train and how deep to draft')")
     e.add_argument("--limit", type=_count, help="held-out conversations to decode (default: the preset's)")
+    e.add_argument("--engine", choices=["local", "vllm"],
+                   help="vllm: also serve the head in vLLM and measure tau, alpha_k and speedup there")
+    s = sub.add_parser("serve", help="serve a head with its target in vLLM (OpenAI-compatible server on loopback)")
+    s.add_argument("--head", required=True, help="models:/name@alias, models:/name/version or a head directory")
+    s.add_argument("--target", help="target directory or models:/...; default: the head's target from lineage")
+    s.add_argument("--port", type=_port, help="port on 127.0.0.1 (default: a free one)")
+    s.add_argument("--k", type=_count, default=5, help="speculative tokens per verification step (default 5)")
+    s.add_argument("--print-only", action="store_true",
+                   help="print the equivalent vLLM and SGLang launch commands for a GPU cluster and exit")
     w = sub.add_parser("watch", help="poll the registry and announce target versions without a head")
     w.add_argument("--once", action="store_true", help="poll once and exit")
     w.add_argument("--interval", type=_positive, default=60.0, help="seconds between polls")
@@ -62,6 +73,13 @@ def _positive(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
     if not value > 0:
         raise argparse.ArgumentTypeError(f"{text!r}: the interval must be > 0 seconds")
+    return value
+
+
+def _port(text: str) -> int:
+    value = _count(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"{text!r}: a port is 1..65535")
     return value
 
 
@@ -125,38 +143,94 @@ def _quiet_prefect() -> None:
     logging.getLogger("prefect").setLevel(logging.WARNING)
 
 
-def _evaluate(a) -> dict:
-    from dataclasses import replace
-
-    from components.evaluate import evaluate
-    from components.pipeline_config import PipelineConfig
-    from infra.mlflow_store import MlflowStore
-    from infra.settings import Settings
+def _resolve_head(a, settings) -> tuple[str, str, dict]:
+    """Local directories of `--head` and `--target`, and the head's lineage. The target defaults to the one the head
+    names: its lineage, else (a head registered from elsewhere) its registry version's `target_*` tags."""
     from eagle.export import read_head_meta
+    from infra.mlflow_store import MlflowStore, parse_model_uri
 
-    settings = Settings.from_env()
     store = MlflowStore.connect(settings) if "models:/" in (a.head + (a.target or "")) else None
-    head = str(store.resolve(a.head)) if a.head.startswith("models:/") else a.head
+    head = str(store.resolve(a.head)) if store and a.head.startswith("models:/") else a.head
+    lineage = dict(read_head_meta(head).get("lineage", {}))
+    if "target_name" not in lineage and store and a.head.startswith("models:/"):
+        name, version, alias = parse_model_uri(a.head)
+        ref = store.get_version(name, version) if version is not None else store.get_alias(name, alias or "")
+        tags = ref.tags if ref else {}
+        if "target_name" in tags:
+            lineage.update(target_name=tags["target_name"], target_version=tags["target_version"])
     target = a.target
     if target is None:
-        lin = read_head_meta(head)["lineage"]
-        if "target_name" not in lin:
-            raise SystemExit(f"{head}: no target in the head's lineage; pass --target")
-        target = f"models:/{lin['target_name']}/{lin['target_version']}"
+        if "target_name" not in lineage:
+            raise LookupError(f"{head}: the head names no target (lineage or registry tags); pass --target")
+        target = f"models:/{lineage['target_name']}/{lineage['target_version']}"
     if target.startswith("models:/"):
         store = store or MlflowStore.connect(settings)
         target = str(store.resolve(target))
-    cfg = PipelineConfig.preset(a.preset).evaluate
-    cfg = replace(cfg, **{k: v for k, v in (("method", a.method), ("depth", a.depth), ("limit", a.limit))
-                          if v is not None})
-    out = settings.state_dir / "evaluations" / time.strftime("%Y%m%d-%H%M%S")
-    res = evaluate(cfg, target, head, a.traffic, str(out), trust_remote_code=settings.trust_remote_code)
-    from dataclasses import asdict
+    return head, target, lineage
 
-    return asdict(res)
+
+def _evaluate(a, settings) -> dict:
+    from dataclasses import asdict, replace
+
+    from components.evaluate import evaluate
+    from components.pipeline_config import PipelineConfig
+
+    head, target, _ = _resolve_head(a, settings)
+    cfg = PipelineConfig.preset(a.preset).evaluate
+    cfg = replace(cfg, **{k: v for k, v in (("method", a.method), ("depth", a.depth), ("limit", a.limit),
+                                            ("engine", a.engine)) if v is not None})
+    out = settings.state_dir / "evaluations" / time.strftime("%Y%m%d-%H%M%S")
+    res = asdict(evaluate(cfg, target, head, a.traffic, str(out), trust_remote_code=settings.trust_remote_code))
+    if cfg.engine == "vllm":
+        from components.engine_eval import evaluate_in_vllm, our_outputs
+        from components.serve import servable_head
+
+        served = servable_head(head, target, settings.state_dir / "servable", settings.trust_remote_code)
+        res["vllm"] = asdict(evaluate_in_vllm(cfg, target, str(served), a.traffic, str(out / "vllm"), settings,
+                                              ours=our_outputs(res["report_file"])))
+    return res
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def _serve(a, settings) -> int:
+    import signal
+
+    from components.engine_eval import target_context
+    from components.serve import launch_commands, servable_head
+    from infra.vllm_server import EngineSpec, VllmServer
+
+    head, target, lineage = _resolve_head(a, settings)
+    served = servable_head(head, target, settings.state_dir / "servable", settings.trust_remote_code)
+    name = lineage.get("target_name") or Path(target).name
+    spec = EngineSpec(target, str(served), method="eagle3", num_speculative_tokens=a.k,
+                      max_model_len=min(target_context(target), 4096), served_model_name=name)
+    if served != Path(head):
+        print(f"serve: {head} predates the engine format; serving its lossless re-export {served}")
+    if a.print_only:
+        cmds = launch_commands(spec, a.port or 8000)
+        print(f"# vLLM (GPU; copy {served} and {target} to the cluster first)\n{cmds['vllm']}")
+        print(f"# SGLang\n{cmds['sglang']}")
+        return 0
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill PID` stops the engine as Ctrl-C does
+    print(f"serve: starting vLLM with {a.head} ({a.k} speculative tokens); log under {settings.state_dir / 'vllm'}",
+          flush=True)
+    with VllmServer(spec, settings, port=a.port) as srv:
+        print(f"serve: ready at {srv.base_url}/v1 (model {name!r}); try\n  curl {srv.base_url}/v1/chat/completions "
+              f"-H 'Content-Type: application/json' -d '{{\"model\": \"{name}\", \"messages\": "
+              f"[{{\"role\": \"user\", \"content\": \"def add(a, b):\"}}], \"max_tokens\": 32}}'\n"
+              f"  acceptance: curl -s {srv.base_url}/metrics | grep spec_decode; Ctrl-C stops the server", flush=True)
+        while srv.proc is not None and srv.proc.poll() is None:
+            time.sleep(1.0)
+        print(f"eagle-heads: error: vLLM stopped: {srv.last_error()} (log: {srv.log_path})", file=sys.stderr)
+        return 1
 
 
 def main(argv: list[str] | None = None) -> int:
+    from infra.vllm_server import EngineError
+
     parser = _parser()
     a = parser.parse_args(argv)
     _check_files(parser, a)
@@ -172,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
             probe_tracking(settings)  # in seconds, before a flow starts
         if a.command == "train":
             _preflight_train(a, settings)
+        if a.command == "serve":
+            return _serve(a, settings)
         if a.command != "evaluate":
             from infra.prefect_env import start_local_api
 
@@ -192,12 +268,17 @@ def main(argv: list[str] | None = None) -> int:
                   f"identical={'yes' if s.get('identical') else 'no'}")
             return 0
         if a.command == "evaluate":
-            res = _evaluate(a)
+            res = _evaluate(a, settings)
             if a.json:
                 from components.atomic import atomic_write_text
 
                 atomic_write_text(a.json, json.dumps(res, indent=2) + "\n")
             print(f"evaluate: tau={res['tau']:.2f} speedup={res['speedup']:.2f}x identical={res['identical']}")
+            if "vllm" in res:
+                v = res["vllm"]
+                print(f"evaluate (vLLM): tau={v['tau']:.2f} speedup={v['speedup']:.2f}x "
+                      f"identical={v['identical_to_plain'] and v['identical_to_ours'] is not False} "
+                      f"alpha={' '.join(f'{x:.2f}' for x in v['acceptance'])}")
             return 0
         from flows.watch import watch_registry
 
@@ -209,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(a.interval)
     except KeyboardInterrupt:
         return 130
-    except (ConnectionError, FileNotFoundError, LookupError) as e:
+    except (ConnectionError, FileNotFoundError, LookupError, EngineError) as e:
         print(f"eagle-heads: error: {e}", file=sys.stderr)
         return 2
     except _input_errors() as e:

@@ -16,6 +16,7 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import INPUTS, TASK_SOURCE
 
+from components.engine_eval import EngineEvalResult
 from components.evaluate import EvaluateConfig, EvaluateResult, evaluate
 from components.extract import ExtractConfig, ExtractResult, extract
 from components.regenerate import RegenerateConfig, RegenerateResult, regenerate
@@ -75,3 +76,13 @@ def evaluate_task(cfg: EvaluateConfig, target_dir: str, head_dir: str, heldout: 
                   trust_remote_code: bool = False) -> EvaluateResult:
     return evaluate(cfg, target_dir, head_dir, heldout, out_dir, baseline_head_dir, history_file,
                     trust_remote_code=trust_remote_code)
+
+
+@task(name="evaluate-in-vllm", cache_policy=CACHE - "settings", persist_result=True, retries=1, retry_delay_seconds=5,
+      retry_condition_fn=transient)
+def engine_eval_task(cfg: EvaluateConfig, target_dir: str, head_dir: str, heldout: str, out_dir: str,
+                     local_report: str, settings) -> EngineEvalResult:
+    """The head served by vLLM on the same prompts; compared with the local evaluation's outputs and counts."""
+    from components.engine_eval import evaluate_in_vllm, our_outputs
+
+    return evaluate_in_vllm(cfg, target_dir, head_dir, heldout, out_dir, settings, ours=our_outputs(local_report))

@@ -31,7 +31,8 @@ from components.register import (HeadToRegister, RegisterResult, TargetRef, chec
                                  head_model_name, register_head, register_target)
 from components.targets import TargetError, check_target, weights_sha256
 from components.traffic_io import TrafficFormatError, load_traffic, traffic_sha256
-from flows.tasks import evaluate_task, extract_task, fresh_if_missing, regenerate_task, train_task, transient
+from flows.tasks import (engine_eval_task, evaluate_task, extract_task, fresh_if_missing, regenerate_task, train_task,
+                         transient)
 from infra.locks import target_lock
 from infra.metrics_sink import MlflowSink
 from infra.mlflow_health import store_errors
@@ -118,14 +119,18 @@ def parent_head(store: MlflowStore, tref: TargetRef, cfg: PipelineConfig,
     path = store.resolve(champion.uri)
     from transformers import AutoConfig
 
-    from eagle.config import DraftConfig
+    from eagle.config import DraftConfig, default_aux_layer_ids
     from eagle.export import HeadMismatchError, check_target, read_head_meta
 
+    target_config = AutoConfig.from_pretrained(tref.path, trust_remote_code=trust_remote_code)
+    parent_cfg = read_head_meta(path)["draft_config"]
+    ids = list(cfg.extract.aux_layer_ids or default_aux_layer_ids(target_config.num_hidden_layers))
     try:
-        check_target(DraftConfig.from_dict(read_head_meta(path)["draft_config"]),
-                     AutoConfig.from_pretrained(tref.path, trust_remote_code=trust_remote_code), where=champion.uri)
+        if list(parent_cfg.get("aux_layer_ids", [])) != ids:  # e.g. a head of the earlier (2, 3, 3) default
+            raise HeadMismatchError(f"it fuses layers {parent_cfg.get('aux_layer_ids')}, this run fuses {ids}")
+        check_target(DraftConfig.from_dict(parent_cfg), target_config, where=champion.uri)
     except HeadMismatchError as e:
-        get_run_logger().warning(f"no warm start from {champion.uri}: {e}")
+        get_run_logger().warning(f"no warm start from {champion.uri}: {e}; training a fresh head")
         return None
     return ParentHead(f"models:/{head_name}/{champion.version}", str(path),
                       file_sha256(Path(path) / "model.safetensors"))
@@ -171,6 +176,7 @@ def _run(cfg: PipelineConfig, settings: Settings, store: MlflowStore, tref: Targ
         print(f"run {key[:12]} already registered as {v.uri}; nothing to do")
         alias = next((a for a in ("champion", "challenger") if a in v.aliases), "none")
         return {"head_uri": v.uri, "alias": alias, "tau": float(v.tags.get("tau", "nan")),
+                "tau_vllm": float(v.tags["tau_vllm"]) if "tau_vllm" in v.tags else None,
                 "speedup": float(v.tags.get("speedup", "nan")), "identical": True, "created": False,
                 "acceptance": [float(a) for a in v.tags.get("acceptance", "").split()]}
     regen_dir, ext_dir, train_dir, eval_dir = (str(work / s) for s in ("regenerate", "extract", "train", "evaluate"))
@@ -190,14 +196,20 @@ def _run(cfg: PipelineConfig, settings: Settings, store: MlflowStore, tref: Targ
         champ_dir = str(store.resolve(champion.uri)) if champion else None
         ev = fresh_if_missing(evaluate_task, Path(eval_dir) / "evaluation.json")(
             cfg.evaluate, tref.path, tr.head_dir, heldout, eval_dir, champ_dir, tr.history_file, trust)
+        metrics, engine = ev.metrics(), None
+        if cfg.evaluate.engine == "vllm":  # the head as production serves it: in vLLM, on the same prompts
+            engine = fresh_if_missing(engine_eval_task, Path(eval_dir) / "vllm" / "engine_evaluation.json")(
+                cfg.evaluate, tref.path, tr.head_dir, heldout, str(Path(eval_dir) / "vllm"), ev.report_file, settings)
+            metrics.update(engine.metrics())
         head = HeadToRegister(head_dir=tr.head_dir, target=tref, traffic_sha256=traffic_sha256(traffic),
-                              run_key=key, run_id=run_id, metrics=ev.metrics(), champion_tau=ev.baseline_tau,
+                              run_key=key, run_id=run_id, metrics=metrics, champion_tau=ev.baseline_tau,
                               evaluation_dir=eval_dir, params={"config": cfg.to_dict()},
                               init_from=parent.uri if parent else None)
         reg = register_task(settings, cfg.register, head)
     summary = {"head_uri": reg.uri, "alias": reg.alias, "promoted": reg.promoted, "gate": reg.reason,
-               "tau": ev.tau, "speedup": ev.speedup, "identical": ev.identical, "acceptance": ev.acceptance,
-               "per_segment": ev.per_segment, "train": asdict(tr), "regenerate": asdict(regen),
+               "tau": ev.tau, "tau_vllm": engine.tau if engine else None, "speedup": ev.speedup,
+               "identical": ev.identical, "acceptance": ev.acceptance, "per_segment": ev.per_segment,
+               "vllm": asdict(engine) if engine else None, "train": asdict(tr), "regenerate": asdict(regen),
                "extract": asdict(ext), "created": True, "work_dir": str(work),
                "init_from": parent.uri if parent else None}
     atomic_write_text(work / "summary.json", json.dumps(summary, indent=2, default=str) + "\n")

@@ -9,6 +9,7 @@ entry) and passed down. This is the only module of the project that reads enviro
     RAY_AUTH_MODE               passed to a local Ray (`disabled` in tests); default: Ray's own (token auth)
     PREFECT_API_URL             a Prefect server; default: Prefect's ephemeral mode
     EAGLE_TRUST_REMOTE_CODE     `1` lets transformers run code shipped with a model (default off)
+    EAGLE_VLLM_PYTHON           the python of an environment with vLLM (default: the project's `.venv-vllm`)
     MLFLOW_TRACKING_TOKEN, MLFLOW_TRACKING_USERNAME, MLFLOW_TRACKING_PASSWORD, PREFECT_API_KEY
                                 read so that `describe()` can say they are set; never printed (`repr` redacts)
 
@@ -73,6 +74,7 @@ class Settings:
     ray_auth_mode: str | None = None
     prefect_api_url: str | None = None
     trust_remote_code: bool = False
+    vllm_python: str | None = None
     mlflow_tracking_token: str | None = None
     mlflow_tracking_username: str | None = None
     mlflow_tracking_password: str | None = None
@@ -92,6 +94,7 @@ class Settings:
             ray_auth_mode=_get(env, "RAY_AUTH_MODE"),
             prefect_api_url=_get(env, "PREFECT_API_URL"),
             trust_remote_code=_flag(env, "EAGLE_TRUST_REMOTE_CODE"),
+            vllm_python=_get(env, "EAGLE_VLLM_PYTHON"),
             mlflow_tracking_token=_get(env, "MLFLOW_TRACKING_TOKEN"),
             mlflow_tracking_username=_get(env, "MLFLOW_TRACKING_USERNAME"),
             mlflow_tracking_password=_get(env, "MLFLOW_TRACKING_PASSWORD"),
@@ -135,6 +138,7 @@ class Settings:
             "ray_auth_mode": self.ray_auth_mode or "(ray default)",
             "prefect_api_url": redact_uri(self.prefect_api_url) or "(ephemeral)",
             "trust_remote_code": str(self.trust_remote_code),
+            "vllm_python": self.vllm_python or "(the project's .venv-vllm)",
         }
         out.update({name: "set" if getattr(self, name) else "unset" for name in _SECRET_FIELDS})
         return out

@@ -1,15 +1,19 @@
-"""Export -> import round trip, the engine config and tensor names, the probe, and refusal of a wrong target."""
+"""Export -> import round trip, the engine config and tensor names, the probe, and refusal of a wrong target;
+what vLLM and SGLang read from an exported head (weights glob, fused layer ids, vocabulary map, dtype), and the
+folding of heads whose draft config repeats a layer id."""
 
 import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from eagle.config import DraftConfig
+from eagle.config import DraftConfig, default_aux_layer_ids
 from eagle.draft import Eagle3Draft
-from eagle.export import HeadMismatchError, export_head, load_head, verify_probe
+from eagle.export import (HeadMismatchError, export_head, fold_duplicate_aux, load_head, sglang_capture_layers,
+                          verify_probe, vllm_capture_layers)
+from eagle.features import target_forward
 
 
 def _target(kind="llama", hidden=64, layers=6, vocab=256):
@@ -87,3 +91,128 @@ def test_reexport_replaces_atomically_and_bad_dirs_are_refused(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["head"]  # no temp dirs left behind
     with pytest.raises(FileNotFoundError, match="not an exported EAGLE-3 head"):
         load_head(tmp_path)
+
+
+# ---- what the engines read ---------------------------------------------------------------------------------------
+
+
+def test_default_layer_ids_are_three_distinct_ascending_ids_for_every_depth():
+    for n in range(4, 13):
+        ids = default_aux_layer_ids(n)
+        assert len(ids) == 3 and 1 <= ids[0] < ids[1] < ids[2] <= n - 1, (n, ids)
+    assert [default_aux_layer_ids(n) for n in (4, 5, 6, 7, 8, 32)] == \
+        [(1, 2, 3), (1, 2, 4), (1, 3, 5), (2, 3, 4), (2, 4, 5), (2, 16, 29)]
+    with pytest.raises(ValueError, match="at least 4 decoder layers"):
+        default_aux_layer_ids(3)
+
+
+@pytest.mark.parametrize("ids", [(2, 3, 3), (3, 2, 4), (0, 2, 4), (1, 2, 6), (1, 2)])
+def test_draft_config_refuses_bad_layer_ids(ids):
+    base = DraftConfig.tiny()  # a 6-layer target
+    with pytest.raises(ValueError, match=r"aux_layer_ids \[.*\] are not three distinct ascending .* 1\.\.5 "
+                                         r"\(the target has 6 decoder layers\)"):
+        DraftConfig(**{**base.to_dict(), "aux_layer_ids": ids})
+
+
+def test_only_the_weights_match_the_engines_glob(tmp_path):
+    target = _target()
+    d = _head(target)
+    out = export_head(d, tmp_path / "head")
+    assert sorted(p.name for p in out.glob("*.safetensors")) == ["model.safetensors"]
+    assert (out / "probe" / "probe.safetensors").is_file()
+    back = load_head(out, target)
+    assert verify_probe(back, out) == 0.0
+    (out / "probe" / "probe.safetensors").rename(out / "probe.safetensors")  # a head with the probe beside it
+    assert verify_probe(load_head(out, target), out) == 0.0
+
+
+@pytest.mark.parametrize("layers", [4, 6, 9])
+def test_both_engines_fuse_the_layers_the_head_was_trained_on(tmp_path, layers):
+    target = _target(layers=layers)
+    d = _head(target)
+    out = export_head(d, tmp_path / "head")
+    cfg = json.loads((out / "config.json").read_text())
+    ids = list(d.cfg.aux_layer_ids)
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == ids and cfg["num_aux_hidden_states"] == 3
+    assert cfg["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in ids],
+                                   "use_aux_hidden_state": True}
+    assert vllm_capture_layers(cfg, layers) == ids == sglang_capture_layers(cfg, layers)
+    x = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        hs = target(x, output_hidden_states=True).hidden_states  # hs[k]: the input of decoder layer k
+        ours = target_forward(target, x, d.cfg.aux_layer_ids).aux_BT3H
+    sglang = torch.cat([hs[k] for k in sglang_capture_layers(cfg, layers)], dim=-1)
+    torch.testing.assert_close(sglang, ours, atol=0, rtol=0)
+
+
+def test_legacy_head_with_a_repeated_layer_id_is_folded_losslessly(tmp_path):
+    target = _target()  # 6 layers: the head was trained on the inputs of layers 2, 3, 3
+    d = _head(target)
+    with torch.no_grad():
+        d.fc.weight.normal_(0, 0.05)
+    out = export_head(d, tmp_path / "legacy")
+    meta = json.loads((out / "eagle_head.json").read_text())
+    meta["draft_config"]["aux_layer_ids"] = [2, 3, 3]
+    (out / "eagle_head.json").write_text(json.dumps(meta))
+    folded = load_head(out, target)
+    assert folded.cfg.aux_layer_ids == (1, 2, 3) and folded.fc.weight.shape == (64, 192)
+    x = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(12)[None].expand(2, -1)
+    with torch.no_grad():
+        hs = target(x, output_hidden_states=True).hidden_states
+        _, want = d(x, d.fuse(torch.cat([hs[2], hs[3], hs[3]], -1)), pos)  # the legacy computation
+        _, got = folded(x, folded.fuse(target_forward(target, x, folded.cfg.aux_layer_ids).aux_BT3H), pos)
+    assert torch.allclose(got, want, atol=1e-5)
+    again = export_head(folded, tmp_path / "refolded")
+    assert json.loads((again / "eagle_head.json").read_text())["draft_config"]["aux_layer_ids"] == [1, 2, 3]
+    assert json.loads((again / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+
+
+def test_fold_sorts_and_fills_with_zero_blocks():
+    H = 4
+    fc = torch.arange(H * 3 * H, dtype=torch.float32).reshape(H, 3 * H)
+    cfg, t = fold_duplicate_aux({"hidden_size": H, "target_num_layers": 8, "aux_layer_ids": [5, 2, 5]},
+                                {"fc.weight": fc})
+    assert cfg["aux_layer_ids"] == [1, 2, 5]
+    blocks = t["fc.weight"].split(H, dim=1)
+    assert torch.equal(blocks[0], torch.zeros(H, H)) and torch.equal(blocks[1], fc[:, H:2 * H])
+    assert torch.equal(blocks[2], fc[:, :H] + fc[:, 2 * H:])
+    same = {"hidden_size": H, "target_num_layers": 8, "aux_layer_ids": [2, 4, 5]}
+    assert fold_duplicate_aux(same, {"fc.weight": fc}) == (same, {"fc.weight": fc})
+
+
+def test_full_draft_vocabulary_has_no_vocab_map(tmp_path):
+    target = _target()
+    d = Eagle3Draft(DraftConfig.from_target(target.config, 256))
+    d.init_from_target(target.get_input_embeddings().weight, target.get_output_embeddings().weight)
+    out = export_head(d, tmp_path / "head")
+    t = load_file(str(out / "model.safetensors"))
+    assert "d2t" not in t and "t2d" not in t
+    back = load_head(out, target)
+    assert torch.equal(back.draft_ids(), torch.arange(256)) and bool(back.t2d.all())
+    assert verify_probe(back, out) == 0.0
+    partial = export_head(_head(target, vd=50), tmp_path / "partial")  # Vd < V: the map is required
+    t = load_file(str(partial / "model.safetensors"))
+    save_file({k: v for k, v in t.items() if k != "d2t"}, str(partial / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"\['d2t'\] missing or unexpected"):
+        load_head(partial, target)
+
+
+def test_exported_in_the_targets_dtype_unless_told(tmp_path):
+    torch.manual_seed(0)
+    c = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                    num_attention_heads=4, num_key_value_heads=2, dtype="bfloat16")
+    target = LlamaForCausalLM(c).float().eval()  # a bf16 target, run here in fp32
+    target.config.dtype = torch.bfloat16
+    d = _head(target)
+    assert d.cfg.target_dtype == "bfloat16"
+    out = export_head(d, tmp_path / "head")
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    t = load_file(str(out / "model.safetensors"))
+    assert all(v.dtype == torch.bfloat16 for v in t.values() if v.is_floating_point())
+    assert verify_probe(load_head(out, target), out) < 1e-5  # the probe is of the weights as written
+    fp32 = export_head(d, tmp_path / "fp32", dtype=torch.float32)
+    assert json.loads((fp32 / "config.json").read_text())["torch_dtype"] == "float32"
+    assert load_file(str(fp32 / "model.safetensors"))["lm_head.weight"].dtype == torch.float32
+    assert DraftConfig.from_dict({k: v for k, v in d.cfg.to_dict().items() if k != "target_dtype"}).target_dtype \
+        == "float32"

@@ -3,8 +3,10 @@
 Purpose: the offline manifest describes what is on disk (layer ids, dtype, shard hashes); a re-run rewrites no
 shard, but one with another dtype rewrites them all; a corrupted shard is refused by name; online mode stores no
 features; the TTT batch is the same from stored features and from the target, and so is a training step; training
-exports a head the target accepts; a run killed mid-way resumes from its last checkpoint and ends where an
-uninterrupted run ends; under Ray, FailureConfig restarts the failed worker group and the run completes.
+exports a head the target accepts; chosen layer ids go from the config through the manifest into the head, and a
+warm-start head or checkpoint of other layer ids is refused; a run killed mid-way resumes from its last checkpoint
+and ends where an uninterrupted run ends; under Ray, FailureConfig restarts the failed worker group and the run
+completes.
 Run: `python -m pytest tests/test_extract_train.py` (about 15 s; `-m "not slow"` skips the ~40 s Ray test).
 Not here: mocks. Ray is a real local Ray (the `ray_local` fixture).
 """
@@ -12,6 +14,7 @@ Not here: mocks. Ray is a real local Ray (the `ray_local` fixture).
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -24,6 +27,7 @@ from components.extract import ExtractConfig, extract
 from components.regenerate import RegenerateConfig, regenerate
 from components.targets import load_target
 from components.train import TrainConfig, latest_checkpoint, train
+from eagle.config import default_aux_layer_ids
 from eagle.export import load_head, read_head_meta, verify_probe
 
 QUIET = dict(progress=lambda s: None)
@@ -78,7 +82,7 @@ def test_offline_manifest_describes_the_shards(offline_dir, target, tiny_embedde
     m = json.loads((offline_dir / "manifest.json").read_text())
     n = target.config.num_hidden_layers
     assert m["mode"] == "offline" and m["dtype"] == "float32"
-    assert m["layer_ids"] == [2, n // 2, n - 3]
+    assert m["layer_ids"] == list(default_aux_layer_ids(n)) and len(set(m["layer_ids"])) == 3
     assert m["target"]["weights_sha256"] == weights_sha256(tiny_embedded.target_dir)
     assert len(m["shards"]) == -(-m["n_seqs"] // 4) >= 2
     for s in m["shards"]:
@@ -250,7 +254,8 @@ def test_warm_start_refuses_a_head_of_another_shape(trained, target):
     other = copy.deepcopy(target.config)
     other.hidden_size *= 2
     with pytest.raises(HeadMismatchError, match=r"warm-start head .*\(hidden_size: head expects 64, target has 128\)"):
-        warm_start_head(trained.head_dir, other, target.get_input_embeddings().weight)
+        warm_start_head(trained.head_dir, other, target.get_input_embeddings().weight,
+                        default_aux_layer_ids(target.config.num_hidden_layers))
 
 
 @pytest.mark.slow
@@ -265,3 +270,69 @@ def test_ray_failure_config_restarts_and_completes(offline_dir, ray_local, tmp_p
     steps = _steps(res.history_file)
     assert steps == sorted(set(steps)) and steps[-1] == cfg.steps
     assert latest_checkpoint(out).name == f"step-{cfg.steps:07d}"
+
+
+# ---- chosen fused layers ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def custom_ids_dir(tiny_embedded, regen_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("stages") / "custom-ids"
+    extract(ExtractConfig(max_len=160, dtype="float32", seqs_per_shard=8, aux_layer_ids=(1, 2, 4)),
+            tiny_embedded.target_dir, regen_dir, str(out), **QUIET)
+    return out
+
+
+def test_chosen_layer_ids_reach_the_trained_head(custom_ids_dir, target, tmp_path):
+    import dataclasses
+
+    assert json.loads((custom_ids_dir / "manifest.json").read_text())["layer_ids"] == [1, 2, 4]
+    data = TrainingData.open(custom_ids_dir)
+    batch = ttt_batch(data, [0], torch.arange(64), "cpu")
+    from eagle.features import target_forward
+
+    ids = data.sequence(0)[0][None].long()
+    want = target_forward(target, ids, (1, 2, 4)).aux_BT3H
+    torch.testing.assert_close(batch.aux_BS3H[:, :ids.shape[1]], want, atol=1e-5, rtol=0)
+    res = train(dataclasses.replace(TrainConfig.tiny(), steps=2), str(custom_ids_dir), str(tmp_path / "train"))
+    cfg = json.loads((Path(res.head_dir) / "config.json").read_text())
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 2, 4]
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 3]
+    assert load_head(res.head_dir, target).cfg.aux_layer_ids == (1, 2, 4)
+
+
+def test_other_layer_ids_are_refused(custom_ids_dir, offline_dir, trained, tiny_embedded, regen_dir, tmp_path):
+    import dataclasses
+
+    from eagle.export import HeadMismatchError
+
+    cfg = dataclasses.replace(TrainConfig.tiny(), steps=2)
+    default = list(json.loads((offline_dir / "manifest.json").read_text())["layer_ids"])
+    with pytest.raises(HeadMismatchError, match=re.escape(f"fuses layers {default}, but the features are of layers "
+                                                          "[1, 2, 4]")):
+        train(cfg, str(custom_ids_dir), str(tmp_path / "warm"), init_head_dir=trained.head_dir)
+    out = tmp_path / "resume"
+    shutil.copytree(Path(trained.head_dir).parent / "checkpoints", out / "checkpoints")
+    with pytest.raises(ValueError, match=re.escape(f"trained on features of layers {default}, but the features are "
+                                                   "of layers [1, 2, 4]")):
+        train(cfg, str(custom_ids_dir), str(out))
+    with pytest.raises(ValueError, match=r"aux_layer_ids \[1, 2, 6\] .* \(the target has 6 decoder layers\)"):
+        extract(ExtractConfig(aux_layer_ids=(1, 2, 6)), tiny_embedded.target_dir, regen_dir, str(tmp_path / "x"),
+                **QUIET)
+
+
+def test_pipeline_config_takes_layer_ids_and_refuses_bad_ones(tmp_path):
+    from components.pipeline_config import ConfigError, PipelineConfig
+
+    def load(values):
+        path = tmp_path / "pipeline.json"
+        path.write_text(json.dumps({"extract": {"aux_layer_ids": values}}))
+        return PipelineConfig.load(path, preset="tiny")
+
+    assert load([1, 3, 5]).extract.aux_layer_ids == (1, 3, 5)
+    for bad in ([1, 1, 3], [0, 2, 4], [3, 2, 1], [1, 2]):
+        with pytest.raises(ConfigError, match=r"section 'extract': aux_layer_ids .* three distinct ascending"):
+            load(bad)
+    for bad in ([1, 2, "3"], [1, 2, 3.5], 3):
+        with pytest.raises(ConfigError, match="extract.aux_layer_ids"):
+            load(bad)

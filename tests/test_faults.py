@@ -289,7 +289,7 @@ def test_resumed_run_equals_an_uninterrupted_one(chain, reference):
     m, r = (json.loads((d / "extract" / "manifest.json").read_text()) for d in (work, ref))
     assert m["shards"] == r["shards"] and m["n_seqs"] == sum(s["n_seqs"] for s in m["shards"])
 
-    for name in ("model.safetensors", "probe.safetensors", "config.json"):
+    for name in ("model.safetensors", "probe/probe.safetensors", "config.json"):
         assert _sha(work / "train" / "head" / name) == _sha(ref / "train" / "head" / name), name
     meta, ref_meta = (json.loads((d / "train" / "head" / "eagle_head.json").read_text()) for d in (work, ref))
     assert meta["lineage"].pop("resumed_from_step") == 5 and ref_meta["lineage"].pop("resumed_from_step") == 0

@@ -54,7 +54,8 @@ def test_demo_registers_a_head_per_target_version_through_the_trigger(demo_run):
         head_dir = store.resolve(v.uri)
         cfg = json.loads((head_dir / "config.json").read_text())
         assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
-        assert (head_dir / "probe.safetensors").is_file()
+        assert (head_dir / "probe" / "probe.safetensors").is_file()
+        assert [p.name for p in head_dir.glob("*.safetensors")] == ["model.safetensors"]  # what engines load
     v2 = store.list_versions("stdlib-llama-v2-eagle3")[0]
     assert v2.tags["target_version"] == "2"
     # the fine-tune's head warm-started from the base target's champion head, and says so in its lineage

@@ -177,7 +177,7 @@ def test_a_batch_answers_each_conversation_as_if_alone(tiny_embedded):
     """Left padding with its attention mask and positions: batching must not change a greedy answer."""
     target, tok = load_target(tiny_embedded.target_dir)
     tok.padding_side = "left"
-    torch.manual_seed(0)
+    torch.manual_seed(2)
     with torch.no_grad():  # the tiny target answers dots to everything; a noisy lm_head makes answers differ
         target.lm_head.weight.normal_(std=0.5)
     answer = hf_answerer(target, tok, RegenerateConfig(max_new_tokens=8, temperature=0.0))

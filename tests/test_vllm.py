@@ -1,0 +1,242 @@
+"""Serving fidelity, proven in the engine: heads trained by the pipeline, served by vLLM (its CPU build), no mocks.
+
+Purpose: a head of the tiny pipeline preset on a real (small, trained) embedded target is exported, loaded
+unmodified by vLLM and served next to vLLM's plain decoding on the same held-out prompts:
+- greedy output with the head equals vLLM's plain output and this project's own greedy decoding, token for token;
+- vLLM's `/metrics` counters (drafts, accepted tokens per position) equal this project's evaluation's counts on the
+  same prompts, so tau and every alpha_k agree exactly;
+- the same holds for a head trained at custom fused layer ids and for a head in the earlier format (probe beside the
+  weights, no ids in config.json, a repeated layer id), which `servable_head` re-exports folded;
+- the `train-head` flow with `evaluate.engine: vllm` registers vLLM's tau and alpha_k next to ours (equal);
+- `eagle-heads serve` resolves the registered champion, starts vLLM and answers a chat completion with the target's
+  greedy output; `--print-only` prints the vLLM and SGLang commands; a missing vLLM is one clear line.
+Run: `python -m pytest tests/test_vllm.py` (about 5 minutes on 2 cores: each engine start takes 40-75 s). Needs
+vLLM's venv (`make vllm`; `make test` makes it).
+Not here: SGLang itself (not installable here); its capture rule is checked without it in tests/test_export.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from components.engine_eval import engine_prompts, evaluate_in_vllm, our_outputs, run_plain
+from components.evaluate import EvaluateConfig, evaluate
+from components.extract import ExtractConfig, extract
+from components.regenerate import RegenerateConfig, regenerate
+from components.serve import is_servable, servable_head
+from components.train import TrainConfig, train
+from infra.settings import Settings
+from infra.vllm_server import EngineError, EngineSpec, VllmServer, vllm_python
+
+pytestmark = pytest.mark.slow
+QUIET = dict(progress=lambda s: None)
+EVAL = EvaluateConfig(depth=3, max_new_tokens=24, limit=6)
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def engine_target(tmp_path_factory):
+    """The tiny embedded default trained long enough (400 steps, ~20 s) that greedy outputs vary with the prompt."""
+    from components.embedded.build import build_embedded
+    from components.embedded.config import EmbeddedConfig
+
+    c = EmbeddedConfig.tiny()
+    c = dataclasses.replace(c, train=dataclasses.replace(c.train, steps=400))
+    return build_embedded(c, tmp_path_factory.mktemp("engine-embedded"), progress=False)
+
+
+@pytest.fixture(scope="module")
+def settings(tmp_path_factory) -> Settings:
+    s = Settings.local(tmp_path_factory.mktemp("engine-state") / ".eagle")
+    vllm_python(s)  # a missing vLLM venv fails here with the line that says how to make it
+    return s
+
+
+@pytest.fixture(scope="module")
+def regen_dir(engine_target, tmp_path_factory) -> str:
+    out = tmp_path_factory.mktemp("engine-stages") / "regen"
+    cfg = RegenerateConfig(max_new_tokens=32, batch_size=8, shard_size=8, limit=24)
+    regenerate(cfg, engine_target.target_dir, str(engine_target.target_traffic.train), str(out), **QUIET)
+    return str(out)
+
+
+def _train_head(engine_target, regen_dir: str, root: Path, aux_layer_ids: tuple[int, ...] = ()) -> str:
+    ext = root / "extract"
+    extract(ExtractConfig(max_len=192, dtype="float32", seqs_per_shard=8, aux_layer_ids=aux_layer_ids),
+            engine_target.target_dir, regen_dir, str(ext), **QUIET)
+    cfg = dataclasses.replace(TrainConfig.tiny(), steps=60, checkpoint_every=60)
+    return train(cfg, str(ext), str(root / "train"), engine_target.target_dir).head_dir
+
+
+@pytest.fixture(scope="module")
+def heads(engine_target, regen_dir, tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("engine-heads")
+    default = _train_head(engine_target, regen_dir, root / "default")
+    custom = _train_head(engine_target, regen_dir, root / "custom", aux_layer_ids=(2, 3, 4))
+    return {"default": default, "custom": custom, "legacy": str(_as_legacy(Path(custom), root / "legacy"))}
+
+
+def _as_legacy(head: Path, out: Path) -> Path:
+    """The head in the format exported before engines could load it: probe beside the weights, no layer ids in
+    config.json, and a repeated id (2, 3, 3) in our metadata (the fc block of id 4 becomes a second block of 3)."""
+    shutil.copytree(head, out)
+    shutil.move(out / "probe" / "probe.safetensors", out / "probe.safetensors")
+    (out / "probe").rmdir()
+    cfg = json.loads((out / "config.json").read_text())
+    for k in ("eagle_aux_hidden_state_layer_ids", "eagle_config", "num_aux_hidden_states"):
+        cfg.pop(k, None)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    meta = json.loads((out / "eagle_head.json").read_text())
+    meta["draft_config"]["aux_layer_ids"] = [2, 3, 3]
+    (out / "eagle_head.json").write_text(json.dumps(meta, indent=2))
+    return out
+
+
+@pytest.fixture(scope="module")
+def plain_run(engine_target, settings):
+    prompts = engine_prompts(EVAL, engine_target.target_dir, str(engine_target.target_traffic.heldout), settings)
+    return run_plain(EVAL, engine_target.target_dir, prompts, settings, **QUIET)
+
+
+def _our_counts(report_file: str) -> tuple[int, list[int]]:
+    """(verification steps, steps that accepted position k) from this project's evaluation."""
+    steps = [a for s in json.loads(Path(report_file).read_text())["samples"] for a in s["accept_lengths"]]
+    return len(steps), [sum(a > k for a in steps) for k in range(EVAL.depth)]
+
+
+@pytest.mark.parametrize("kind", ["default", "custom", "legacy"])
+def test_vllm_serves_the_head_losslessly_with_our_acceptance(kind, heads, engine_target, settings, plain_run,
+                                                             tmp_path):
+    head = heads[kind]
+    assert is_servable(head) == (kind != "legacy")
+    served = servable_head(head, engine_target.target_dir, tmp_path / "servable")
+    assert is_servable(served)
+    heldout = str(engine_target.target_traffic.heldout)
+    ours = evaluate(EVAL, engine_target.target_dir, head, heldout, str(tmp_path / "local"), **QUIET)
+    assert ours.identical
+    res = evaluate_in_vllm(EVAL, engine_target.target_dir, str(served), heldout, str(tmp_path / "vllm"), settings,
+                           ours=our_outputs(ours.report_file), plain=plain_run, **QUIET)
+    assert res.identical_to_plain and res.identical_to_ours
+    steps, per_pos = _our_counts(ours.report_file)
+    assert (res.drafts, res.accepted_per_pos) == (steps, per_pos)
+    assert res.tau == pytest.approx(ours.tau) and res.acceptance == pytest.approx(ours.acceptance)
+    assert sum(per_pos) > 0, "a head that never gets a draft accepted proves little"
+
+
+@pytest.fixture(scope="module")
+def flow_run(engine_target, settings, prefect_harness, tmp_path_factory):
+    """The `train-head` flow (tiny preset) with `evaluate.engine: vllm`: the head is measured in vLLM too and both
+    engines' figures land in the registry."""
+    cfg = tmp_path_factory.mktemp("engine-flow") / "pipeline.json"
+    cfg.write_text(json.dumps({"train": {"steps": 60}, "evaluate": {
+        "engine": "vllm", "depth": EVAL.depth, "max_new_tokens": EVAL.max_new_tokens, "limit": EVAL.limit}}))
+    old = {k: os.environ.get(k) for k in ("EAGLE_HOME", "MLFLOW_TRACKING_URI")}
+    os.environ["EAGLE_HOME"] = str(settings.state_dir)
+    os.environ.pop("MLFLOW_TRACKING_URI", None)
+    try:
+        from flows.train_head import train_head
+
+        yield train_head(str(engine_target.target_dir), str(engine_target.target_traffic.train),
+                         str(engine_target.target_traffic.heldout), "tiny", str(cfg), "engine-tiny")
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def test_pipeline_with_engine_vllm_registers_both_engines_figures(flow_run, settings):
+    from infra.mlflow_store import MlflowStore
+
+    assert flow_run["alias"] == "champion" and flow_run["vllm"]["identical_to_ours"] is True
+    name, version = flow_run["head_uri"].split("/")[1:]
+    tags = MlflowStore.connect(settings).get_version(name, int(version)).tags
+    assert tags["identical_vllm"] == "true"
+    assert float(tags["tau_vllm"]) == pytest.approx(float(tags["tau"]), abs=1e-4)  # the same counts, both engines
+    assert tags["acceptance_vllm"] == tags["acceptance"]
+
+
+def _cli_env(settings: Settings) -> dict[str, str]:
+    return {**os.environ, "EAGLE_HOME": str(settings.state_dir), "PYTHONPATH": str(ROOT)}
+
+
+def test_serve_command_starts_vllm_with_the_champion(flow_run, engine_target, settings):
+    from transformers import AutoTokenizer
+
+    uri = flow_run["head_uri"].rsplit("/", 1)[0] + "@champion"
+    env = _cli_env(settings)
+    cmd = [sys.executable, "-m", "flows.cli", "serve", "--head", uri, "--k", "3"]
+    printed = subprocess.run([*cmd, "--print-only"], env=env, capture_output=True, text=True, timeout=120)
+    assert printed.returncode == 0, printed.stderr
+    assert "vllm serve" in printed.stdout and '"method": "eagle3"' in printed.stdout
+    assert "--speculative-algorithm EAGLE3" in printed.stdout and "--speculative-draft-model-path" in printed.stdout
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = _wait_for_url(proc)
+        msgs = [{"role": "user", "content": "def add(a, b):"}]
+        body = {"model": "engine-tiny", "messages": msgs, "max_tokens": 16, "temperature": 0, "return_token_ids": True}
+        req = urllib.request.Request(url + "/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            answer = json.loads(r.read())
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(90)
+    assert rc in (0, 130)
+    from components.chat import prompt_ids
+    from components.targets import load_target
+    from eagle.speculative import SpecConfig, generate_plain
+    import torch
+
+    tok = AutoTokenizer.from_pretrained(engine_target.target_dir)
+    ids = prompt_ids(tok, msgs)
+    assert answer["prompt_token_ids"] == ids  # the engine applied the same chat template
+    target = load_target(engine_target.target_dir)[0]
+    plain = generate_plain(target, torch.tensor([ids]), None,
+                           SpecConfig(max_new_tokens=16, eos_token_id=target.generation_config.eos_token_id))
+    assert answer["choices"][0]["token_ids"] == plain.sequences[0, :int(plain.lengths[0])].tolist()
+    port = url.rsplit(":", 1)[1].split("/")[0]
+    assert not _engine_processes(port), "the serve command left vLLM processes behind"
+
+
+def _wait_for_url(proc: subprocess.Popen, timeout_s: float = 300.0) -> str:
+    deadline, seen = time.monotonic() + timeout_s, []
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line and proc.poll() is not None:
+            break
+        seen.append(line)
+        if "serve: ready at " in line:
+            return line.split("serve: ready at ", 1)[1].split()[0]
+    raise AssertionError("serve did not report ready:\n" + "".join(seen[-30:]))
+
+
+def _engine_processes(port: str) -> list[str]:
+    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()
+    return [ln for ln in out if "vllm.entrypoints" in ln and f"--port {port}" in ln]
+
+
+def test_missing_vllm_and_a_dying_engine_are_one_clear_line(engine_target, tmp_path):
+    s = Settings.local(tmp_path / ".eagle", vllm_python=str(tmp_path / "nope" / "python"))
+    with pytest.raises(EngineError, match="make vllm"):
+        VllmServer(EngineSpec(engine_target.target_dir, method=None), s).start()
+    broken = tmp_path / "broken-target"
+    shutil.copytree(engine_target.target_dir, broken)
+    (broken / "model.safetensors").write_bytes(b"not weights")
+    srv = VllmServer(EngineSpec(str(broken), method=None), Settings.local(tmp_path / ".eagle2"))
+    with pytest.raises(EngineError, match="exited with code"):
+        srv.start()
+    assert srv.proc is None or srv.proc.poll() is not None
