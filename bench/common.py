@@ -286,9 +286,27 @@ def machine() -> dict[str, Any]:
     commit = git("rev-parse", "--short", "HEAD")
     if git("status", "--porcelain", "--", "eagle", "components"):  # a shared checkout: say what ran
         commit += " + uncommitted changes in eagle/ or components/"
-    return {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "loadavg": list(os.getloadavg()),
+    return {"cpus": os.cpu_count(), "cpu": cpu_model(), "torch_threads": torch.get_num_threads(),
+            "loadavg": list(os.getloadavg()),
             "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M"), "commit": commit,
             "note": "shared machine: other engineers' jobs ran at the same time; compare ratios within one run"}
+
+
+def cpu_model() -> str:
+    """The CPU's model name and L3 size (speed ratios moved a lot between the kinds of machine seen here)."""
+    try:
+        name = next(ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                    if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        name = "unknown"
+    l3 = ""
+    for d in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            if (d / "level").read_text().strip() == "3":
+                l3 = f", L3 {(d / 'size').read_text().strip()}"
+        except OSError:
+            pass
+    return name + l3
 
 
 def print_table(rows: list[dict[str, Any]], cols: list[str], title: str = "") -> str:

@@ -1,0 +1,128 @@
+"""vLLM as the yardstick: our head inside the engine users run, next to vLLM plain and vLLM prompt lookup.
+
+Run: `python bench/vllm_speedup.py [--quick] [--depth K] [--runs N] [--head-steps N] [--conversations N]`
+Each run starts a fresh vLLM server per method on the embedded default's target (fp32, eager, CPU build here) and
+sends the same held-out prompts one at a time (batch 1, greedy, the same token budget): `plain` (no speculation),
+`eagle3` (our head, `bench/speedup.py`'s cached one, K speculative tokens) and `ngram` (vLLM's prompt lookup, K
+tokens). The order of the methods rotates from run to run. Per method: tokens/s, x vLLM plain (per run, then the
+median and minimum over runs), tau and alpha_k from the engine's own counters, and mismatches: greedy outputs that
+differ from vLLM plain. Our own evaluation of the same head on the same prompts (`eagle.speculative`, chain of depth
+K) gives tau and the per-position counts to compare with vLLM's (equal when the engine loads the head faithfully).
+Writes vllm_speedup*.json (`-head<N>`, `-conv<N>`, `-depth<K>`, `-runs<N>` name non-default settings).
+Not measured here: batches > 1, T > 0, trees (vLLM's CPU build runs EAGLE-3 chains).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import common  # noqa: F401  (puts the repo root on sys.path)
+
+from common import base_args, eos_of, heldout_prompts, prepare, print_table, speed_head, start, write_results
+
+METHODS = ("plain", "eagle3", "ngram")
+
+
+def engine_run(method: str, setup, head_dir: Path, prompts, depth: int, max_new: int, settings) -> dict:
+    from components.engine_eval import target_context
+    from infra.vllm_server import EngineSpec, VllmServer
+
+    spec = EngineSpec(str(setup.target_dir), str(head_dir) if method == "eagle3" else None,
+                      method=None if method == "plain" else method, num_speculative_tokens=depth,
+                      max_model_len=min(target_context(setup.target_dir), 1024))
+    with VllmServer(spec, settings) as srv:
+        srv.complete(prompts[0], 4)  # warm-up: first-request costs out of the timing
+        before = srv.spec_counters() if method != "plain" else None
+        outs, seconds = [], 0.0
+        for ids in prompts:
+            t0 = time.perf_counter()
+            outs.append(srv.complete(ids, max_new).token_ids)
+            seconds += time.perf_counter() - t0
+        counters = (srv.spec_counters() - before) if before is not None else None
+    row = {"outputs": outs, "seconds": seconds, "tokens": sum(len(o) for o in outs)}
+    if counters is not None:
+        row.update(tau=counters.tau, acceptance=counters.acceptance, drafts=counters.drafts,
+                   accepted_per_pos=list(counters.accepted_per_pos))
+    return row
+
+
+def ours(setup, head_dir: Path, prompts, depth: int, max_new: int) -> dict:
+    """Our chain on the same prompts: outputs, tau, drafts and accepted counts per position (as vLLM counts)."""
+    import torch
+
+    from components.targets import load_target
+    from eagle.export import load_head
+    from eagle.speculative import SpecConfig, generate_speculative
+
+    target = load_target(str(setup.target_dir))[0]
+    draft = load_head(head_dir, target).eval()
+    cfg = SpecConfig(method="chain", depth=depth, max_new_tokens=max_new, eos_token_id=eos_of(target))
+    outs, steps = [], []
+    for ids in prompts:
+        g = generate_speculative(target, draft, torch.tensor([ids]), None, cfg)
+        outs.append(g.sequences[0, :int(g.lengths[0])].tolist())
+        steps += [int(a) for a in g.stats.accept_lengths[:, 0] if a >= 0]
+    return {"outputs": outs, "tau": 1 + sum(steps) / max(len(steps), 1), "drafts": len(steps),
+            "accepted_per_pos": [sum(a > k for a in steps) for k in range(depth)]}
+
+
+def summarise(runs: list[dict], mine: dict) -> list[dict]:
+    rows = []
+    for m in METHODS:
+        per_run = [r[m] for r in runs]
+        ratios = [r[m]["tokens"] / r[m]["seconds"] / (r["plain"]["tokens"] / r["plain"]["seconds"]) for r in runs]
+        plain_outs = [r["plain"]["outputs"] for r in runs]
+        bad = sum(a != b for pr, r in zip(plain_outs, per_run) for a, b in zip(pr, r["outputs"]))
+        row = {"method": f"vLLM {m}", "tok/s": statistics.median(x["tokens"] / x["seconds"] for x in per_run),
+               "x vLLM plain (median)": statistics.median(ratios), "min": min(ratios), "mismatches": bad}
+        if m != "plain":
+            row.update(tau=per_run[0]["tau"], alpha=" ".join(f"{a:.2f}" for a in per_run[0]["acceptance"]))
+        rows.append(row)
+    e = runs[0]["eagle3"]
+    rows.append({"method": "ours (same head, eagle/)", "tau": mine["tau"],
+                 "mismatches": sum(a != b for a, b in zip(runs[0]["plain"]["outputs"], mine["outputs"])),
+                 "alpha": "counts equal vLLM's" if (mine["drafts"], mine["accepted_per_pos"]) ==
+                 (e["drafts"], e["accepted_per_pos"]) else f"counts differ: {mine['accepted_per_pos']}"})
+    return rows
+
+
+def main() -> None:
+    p = base_args(__doc__.splitlines()[0])
+    p.add_argument("--depth", type=int, default=5, help="speculative tokens per step (K)")
+    p.add_argument("--runs", type=int, default=1, help="repeat with fresh servers (median and minimum reported)")
+    p.add_argument("--head-steps", type=int, default=0, help="steps of the head (0: the preset's)")
+    args = p.parse_args()
+    load = start(args)
+    from infra.settings import Settings
+
+    setup = prepare(args.quick, conversations=args.conversations)
+    head, suffix = speed_head(setup, args.head_steps, args.conversations)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(setup.target_dir)
+    prompts = heldout_prompts(tok, setup.heldout_traffic, setup.preset.eval_prompts)
+    max_new = setup.preset.max_new_tokens
+    settings = Settings.from_env()
+    runs = []
+    for r in range(args.runs):
+        order = METHODS[r % 3:] + METHODS[:r % 3]
+        runs.append({m: engine_run(m, setup, head.head_dir, prompts, args.depth, max_new, settings) for m in order})
+        print(f"run {r + 1}/{args.runs} done", file=sys.stderr, flush=True)
+    mine = ours(setup, head.head_dir, prompts, args.depth, max_new)
+    rows = summarise(runs, mine)
+    cols = ["method", "tok/s", "x vLLM plain (median)", "min", "tau", "mismatches", "alpha"]
+    print_table(rows, cols, f"vLLM on {len(prompts)} held-out prompts, {max_new} new tokens, K={args.depth}, "
+                            f"{args.runs} run(s)")
+    name = "vllm_speedup" + suffix + (f"-depth{args.depth}" if args.depth != 5 else "") + \
+        (f"-runs{args.runs}" if args.runs > 1 else "")
+    payload = {"rows": rows, "depth": args.depth, "runs": args.runs, "head": str(head.head_dir),
+               "prompts": len(prompts), "max_new_tokens": max_new,
+               "per_run": [{m: {k: v for k, v in x.items() if k != "outputs"} for m, x in r.items()} for r in runs]}
+    print(write_results(name, args.quick, payload, load))
+
+
+if __name__ == "__main__":
+    main()
