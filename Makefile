@@ -1,8 +1,8 @@
 # make test : create .venv when missing, install, run the test suite
 # make demo : all set-up, then the main job on the embedded default
 PY ?= python3
-# torch's OpenMP threads busy-wait by default; on shared or busy cores that collapses throughput (measured:
-# 93 -> 694 tokens/s for one training step under load). Passive waiting costs little on a quiet machine.
+# torch's OpenMP threads busy-wait by default; on shared or busy cores that collapses throughput (a training step
+# under load runs several times slower). Passive waiting costs little on a quiet machine.
 export OMP_WAIT_POLICY ?= PASSIVE
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 VENV := .venv

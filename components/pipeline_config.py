@@ -45,12 +45,11 @@ class PipelineConfig:
 
     @classmethod
     def default(cls) -> "PipelineConfig":
-        """The demo on 2 CPU cores: a few minutes per head on the embedded default.
+        """The demo on 2 CPU cores, on the embedded default.
 
-        One Ray worker with both cores (2 torch threads trained 1.7x the tokens/s of 1, measured on the demo's
-        features); a fine-tune's head warm-started from its base's head gets 60 steps (on the embedded fine-tune:
-        tau 2.89 after 60 warm steps, 2.95 after 120 fresh ones, 1.94 after 40 fresh ones). Each head is also
-        served by vLLM and measured there (`evaluate.engine: vllm`), as production will run it.
+        One Ray worker with both cores (two torch threads train faster than one); a fine-tune's head, warm-started
+        from its base's head, gets half the steps of a fresh one (`train.warm_start_steps`), since it starts close.
+        Each head is also served by vLLM and measured there (`evaluate.engine: vllm`), as production will run it.
         """
         return cls(regenerate=RegenerateConfig(max_new_tokens=96, batch_size=32, shard_size=64, limit=320),
                    extract=ExtractConfig(max_len=320, seqs_per_shard=128),

@@ -6,11 +6,12 @@ Purpose:
   weights hash.
 - `register_head(store, cfg, head)`: the exported head directory (vLLM/SGLang format + probe) as a version of the
   registered model `<target>-v<version>-eagle3` (one per target fine-tune), tagged with the target's name,
-  version and weights hash, the traffic hash, tau and speedup. Idempotent on `run_key`: re-registering a finished
-  run returns the existing version (and sets the alias its gate chose, if a killed run never did:
-  `finish_registration`). Promotion gate: alias `champion` moves to the new version only if tau >= `cfg.tau_floor`
-  and tau >= the current champion's tau measured on the same held-out traffic in the same run
-  (`head.champion_tau`); otherwise the version becomes `challenger`.
+  version and weights hash, the traffic hash, tau, speedup and whether greedy outputs were identical to the
+  target's (`identical`; `identical_of` reads it back, None for sampled runs). Idempotent on `run_key`:
+  re-registering a finished run returns the existing version (and sets the alias its gate chose, if a killed run
+  never did: `finish_registration`). Promotion gate: alias `champion` moves to the new version only if
+  tau >= `cfg.tau_floor` and tau >= the current champion's tau measured on the same held-out traffic in the same
+  run (`head.champion_tau`); otherwise the version becomes `challenger`.
 - `check_head_name(store, target)`: refuses, before any work, a head name taken by a model that is not a head.
 Not here: measuring tau (components/evaluate.py); connecting to MLflow (infra/mlflow_store.py).
 """
@@ -132,8 +133,9 @@ def _alphas(metrics: dict[str, float], prefix: str) -> list[float]:
 
 
 def _acceptance_tags(metrics: dict[str, float]) -> dict[str, str]:
-    """Per-position acceptance (alpha_1..alpha_k) as measured here, and the engine's figures when it measured them
-    (`tau_vllm`, `speedup_vllm`, `identical_vllm`, `acceptance_vllm`)."""
+    """Per-position acceptance (alpha_1..alpha_k) and `identical` ("true"/"false"; absent when sampling: outputs
+    are not comparable) as measured here, and the engine's figures when it measured them (`tau_vllm`,
+    `speedup_vllm`, `identical_vllm`, `acceptance_vllm`)."""
     tags = {}
     for name, prefix in (("acceptance", "alpha_"), ("acceptance_vllm", "alpha_vllm_")):
         if alphas := _alphas(metrics, prefix):
@@ -141,9 +143,15 @@ def _acceptance_tags(metrics: dict[str, float]) -> dict[str, str]:
     for k in ("tau_vllm", "speedup_vllm"):
         if k in metrics:
             tags[k] = f"{float(metrics[k]):.4f}"
-    if "identical_vllm" in metrics:
-        tags["identical_vllm"] = "true" if metrics["identical_vllm"] else "false"
+    for k in ("identical", "identical_vllm"):
+        if k in metrics:
+            tags[k] = "true" if metrics[k] else "false"
     return tags
+
+
+def identical_of(version: ModelVersionRef) -> bool | None:
+    """The `identical` tag of a registered head: True/False, None when absent (a sampled evaluation)."""
+    return {"true": True, "false": False}.get(version.tags.get("identical", ""))
 
 
 def register_head(store: MlflowStore, cfg: RegisterConfig, head: HeadToRegister) -> RegisterResult:

@@ -111,11 +111,6 @@ def load_traffic(path: Path | str, format: Format = "auto", skip_bad: bool = Fal
     return TrafficLoad(path, tuple(convs), tuple(skipped))
 
 
-def load_conversations(path: Path | str, format: Format = "auto") -> list[Conversation]:
-    """Strict shortcut: the conversations of a file that must be entirely valid."""
-    return list(load_traffic(path, format).conversations)
-
-
 class _LineError(Exception):
     pass
 

@@ -91,7 +91,6 @@ class LoopArgs:
     target_dir: str | None  # needed in online mode
     lineage: dict[str, Any] = field(default_factory=dict)
     sinks: tuple = ()
-    fail_at_step: int | None = None  # fault injection for tests: raise once at this step
     trust_remote_code: bool = False  # for the target (online mode) and its config
     init_head_dir: str | None = None  # warm start: an exported head of a related target (its weights, its vocab)
 
@@ -201,9 +200,8 @@ def train_loop(args: LoopArgs) -> None:
         draft = head_from_tensors(data.target_config(args.trust_remote_code), data.token_counts, data.embed_tokens,
                                   data.lm_head, cfg.draft_vocab_size, aux_layer_ids=layer_ids).to(device)
     ttt = TTTConfig(ttt_steps=cfg.ttt_steps, gamma=cfg.gamma)
-    opt, sched = make_optimizer(draft.trainable_parameters(), OptimConfig(lr=cfg.lr, warmup_steps=cfg.warmup_steps,
-                                                                          total_steps=cfg.steps,
-                                                                          grad_clip=cfg.grad_clip))
+    optim = OptimConfig(lr=cfg.lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps, grad_clip=cfg.grad_clip)
+    opt, sched = make_optimizer(draft.trainable_parameters(), optim)
     ckpt = latest_checkpoint(out)
     start = _load_checkpoint(ckpt, draft, opt, sched) if ckpt else 0
     if rank == 0:
@@ -217,12 +215,9 @@ def train_loop(args: LoopArgs) -> None:
     for step, idx in batches(data.n_seqs, cfg.batch_size, cfg.seed, start, rank, world):
         if step >= cfg.steps:
             break
-        if args.fail_at_step is not None and step == args.fail_at_step and not (out / ".fault-injected").exists():
-            (out / ".fault-injected").write_text("1")
-            raise RuntimeError(f"injected fault at step {step}")
         batch = ttt_batch(data, idx, draft.draft_ids(), device, target)
         try:
-            res = train_step(model, draft, batch, ttt, opt, sched, cfg.grad_clip, amp)
+            res = train_step(model, draft, batch, ttt, opt, sched, optim.grad_clip, amp)
         except FloatingPointError as e:  # before the optimiser step: the checkpoints stay clean
             raise FloatingPointError(f"{args.extract_dir}, step {step + 1}: {e}") from None
         seen += int(batch.input_ids_BS.numel())
@@ -288,8 +283,7 @@ def _report(step: int, path: Path | None) -> None:
 
 def train(cfg: TrainConfig, extract_dir: str, out_dir: str, target_dir: str | None = None,
           lineage: dict[str, Any] | None = None, sinks: tuple = (), storage_dir: str | None = None,
-          fail_at_step: int | None = None, trust_remote_code: bool = False,
-          init_head_dir: str | None = None) -> TrainResult:
+          trust_remote_code: bool = False, init_head_dir: str | None = None) -> TrainResult:
     """Train a head on the extract stage's output; resumes from `out_dir/checkpoints` when present.
 
     `init_head_dir` (an exported head) warm-starts training from that head's weights and draft vocabulary instead
@@ -312,7 +306,7 @@ def train(cfg: TrainConfig, extract_dir: str, out_dir: str, target_dir: str | No
     if init_head_dir:
         init_head_dir = str(Path(init_head_dir).resolve())
     args = LoopArgs(cfg, extract_dir, str(out), target_dir, dict(lineage or {}),
-                    (JsonlSink(str(history)), *sinks), fail_at_step, trust_remote_code, init_head_dir)
+                    (JsonlSink(str(history)), *sinks), trust_remote_code, init_head_dir)
     t0 = time.perf_counter()
     if cfg.num_workers == 0:
         train_loop(args)
@@ -345,7 +339,7 @@ def _ray_run_name(out_dir: str) -> str:
 
 
 def _fit_with_ray(args: LoopArgs, storage: str) -> None:
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train import FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     cfg = args.cfg
@@ -354,7 +348,8 @@ def _fit_with_ray(args: LoopArgs, storage: str) -> None:
         scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_gpu,
                                      resources_per_worker={"CPU": cfg.cpus_per_worker}),
         run_config=RunConfig(name=_ray_run_name(args.out_dir), storage_path=str(Path(storage).resolve()),
-                             failure_config=FailureConfig(max_failures=cfg.max_failures)))
+                             failure_config=FailureConfig(max_failures=cfg.max_failures),
+                             logging_config=LoggingConfig(log_level="WARNING")))  # no INFO lines per worker start
     result = trainer.fit()
     if result.error:
         raise RuntimeError(f"training failed after {cfg.max_failures} restarts: {result.error}") from result.error

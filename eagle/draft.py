@@ -72,11 +72,6 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
-def apply_rope(x_BhTD: torch.Tensor, pos_BT: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    cos, sin = rope_cos_sin(pos_BT, inv_freq, x_BhTD.dtype)
-    return rotate(x_BhTD, cos[:, None], sin[:, None])
-
-
 class RopeTable:
     """cos/sin of positions 0..n-1 computed once (CPU only: a lookup there cannot fail silently); the same values
     `rope_cos_sin` computes per call. Grows when a position past the end is asked for."""

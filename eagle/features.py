@@ -5,13 +5,13 @@ embedding) and keep only what an EAGLE-3 head needs: the hidden states *entering
 default 2, N//2, N-3, i.e. HF `hidden_states[2]`, `[N//2]`, `[N-3]`) and the final normed hidden state, from
 which the teacher distribution is computed in chunks (`teacher_targets`). Forward pre-hooks capture the three
 layer inputs as they pass, so every other layer's hidden state is freed as usual.
-CPU kernels for inference: `linear` sends products through oneDNN with a weight packed once and cached (MKL's fp32
-GEMM is 1.5-4x slower at 2-64 rows on these CPUs, and in decoding loops its GEMV too); `packed_linears(model)`
+CPU kernels for inference: `linear` sends products through oneDNN with a weight packed once and cached (faster than
+MKL's fp32 GEMM at the few rows of decoding, and than its GEMV in decoding loops); `packed_linears(model)`
 routes a whole model's `nn.Linear` layers through it for the duration of a `with` block (the model is patched
 meanwhile, for every thread). `LeanDecoder` runs the
 decoder stack of a Llama/Mistral/Qwen2/Qwen3 model over its own modules and HF's own attention and RoPE functions,
 without HF's per-call machinery (output capture, mask preparation, keyword plumbing): the same operations in the same
-order, about 0.5 ms less per pass of the 9M embedded target on CPU.
+order, with less Python per pass (what counts for small targets on CPU).
 Not here: tokenisation, chat templates, storage of shards.
 """
 
@@ -33,8 +33,8 @@ from torch import nn
 _HOOK_WARNED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # targets already warned about their hooks
 _PACKED: "weakref.WeakKeyDictionary[nn.Module, tuple[tuple, torch.Tensor]]" = weakref.WeakKeyDictionary()
 # oneDNN for every product from this size (rows x weight elements) on. MKL's GEMV/GEMM win in tight loops over hot
-# weights, oneDNN in the decoding loops, where the weights come from L3 or memory each step (measured end to end on
-# the project's AMD CPUs: plain decoding 0.92x, the speculative cycle 0.90x the time of MKL for the smaller products).
+# weights, oneDNN in the decoding loops, where the weights come from L3 or memory each step (end to end, plain
+# decoding and the speculative cycle run faster through oneDNN than through MKL for the smaller products).
 # One kernel per weight also means one copy of it in the caches.
 _MIN_PACKED = 1 << 16
 
@@ -127,15 +127,13 @@ def target_forward(target: nn.Module, input_ids_BT: torch.Tensor, layer_ids: Seq
                    position_ids: torch.Tensor | None = None, use_cache: bool = False) -> TargetStep:
     """Run the target's decoder (no lm_head) and capture the three layer inputs."""
     base = target.get_decoder()
-    kwargs: dict[str, Any] = {}
-    if past_key_values is not None:  # transformers >= 5.2x names it `cache`, older ones `past_key_values`
-        kwargs[_cache_kwarg(base)] = past_key_values
+    cache_name = _cache_kwarg(base)  # transformers >= 5.2x names it `cache` (the old name is deprecated there)
+    kwargs: dict[str, Any] = {} if past_key_values is None else {cache_name: past_key_values}
     with capture_layer_inputs(target, layer_ids) as store:
         out = base(input_ids=input_ids_BT, attention_mask=attention_mask, position_ids=position_ids,
                    use_cache=use_cache, **kwargs)
     aux = torch.cat([store[i] for i in layer_ids], dim=-1)
-    cache = out.get("cache", None) if "cache" in out else out.get("past_key_values", None)
-    return TargetStep(aux, out.last_hidden_state, cache)
+    return TargetStep(aux, out.last_hidden_state, out.get(cache_name, None))
 
 
 def _cache_kwarg(base: nn.Module) -> str:

@@ -25,6 +25,8 @@ from eagle.vocab import select_draft_vocab
 
 @dataclass(frozen=True)
 class OptimConfig:
+    """AdamW and its schedule (`make_optimizer`), and the gradient-norm clip the caller passes to `train_step`."""
+
     lr: float = 3e-4
     warmup_steps: int = 50
     total_steps: int = 1000

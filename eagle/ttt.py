@@ -18,7 +18,6 @@ Not here: the optimiser, data loading, distribution (see components/ and flows/)
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch

@@ -1,8 +1,9 @@
 """Flow `retrain` (scheduled): a fresh head for every target version whose head is missing or stale.
 
 Purpose: for each version of each registered target model (tag kind=causal-lm-target) it looks at the head
-model `<target>-v<version>-eagle3`: no champion -> missing; a champion trained on other weights or on a traffic
-file whose content has changed since -> stale (fresh traffic). Each such version runs `on-new-finetune`; the
+model `<target>-v<version><suffix>` (the config's `register.experiment_suffix`, `-eagle3` by default): no
+champion -> missing; a champion trained on other weights or on a traffic file whose content has changed since ->
+stale (fresh traffic). Each such version runs `on-new-finetune`; the
 rest are reported as fresh. Heads are never deleted; the gate decides whether the new one becomes champion.
 Run: the cron deployment in prefect.yaml, or `python -c "from flows.retrain import retrain; retrain()"`.
 Not here: the training itself (flows/train_head.py).
@@ -14,6 +15,7 @@ from pathlib import Path
 
 from prefect import flow
 
+from components.pipeline_config import PipelineConfig
 from components.register import TARGET_KIND, TargetRef, head_model_name
 from components.traffic_io import traffic_sha256
 from flows.on_new_finetune import on_new_finetune
@@ -21,10 +23,11 @@ from infra.mlflow_store import CHAMPION, MlflowStore
 from infra.settings import Settings
 
 
-def head_status(store: MlflowStore, name: str, version: int) -> str:
-    """'missing', 'stale' or 'fresh' for the head of target version `name`/`version`."""
+def head_status(store: MlflowStore, name: str, version: int, suffix: str = "-eagle3") -> str:
+    """'missing', 'stale' or 'fresh' for the head (model `<name>-v<version><suffix>`) of target version
+    `name`/`version`."""
     v = store.get_version(name, version)
-    champion = store.get_alias(head_model_name(TargetRef(name, version, "", "")), CHAMPION)
+    champion = store.get_alias(head_model_name(TargetRef(name, version, "", ""), suffix), CHAMPION)
     if champion is None:
         return "missing"
     if champion.tags.get("target_weights_sha256") != v.tags.get("weights_sha256"):
@@ -37,11 +40,12 @@ def head_status(store: MlflowStore, name: str, version: int) -> str:
 
 @flow(name="retrain", log_prints=True)
 def retrain(preset: str = "default", config_path: str | None = None) -> dict[str, str]:
+    suffix = PipelineConfig.load(config_path, preset).register.experiment_suffix
     store = MlflowStore.connect(Settings.from_env())
     report: dict[str, str] = {}
     for model in store.list_models(kind=TARGET_KIND):
         for v in store.list_versions(model.name):
-            status = head_status(store, model.name, v.version)
+            status = head_status(store, model.name, v.version, suffix)
             key = f"{model.name}/{v.version}"
             if status == "fresh":
                 report[key] = "fresh"

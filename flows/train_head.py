@@ -28,7 +28,7 @@ from prefect import flow, get_run_logger, task
 from components.atomic import atomic_write_text, file_sha256
 from components.pipeline_config import PipelineConfig
 from components.register import (HeadToRegister, RegisterResult, TargetRef, check_head_name, finish_registration,
-                                 head_model_name, register_head, register_target)
+                                 head_model_name, identical_of, register_head, register_target)
 from components.targets import TargetError, check_target, weights_sha256
 from components.traffic_io import TrafficFormatError, load_traffic, traffic_sha256
 from flows.tasks import (engine_eval_task, evaluate_task, extract_task, fresh_if_missing, regenerate_task, train_task,
@@ -126,7 +126,7 @@ def parent_head(store: MlflowStore, tref: TargetRef, cfg: PipelineConfig,
     parent_cfg = read_head_meta(path)["draft_config"]
     ids = list(cfg.extract.aux_layer_ids or default_aux_layer_ids(target_config.num_hidden_layers))
     try:
-        if list(parent_cfg.get("aux_layer_ids", [])) != ids:  # e.g. a head of the earlier (2, 3, 3) default
+        if list(parent_cfg.get("aux_layer_ids", [])) != ids:  # e.g. a head that fuses (2, 3, 3)
             raise HeadMismatchError(f"it fuses layers {parent_cfg.get('aux_layer_ids')}, this run fuses {ids}")
         check_target(DraftConfig.from_dict(parent_cfg), target_config, where=champion.uri)
     except HeadMismatchError as e:
@@ -177,7 +177,7 @@ def _run(cfg: PipelineConfig, settings: Settings, store: MlflowStore, tref: Targ
         alias = next((a for a in ("champion", "challenger") if a in v.aliases), "none")
         return {"head_uri": v.uri, "alias": alias, "tau": float(v.tags.get("tau", "nan")),
                 "tau_vllm": float(v.tags["tau_vllm"]) if "tau_vllm" in v.tags else None,
-                "speedup": float(v.tags.get("speedup", "nan")), "identical": True, "created": False,
+                "speedup": float(v.tags.get("speedup", "nan")), "identical": identical_of(v), "created": False,
                 "acceptance": [float(a) for a in v.tags.get("acceptance", "").split()]}
     regen_dir, ext_dir, train_dir, eval_dir = (str(work / s) for s in ("regenerate", "extract", "train", "evaluate"))
     trust = settings.trust_remote_code

@@ -1,12 +1,12 @@
 """Prefect adapter: local defaults for the ephemeral mode, and emitting the events that trigger deployments.
 
 Purpose: `apply_prefect_defaults(settings)` keeps Prefect's state under the state dir (`PREFECT_HOME`), turns
-analytics off, keeps a server we start on loopback and gives the temporary API 120 s to start (Prefect's 20 s
-is too tight on 2 loaded cores), each only where the user has not set it. Call it at
-the start of a program, before Prefect is imported when possible (Prefect reads its settings at import; if it
-is already imported, its settings are refreshed). `emit_event(...)` sends one event (the registry watcher
-announces a new target version with it) to the Prefect API, where a deployment's `triggers:` entry can start
-a flow run from it.
+analytics off, keeps a server we start on loopback and gives the temporary API 120 s to start (longer than
+Prefect's own wait, which a loaded machine can exceed), each only where the user has not set it, and applies the
+libraries' quiet defaults (infra/quiet.py). Call it at the start of a program, before Prefect is imported when
+possible (Prefect reads its settings at import; if it is already imported, its settings are refreshed).
+`emit_event(...)` sends one event (the registry watcher announces a new target version with it) to the Prefect
+API, where a deployment's `triggers:` entry can start a flow run from it.
 
 `start_local_api()` starts Prefect's temporary local API (loopback) under a lock, so that two processes sharing a
 new Prefect home do not migrate its database at the same time, and ties the server's life to this process (a
@@ -26,6 +26,7 @@ import threading
 from contextlib import contextmanager
 from typing import Any, Iterator, Mapping
 
+from infra.quiet import apply_quiet_defaults
 from infra.settings import BIND_HOST, Settings
 
 logger = logging.getLogger(__name__)
@@ -37,8 +38,7 @@ def prefect_env_defaults(settings: Settings) -> dict[str, str]:
         "PREFECT_HOME": str(settings.prefect_home),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "PREFECT_SERVER_API_HOST": BIND_HOST,
-        # Prefect waits 20 s for its temporary API; it takes 10-19 s on an idle 2-core machine and more under load
-        # (a CI run next to a training job timed out at 20 s), so wait longer before calling it a failure
+        # the temporary API's start-up (a database migration) can outlast Prefect's own wait on a loaded machine
         "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
     }
 
@@ -52,8 +52,10 @@ def _refresh_prefect_settings() -> None:
 
 
 def apply_prefect_defaults(settings: Settings) -> dict[str, str]:
-    """Set each default that is absent from the environment; returns the ones it set."""
-    applied = {k: v for k, v in prefect_env_defaults(settings).items() if not os.environ.get(k)}
+    """Set each default that is absent from the environment (the libraries' quiet defaults too); returns the ones
+    it set."""
+    applied = apply_quiet_defaults()
+    applied |= {k: v for k, v in prefect_env_defaults(settings).items() if not os.environ.get(k)}
     if "PREFECT_HOME" in applied:
         settings.prefect_home.mkdir(parents=True, exist_ok=True)  # the ephemeral server's SQLite lives there
     os.environ.update(applied)

@@ -1,36 +1,50 @@
-"""Ray adapter: a session on a local Ray or a cluster, and the Ray Train configs built from one small dataclass.
+"""Ray adapter: a session on a local Ray or a cluster.
 
 Purpose: `with ray_session(settings): ...` connects to `settings.ray_address`, or starts a local Ray (2 CPUs,
 no dashboard) when there is none, and shuts down only what it started; an unreachable address fails in
-seconds with an error that says what to do, instead of Ray's minutes of retries. `train_run_configs` turns a
-`RayTrainConfig` (workers, GPU or not, CPUs per worker, failures tolerated) into Ray Train's
-`ScalingConfig` and `RunConfig` with the run's storage under the state dir, so that re-running with the same
-run name resumes from the latest checkpoint.
+seconds with an error that says what to do, instead of Ray's minutes of retries. `probe_ray(settings)` is that
+check alone (preflight, before any work).
 
+Quiet by configuration: the driver's `ray` logger at WARNING (no "Started a local Ray instance" line), and on a
+local Ray no preemption watcher and no placement-group cleaner warnings (see LOCAL_WORKER_ENV, PG_CLEANER_LOGGER);
+workers get the libraries' quiet settings (infra/quiet.py). Our workers' `print`s reach the driver once.
 Run: `python -m infra.ray_cluster` starts a local session, prints its resources and stops it.
 Not here: training loops (components), choosing hardware. Ray imports lazily: importing this module is cheap.
 A local Ray's core services listen on all interfaces (Ray 2.60 has no loopback-only switch); its dashboard is
-off, and its token auth stays on unless `RAY_AUTH_MODE` says otherwise (the tests set it to `disabled`).
+off, and its token auth stays on unless `RAY_AUTH_MODE` says otherwise (the tests set it to `disabled`); Ray's note
+that it turned token auth on, and how to opt out, is not shown (AUTH_LOGGER).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 from urllib.parse import urlsplit
 
+from infra.quiet import quiet_env
 from infra.settings import Settings
 
-if TYPE_CHECKING:
-    from ray.train import RunConfig, ScalingConfig
-
 LOCAL_NUM_CPUS = 2
-# Ray Train's workers route `print` to a logger *and*, because Ray wraps their stdout, to stdout as well: every
-# progress line reached the driver twice (Ray 2.60). Without the patch a print is forwarded once.
+# Ray Train's workers route `print` to a logger *and*, because Ray wraps their stdout, to stdout as well, so each
+# progress line would reach the driver twice. Without the patch a print is forwarded once.
 WORKER_ENV = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
+# A local Ray is one node that nothing drains: Ray Train's preemption watcher has nothing to watch there, and
+# starting it logs a core-worker error (its actor's arguments live in the object store and it may restart).
+LOCAL_WORKER_ENV = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
+# Without a dashboard (a local Ray has none) Ray's State API is not served: Ray Train's placement-group cleaner
+# cannot ask whether the controller lives and warns about it every second, for the whole run.
+PG_CLEANER_LOGGER = "ray.train.v2._internal.execution.controller.placement_group_cleaner"
+# A new local Ray turns token auth on by itself when RAY_AUTH_MODE is unset and says so, with how to opt out, at
+# WARNING (and that it saved a token, at INFO). We keep token auth on by design; the note is not for our users.
+# (Setting RAY_AUTH_MODE=token ourselves would not do: Ray reads it at import, and only its default path re-reads it.)
+AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+# Ray Train's worker context logs "Reporting training result <n>: <the whole report>" at INFO for every checkpoint,
+# on a logger named after its file, so its `LoggingConfig` (for `ray.train.*` loggers) does not reach it.
+REPORT_LOGGER_MODULE = "ray.train.v2._internal.execution.context"
 
 
 class RayUnreachable(ConnectionError):
@@ -43,41 +57,31 @@ class RaySessionInfo:
     started: bool  # True when this session started a local Ray (and will shut it down)
 
 
-@dataclass(frozen=True)
-class RayTrainConfig:
-    """How a training run is spread over Ray: `num_workers=0` runs in the driver process (tests)."""
+def _quiet_worker() -> None:
+    """Runs in each worker process as it starts (`worker_process_setup_hook`): Ray Train's per-report INFO line off."""
+    import importlib
 
-    num_workers: int = 1
-    use_gpu: bool = False
-    cpus_per_worker: float = 1.0
-    max_failures: int = 0
-    checkpoints_to_keep: int | None = None  # None keeps all; Ray deletes the others, so copy before registering
-
-    def __post_init__(self) -> None:
-        if self.num_workers < 0 or self.cpus_per_worker <= 0 or self.max_failures < -1:
-            raise ValueError(f"invalid {self}: need num_workers >= 0, cpus_per_worker > 0, max_failures >= -1")
-        if self.checkpoints_to_keep is not None and self.checkpoints_to_keep < 1:
-            raise ValueError(f"checkpoints_to_keep must be None or >= 1, got {self.checkpoints_to_keep}")
-
-    @classmethod
-    def tiny(cls) -> RayTrainConfig:
-        return cls(num_workers=0)
+    try:
+        module = importlib.import_module(REPORT_LOGGER_MODULE)
+    except ImportError:  # another Ray layout: nothing to quiet
+        return
+    logging.getLogger(module.__file__).setLevel(logging.WARNING)
 
 
-def train_run_configs(cfg: RayTrainConfig, run_name: str, settings: Settings) -> tuple[ScalingConfig, RunConfig]:
-    """Ray Train configs for run `run_name`, stored under `<state>/ray_results/<run_name>`."""
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+def _quiet_local_worker() -> None:
+    """`_quiet_worker`, and the placement-group cleaner's warnings off (a local Ray serves no State API)."""
+    _quiet_worker()
+    logging.getLogger(PG_CLEANER_LOGGER).setLevel(logging.ERROR)
 
-    scaling = ScalingConfig(
-        num_workers=cfg.num_workers, use_gpu=cfg.use_gpu, resources_per_worker={"CPU": cfg.cpus_per_worker}
-    )
-    run = RunConfig(
-        name=run_name,
-        storage_path=str(settings.ray_storage_dir),
-        failure_config=FailureConfig(max_failures=cfg.max_failures),
-        checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoints_to_keep),
-    )
-    return scaling, run
+
+def _runtime_env(local: bool, auth: str | None = None) -> dict:
+    """The runtime env of our Ray jobs: worker variables, the libraries' quiet settings, and for a local Ray its
+    quiet switches and the auth mode its processes must agree on."""
+    env = {**quiet_env(), **WORKER_ENV}
+    if not local:
+        return {"env_vars": env, "worker_process_setup_hook": _quiet_worker}
+    env |= {**LOCAL_WORKER_ENV, **({"RAY_AUTH_MODE": auth} if auth else {})}
+    return {"env_vars": env, "worker_process_setup_hook": _quiet_local_worker}
 
 
 def _host_port(address: str) -> tuple[str, int] | None:
@@ -111,6 +115,18 @@ def probe_ray(settings: Settings, timeout_s: float = 5.0) -> None:
     """`RayUnreachable` now if `settings.ray_address` names a cluster that does not answer (no address: nothing)."""
     if settings.ray_address is not None:
         _probe(settings.ray_address, timeout_s)
+
+
+@contextmanager
+def _logger_level(name: str, level: int) -> Iterator[None]:
+    """Logger `name` at `level` for the duration of the block, then as it was."""
+    logger = logging.getLogger(name)
+    before = logger.level
+    logger.setLevel(level)
+    try:
+        yield
+    finally:
+        logger.setLevel(before)
 
 
 @contextmanager
@@ -150,7 +166,7 @@ def ray_session(
         return
     if address is not None:
         try:
-            ray.init(address=address, runtime_env={"env_vars": dict(WORKER_ENV)})
+            ray.init(address=address, runtime_env=_runtime_env(local=False), logging_level=logging.WARNING)
         except ConnectionError as err:
             raise _unreachable(address, err) from err
         try:
@@ -159,9 +175,9 @@ def ray_session(
             ray.shutdown()  # disconnects this driver; the cluster keeps running
         return
     auth = settings.ray_auth_mode
-    runtime_env = {"env_vars": {**WORKER_ENV, **({"RAY_AUTH_MODE": auth} if auth else {})}}
-    with _env_var("RAY_AUTH_MODE", auth):  # the local processes inherit it: workers must agree with the GCS
-        ray.init(num_cpus=num_cpus or LOCAL_NUM_CPUS, include_dashboard=False, runtime_env=runtime_env)
+    with _env_var("RAY_AUTH_MODE", auth), _logger_level(AUTH_LOGGER, logging.ERROR):  # workers agree with the GCS
+        ray.init(num_cpus=num_cpus or LOCAL_NUM_CPUS, include_dashboard=False, runtime_env=_runtime_env(True, auth),
+                 logging_level=logging.WARNING)
         try:
             yield RaySessionInfo(address=ray.get_runtime_context().gcs_address, started=True)
         finally:

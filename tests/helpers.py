@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -16,3 +17,19 @@ def target_copy(tiny_embedded, tmp_path: Path, edit=None) -> Path:
         edit(cfg)
         (d / "config.json").write_text(json.dumps(cfg))
     return d
+
+
+class Crash(RuntimeError):
+    """What `CrashAt` raises: the process died at a step, after that step's metrics were logged."""
+
+
+@dataclass(frozen=True)
+class CrashAt:
+    """A metrics sink that raises `Crash` when step `step` is logged: a training run dying mid-way, as a kill
+    between two checkpoints leaves it (the history has the rows up to `step`, checkpoints only up to the last)."""
+
+    step: int
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        if step == self.step:
+            raise Crash(f"crashed at step {step}")

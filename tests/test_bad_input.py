@@ -18,7 +18,6 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.helpers import target_copy
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import target_copy
+from tests.helpers import Crash, CrashAt, target_copy
 
 QUIET = dict(progress=lambda s: None)
 
@@ -143,11 +143,11 @@ def test_a_history_line_torn_by_a_kill_is_dropped_on_resume(extracted, tmp_path)
     from components.train import TrainConfig, train
 
     out = tmp_path / "train"
-    with pytest.raises(RuntimeError, match="injected fault at step 8"):
-        train(TrainConfig.tiny(), str(extracted / "ext"), str(out), fail_at_step=8)
+    with pytest.raises(Crash, match="step 8"):
+        train(TrainConfig.tiny(), str(extracted / "ext"), str(out), sinks=(CrashAt(8),))
     with open(out / "history.jsonl", "a") as f:
         f.write('{"step": 9, "loss": 1.2')  # the process died in the middle of this line
-    res = train(TrainConfig.tiny(), str(extracted / "ext"), str(out), fail_at_step=8)
+    res = train(TrainConfig.tiny(), str(extracted / "ext"), str(out))
     steps = [json.loads(x)["step"] for x in Path(res.history_file).read_text().splitlines()]
     assert res.resumed_from_step == 5 and steps == [2, 4, 6, 8, 10, 12]
 

@@ -1,6 +1,6 @@
 """bench/gpu.py runs where only torch, transformers, safetensors and their dependencies are installed.
 
-Purpose: the device machine lent for issue #5 has no Prefect, MLflow, Ray, matplotlib or datasets, and one try.
+Purpose: the device machine has no Prefect, MLflow, Ray, matplotlib or datasets, and one try.
 This runs `bench/gpu.py --quick --device cpu` (the same code path on the tiny embedded preset, 1 torch thread) in a
 subprocess where every installed package outside the dependency closure of torch, transformers, safetensors and
 tokenizers (read from the installed packages' metadata), and the project's infra/ and flows/, cannot be imported

@@ -20,7 +20,8 @@ from components.evaluate import EvaluateConfig, NotLosslessError, evaluate
 from components.extract import ExtractConfig, extract
 from components.pipeline_config import ConfigError, PipelineConfig
 from components.regenerate import RegenerateConfig, regenerate
-from components.register import HeadToRegister, RegisterConfig, TargetRef, register_head, register_target
+from components.register import (HeadToRegister, RegisterConfig, TargetRef, identical_of, register_head,
+                                 register_target)
 from components.targets import weights_sha256
 from components.traffic_io import load_traffic
 from components.train import TrainConfig, train
@@ -114,10 +115,11 @@ def target_ref(mlflow_store, tiny_embedded) -> TargetRef:
                            weights_sha256=sha)
 
 
-def _head(store, target: TargetRef, head_dir: str, key: str, tau: float, champion_tau: float | None):
+def _head(store, target: TargetRef, head_dir: str, key: str, tau: float, champion_tau: float | None,
+          **metrics: float):
     run_id = store.start_run(f"head-{key}")
     return HeadToRegister(head_dir=head_dir, target=target, traffic_sha256="t" * 64, run_key=key, run_id=run_id,
-                          metrics={"tau": tau, "speedup": 1.1}, champion_tau=champion_tau,
+                          metrics={"tau": tau, "speedup": 1.1, **metrics}, champion_tau=champion_tau,
                           params={"config": {"steps": 12}})
 
 
@@ -145,6 +147,17 @@ def test_promotion_gate_and_idempotent_registration(mlflow_store, target_ref, he
 
     better = register_head(mlflow_store, cfg, _head(mlflow_store, target_ref, head.head_dir, "k4", 3.5, 3.0))
     assert (better.version, better.promoted) == (4, True) and mlflow_store.get_alias(name, CHAMPION).version == 4
+
+
+def test_the_identical_verdict_is_a_version_tag_read_back_as_it_was(mlflow_store, target_ref, head):
+    cfg = RegisterConfig(tau_floor=1.0)
+    verdicts = {"k1": {"identical": 1.0}, "k2": {"identical": 0.0}, "k3": {}}  # greedy, greedy, sampled
+    for i, (key, metrics) in enumerate(verdicts.items()):
+        register_head(mlflow_store, cfg, _head(mlflow_store, target_ref, head.head_dir, key, 3.0 + i,
+                                               2.0 + i if i else None, **metrics))
+    versions = mlflow_store.list_versions("tiny-v1-eagle3")
+    assert [v.tags.get("identical") for v in versions] == ["true", "false", None]
+    assert [identical_of(v) for v in versions] == [True, False, None]
 
 
 def test_a_head_cannot_skip_the_champion_comparison(mlflow_store, target_ref, head):

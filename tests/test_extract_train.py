@@ -14,6 +14,7 @@ Not here: mocks. Ray is a real local Ray (the `ray_local` fixture).
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -29,6 +30,7 @@ from components.targets import load_target
 from components.train import TrainConfig, latest_checkpoint, train
 from eagle.config import default_aux_layer_ids
 from eagle.export import load_head, read_head_meta, verify_probe
+from tests.helpers import Crash, CrashAt
 
 QUIET = dict(progress=lambda s: None)
 
@@ -211,11 +213,11 @@ def test_train_exports_a_head_the_target_accepts(trained, target):
 def test_killed_run_resumes_from_its_last_checkpoint(offline_dir, trained, tmp_path):
     cfg = TrainConfig.tiny()  # checkpoints at 5, 10, 12; history every 2 steps
     out = tmp_path / "train"
-    with pytest.raises(RuntimeError, match="injected fault at step 8"):
-        train(cfg, str(offline_dir), str(out), lineage={"run_key": "k1"}, fail_at_step=8)
+    with pytest.raises(Crash, match="step 8"):
+        train(cfg, str(offline_dir), str(out), lineage={"run_key": "k1"}, sinks=(CrashAt(8),))
     assert latest_checkpoint(out).name == "step-0000005"
     assert _steps(str(out / "history.jsonl")) == [2, 4, 6, 8]  # 6 and 8 are past the checkpoint
-    res = train(cfg, str(offline_dir), str(out), lineage={"run_key": "k1"}, fail_at_step=8)
+    res = train(cfg, str(offline_dir), str(out), lineage={"run_key": "k1"})
     meta = read_head_meta(res.head_dir)
     assert res.resumed_from_step == 5 and meta["lineage"]["resumed_from_step"] == 5
     steps = _steps(res.history_file)
@@ -260,11 +262,23 @@ def test_warm_start_refuses_a_head_of_another_shape(trained, target):
 
 @pytest.mark.slow
 def test_ray_failure_config_restarts_and_completes(offline_dir, ray_local, tmp_path):
+    from dataclasses import dataclass
+
+    @dataclass(frozen=True)
+    class CrashOnce:  # a metrics sink (rank 0 logs) that raises once, at `step`: the marker outlives the restart
+        marker: str
+        step: int
+
+        def log(self, step, metrics):
+            if step == self.step and not os.path.exists(self.marker):
+                Path(self.marker).write_text("crashed")
+                raise RuntimeError(f"crashed at step {step}")
+
     cfg = TrainConfig(**{**TrainConfig.tiny().__dict__, "num_workers": 2, "steps": 8, "checkpoint_every": 3,
                          "batch_size": 2, "max_failures": 1})
-    out = tmp_path / "train"
-    res = train(cfg, str(offline_dir), str(out), fail_at_step=5, storage_dir=str(tmp_path / "ray"))
-    assert (out / ".fault-injected").is_file()  # the fault fired, and fit() still returned: Ray restarted
+    out, marker = tmp_path / "train", tmp_path / "crashed"
+    res = train(cfg, str(offline_dir), str(out), sinks=(CrashOnce(str(marker), 4),), storage_dir=str(tmp_path / "ray"))
+    assert marker.is_file()  # the worker group crashed at step 4, and fit() still returned: Ray restarted it
     meta = read_head_meta(res.head_dir)
     assert meta["lineage"]["resumed_from_step"] == 3  # the restarted workers resumed from the checkpoint
     steps = _steps(res.history_file)

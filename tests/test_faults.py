@@ -85,7 +85,7 @@ class Cli:
         self.emb, self.api_url = emb, api_url
 
     def start(self, home: Path, fault: dict | None = None,
-              shared_api: bool = True) -> tuple[subprocess.Popen, list[str], threading.Event]:
+              shared_api: bool = True) -> tuple[subprocess.Popen, list[str], threading.Event, threading.Thread]:
         t = self.emb.target_traffic
         cmd = [sys.executable, "-m", "flows.cli", "train", "--preset", "tiny", "--target", str(self.emb.target_dir),
                "--traffic", str(t.train), "--heldout", str(t.heldout), "--name", "t"]
@@ -100,30 +100,49 @@ class Cli:
                 if line.startswith("FAULT-PAUSE"):
                     paused.set()
 
-        threading.Thread(target=read, daemon=True).start()
-        return proc, lines, paused
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        return proc, lines, paused, reader
 
-    def finish(self, proc, lines, paused, look=None, timeout: float = 240) -> Run:
-        deadline = time.monotonic() + timeout
-        while proc.poll() is None and not paused.is_set() and time.monotonic() < deadline:
-            time.sleep(0.05)
+    def finish(self, proc, lines, paused, reader, look=None, timeout: float = 240) -> Run:
+        _wait_until(lambda: proc.poll() is not None or paused.is_set(), timeout)
         seen, kids = {}, []
         if paused.is_set():
-            time.sleep(0.2)  # the child stops itself right after printing the line
-            seen = look() if look else {}
+            pause = next(x for x in lines if x.startswith("FAULT-PAUSE"))
+            pid = int(re.search(r"pid=(\d+)", pause)[1])  # it stops itself (SIGSTOP) right after printing the line
+            stopped = _wait_until(lambda: _state(pid) == "T", 30)
+            seen = look() if look and stopped else {}  # a child that never stopped: nothing seen, its test fails
             kids = _children(proc.pid)  # e.g. Prefect's temporary API server in local mode
             os.kill(proc.pid, signal.SIGKILL)
         elif proc.poll() is None:
             proc.kill()
         proc.wait(30)
         orphans = _outlive(kids, 10.0)
-        time.sleep(0.1)  # let the reader drain the pipe
+        reader.join(30)  # the pipe is at its end once the child and what it started are gone
         out = "".join(lines)
         pause = next((x.strip() for x in lines if x.startswith("FAULT-PAUSE")), None)
         return Run(proc.returncode, out, pause, seen, orphans)
 
     def run(self, home: Path, fault: dict | None = None, look=None, shared_api: bool = True) -> Run:
         return self.finish(*self.start(home, fault, shared_api), look=look)
+
+
+def _wait_until(done, timeout: float) -> bool:
+    """Poll `done()` until it is true (True) or `timeout` seconds have passed (False)."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def _state(pid: int) -> str:
+    """The process's state letter in /proc (R, S, T for stopped, Z for a zombie...); "" once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
 
 
 def _children(pid: int) -> list[int]:
@@ -140,14 +159,9 @@ def _children(pid: int) -> list[int]:
 def _outlive(pids: list[int], timeout: float) -> list[str]:
     """The command lines of `pids` still running after `timeout` seconds (those are then killed: no leak)."""
     def alive(p: int) -> bool:
-        try:
-            return Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-        except OSError:
-            return False
+        return _state(p) not in ("", "Z")
 
-    deadline = time.monotonic() + timeout
-    while any(alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    _wait_until(lambda: not any(alive(p) for p in pids), timeout)
     left = [p for p in pids if alive(p)]
     names = [Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:120] for p in left]
     for p in left:

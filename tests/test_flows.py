@@ -78,6 +78,7 @@ def test_second_identical_run_adds_no_version_and_retrain_finds_heads_fresh(demo
     again = train_head("models:/stdlib-llama/1", base.tags["traffic_train"], base.tags["traffic_heldout"], "tiny")
     assert again["created"] is False and again["head_uri"] == res["base"]["head_uri"]
     assert again["acceptance"] == pytest.approx(res["base"]["acceptance"], abs=1e-4)  # from the version's tags
+    assert again["identical"] is res["base"]["identical"] is True  # the evaluation's verdict, from its tag
     assert len(store.list_versions("stdlib-llama-v1-eagle3")) == 1
     assert retrain(preset="tiny") == {"stdlib-llama/1": "fresh", "stdlib-llama/2": "fresh"}
     assert watch_registry(dispatch="event", preset="tiny") == {}

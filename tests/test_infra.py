@@ -4,7 +4,8 @@ Purpose: registration is idempotent per run key, aliases move, a head never land
 model URIs resolve to downloaded files, settings never print credentials, unreachable services fail fast
 with an error that says what to do, Ray sessions start and stop, events reach the Prefect API.
 Run: `python -m pytest tests/test_infra.py` (about 30-45 s on 2 cores, most of it Ray and Prefect start-up).
-Not here: mocks. Nothing is left running: the fixtures stop Ray and the Prefect API.
+Not here: mocks of the services (a few library calls are replaced by ones that fail the test when reached, to show
+that a probe refused first). Nothing is left running: the fixtures stop Ray and the Prefect API.
 """
 
 from __future__ import annotations
@@ -127,14 +128,17 @@ def test_model_uri_resolves_to_downloaded_files(mlflow_store, tmp_path):
         mlflow_store.resolve("runs:/abc/head")
 
 
-def test_unreachable_tracking_server_fails_fast_and_clearly(tmp_path):
+def test_unreachable_tracking_server_fails_fast_and_clearly(tmp_path, monkeypatch):
+    import infra.mlflow_store
     from infra.mlflow_store import MlflowStore, TrackingUnreachable
 
+    def no_client(*args, **kwargs):  # MLflow's client retries an unreachable server for minutes
+        raise AssertionError("the probe should have refused before any MLflow client was made")
+
+    monkeypatch.setattr(infra.mlflow_store, "MlflowClient", no_client)
     settings = Settings.local(tmp_path, mlflow_tracking_uri="http://user:pw-secret@127.0.0.1:9")
-    start = time.monotonic()
     with pytest.raises(TrackingUnreachable) as err:
         MlflowStore.connect(settings, timeout_s=2.0)
-    assert time.monotonic() - start < 5.0
     message = str(err.value)
     assert "127.0.0.1:9" in message and "MLFLOW_TRACKING_URI" in message and "mlflow server" in message
     assert "pw-secret" not in message
@@ -146,6 +150,7 @@ def test_unreachable_tracking_server_fails_fast_and_clearly(tmp_path):
 def test_local_ray_session_and_a_nested_one(ray_local, tmp_path):
     import ray
 
+    from infra.quiet import quiet_env
     from infra.ray_cluster import ray_session
 
     assert ray_local.started and ray.is_initialized()
@@ -153,31 +158,27 @@ def test_local_ray_session_and_a_nested_one(ray_local, tmp_path):
     with ray_session(Settings.local(tmp_path)) as nested:  # already initialised: reuse, do not stop
         assert not nested.started and nested.address == ray_local.address
     assert ray.is_initialized()
-    # Ray Train's print patch is off in our workers: it forwarded every progress line twice
-    assert ray.get_runtime_context().runtime_env["env_vars"]["RAY_TRAIN_ENABLE_PRINT_PATCH"] == "0"
+    runtime_env = ray.get_runtime_context().runtime_env
+    # Ray Train's print patch is off in our workers: it would forward every progress line twice
+    assert runtime_env["env_vars"]["RAY_TRAIN_ENABLE_PRINT_PATCH"] == "0"
+    # a local Ray: no preemption watcher (nothing drains its one node), the libraries' quiet settings, the setup hook
+    assert runtime_env["env_vars"]["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] == "0"
+    assert runtime_env["env_vars"]["HF_HUB_DISABLE_PROGRESS_BARS"] == quiet_env()["HF_HUB_DISABLE_PROGRESS_BARS"]
+    assert runtime_env.get("worker_process_setup_hook")
 
 
-def test_unreachable_ray_address_fails_fast(tmp_path):
+def test_unreachable_ray_address_fails_fast(tmp_path, monkeypatch):
+    import ray
+
     from infra.ray_cluster import RayUnreachable, ray_session
 
-    start = time.monotonic()
+    def no_init(*args, **kwargs):  # ray.init retries an unreachable cluster for minutes
+        raise AssertionError("the probe should have refused before ray.init")
+
+    monkeypatch.setattr(ray, "init", no_init)
     with pytest.raises(RayUnreachable, match="127.0.0.1:9.*RAY_ADDRESS"):
         with ray_session(Settings.local(tmp_path, ray_address="127.0.0.1:9"), timeout_s=2.0):
             pass
-    assert time.monotonic() - start < 5.0
-
-
-def test_train_configs_put_storage_under_the_state_dir(tmp_path):
-    from infra.ray_cluster import RayTrainConfig, train_run_configs
-
-    settings = Settings.local(tmp_path)
-    cfg = RayTrainConfig(num_workers=2, cpus_per_worker=0.5, max_failures=1, checkpoints_to_keep=2)
-    scaling, run = train_run_configs(cfg, "head-tgt", settings)
-    assert (scaling.num_workers, scaling.use_gpu, scaling.resources_per_worker) == (2, False, {"CPU": 0.5})
-    assert (run.name, run.storage_path) == ("head-tgt", str(tmp_path / "ray_results"))
-    assert run.failure_config.max_failures == 1 and run.checkpoint_config.num_to_keep == 2
-    with pytest.raises(ValueError):
-        RayTrainConfig(num_workers=-1)
 
 
 # ---- Prefect -------------------------------------------------------------------------------------------
@@ -197,15 +198,31 @@ def test_prefect_defaults_respect_the_user(tmp_path, monkeypatch):
     assert "PREFECT_HOME" not in os.environ
 
 
-def test_no_event_is_sent_without_a_prefect_api():
+def test_quiet_defaults_respect_the_user(monkeypatch):
+    from infra.quiet import QUIET_ENV, apply_quiet_defaults
+
+    for key in QUIET_ENV:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("TRANSFORMERS_VERBOSITY", "info")  # the user's choice stays
+    applied = apply_quiet_defaults()
+    assert "TRANSFORMERS_VERBOSITY" not in applied and os.environ["TRANSFORMERS_VERBOSITY"] == "info"
+    assert applied == {k: v for k, v in QUIET_ENV.items() if k != "TRANSFORMERS_VERBOSITY"}
+    assert all(os.environ[k] == v for k, v in applied.items()) and apply_quiet_defaults() == {}
+
+
+def test_no_event_is_sent_without_a_prefect_api(monkeypatch, caplog):
+    import prefect.events
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from infra.prefect_env import emit_event
 
+    def no_emit(*args, **kwargs):  # Prefect would start a throwaway ephemeral server to take the event
+        raise AssertionError("Prefect's emit_event was called without an API")
+
+    monkeypatch.setattr(prefect.events, "emit_event", no_emit)
     with temporary_settings(restore_defaults={PREFECT_API_URL}):
-        start = time.monotonic()
         assert emit_event("eagle.test", "eagle.nothing") is None
-        assert time.monotonic() - start < 2.0  # no ephemeral server was started for it
+    assert "event eagle.test about eagle.nothing not sent" in caplog.text
 
 
 def test_emitted_event_reaches_the_prefect_api(prefect_harness):

@@ -1,6 +1,6 @@
 """Layout rules, checked by reading the source (ast): package boundaries, environment access, docstrings, size.
 
-Purpose: keep the boundaries of DESIGN.md true as the code grows:
+Purpose: keep the layer rules of ARCHITECTURE.md true as the code grows:
     eagle/       imports no prefect, mlflow, ray, infra, components, flows (it runs with torch alone)
     components/  imports no prefect (no decorators there) and no flows
     infra/       imports no eagle, components, flows (adapters sit below the pipeline)

@@ -23,7 +23,6 @@ import ast
 import os
 import re
 import socket
-import struct
 from pathlib import Path
 
 import pytest
@@ -38,7 +37,6 @@ WRITE_ALLOWLIST = {  # (file, source snippet of the call) -> why it need not be 
     ("components/train.py", "(tmp / 'DONE').write_text"): "inside the checkpoint's temp dir, renamed whole",
     ("components/train.py", "torch.save"): "inside the checkpoint's temp dir, renamed whole",
     ("components/train.py", "save_file"): "inside the checkpoint's temp dir, renamed whole",
-    ("components/train.py", "(out / '.fault-injected').write_text"): "test-only marker of the injected fault",
     ("components/train.py", "open(self.path, 'a')"): "appends one history line; a torn last line is dropped on read",
     ("infra/locks.py", "open(path, 'a+')"): "a lock file: its content is never read",
     ("infra/vllm_server.py", "open(self.log_path, 'w')"): "the engine's log, written by the engine as it runs",

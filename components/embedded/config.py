@@ -1,7 +1,7 @@
 """Configuration of the embedded default: corpus, tokenizer, target shape, training, traffic, evaluation.
 
 Purpose: one frozen dataclass per concern, grouped in `EmbeddedConfig`, with three presets: `tiny()` (tests, builds
-in seconds), `default()` (the 2-core demo, about 10 minutes) and `gpu()` (a bigger target for one accelerator).
+in seconds), `default()` (the 2-core demo) and `gpu()` (a bigger target for one accelerator).
 `EmbeddedConfig.from_dict` is strict: an unknown key anywhere is an error naming the allowed keys.
 Not here: building anything (see `components.embedded.build`); run-time switches that do not change the artifacts
 (progress bars, the cache root) are arguments of `build_embedded`, not config.
@@ -98,12 +98,11 @@ class EmbeddedConfig:
 
     @classmethod
     def default(cls) -> "EmbeddedConfig":
-        """The 2-core CPU demo: 6 layers, hidden 256, vocab 8k (9.3M parameters); 800 x 8 x 256 = 1.6M tokens of
-        base training (about 8 minutes at 3,500 tokens/s on 2 quiet cores) and 0.33M tokens of fine-tune.
+        """The 2-core CPU demo: 6 layers, hidden 256, vocab 8k; 800 steps x 8 sequences x 256 tokens of base
+        training, and a shorter fine-tune.
 
-        Chosen by measurement at equal tokens (1.6M, same data and seed, held-out loss): 6x256 4.53, 8x256 4.53,
-        6x384 4.55, so the cheapest shape; batch 8 x 800 steps 4.42 against 16 x 400 at 4.53, and on 2 cores
-        batch 8 runs about as many tokens/s as 16 (batch 4 is ~20% slower).
+        The shape is the cheapest of those that reached the same held-out loss at equal training tokens (same data
+        and seed); batch 8 for more steps did better than 16 for half as many, at about the same tokens/s on 2 cores.
         """
         return cls()
 
@@ -128,9 +127,9 @@ class EmbeddedConfig:
     def gpu(cls) -> "EmbeddedConfig":
         """A bigger target for one accelerator: 12 layers, hidden 768, vocab 16k (about 100M parameters).
 
-        The corpus is small (~5M base tokens with the chat samples, which repeat code of the raw chunks), so a
-        model this size memorises it: 2,000 steps gave train loss 0.2 and a worse held-out loss than 600 steps
-        (3.83, measured on an H200 in about 75 s). Keep the fine-tune under one pass of its domain.
+        The corpus is small (the chat samples repeat code of the raw chunks), so a model this size memorises it:
+        training much longer than these steps lowers the train loss and raises the held-out loss. Keep the
+        fine-tune under one pass of its domain.
         """
         return cls(
             corpus=CorpusConfig(finetune_bytes=12_000_000),
