@@ -26,7 +26,7 @@ from pathlib import Path
 import common  # noqa: F401  (puts the repo root on sys.path)
 
 from common import Setup, base_args, prepare, print_table, pyplot, results_dir, start, write_results
-from components.extract import ExtractConfig, extract
+from components.extract import extract
 from components.train import TrainConfig, train
 
 
