@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import common  # noqa: F401  (puts the repo root on sys.path)
@@ -27,7 +26,7 @@ METHODS = ("plain", "eagle3", "ngram")
 
 
 def engine_run(method: str, setup, head_dir: Path, prompts, depth: int, max_new: int, settings) -> dict:
-    from components.engine_eval import target_context
+    from components.engine_eval import target_context, time_requests
     from infra.vllm_server import EngineSpec, VllmServer
 
     spec = EngineSpec(str(setup.target_dir), str(head_dir) if method == "eagle3" else None,
@@ -36,11 +35,7 @@ def engine_run(method: str, setup, head_dir: Path, prompts, depth: int, max_new:
     with VllmServer(spec, settings) as srv:
         srv.complete(prompts[0], 4)  # warm-up: first-request costs out of the timing
         before = srv.spec_counters() if method != "plain" else None
-        outs, seconds = [], 0.0
-        for ids in prompts:
-            t0 = time.perf_counter()
-            outs.append(srv.complete(ids, max_new).token_ids)
-            seconds += time.perf_counter() - t0
+        outs, seconds = time_requests(srv, prompts, max_new)
         counters = (srv.spec_counters() - before) if before is not None else None
     row = {"outputs": outs, "seconds": seconds, "tokens": sum(len(o) for o in outs)}
     if counters is not None:

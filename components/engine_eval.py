@@ -69,16 +69,26 @@ def our_outputs(report_file: str | Path) -> list[list[int]]:
     return [s["output_ids"] for s in json.loads(Path(report_file).read_text())["samples"]]
 
 
-def _run_all(server: VllmServer, prompts, cfg: EvaluateConfig, progress: Callable[[str], None], what: str):
-    """Each prompt in turn (batch 1), greedy at T = 0. Warm the server up first: this times every request."""
+def time_requests(server: VllmServer, prompts: list[list[int]], max_tokens: int, temperature: float = 0.0,
+                  progress: Callable[[int], None] | None = None) -> tuple[list[list[int]], float]:
+    """Each prompt in turn (batch 1): its output token ids and the summed request seconds. Warm the server up
+    first: every request is timed."""
     outs, seconds = [], 0.0
-    for i, (_, ids) in enumerate(prompts):
+    for i, ids in enumerate(prompts):
         t0 = time.perf_counter()
-        outs.append(server.complete(ids, cfg.max_new_tokens, cfg.temperature).token_ids)
+        outs.append(server.complete(ids, max_tokens, temperature).token_ids)
         seconds += time.perf_counter() - t0
-        if (i + 1) % 8 == 0 or i + 1 == len(prompts):
-            progress(f"evaluate (vLLM {what}): {i + 1}/{len(prompts)}")
+        if progress:
+            progress(i + 1)
     return outs, seconds
+
+
+def _run_all(server: VllmServer, prompts, cfg: EvaluateConfig, progress: Callable[[str], None], what: str):
+    def report(done: int) -> None:
+        if done % 8 == 0 or done == len(prompts):
+            progress(f"evaluate (vLLM {what}): {done}/{len(prompts)}")
+
+    return time_requests(server, [ids for _, ids in prompts], cfg.max_new_tokens, cfg.temperature, report)
 
 
 @dataclass(frozen=True)
