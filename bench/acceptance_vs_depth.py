@@ -4,7 +4,7 @@ Run: `python bench/acceptance_vs_depth.py [--quick] [--steps N] [--prompts N]`
 Three heads trained on the same regenerated traffic with the same budget (steps x batch, optimiser, lr):
   eagle3-ttt7   EAGLE-3 head, training-time test over K = 7 steps (components.train, ttt_steps=7)
   eagle3-ttt1   the same head trained on step 0 only (ttt_steps=1): no exposure to its own drafts
-  eagle1        top-layer feature only, feature regression + 0.1 x token loss (eagle/eagle1.py), no TTT
+  eagle1        top-layer feature only, feature regression + 0.1 x token loss (bench/eagle1.py), no TTT
 Each drafts a chain of depth 7 at temperature 0 on held-out prompts (`eagle.speculative.generate_speculative`),
 every output checked identical to plain greedy decoding. Prints per-position conditional acceptance
 alpha_k = P(draft k accepted | drafts 1..k-1 accepted), the verify steps that reached depth k, tau (tokens per
@@ -28,6 +28,7 @@ from safetensors.torch import load_file, save_file
 from common import (Setup, base_args, eos_of, heldout_prompts, prepare, print_table, pyplot, results_dir, start,
                     train_head, write_results)
 from components.train import TrainConfig
+from eagle1 import Eagle1Draft, eagle1_batch, eagle1_head, eagle1_loss
 
 DEPTH = 7
 
@@ -36,7 +37,6 @@ def train_eagle1(setup: Setup, cfg: TrainConfig) -> tuple[Path, float]:
     """Train the EAGLE-1-style head with the same data order, steps, batch, optimiser and lr as the others."""
     from components.datasets import TrainingData, batches
     from components.targets import load_target
-    from eagle.eagle1 import eagle1_batch, eagle1_head, eagle1_loss
     from eagle.export import head_state_dict
     from eagle.train import OptimConfig, make_optimizer
 
@@ -78,7 +78,6 @@ def train_eagle1(setup: Setup, cfg: TrainConfig) -> tuple[Path, float]:
 
 def load_eagle1(path: Path, target):
     from eagle.config import DraftConfig
-    from eagle.eagle1 import Eagle1Draft
 
     draft = Eagle1Draft(DraftConfig.from_dict(json.loads((path / "info.json").read_text())["config"]))
     draft.load_state_dict(load_file(str(path / "head.safetensors")), strict=False)

@@ -91,7 +91,8 @@ def rows_of(args: argparse.Namespace, target, draft, spec: Speculator, ids: torc
         pos = prefix.lengths_B[:, None] + torch.arange(width, device=dev)
         r[f"target pass, {width} tok"] = (lambda t=toks, p=pos: spec.target(prefix, t, p, None), 5)
         r[f"target lm_head, {width} rows"] = (lambda h=hidden[:, None].expand(B, width, -1): spec.target.logits(h), 5)
-    r["head step (1 tok)"] = (lambda: spec.head(prefix, root[:, None], hidden[:, None], prefix.lengths_B[:, None], 1), 10)
+    r["head step (1 tok)"] = (lambda: spec.head.extend(prefix, root[:, None], hidden[:, None],
+                                                       prefix.lengths_B[:, None]), 10)
     r["head extend (3 tok)"] = (lambda: spec.head_extend(prefix, ids[:, :3], aux[:, :3], torch.full_like(n_B, 3)), 5)
     r[f"draft chain d={args.depth}"] = (lambda: draft_chain(spec.head, prefix, hidden, dlogits, args.depth,
                                                             spec.draft_pick), 5)

@@ -63,7 +63,7 @@ class CallCounter:
     verification passes) while `counting()`. Our loops' passes are counted from their outputs.
 
     The hook exists only inside `counting()`: a forward hook anywhere on the target makes our loops leave their
-    lean decoder for HF's forward (`eagle.features.LeanDecoder.of`), which would slow plain decoding and our head
+    lean decoder for HF's forward (`eagle.fastpath.LeanDecoder.of`), which would slow plain decoding and our head
     alike and skew the ratio between them (it did, in runs before 2026-11-30 06:30)."""
 
     def __init__(self, target):

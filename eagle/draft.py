@@ -5,11 +5,14 @@ Purpose: the model code of the head and nothing else. `Eagle3Draft.forward` runs
 so that training-time test (`eagle.ttt`) can run its own memory-bounded attention between them.
 Inference (autograd off) takes a leaner route with the same results: q/k/v and gate/up each as one product over
 stacked weights, RoPE from a cos/sin table, one fused RMSNorm kernel, oneDNN for multi-row products on CPU
-(`eagle.features.linear`), and `forward(select_B=...)` computes the output of one new position per row only.
-Not here: training loops, drafting policies, distribution, file formats.
+(`eagle.fastpath.linear`), and `forward(select_B=...)` computes the output of one new position per row only.
+How to run: `draft = Eagle3Draft(DraftConfig.from_target(target.config, Vd))`, `set_draft_vocab`,
+`init_from_target`; then `out_BTH, logits_BTVd = draft(ids_BT, draft.fuse(aux_BT3H), pos_BT)` (tests/test_ttt.py).
+Not here: training loops, drafting policies, distribution, file formats, the CPU kernels themselves
+(`eagle.fastpath`).
 
-Shape legend: B batch, T new positions, L keys visible (past + T), H hidden size, D head dim, h heads,
-Vd draft vocabulary, V target vocabulary.
+Shape legend: B batch, T new positions, L keys visible (past + T), H hidden size, D head dim, h query heads,
+g key/value heads, s stacked heads (q|k|v or q|k), I MLP width, Vd draft vocabulary, V target vocabulary.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eagle.config import DraftConfig
-from eagle.features import linear, version
+from eagle.fastpath import linear, version
 
 
 class RMSNorm(nn.Module):
@@ -61,9 +64,9 @@ def rope_inv_freq(cfg: DraftConfig) -> torch.Tensor:
 
 def rope_cos_sin(pos_BT: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin [B, T, D] of the positions' rotation angles (fp32 angles, cast to `dtype`)."""
-    freqs_BTd = pos_BT.float()[..., None] * inv_freq.to(pos_BT.device)
-    emb = torch.cat([freqs_BTd, freqs_BTd], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    half_BTD = pos_BT.float()[..., None] * inv_freq.to(pos_BT.device)  # D/2 angles
+    angles_BTD = torch.cat([half_BTD, half_BTD], dim=-1)
+    return angles_BTD.cos().to(dtype), angles_BTD.sin().to(dtype)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -149,32 +152,35 @@ class Eagle3Layer(nn.Module):
 
     def project_qkv(self, emb_BTH: torch.Tensor, hidden_BTH: torch.Tensor, pos_BT: torch.Tensor,
                     emb_normed: bool = False):
-        """Rotated q [B,h,T,D], k and v [B,kvh,T,D]. `emb_normed`: `emb_BTH` has been through `input_layernorm`."""
+        """Rotated q [B,h,T,D], k and v [B,g,T,D]. `emb_normed`: `emb_BTH` has been through `input_layernorm`."""
         B, T, _ = hidden_BTH.shape
-        x = torch.cat([emb_BTH if emb_normed else self.input_layernorm(emb_BTH), self.hidden_norm(hidden_BTH)], dim=-1)
+        emb_BTH = emb_BTH if emb_normed else self.input_layernorm(emb_BTH)
+        x_BT2H = torch.cat([emb_BTH, self.hidden_norm(hidden_BTH)], dim=-1)
         a, c = self.self_attn, self.cfg
-        h, kvh, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        cos, sin = self.rope(pos_BT, x.dtype)
+        h, g, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        cos_BTD, sin_BTD = self.rope(pos_BT, x_BT2H.dtype)
         if torch.is_grad_enabled():
-            q = a.q_proj(x).view(B, T, h, D).transpose(1, 2)
-            k = a.k_proj(x).view(B, T, kvh, D).transpose(1, 2)
-            v = a.v_proj(x).view(B, T, kvh, D).transpose(1, 2)
-            cos, sin = cos[:, None], sin[:, None]
-            return rotate(q, cos, sin), rotate(k, cos, sin), v
-        qkv = linear(x, self.stacked("qkv", a.q_proj.weight, a.k_proj.weight, a.v_proj.weight)).view(B, T, -1, D)
-        qk = rotate(qkv[:, :, :h + kvh], cos[:, :, None], sin[:, :, None]).transpose(1, 2)
-        return qk[:, :h], qk[:, h:], qkv[:, :, h + kvh:].transpose(1, 2)
+            q_BhTD = a.q_proj(x_BT2H).view(B, T, h, D).transpose(1, 2)
+            k_BgTD = a.k_proj(x_BT2H).view(B, T, g, D).transpose(1, 2)
+            v_BgTD = a.v_proj(x_BT2H).view(B, T, g, D).transpose(1, 2)
+            cos_B1TD, sin_B1TD = cos_BTD[:, None], sin_BTD[:, None]
+            return rotate(q_BhTD, cos_B1TD, sin_B1TD), rotate(k_BgTD, cos_B1TD, sin_B1TD), v_BgTD
+        qkv_w = self.stacked("qkv", a.q_proj.weight, a.k_proj.weight, a.v_proj.weight)
+        qkv_BTsD = linear(x_BT2H, qkv_w).view(B, T, -1, D)
+        qk_BsTD = rotate(qkv_BTsD[:, :, :h + g], cos_BTD[:, :, None], sin_BTD[:, :, None]).transpose(1, 2)
+        return qk_BsTD[:, :h], qk_BsTD[:, h:], qkv_BTsD[:, :, h + g:].transpose(1, 2)
 
     def finish(self, hidden_BTH: torch.Tensor, attn_BhTD: torch.Tensor) -> torch.Tensor:
         """Output projection, residual on the un-normalised input feature, then the MLP block."""
         B, _, T, _ = attn_BhTD.shape
         m = self.mlp
-        out = hidden_BTH + linear(attn_BhTD.transpose(1, 2).reshape(B, T, -1), self.self_attn.o_proj)
-        y = self.post_attention_layernorm(out)
+        out_BTH = hidden_BTH + linear(attn_BhTD.transpose(1, 2).reshape(B, T, -1), self.self_attn.o_proj)
+        y_BTH = self.post_attention_layernorm(out_BTH)
         if torch.is_grad_enabled():
-            return out + m.down_proj(F.silu(m.gate_proj(y)) * m.up_proj(y))
-        gate, up = linear(y, self.stacked("gate_up", m.gate_proj.weight, m.up_proj.weight)).chunk(2, dim=-1)
-        return out + linear(F.silu(gate) * up, m.down_proj)
+            return out_BTH + m.down_proj(F.silu(m.gate_proj(y_BTH)) * m.up_proj(y_BTH))
+        gate_up_w = self.stacked("gate_up", m.gate_proj.weight, m.up_proj.weight)
+        gate_BTI, up_BTI = linear(y_BTH, gate_up_w).chunk(2, dim=-1)
+        return out_BTH + linear(F.silu(gate_BTI) * up_BTI, m.down_proj)
 
 
 class Eagle3Draft(nn.Module):
@@ -234,8 +240,8 @@ class Eagle3Draft(nn.Module):
         hit = self.__dict__.get("_draft_inputs")
         if hit is None or hit[0] != key:
             with torch.no_grad():
-                emb = self.embed_tokens.weight[self.draft_ids()]
-                hit = (key, self.midlayer.input_layernorm(emb.to(self.fc.weight.dtype)))
+                emb_VdH = self.embed_tokens.weight[self.draft_ids()]
+                hit = (key, self.midlayer.input_layernorm(emb_VdH.to(self.fc.weight.dtype)))
             self.__dict__["_draft_inputs"] = hit
         return hit[1]
 
@@ -261,17 +267,18 @@ class Eagle3Draft(nn.Module):
         then unused.
         """
         layer = self.midlayer
-        emb = self.embed_tokens(input_ids_BT) if normed_emb_BTH is None else normed_emb_BTH
-        if emb.dtype != hidden_BTH.dtype:
-            emb = emb.to(hidden_BTH.dtype)
-        q, k, v = layer.project_qkv(emb, hidden_BTH, pos_BT, emb_normed=normed_emb_BTH is not None)
+        emb_BTH = self.embed_tokens(input_ids_BT) if normed_emb_BTH is None else normed_emb_BTH
+        if emb_BTH.dtype != hidden_BTH.dtype:
+            emb_BTH = emb_BTH.to(hidden_BTH.dtype)
+        emb_normed = normed_emb_BTH is not None
+        q_BhTD, k_BgLD, v_BgLD = layer.project_qkv(emb_BTH, hidden_BTH, pos_BT, emb_normed)  # L = T before the cache
         if cache is not None:
-            k, v = cache.update(k, v)
-        if select_B is not None:
-            q, hidden_BTH, attn_mask_BTL = _select(q, hidden_BTH, attn_mask_BTL, k.shape[2], select_B)
-        attn = sdpa(q, k, v, attn_mask_BTL)
-        out = layer.finish(hidden_BTH, attn)
-        return out, self.logits(out)
+            k_BgLD, v_BgLD = cache.update(k_BgLD, v_BgLD)
+        if select_B is not None:  # from here T is 1
+            q_BhTD, hidden_BTH, attn_mask_BTL = _select(q_BhTD, hidden_BTH, attn_mask_BTL, k_BgLD.shape[2], select_B)
+        attn_BhTD = sdpa(q_BhTD, k_BgLD, v_BgLD, attn_mask_BTL)
+        out_BTH = layer.finish(hidden_BTH, attn_BhTD)
+        return out_BTH, self.logits(out_BTH)
 
     def trainable_parameters(self):
         return [p for n, p in self.named_parameters() if not n.startswith("embed_tokens")]
@@ -283,23 +290,24 @@ def _select(q_BhTD: torch.Tensor, hidden_BTH: torch.Tensor, mask_BTL: torch.Tens
     A missing mask means causal: new position i (of T) sees keys 0..L-T+i."""
     B, h, T, D = q_BhTD.shape
     i_B1 = select_B[:, None]
-    q = q_BhTD.gather(2, i_B1[:, None, :, None].expand(B, h, 1, D))
-    hidden = hidden_BTH.gather(1, i_B1[..., None].expand(B, 1, hidden_BTH.shape[-1]))
+    q_Bh1D = q_BhTD.gather(2, i_B1[:, None, :, None].expand(B, h, 1, D))
+    hidden_B1H = hidden_BTH.gather(1, i_B1[..., None].expand(B, 1, hidden_BTH.shape[-1]))
     if mask_BTL is None:
-        mask = (torch.arange(L, device=q.device) <= (L - T) + i_B1)[:, None]
+        mask_B1L = (torch.arange(L, device=q_Bh1D.device) <= (L - T) + i_B1)[:, None]
     else:
         mask_BTL = mask_BTL if mask_BTL.dim() == 3 else mask_BTL[:, 0]
-        mask = mask_BTL.expand(B, -1, -1).gather(1, i_B1[..., None].expand(B, 1, L))
-    return q, hidden, mask
+        mask_B1L = mask_BTL.expand(B, -1, -1).gather(1, i_B1[..., None].expand(B, 1, L))
+    return q_Bh1D, hidden_B1H, mask_B1L
 
 
-def sdpa(q_BhTD: torch.Tensor, k_BhLD: torch.Tensor, v_BhLD: torch.Tensor,
+def sdpa(q_BhTD: torch.Tensor, k_BgLD: torch.Tensor, v_BgLD: torch.Tensor,
          mask_BTL: torch.Tensor | None) -> torch.Tensor:
-    """Grouped-query attention over L keys; the last T keys are the queries' own positions."""
-    T, L = q_BhTD.shape[2], k_BhLD.shape[2]
-    if mask_BTL is None:
+    """Grouped-query attention over L keys; the last T keys are the queries' own positions. `mask_BTL` may also come
+    as [B, 1, T, L]; None means causal."""
+    T, L = q_BhTD.shape[2], k_BgLD.shape[2]
+    if mask_BTL is None:  # causal: [T, L], or nothing to mask for one query
         mask = None if T == 1 else torch.ones(T, L, dtype=torch.bool, device=q_BhTD.device).tril(L - T)
     else:
-        mask = mask_BTL[:, None] if mask_BTL.dim() == 3 else mask_BTL
-    rep = q_BhTD.shape[1] // k_BhLD.shape[1]
-    return F.scaled_dot_product_attention(q_BhTD, k_BhLD, v_BhLD, attn_mask=mask, enable_gqa=rep > 1)
+        mask = mask_BTL[:, None] if mask_BTL.dim() == 3 else mask_BTL  # [B, 1, T, L]
+    queries_per_key = q_BhTD.shape[1] // k_BgLD.shape[1]
+    return F.scaled_dot_product_attention(q_BhTD, k_BgLD, v_BgLD, attn_mask=mask, enable_gqa=queries_per_key > 1)

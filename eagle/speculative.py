@@ -12,8 +12,9 @@ EOS or `max_new_tokens` and is then frozen while the others finish.
 How to run: `out = generate_speculative(target, draft, ids, mask, SpecConfig(method="tree"))`; `out.sequences`,
 `out.stats.tau`. Greedy when `temperature == 0`.
 Speed (both functions alike): inference mode; the target runner's session (CPU kernels, feature hooks attached
-once), `LeanDecoder` for Llama-family targets, preallocated caches written by slice for one row, prebuilt causal
-masks; the head's lean inference path (`eagle.draft`). At batch 1 on a shared 2-core CPU use 1 torch thread.
+once), `eagle.fastpath.LeanDecoder` for Llama-family targets, preallocated caches written by slice for one row,
+prebuilt causal masks; the head's lean inference path (`eagle.draft`). At batch 1 on a shared 2-core CPU use 1 torch
+thread.
 Not here: sliding-window targets past their window, flash-attention backends (4-D masks need "sdpa"/"eager"),
 dropping finished rows from the batch, CUDA graphs / torch.compile.
 
@@ -33,10 +34,11 @@ from torch import nn
 
 from eagle import sampling
 from eagle.draft import Eagle3Draft
-from eagle.features import LeanDecoder, capture_layer_inputs, decoder_layers, linear, packed_linears
+from eagle.fastpath import LeanDecoder, linear, packed_linears
+from eagle.features import capture_layer_inputs, decoder_layers
 from eagle.kvcache import (CausalMask, SlotCache, additive_mask, causal_region, check_no_sliding_window,
                           visibility_mask)
-from eagle.tree import HeadRunner, Prefix, draft_chain, draft_tree, draft_tree_sampled
+from eagle.tree import HeadRunner, Prefix, Tree, draft_chain, draft_tree, draft_tree_sampled
 
 
 @dataclass(frozen=True)
@@ -148,18 +150,18 @@ def pack_left(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> t
     """Move each row's real tokens (mask 1, any padding side) to the front; returns (ids [B, T], lengths [B])."""
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
-    real = attention_mask.bool()
-    n_B = real.sum(1)
+    real_BT = attention_mask.bool()
+    n_B = real_BT.sum(1)
     if bool((n_B == 0).any()):
         raise ValueError("every row needs at least one prompt token")
-    order = torch.argsort((~real).to(torch.int8), dim=1, stable=True)
-    return input_ids.gather(1, order), n_B
+    order_BT = torch.argsort((~real_BT).to(torch.int8), dim=1, stable=True)
+    return input_ids.gather(1, order_BT), n_B
 
 
 class TargetRunner:
     """The target with its `SlotCache`: one pass over T new tokens placed after each row's committed prefix.
     Llama-family targets run through `LeanDecoder` once it has reproduced HF's forward on a first pass (every other
-    target through HF). Inside `with runner.session():` linears use the CPU kernels of `eagle.features.linear` and
+    target through HF). Inside `with runner.session():` linears use the CPU kernels of `eagle.fastpath.linear` and
     HF's feature capture hooks stay attached (outside a session they are attached per call)."""
 
     CAUSAL_ROWS = 64  # passes of up to this many tokens of one row slice a prebuilt causal mask
@@ -193,18 +195,19 @@ class TargetRunner:
         `region_BTR` None means causal over the T new tokens."""
         T = ids_BT.shape[1]
         self.cache.plan_after(prefix.lengths_B, prefix.longest, T)
-        mask = self._mask(prefix, T, region_BTR)
+        mask_B1TL = self._mask(prefix, T, region_BTR)
         lean = self._lean
         if lean is not None and lean.trusted:
-            return lean(ids_BT, pos_BT, mask, self.cache.layers, self.layer_ids)
-        out = self._hf(ids_BT, pos_BT, mask)
-        if lean is not None and not lean.confirm(out, lean(ids_BT, pos_BT, mask, self.cache.layers, self.layer_ids)):
-            self._hf(ids_BT, pos_BT, mask)  # put HF's own entries back into the cache
+            return lean(ids_BT, pos_BT, mask_B1TL, self.cache.layers, self.layer_ids)
+        out = self._hf(ids_BT, pos_BT, mask_B1TL)
+        if lean is not None and not lean.confirm(out, lean(ids_BT, pos_BT, mask_B1TL, self.cache.layers,
+                                                           self.layer_ids)):
+            self._hf(ids_BT, pos_BT, mask_B1TL)  # put HF's own entries back into the cache
             self._lean = None
         return out
 
-    def _hf(self, ids_BT: torch.Tensor, pos_BT: torch.Tensor, mask: torch.Tensor):
-        kwargs = dict(input_ids=ids_BT, attention_mask=mask, position_ids=pos_BT, use_cache=True)
+    def _hf(self, ids_BT: torch.Tensor, pos_BT: torch.Tensor, mask_B1TL: torch.Tensor):
+        kwargs = dict(input_ids=ids_BT, attention_mask=mask_B1TL, position_ids=pos_BT, use_cache=True)
         kwargs[self._cache_kw] = self.cache
         if not self.layer_ids:
             return self._base(**kwargs).last_hidden_state, None
@@ -233,10 +236,10 @@ class TargetRunner:
         return self.logits(last_BH), aux
 
 
-def _pick(logits: torch.Tensor, cfg: SpecConfig, generator: torch.Generator | None) -> torch.Tensor:
+def _pick(logits_BV: torch.Tensor, cfg: SpecConfig, generator: torch.Generator | None) -> torch.Tensor:
     if cfg.greedy:
-        return logits.argmax(-1)
-    return sampling.sample(sampling.probs(logits, cfg.temperature, cfg.top_p), generator)
+        return logits_BV.argmax(-1)
+    return sampling.sample(sampling.probs(logits_BV, cfg.temperature, cfg.top_p), generator)
 
 
 def generate_plain(target: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -276,9 +279,23 @@ def _plain_loop(runner: TargetRunner, ids_BT: torch.Tensor, n_B: torch.Tensor, c
         lengths_B = lengths_B + active_B.long()
 
 
+@dataclass(frozen=True)
+class Verified:
+    """One verification pass per row: accepted drafts `n_B`; `path_BA`, node indices of the verified tokens from
+    the root, whose first n+1 are kept; the next token `next_B` (correction or bonus); the verified tokens
+    `tokens_BN` and the target's fused features at them `aux_BN3H`."""
+
+    n_B: torch.Tensor
+    path_BA: torch.Tensor
+    next_B: torch.Tensor
+    tokens_BN: torch.Tensor
+    aux_BN3H: torch.Tensor
+
+
 class Speculator:
     """One speculative generation's state (target and head runners, config, RNG) and its two moves:
-    `head_extend` (commit verified features to the head) and `step` (draft, verify, accept). Public for profiling."""
+    `head_extend` (commit verified features to the head) and `step` (draft, verify, accept), which runs the
+    `step_<method>_<greedy|sampled>` of the config. Public for profiling."""
 
     def __init__(self, target: nn.Module, draft: Eagle3Draft, cfg: SpecConfig, prompt_len: int,
                  generator: torch.Generator | None):
@@ -293,10 +310,10 @@ class Speculator:
     def head_extend(self, prefix: Prefix, tokens_BA: torch.Tensor, aux_BA3H: torch.Tensor, n_B: torch.Tensor):
         """Commit (token x_{i+1}, feature f_i) at positions lengths+i; returns the head's output at the n-th entry."""
         A = tokens_BA.shape[1]
-        ar = torch.arange(A, device=tokens_BA.device)
-        hidden_B1H, logits_B1V = self.head(prefix, tokens_BA, self.draft.fuse(aux_BA3H), prefix.lengths_B[:, None] + ar,
-                                           None, select_B=(n_B - 1).clamp(0, A - 1))
-        return hidden_B1H[:, 0], logits_B1V[:, 0]
+        pos_BA = prefix.lengths_B[:, None] + torch.arange(A, device=tokens_BA.device)
+        hidden_B1H, logits_B1Vd = self.head.extend(prefix, tokens_BA, self.draft.fuse(aux_BA3H), pos_BA,
+                                                   select_B=(n_B - 1).clamp(0, A - 1))
+        return hidden_B1H[:, 0], logits_B1Vd[:, 0]
 
     def _draft_probs(self, logits_BTVd: torch.Tensor) -> torch.Tensor:
         return sampling.probs(logits_BTVd, self.cfg.temperature, self.cfg.top_p)
@@ -314,42 +331,75 @@ class Speculator:
         the target's fused features along the kept path [B, K+1, 3H]); K = the drafted depth (`depth`, or less
         when a chain stopped early).
         """
-        cfg, dev = self.cfg, root_B.device
-        if cfg.method == "chain":
-            drafts_BK, q_BKVd = draft_chain(self.head, prefix, hidden_BH, logits_BVd, cfg.depth, self.draft_pick,
-                                            cfg.min_draft_prob)
-            K = drafts_BK.shape[1]
-            tokens_BN = torch.cat([root_B[:, None], drafts_BK], 1)
-            pos_BN = prefix.lengths_B[:, None] + torch.arange(K + 1, device=dev)
-            hidden_BNH, aux_BN3H = self.target(prefix, tokens_BN, pos_BN, None)
-            n_B, nxt_B = self.accept_chain(self.target.logits(hidden_BNH), drafts_BK, q_BKVd)
-            path_BA = torch.arange(K + 1, device=dev).expand(len(n_B), -1)
-        else:
-            shape = (cfg.depth, cfg.topk, cfg.budget)
-            if cfg.greedy:
-                tree = draft_tree(self.head, prefix, root_B, hidden_BH, logits_BVd, shape)
-            else:
-                tree, q_BNVd = draft_tree_sampled(self.head, prefix, hidden_BH, self._draft_probs(logits_BVd),
-                                                  root_B, shape, self._draft_probs, self.generator)
-            hidden_BNH, aux_BN3H = self.target(prefix, tree.tokens_BN, prefix.lengths_B[:, None] + tree.depth_BN,
-                                               tree.ancestors_BNN)
-            logits_BNV = self.target.logits(hidden_BNH)
-            if cfg.greedy:
-                n_B, path_BA, nxt_B = sampling.walk_tree(tree.tokens_BN, tree.parent_BN, logits_BNV.argmax(-1),
-                                                         cfg.depth)
-            else:
-                p_BNV = sampling.probs(logits_BNV, cfg.temperature, cfg.top_p)
-                n_B, path_BA, nxt_B = sampling.walk_tree_sampled(tree.tokens_BN, tree.parent_BN, p_BNV, q_BNVd,
-                                                                 self.draft.draft_ids(), cfg.depth, self.generator)
-            slots = prefix.lengths_B[:, None]
-            self.target.cache.move(slots + path_BA, slots + torch.arange(path_BA.shape[1], device=dev))
-            tokens_BN = tree.tokens_BN
-        kept_BA = torch.cat([tokens_BN.gather(1, path_BA[:, 1:]), torch.zeros_like(n_B)[:, None]], 1)
-        kept_BA.scatter_(1, n_B[:, None], nxt_B[:, None])
-        aux_BA3H = aux_BN3H.gather(1, path_BA[..., None].expand(-1, -1, aux_BN3H.shape[-1]))
-        return n_B, kept_BA, aux_BA3H
+        paths = {("chain", True): self.step_chain_greedy, ("chain", False): self.step_chain_sampled,
+                 ("tree", True): self.step_tree_greedy, ("tree", False): self.step_tree_sampled}
+        v = paths[self.cfg.method, self.cfg.greedy](prefix, root_B, hidden_BH, logits_BVd)
+        kept_BA = torch.cat([v.tokens_BN.gather(1, v.path_BA[:, 1:]), torch.zeros_like(v.n_B)[:, None]], 1)
+        kept_BA.scatter_(1, v.n_B[:, None], v.next_B[:, None])
+        aux_BA3H = v.aux_BN3H.gather(1, v.path_BA[..., None].expand(-1, -1, v.aux_BN3H.shape[-1]))
+        return v.n_B, kept_BA, aux_BA3H
+
+    def step_chain_greedy(self, prefix: Prefix, root_B: torch.Tensor, hidden_BH: torch.Tensor,
+                          logits_BVd: torch.Tensor) -> Verified:
+        """Chain of argmax drafts, kept while they equal the target's argmax."""
+        drafts_BK, _ = draft_chain(self.head, prefix, hidden_BH, logits_BVd, self.cfg.depth, self.draft_pick,
+                                   self.cfg.min_draft_prob)
+        tokens_BN, path_BA, logits_BNV, aux_BN3H = self._verify_chain(prefix, root_B, drafts_BK)
+        n_B, next_B = sampling.accept_chain_greedy(logits_BNV, drafts_BK)
+        return Verified(n_B, path_BA, next_B, tokens_BN, aux_BN3H)
+
+    def step_chain_sampled(self, prefix: Prefix, root_B: torch.Tensor, hidden_BH: torch.Tensor,
+                           logits_BVd: torch.Tensor) -> Verified:
+        """Chain of drafts sampled from the head, verified by the standard rejection rule."""
+        drafts_BK, q_BKVd = draft_chain(self.head, prefix, hidden_BH, logits_BVd, self.cfg.depth, self.draft_pick,
+                                        self.cfg.min_draft_prob)
+        tokens_BN, path_BA, logits_BNV, aux_BN3H = self._verify_chain(prefix, root_B, drafts_BK)
+        n_B, next_B = self.accept_chain(logits_BNV, drafts_BK, q_BKVd)
+        return Verified(n_B, path_BA, next_B, tokens_BN, aux_BN3H)
+
+    def step_tree_greedy(self, prefix: Prefix, root_B: torch.Tensor, hidden_BH: torch.Tensor,
+                         logits_BVd: torch.Tensor) -> Verified:
+        """EAGLE-2 top-k tree, walked along the target's argmax."""
+        cfg = self.cfg
+        tree = draft_tree(self.head, prefix, root_B, hidden_BH, logits_BVd, (cfg.depth, cfg.topk, cfg.budget))
+        logits_BNV, aux_BN3H = self._verify_tree(prefix, tree)
+        n_B, path_BA, next_B = sampling.walk_tree(tree.tokens_BN, tree.parent_BN, logits_BNV.argmax(-1), cfg.depth)
+        return self._keep_path(prefix, Verified(n_B, path_BA, next_B, tree.tokens_BN, aux_BN3H))
+
+    def step_tree_sampled(self, prefix: Prefix, root_B: torch.Tensor, hidden_BH: torch.Tensor,
+                          logits_BVd: torch.Tensor) -> Verified:
+        """Tree of sampled sibling groups, verified by recursive rejection."""
+        cfg = self.cfg
+        tree, q_BNVd = draft_tree_sampled(self.head, prefix, hidden_BH, self._draft_probs(logits_BVd), root_B,
+                                          (cfg.depth, cfg.topk, cfg.budget), self._draft_probs, self.generator)
+        logits_BNV, aux_BN3H = self._verify_tree(prefix, tree)
+        p_BNV = sampling.probs(logits_BNV, cfg.temperature, cfg.top_p)
+        n_B, path_BA, next_B = sampling.walk_tree_sampled(tree.tokens_BN, tree.parent_BN, p_BNV, q_BNVd,
+                                                          self.draft.draft_ids(), cfg.depth, self.generator)
+        return self._keep_path(prefix, Verified(n_B, path_BA, next_B, tree.tokens_BN, aux_BN3H))
+
+    def _verify_chain(self, prefix: Prefix, root_B: torch.Tensor, drafts_BK: torch.Tensor):
+        """One target pass over root + drafts, already in place in its cache: (tokens [B, N], their path (0..N-1),
+        target logits [B, N, V], fused features [B, N, 3H])."""
+        tokens_BN = torch.cat([root_B[:, None], drafts_BK], 1)
+        ar_N = torch.arange(tokens_BN.shape[1], device=root_B.device)
+        hidden_BNH, aux_BN3H = self.target(prefix, tokens_BN, prefix.lengths_B[:, None] + ar_N, None)
+        return tokens_BN, ar_N.expand(len(root_B), -1), self.target.logits(hidden_BNH), aux_BN3H
+
+    def _verify_tree(self, prefix: Prefix, tree: Tree):
+        """One target pass over the tree, each node seeing its ancestors: (target logits [B, N, V], features)."""
+        pos_BN = prefix.lengths_B[:, None] + tree.depth_BN
+        hidden_BNH, aux_BN3H = self.target(prefix, tree.tokens_BN, pos_BN, tree.ancestors_BNN)
+        return self.target.logits(hidden_BNH), aux_BN3H
+
+    def _keep_path(self, prefix: Prefix, v: Verified) -> Verified:
+        """Move the target's entries of the kept path to the slots right after the prefix."""
+        slots_B1 = prefix.lengths_B[:, None]
+        self.target.cache.move(slots_B1 + v.path_BA, slots_B1 + torch.arange(v.path_BA.shape[1], device=v.n_B.device))
+        return v
 
     def accept_chain(self, logits_BNV: torch.Tensor, drafts_BK: torch.Tensor, q_BKVd: torch.Tensor | None):
+        """(accepted count [B], next token [B]): greedy without draft distributions, else the standard rule."""
         if q_BKVd is None:
             return sampling.accept_chain_greedy(logits_BNV, drafts_BK)
         p_BNV = sampling.probs(logits_BNV, self.cfg.temperature, self.cfg.top_p)

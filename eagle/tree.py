@@ -1,16 +1,20 @@
 """Drafting with the EAGLE-3 head: one head pass over committed features, chains, and EAGLE-2 dynamic trees.
 
 Purpose: everything the draft side of a speculative step does, with the head's own preallocated `SlotCache`.
-- `HeadRunner`: the head and its cache; one call runs T new entries written after each row's committed prefix.
+- `HeadRunner`: the head and its cache, one method per kind of pass, each writing T new entries after each row's
+  committed prefix: `extend` (commit verified tokens and features), `chain_step` (one drafted token per row),
+  `tree_step` (a frontier of k drafted nodes per row).
 - `draft_chain`: depth d tokens, each step feeding the head its own previous output hidden state (RoPE +1 per step).
 - `draft_tree`: EAGLE-2: the root's top-k children, then per depth the top-k of each frontier node, scored by
   cumulative draft log-probability; the next frontier is the best k of those k*k; finally the `budget` best of all
   candidates form the tree (a stable sort puts a parent before a child of equal score, so the kept set always
   contains every kept node's ancestors). `Tree.ancestors_BNN` is the verification pass's attention pattern.
+- `draft_tree_sampled`: the same frontier loop (`_grow`) with children drawn from the head instead of its top-k.
 How to run: called by `eagle.speculative.generate_speculative`.
 Not here: verification, acceptance rules, the target's cache.
 
-Shape legend: B batch, T new entries, H hidden, Vd draft vocabulary, k top-k, R region slots, N tree nodes incl. root.
+Shape legend: B batch, T new entries, L slots visible (span), H hidden, Vd draft vocabulary, k top-k, R slots after
+the prefix a query may see, C drafted candidates, N tree nodes incl. root, n kept candidates.
 """
 
 from __future__ import annotations
@@ -47,34 +51,49 @@ class Tree:
 
 
 class HeadRunner:
-    """The head with its own preallocated `SlotCache`: one call runs T new entries after each row's prefix."""
+    """The head with its own preallocated `SlotCache`; each pass writes T new entries at slots lengths+offset+t
+    (`offset` entries of the current draft already follow the prefix) and returns the head's (output hidden
+    [B, T, H], logits [B, T, Vd])."""
 
     def __init__(self, draft: Eagle3Draft, capacity: int):
         self.draft = draft
         self.cache = SlotCache(1, capacity)
 
-    def __call__(self, prefix: Prefix, tokens_BT: torch.Tensor | None, hidden_BTH: torch.Tensor,
-                 pos_BT: torch.Tensor, region: torch.Tensor | int | None, offset: int = 0,
-                 select_B: torch.Tensor | None = None,
-                 normed_emb_BTH: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Entries written at slots lengths+offset+t; queries see the prefix and the region after it.
-
-        `region` is a boolean [B or 1, T, R] visibility over the R slots after the prefix, an int R when every
-        query sees all of them (a chain), or None for causal over the T new entries. Returns the head's (output
-        hidden [B, T, H], logits [B, T, Vd]), or with `select_B` only those of new entry `select_B[b]` per row
-        ([B, 1, H], [B, 1, Vd]). `normed_emb_BTH` (rows of `Eagle3Draft.draft_inputs`) stands for the tokens.
-        """
-        B, T = hidden_BTH.shape[0], hidden_BTH.shape[1]
-        span = prefix.longest + offset + T
+    def _plan(self, prefix: Prefix, T: int, offset: int) -> int:
+        """Plan the write of T entries after `offset` drafted ones; returns the span the queries read."""
         self.cache.plan_after(prefix.lengths_B, prefix.longest, T, offset)
-        if B == 1 and (region is None or isinstance(region, int)):
+        return prefix.longest + offset + T
+
+    def extend(self, prefix: Prefix, tokens_BT: torch.Tensor, hidden_BTH: torch.Tensor, pos_BT: torch.Tensor,
+               select_B: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Commit T entries (token, fused feature) right after each row's prefix, causal among themselves. With
+        `select_B` only new entry `select_B[b]`'s outputs per row ([B, 1, H], [B, 1, Vd])."""
+        B, T = hidden_BTH.shape[0], hidden_BTH.shape[1]
+        span = self._plan(prefix, T, 0)
+        if B == 1:
             mask_BTL = None  # one row: its prefix is the longest, so the head's default (causal) is the same
-        elif isinstance(region, int):
-            mask_BTL = (self.cache.slot_index(span)[None] < (prefix.lengths_B + region)[:, None])[:, None]
         else:
-            region = causal_region(T, hidden_BTH.device) if region is None else region
-            mask_BTL = visibility_mask(prefix.lengths_B, region, span)
-        return self.draft(tokens_BT, hidden_BTH, pos_BT, self.cache.layers[0], mask_BTL, select_B, normed_emb_BTH)
+            mask_BTL = visibility_mask(prefix.lengths_B, causal_region(T, hidden_BTH.device), span)
+        return self.draft(tokens_BT, hidden_BTH, pos_BT, self.cache.layers[0], mask_BTL, select_B)
+
+    def chain_step(self, prefix: Prefix, normed_emb_B1H: torch.Tensor, hidden_B1H: torch.Tensor,
+                   pos_B1: torch.Tensor, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One drafted entry per row after the `offset` drafted before it; it sees the prefix and all of them.
+        `normed_emb_B1H` (rows of `Eagle3Draft.draft_inputs`) stands for the drafted tokens."""
+        span = self._plan(prefix, 1, offset)
+        if hidden_B1H.shape[0] == 1:
+            mask_B1L = None
+        else:
+            mask_B1L = (self.cache.slot_index(span)[None] < (prefix.lengths_B + offset + 1)[:, None])[:, None]
+        return self.draft(None, hidden_B1H, pos_B1, self.cache.layers[0], mask_B1L, None, normed_emb_B1H)
+
+    def tree_step(self, prefix: Prefix, tokens_BT: torch.Tensor, hidden_BTH: torch.Tensor, pos_BT: torch.Tensor,
+                  seen_BTR: torch.Tensor, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """T frontier entries per row after the `offset` drafted before them; `seen_BTR` (boolean, R = offset + T)
+        says which of the slots after the prefix each one sees (its ancestors and itself)."""
+        span = self._plan(prefix, hidden_BTH.shape[1], offset)
+        mask_BTL = visibility_mask(prefix.lengths_B, seen_BTR, span)
+        return self.draft(tokens_BT, hidden_BTH, pos_BT, self.cache.layers[0], mask_BTL)
 
 
 Pick = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
@@ -101,46 +120,73 @@ def draft_chain(head: HeadRunner, prefix: Prefix, root_hidden_BH: torch.Tensor, 
         dists.append(q_BVd)
         if j + 1 == depth:
             break
-        hidden_B1H, logits_B1V = head(prefix, None, hidden_B1H, pos_BD[:, j:j + 1], j + 1, offset=j,
-                                      normed_emb_BTH=inputs_VdH[idx_B][:, None])
-        logits_BVd = logits_B1V[:, 0]
-    q = None if dists[0] is None else torch.stack(dists, dim=1)
-    return head.draft.to_target_ids(torch.stack(picks, dim=1).view(B, len(picks))), q
+        hidden_B1H, logits_B1Vd = head.chain_step(prefix, inputs_VdH[idx_B][:, None], hidden_B1H,
+                                                  pos_BD[:, j:j + 1], offset=j)
+        logits_BVd = logits_B1Vd[:, 0]
+    q_BdVd = None if dists[0] is None else torch.stack(dists, dim=1)
+    return head.draft.to_target_ids(torch.stack(picks, dim=1).view(B, len(picks))), q_BdVd
+
+
+@dataclass(frozen=True)
+class _Candidates:
+    """Every node a tree draft created, in creation order: candidate c is node c + 1 (node 0 is the root)."""
+
+    idx_BC: torch.Tensor  # draft-vocabulary index of the token
+    score_BC: torch.Tensor  # cumulative draft log-probability of the path root -> node
+    parent_BC: torch.Tensor  # node index of the parent
+    depth_BC: torch.Tensor
+
+
+# (frontier node ids [B, k], head logits at the frontier [B, k, Vd]) -> (children's draft indices [B, k, k],
+# their draft log-probabilities [B, k, k])
+Expand = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def _grow(head: HeadRunner, prefix: Prefix, root_hidden_BH: torch.Tensor, idx_Bk: torch.Tensor,
+          score_Bk: torch.Tensor, depth: int, expand: Expand) -> _Candidates:
+    """The frontier loop shared by both trees: from the root's k children (`idx_Bk`, log-probabilities
+    `score_Bk`), per depth run the frontier through the head, give each frontier node k children (`expand`), and
+    make the best k of those k*k by cumulative score the next frontier."""
+    B, k = idx_Bk.shape
+    H, dev, draft = root_hidden_BH.shape[1], idx_Bk.device, head.draft
+    cand_idx, cand_score = [idx_Bk], [score_Bk]
+    cand_parent, cand_depth = [torch.zeros_like(idx_Bk)], [torch.ones_like(idx_Bk)]
+    node_Bk = torch.arange(1, k + 1, device=dev).expand(B, k)
+    hid_BkH = root_hidden_BH[:, None].expand(B, k, H)
+    seen_BkR = torch.eye(k, dtype=torch.bool, device=dev)[None].expand(B, k, k)
+    tok_Bk, n_nodes = draft.to_target_ids(idx_Bk), 1 + k
+    for j in range(1, depth):
+        pos_Bk = (prefix.lengths_B - 1 + j)[:, None].expand(B, k)
+        out_BkH, logits_BkVd = head.tree_step(prefix, tok_Bk, hid_BkH, pos_Bk, seen_BkR, offset=(j - 1) * k)
+        kids_Bkk, logq_Bkk = expand(node_Bk, logits_BkVd)
+        cum_BC = (score_Bk[..., None] + logq_Bkk).reshape(B, k * k)
+        cand_idx.append(kids_Bkk.reshape(B, k * k))
+        cand_score.append(cum_BC)
+        cand_parent.append(node_Bk[..., None].expand(B, k, k).reshape(B, k * k))
+        cand_depth.append(torch.full_like(cum_BC, j + 1, dtype=torch.long))
+        if j + 1 < depth:
+            score_Bk, sel_Bk = cum_BC.topk(k, dim=-1)
+            tok_Bk = draft.to_target_ids(cand_idx[-1].gather(1, sel_Bk))
+            node_Bk = n_nodes + sel_Bk
+            hid_BkH, seen_BkR = _next_frontier(out_BkH, seen_BkR, sel_Bk, j)
+        n_nodes += k * k
+    return _Candidates(torch.cat(cand_idx, 1), torch.cat(cand_score, 1), torch.cat(cand_parent, 1),
+                       torch.cat(cand_depth, 1))
 
 
 def draft_tree(head: HeadRunner, prefix: Prefix, root_B: torch.Tensor, root_hidden_BH: torch.Tensor,
                root_logits_BVd: torch.Tensor, shape: tuple[int, int, int]) -> Tree:
     """EAGLE-2 dynamic tree of `budget` drafted nodes; `shape` = (depth, topk, budget)."""
     depth, k, budget = shape
-    draft = head.draft
-    B, H = root_hidden_BH.shape
-    dev = root_B.device
+
+    def top_k(_node_Bk: torch.Tensor, logits_BkVd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logp_Bkk, idx_Bkk = torch.log_softmax(logits_BkVd.float(), -1).topk(k, dim=-1)
+        return idx_Bkk, logp_Bkk
+
     score_Bk, idx_Bk = torch.log_softmax(root_logits_BVd.float(), -1).topk(k, dim=-1)
-    tok_Bk = draft.to_target_ids(idx_Bk)
-    cand_tok, cand_score = [tok_Bk], [score_Bk]
-    cand_parent, cand_depth = [torch.zeros_like(tok_Bk)], [torch.ones_like(tok_Bk)]
-    node_Bk = torch.arange(1, k + 1, device=dev).expand(B, k)
-    hid_BkH = root_hidden_BH[:, None].expand(B, k, H)
-    seen_BkR = torch.eye(k, dtype=torch.bool, device=dev)[None].expand(B, k, k)
-    n_nodes = 1 + k
-    for j in range(1, depth):
-        pos_Bk = (prefix.lengths_B - 1 + j)[:, None].expand(B, k)
-        out_BkH, logits_BkV = head(prefix, tok_Bk, hid_BkH, pos_Bk, seen_BkR, offset=(j - 1) * k)
-        s_Bkk, i_Bkk = torch.log_softmax(logits_BkV.float(), -1).topk(k, dim=-1)
-        cum_BC = (score_Bk[..., None] + s_Bkk).reshape(B, k * k)
-        toks_BC = draft.to_target_ids(i_Bkk).reshape(B, k * k)
-        cand_tok.append(toks_BC)
-        cand_score.append(cum_BC)
-        cand_parent.append(node_Bk[..., None].expand(B, k, k).reshape(B, k * k))
-        cand_depth.append(torch.full_like(toks_BC, j + 1))
-        if j + 1 < depth:
-            score_Bk, sel_Bk = cum_BC.topk(k, dim=-1)
-            tok_Bk = toks_BC.gather(1, sel_Bk)
-            node_Bk = n_nodes + sel_Bk
-            hid_BkH, seen_BkR = _next_frontier(out_BkH, seen_BkR, sel_Bk, j)
-        n_nodes += k * k
-    return _rerank(root_B, torch.cat(cand_tok, 1), torch.cat(cand_score, 1), torch.cat(cand_parent, 1),
-                   torch.cat(cand_depth, 1), budget, depth)[0]
+    c = _grow(head, prefix, root_hidden_BH, idx_Bk, score_Bk, depth, top_k)
+    return _rerank(root_B, head.draft.to_target_ids(c.idx_BC), c.score_BC, c.parent_BC, c.depth_BC, budget,
+                   depth)[0]
 
 
 def draft_tree_sampled(head: HeadRunner, prefix: Prefix, root_hidden_BH: torch.Tensor, root_q_BVd: torch.Tensor,
@@ -156,46 +202,26 @@ def draft_tree_sampled(head: HeadRunner, prefix: Prefix, root_hidden_BH: torch.T
     tree and, per node, the draft distribution its children were drawn from ([B, N, Vd], zero for leaves).
     """
     depth, k, budget = shape
-    draft = head.draft
-    B, H = root_hidden_BH.shape
-    dev = root_B.device
-    groups = max(1, budget // k)  # whole sibling groups that fit the budget
+    B, Vd = root_q_BVd.shape
+    frontier_q: list[tuple[torch.Tensor, torch.Tensor]] = [
+        (torch.zeros(B, 1, dtype=torch.long, device=root_B.device), root_q_BVd[:, None])]
+
+    def draw_k(node_Bk: torch.Tensor, logits_BkVd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q_BkVd = probs(logits_BkVd)
+        kids_Bkk = torch.multinomial(q_BkVd.reshape(B * k, -1), k, replacement=True, generator=generator).view(B, k, k)
+        frontier_q.append((node_Bk, q_BkVd))
+        return kids_Bkk, q_BkVd.gather(2, kids_Bkk).clamp_min(1e-30).log()
+
     idx_Bk = torch.multinomial(root_q_BVd, k, replacement=True, generator=generator)
     score_Bk = root_q_BVd.gather(1, idx_Bk).clamp_min(1e-30).log()
-    cand_idx, cand_score, cand_group = [idx_Bk], [score_Bk], [torch.zeros_like(score_Bk)]
-    cand_parent, cand_depth = [torch.zeros_like(idx_Bk)], [torch.ones_like(idx_Bk)]
-    frontier_q: list[tuple[torch.Tensor, torch.Tensor]] = [(torch.zeros(B, 1, dtype=torch.long, device=dev),
-                                                            root_q_BVd[:, None])]
-    node_Bk = torch.arange(1, k + 1, device=dev).expand(B, k)
-    hid_BkH = root_hidden_BH[:, None].expand(B, k, H)
-    seen_BkR = torch.eye(k, dtype=torch.bool, device=dev)[None].expand(B, k, k)
-    tok_Bk, n_nodes = draft.to_target_ids(idx_Bk), 1 + k
-    for j in range(1, depth):
-        pos_Bk = (prefix.lengths_B - 1 + j)[:, None].expand(B, k)
-        out_BkH, logits_BkV = head(prefix, tok_Bk, hid_BkH, pos_Bk, seen_BkR, offset=(j - 1) * k)
-        q_BkVd = probs(logits_BkV)
-        kids_Bkk = torch.multinomial(q_BkVd.reshape(B * k, -1), k, replacement=True,
-                                     generator=generator).view(B, k, k)
-        frontier_q.append((node_Bk, q_BkVd))
-        lq_Bkk = q_BkVd.gather(2, kids_Bkk).clamp_min(1e-30).log()
-        cum_BC = (score_Bk[..., None] + lq_Bkk).reshape(B, k * k)
-        cand_idx.append(kids_Bkk.reshape(B, k * k))
-        cand_score.append(cum_BC)
-        cand_group.append(score_Bk[..., None].expand(B, k, k).reshape(B, k * k))
-        cand_parent.append(node_Bk[..., None].expand(B, k, k).reshape(B, k * k))
-        cand_depth.append(torch.full_like(cum_BC, j + 1, dtype=torch.long))
-        if j + 1 < depth:
-            score_Bk, sel_Bk = cum_BC.topk(k, dim=-1)
-            tok_Bk = draft.to_target_ids(cand_idx[-1].gather(1, sel_Bk))
-            node_Bk = n_nodes + sel_Bk
-            hid_BkH, seen_BkR = _next_frontier(out_BkH, seen_BkR, sel_Bk, j)
-        n_nodes += k * k
-    idx_BC = torch.cat(cand_idx, 1)
-    tree, keep_Bn = _rerank(root_B, draft.to_target_ids(idx_BC), torch.cat(cand_group, 1),
-                            torch.cat(cand_parent, 1), torch.cat(cand_depth, 1), groups * k, depth)
+    c = _grow(head, prefix, root_hidden_BH, idx_Bk, score_Bk, depth, draw_k)
+    # a sibling group ranks by its parent's score (the root's children: 0), so groups are kept or dropped whole
+    group_BC = torch.cat([torch.zeros_like(c.score_BC[:, :1]), c.score_BC], 1).gather(1, c.parent_BC)
+    groups = max(1, budget // k)  # whole sibling groups that fit the budget
+    tree, keep_Bn = _rerank(root_B, head.draft.to_target_ids(c.idx_BC), group_BC, c.parent_BC, c.depth_BC,
+                            groups * k, depth)
     # the draft distribution each kept node's children were drawn from, in the tree's numbering
-    Vd = root_q_BVd.shape[-1]
-    q_BCVd = root_q_BVd.new_zeros(B, n_nodes, Vd)  # candidate node index (0 = root) -> distribution
+    q_BCVd = root_q_BVd.new_zeros(B, 1 + c.idx_BC.shape[1], Vd)  # node index (0 = root) -> distribution
     for node_BF, q_BFVd in frontier_q:
         q_BCVd.scatter_(1, node_BF[..., None].expand(-1, -1, Vd), q_BFVd)
     kept_BN = torch.cat([torch.zeros_like(keep_Bn[:, :1]), keep_Bn + 1], 1)

@@ -101,7 +101,7 @@ def test_call_counter_hooks_the_target_only_while_counting() -> None:
     sys.path.insert(0, str(ROOT / "bench"))
     from speedup import CallCounter
 
-    from eagle.features import LeanDecoder
+    from eagle.fastpath import LeanDecoder
 
     target = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                                           num_attention_heads=2, num_key_value_heads=2, vocab_size=64)).eval()

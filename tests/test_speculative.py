@@ -300,7 +300,7 @@ def test_config_validation():
 def test_forward_hooks_send_decoding_through_hf_with_one_warning(llama_pair):
     """A hook on the target (someone counting or altering passes) disables the lean decoder: the loops then run
     HF's forward (same tokens) and say so once, instead of silently running slower."""
-    from eagle.features import LeanDecoder
+    from eagle.fastpath import LeanDecoder
 
     target, draft = llama_pair
     ids, mask = _prompts(2)

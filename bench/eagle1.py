@@ -1,6 +1,6 @@
 """An EAGLE-1-style head, for comparison only: one top-layer feature, feature regression + token loss, no TTT.
 
-Purpose: the baseline of `bench/acceptance_vs_depth.py`. `Eagle1Draft` is the EAGLE-3 head (`eagle.draft`) with a
+Purpose: the baseline of `bench/acceptance_vs_depth.py` (the only user, so it lives next to it, outside `eagle/`). `Eagle1Draft` is the EAGLE-3 head (`eagle.draft`) with a
 different input: instead of `fc` over the fused low/mid/high states it reads one feature, the input of the
 target's last decoder layer, as is (its `aux_layer_ids` are the inputs of the last three layers, so the unchanged
 capture and drafting code of `eagle.speculative` run it; `fuse` keeps the last one). It is trained as EAGLE-1 was:
@@ -8,8 +8,9 @@ at position i, from (token x_{i+1}, true feature f_i plus uniform noise), the he
 feature f_{i+1} (smooth L1) and its logits should match the target's next-token distribution (soft cross-entropy on the
 draft vocabulary, weight 0.1); drafting then feeds the predicted feature back, one step at a time. Features are
 computed online from the target (`eagle1_batch`), since the extract stage stores EAGLE-3's layers.
-How to run: `head = eagle1_head(target, token_counts, Vd)`, then `eagle1_loss(head, eagle1_batch(...))` per step;
-`bench/acceptance_vs_depth.py` does this with the optimiser of `eagle.train`.
+How to run: `from eagle1 import ...` in a bench script (bench/ is on `sys.path` there; this module puts the repo
+root there too); `head = eagle1_head(target, token_counts, Vd)`, then `eagle1_loss(head, eagle1_batch(...))` per
+step; `bench/acceptance_vs_depth.py` does this with the optimiser of `eagle.train`.
 Not here: export to serving engines (EAGLE-1 heads are not an EAGLE-3 checkpoint); the original EAGLE-1 reads
 the final hidden state after the target's last layer and norm, one layer above what the capture hooks expose.
 
@@ -19,16 +20,22 @@ Shape legend: B batch, S sequence, H hidden, Vd draft vocabulary.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-from torch import nn
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
-from eagle.config import DraftConfig
-from eagle.draft import Eagle3Draft
-from eagle.features import Teacher, target_forward, teacher_targets
-from eagle.vocab import select_draft_vocab
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+from eagle.config import DraftConfig  # noqa: E402
+from eagle.draft import Eagle3Draft  # noqa: E402
+from eagle.features import Teacher, target_forward, teacher_targets  # noqa: E402
+from eagle.vocab import select_draft_vocab  # noqa: E402
 
 
 def eagle1_config(cfg: DraftConfig) -> DraftConfig:
