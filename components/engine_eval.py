@@ -3,8 +3,10 @@
 Purpose: `evaluate_in_vllm(cfg, target_dir, head_dir, traffic_path, out_dir, settings) -> EngineEvalResult`.
 On the same held-out prompts as the local evaluation (their token ids, sent to `/v1/completions`, so both see the
 very same prompt), it runs vLLM twice, one request at a time: plain decoding, then EAGLE-3 with the head
-(`num_speculative_tokens` = the evaluation's depth). It reports
+(`num_speculative_tokens` = the evaluation's depth), and, given the champion's head, a third time with it. It
+reports
 - tau and alpha_k from the deltas of vLLM's own `/metrics` counters (drafts, accepted tokens per position),
+- the champion's tau on the same prompts (`baseline_tau`), for a promotion gate on the engine's figures,
 - wall-clock speedup in the engine (plain seconds / speculative seconds over the same requests),
 - whether vLLM's speculative output equals vLLM's plain output token for token, and (when `ours` gives this
   project's greedy outputs for the same prompts) whether it equals ours.
@@ -45,6 +47,7 @@ class EngineEvalResult:
     n_samples: int
     n_tokens: int
     report_file: str
+    baseline_tau: float | None = None  # the champion's τ in vLLM on the same prompts (None: not measured)
 
     def metrics(self) -> dict[str, float]:
         m = {"tau_vllm": self.tau, "speedup_vllm": self.speedup, "identical_vllm": float(self.identical_to_plain),
@@ -118,26 +121,41 @@ def run_plain(cfg: EvaluateConfig, target_dir: str, prompts, settings: Settings,
 
 def evaluate_in_vllm(cfg: EvaluateConfig, target_dir: str, head_dir: str, traffic_path: str, out_dir: str,
                      settings: Settings, ours: list[list[int]] | None = None, plain: EngineRun | None = None,
-                     progress: Callable[[str], None] = print) -> EngineEvalResult:
+                     progress: Callable[[str], None] = print,
+                     baseline_head_dir: str | None = None) -> EngineEvalResult:
     """`ours`: this project's greedy outputs on the same prompts (from `evaluate.json`); `plain`: a `run_plain`
-    result for this target and config, to skip that pass."""
+    result for this target and config, to skip that pass; `baseline_head_dir`: the current champion's head, also
+    served on the same prompts, so that a gate on the engine's τ compares like with like (`baseline_tau`)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     prompts = engine_prompts(cfg, target_dir, traffic_path, settings)
     plain = plain or run_plain(cfg, target_dir, prompts, settings, progress)
+    spec_run, counters = _run_head(cfg, target_dir, head_dir, prompts, settings, progress, "EAGLE-3")
+    baseline = None
+    if baseline_head_dir:
+        from components.serve import servable_head
+
+        served = servable_head(baseline_head_dir, target_dir, settings.state_dir / "servable",
+                               settings.trust_remote_code)
+        baseline = _run_head(cfg, target_dir, str(served), prompts, settings, progress, "champion")[1].tau
+    return _finish(cfg, out, prompts, plain, spec_run, ours, counters, baseline)
+
+
+def _run_head(cfg: EvaluateConfig, target_dir: str, head_dir: str, prompts, settings: Settings,
+              progress: Callable[[str], None], what: str) -> tuple[EngineRun, SpecCounters]:
+    """vLLM with `head_dir` (EAGLE-3, `cfg.depth` tokens) over `prompts`: outputs, seconds, counter deltas."""
     spec = EngineSpec(str(target_dir), str(head_dir), method="eagle3", num_speculative_tokens=cfg.depth,
                       max_model_len=engine_max_len(target_dir, cfg))
-    progress(f"evaluate (vLLM): starting the engine with the head (EAGLE-3, {cfg.depth} speculative tokens)")
+    progress(f"evaluate (vLLM): starting the engine with the {what} head ({cfg.depth} speculative tokens)")
     with VllmServer(spec, settings) as srv:
         srv.complete(prompts[0][1], 4)  # warm-up, before the counters are read
         before = srv.spec_counters()
-        outputs, t_spec = _run_all(srv, prompts, cfg, progress, "EAGLE-3")
-        counters = srv.spec_counters() - before
-    return _finish(cfg, out, prompts, plain, EngineRun(outputs, t_spec), ours, counters)
+        outputs, seconds = _run_all(srv, prompts, cfg, progress, what)
+        return EngineRun(outputs, seconds), srv.spec_counters() - before
 
 
 def _finish(cfg: EvaluateConfig, out: Path, prompts, plain_run: EngineRun, spec_run: EngineRun, ours,
-            counters: SpecCounters) -> EngineEvalResult:
+            counters: SpecCounters, baseline_tau: float | None = None) -> EngineEvalResult:
     plain, spec, t_plain, t_spec = plain_run.outputs, spec_run.outputs, plain_run.seconds, spec_run.seconds
     n_tokens = sum(len(s) for s in spec)
     same_plain = [a == b for a, b in zip(plain, spec)]
@@ -148,7 +166,7 @@ def _finish(cfg: EvaluateConfig, out: Path, prompts, plain_run: EngineRun, spec_
         plain_tokens_per_s=sum(len(p) for p in plain) / max(t_plain, 1e-9),
         spec_tokens_per_s=n_tokens / max(t_spec, 1e-9), identical_to_plain=all(same_plain),
         identical_to_ours=None if same_ours is None else all(same_ours), n_samples=len(prompts), n_tokens=n_tokens,
-        report_file=str(out / REPORT))
+        report_file=str(out / REPORT), baseline_tau=baseline_tau)
     samples = [{"segment": seg, "prompt_len": len(ids), "plain": p, "spec": s, "identical_to_plain": sp,
                 **({} if same_ours is None else {"identical_to_ours": same_ours[i]})}
                for i, ((seg, ids), p, s, sp) in enumerate(zip(prompts, plain, spec, same_plain))]

@@ -1,9 +1,10 @@
 """One config for a whole pipeline run: a section per stage, presets, strict loading from JSON.
 
-Purpose: `PipelineConfig` groups the stage configs (`regenerate`, `extract`, `train`, `evaluate`, `register`);
+Purpose: `PipelineConfig` groups the stage configs (`regenerate`, `extract`, `train`, `evaluate`, `register`) and the
+acceptance monitor's (`monitor`);
 `PipelineConfig.preset("tiny" | "default")` gives the test and demo settings; `PipelineConfig.load(path)`
 reads a JSON file whose sections override a preset key by key, and refuses an unknown section or key, naming it.
-`fingerprint()` is a stable hash of the config (part of a run's identity).
+`fingerprint()` is a stable hash of the config but its `monitor` section (part of a run's identity).
 Not here: where things run (infra/ settings) or what to run (flows/).
 """
 
@@ -20,6 +21,7 @@ from typing import Any, Literal, Union
 
 from components.evaluate import EvaluateConfig
 from components.extract import ExtractConfig
+from components.monitor import MonitorConfig
 from components.regenerate import RegenerateConfig
 from components.register import RegisterConfig
 from components.train import TrainConfig
@@ -36,12 +38,21 @@ class PipelineConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
     register: RegisterConfig = field(default_factory=RegisterConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+
+    def check(self, where: str = "config") -> "PipelineConfig":
+        """Rules across sections (each section checks its own values when built); returns self."""
+        if self.register.gate_tau == "engine" and self.evaluate.engine != "vllm":
+            raise ConfigError(f"{where}: register.gate_tau 'engine' needs evaluate.engine 'vllm' (the gate's τ is "
+                              "vLLM's); set register.gate_tau to 'local' to gate on this project's τ")
+        return self
 
     @classmethod
     def tiny(cls) -> "PipelineConfig":
         return cls(regenerate=RegenerateConfig(max_new_tokens=16, batch_size=8, shard_size=8, limit=16),
                    extract=ExtractConfig(max_len=192, seqs_per_shard=8),
-                   train=TrainConfig.tiny(), evaluate=EvaluateConfig.tiny(), register=RegisterConfig(tau_floor=1.0))
+                   train=TrainConfig.tiny(), evaluate=EvaluateConfig.tiny(), register=RegisterConfig(tau_floor=1.0),
+                   monitor=MonitorConfig.tiny())
 
     @classmethod
     def default(cls) -> "PipelineConfig":
@@ -57,7 +68,7 @@ class PipelineConfig:
                                      warmup_steps=10, num_workers=1, cpus_per_worker=2, checkpoint_every=40,
                                      log_every=10, warm_start_steps=60),
                    evaluate=EvaluateConfig(method="chain", depth=5, max_new_tokens=96, limit=16, engine="vllm"),
-                   register=RegisterConfig(tau_floor=1.5))
+                   register=RegisterConfig(tau_floor=1.5, gate_tau="engine"))
 
     @classmethod
     def preset(cls, name: str) -> "PipelineConfig":
@@ -86,7 +97,7 @@ class PipelineConfig:
                 out = dataclasses.replace(out, **{sec: dataclasses.replace(current, **values)})
             except (TypeError, ValueError) as e:
                 raise ConfigError(f"{where}: section {sec!r}: {e}") from None
-        return out
+        return out.check(where)
 
     @classmethod
     def load(cls, path: str | Path | None, preset: str = "default") -> "PipelineConfig":
@@ -105,7 +116,9 @@ class PipelineConfig:
         return dataclasses.asdict(self)
 
     def fingerprint(self) -> str:
-        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()
+        """The hash of what makes a head: every section but `monitor` (watching a head does not change it)."""
+        made = {k: v for k, v in self.to_dict().items() if k != "monitor"}
+        return hashlib.sha256(json.dumps(made, sort_keys=True).encode()).hexdigest()
 
 
 def _fits(value: Any, hint: Any) -> bool:

@@ -11,7 +11,9 @@ Purpose:
   re-registering a finished run returns the existing version (and sets the alias its gate chose, if a killed run
   never did: `finish_registration`). Promotion gate: alias `champion` moves to the new version only if
   tau >= `cfg.tau_floor` and tau >= the current champion's tau measured on the same held-out traffic in the same
-  run (`head.champion_tau`); otherwise the version becomes `challenger`.
+  run (`head.champion_tau`); otherwise the version becomes `challenger`. Which τ decides is `cfg.gate_tau`:
+  "local" (this project's decoding) or "engine" (vLLM's counters, the champion served on the same prompts:
+  `head.champion_tau_engine`); both are tagged either way (`tau`, `tau_vllm`), and `gate_tau` says which decided.
 - `check_head_name(store, target)`: refuses, before any work, a head name taken by a model that is not a head.
 Not here: measuring tau (components/evaluate.py); connecting to MLflow (infra/mlflow_store.py).
 """
@@ -33,6 +35,11 @@ PROMOTED_TAG = "promoted"  # the gate's decision, so a registration cut short ca
 class RegisterConfig:
     tau_floor: float = 1.2
     experiment_suffix: str = "-eagle3"
+    gate_tau: str = "local"  # "engine": the gate decides on vLLM's τ (needs evaluate.engine "vllm")
+
+    def __post_init__(self) -> None:
+        if self.gate_tau not in ("local", "engine"):
+            raise ValueError(f"register.gate_tau must be 'local' or 'engine', got {self.gate_tau!r}")
 
 
 @dataclass(frozen=True)
@@ -55,6 +62,7 @@ class HeadToRegister:
     evaluation_dir: str | None = None
     params: dict[str, Any] | None = None
     init_from: str | None = None  # the head a warm-started run began from (models:/name/version)
+    champion_tau_engine: float | None = None  # the champion's τ in vLLM on the same prompts (gate_tau "engine")
 
 
 @dataclass(frozen=True)
@@ -108,6 +116,16 @@ def _gate(cfg: RegisterConfig, tau: float, champion_tau: float | None) -> tuple[
     if champion_tau is None:
         return True, f"tau {tau:.3f} >= floor {cfg.tau_floor}; no champion yet"
     return True, f"tau {tau:.3f} >= floor {cfg.tau_floor} and >= champion's {champion_tau:.3f}"
+
+
+def _gate_inputs(cfg: RegisterConfig, head: HeadToRegister) -> tuple[float, float | None]:
+    """(the head's τ, the champion's τ) the gate compares: ours, or vLLM's on the same prompts."""
+    if cfg.gate_tau == "local":
+        return float(head.metrics["tau"]), head.champion_tau
+    if "tau_vllm" not in head.metrics:
+        raise ValueError("register.gate_tau is 'engine' but the head was not measured in vLLM: set "
+                         "evaluate.engine to 'vllm'")
+    return float(head.metrics["tau_vllm"]), head.champion_tau_engine
 
 
 def finish_registration(store: MlflowStore, name: str, version: int) -> ModelVersionRef:
@@ -164,15 +182,18 @@ def register_head(store: MlflowStore, cfg: RegisterConfig, head: HeadToRegister)
         return RegisterResult(name, v.version, f"models:/{name}/{v.version}", alias, alias == CHAMPION,
                               "already registered for this run key", v.run_id or "")
     tau = float(head.metrics["tau"])
+    gate_tau, champion_tau = _gate_inputs(cfg, head)
     champion = store.get_alias(name, CHAMPION)
-    if head.champion_tau is None and champion is not None:
-        raise ValueError(f"{name} has a champion (version {champion.version}) but no champion_tau was given: "
-                         "evaluate the champion on the same held-out traffic (evaluate's baseline_head_dir)")
-    promoted, reason = _gate(cfg, tau, head.champion_tau)
+    if champion_tau is None and champion is not None:
+        raise ValueError(f"{name} has a champion (version {champion.version}) but no champion τ was given for the "
+                         f"{cfg.gate_tau} gate: evaluate the champion on the same held-out traffic")
+    promoted, reason = _gate(cfg, gate_tau, champion_tau)
+    if cfg.gate_tau == "engine":
+        reason = f"vLLM {reason} (local tau {tau:.3f})"
     tags = {"target_name": head.target.name, "target_version": str(head.target.version),
             "target_weights_sha256": head.target.weights_sha256, "traffic_sha256": head.traffic_sha256,
             "tau": f"{tau:.4f}", "speedup": f"{float(head.metrics.get('speedup', 0.0)):.4f}",
-            "gate": reason, PROMOTED_TAG: str(promoted).lower()}
+            "gate": reason, "gate_tau": cfg.gate_tau, PROMOTED_TAG: str(promoted).lower()}
     if head.init_from:
         tags["init_from"] = head.init_from
     tags.update(_acceptance_tags(head.metrics))

@@ -9,6 +9,8 @@ argument errors import nothing heavy; Prefect, MLflow and torch load only once a
                       [--engine local|vllm]
   eagle-heads serve --head models:/name@alias|DIR [--target ...] [--port P] [--k K] [--print-only]
   eagle-heads watch [--once] [--interval S] [--dispatch event|local]
+  eagle-heads monitor --metrics-url URL --target models:/name/version [--once] [--interval S] [--window S]
+                      [--ratio R] [--sustain S] [--config F]
 Settings come from the environment (infra/settings.py): EAGLE_HOME, MLFLOW_TRACKING_URI, RAY_ADDRESS,
 PREFECT_API_URL. Exit codes: 0 success, 1 failure of the job, 2 bad arguments, bad input (traffic, target,
 config, registry name; checked before any work starts) or unreachable services.
@@ -63,7 +65,37 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("--dispatch", default="event", choices=["event", "local"],
                    help="event: emit Prefect events for the trigger; local: also train here")
     w.add_argument("--preset", default="default", choices=["default", "tiny"])
+    m = sub.add_parser("monitor", help="watch a vLLM server's acceptance; announce a drop (retrains the head)")
+    m.add_argument("--metrics-url", required=True, help="the server's Prometheus page, e.g. http://HOST:8000/metrics")
+    m.add_argument("--target", required=True, help="the target version it serves: models:/name/version")
+    m.add_argument("--once", action="store_true", help="scrape once and exit (exit 1 when it cannot)")
+    m.add_argument("--interval", type=_positive, help="seconds between scrapes (default: monitor.interval_s)")
+    m.add_argument("--window", type=_nonnegative, help="sliding window in seconds (default: monitor.window_s)")
+    m.add_argument("--ratio", type=_ratio, help="drop: window tau < ratio x registered tau (default: monitor.ratio)")
+    m.add_argument("--sustain", type=_nonnegative, help="... for this many seconds (default: monitor.sustain_s)")
+    m.add_argument("--preset", default="default", choices=["default", "tiny"])
+    m.add_argument("--config", help="JSON file overriding the preset (its `monitor` section)")
     return p
+
+
+def _nonnegative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be >= 0 seconds")
+    return value
+
+
+def _ratio(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: the ratio must be in (0, 1]")
+    return value
 
 
 def _positive(text: str) -> float:
@@ -116,6 +148,7 @@ def _setup():
 def _input_errors() -> tuple[type[BaseException], ...]:
     """Errors that mean bad input (exit 2): each names the input and what to do."""
     from components.chat import ChatTemplateError
+    from components.monitor import MonitorError
     from components.pipeline_config import ConfigError
     from components.regenerate import RegenerateError
     from components.targets import TargetError
@@ -124,7 +157,7 @@ def _input_errors() -> tuple[type[BaseException], ...]:
     from infra.mlflow_store import RegistryCollision
 
     return (TrafficFormatError, ConfigError, TargetError, RegistryCollision, RegenerateError, ChatTemplateError,
-            HeadMismatchError)
+            HeadMismatchError, MonitorError)
 
 
 def _preflight_train(a, settings) -> None:
@@ -228,6 +261,20 @@ def _serve(a, settings) -> int:
         return 1
 
 
+def _monitor(a, settings) -> int:
+    """Print the window tau each interval; a drop emits the event (with a Prefect API) once."""
+    from flows.watch_acceptance import monitor_config, monitor_forever, open_monitor
+
+    cfg = monitor_config(a.preset, a.config, interval_s=a.interval, window_s=a.window, ratio=a.ratio,
+                         sustain_s=a.sustain)
+    monitor = open_monitor(a.metrics_url, a.target, cfg, settings)
+    m = cfg.monitor
+    print(f"monitor: {a.target} (champion {monitor.baseline.head_uri}, registered tau {monitor.baseline.tau:.2f} "
+          f"from {monitor.baseline.tau_source}) at {a.metrics_url}: a drop is window tau < {m.ratio} x registered "
+          f"for {m.sustain_s:.0f} s (window {m.window_s:.0f} s, >= {m.min_drafts} drafts)", flush=True)
+    return monitor_forever(monitor, a.metrics_url, a.once, lambda line: print(line, flush=True))
+
+
 def main(argv: list[str] | None = None) -> int:
     from infra.vllm_server import EngineError
 
@@ -248,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
             _preflight_train(a, settings)
         if a.command == "serve":
             return _serve(a, settings)
+        if a.command == "monitor":
+            return _monitor(a, settings)
         if a.command != "evaluate":
             from infra.prefect_env import start_local_api
 

@@ -5,6 +5,9 @@ model `<target>-v<version><suffix>` (the config's `register.experiment_suffix`, 
 champion -> missing; a champion trained on other weights or on a traffic file whose content has changed since ->
 stale (fresh traffic). Each such version runs `on-new-finetune`; the
 rest are reported as fresh. Heads are never deleted; the gate decides whether the new one becomes champion.
+With `model_name` and `version` (the `retrain-on-drop` deployment, fired by `eagle.acceptance.dropped`) only that
+version is retrained, on the newest snapshot of the traffic directory (`monitor.traffic_dir`, or the `traffic_dir`
+parameter; see components/monitor.py `newest_snapshot`), or on its registered traffic when none is set.
 Run: the cron deployment in prefect.yaml, or `python -c "from flows.retrain import retrain; retrain()"`.
 Not here: the training itself (flows/train_head.py).
 """
@@ -15,10 +18,11 @@ from pathlib import Path
 
 from prefect import flow
 
+from components.monitor import newest_snapshot
 from components.pipeline_config import PipelineConfig
 from components.register import TARGET_KIND, TargetRef, head_model_name
 from components.traffic_io import traffic_sha256
-from flows.on_new_finetune import on_new_finetune
+from flows.on_new_finetune import on_new_finetune, version_traffic
 from infra.mlflow_store import CHAMPION, MlflowStore
 from infra.settings import Settings
 
@@ -39,9 +43,19 @@ def head_status(store: MlflowStore, name: str, version: int, suffix: str = "-eag
 
 
 @flow(name="retrain", log_prints=True)
-def retrain(preset: str = "default", config_path: str | None = None) -> dict[str, str]:
-    suffix = PipelineConfig.load(config_path, preset).register.experiment_suffix
+def retrain(preset: str = "default", config_path: str | None = None, model_name: str | None = None,
+            version: int | None = None, traffic_dir: str | None = None) -> dict[str, str]:
+    """Every registered target version, or only `model_name`/`version` (the acceptance-drop trigger: retrained
+    whatever its status, on the newest snapshot of `traffic_dir`, default `monitor.traffic_dir`)."""
+    cfg = PipelineConfig.load(config_path, preset)
     store = MlflowStore.connect(Settings.from_env())
+    if model_name is not None:
+        if version is None:
+            raise ValueError("retrain: model_name needs a version")
+        return {f"{model_name}/{version}": _retrain_on_drop(store, cfg, model_name, int(version), preset, config_path,
+                                                           traffic_dir if traffic_dir is not None
+                                                           else cfg.monitor.traffic_dir)}
+    suffix = cfg.register.experiment_suffix
     report: dict[str, str] = {}
     for model in store.list_models(kind=TARGET_KIND):
         for v in store.list_versions(model.name):
@@ -55,3 +69,19 @@ def retrain(preset: str = "default", config_path: str | None = None) -> dict[str
             report[key] = f"{status} -> {result['head_uri']} ({result.get('alias', 'existing')})"
     print("retrain:", report or "no target registered")
     return report
+
+
+def _retrain_on_drop(store: MlflowStore, cfg: PipelineConfig, name: str, version: int, preset: str,
+                     config_path: str | None, traffic_dir: str) -> str:
+    """A new head for `name`/`version` on the newest traffic snapshot (its registered traffic without a traffic
+    directory). The same snapshot twice is one run: train-head's run key makes the second a no-op."""
+    from flows.train_head import train_head
+
+    if traffic_dir:
+        traffic, heldout = newest_snapshot(traffic_dir)
+    else:
+        traffic, heldout = version_traffic(store, name, version)
+    print(f"{name}/{version}: acceptance dropped; retraining its head on {traffic}")
+    result = train_head(f"models:/{name}/{version}", traffic, heldout, preset, config_path)
+    created = "new" if result.get("created") else "existing"
+    return f"drop -> {result['head_uri']} ({result.get('alias', 'none')}, {created}; traffic {traffic})"

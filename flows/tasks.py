@@ -81,8 +81,10 @@ def evaluate_task(cfg: EvaluateConfig, target_dir: str, head_dir: str, heldout: 
 @task(name="evaluate-in-vllm", cache_policy=CACHE - "settings", persist_result=True, retries=1, retry_delay_seconds=5,
       retry_condition_fn=transient)
 def engine_eval_task(cfg: EvaluateConfig, target_dir: str, head_dir: str, heldout: str, out_dir: str,
-                     local_report: str, settings) -> EngineEvalResult:
-    """The head served by vLLM on the same prompts; compared with the local evaluation's outputs and counts."""
+                     local_report: str, settings, baseline_head_dir: str | None = None) -> EngineEvalResult:
+    """The head served by vLLM on the same prompts; compared with the local evaluation's outputs and counts; the
+    champion's head (`baseline_head_dir`) served on them too, for a gate on the engine's τ."""
     from components.engine_eval import evaluate_in_vllm, our_outputs
 
-    return evaluate_in_vllm(cfg, target_dir, head_dir, heldout, out_dir, settings, ours=our_outputs(local_report))
+    return evaluate_in_vllm(cfg, target_dir, head_dir, heldout, out_dir, settings, ours=our_outputs(local_report),
+                            baseline_head_dir=baseline_head_dir)

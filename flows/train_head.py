@@ -199,12 +199,14 @@ def _run(cfg: PipelineConfig, settings: Settings, store: MlflowStore, tref: Targ
         metrics, engine = ev.metrics(), None
         if cfg.evaluate.engine == "vllm":  # the head as production serves it: in vLLM, on the same prompts
             engine = fresh_if_missing(engine_eval_task, Path(eval_dir) / "vllm" / "engine_evaluation.json")(
-                cfg.evaluate, tref.path, tr.head_dir, heldout, str(Path(eval_dir) / "vllm"), ev.report_file, settings)
+                cfg.evaluate, tref.path, tr.head_dir, heldout, str(Path(eval_dir) / "vllm"), ev.report_file, settings,
+                champ_dir if cfg.register.gate_tau == "engine" else None)
             metrics.update(engine.metrics())
         head = HeadToRegister(head_dir=tr.head_dir, target=tref, traffic_sha256=traffic_sha256(traffic),
                               run_key=key, run_id=run_id, metrics=metrics, champion_tau=ev.baseline_tau,
                               evaluation_dir=eval_dir, params={"config": cfg.to_dict()},
-                              init_from=parent.uri if parent else None)
+                              init_from=parent.uri if parent else None,
+                              champion_tau_engine=engine.baseline_tau if engine else None)
         reg = register_task(settings, cfg.register, head)
     summary = {"head_uri": reg.uri, "alias": reg.alias, "promoted": reg.promoted, "gate": reg.reason,
                "tau": ev.tau, "tau_vllm": engine.tau if engine else None, "speedup": ev.speedup,

@@ -233,14 +233,22 @@ class VllmServer:
                           c.get("finish_reason"))
 
     def metrics_text(self) -> str:
-        try:
-            with urllib.request.urlopen(self.base_url + "/metrics", timeout=10) as r:
-                return r.read().decode()
-        except (urllib.error.URLError, OSError) as e:
-            raise EngineError(f"cannot read {self.base_url}/metrics: {e}") from None
+        return read_metrics(self.base_url + "/metrics")
 
     def spec_counters(self) -> "SpecCounters":
         return SpecCounters.parse(self.metrics_text())
+
+
+def read_metrics(url: str, timeout_s: float = 10.0) -> str:
+    """The Prometheus text at `url` (a vLLM server's `/metrics`); one `EngineError` line when it cannot be read."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:
+            return r.read().decode()
+    except urllib.error.HTTPError as e:
+        raise EngineError(f"cannot read {url}: HTTP {e.code} {e.reason}: is this a vLLM server's /metrics?") from None
+    except (urllib.error.URLError, OSError) as e:
+        reason = getattr(e, "reason", e)
+        raise EngineError(f"cannot read {url}: {reason}: is the vLLM server running there?") from None
 
 
 @dataclass(frozen=True)
@@ -283,11 +291,22 @@ class SpecCounters:
                    tuple(int(per_pos[k]) for k in sorted(per_pos)))
 
     def __sub__(self, other: "SpecCounters") -> "SpecCounters":
+        return self._combine(other, -1)
+
+    def __add__(self, other: "SpecCounters") -> "SpecCounters":
+        return self._combine(other, 1)
+
+    def _combine(self, other: "SpecCounters", sign: int) -> "SpecCounters":
         n = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
         a = list(self.accepted_per_pos) + [0] * (n - len(self.accepted_per_pos))
         b = list(other.accepted_per_pos) + [0] * (n - len(other.accepted_per_pos))
-        return SpecCounters(self.drafts - other.drafts, self.draft_tokens - other.draft_tokens,
-                            self.accepted - other.accepted, tuple(x - y for x, y in zip(a, b)))
+        return SpecCounters(self.drafts + sign * other.drafts, self.draft_tokens + sign * other.draft_tokens,
+                            self.accepted + sign * other.accepted, tuple(x + sign * y for x, y in zip(a, b)))
+
+    def went_back(self, earlier: "SpecCounters") -> bool:
+        """Whether any counter is lower than in the `earlier` reading: the engine restarted in between."""
+        return (self.drafts < earlier.drafts or self.accepted < earlier.accepted
+                or any(x < y for x, y in zip(self.accepted_per_pos, earlier.accepted_per_pos)))
 
     @property
     def tau(self) -> float:

@@ -1,4 +1,5 @@
-"""prefect.yaml declares real flows with parameters they accept, a cron schedule and the event trigger."""
+"""prefect.yaml declares real flows with parameters they accept, the cron and interval schedules and the event
+triggers (new fine-tune, acceptance drop)."""
 
 import importlib
 import inspect
@@ -37,3 +38,18 @@ def test_schedule_and_trigger():
 
     assert EVENT == "mlflow.model_version.created"
     assert trig["parameters"]["model_name"] == "{{ event.payload.name }}"
+
+
+def test_acceptance_monitor_schedule_and_drop_trigger():
+    deps = _deployments()
+    watch = deps["watch-acceptance"]
+    assert watch["schedules"][0]["interval"] and watch["schedules"][0]["active"] is False  # paused until configured
+    assert {"metrics_url", "target"} <= set(watch["parameters"])
+    trig = deps["retrain-on-drop"]["triggers"][0]
+    from components.monitor import EVENT
+
+    assert trig["expect"] == [EVENT] == ["eagle.acceptance.dropped"]
+    assert trig["match"]["prefect.resource.id"] == "mlflow.model_version.*"
+    assert trig["parameters"]["model_name"] == "{{ event.payload.name }}"
+    assert trig["parameters"]["version"] == "{{ event.payload.version }}"
+    assert deps["retrain-on-drop"]["concurrency_limit"] == 1

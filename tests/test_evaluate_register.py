@@ -10,6 +10,7 @@ Not here: mocks of MLflow; the one monkeypatch breaks the verification rule on p
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -236,3 +237,32 @@ def test_fingerprint_is_stable_and_sensitive(tmp_path):
     assert _load(tmp_path, {"train": {"steps": a.train.steps}}).fingerprint() == a.fingerprint()
     assert _load(tmp_path, {"train": {"steps": a.train.steps + 1}}).fingerprint() != a.fingerprint()
     assert len(a.fingerprint()) == 64 and a.fingerprint() != PipelineConfig.default().fingerprint()
+
+
+def test_the_gate_can_decide_on_the_engines_tau(mlflow_store, target_ref, head):
+    cfg = RegisterConfig(tau_floor=1.5, gate_tau="engine")
+    name = "tiny-v1-eagle3"
+    first = register_head(mlflow_store, cfg, _head(mlflow_store, target_ref, head.head_dir, "k1", 3.0, None,
+                                                   tau_vllm=2.0))
+    assert first.promoted and first.reason.startswith("vLLM tau 2.000 >= floor 1.5") and "local tau 3.000" in first.reason
+    v1 = mlflow_store.get_version(name, 1)
+    assert (v1.tags["gate_tau"], v1.tags["tau"], v1.tags["tau_vllm"]) == ("engine", "3.0000", "2.0000")
+    # locally better than the champion (3.2 > 3.0) but worse in vLLM on the same prompts (1.9 < 2.0): not promoted
+    h = dataclasses.replace(_head(mlflow_store, target_ref, head.head_dir, "k2", 3.2, 3.0, tau_vllm=1.9),
+                            champion_tau_engine=2.0)
+    worse = register_head(mlflow_store, cfg, h)
+    assert (worse.alias, worse.promoted) == (CHALLENGER, False) and "< champion's 2.000" in worse.reason
+    with pytest.raises(ValueError, match="champion τ was given for the engine gate"):
+        register_head(mlflow_store, cfg, _head(mlflow_store, target_ref, head.head_dir, "k3", 3.5, 3.0, tau_vllm=2.5))
+    with pytest.raises(ValueError, match="not measured in vLLM: set evaluate.engine"):
+        register_head(mlflow_store, cfg, _head(mlflow_store, target_ref, head.head_dir, "k4", 3.5, None))
+
+
+def test_an_engine_gate_needs_the_engine(tmp_path):
+    assert PipelineConfig.default().register.gate_tau == "engine"
+    with pytest.raises(ConfigError, match="register.gate_tau 'engine' needs evaluate.engine 'vllm'"):
+        _load(tmp_path, {"evaluate": {"engine": "local"}}, "default")
+    cfg = _load(tmp_path, {"evaluate": {"engine": "local"}, "register": {"gate_tau": "local"}}, "default")
+    assert cfg.register.gate_tau == "local"
+    with pytest.raises(ConfigError, match="register.gate_tau must be 'local' or 'engine'"):
+        _load(tmp_path, {"register": {"gate_tau": "both"}})

@@ -1,0 +1,216 @@
+"""Acceptance monitor: a served head's acceptance from vLLM's `/metrics`, against the τ its registry entry promised.
+
+Purpose: `Monitor(cfg, state_file, baseline)` keeps timestamped readings of vLLM's cumulative spec-decode counters
+(`infra.vllm_server.SpecCounters`) in a JSON state file and, on each `observe(counters, now)`, returns a
+`WindowReport`: τ and α_k over the sliding window (`cfg.window_s`: from the newest reading at least that old to
+now, or from the oldest reading kept), the champion's registered τ, and a verdict:
+  warming   fewer than `cfg.min_drafts` drafts in the window: no judgement yet;
+  ok        window τ >= `cfg.ratio` x registered τ (clears a drop);
+  low       below, for less than `cfg.sustain_s` so far;
+  dropped   below for at least `cfg.sustain_s` and not yet announced: the caller emits `eagle.acceptance.dropped`
+            and calls `mark_announced()` only if the event was sent;
+  announced below, and this drop was announced already: nothing is sent again until the window recovers to `ok`
+            or the champion changes (the debounce: one drop, one event, one retrain).
+Counter resets (the server restarted: a counter went back) are handled: the interval across a reset counts the
+new reading from zero. `baseline_of(store, target)` reads the champion head of a target version and its registered
+τ: `tau_vllm` when the evaluation measured it in vLLM (the same counters the monitor reads), else `tau`.
+`newest_snapshot(traffic_dir)` picks the traffic a drop retrains on: the last `<snapshot>/train.jsonl` +
+`heldout.jsonl` in name order (name snapshots by date, e.g. `2026-12-02`).
+Run: `eagle-heads monitor --metrics-url URL --target models:/NAME/VERSION` or the `watch-acceptance` flow.
+Not here: the HTTP scrape (`infra.vllm_server.read_metrics`), the event (flows/watch_acceptance.py).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from components.atomic import atomic_write_text
+from components.register import TargetRef, head_model_name
+from infra.mlflow_store import CHAMPION, MlflowStore, parse_model_uri
+from infra.vllm_server import SpecCounters
+
+EVENT = "eagle.acceptance.dropped"
+Verdict = Literal["warming", "ok", "low", "dropped", "announced"]
+
+
+class MonitorError(RuntimeError):
+    """The monitor cannot judge: no champion, a bad target URI, a served K unlike the evaluated one; one line."""
+
+
+@dataclass(frozen=True)
+class MonitorConfig:
+    interval_s: float = 60.0  # between scrapes
+    window_s: float = 900.0  # the sliding window τ is computed over
+    ratio: float = 0.8  # a drop: window τ below ratio x the champion's registered τ ...
+    sustain_s: float = 300.0  # ... for at least this long
+    min_drafts: int = 200  # fewer drafts in the window: no judgement
+    traffic_dir: str = ""  # snapshots `<dir>/<name>/{train,heldout}.jsonl`; a drop retrains on the newest
+
+    def __post_init__(self) -> None:
+        for name in ("interval_s", "window_s", "sustain_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"monitor.{name} must be >= 0, got {getattr(self, name)}")
+        if not 0 < self.ratio <= 1:
+            raise ValueError(f"monitor.ratio must be in (0, 1], got {self.ratio}")
+        if self.min_drafts < 1:
+            raise ValueError(f"monitor.min_drafts must be >= 1, got {self.min_drafts}")
+
+    @classmethod
+    def tiny(cls) -> "MonitorConfig":
+        return cls(interval_s=1.0, window_s=0.0, sustain_s=0.0, min_drafts=20)
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """What the served head promised: the champion of `target`'s head model and its registered τ."""
+
+    target: str  # models:/NAME/VERSION of the target
+    head_uri: str  # models:/HEAD/VERSION of its champion head
+    tau: float
+    tau_source: str  # "tau_vllm" or "tau"
+    depth: int  # drafted tokens per step in the evaluation (0: unknown)
+
+
+@dataclass(frozen=True)
+class WindowReport:
+    at: float
+    verdict: Verdict
+    window_tau: float
+    registered_tau: float
+    acceptance: list[float]
+    drafts: int
+    window_s: float  # the span the window really covers
+    baseline: Baseline
+
+    def line(self) -> str:
+        alphas = " ".join(f"{a:.2f}" for a in self.acceptance)
+        return (f"{self.baseline.target}: window tau {self.window_tau:.2f} (registered {self.registered_tau:.2f}, "
+                f"{self.baseline.tau_source}) over {self.drafts} drafts in {self.window_s:.0f} s, alpha {alphas or '-'}"
+                f": {self.verdict}")
+
+    def payload(self) -> dict:
+        name, version, _ = parse_model_uri(self.baseline.target)
+        return {"name": name, "version": version, "window_tau": round(self.window_tau, 4),
+                "registered_tau": round(self.registered_tau, 4), "tau_source": self.baseline.tau_source,
+                "head": self.baseline.head_uri, "drafts": self.drafts, "window_s": round(self.window_s, 1),
+                "acceptance": [round(a, 4) for a in self.acceptance]}
+
+
+@dataclass
+class _State:
+    head_uri: str = ""
+    readings: list[tuple[float, dict]] = field(default_factory=list)  # (time, SpecCounters as a dict)
+    below_since: float | None = None
+    announced: bool = False
+
+
+def baseline_of(store: MlflowStore, target: str, suffix: str = "-eagle3") -> Baseline:
+    """The champion head of target version `target` (models:/NAME/VERSION) and the τ it was registered with."""
+    try:
+        name, version, alias = parse_model_uri(target)
+    except ValueError as e:
+        raise MonitorError(f"{e}; pass the target version as models:/NAME/VERSION") from None
+    if version is None:
+        v = store.get_alias(name, alias)
+        if v is None:
+            raise MonitorError(f"{target}: no such alias; pass the target version as models:/NAME/VERSION")
+        version = v.version
+    head = head_model_name(TargetRef(name, version, "", ""), suffix)
+    champion = store.get_alias(head, CHAMPION) if store.find_versions(head) else None
+    if champion is None:
+        raise MonitorError(f"models:/{name}/{version} has no champion head (no model {head} with alias champion): "
+                           "train and register one first (eagle-heads train)")
+    source = "tau_vllm" if "tau_vllm" in champion.tags else "tau"
+    depth = len(champion.tags.get("acceptance_vllm" if source == "tau_vllm" else "acceptance", "").split())
+    return Baseline(f"models:/{name}/{version}", f"models:/{head}/{champion.version}",
+                    float(champion.tags[source]), source, depth)
+
+
+class Monitor:
+    """Sliding-window acceptance of one served head, persisted in `state_file` so that windows span processes."""
+
+    def __init__(self, cfg: MonitorConfig, state_file: str | Path, baseline: Baseline):
+        self.cfg, self.path, self.baseline = cfg, Path(state_file), baseline
+        self.state = self._load()
+        if self.state.head_uri != baseline.head_uri:  # a new champion: its own baseline, a fresh window
+            self.state = _State(head_uri=baseline.head_uri)
+
+    def _load(self) -> _State:
+        try:
+            raw = json.loads(self.path.read_text())
+            return _State(raw["head_uri"], [(float(t), c) for t, c in raw["readings"]], raw["below_since"],
+                          bool(raw["announced"]))
+        except (OSError, ValueError, KeyError, TypeError):  # none yet, or torn: start a fresh window
+            return _State()
+
+    def _save(self) -> None:
+        atomic_write_text(self.path, json.dumps(asdict(self.state)) + "\n")
+
+    def observe(self, counters: SpecCounters, now: float) -> WindowReport:
+        """Add a reading taken at `now` (seconds) and judge the window that ends there."""
+        depth = len(counters.accepted_per_pos)
+        if self.baseline.depth and depth and depth != self.baseline.depth:
+            raise MonitorError(f"the server drafts {depth} tokens per step but {self.baseline.head_uri} was evaluated "
+                               f"at {self.baseline.depth}: τ is not comparable; serve it with "
+                               f"num_speculative_tokens {self.baseline.depth}")
+        self.state.readings.append((now, asdict(counters)))
+        start = self._window_start(now)
+        self.state.readings = self.state.readings[start:]
+        window = _window_counts([SpecCounters(**{**c, "accepted_per_pos": tuple(c["accepted_per_pos"])})
+                                 for _, c in self.state.readings])
+        report = self._judge(window, now, now - self.state.readings[0][0])
+        self._save()
+        return report
+
+    def _window_start(self, now: float) -> int:
+        """Index of the reading the window starts at: the newest one at least `window_s` old, else the oldest."""
+        start = 0
+        for i, (t, _) in enumerate(self.state.readings[:-1]):
+            if t <= now - self.cfg.window_s:
+                start = i
+        return start
+
+    def _judge(self, window: SpecCounters, now: float, span_s: float) -> WindowReport:
+        cfg, st = self.cfg, self.state
+        verdict: Verdict
+        if window.drafts < cfg.min_drafts:
+            verdict = "warming"
+        elif window.tau >= cfg.ratio * self.baseline.tau:
+            verdict, st.below_since, st.announced = "ok", None, False
+        else:
+            st.below_since = now if st.below_since is None else st.below_since
+            if st.announced:
+                verdict = "announced"
+            else:
+                verdict = "dropped" if now - st.below_since >= cfg.sustain_s else "low"
+        return WindowReport(now, verdict, window.tau, self.baseline.tau, window.acceptance, window.drafts, span_s,
+                            self.baseline)
+
+    def mark_announced(self) -> None:
+        """The drop's event was sent: no other until the window recovers or the champion changes."""
+        self.state.announced = True
+        self._save()
+
+
+def _window_counts(readings: list[SpecCounters]) -> SpecCounters:
+    """The counts between the first and last reading; an interval across a restart counts from zero."""
+    total = SpecCounters(0, 0, 0, ())
+    for before, after in zip(readings, readings[1:]):
+        total = total + (after if after.went_back(before) else after - before)
+    return total
+
+
+def newest_snapshot(traffic_dir: str | Path) -> tuple[str, str]:
+    """(train, held-out) traffic of the newest snapshot in `traffic_dir`: the last subdirectory in name order that
+    holds both `train.jsonl` and `heldout.jsonl`."""
+    root = Path(traffic_dir)
+    if not root.is_dir():
+        raise FileNotFoundError(f"traffic directory {root} does not exist: set monitor.traffic_dir to a directory "
+                                "of snapshots <name>/train.jsonl + heldout.jsonl")
+    snaps = sorted(p for p in root.iterdir() if (p / "train.jsonl").is_file() and (p / "heldout.jsonl").is_file())
+    if not snaps:
+        raise FileNotFoundError(f"{root} holds no snapshot (a subdirectory with train.jsonl and heldout.jsonl)")
+    return str(snaps[-1] / "train.jsonl"), str(snaps[-1] / "heldout.jsonl")

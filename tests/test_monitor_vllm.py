@@ -1,0 +1,147 @@
+"""Closing the loop, end to end with the real engine and a live Prefect: a drop in served acceptance retrains the head.
+
+Purpose: the tiny embedded target (trained long enough that its answers depend on the prompt) gets a champion head
+trained on code traffic (completions, continuations: `eagle-heads train`), which vLLM then serves. `eagle-heads
+monitor --once` scrapes vLLM's `/metrics` after each batch of requests:
+- steady traffic (the very held-out prompts the head was evaluated on): window τ equals the registered τ, verdict
+  `ok`, no event;
+- traffic of another kind (requests to explain code: prose answers the head never saw): window τ falls below
+  0.8 x registered, the monitor emits `eagle.acceptance.dropped` to the live Prefect server, whose
+  `retrain-on-drop` trigger (prefect.yaml) makes the process worker run `retrain` for that target on the newest
+  traffic snapshot, which registers a new head version trained on that snapshot;
+- more of the same drop before the retrain finished: verdict `announced`, no second event, one retrain run;
+- the server stopped: one line, exit 1, no event.
+Run: `python -m pytest tests/test_monitor_vllm.py` (about 5-7 minutes on 2 cores). Needs vLLM's venv (`make vllm`).
+Not here: the window arithmetic and the other error lines (tests/test_monitor.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.live_prefect import BIN, ROOT, live_prefect  # noqa: F401  (the fixture)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+TARGET = "drift-llama"
+CODE = {"complete", "continue", "followup"}
+
+
+@pytest.fixture(scope="module")
+def drift_target(tmp_path_factory):
+    """The tiny embedded default with 1500 LM steps (its answers vary with the prompt) and 96 train conversations."""
+    from components.embedded.build import build_embedded
+    from components.embedded.config import EmbeddedConfig
+
+    c = EmbeddedConfig.tiny()
+    c = dataclasses.replace(c, train=dataclasses.replace(c.train, steps=1500),
+                            traffic=dataclasses.replace(c.traffic, train_conversations=96, heldout_conversations=16))
+    return build_embedded(c, tmp_path_factory.mktemp("drift-embedded"), progress=False)
+
+
+def _kind(src: Path, segments: set[str], dest: Path) -> Path:
+    rows = [line for line in src.read_text().splitlines(keepends=True) if json.loads(line)["segment"] in segments]
+    assert rows, f"{src}: no conversation of {segments}"
+    dest.write_text("".join(rows))
+    return dest
+
+
+def _retrain_on_drop_yaml(dest: Path, config: Path) -> Path:
+    """prefect.yaml's retrain-on-drop deployment as declared, run with the tiny preset and this test's config."""
+    spec = yaml.safe_load((ROOT / "prefect.yaml").read_text())
+    (dep,) = [d for d in spec["deployments"] if d["name"] == "retrain-on-drop"]
+    assert dep["triggers"][0]["expect"] == ["eagle.acceptance.dropped"]
+    dep["triggers"][0]["parameters"].update(preset="tiny", config_path=str(config))
+    spec["deployments"] = [dep]
+    out = dest / "prefect.yaml"
+    out.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return out
+
+
+def _window(out: str) -> tuple[float, float, str]:
+    """(window tau, registered tau, verdict) from the monitor's line."""
+    m = re.search(r"window tau ([\d.]+) \(registered ([\d.]+), .*: (\w+)$", out, re.M)
+    assert m, out
+    return float(m.group(1)), float(m.group(2)), m.group(3)
+
+
+def test_a_drop_in_served_acceptance_retrains_the_head(live_prefect, drift_target, tmp_path):
+    from components.engine_eval import engine_prompts
+    from components.pipeline_config import PipelineConfig
+    from components.traffic_io import traffic_sha256
+    from infra.mlflow_store import CHAMPION, MlflowStore
+    from infra.settings import Settings
+    from infra.vllm_server import EngineSpec, VllmServer
+
+    live, emb = live_prefect, drift_target
+    train = _kind(emb.target_traffic.train, CODE, tmp_path / "code-train.jsonl")
+    heldout = _kind(emb.target_traffic.heldout, CODE, tmp_path / "code-heldout.jsonl")
+    explain = _kind(emb.target_traffic.train, {"explain"}, tmp_path / "explain.jsonl")
+    snapshot = tmp_path / "traffic" / "2026-12-02"  # the newest production traffic: every kind
+    snapshot.mkdir(parents=True)
+    (snapshot / "train.jsonl").write_text(emb.target_traffic.train.read_text())
+    (snapshot / "heldout.jsonl").write_text(emb.target_traffic.heldout.read_text())
+    config = tmp_path / "pipeline.json"
+    config.write_text(json.dumps({
+        "regenerate": {"max_new_tokens": 48, "limit": 64}, "train": {"steps": 300, "checkpoint_every": 300},
+        "evaluate": {"max_new_tokens": 48, "limit": None}, "monitor": {"traffic_dir": str(tmp_path / "traffic")}}))
+    cfg = PipelineConfig.load(config, "tiny")
+    live.wait_healthy()
+
+    out = live.cli(str(BIN / "eagle-heads"), "train", "--target", emb.target_dir, "--name", TARGET, "--traffic",
+                   str(train), "--heldout", str(heldout), "--preset", "tiny", "--config", str(config), timeout=600)
+    assert f"head=models:/{TARGET}-v1-eagle3/1" in out, out
+    prefect = str(BIN / "prefect")
+    live.cli(prefect, "work-pool", "create", "eagle-local", "--type", "process")
+    live.cli(prefect, "deploy", "--all", "--prefect-file", str(_retrain_on_drop_yaml(tmp_path, config)), timeout=180)
+    drop = live.deployment("retrain", "retrain-on-drop")
+    live.start("worker", prefect, "worker", "start", "--pool", "eagle-local")
+
+    settings = Settings.local(Path(live.env["EAGLE_HOME"]))
+    store = MlflowStore.connect(settings)
+    head_name = f"{TARGET}-v1-eagle3"
+    champion = store.get_alias(head_name, CHAMPION)
+    spec = EngineSpec(emb.target_dir, str(store.resolve(champion.uri)), num_speculative_tokens=cfg.evaluate.depth,
+                      max_model_len=512)
+    monitor = [str(BIN / "eagle-heads"), "monitor", "--target", f"models:/{TARGET}/1", "--once", "--preset", "tiny",
+               "--config", str(config)]
+
+    def serve(srv, traffic: Path) -> None:
+        for _, ids in engine_prompts(cfg.evaluate, emb.target_dir, str(traffic), settings):
+            srv.complete(ids, cfg.evaluate.max_new_tokens)
+
+    with VllmServer(spec, settings) as srv:
+        url = f"{srv.base_url}/metrics"
+        monitor += ["--metrics-url", url]
+        assert _window(live.cli(*monitor))[2] == "warming"  # one reading: no window yet
+        serve(srv, heldout)
+        out = live.cli(*monitor)
+        window, registered, verdict = _window(out)
+        assert (window, verdict) == (registered, "ok"), out  # the evaluated prompts: vLLM's τ is the registered one
+        assert "announced" not in out
+        serve(srv, explain)
+        out = live.cli(*monitor)
+        window, _, verdict = _window(out)
+        assert verdict == "dropped" and window < 0.8 * registered, out
+        assert f"announced eagle.acceptance.dropped for models:/{TARGET}/1" in out, out
+        serve(srv, explain)  # the drop goes on while the retrain runs: no second event
+        out = live.cli(*monitor)
+        assert _window(out)[2] == "announced" and "announced eagle" not in out, out
+
+    run = live.wait_run(drop["id"], f"retrain-on-drop for {TARGET} v1 (fired by eagle.acceptance.dropped)",
+                        timeout=600)
+    assert run["parameters"]["model_name"] == TARGET and int(run["parameters"]["version"]) == 1
+    versions = store.list_versions(head_name)
+    assert [v.version for v in versions] == [1, 2], "the retrain registered one new head version"
+    assert versions[1].tags["traffic_sha256"] == traffic_sha256(str(snapshot / "train.jsonl"))
+    assert len(live.runs_of(drop["id"])) == 1
+
+    stopped = subprocess.run(monitor, cwd=ROOT, env=live.env, capture_output=True, text=True, timeout=120)
+    assert stopped.returncode == 1 and f"monitor: cannot read {url}" in stopped.stdout, stopped.stdout
+    assert "announced" not in stopped.stdout
