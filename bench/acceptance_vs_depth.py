@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from common import (Setup, base_args, eos_of, heldout_prompts, prepare, print_table, pyplot, results_dir, start,
-                    train_head, write_results)
+                    train_or_reuse_head, write_results)
 from components.train import TrainConfig
 from eagle1 import Eagle1Draft, eagle1_batch, eagle1_head, eagle1_loss
 
@@ -144,8 +144,8 @@ def run(setup: Setup, args: argparse.Namespace, load0: list[float]) -> None:
     """The benchmark on a prepared setup (see bench/common.py); prints the table, writes the result files."""
     base = setup.preset.train
     base = dataclasses.replace(base, steps=args.steps or base.steps)
-    trained = {"eagle3-ttt7": train_head(setup, "eagle3-ttt7", dataclasses.replace(base, ttt_steps=7)),
-               "eagle3-ttt1": train_head(setup, "eagle3-ttt1", dataclasses.replace(base, ttt_steps=1))}
+    trained = {"eagle3-ttt7": train_or_reuse_head(setup, "eagle3-ttt7", dataclasses.replace(base, ttt_steps=7)),
+               "eagle3-ttt1": train_or_reuse_head(setup, "eagle3-ttt1", dataclasses.replace(base, ttt_steps=1))}
     e1_dir, e1_seconds = train_eagle1(setup, base)
 
     from components.targets import load_target

@@ -6,8 +6,8 @@ Purpose: every benchmark starts with `setup = prepare(quick)`:
   config exists there (whatever its hash), else built; `--quick` uses `EmbeddedConfig.tiny()` under `.eagle/bench`;
 - the target's training traffic regenerated and extracted (offline features) once into
   `.eagle/bench/<build>-<role>-<preset>/` (the stage components resume and are skipped when done);
-- `train_head(setup, name, TrainConfig)` trains a head with `components.train.train` once per (config, data) and
-  returns its directory; every benchmark that asks for the same config gets the same head.
+- `train_or_reuse_head(setup, name, TrainConfig)` trains a head with `components.train.train` once per (config, data)
+  and returns its directory; every benchmark that asks for the same config gets the same head.
 Results of a full run go to `bench/results/<name>.json` + `.png`; of a `--quick` run to `.eagle/bench/results-quick/`
 so a test never overwrites the committed figures. Every result file carries the machine state (cores, load average
 before and after, torch threads): the machine is shared, so read ratios measured side by side, not absolute speeds.
@@ -192,7 +192,7 @@ class TrainedHead:
     cached: bool
 
 
-def train_head(setup: Setup, name: str, cfg: TrainConfig, extract_dir: Path | None = None) -> TrainedHead:
+def train_or_reuse_head(setup: Setup, name: str, cfg: TrainConfig, extract_dir: Path | None = None) -> TrainedHead:
     """Train a head with `components.train.train` (or reuse the one trained with the same config and data)."""
     ext = Path(extract_dir or setup.extract_dir)
     out = setup.work / "heads" / f"{name}-{fingerprint(cfg, str(ext))}"
@@ -211,7 +211,7 @@ def speed_head(setup: Setup, head_steps: int, conversations: int) -> tuple[Train
     """The TTT (K=7) head that `speedup.py` and `chain_depth.py` measure (`head_steps` 0: the preset's steps), and
     the suffix that names their result files after it (`-head<N>`, `-conv<N>`; empty for the preset's head)."""
     steps = head_steps or setup.preset.train.steps
-    head = train_head(setup, "eagle3-ttt7", dataclasses.replace(setup.preset.train, ttt_steps=7, steps=steps))
+    head = train_or_reuse_head(setup, "eagle3-ttt7", dataclasses.replace(setup.preset.train, ttt_steps=7, steps=steps))
     suffix = (f"-head{steps}" if steps != setup.preset.train.steps else "") + \
         (f"-conv{conversations}" if conversations else "")
     return head, suffix

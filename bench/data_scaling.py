@@ -24,7 +24,7 @@ import common  # noqa: F401  (puts the repo root on sys.path)
 import torch
 
 from common import (Setup, base_args, eos_of, heldout_prompts, prepare, print_table, pyplot, results_dir, start,
-                    train_head, write_results)
+                    train_or_reuse_head, write_results)
 from components.extract import extract
 
 
@@ -96,7 +96,7 @@ def run(setup: Setup, args: argparse.Namespace, load0: list[float]) -> None:
     heads = []
     for f in fractions:
         ext_dir, manifest = subset_extract(setup, f)
-        heads.append((f, manifest, train_head(setup, f"eagle3-ttt{cfg_train.ttt_steps}", cfg_train, ext_dir)))
+        heads.append((f, manifest, train_or_reuse_head(setup, f"eagle3-ttt{cfg_train.ttt_steps}", cfg_train, ext_dir)))
 
     from components.targets import load_target
     from eagle.export import load_head

@@ -1,6 +1,7 @@
 """Readers of the extract stage's output, turning it into TTT batches for training, offline or online.
 
 Purpose: `TrainingData.open(extract_dir)` reads the tokens, trained-token counts and target embedding/lm_head;
+`heldout_split(...)` sets a seeded slice of the sequences aside for held-out evaluation;
 `batches(...)` yields padded index batches in a seeded order from a given position (so a resumed run continues
 exactly); `ttt_batch(...)` builds the `TTTBatch` either from stored feature shards (offline) or by running the
 target (online). Both paths round the features to the same dtype, so training sees the same tensors.
@@ -108,6 +109,16 @@ class TrainingData:
 def epoch_order(n: int, epoch: int, seed: int) -> list[int]:
     g = torch.Generator().manual_seed(seed * 100003 + epoch)
     return torch.randperm(n, generator=g).tolist()
+
+
+def heldout_split(n_seqs: int, n_heldout: int, seed: int) -> tuple[list[int], list[int]]:
+    """(training, held-out) sequence indices, each ascending: `n_heldout` of the `n_seqs` drawn with `seed`, from a
+    random stream of its own (not the epochs' orders), so the same seed always holds out the same sequences."""
+    if not 0 <= n_heldout < n_seqs:
+        raise ValueError(f"cannot hold out {n_heldout} of {n_seqs} sequences and still train on one")
+    g = torch.Generator().manual_seed(0x5EED_0000_0000 + seed)
+    heldout = set(torch.randperm(n_seqs, generator=g)[:n_heldout].tolist())
+    return [i for i in range(n_seqs) if i not in heldout], sorted(heldout)
 
 
 def batches(n_seqs: int, batch_size: int, seed: int, start_step: int = 0, rank: int = 0,

@@ -66,7 +66,7 @@ class PipelineConfig:
                    extract=ExtractConfig(max_len=320, seqs_per_shard=128),
                    train=TrainConfig(steps=120, batch_size=8, draft_vocab_size=2048, ttt_steps=5, lr=3e-3,
                                      warmup_steps=10, num_workers=1, cpus_per_worker=2, checkpoint_every=40,
-                                     log_every=10, warm_start_steps=60),
+                                     log_every=10, warm_start_steps=60, eval_every=20, holdout_seqs=32),
                    evaluate=EvaluateConfig(method="chain", depth=5, max_new_tokens=96, limit=16, engine="vllm"),
                    register=RegisterConfig(tau_floor=1.5, gate_tau="engine"))
 

@@ -9,11 +9,14 @@ Purpose:
   version and weights hash, the traffic hash, tau, speedup and whether greedy outputs were identical to the
   target's (`identical`; `identical_of` reads it back, None for sampled runs). Idempotent on `run_key`:
   re-registering a finished run returns the existing version (and sets the alias its gate chose, if a killed run
-  never did: `finish_registration`). Promotion gate: alias `champion` moves to the new version only if
+  never did: `finish_registration`); `registered_run(store, name, run_key)` is that one check, also made by the
+  flow before any work. Promotion gate: alias `champion` moves to the new version only if
   tau >= `cfg.tau_floor` and tau >= the current champion's tau measured on the same held-out traffic in the same
   run (`head.champion_tau`); otherwise the version becomes `challenger`. Which τ decides is `cfg.gate_tau`:
   "local" (this project's decoding) or "engine" (vLLM's counters, the champion served on the same prompts:
   `head.champion_tau_engine`); both are tagged either way (`tau`, `tau_vllm`), and `gate_tau` says which decided.
+  The training step exported (best held-out τ, or the last) is tagged too: `checkpoint_step`, `checkpoint_rule`,
+  `heldout_tau`, `heldout_tau_last`.
 - `check_head_name(store, target)`: refuses, before any work, a head name taken by a model that is not a head.
 Not here: measuring tau (components/evaluate.py); connecting to MLflow (infra/mlflow_store.py).
 """
@@ -63,6 +66,7 @@ class HeadToRegister:
     params: dict[str, Any] | None = None
     init_from: str | None = None  # the head a warm-started run began from (models:/name/version)
     champion_tau_engine: float | None = None  # the champion's τ in vLLM on the same prompts (gate_tau "engine")
+    checkpoint: dict[str, Any] | None = None  # which training step was exported and why (TrainResult's choice)
 
 
 @dataclass(frozen=True)
@@ -167,20 +171,59 @@ def _acceptance_tags(metrics: dict[str, float]) -> dict[str, str]:
     return tags
 
 
+def _checkpoint_tags(choice: dict[str, Any]) -> dict[str, str]:
+    """The exported checkpoint: `checkpoint_step`, `checkpoint_rule` (the reason, e.g. "best held-out tau at step
+    80 of 120 (3.12 vs last 3.05)"), `heldout_tau` (selected) and `heldout_tau_last`, when training chose one."""
+    tags = {}
+    if choice.get("selected_step"):
+        tags["checkpoint_step"] = str(choice["selected_step"])
+    if choice.get("selection_rule"):
+        tags["checkpoint_rule"] = str(choice["selection_rule"])
+    for tag, key in (("heldout_tau", "selected_heldout_tau"), ("heldout_tau_last", "last_heldout_tau")):
+        if choice.get(key) is not None:
+            tags[tag] = f"{float(choice[key]):.4f}"
+    return tags
+
+
 def identical_of(version: ModelVersionRef) -> bool | None:
     """The `identical` tag of a registered head: True/False, None when absent (a sampled evaluation)."""
     return {"true": True, "false": False}.get(version.tags.get("identical", ""))
 
 
+@dataclass(frozen=True)
+class RegisteredRun:
+    """The head version a run key already registered (its tags hold the run's figures) and the alias it holds:
+    "champion", "challenger" or "none" (superseded)."""
+
+    version: ModelVersionRef
+    alias: str
+
+    @property
+    def uri(self) -> str:
+        return self.version.uri
+
+    def result(self) -> RegisterResult:
+        v = self.version
+        return RegisterResult(v.name, v.version, v.uri, self.alias, self.alias == CHAMPION,
+                              "already registered for this run key", v.run_id or "")
+
+
+def registered_run(store: MlflowStore, name: str, run_key: str) -> RegisteredRun | None:
+    """The version of head model `name` registered for `run_key` (None: not registered yet), with the alias its
+    gate chose set if a killed run never set it (`finish_registration`)."""
+    existing = store.find_versions(name, run_key=run_key)
+    if not existing:
+        return None
+    v = finish_registration(store, name, existing[0].version)
+    alias = next((a for a in (CHAMPION, CHALLENGER) if a in v.aliases), "none")
+    return RegisteredRun(v, alias)
+
+
 def register_head(store: MlflowStore, cfg: RegisterConfig, head: HeadToRegister) -> RegisterResult:
     name = head_model_name(head.target, cfg.experiment_suffix)
     store.ensure_model(name)
-    existing = store.find_versions(name, run_key=head.run_key)
-    if existing:
-        v = finish_registration(store, name, existing[0].version)
-        alias = CHAMPION if CHAMPION in v.aliases else (CHALLENGER if CHALLENGER in v.aliases else "none")
-        return RegisterResult(name, v.version, f"models:/{name}/{v.version}", alias, alias == CHAMPION,
-                              "already registered for this run key", v.run_id or "")
+    if (done := registered_run(store, name, head.run_key)) is not None:
+        return done.result()
     tau = float(head.metrics["tau"])
     gate_tau, champion_tau = _gate_inputs(cfg, head)
     champion = store.get_alias(name, CHAMPION)
@@ -197,6 +240,7 @@ def register_head(store: MlflowStore, cfg: RegisterConfig, head: HeadToRegister)
     if head.init_from:
         tags["init_from"] = head.init_from
     tags.update(_acceptance_tags(head.metrics))
+    tags.update(_checkpoint_tags(head.checkpoint or {}))
     run_id = head.run_id
     store.log_params(run_id, {"target": f"{head.target.name}/{head.target.version}",
                               **{k: json.dumps(v) if isinstance(v, (dict, list)) else v

@@ -5,11 +5,17 @@ Purpose: `train(cfg, extract_dir, out_dir, ...) -> TrainResult`. A Ray `TorchTra
 output (offline feature shards, or tokens + the target itself in online mode), rank 0 streams per-step TTT
 metrics to a `MetricsSink` (MLflow in the pipeline) and prints progress. AdamW with warm-up and cosine decay,
 gradient clipping, bf16 autocast on GPU.
-Checkpoints (`out_dir/checkpoints/step-XXXXXXX/`: head, optimiser, scheduler, step, RNG; the data position is
-the step, since batches are a pure function of (seed, step)) are written atomically by rank 0 and reported to
-Ray; a worker restarted by Ray's FailureConfig, or a re-run of the same stage after a crash, continues from the
-newest complete checkpoint (and drops the history rows logged past it, which it logs again). At the end rank 0
-exports the head (vLLM/SGLang format + probe) to `out_dir/head`. Warm start (`init_head_dir`): training starts
+Checkpoints (`out_dir/checkpoints/step-XXXXXXX/`, components/train_state.py: head, optimiser, scheduler, step,
+RNG, the held-out selection; the data position is the step, since batches are a pure function of (seed, step)) are
+written atomically by rank 0 and reported to Ray; a worker restarted by Ray's FailureConfig, or a re-run of the
+same stage after a crash, continues from the newest complete checkpoint (and drops the history rows logged past it,
+which it logs again).
+Held-out selection: a seeded slice of the sequences (`holdout_seqs`) never trains; every `eval_every` steps and at
+the last, rank 0 measures the head's TTT loss and simulated tau on it (no gradients) and logs `heldout_tau` /
+`heldout_loss`. The best weights so far (highest tau, then lowest loss) live in `out_dir/best/` (replaced atomically)
+and in every checkpoint, so a resumed run selects what an uninterrupted one selects. At the end rank 0 exports the
+best (`select="best_tau"`) or the last weights (`"last"`), vLLM/SGLang format + probe, to `out_dir/head`; its
+lineage and the `TrainResult` say which step and why. Warm start (`init_head_dir`): training starts
 from another exported head of a target with the same shapes (the flows pass the base target's champion head when
 training a fine-tune of it), keeping that head's draft vocabulary; `TrainConfig.warm_start_steps` is the step
 budget for such runs.
@@ -22,13 +28,25 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from components.atomic import atomic_write_text, remove_stale_temps
+from components.atomic import remove_stale_temps
+from components.train_state import (HISTORY, check_checkpoint, history_rows, latest_checkpoint, load_checkpoint,
+                                    save_checkpoint, sync_best, trim_history, write_best)
+
+# what the exported head's lineage and the TrainResult say of the selection (eagle.train.Selection.lineage)
+CHOICE_KEYS = ("selected_step", "selection_rule", "selected_heldout_tau", "last_heldout_tau", "best_step",
+               "best_heldout_tau", "heldout_seqs")
+
+if TYPE_CHECKING:
+    from eagle.train import BestSoFar
+
+__all__ = ["LoopArgs", "TrainConfig", "TrainResult", "holdout_size", "latest_checkpoint", "train", "train_loop",
+           "warm_start_head"]
 
 
 @dataclass(frozen=True)
@@ -51,11 +69,43 @@ class TrainConfig:
     log_every: int = 10
     warm_start: bool = True  # a fine-tune's head starts from its base target's champion head when there is one
     warm_start_steps: int = 0  # steps of a warm-started run (0: `steps`)
+    eval_every: int = 50  # held-out loss and simulated tau every N steps and at the last (0: none, nothing held out)
+    holdout_seqs: int = 32  # sequences set aside for it (at most a quarter of the data, at least one)
+    select: Literal["best_tau", "last"] = "best_tau"  # the exported weights: best held-out tau, or the last step's
+
+    def __post_init__(self) -> None:
+        _check_config(self)
 
     @classmethod
     def tiny(cls) -> "TrainConfig":
         return cls(steps=12, batch_size=4, draft_vocab_size=128, ttt_steps=3, lr=3e-3, warmup_steps=2,
-                   num_workers=0, checkpoint_every=5, log_every=2, warm_start_steps=6)
+                   num_workers=0, checkpoint_every=5, log_every=2, warm_start_steps=6, eval_every=4, holdout_seqs=2)
+
+
+_AT_LEAST = {"steps": 1, "batch_size": 1, "draft_vocab_size": 1, "ttt_steps": 1, "warmup_steps": 0, "seed": 0,
+             "num_workers": 0, "cpus_per_worker": 1, "checkpoint_every": 1, "keep_checkpoints": 1, "max_failures": -1,
+             "log_every": 1, "warm_start_steps": 0, "eval_every": 0, "holdout_seqs": 0}
+
+
+def _check_config(cfg: TrainConfig) -> None:
+    """Refuse out-of-range values, naming the field (a pipeline config file then fails at load)."""
+    for name, low in _AT_LEAST.items():
+        v = getattr(cfg, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise ValueError(f"TrainConfig.{name} must be an integer >= {low}, got {v!r}")
+    for name, ok, want in (("gamma", lambda x: 0 < x <= 1, "in (0, 1]"), ("lr", lambda x: x >= 0, ">= 0"),
+                           ("grad_clip", lambda x: x > 0, "> 0")):
+        v = getattr(cfg, name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not ok(v):
+            raise ValueError(f"TrainConfig.{name} must be a finite number {want}, got {v!r}")
+    if cfg.select not in ("best_tau", "last"):
+        raise ValueError(f"TrainConfig.select must be 'best_tau' or 'last', got {cfg.select!r}")
+    if cfg.select == "best_tau" and cfg.eval_every == 0:
+        raise ValueError("TrainConfig.select 'best_tau' needs the held-out evaluation: set eval_every >= 1, or "
+                         "select 'last'")
+    if cfg.eval_every and cfg.holdout_seqs == 0:
+        raise ValueError("TrainConfig.holdout_seqs must be >= 1 when eval_every >= 1 (eval_every 0 turns the "
+                         "held-out evaluation off)")
 
 
 @dataclass(frozen=True)
@@ -66,6 +116,13 @@ class TrainResult:
     final_metrics: dict[str, float]
     history_file: str
     seconds: float
+    selected_step: int = 0  # the step whose weights were exported
+    selection_rule: str = ""  # why, in words: "best held-out tau at step 80 of 120 (3.12 vs last 3.05)"
+    selected_heldout_tau: float | None = None  # None: no held-out evaluation
+    last_heldout_tau: float | None = None
+    best_step: int = 0  # the step of the best held-out tau (0: none), whichever rule
+    best_heldout_tau: float | None = None
+    heldout_seqs: int = 0
 
 
 class MetricsSink(Protocol):
@@ -95,92 +152,13 @@ class LoopArgs:
     init_head_dir: str | None = None  # warm start: an exported head of a related target (its weights, its vocab)
 
 
-HISTORY = "history.jsonl"
-
-
-def latest_checkpoint(out_dir: str | Path) -> Path | None:
-    done = sorted(p for p in (Path(out_dir) / "checkpoints").glob("step-*") if (p / "DONE").is_file())
-    return done[-1] if done else None
-
-
-def _save_checkpoint(out_dir: Path, step: int, draft, opt, sched, keep: int) -> Path:
-    """Head weights, optimiser, scheduler, step, RNG and the head's layer ids, written atomically."""
-    import torch
-    from safetensors.torch import save_file
-
-    from eagle.export import head_state_dict
-
-    root = out_dir / "checkpoints"
-    final = root / f"step-{step:07d}"
-    tmp = root / f".tmp-step-{step:07d}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        save_file(head_state_dict(draft), str(tmp / "head.safetensors"))
-        torch.save({"opt": opt.state_dict(), "sched": sched.state_dict(), "step": step,
-                    "rng": torch.get_rng_state(), "aux_layer_ids": list(draft.cfg.aux_layer_ids)}, tmp / "state.pt")
-        (tmp / "DONE").write_text(str(step))
-    except BaseException as err:  # a full disk: leave no half checkpoint, say where
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(err, OSError):
-            raise OSError(err.errno, f"cannot write checkpoint {final}: {err.strerror or err}; the previous "
-                                     "checkpoint is intact: free space and re-run (training resumes)") from err
-        raise
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
-    for old in sorted(p for p in root.glob("step-*"))[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
-
-
-def _load_checkpoint(path: Path, draft, opt, sched) -> int:
-    """Restore a checkpoint into `draft`, `opt`, `sched` and the RNG; refuse one made for other layer ids."""
-    import torch
-    from safetensors.torch import load_file
-
-    state = torch.load(path / "state.pt", weights_only=True)
-    _check_checkpoint(path, state, draft.cfg.aux_layer_ids, draft.cfg.target_num_layers)
-    draft.load_state_dict(load_file(str(path / "head.safetensors")), strict=False)
-    opt.load_state_dict(state["opt"])
-    sched.load_state_dict(state["sched"])
-    torch.set_rng_state(state["rng"])
-    return int(state["step"])
-
-
-def _check_checkpoint(path: Path, state: dict, layer_ids, num_layers: int) -> None:
-    """Refuse a checkpoint (its `state.pt` dict) trained on other fused layers than `layer_ids`."""
-    n = num_layers
-    theirs = list(state.get("aux_layer_ids") or (2, n // 2, n - 3))  # a checkpoint without ids used (2, N//2, N-3)
-    if theirs != list(layer_ids):
-        raise ValueError(f"checkpoint {path} was trained on features of layers {theirs}, but the features are of "
-                         f"layers {list(layer_ids)}: delete {path.parent} to train afresh, or extract with "
-                         f"aux_layer_ids {theirs}")
-
-
-def _history_rows(path: Path) -> list[dict]:
-    """The rows of a history file; a last line torn by a killed writer is dropped."""
-    rows = []
-    for line in path.read_text().splitlines() if path.is_file() else []:
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
-
-
-def _trim_history(path: Path, step: int) -> None:
-    """Drop the rows logged after checkpoint `step` (and torn lines): the resumed run logs those steps again."""
-    if path.is_file():
-        atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in _history_rows(path) if r["step"] <= step))
-
-
 def train_loop(args: LoopArgs) -> None:
-    """Runs on every Ray worker (or in the driver when num_workers == 0)."""
+    """Runs on every Ray worker (or in the driver when num_workers == 0); only rank 0 evaluates on held-out data
+    (no collective op in it: the other ranks wait at the next gradient all-reduce)."""
     import torch
 
-    from components.datasets import TrainingData, batches, ttt_batch
-    from eagle.export import export_head
-    from eagle.train import OptimConfig, TTTModule, head_from_tensors, make_optimizer, train_step
+    from components.datasets import TrainingData, batches, heldout_split, ttt_batch
+    from eagle.train import OptimConfig, TTTModule, make_optimizer, train_step
     from eagle.ttt import TTTConfig
 
     cfg, out = args.cfg, Path(args.out_dir)
@@ -192,60 +170,131 @@ def train_loop(args: LoopArgs) -> None:
         from components.targets import load_target
 
         target = load_target(args.target_dir, str(device), trust_remote_code=args.trust_remote_code)[0]
-    layer_ids = data.manifest["layer_ids"]
-    if args.init_head_dir:
-        draft = warm_start_head(args.init_head_dir, data.target_config(args.trust_remote_code),
-                                data.embed_tokens, layer_ids).to(device)
-    else:
-        draft = head_from_tensors(data.target_config(args.trust_remote_code), data.token_counts, data.embed_tokens,
-                                  data.lm_head, cfg.draft_vocab_size, aux_layer_ids=layer_ids).to(device)
+    draft = _new_head(args, data).to(device)
     ttt = TTTConfig(ttt_steps=cfg.ttt_steps, gamma=cfg.gamma)
     optim = OptimConfig(lr=cfg.lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps, grad_clip=cfg.grad_clip)
     opt, sched = make_optimizer(draft.trainable_parameters(), optim)
     ckpt = latest_checkpoint(out)
-    start = _load_checkpoint(ckpt, draft, opt, sched) if ckpt else 0
+    start, best = load_checkpoint(ckpt, draft, opt, sched) if ckpt else (0, _empty_best())
+    train_ids, heldout_ids = heldout_split(data.n_seqs, holdout_size(cfg, data.n_seqs), cfg.seed)
     if rank == 0:
-        _trim_history(out / HISTORY, start)
-    model = TTTModule(draft, ttt)
-    if world > 1:
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda"
-                                                          else None)
+        trim_history(out / HISTORY, start)
+        sync_best(out, best)
+    model = _ddp(TTTModule(draft, ttt), world, device)
     amp = torch.bfloat16 if device.type == "cuda" else None
     t0, seen = time.perf_counter(), 0
-    for step, idx in batches(data.n_seqs, cfg.batch_size, cfg.seed, start, rank, world):
+    for step, pos in batches(len(train_ids), cfg.batch_size, cfg.seed, start, rank, world):
         if step >= cfg.steps:
             break
-        batch = ttt_batch(data, idx, draft.draft_ids(), device, target)
+        batch = ttt_batch(data, [train_ids[i] for i in pos], draft.draft_ids(), device, target)
         try:
             res = train_step(model, draft, batch, ttt, opt, sched, optim.grad_clip, amp)
         except FloatingPointError as e:  # before the optimiser step: the checkpoints stay clean
             raise FloatingPointError(f"{args.extract_dir}, step {step + 1}: {e}") from None
         seen += int(batch.input_ids_BS.numel())
         done = step + 1
-        if rank == 0 and (done % cfg.log_every == 0 or done == cfg.steps):
-            m = {**res.metrics(), "lr": sched.get_last_lr()[0],
-                 "tokens_per_s": seen * world / max(time.perf_counter() - t0, 1e-9)}
-            for s in args.sinks:
-                s.log(done, m)
-            print(f"train: step {done}/{cfg.steps} loss {m['loss']:.3f} acc_0 {m['acc_0']:.3f} "
-                  f"acc_{cfg.ttt_steps - 1} {m[f'acc_{cfg.ttt_steps - 1}']:.3f} tau(sim) {m['tau']:.2f} "
-                  f"{m['tokens_per_s']:.0f} tok/s", flush=True)
+        if rank == 0:
+            t = time.perf_counter()
+            held = _heldout(cfg, data, heldout_ids, draft, amp, target) \
+                if cfg.eval_every and _due(done, cfg.eval_every, cfg.steps) else {}
+            t0 += time.perf_counter() - t  # tokens/s counts training time only
+            if held and best.record(done, held["heldout_tau"], held["heldout_loss"], draft):
+                write_best(out, best)
+            if held or _due(done, cfg.log_every, cfg.steps):
+                _log(args, done, {**res.metrics(), "lr": sched.get_last_lr()[0],
+                                  "tokens_per_s": seen * world / max(time.perf_counter() - t0, 1e-9), **held})
         if done % cfg.checkpoint_every == 0 or done == cfg.steps:
-            path = _save_checkpoint(out, done, draft, opt, sched, cfg.keep_checkpoints) if rank == 0 else None
+            path = save_checkpoint(out, done, draft, opt, sched, cfg.keep_checkpoints, best) if rank == 0 else None
             _report(done, path)  # every rank reports (a barrier in Ray Train); rank 0 attaches the checkpoint
     if rank == 0:
-        export_head(draft, out / "head", lineage={**args.lineage, "train_config": asdict(cfg),
-                                                 "resumed_from_step": start})
+        _export(args, draft, best, start, len(heldout_ids))
+
+
+def _due(done: int, every: int, steps: int) -> bool:
+    return done % every == 0 or done == steps
+
+
+def _heldout(cfg: TrainConfig, data, heldout_ids: list[int], draft, amp, target) -> dict[str, float]:
+    """`eagle.train.heldout_metrics` of `draft` on the held-out sequences, `cfg.batch_size` at a time."""
+    from components.datasets import ttt_batch
+    from eagle.train import heldout_metrics
+    from eagle.ttt import TTTConfig
+
+    device, b = next(draft.parameters()).device, cfg.batch_size
+    chunks = (heldout_ids[i:i + b] for i in range(0, len(heldout_ids), b))
+    return heldout_metrics(draft, (ttt_batch(data, c, draft.draft_ids(), device, target) for c in chunks),
+                           TTTConfig(ttt_steps=cfg.ttt_steps, gamma=cfg.gamma), amp)
+
+
+def _ddp(model, world: int, device):
+    """`model` wrapped in DistributedDataParallel when there are several ranks."""
+    import torch
+
+    if world == 1:
+        return model
+    ids = [device.index] if device.type == "cuda" else None
+    return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+
+
+def _empty_best() -> BestSoFar:
+    from eagle.train import BestSoFar
+
+    return BestSoFar()
+
+
+def _log(args: LoopArgs, step: int, m: dict[str, float]) -> None:
+    """One row to every sink and a progress line (held-out figures when the step has them)."""
+    k = args.cfg.ttt_steps - 1
+    for s in args.sinks:
+        s.log(step, m)
+    held = f" heldout tau {m['heldout_tau']:.2f} loss {m['heldout_loss']:.3f}" if "heldout_tau" in m else ""
+    print(f"train: step {step}/{args.cfg.steps} loss {m['loss']:.3f} acc_0 {m['acc_0']:.3f} "
+          f"acc_{k} {m[f'acc_{k}']:.3f} tau(sim) {m['tau']:.2f}{held} {m['tokens_per_s']:.0f} tok/s", flush=True)
+
+
+def _export(args: LoopArgs, draft, best: BestSoFar, start: int, n_heldout: int) -> None:
+    """Export the weights the rule selects (the best held-out tau's, or the last) with the choice in the lineage."""
+    from eagle.export import export_head
+
+    cfg = args.cfg
+    choice = best.selection.lineage(cfg.select, cfg.steps)
+    if best.weights is not None and choice["selected_step"] == best.selection.best_step:
+        draft.load_state_dict(best.weights, strict=False)
+    export_head(draft, Path(args.out_dir) / "head", lineage={**args.lineage, "train_config": asdict(cfg),
+                                                            "resumed_from_step": start, **choice,
+                                                            "heldout_seqs": n_heldout})
+
+
+def holdout_size(cfg: TrainConfig, n_seqs: int) -> int:
+    """Sequences held out of training: `holdout_seqs`, at most a quarter of them and at least one; none when
+    `eval_every` is 0. Data too small to hold one out is refused."""
+    if not cfg.eval_every:
+        return 0
+    if n_seqs < 2:
+        raise ValueError(f"held-out evaluation needs at least 2 sequences, the features hold {n_seqs}: extract more "
+                         "traffic, or train with eval_every 0 and select 'last'")
+    return min(cfg.holdout_seqs, max(1, n_seqs // 4))
+
+
+def _new_head(args: LoopArgs, data):
+    """A fresh head for the features' target and layers, or the warm-start head."""
+    from eagle.train import head_from_tensors
+
+    layer_ids, tcfg = data.manifest["layer_ids"], data.target_config(args.trust_remote_code)
+    if args.init_head_dir:
+        return warm_start_head(args.init_head_dir, tcfg, data.embed_tokens, layer_ids)
+    return head_from_tensors(tcfg, data.token_counts, data.embed_tokens, data.lm_head, args.cfg.draft_vocab_size,
+                             aux_layer_ids=layer_ids)
 
 
 def warm_start_head(head_dir: str, target_config, embed_VH, aux_layer_ids):
     """The exported head in `head_dir` as the starting point for this target: its weights and draft vocabulary,
     this target's (frozen) embedding. Refuses a head whose shapes do not fit the target, or that fuses other
     layers than `aux_layer_ids` (those of the features), naming both."""
-    from eagle.export import HeadMismatchError, check_target, load_head
+    from eagle.export import HeadMismatchError, check_head_fits, load_head
 
     draft = load_head(head_dir)
-    check_target(draft.cfg, target_config, where=f"warm-start head {head_dir}")
+    check_head_fits(draft.cfg, target_config, where=f"warm-start head {head_dir}")
     if list(draft.cfg.aux_layer_ids) != list(aux_layer_ids):
         raise HeadMismatchError(f"warm-start head {head_dir} fuses layers {list(draft.cfg.aux_layer_ids)}, but the "
                                 f"features are of layers {list(aux_layer_ids)}: extract with aux_layer_ids "
@@ -293,13 +342,17 @@ def train(cfg: TrainConfig, extract_dir: str, out_dir: str, target_dir: str | No
     target_dir = str(Path(target_dir).resolve()) if target_dir else None
     out.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(out, extra=(".head.*", "checkpoints/.tmp-step-*"))  # left by a run killed mid-write
-    layer_ids, n_layers = _check_extract(extract_dir, target_dir, trust_remote_code)  # fail fast, in the driver
+    layer_ids, n_layers, n_seqs = _check_extract(extract_dir, target_dir, trust_remote_code)  # fail fast, here
+    n_heldout = holdout_size(cfg, n_seqs)
+    if cfg.eval_every and n_heldout < cfg.holdout_seqs:
+        print(f"train: holding out {n_heldout} of {n_seqs} sequences (holdout_seqs {cfg.holdout_seqs}: at most a "
+              "quarter of them)", flush=True)
     history = out / HISTORY
     ckpt = latest_checkpoint(out)
     if ckpt:
         import torch
 
-        _check_checkpoint(ckpt, torch.load(ckpt / "state.pt", weights_only=True), layer_ids, n_layers)
+        check_checkpoint(ckpt, torch.load(ckpt / "state.pt", weights_only=True), layer_ids, n_layers)
     resumed = int(ckpt.name.split("-")[1]) if ckpt else 0
     if not ckpt:
         history.unlink(missing_ok=True)
@@ -312,14 +365,17 @@ def train(cfg: TrainConfig, extract_dir: str, out_dir: str, target_dir: str | No
         train_loop(args)
     else:
         _fit_with_ray(args, storage_dir or str(out / "ray"))
-    rows = _history_rows(history)
+    from eagle.export import read_head_meta
+
+    rows = history_rows(history)
+    lineage = read_head_meta(out / "head")["lineage"]
     return TrainResult(str(out / "head"), cfg.steps, resumed, rows[-1] if rows else {}, str(history),
-                       time.perf_counter() - t0)
+                       time.perf_counter() - t0, **{k: lineage[k] for k in CHOICE_KEYS})
 
 
-def _check_extract(extract_dir: str, target_dir: str | None, trust_remote_code: bool) -> tuple[list[int], int]:
+def _check_extract(extract_dir: str, target_dir: str | None, trust_remote_code: bool) -> tuple[list[int], int, int]:
     """Shards that match their manifest, the target for online features, layer ids a head can fuse; returns
-    (the manifest's layer ids, the target's depth)."""
+    (the manifest's layer ids, the target's depth, the number of sequences)."""
     from components.datasets import TrainingData
     from eagle.config import check_aux_layer_ids
 
@@ -328,7 +384,7 @@ def _check_extract(extract_dir: str, target_dir: str | None, trust_remote_code: 
         raise ValueError("online features need the target: pass target_dir")
     n = data.target_config(trust_remote_code).num_hidden_layers
     try:
-        return list(check_aux_layer_ids(data.manifest.get("layer_ids") or (), n)), n
+        return list(check_aux_layer_ids(data.manifest.get("layer_ids") or (), n)), n, data.n_seqs
     except ValueError as e:
         raise ValueError(f"{data.root / 'manifest.json'}: {e}; re-run the extract stage") from None
 

@@ -190,7 +190,7 @@ def read_head_meta(head_dir: str | Path) -> dict[str, Any]:
     return meta
 
 
-def check_target(cfg: DraftConfig, target_config: Any, where: str = "head") -> None:
+def check_head_fits(cfg: DraftConfig, target_config: Any, where: str = "head") -> None:
     """Refuse a head whose shapes do not belong to this target."""
     checks = [("hidden_size", cfg.hidden_size, getattr(target_config, "hidden_size", None)),
               ("vocab_size", cfg.vocab_size, getattr(target_config, "vocab_size", None)),
@@ -236,7 +236,7 @@ def load_head(head_dir: str | Path, target: torch.nn.Module | None = None,
     config, tensors = fold_duplicate_aux(meta["draft_config"], tensors)
     cfg = DraftConfig.from_dict(config)
     if target is not None:
-        check_target(cfg, target.config, where=str(head_dir))
+        check_head_fits(cfg, target.config, where=str(head_dir))
     draft = Eagle3Draft(cfg)  # its vocabulary map starts as the identity, which Vd == V heads may leave out
     expected = set(head_state_dict(draft))
     optional = set(VOCAB_MAP) if cfg.draft_vocab_size == cfg.vocab_size else set()

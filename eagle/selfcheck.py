@@ -50,7 +50,8 @@ def self_generated_data(target, n: int, prompt_len: int, new_tokens: int, seed: 
     return out, mask
 
 
-def train_head(target, ids, mask, steps: int, batch_size: int, device: str, log_every: int = 50):
+def train_online_head(target, ids, mask, steps: int, batch_size: int, device: str, log_every: int = 50):
+    """A fresh head trained with TTT on `ids` (features computed from the target at each step); (head, history)."""
     counts = count_tokens(torch.zeros(target.config.vocab_size, dtype=torch.long), ids.cpu(), mask.cpu())
     draft = init_head(target, counts, draft_vocab_size=256).to(device)
     ttt = TTTConfig(ttt_steps=5)
@@ -108,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     ids, mask = self_generated_data(target, n=a.samples, prompt_len=8, new_tokens=56, seed=1)
     print(f"[3/5] training the head with TTT for {a.steps} steps", flush=True)
     t0 = time.perf_counter()
-    draft, history = train_head(target, ids, mask, a.steps, batch_size=8, device=a.device)
+    draft, history = train_online_head(target, ids, mask, a.steps, batch_size=8, device=a.device)
     train_s = time.perf_counter() - t0
     print(f"[4/5] export to {out / 'head'} and {out / 'target'}, reload, probe", flush=True)
     target.save_pretrained(out / "target")

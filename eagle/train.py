@@ -2,22 +2,26 @@
 
 Purpose: build a head for a target from token counts (`init_head`), turn token batches into TTT batches with
 the target's features computed on the fly (`online_batch`) or from stored features (`TTTBatch` directly),
-an AdamW optimiser with linear warm-up and cosine decay (`make_optimizer`), and one optimisation step with
-gradient clipping and optional autocast (`train_step`).
-Not here: data loading, checkpoints, distribution, logging (the caller owns those; DDP wraps from outside).
+an AdamW optimiser with linear warm-up and cosine decay (`make_optimizer`), one optimisation step with
+gradient clipping and optional autocast (`train_step`), the TTT loss and simulated tau of a head on held-out
+batches, without gradients (`heldout_metrics`), and which weights a run keeps: `Selection` (the best held-out
+tau, a tie going to the lower loss, and the last) with `BestSoFar` (a copy of the best weights).
+Not here: data loading, checkpoints and where the best weights are stored, distribution, logging (the caller owns
+those; DDP wraps from outside).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterable, Sequence
 
 import torch
 from torch import nn
 
 from eagle.config import DraftConfig
 from eagle.draft import Eagle3Draft
+from eagle.export import head_state_dict
 from eagle.features import target_forward, teacher_targets
 from eagle.ttt import TTTBatch, TTTConfig, TTTOutput, ttt_loss
 from eagle.vocab import select_draft_vocab
@@ -97,6 +101,79 @@ def train_step(model: nn.Module, draft: Eagle3Draft, batch: TTTBatch, ttt: TTTCo
     opt.step()
     sched.step()
     return out
+
+
+@torch.no_grad()
+def heldout_metrics(draft: Eagle3Draft, batches: Iterable[TTTBatch], ttt: TTTConfig,
+                    autocast_dtype: torch.dtype | None = None) -> dict[str, float]:
+    """`heldout_loss` (TTT loss, batches weighted by their scored positions), `heldout_acc_0` and `heldout_tau`
+    (simulated tau) of `draft` pooled over every position of `batches`; no gradients, the weights untouched."""
+    loss_sum = scored = correct = tau_sum = tau_count = 0.0
+    for batch in batches:
+        device_type = batch.input_ids_BS.device.type
+        with torch.autocast(device_type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
+            out = ttt_loss(draft, batch, ttt)
+        n = float(out.counted[0])
+        loss_sum, scored, correct = loss_sum + float(out.loss) * n, scored + n, correct + float(out.correct[0])
+        tau_sum, tau_count = tau_sum + float(out.tau_sum), tau_count + float(out.tau_count)
+    return {"heldout_loss": loss_sum / max(scored, 1.0), "heldout_acc_0": correct / max(scored, 1.0),
+            "heldout_tau": tau_sum / max(tau_count, 1.0)}
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The held-out evaluations of a run so far: the best (highest simulated tau; on a tie the lower loss, then the
+    earlier step) and the last. A value: `record` returns the next one."""
+
+    best_step: int = 0  # 0: nothing evaluated yet
+    best_tau: float = 0.0
+    best_loss: float = 0.0
+    last_step: int = 0
+    last_tau: float = 0.0
+
+    def record(self, step: int, tau: float, loss: float) -> "Selection":
+        """This selection with the evaluation (held-out `tau`, `loss`) of the weights after `step` added."""
+        if self.best_step == 0 or (tau, -loss) > (self.best_tau, -self.best_loss):
+            return Selection(step, tau, loss, step, tau)
+        return replace(self, last_step=step, last_tau=tau)
+
+    def choose(self, rule: str, steps: int) -> tuple[int, str]:
+        """The step whose weights a run of `steps` exports under `rule`, and the reason in words."""
+        if not self.best_step:
+            return steps, f"last step {steps} (no held-out evaluation)"
+        if rule == "last":
+            return steps, (f"last step {steps} (held-out tau {self.last_tau:.2f}; best {self.best_tau:.2f} at step "
+                           f"{self.best_step})")
+        if self.best_step == self.last_step:
+            return self.best_step, (f"best held-out tau at step {self.best_step} of {steps}, the last "
+                                    f"({self.best_tau:.2f})")
+        return self.best_step, (f"best held-out tau at step {self.best_step} of {steps} ({self.best_tau:.2f} vs "
+                                f"last {self.last_tau:.2f})")
+
+    def lineage(self, rule: str, steps: int) -> dict[str, Any]:
+        """What the exported head's lineage and the TrainResult record of the choice."""
+        step, reason = self.choose(rule, steps)
+        out = {"selected_step": step, "selection_rule": reason, "best_step": self.best_step}
+        if not self.best_step:
+            return {**out, "selected_heldout_tau": None, "last_heldout_tau": None, "best_heldout_tau": None}
+        return {**out, "selected_heldout_tau": self.best_tau if step == self.best_step else self.last_tau,
+                "last_heldout_tau": self.last_tau, "best_heldout_tau": self.best_tau}
+
+
+@dataclass
+class BestSoFar:
+    """Rank 0's selection and a CPU copy of the best weights (`head_state_dict` names)."""
+
+    selection: Selection = field(default_factory=Selection)
+    weights: dict | None = None
+
+    def record(self, step: int, tau: float, loss: float, draft: Eagle3Draft) -> bool:
+        """Add an evaluation of `draft` at `step`; True when it is the new best (its weights are kept)."""
+        self.selection = self.selection.record(step, tau, loss)
+        if self.selection.best_step != step:
+            return False
+        self.weights = {k: v.clone() for k, v in head_state_dict(draft).items()}
+        return True
 
 
 class TTTModule(nn.Module):

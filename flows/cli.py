@@ -275,6 +275,71 @@ def _monitor(a, settings) -> int:
     return monitor_forever(monitor, a.metrics_url, a.once, lambda line: print(line, flush=True))
 
 
+def _demo(a, settings) -> int:
+    from flows.demo import demo
+
+    res = demo(preset=a.preset, embedded_preset=a.embedded_preset)
+    _quiet_prefect()
+    print("\n".join(res["lines"]), flush=True)
+    return 0
+
+
+def _train(a, settings) -> int:
+    from flows.train_head import train_head
+
+    s = train_head(a.target, a.traffic, a.heldout, a.preset, a.config, a.name)
+    _quiet_prefect()
+    print(f"train: head={s.head_uri} tau={s.tau:.2f} speedup={s.speedup:.2f}x "
+          f"identical={'yes' if s.identical else 'no'}")
+    return 0
+
+
+def _evaluate_command(a, settings) -> int:
+    res = _evaluate(a, settings)
+    if a.json:
+        from components.atomic import atomic_write_text
+
+        atomic_write_text(a.json, json.dumps(res, indent=2) + "\n")
+    print(f"evaluate: tau={res['tau']:.2f} speedup={res['speedup']:.2f}x identical={res['identical']}")
+    if "vllm" in res:
+        v = res["vllm"]
+        print(f"evaluate (vLLM): tau={v['tau']:.2f} speedup={v['speedup']:.2f}x "
+              f"identical={v['identical_to_plain'] and v['identical_to_ours'] is not False} "
+              f"alpha={' '.join(f'{x:.2f}' for x in v['acceptance'])}")
+    return 0
+
+
+def _watch(a, settings) -> int:
+    from flows.watch import watch_registry
+
+    while True:
+        done = watch_registry(dispatch=a.dispatch, preset=a.preset)
+        print(f"watch: {len(done)} version(s) announced")
+        if a.once:
+            return 0
+        time.sleep(a.interval)
+
+
+COMMANDS = {"demo": _demo, "train": _train, "evaluate": _evaluate_command, "serve": _serve, "watch": _watch,
+            "monitor": _monitor}
+NEEDS_PREFECT = {"demo", "train", "watch"}  # commands that run flows
+
+
+def _run_command(a, settings) -> int:
+    """Preflight (bad input and unreachable services fail in seconds), then the command."""
+    if a.command in ("demo", "watch"):
+        from infra.mlflow_health import probe_tracking
+
+        probe_tracking(settings)
+    if a.command == "train":
+        _preflight_train(a, settings)
+    if a.command in NEEDS_PREFECT:
+        from infra.prefect_env import start_local_api
+
+        start_local_api()  # Prefect's own start-up races with another process on a new Prefect home
+    return COMMANDS[a.command](a, settings)
+
+
 def main(argv: list[str] | None = None) -> int:
     from infra.vllm_server import EngineError
 
@@ -287,56 +352,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"eagle-heads: error: {e}", file=sys.stderr)
         return 2
     try:
-        if a.command in ("demo", "watch"):
-            from infra.mlflow_health import probe_tracking
-
-            probe_tracking(settings)  # in seconds, before a flow starts
-        if a.command == "train":
-            _preflight_train(a, settings)
-        if a.command == "serve":
-            return _serve(a, settings)
-        if a.command == "monitor":
-            return _monitor(a, settings)
-        if a.command != "evaluate":
-            from infra.prefect_env import start_local_api
-
-            start_local_api()  # Prefect's own start-up races with another process on a new Prefect home
-        if a.command == "demo":
-            from flows.demo import demo
-
-            res = demo(preset=a.preset, embedded_preset=a.embedded_preset)
-            _quiet_prefect()
-            print("\n".join(res["lines"]), flush=True)
-            return 0
-        if a.command == "train":
-            from flows.train_head import train_head
-
-            s = train_head(a.target, a.traffic, a.heldout, a.preset, a.config, a.name)
-            _quiet_prefect()
-            print(f"train: head={s['head_uri']} tau={s['tau']:.2f} speedup={s['speedup']:.2f}x "
-                  f"identical={'yes' if s.get('identical') else 'no'}")
-            return 0
-        if a.command == "evaluate":
-            res = _evaluate(a, settings)
-            if a.json:
-                from components.atomic import atomic_write_text
-
-                atomic_write_text(a.json, json.dumps(res, indent=2) + "\n")
-            print(f"evaluate: tau={res['tau']:.2f} speedup={res['speedup']:.2f}x identical={res['identical']}")
-            if "vllm" in res:
-                v = res["vllm"]
-                print(f"evaluate (vLLM): tau={v['tau']:.2f} speedup={v['speedup']:.2f}x "
-                      f"identical={v['identical_to_plain'] and v['identical_to_ours'] is not False} "
-                      f"alpha={' '.join(f'{x:.2f}' for x in v['acceptance'])}")
-            return 0
-        from flows.watch import watch_registry
-
-        while True:
-            done = watch_registry(dispatch=a.dispatch, preset=a.preset)
-            print(f"watch: {len(done)} version(s) announced")
-            if a.once:
-                return 0
-            time.sleep(a.interval)
+        return _run_command(a, settings)
     except KeyboardInterrupt:
         return 130
     except (ConnectionError, FileNotFoundError, LookupError, EngineError) as e:

@@ -17,18 +17,18 @@ from prefect import flow
 
 from components.register import register_target
 from components.targets import weights_sha256
-from flows.train_head import train_head
+from flows.train_head import HeadRun, train_head
 from flows.watch import watch_registry
 from infra.mlflow_store import MlflowStore
 from infra.settings import Settings
 
 
-def _row(label: str, s: dict) -> str:
-    alpha = " ".join(f"{a:.2f}" for a in s.get("acceptance", []))
-    ident = {True: "yes", False: "NO", None: "n/a"}[s.get("identical")]
-    tau_vllm = f"{s['tau_vllm']:.2f}" if s.get("tau_vllm") is not None else "-"
-    return (f"{label:<28} {s['head_uri']:<36} {s.get('alias', '-'):<10} {s['tau']:>5.2f} {tau_vllm:>9} "
-            f"{s['speedup']:>7.2f}x {ident:>9}  {alpha}")
+def _row(label: str, s: HeadRun) -> str:
+    alpha = " ".join(f"{a:.2f}" for a in s.acceptance)
+    ident = {True: "yes", False: "NO", None: "n/a"}[s.identical]
+    tau_vllm = f"{s.tau_vllm:.2f}" if s.tau_vllm is not None else "-"
+    return (f"{label:<28} {s.head_uri:<36} {s.alias:<10} {s.tau:>5.2f} {tau_vllm:>9} "
+            f"{s.speedup:>7.2f}x {ident:>9}  {alpha}")
 
 
 @flow(name="demo", log_prints=True)
@@ -52,16 +52,16 @@ def demo(preset: str = "default", embedded_preset: str = "default", target_name:
     print(f"[3/4] fine-tune registered as models:/{target_name}/{tuned.version}; the registry watcher picks it up")
     triggered = watch_registry(dispatch="local", preset=preset)
     r2 = triggered.get(f"{target_name}/{tuned.version}")
-    if not isinstance(r2, dict):  # already had a head from an earlier demo: the run is idempotent
+    if not isinstance(r2, HeadRun):  # already had a head from an earlier demo: the run is idempotent
         r2 = train_head(f"models:/{target_name}/{tuned.version}", str(f.train), str(f.heldout), preset)
     print("[4/4] done")
-    name = r2["head_uri"].split("/")[1]
-    alias = r2.get("alias") or "champion"
-    ident = "yes" if r2.get("identical") else "no"
+    name = r2.head_uri.split("/")[1]
+    alias = r2.alias or "champion"
+    ident = "yes" if r2.identical else "no"
     table = ["results (held-out traffic, greedy, outputs checked identical to plain decoding):",
              f"{'target':<28} {'head':<36} {'alias':<10} {'tau':>5} {'tau(vLLM)':>9} {'speedup':>8} {'identical':>9}"
              "  alpha_1..k",
              _row(f"{target_name} v{base.version} (base)", r1),
              _row(f"{target_name} v{tuned.version} (fine-tune)", r2),
-             f"demo: tau={r2['tau']:.2f} speedup={r2['speedup']:.2f}x identical={ident} head=models:/{name}@{alias}"]
+             f"demo: tau={r2.tau:.2f} speedup={r2.speedup:.2f}x identical={ident} head=models:/{name}@{alias}"]
     return {"base": r1, "finetune": r2, "lines": table}

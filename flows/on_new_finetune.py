@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from prefect import flow
 
-from flows.train_head import train_head
+from flows.train_head import HeadRun, train_head
 from infra.mlflow_store import MlflowStore
 from infra.settings import Settings
 
@@ -26,7 +26,8 @@ def version_traffic(store: MlflowStore, model_name: str, version: int) -> tuple[
 
 
 @flow(name="on-new-finetune", log_prints=True)
-def on_new_finetune(model_name: str, version: int, preset: str = "default", config_path: str | None = None) -> dict:
+def on_new_finetune(model_name: str, version: int, preset: str = "default",
+                    config_path: str | None = None) -> HeadRun:
     store = MlflowStore.connect(Settings.from_env())
     traffic, heldout = version_traffic(store, model_name, int(version))
     print(f"new target version models:/{model_name}/{version}: training its head on {traffic}")

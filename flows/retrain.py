@@ -66,7 +66,7 @@ def retrain(preset: str = "default", config_path: str | None = None, model_name:
                 continue
             print(f"{key}: head {status}; retraining")
             result = on_new_finetune(model.name, v.version, preset, config_path)
-            report[key] = f"{status} -> {result['head_uri']} ({result.get('alias', 'existing')})"
+            report[key] = f"{status} -> {result.head_uri} ({result.alias})"
     print("retrain:", report or "no target registered")
     return report
 
@@ -83,5 +83,5 @@ def _retrain_on_drop(store: MlflowStore, cfg: PipelineConfig, name: str, version
         traffic, heldout = version_traffic(store, name, version)
     print(f"{name}/{version}: acceptance dropped; retraining its head on {traffic}")
     result = train_head(f"models:/{name}/{version}", traffic, heldout, preset, config_path)
-    created = "new" if result.get("created") else "existing"
-    return f"drop -> {result['head_uri']} ({result.get('alias', 'none')}, {created}; traffic {traffic})"
+    created = "new" if result.created else "existing"
+    return f"drop -> {result.head_uri} ({result.alias}, {created}; traffic {traffic})"

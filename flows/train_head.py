@@ -10,7 +10,8 @@ re-run after a crash resumes there (stages cached by Prefect, shards and checkpo
 and a re-run of a finished run registers nothing new (a run killed mid-registration is finished: its alias is
 set). One run per target at a time (a lock under the state dir); registering a target directory is locked too,
 so two runs started at once for a new target register it once. Inputs (traffic files, target directory, config,
-head model name, Ray address) are checked before anything is written (`check_inputs`).
+head model name, Ray address) are checked before anything is written (`check_inputs`). The flow returns a `HeadRun`
+(its `asdict` is the run's `summary.json`).
 Run: `eagle-heads train --target DIR|models:/name/version --traffic FILE --heldout FILE`, or as a deployment
 (prefect.yaml). Not here: any algorithm; see components/.
 """
@@ -26,10 +27,14 @@ from pathlib import Path
 from prefect import flow, get_run_logger, task
 
 from components.atomic import atomic_write_text, file_sha256
+from components.engine_eval import EngineEvalResult
+from components.extract import ExtractResult
 from components.pipeline_config import PipelineConfig
-from components.register import (HeadToRegister, RegisterResult, TargetRef, check_head_name, finish_registration,
-                                 head_model_name, identical_of, register_head, register_target)
+from components.regenerate import RegenerateResult
+from components.register import (HeadToRegister, RegisteredRun, RegisterResult, TargetRef, check_head_name,
+                                 head_model_name, identical_of, register_head, register_target, registered_run)
 from components.targets import TargetError, check_target, weights_sha256
+from components.train import CHOICE_KEYS, TrainResult
 from components.traffic_io import TrafficFormatError, load_traffic, traffic_sha256
 from flows.tasks import (engine_eval_task, evaluate_task, extract_task, fresh_if_missing, regenerate_task, train_task,
                          transient)
@@ -38,6 +43,42 @@ from infra.metrics_sink import MlflowSink
 from infra.mlflow_health import store_errors
 from infra.mlflow_store import CHAMPION, MlflowStore, parse_model_uri
 from infra.settings import Settings
+
+
+@dataclass(frozen=True)
+class HeadRun:
+    """What one `train-head` run produced (or, `created` False, what its run key had already registered: the
+    figures read back from the version's tags, no stage results). `asdict` of it is the run's `summary.json`."""
+
+    head_uri: str
+    alias: str  # "champion", "challenger" or "none"
+    promoted: bool
+    gate: str  # the gate's reason
+    tau: float
+    tau_vllm: float | None  # None: not measured in vLLM
+    speedup: float
+    identical: bool | None  # None when sampling: outputs not comparable
+    acceptance: list[float]
+    per_segment: dict[str, dict[str, float]] | None
+    vllm: EngineEvalResult | None
+    train: TrainResult | None
+    regenerate: RegenerateResult | None
+    extract: ExtractResult | None
+    created: bool  # False: the run key was already registered, nothing was done
+    work_dir: str
+    init_from: str | None  # the head a warm-started run began from
+
+    @classmethod
+    def from_registered(cls, done: RegisteredRun, work: Path) -> HeadRun:
+        """The result of a run whose key is already registered: the figures from the version's tags."""
+        v, reg = done.version, done.result()
+        return cls(head_uri=reg.uri, alias=reg.alias, promoted=reg.promoted, gate=reg.reason,
+                   tau=float(v.tags.get("tau", "nan")),
+                   tau_vllm=float(v.tags["tau_vllm"]) if "tau_vllm" in v.tags else None,
+                   speedup=float(v.tags.get("speedup", "nan")), identical=identical_of(v),
+                   acceptance=[float(a) for a in v.tags.get("acceptance", "").split()], per_segment=None, vllm=None,
+                   train=None, regenerate=None, extract=None, created=False, work_dir=str(work),
+                   init_from=v.tags.get("init_from"))
 
 
 @task(name="register", retries=2, retry_delay_seconds=3, retry_condition_fn=transient)
@@ -120,7 +161,7 @@ def parent_head(store: MlflowStore, tref: TargetRef, cfg: PipelineConfig,
     from transformers import AutoConfig
 
     from eagle.config import DraftConfig, default_aux_layer_ids
-    from eagle.export import HeadMismatchError, check_target, read_head_meta
+    from eagle.export import HeadMismatchError, check_head_fits, read_head_meta
 
     target_config = AutoConfig.from_pretrained(tref.path, trust_remote_code=trust_remote_code)
     parent_cfg = read_head_meta(path)["draft_config"]
@@ -128,7 +169,7 @@ def parent_head(store: MlflowStore, tref: TargetRef, cfg: PipelineConfig,
     try:
         if list(parent_cfg.get("aux_layer_ids", [])) != ids:  # e.g. a head that fuses (2, 3, 3)
             raise HeadMismatchError(f"it fuses layers {parent_cfg.get('aux_layer_ids')}, this run fuses {ids}")
-        check_target(DraftConfig.from_dict(parent_cfg), target_config, where=champion.uri)
+        check_head_fits(DraftConfig.from_dict(parent_cfg), target_config, where=champion.uri)
     except HeadMismatchError as e:
         get_run_logger().warning(f"no warm start from {champion.uri}: {e}; training a fresh head")
         return None
@@ -146,7 +187,7 @@ def run_key_of(target: TargetRef, traffic: str, heldout: str, cfg: PipelineConfi
 
 @flow(name="train-head", log_prints=True)
 def train_head(target: str, traffic: str, heldout: str, preset: str = "default", config_path: str | None = None,
-               target_name: str | None = None) -> dict:
+               target_name: str | None = None) -> HeadRun:
     log = get_run_logger()
     cfg = PipelineConfig.load(config_path, preset)
     settings = Settings.from_env()
@@ -168,17 +209,11 @@ def train_head(target: str, traffic: str, heldout: str, preset: str = "default",
 
 
 def _run(cfg: PipelineConfig, settings: Settings, store: MlflowStore, tref: TargetRef, key: str, work: Path,
-         traffic: str, heldout: str, parent: ParentHead | None = None) -> dict:
+         traffic: str, heldout: str, parent: ParentHead | None = None) -> HeadRun:
     name = head_model_name(tref, cfg.register.experiment_suffix)
-    existing = store.find_versions(name, run_key=key)
-    if existing:
-        v = finish_registration(store, name, existing[0].version)
-        print(f"run {key[:12]} already registered as {v.uri}; nothing to do")
-        alias = next((a for a in ("champion", "challenger") if a in v.aliases), "none")
-        return {"head_uri": v.uri, "alias": alias, "tau": float(v.tags.get("tau", "nan")),
-                "tau_vllm": float(v.tags["tau_vllm"]) if "tau_vllm" in v.tags else None,
-                "speedup": float(v.tags.get("speedup", "nan")), "identical": identical_of(v), "created": False,
-                "acceptance": [float(a) for a in v.tags.get("acceptance", "").split()]}
+    if (done := registered_run(store, name, key)) is not None:
+        print(f"run {key[:12]} already registered as {done.uri}; nothing to do")
+        return HeadRun.from_registered(done, work)
     regen_dir, ext_dir, train_dir, eval_dir = (str(work / s) for s in ("regenerate", "extract", "train", "evaluate"))
     trust = settings.trust_remote_code
     regen = fresh_if_missing(regenerate_task, regen_dir)(cfg.regenerate, tref.path, traffic, regen_dir, trust)
@@ -206,14 +241,13 @@ def _run(cfg: PipelineConfig, settings: Settings, store: MlflowStore, tref: Targ
                               run_key=key, run_id=run_id, metrics=metrics, champion_tau=ev.baseline_tau,
                               evaluation_dir=eval_dir, params={"config": cfg.to_dict()},
                               init_from=parent.uri if parent else None,
-                              champion_tau_engine=engine.baseline_tau if engine else None)
+                              champion_tau_engine=engine.baseline_tau if engine else None,
+                              checkpoint={k: getattr(tr, k, None) for k in CHOICE_KEYS})
         reg = register_task(settings, cfg.register, head)
-    summary = {"head_uri": reg.uri, "alias": reg.alias, "promoted": reg.promoted, "gate": reg.reason,
-               "tau": ev.tau, "tau_vllm": engine.tau if engine else None, "speedup": ev.speedup,
-               "identical": ev.identical, "acceptance": ev.acceptance, "per_segment": ev.per_segment,
-               "vllm": asdict(engine) if engine else None, "train": asdict(tr), "regenerate": asdict(regen),
-               "extract": asdict(ext), "created": True, "work_dir": str(work),
-               "init_from": parent.uri if parent else None}
-    atomic_write_text(work / "summary.json", json.dumps(summary, indent=2, default=str) + "\n")
+    summary = HeadRun(head_uri=reg.uri, alias=reg.alias, promoted=reg.promoted, gate=reg.reason, tau=ev.tau,
+                      tau_vllm=engine.tau if engine else None, speedup=ev.speedup, identical=ev.identical,
+                      acceptance=ev.acceptance, per_segment=ev.per_segment, vllm=engine, train=tr, regenerate=regen,
+                      extract=ext, created=True, work_dir=str(work), init_from=parent.uri if parent else None)
+    atomic_write_text(work / "summary.json", json.dumps(asdict(summary), indent=2, default=str) + "\n")
     print(f"registered {reg.uri} as {reg.alias}: {reg.reason}")
     return summary

@@ -41,8 +41,9 @@ def versions_without_head(store: MlflowStore, suffix: str = "-eagle3") -> list[t
 
 @flow(name="watch-registry", log_prints=True)
 def watch_registry(dispatch: str = "event", preset: str = "default", config_path: str | None = None) -> dict:
-    """Announce every target version without a head; returns {"name/version": summary (local) or "announced"}
-    for the versions it dispatched (an event that was not sent dispatches nothing in event mode)."""
+    """Announce every target version without a head; returns {"name/version": the `HeadRun` of `on-new-finetune`
+    (local) or "announced"} for the versions it dispatched (an event that was not sent dispatches nothing in event
+    mode)."""
     if dispatch not in ("event", "local"):
         raise ValueError(f"dispatch must be 'event' or 'local', got {dispatch!r}")
     suffix = PipelineConfig.load(config_path, preset).register.experiment_suffix

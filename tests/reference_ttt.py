@@ -11,7 +11,10 @@ import torch.nn.functional as F
 
 
 def naive_ttt(draft, input_ids, aux, loss_mask, last_hidden, lm_head_w, K, gamma):
-    """Returns (loss, per-step acc list, per-step cond-acc list, tau) written one obvious step at a time."""
+    """Returns (loss, per-step acc list, per-step cond-acc list, tau) written one obvious step at a time.
+
+    One long function on purpose (over 60 lines): a reference is read top to bottom against the TTT alignment in
+    eagle/ttt.py's docstring, with no helper to jump into."""
     B, S = input_ids.shape
     cfg = draft.cfg
     layer = draft.midlayer

@@ -1,9 +1,9 @@
 """The cheap benchmarks run end to end in `--quick` mode and write result files that make sense.
 
-Purpose: keep bench/ runnable. speedup, batch and acceptance_vs_depth run as scripts with `--quick` (the tiny
-embedded preset) in one temporary cache directory (`--cache`, shared so the tiny build, the regenerated traffic
-and the TTT head are made once), each under a timeout; the tests read the JSON they write: every method and
-head is present, greedy outputs equal plain greedy decoding, ratios are positive.
+Purpose: keep bench/ runnable. speedup, batch, acceptance_vs_depth, chain_depth and checkpoint_by_tau run as
+scripts with `--quick` (the tiny embedded preset) in one temporary cache directory (`--cache`, shared so the tiny
+build, the regenerated traffic and the TTT head are made once), each under a timeout; the tests read the JSON they
+write: every method and head is present, greedy outputs equal plain greedy decoding, ratios are positive.
 Run: `python -m pytest -m slow tests/test_bench_quick.py` (about 2-3 minutes on 2 cores with a cold cache).
 Not here: the figures themselves (a tiny target's numbers mean nothing), data_scaling and train_throughput
 (several trainings or Ray starts each; run them by hand).
@@ -79,6 +79,16 @@ def test_chain_depth_quick(cache: Path) -> None:
     assert list(rows) == ["plain", "chain-2", "chain-3", "tree-3,2,4"]
     assert all(row["mismatch"] == 0 and row["tok_s"] > 0 for row in rows.values()), rows
     assert len(rows["chain-3"]["alpha"]) == 3 and rows["chain-2"]["tau"] >= 1.0 and r["fastest"] in rows
+
+
+def test_checkpoint_by_tau_quick(cache: Path) -> None:
+    r = run_quick("checkpoint_by_tau", cache)
+    assert [row["step"] for row in r["heldout"]] == [4, 8, 12, 16]  # --quick: 16 steps, evaluated every 4
+    best, last = r["heads"]["best"], r["heads"]["last"]
+    assert best["step"] == r["selected_step"] == max(r["heldout"], key=lambda x: (x["heldout_tau"],
+                                                                                 -x["heldout_loss"]))["step"]
+    assert last["step"] == 16 and last["rule"].startswith("last step 16")
+    assert all(h["identical"] and h["tau"] >= 1.0 and 0 <= h["a1"] <= 1 for h in (best, last)), r["heads"]
 
 
 def test_chain_depth_runs_in_fresh_processes(cache: Path) -> None:

@@ -3,16 +3,18 @@
 Purpose: the offline manifest describes what is on disk (layer ids, dtype, shard hashes); a re-run rewrites no
 shard, but one with another dtype rewrites them all; a corrupted shard is refused by name; online mode stores no
 features; the TTT batch is the same from stored features and from the target, and so is a training step; training
-exports a head the target accepts; chosen layer ids go from the config through the manifest into the head, and a
-warm-start head or checkpoint of other layer ids is refused; a run killed mid-way resumes from its last checkpoint
-and ends where an uninterrupted run ends; under Ray, FailureConfig restarts the failed worker group and the run
-completes.
-Run: `python -m pytest tests/test_extract_train.py` (about 15 s; `-m "not slow"` skips the ~40 s Ray test).
+exports a head the target accepts; held-out tau is logged every `eval_every` steps, the best held-out weights are
+exported (`select="last"`: the last), also after a kill and resume, past checkpoint rotation; bad config values are
+refused by name; chosen layer ids go from the config through the manifest into the head, and a warm-start head or
+checkpoint of other layer ids is refused; a run killed mid-way resumes from its last checkpoint and ends where an
+uninterrupted run ends; under Ray, FailureConfig restarts the failed worker group and the run completes.
+Run: `python -m pytest tests/test_extract_train.py` (about 20 s; `-m "not slow"` skips the ~40 s Ray test).
 Not here: mocks. Ray is a real local Ray (the `ray_local` fixture).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -23,11 +25,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from components.datasets import FeatureStoreError, TrainingData, ttt_batch
+from components.datasets import FeatureStoreError, TrainingData, heldout_split, ttt_batch
 from components.extract import ExtractConfig, extract
 from components.regenerate import RegenerateConfig, regenerate
 from components.targets import load_target
-from components.train import TrainConfig, latest_checkpoint, train
+from components.pipeline_config import ConfigError, PipelineConfig
+from components.train import TrainConfig, holdout_size, latest_checkpoint, train
+from components.train_state import read_best
 from eagle.config import default_aux_layer_ids
 from eagle.export import load_head, read_head_meta, verify_probe
 from tests.helpers import Crash, CrashAt
@@ -220,6 +224,7 @@ def test_killed_run_resumes_from_its_last_checkpoint(offline_dir, trained, tmp_p
     res = train(cfg, str(offline_dir), str(out), lineage={"run_key": "k1"})
     meta = read_head_meta(res.head_dir)
     assert res.resumed_from_step == 5 and meta["lineage"]["resumed_from_step"] == 5
+    assert (res.selected_step, res.selection_rule) == (trained.selected_step, trained.selection_rule)
     steps = _steps(res.history_file)
     assert steps == sorted(set(steps)) and steps[-1] == cfg.steps  # no step twice
     assert latest_checkpoint(out).name == f"step-{cfg.steps:07d}"
@@ -230,9 +235,105 @@ def test_killed_run_resumes_from_its_last_checkpoint(offline_dir, trained, tmp_p
         torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0, msg=k)
 
 
-def test_warm_start_begins_at_the_given_head_and_learns_faster(offline_dir, trained, target, tmp_path):
-    import dataclasses
+def _same(head_dir: str, weights: Path) -> bool:
+    a, b = load_file(str(Path(head_dir) / "model.safetensors")), load_file(str(weights))
+    return set(a) == set(b) and all(torch.equal(a[k], b[k].to(a[k].dtype)) for k in a)
 
+
+def test_heldout_tau_is_logged_and_the_best_is_exported(trained, offline_dir):
+    rows = [json.loads(x) for x in Path(trained.history_file).read_text().splitlines()]
+    held = [(r["step"], r["heldout_tau"], r["heldout_loss"]) for r in rows if "heldout_tau" in r]
+    assert [s for s, _, _ in held] == [4, 8, 12] and all(1.0 <= t <= 4.0 for _, t, _ in held)  # eval_every 4, K=3
+    best_step = max(held, key=lambda x: (x[1], -x[2], -x[0]))[0]  # highest tau, lowest loss, earliest
+    lineage = read_head_meta(trained.head_dir)["lineage"]
+    assert trained.selected_step == lineage["selected_step"] == trained.best_step == best_step
+    assert trained.last_heldout_tau == held[-1][1] and trained.selected_heldout_tau == held[best_step // 4 - 1][1]
+    assert f"step {best_step}" in trained.selection_rule == lineage["selection_rule"]
+    assert trained.heldout_seqs == holdout_size(TrainConfig.tiny(), TrainingData.open(offline_dir).n_seqs) >= 1
+    info, weights = read_best(Path(trained.head_dir).parent)
+    assert info["step"] == best_step and _same(trained.head_dir, weights)
+
+
+@pytest.fixture
+def scripted_tau(monkeypatch):
+    """Held-out tau 2.0, 3.0, 2.5 for the 1st, 2nd, 3rd weights seen (the same weights, after a resume: the same)."""
+    import eagle.train
+
+    taus: dict[bytes, float] = {}
+
+    def fake(draft, batches, ttt, amp=None):
+        assert len(list(batches)) == 1  # 1 held-out sequence (a quarter of 7), batch 4
+        key = draft.fc.weight.detach().numpy().tobytes()
+        taus[key] = taus[key] if key in taus else (2.0, 3.0, 2.5)[len(taus)]
+        return {"heldout_loss": 5.0 - taus[key], "heldout_acc_0": 0.5, "heldout_tau": taus[key]}
+
+    monkeypatch.setattr(eagle.train, "heldout_metrics", fake)
+
+
+def test_best_weights_survive_rotation_and_select_last_exports_the_last(offline_dir, scripted_tau, tmp_path, capsys):
+    cfg = dataclasses.replace(TrainConfig.tiny(), checkpoint_every=4, keep_checkpoints=1)
+    res = train(cfg, str(offline_dir), str(tmp_path / "best"))
+    assert "heldout tau 3.00 loss 2.000" in capsys.readouterr().out
+    assert (res.selected_step, res.selected_heldout_tau, res.last_heldout_tau) == (8, 3.0, 2.5)
+    assert res.selection_rule == "best held-out tau at step 8 of 12 (3.00 vs last 2.50)"
+    ckpt = latest_checkpoint(tmp_path / "best")  # rotation kept only step 12: the best is still there
+    assert ckpt.name == "step-0000012" and _same(res.head_dir, ckpt / "best.safetensors")
+    assert _same(res.head_dir, read_best(tmp_path / "best")[1]) and not _same(res.head_dir, ckpt / "head.safetensors")
+    last = train(dataclasses.replace(cfg, select="last"), str(offline_dir), str(tmp_path / "last"))
+    assert (last.selected_step, last.best_step, last.selected_heldout_tau) == (12, 8, 2.5)
+    assert last.selection_rule == "last step 12 (held-out tau 2.50; best 3.00 at step 8)"
+    assert _same(last.head_dir, ckpt / "head.safetensors")
+
+
+def test_a_resumed_run_selects_what_an_uninterrupted_one_selects(offline_dir, scripted_tau, tmp_path):
+    cfg, out = TrainConfig.tiny(), tmp_path / "train"  # checkpoints at 5, 10, 12; evaluations at 4, 8, 12
+    ref = train(cfg, str(offline_dir), str(tmp_path / "ref"))
+    with pytest.raises(Crash, match="step 8"):
+        train(cfg, str(offline_dir), str(out), sinks=(CrashAt(8),))
+    assert read_best(out)[0]["step"] == 8 and latest_checkpoint(out).name == "step-0000005"  # a best past it
+    seen: list[int] = []
+
+    class BestAt:  # what out/best holds when step 6 is logged
+        def log(self, step, metrics):
+            seen.extend([read_best(out)[0]["step"]] if step == 6 else [])
+    res = train(cfg, str(offline_dir), str(out), sinks=(BestAt(),))
+    assert seen == [4]  # the best of step 8 was dropped with the steps past the checkpoint, then found again
+    assert (res.selected_step, res.selection_rule, res.resumed_from_step) == (8, ref.selection_rule, 5)
+    assert _same(res.head_dir, Path(ref.head_dir) / "model.safetensors") and read_best(out)[0]["step"] == 8
+
+
+def test_selection_keeps_the_earliest_best_and_the_holdout_is_seeded():
+    from eagle.train import Selection
+
+    sel = Selection()
+    assert sel.choose("best_tau", 10) == (10, "last step 10 (no held-out evaluation)")
+    for step, tau, loss in [(2, 1.5, 3.0), (4, 2.25, 2.0), (6, 2.25, 2.0), (7, 2.25, 2.5), (8, 1.75, 1.0)]:
+        sel = sel.record(step, tau, loss)  # a tie in tau goes to the lower loss, then the earlier step
+    assert (sel.best_step, sel.best_tau, sel.last_step, sel.last_tau) == (4, 2.25, 8, 1.75)
+    assert sel.choose("best_tau", 8) == (4, "best held-out tau at step 4 of 8 (2.25 vs last 1.75)")
+    assert sel.choose("last", 8) == (8, "last step 8 (held-out tau 1.75; best 2.25 at step 4)")
+    assert sel.record(9, 2.25, 1.5).best_step == 9 and sel.record(10, 2.5, 1.0).choose("best_tau", 10) == (
+        10, "best held-out tau at step 10 of 10, the last (2.50)")
+    train_ids, held = heldout_split(40, holdout_size(TrainConfig(holdout_seqs=32), 40), seed=3)
+    assert len(held) == 10 and sorted(train_ids + held) == list(range(40))  # at most a quarter
+    assert (train_ids, held) == heldout_split(40, 10, seed=3) != heldout_split(40, 10, seed=4)
+    with pytest.raises(ValueError, match="at least 2 sequences, the features hold 1.*eval_every 0"):
+        holdout_size(TrainConfig.tiny(), 1)
+    assert holdout_size(TrainConfig(eval_every=0, select="last"), 1) == 0  # nothing held out, nothing refused
+
+
+@pytest.mark.parametrize("field,value", [("steps", 0), ("ttt_steps", 0), ("eval_every", -1), ("gamma", 0.0),
+                                         ("gamma", 1.5), ("lr", float("nan")), ("holdout_seqs", 0), ("select", "x"),
+                                         ("batch_size", 0), ("keep_checkpoints", 0), ("eval_every", 0)])
+def test_bad_train_config_values_name_the_field(field, value, tmp_path):
+    with pytest.raises(ValueError, match=rf"TrainConfig\.{'select' if field == 'eval_every' and not value else field}"):
+        TrainConfig(**{**TrainConfig.tiny().__dict__, field: value})  # eval_every 0 with select 'best_tau': select
+    (tmp_path / "p.json").write_text(json.dumps({"train": {field: value}}))
+    with pytest.raises(ConfigError, match=rf"section 'train': TrainConfig\.|train\.select: 'x' is not of type"):
+        PipelineConfig.load(tmp_path / "p.json", preset="tiny")
+
+
+def test_warm_start_begins_at_the_given_head_and_learns_faster(offline_dir, trained, target, tmp_path):
     parent = load_file(str(Path(trained.head_dir) / "model.safetensors"))
     frozen = dataclasses.replace(TrainConfig.tiny(), steps=2, lr=0.0, log_every=1)
     res = train(frozen, str(offline_dir), str(tmp_path / "frozen"), init_head_dir=trained.head_dir)
@@ -298,8 +399,6 @@ def custom_ids_dir(tiny_embedded, regen_dir, tmp_path_factory) -> Path:
 
 
 def test_chosen_layer_ids_reach_the_trained_head(custom_ids_dir, target, tmp_path):
-    import dataclasses
-
     assert json.loads((custom_ids_dir / "manifest.json").read_text())["layer_ids"] == [1, 2, 4]
     data = TrainingData.open(custom_ids_dir)
     batch = ttt_batch(data, [0], torch.arange(64), "cpu")
@@ -316,8 +415,6 @@ def test_chosen_layer_ids_reach_the_trained_head(custom_ids_dir, target, tmp_pat
 
 
 def test_other_layer_ids_are_refused(custom_ids_dir, offline_dir, trained, tiny_embedded, regen_dir, tmp_path):
-    import dataclasses
-
     from eagle.export import HeadMismatchError
 
     cfg = dataclasses.replace(TrainConfig.tiny(), steps=2)

@@ -64,6 +64,11 @@ def test_demo_registers_a_head_per_target_version_through_the_trigger(demo_run):
     meta = json.loads((store.resolve(v2.uri) / "eagle_head.json").read_text())
     assert meta["lineage"]["init_from"] == "models:/stdlib-llama-v1-eagle3/1"
     assert meta["lineage"]["train_config"]["steps"] == 6  # the tiny preset's warm_start_steps
+    # the exported checkpoint is the one with the best held-out tau, and the registry says which and why
+    assert v2.tags["checkpoint_step"] == str(meta["lineage"]["selected_step"])
+    assert v2.tags["checkpoint_rule"] == meta["lineage"]["selection_rule"].strip()
+    assert v2.tags["checkpoint_rule"].startswith("best held-out tau at step ")
+    assert float(v2.tags["heldout_tau"]) >= float(v2.tags["heldout_tau_last"])
     assert (home / "watcher" / "announced.json").is_file()
 
 
@@ -76,9 +81,9 @@ def test_second_identical_run_adds_no_version_and_retrain_finds_heads_fresh(demo
     store = _store()
     base = store.list_versions("stdlib-llama")[0]
     again = train_head("models:/stdlib-llama/1", base.tags["traffic_train"], base.tags["traffic_heldout"], "tiny")
-    assert again["created"] is False and again["head_uri"] == res["base"]["head_uri"]
-    assert again["acceptance"] == pytest.approx(res["base"]["acceptance"], abs=1e-4)  # from the version's tags
-    assert again["identical"] is res["base"]["identical"] is True  # the evaluation's verdict, from its tag
+    assert again.created is False and again.head_uri == res["base"].head_uri
+    assert again.acceptance == pytest.approx(res["base"].acceptance, abs=1e-4)  # from the version's tags
+    assert again.identical is res["base"].identical is True  # the evaluation's verdict, from its tag
     assert len(store.list_versions("stdlib-llama-v1-eagle3")) == 1
     assert retrain(preset="tiny") == {"stdlib-llama/1": "fresh", "stdlib-llama/2": "fresh"}
     assert watch_registry(dispatch="event", preset="tiny") == {}

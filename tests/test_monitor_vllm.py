@@ -71,7 +71,46 @@ def _window(out: str) -> tuple[float, float, str]:
     return float(m.group(1)), float(m.group(2)), m.group(3)
 
 
-def test_a_drop_in_served_acceptance_retrains_the_head(live_prefect, drift_target, tmp_path):
+@pytest.fixture
+def drift(drift_target, tmp_path):
+    """Traffic by kind (code to train and evaluate the champion on, explain-code as the drift), the newest
+    production snapshot (every kind) under a traffic directory, and the pipeline config naming it."""
+    emb = drift_target
+    snapshot = tmp_path / "traffic" / "2026-12-02"
+    snapshot.mkdir(parents=True)
+    (snapshot / "train.jsonl").write_text(emb.target_traffic.train.read_text())
+    (snapshot / "heldout.jsonl").write_text(emb.target_traffic.heldout.read_text())
+    config = tmp_path / "pipeline.json"
+    config.write_text(json.dumps({
+        "regenerate": {"max_new_tokens": 48, "limit": 64}, "train": {"steps": 300, "checkpoint_every": 300},
+        "evaluate": {"max_new_tokens": 48, "limit": None}, "monitor": {"traffic_dir": str(tmp_path / "traffic")}}))
+    return {"train": _kind(emb.target_traffic.train, CODE, tmp_path / "code-train.jsonl"),
+            "heldout": _kind(emb.target_traffic.heldout, CODE, tmp_path / "code-heldout.jsonl"),
+            "explain": _kind(emb.target_traffic.train, {"explain"}, tmp_path / "explain.jsonl"),
+            "snapshot": snapshot, "config": config}
+
+
+def _champion_and_trigger(live, emb, drift, tmp_path) -> dict:
+    """`eagle-heads train` registers the champion; the retrain-on-drop deployment and a worker wait for events."""
+    out = live.cli(str(BIN / "eagle-heads"), "train", "--target", emb.target_dir, "--name", TARGET, "--traffic",
+                   str(drift["train"]), "--heldout", str(drift["heldout"]), "--preset", "tiny", "--config",
+                   str(drift["config"]), timeout=600)
+    assert f"head=models:/{TARGET}-v1-eagle3/1" in out, out
+    prefect = str(BIN / "prefect")
+    live.cli(prefect, "work-pool", "create", "eagle-local", "--type", "process")
+    live.cli(prefect, "deploy", "--all", "--prefect-file", str(_retrain_on_drop_yaml(tmp_path, drift["config"])),
+             timeout=180)
+    live.start("worker", prefect, "worker", "start", "--pool", "eagle-local")
+    return live.deployment("retrain", "retrain-on-drop")
+
+
+def _scrape(live, monitor: list[str]) -> tuple[str, float, float, str]:
+    out = live.cli(*monitor)
+    print(out.strip())  # the figures, shown with `pytest -s`
+    return (out, *_window(out))
+
+
+def test_a_drop_in_served_acceptance_retrains_the_head(live_prefect, drift_target, drift, tmp_path):
     from components.engine_eval import engine_prompts
     from components.pipeline_config import PipelineConfig
     from components.traffic_io import traffic_sha256
@@ -80,68 +119,43 @@ def test_a_drop_in_served_acceptance_retrains_the_head(live_prefect, drift_targe
     from infra.vllm_server import EngineSpec, VllmServer
 
     live, emb = live_prefect, drift_target
-    train = _kind(emb.target_traffic.train, CODE, tmp_path / "code-train.jsonl")
-    heldout = _kind(emb.target_traffic.heldout, CODE, tmp_path / "code-heldout.jsonl")
-    explain = _kind(emb.target_traffic.train, {"explain"}, tmp_path / "explain.jsonl")
-    snapshot = tmp_path / "traffic" / "2026-12-02"  # the newest production traffic: every kind
-    snapshot.mkdir(parents=True)
-    (snapshot / "train.jsonl").write_text(emb.target_traffic.train.read_text())
-    (snapshot / "heldout.jsonl").write_text(emb.target_traffic.heldout.read_text())
-    config = tmp_path / "pipeline.json"
-    config.write_text(json.dumps({
-        "regenerate": {"max_new_tokens": 48, "limit": 64}, "train": {"steps": 300, "checkpoint_every": 300},
-        "evaluate": {"max_new_tokens": 48, "limit": None}, "monitor": {"traffic_dir": str(tmp_path / "traffic")}}))
-    cfg = PipelineConfig.load(config, "tiny")
+    cfg = PipelineConfig.load(drift["config"], "tiny")
     live.wait_healthy()
-
-    out = live.cli(str(BIN / "eagle-heads"), "train", "--target", emb.target_dir, "--name", TARGET, "--traffic",
-                   str(train), "--heldout", str(heldout), "--preset", "tiny", "--config", str(config), timeout=600)
-    assert f"head=models:/{TARGET}-v1-eagle3/1" in out, out
-    prefect = str(BIN / "prefect")
-    live.cli(prefect, "work-pool", "create", "eagle-local", "--type", "process")
-    live.cli(prefect, "deploy", "--all", "--prefect-file", str(_retrain_on_drop_yaml(tmp_path, config)), timeout=180)
-    drop = live.deployment("retrain", "retrain-on-drop")
-    live.start("worker", prefect, "worker", "start", "--pool", "eagle-local")
-
+    drop = _champion_and_trigger(live, emb, drift, tmp_path)
     settings = Settings.local(Path(live.env["EAGLE_HOME"]))
     store = MlflowStore.connect(settings)
     head_name = f"{TARGET}-v1-eagle3"
-    champion = store.get_alias(head_name, CHAMPION)
-    spec = EngineSpec(emb.target_dir, str(store.resolve(champion.uri)), num_speculative_tokens=cfg.evaluate.depth,
-                      max_model_len=512)
-    monitor = [str(BIN / "eagle-heads"), "monitor", "--target", f"models:/{TARGET}/1", "--once", "--preset", "tiny",
-               "--config", str(config)]
+    spec = EngineSpec(emb.target_dir, str(store.resolve(store.get_alias(head_name, CHAMPION).uri)),
+                      num_speculative_tokens=cfg.evaluate.depth, max_model_len=512)
 
     def serve(srv, traffic: Path) -> None:
         for _, ids in engine_prompts(cfg.evaluate, emb.target_dir, str(traffic), settings):
             srv.complete(ids, cfg.evaluate.max_new_tokens)
 
     with VllmServer(spec, settings) as srv:
-        url = f"{srv.base_url}/metrics"
-        monitor += ["--metrics-url", url]
-        assert _window(live.cli(*monitor))[2] == "warming"  # one reading: no window yet
-        serve(srv, heldout)
-        out = live.cli(*monitor)
-        window, registered, verdict = _window(out)
+        monitor = [str(BIN / "eagle-heads"), "monitor", "--target", f"models:/{TARGET}/1", "--once", "--preset",
+                   "tiny", "--config", str(drift["config"]), "--metrics-url", f"{srv.base_url}/metrics"]
+        assert _scrape(live, monitor)[3] == "warming"  # one reading: no window yet
+        serve(srv, drift["heldout"])
+        out, window, registered, verdict = _scrape(live, monitor)
         assert (window, verdict) == (registered, "ok"), out  # the evaluated prompts: vLLM's τ is the registered one
         assert "announced" not in out
-        serve(srv, explain)
-        out = live.cli(*monitor)
-        window, _, verdict = _window(out)
+        serve(srv, drift["explain"])
+        out, window, _, verdict = _scrape(live, monitor)
         assert verdict == "dropped" and window < 0.8 * registered, out
         assert f"announced eagle.acceptance.dropped for models:/{TARGET}/1" in out, out
-        serve(srv, explain)  # the drop goes on while the retrain runs: no second event
-        out = live.cli(*monitor)
-        assert _window(out)[2] == "announced" and "announced eagle" not in out, out
+        serve(srv, drift["explain"])  # the drop goes on while the retrain runs: no second event
+        out, *_, verdict = _scrape(live, monitor)
+        assert verdict == "announced" and "announced eagle" not in out, out
 
     run = live.wait_run(drop["id"], f"retrain-on-drop for {TARGET} v1 (fired by eagle.acceptance.dropped)",
                         timeout=600)
     assert run["parameters"]["model_name"] == TARGET and int(run["parameters"]["version"]) == 1
     versions = store.list_versions(head_name)
     assert [v.version for v in versions] == [1, 2], "the retrain registered one new head version"
-    assert versions[1].tags["traffic_sha256"] == traffic_sha256(str(snapshot / "train.jsonl"))
+    assert versions[1].tags["traffic_sha256"] == traffic_sha256(str(drift["snapshot"] / "train.jsonl"))
     assert len(live.runs_of(drop["id"])) == 1
 
     stopped = subprocess.run(monitor, cwd=ROOT, env=live.env, capture_output=True, text=True, timeout=120)
-    assert stopped.returncode == 1 and f"monitor: cannot read {url}" in stopped.stdout, stopped.stdout
+    assert stopped.returncode == 1 and "monitor: cannot read" in stopped.stdout, stopped.stdout
     assert "announced" not in stopped.stdout

@@ -34,9 +34,9 @@ FROM_PRETRAINED_ALLOWLIST = {
     "eagle/selfcheck.py": "loads the random tiny model it has just written itself",
 }
 WRITE_ALLOWLIST = {  # (file, source snippet of the call) -> why it need not be atomic
-    ("components/train.py", "(tmp / 'DONE').write_text"): "inside the checkpoint's temp dir, renamed whole",
-    ("components/train.py", "torch.save"): "inside the checkpoint's temp dir, renamed whole",
-    ("components/train.py", "save_file"): "inside the checkpoint's temp dir, renamed whole",
+    ("components/train_state.py", "(tmp / 'DONE').write_text"): "inside the checkpoint's temp dir, renamed whole",
+    ("components/train_state.py", "torch.save"): "inside the checkpoint's temp dir, renamed whole",
+    ("components/train_state.py", "save_file"): "inside a temp dir or atomic_path temp file, renamed whole",
     ("components/train.py", "open(self.path, 'a')"): "appends one history line; a torn last line is dropped on read",
     ("infra/locks.py", "open(path, 'a+')"): "a lock file: its content is never read",
     ("infra/vllm_server.py", "open(self.log_path, 'w')"): "the engine's log, written by the engine as it runs",

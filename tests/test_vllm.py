@@ -7,7 +7,9 @@ unmodified by vLLM and served next to vLLM's plain decoding on the same held-out
   same prompts, so tau and every alpha_k agree exactly;
 - the same holds for a head trained at custom fused layer ids and for a head in the earlier format (probe beside the
   weights, no ids in config.json, a repeated layer id), which `servable_head` re-exports folded;
-- the `train-head` flow with `evaluate.engine: vllm` registers vLLM's tau and alpha_k next to ours (equal);
+- the `train-head` flow with `evaluate.engine: vllm` registers vLLM's tau and alpha_k next to ours (equal), and its
+  gate decides on vLLM's tau (`register.gate_tau: engine`); a champion head served on the same prompts gives the
+  champion's tau in vLLM;
 - `eagle-heads serve` resolves the registered champion, starts vLLM and answers a chat completion with the target's
   greedy output; `--print-only` prints the vLLM and SGLang commands; a missing vLLM is one clear line.
 Run: `python -m pytest tests/test_vllm.py` (about 5 minutes on 2 cores: each engine start takes 40-75 s). Needs
@@ -125,9 +127,11 @@ def test_vllm_serves_the_head_losslessly_with_our_acceptance(kind, heads, engine
     heldout = str(engine_target.target_traffic.heldout)
     ours = evaluate(EVAL, engine_target.target_dir, head, heldout, str(tmp_path / "local"), **QUIET)
     assert ours.identical
+    champion = head if kind == "legacy" else None  # served as the champion too: re-exported, same prompts
     res = evaluate_in_vllm(EVAL, engine_target.target_dir, str(served), heldout, str(tmp_path / "vllm"), settings,
-                           ours=our_outputs(ours.report_file), plain=plain_run, **QUIET)
+                           ours=our_outputs(ours.report_file), plain=plain_run, baseline_head_dir=champion, **QUIET)
     assert res.identical_to_plain and res.identical_to_ours
+    assert res.baseline_tau == (pytest.approx(res.tau) if champion else None)  # the gate's champion τ in vLLM
     steps, per_pos = _our_counts(ours.report_file)
     assert (res.drafts, res.accepted_per_pos) == (steps, per_pos)
     assert res.tau == pytest.approx(ours.tau) and res.acceptance == pytest.approx(ours.acceptance)
@@ -139,7 +143,7 @@ def flow_run(engine_target, settings, prefect_harness, tmp_path_factory):
     """The `train-head` flow (tiny preset) with `evaluate.engine: vllm`: the head is measured in vLLM too and both
     engines' figures land in the registry."""
     cfg = tmp_path_factory.mktemp("engine-flow") / "pipeline.json"
-    cfg.write_text(json.dumps({"train": {"steps": 60}, "evaluate": {
+    cfg.write_text(json.dumps({"train": {"steps": 60}, "register": {"gate_tau": "engine"}, "evaluate": {
         "engine": "vllm", "depth": EVAL.depth, "max_new_tokens": EVAL.max_new_tokens, "limit": EVAL.limit}}))
     old = {k: os.environ.get(k) for k in ("EAGLE_HOME", "MLFLOW_TRACKING_URI")}
     os.environ["EAGLE_HOME"] = str(settings.state_dir)
@@ -160,12 +164,13 @@ def flow_run(engine_target, settings, prefect_harness, tmp_path_factory):
 def test_pipeline_with_engine_vllm_registers_both_engines_figures(flow_run, settings):
     from infra.mlflow_store import MlflowStore
 
-    assert flow_run["alias"] == "champion" and flow_run["vllm"]["identical_to_ours"] is True
-    name, version = flow_run["head_uri"].split("/")[1:]
+    assert flow_run.alias == "champion" and flow_run.vllm.identical_to_ours is True
+    name, version = flow_run.head_uri.split("/")[1:]
     tags = MlflowStore.connect(settings).get_version(name, int(version)).tags
     assert tags["identical_vllm"] == "true"
     assert float(tags["tau_vllm"]) == pytest.approx(float(tags["tau"]), abs=1e-4)  # the same counts, both engines
     assert tags["acceptance_vllm"] == tags["acceptance"]
+    assert tags["gate_tau"] == "engine" and tags["gate"].startswith("vLLM tau")  # the engine's τ decided
 
 
 def _cli_env(settings: Settings) -> dict[str, str]:
@@ -175,7 +180,7 @@ def _cli_env(settings: Settings) -> dict[str, str]:
 def test_serve_command_starts_vllm_with_the_champion(flow_run, engine_target, settings):
     from transformers import AutoTokenizer
 
-    uri = flow_run["head_uri"].rsplit("/", 1)[0] + "@champion"
+    uri = flow_run.head_uri.rsplit("/", 1)[0] + "@champion"
     env = _cli_env(settings)
     cmd = [sys.executable, "-m", "flows.cli", "serve", "--head", uri, "--k", "3"]
     printed = subprocess.run([*cmd, "--print-only"], env=env, capture_output=True, text=True, timeout=120)

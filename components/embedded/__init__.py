@@ -7,13 +7,13 @@ Not here: heads, registration, orchestration. See `build.py` for the layout of a
 """
 
 from components.embedded.build import DEFAULT_ROOT, build_embedded, build_hash, load_domains
-from components.embedded.config import (CorpusConfig, EmbeddedConfig, EvalConfig, TargetConfig, TokenizerConfig,
-                                        TrafficConfig, TrainConfig)
+from components.embedded.config import (CorpusConfig, EmbeddedConfig, EvalConfig, LMTrainConfig, TargetConfig,
+                                        TokenizerConfig, TrafficConfig)
 from components.embedded.result import (Continuation, DomainInfo, EmbeddedResult, Metrics, TrafficFiles,
                                         load_result)
 
 __all__ = [
     "DEFAULT_ROOT", "build_embedded", "build_hash", "load_domains", "load_result",
-    "CorpusConfig", "EmbeddedConfig", "EvalConfig", "TargetConfig", "TokenizerConfig", "TrafficConfig", "TrainConfig",
+    "CorpusConfig", "EmbeddedConfig", "EvalConfig", "LMTrainConfig", "TargetConfig", "TokenizerConfig", "TrafficConfig",
     "Continuation", "DomainInfo", "EmbeddedResult", "Metrics", "TrafficFiles",
 ]

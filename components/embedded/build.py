@@ -35,7 +35,7 @@ from transformers import LlamaForCausalLM, PreTrainedTokenizerBase
 
 from components.embedded import corpus as corpus_mod
 from components.embedded import lm_train
-from components.embedded.config import EmbeddedConfig, TrainConfig
+from components.embedded.config import EmbeddedConfig, LMTrainConfig
 from components.embedded.corpus import Domain
 from components.embedded.result import (REPORT, Continuation, DomainInfo, EmbeddedResult, Metrics, TrafficFiles,
                                         load_result, write_report)
@@ -161,7 +161,7 @@ def _domain_data(domain: Domain, cfg: EmbeddedConfig, tokenizer: PreTrainedToken
     return DomainData(domain, pools, chat, raw)
 
 
-def _train_on(model: LlamaForCausalLM, data: DomainData, tcfg: TrainConfig, seed: int, desc: str,
+def _train_on(model: LlamaForCausalLM, data: DomainData, tcfg: LMTrainConfig, seed: int, desc: str,
               progress: bool) -> lm_train.TrainStats:
     windows_NT = lm_train.pack_windows(data.chat_ids["train"], data.raw_ids["train"], tcfg.steps * tcfg.batch_size,
                                        tcfg.seq_len, tcfg.raw_fraction, seed)

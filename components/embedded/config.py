@@ -50,7 +50,7 @@ class TargetConfig:
 
 
 @dataclass(frozen=True)
-class TrainConfig:
+class LMTrainConfig:
     """One training run (the base target, or the fine-tune continuing from it)."""
 
     steps: int = 800
@@ -90,9 +90,9 @@ class EmbeddedConfig:
     corpus: CorpusConfig = field(default_factory=CorpusConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     target: TargetConfig = field(default_factory=TargetConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    finetune: TrainConfig = field(default_factory=lambda: TrainConfig(steps=80, batch_size=16, lr=1e-3,
-                                                                       warmup_steps=8))
+    train: LMTrainConfig = field(default_factory=LMTrainConfig)
+    finetune: LMTrainConfig = field(default_factory=lambda: LMTrainConfig(steps=80, batch_size=16, lr=1e-3,
+                                                                           warmup_steps=8))
     traffic: TrafficConfig = field(default_factory=TrafficConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
@@ -117,8 +117,8 @@ class EmbeddedConfig:
             target=TargetConfig(num_layers=6, hidden_size=64, intermediate_size=128, num_heads=2, num_kv_heads=1,
                                 max_position_embeddings=512),
             # one thread: a tiny model gains nothing from two, and loses a lot when other work shares the cores
-            train=TrainConfig(steps=10, batch_size=4, seq_len=64, lr=3e-3, warmup_steps=2, num_threads=1),
-            finetune=TrainConfig(steps=5, batch_size=4, seq_len=64, lr=3e-3, warmup_steps=1, num_threads=1),
+            train=LMTrainConfig(steps=10, batch_size=4, seq_len=64, lr=3e-3, warmup_steps=2, num_threads=1),
+            finetune=LMTrainConfig(steps=5, batch_size=4, seq_len=64, lr=3e-3, warmup_steps=1, num_threads=1),
             traffic=TrafficConfig(train_conversations=24, heldout_conversations=8, continue_answer_lines=4),
             eval=EvalConfig(eval_windows=4, continuations=1, max_new_tokens=8),
         )
@@ -136,8 +136,8 @@ class EmbeddedConfig:
             tokenizer=TokenizerConfig(vocab_size=16384),
             target=TargetConfig(num_layers=12, hidden_size=768, intermediate_size=2048, num_heads=12,
                                 num_kv_heads=4, max_position_embeddings=4096),
-            train=TrainConfig(steps=600, batch_size=32, seq_len=512, lr=1e-3, warmup_steps=50, device="cuda"),
-            finetune=TrainConfig(steps=100, batch_size=32, seq_len=512, lr=2e-4, warmup_steps=10, device="cuda"),
+            train=LMTrainConfig(steps=600, batch_size=32, seq_len=512, lr=1e-3, warmup_steps=50, device="cuda"),
+            finetune=LMTrainConfig(steps=100, batch_size=32, seq_len=512, lr=2e-4, warmup_steps=10, device="cuda"),
             traffic=TrafficConfig(train_conversations=8000, heldout_conversations=600),
             eval=EvalConfig(eval_windows=128, continuations=4, max_new_tokens=96),
         )

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
-from components.embedded.config import TargetConfig, TrainConfig
+from components.embedded.config import LMTrainConfig, TargetConfig
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ def _take(docs: Sequence[Sequence[int]], budget: int, rng: np.random.Generator) 
     return out
 
 
-def _lr_factor(step: int, cfg: TrainConfig) -> float:
+def _lr_factor(step: int, cfg: LMTrainConfig) -> float:
     if step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
     progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
@@ -107,12 +107,12 @@ def cpu_threads(n: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def _autocast(cfg: TrainConfig):
+def _autocast(cfg: LMTrainConfig):
     device_type = torch.device(cfg.device).type
     return torch.autocast(device_type, dtype=torch.bfloat16, enabled=cfg.bf16_autocast)
 
 
-def train(model: LlamaForCausalLM, windows_NT: torch.Tensor, cfg: TrainConfig, seed: int, desc: str,
+def train(model: LlamaForCausalLM, windows_NT: torch.Tensor, cfg: LMTrainConfig, seed: int, desc: str,
           progress: bool = True) -> TrainStats:
     """`cfg.steps` AdamW steps over consecutive batches of `windows_NT` (needs steps * batch_size windows)."""
     if windows_NT.shape[0] < cfg.steps * cfg.batch_size:
@@ -125,7 +125,7 @@ def train(model: LlamaForCausalLM, windows_NT: torch.Tensor, cfg: TrainConfig, s
     return TrainStats(cfg.steps, tokens, seconds, tokens / seconds, losses[0], float(np.mean(tail)))
 
 
-def _train_loop(model: LlamaForCausalLM, windows_NT: torch.Tensor, cfg: TrainConfig, seed: int, desc: str,
+def _train_loop(model: LlamaForCausalLM, windows_NT: torch.Tensor, cfg: LMTrainConfig, seed: int, desc: str,
                 progress: bool) -> tuple[list[float], float]:
     torch.manual_seed(seed)
     model.to(cfg.device).train()
@@ -155,7 +155,7 @@ def _train_loop(model: LlamaForCausalLM, windows_NT: torch.Tensor, cfg: TrainCon
 
 @torch.no_grad()
 def compare(a: LlamaForCausalLM, b: LlamaForCausalLM, windows_NT: torch.Tensor,
-            cfg: TrainConfig) -> tuple[float, float, float]:
+            cfg: LMTrainConfig) -> tuple[float, float, float]:
     """(mean next-token loss of a, of b, fraction of positions where their argmax tokens agree) on the windows."""
     a.to(cfg.device).eval()
     b.to(cfg.device).eval()
@@ -188,14 +188,15 @@ def greedy(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, prompt_i
 
 
 def save_target(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, out_dir: Path) -> dict[str, str]:
-    """`save_pretrained` of model (fp32 safetensors), tokenizer and generation config; returns weights sha256s."""
+    """`save_pretrained` of model (fp32 safetensors), tokenizer and generation config; returns
+    `weight_file_hashes` of it."""
     model.to("cpu")
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
-    return weights_sha256(out_dir)
+    return weight_file_hashes(out_dir)
 
 
-def weights_sha256(model_dir: Path) -> dict[str, str]:
+def weight_file_hashes(model_dir: Path) -> dict[str, str]:
     """{file name: sha256 of its bytes} for each safetensors file of a saved model (what `sha256sum` prints)."""
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
