@@ -78,34 +78,24 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _nonnegative(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be >= 0 seconds")
-    return value
+def _number(check, rule: str, what: str = "a number of seconds"):
+    """An argparse type: a float that passes `check`, else the error '<text>: <rule>'."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if not check(value):
+            raise argparse.ArgumentTypeError(f"{text!r}: {rule}")
+        return value
+
+    return parse
 
 
-def _ratio(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: the ratio must be in (0, 1]")
-    return value
-
-
-def _positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: the interval must be > 0 seconds")
-    return value
+_positive = _number(lambda v: v > 0, "the interval must be > 0 seconds")
+_nonnegative = _number(lambda v: v >= 0, "must be >= 0 seconds")
+_ratio = _number(lambda v: 0 < v <= 1, "the ratio must be in (0, 1]", "a number")
 
 
 def _port(text: str) -> int:
