@@ -6,7 +6,7 @@ monitor --once` scrapes vLLM's `/metrics` after each batch of requests:
 - steady traffic (the very held-out prompts the head was evaluated on): window τ equals the registered τ, verdict
   `ok`, no event;
 - traffic of another kind (requests to explain code: prose answers the head never saw): window τ falls below
-  0.8 x registered, the monitor emits `eagle.acceptance.dropped` to the live Prefect server, whose
+  the configured 0.9 x registered, the monitor emits `eagle.acceptance.dropped` to the live Prefect server, whose
   `retrain-on-drop` trigger (prefect.yaml) makes the process worker run `retrain` for that target on the newest
   traffic snapshot, which registers a new head version trained on that snapshot;
 - more of the same drop before the retrain finished: verdict `announced`, no second event, one retrain run;
@@ -31,6 +31,10 @@ from tests.live_prefect import BIN, ROOT, live_prefect  # noqa: F401  (the fixtu
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 TARGET = "drift-llama"
 CODE = {"complete", "continue", "followup"}
+# The drop threshold this test configures (monitor.ratio). Steady traffic reproduces the registered τ exactly, so any
+# ratio below 1 keeps it quiet; the explain-code drift measured 1.35 against 1.70 (0.79) on an Intel Xeon and
+# 1.09 against 1.61 in an earlier probe, so 0.9 leaves room for the weights of other CPU kinds.
+RATIO = 0.9
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +87,7 @@ def drift(drift_target, tmp_path):
     config = tmp_path / "pipeline.json"
     config.write_text(json.dumps({
         "regenerate": {"max_new_tokens": 48, "limit": 64}, "train": {"steps": 300, "checkpoint_every": 300},
-        "evaluate": {"max_new_tokens": 48, "limit": None}, "monitor": {"traffic_dir": str(tmp_path / "traffic")}}))
+        "evaluate": {"max_new_tokens": 48, "limit": None}, "monitor": {"traffic_dir": str(tmp_path / "traffic"), "ratio": RATIO}}))
     return {"train": _kind(emb.target_traffic.train, CODE, tmp_path / "code-train.jsonl"),
             "heldout": _kind(emb.target_traffic.heldout, CODE, tmp_path / "code-heldout.jsonl"),
             "explain": _kind(emb.target_traffic.train, {"explain"}, tmp_path / "explain.jsonl"),
@@ -142,7 +146,7 @@ def test_a_drop_in_served_acceptance_retrains_the_head(live_prefect, drift_targe
         assert "announced" not in out
         serve(srv, drift["explain"])
         out, window, _, verdict = _scrape(live, monitor)
-        assert verdict == "dropped" and window < 0.8 * registered, out
+        assert verdict == "dropped" and window < RATIO * registered, out
         assert f"announced eagle.acceptance.dropped for models:/{TARGET}/1" in out, out
         serve(srv, drift["explain"])  # the drop goes on while the retrain runs: no second event
         out, *_, verdict = _scrape(live, monitor)
