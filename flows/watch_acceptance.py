@@ -55,11 +55,9 @@ def check_acceptance(monitor: Monitor, metrics_url: str, say: Callable[[str], No
 
 
 def monitor_config(preset: str, config_path: str | None, **overrides) -> PipelineConfig:
-    import dataclasses
-
-    cfg = PipelineConfig.load(config_path, preset)
+    """The pipeline config with the `monitor` values given (None: keep the config's), checked like a file's."""
     values = {k: v for k, v in overrides.items() if v is not None}
-    return dataclasses.replace(cfg, monitor=dataclasses.replace(cfg.monitor, **values)) if values else cfg
+    return PipelineConfig.load(config_path, preset).override({"monitor": values}, where="command line")
 
 
 @flow(name="watch-acceptance", log_prints=True)
