@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from common import (Setup, base_args, eos_of, heldout_prompts, prepare, print_table, pyplot, results_dir, start,
-                    train_or_reuse_head, write_results)
+                    train_or_reuse_head, with_ttt_steps, write_results)
 from components.train import TrainConfig
 from eagle1 import Eagle1Draft, eagle1_batch, eagle1_head, eagle1_loss
 
@@ -38,7 +38,7 @@ def train_eagle1(setup: Setup, cfg: TrainConfig) -> tuple[Path, float]:
     from components.datasets import TrainingData, batches
     from components.targets import load_target
     from eagle.export import head_state_dict
-    from eagle.train import OptimConfig, make_optimizer
+    from eagle.train import make_optimizer
 
     out = setup.work / "heads" / f"eagle1-{common.fingerprint(cfg, str(setup.extract_dir))}"
     if (out / "head.safetensors").is_file():
@@ -49,7 +49,7 @@ def train_eagle1(setup: Setup, cfg: TrainConfig) -> tuple[Path, float]:
     target, _ = load_target(setup.target_dir)
     draft = eagle1_head(target, data.token_counts, cfg.draft_vocab_size).train()
     opt, sched = make_optimizer(draft.trainable_parameters(),
-                                OptimConfig(lr=cfg.lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps))
+                                cfg.optim, cfg.steps)
     t0, history = time.perf_counter(), []
     for step, idx in batches(data.n_seqs, cfg.batch_size, cfg.seed):
         if step >= cfg.steps:
@@ -63,7 +63,7 @@ def train_eagle1(setup: Setup, cfg: TrainConfig) -> tuple[Path, float]:
         loss, metrics = eagle1_loss(draft, eagle1_batch(target, draft, ids, mask, att))
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(draft.trainable_parameters(), cfg.grad_clip)
+        torch.nn.utils.clip_grad_norm_(draft.trainable_parameters(), cfg.optim.grad_clip)
         opt.step()
         sched.step()
         if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
@@ -144,8 +144,8 @@ def run(setup: Setup, args: argparse.Namespace, load0: list[float]) -> None:
     """The benchmark on a prepared setup (see bench/common.py); prints the table, writes the result files."""
     base = setup.preset.train
     base = dataclasses.replace(base, steps=args.steps or base.steps)
-    trained = {"eagle3-ttt7": train_or_reuse_head(setup, "eagle3-ttt7", dataclasses.replace(base, ttt_steps=7)),
-               "eagle3-ttt1": train_or_reuse_head(setup, "eagle3-ttt1", dataclasses.replace(base, ttt_steps=1))}
+    trained = {"eagle3-ttt7": train_or_reuse_head(setup, "eagle3-ttt7", with_ttt_steps(base, 7)),
+               "eagle3-ttt1": train_or_reuse_head(setup, "eagle3-ttt1", with_ttt_steps(base, 1))}
     e1_dir, e1_seconds = train_eagle1(setup, base)
 
     from components.targets import load_target

@@ -23,7 +23,7 @@ import common  # noqa: F401  (puts the repo root on sys.path)
 import torch
 
 from common import (Setup, base_args, eos_of, heldout_prompts, prepare, print_table, pyplot, results_dir, start,
-                    train_or_reuse_head, write_results)
+                    train_or_reuse_head, with_ttt_steps, write_results)
 
 
 def padded(prompts: list[list[int]], B: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def run(setup: Setup, args: argparse.Namespace, load0: list[float]) -> None:
     """The benchmark on a prepared setup (see bench/common.py); prints the table, writes the result files."""
-    head = train_or_reuse_head(setup, "eagle3-ttt7", dataclasses.replace(setup.preset.train, ttt_steps=7))
+    head = train_or_reuse_head(setup, "eagle3-ttt7", with_ttt_steps(setup.preset.train, 7))
     batches = [int(b) for b in (args.batches or ("1,2,4" if args.quick else "1,2,4,8,16,32,64")).split(",")]
     max_new = args.max_new or (setup.preset.max_new_tokens if args.quick else 64)
 

@@ -33,7 +33,7 @@ from components.train import TrainConfig, train
 
 def train_both(setup: Setup, cfg: TrainConfig) -> dict[str, dict]:
     """The best-tau head (trained once, cached) and the last-step head exported from its final checkpoint."""
-    best = train_or_reuse_head(setup, f"select-ttt{cfg.ttt_steps}", cfg)
+    best = train_or_reuse_head(setup, f"select-ttt{cfg.ttt.ttt_steps}", cfg)
     run_dir = best.head_dir.parent
     last_dir = run_dir.with_name(run_dir.name + "-last")
     if not (last_dir / "head" / "model.safetensors").is_file():
@@ -59,8 +59,9 @@ def heldout_curve(history: Path) -> list[dict]:
 def decode(setup: Setup, heads: dict[str, dict], args: argparse.Namespace) -> None:
     """Decode held-out traffic with each head through the evaluate stage; adds tau, alphas, speedup to `heads`."""
     from components.evaluate import EvaluateConfig, evaluate
+    from eagle.speculative import SpecConfig
 
-    cfg = EvaluateConfig(method="chain", depth=args.depth, max_new_tokens=setup.preset.max_new_tokens,
+    cfg = EvaluateConfig(spec=SpecConfig(method="chain", depth=args.depth, max_new_tokens=setup.preset.max_new_tokens),
                          limit=args.prompts or setup.preset.eval_prompts, engine="local")
     for name, h in heads.items():
         out = setup.work / "checkpoint_by_tau" / f"eval-{name}-{Path(h['head_dir']).parent.name}"
@@ -111,7 +112,9 @@ def main(argv: list[str] | None = None) -> None:
 def run(setup: Setup, args: argparse.Namespace, load0: list[float]) -> None:
     """The benchmark on a prepared setup (see bench/common.py); prints the tables, writes the result files."""
     steps = args.steps or (16 if args.quick else 600)
-    cfg = dataclasses.replace(setup.preset.train, steps=steps, ttt_steps=args.ttt, checkpoint_every=steps,
+    base = setup.preset.train
+    cfg = dataclasses.replace(base, steps=steps, ttt=dataclasses.replace(base.ttt, ttt_steps=args.ttt),
+                              checkpoint_every=steps,
                               eval_every=args.eval_every or (4 if args.quick else 25),
                               holdout_seqs=4 if args.quick else args.holdout, select="best_tau")
     if args.quick:
@@ -124,7 +127,7 @@ def run(setup: Setup, args: argparse.Namespace, load0: list[float]) -> None:
     curve_table = print_table(curve, ["step", "train_loss", "train_sim_tau", "heldout_loss", "heldout_acc_0",
                                       "heldout_tau", "best"],
                               f"held-out slice ({cfg.holdout_seqs} sequences held out of training): TTT loss and "
-                              f"simulated tau, K={cfg.ttt_steps}, every {cfg.eval_every} steps (* selected)")
+                              f"simulated tau, K={cfg.ttt.ttt_steps}, every {cfg.eval_every} steps (* selected)")
     rows = [{"head": n, "step": h["step"], "heldout_tau": h["heldout_tau"], "tau": h["tau"], "a1": h["a1"],
              f"a{args.depth}": h[f"a{args.depth}"], "speedup": h["speedup"], "identical": h["identical"]}
             for n, h in heads.items()]

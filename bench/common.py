@@ -40,7 +40,8 @@ from components.embedded import EmbeddedConfig, build_embedded, load_result  # n
 from components.embedded.result import EmbeddedResult  # noqa: E402
 from components.extract import ExtractConfig, extract  # noqa: E402
 from components.regenerate import RegenerateConfig, regenerate  # noqa: E402
-from components.train import TrainConfig, train  # noqa: E402
+from components.train import RayConfig, TrainConfig, train  # noqa: E402
+from eagle.run_config import OptimConfig, TTTConfig  # noqa: E402
 
 CACHE = ROOT / ".eagle" / "bench"  # `--cache DIR` moves it (set by `start`); read it as `common.CACHE`
 SETUP_THREADS = 0  # torch threads for the cached setup (regenerate, extract, head training); 0: as --threads
@@ -65,8 +66,9 @@ class Preset:
         return cls("quick", EmbeddedConfig.tiny(),
                    RegenerateConfig(max_new_tokens=24, batch_size=8, shard_size=16, limit=24),
                    ExtractConfig(max_len=128, seqs_per_shard=16),
-                   TrainConfig(steps=8, batch_size=4, draft_vocab_size=128, ttt_steps=3, lr=3e-3, warmup_steps=2,
-                               num_workers=0, checkpoint_every=1000, log_every=4),
+                   TrainConfig(steps=8, batch_size=4, draft_vocab_size=128, checkpoint_every=1000, log_every=4,
+                               ttt=TTTConfig(ttt_steps=3), optim=OptimConfig(lr=3e-3, warmup_steps=2),
+                               ray=RayConfig(num_workers=0)),
                    eval_prompts=3, max_new_tokens=16)
 
     @classmethod
@@ -74,8 +76,9 @@ class Preset:
         return cls("default", EmbeddedConfig.default(),
                    RegenerateConfig(max_new_tokens=96, batch_size=32, shard_size=64, limit=512),
                    ExtractConfig(max_len=320, seqs_per_shard=128),
-                   TrainConfig(steps=150, batch_size=8, draft_vocab_size=2048, ttt_steps=7, lr=2e-3, warmup_steps=15,
-                               num_workers=0, checkpoint_every=1000, log_every=25),
+                   TrainConfig(steps=150, batch_size=8, draft_vocab_size=2048, checkpoint_every=1000, log_every=25,
+                               ttt=TTTConfig(ttt_steps=7), optim=OptimConfig(lr=2e-3, warmup_steps=15),
+                               ray=RayConfig(num_workers=0)),
                    eval_prompts=24, max_new_tokens=96)
 
     @classmethod
@@ -192,6 +195,11 @@ class TrainedHead:
     cached: bool
 
 
+def with_ttt_steps(cfg: TrainConfig, k: int) -> TrainConfig:
+    """`cfg` training over K = `k` TTT steps."""
+    return dataclasses.replace(cfg, ttt=dataclasses.replace(cfg.ttt, ttt_steps=k))
+
+
 def train_or_reuse_head(setup: Setup, name: str, cfg: TrainConfig, extract_dir: Path | None = None) -> TrainedHead:
     """Train a head with `components.train.train` (or reuse the one trained with the same config and data)."""
     ext = Path(extract_dir or setup.extract_dir)
@@ -200,7 +208,7 @@ def train_or_reuse_head(setup: Setup, name: str, cfg: TrainConfig, extract_dir: 
     if info.is_file() and (out / "head" / "model.safetensors").is_file():
         d = json.loads(info.read_text())
         return TrainedHead(out / "head", d["seconds"], d["final_metrics"], True)
-    _say(f"bench: training head {name} ({cfg.steps} steps, ttt_steps {cfg.ttt_steps}) into {out}")
+    _say(f"bench: training head {name} ({cfg.steps} steps, ttt_steps {cfg.ttt.ttt_steps}) into {out}")
     with setup_threads():
         res = train(cfg, str(ext), str(out), target_dir=str(setup.target_dir))
     info.write_text(json.dumps({"seconds": res.seconds, "final_metrics": res.final_metrics}) + "\n")
@@ -211,7 +219,8 @@ def speed_head(setup: Setup, head_steps: int, conversations: int) -> tuple[Train
     """The TTT (K=7) head that `speedup.py` and `chain_depth.py` measure (`head_steps` 0: the preset's steps), and
     the suffix that names their result files after it (`-head<N>`, `-conv<N>`; empty for the preset's head)."""
     steps = head_steps or setup.preset.train.steps
-    head = train_or_reuse_head(setup, "eagle3-ttt7", dataclasses.replace(setup.preset.train, ttt_steps=7, steps=steps))
+    cfg = dataclasses.replace(with_ttt_steps(setup.preset.train, 7), steps=steps)
+    head = train_or_reuse_head(setup, "eagle3-ttt7", cfg)
     suffix = (f"-head{steps}" if steps != setup.preset.train.steps else "") + \
         (f"-conv{conversations}" if conversations else "")
     return head, suffix

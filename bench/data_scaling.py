@@ -24,7 +24,7 @@ import common  # noqa: F401  (puts the repo root on sys.path)
 import torch
 
 from common import (Setup, base_args, eos_of, heldout_prompts, prepare, print_table, pyplot, results_dir, start,
-                    train_or_reuse_head, write_results)
+                    train_or_reuse_head, with_ttt_steps, write_results)
 from components.extract import extract
 
 
@@ -90,13 +90,14 @@ def main(argv: list[str] | None = None) -> None:
 
 def run(setup: Setup, args: argparse.Namespace, load0: list[float]) -> None:
     """The benchmark on a prepared setup (see bench/common.py); prints the table, writes the result files."""
-    cfg_train = dataclasses.replace(setup.preset.train, ttt_steps=args.ttt,
+    cfg_train = dataclasses.replace(with_ttt_steps(setup.preset.train, args.ttt),
                                     steps=args.steps or (setup.preset.train.steps if args.quick else 100))
     fractions = [float(f) for f in args.fractions.split(",")]
     heads = []
     for f in fractions:
         ext_dir, manifest = subset_extract(setup, f)
-        heads.append((f, manifest, train_or_reuse_head(setup, f"eagle3-ttt{cfg_train.ttt_steps}", cfg_train, ext_dir)))
+        head = train_or_reuse_head(setup, f"eagle3-ttt{cfg_train.ttt.ttt_steps}", cfg_train, ext_dir)
+        heads.append((f, manifest, head))
 
     from components.targets import load_target
     from eagle.export import load_head

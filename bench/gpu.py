@@ -201,7 +201,7 @@ def train(target, draft, batches: list[tuple], preset: Preset, until: float, run
 
     ttt = TTTConfig(ttt_steps=preset.ttt_steps)
     opt, sched = make_optimizer(draft.trainable_parameters(), OptimConfig(
-        lr=preset.lr, warmup_steps=max(2, preset.head_steps // 40), total_steps=preset.head_steps, grad_clip=0.5))
+        lr=preset.lr, warmup_steps=max(2, preset.head_steps // 40), grad_clip=0.5), preset.head_steps)
     lm_head, draft_ids = target.get_output_embeddings().weight.detach(), draft.draft_ids()
     g, order, times, flops, history, tokens = torch.Generator().manual_seed(0), [], [], [], [], 0
     draft.train()

@@ -27,7 +27,7 @@ import common  # noqa: F401  (puts the repo root on sys.path)
 
 from common import Setup, base_args, prepare, print_table, pyplot, results_dir, start, write_results
 from components.extract import extract
-from components.train import TrainConfig, train
+from components.train import RayConfig, TrainConfig, train
 
 
 class WorkerMemory:
@@ -72,7 +72,7 @@ def steady_rate(history: Path, extract_dir: Path, cfg: TrainConfig) -> float:
     rows = [json.loads(x) for x in history.read_text().splitlines() if x.strip()]
     data = TrainingData.open(extract_dir, verify=False)
     lengths = (data.offsets[1:] - data.offsets[:-1]).tolist()
-    world = cfg.num_workers or 1
+    world = cfg.ray.num_workers or 1
     seen, cum = 0, {}
     for step, idx in batches(data.n_seqs, cfg.batch_size, cfg.seed, 0, 0, world):  # rank 0's tokens, as logged
         if step >= cfg.steps:
@@ -99,7 +99,8 @@ def run_one(setup: Setup, cfg: TrainConfig, ext: Path, name: str, storage: Path)
         res = train(cfg, str(ext), str(out), target_dir=str(setup.target_dir), storage_dir=str(storage))
         wall = time.perf_counter() - t0
     total = steady_rate(Path(res.history_file), ext, cfg)
-    return {"run": name, "workers": cfg.num_workers, "tok_s_total": total, "tok_s_worker": total / cfg.num_workers,
+    workers = cfg.ray.num_workers
+    return {"run": name, "workers": workers, "tok_s_total": total, "tok_s_worker": total / workers,
             "peak_rss_mib": mem.peak_mib(), "wall_s": wall, "final_loss": res.final_metrics.get("loss")}
 
 
@@ -130,7 +131,7 @@ def main() -> None:
     setup = prepare(args.quick, conversations=args.conversations)
     steps = args.steps or (6 if args.quick else 30)
     base = dataclasses.replace(setup.preset.train, steps=steps, log_every=max(1, steps // 6), checkpoint_every=steps,
-                               cpus_per_worker=1, max_failures=0)
+                               ray=RayConfig(cpus_per_worker=1, max_failures=0))
     exts = {"offline": setup.extract_dir, "online": online_extract(setup)}
 
     from infra.ray_cluster import ray_session
@@ -141,15 +142,16 @@ def main() -> None:
     with ray_session(settings, num_cpus=2):
         for mode, ext in exts.items():
             for w in (int(x) for x in args.workers.split(",")):
-                rows.append(run_one(setup, dataclasses.replace(base, num_workers=w), ext, f"{mode}-{w}w",
-                                    settings.ray_storage_dir))
+                cfg = dataclasses.replace(base, ray=dataclasses.replace(base.ray, num_workers=w))
+                rows.append(run_one(setup, cfg, ext, f"{mode}-{w}w", settings.ray_storage_dir))
                 print(f"{rows[-1]['run']}: {rows[-1]['tok_s_total']:.0f} tok/s", flush=True)
     by = {r["run"]: r for r in rows}
     for r in rows:
         one = by.get(r["run"].rsplit("-", 1)[0] + "-1w")
         r["scaling"] = r["tok_s_total"] / one["tok_s_total"] if one else None
     table = print_table(rows, ["run", "workers", "tok_s_total", "tok_s_worker", "scaling", "peak_rss_mib", "wall_s"],
-                        f"TTT head training (K={base.ttt_steps}, batch {base.batch_size} per worker, {steps} steps), "
+                        f"TTT head training (K={base.ttt.ttt_steps}, batch {base.batch_size} per worker, {steps} steps),"
+                        " "
                         "local Ray, 1 CPU per worker")
     png = results_dir(args.quick) / "train_throughput.png"
     plot(rows, png)

@@ -64,7 +64,8 @@ def target_context(target_dir: str | Path) -> int:
 
 def engine_max_len(target_dir: str | Path, cfg: EvaluateConfig) -> int:
     """What the evaluation needs (prompt + new tokens + one draft), within the target's context."""
-    return min(target_context(target_dir), max(cfg.max_prompt_tokens + cfg.max_new_tokens + cfg.depth + 8, 256))
+    need = cfg.max_prompt_tokens + cfg.spec.max_new_tokens + cfg.spec.depth + 8
+    return min(target_context(target_dir), max(need, 256))
 
 
 def our_outputs(report_file: str | Path) -> list[list[int]]:
@@ -91,7 +92,7 @@ def _run_all(server: VllmServer, prompts, cfg: EvaluateConfig, progress: Callabl
         if done % 8 == 0 or done == len(prompts):
             progress(f"evaluate (vLLM {what}): {done}/{len(prompts)}")
 
-    return time_requests(server, [ids for _, ids in prompts], cfg.max_new_tokens, cfg.temperature, report)
+    return time_requests(server, [ids for _, ids in prompts], cfg.spec.max_new_tokens, cfg.spec.temperature, report)
 
 
 @dataclass(frozen=True)
@@ -143,10 +144,10 @@ def evaluate_in_vllm(cfg: EvaluateConfig, target_dir: str, head_dir: str, traffi
 
 def _run_head(cfg: EvaluateConfig, target_dir: str, head_dir: str, prompts, settings: Settings,
               progress: Callable[[str], None], what: str) -> tuple[EngineRun, SpecCounters]:
-    """vLLM with `head_dir` (EAGLE-3, `cfg.depth` tokens) over `prompts`: outputs, seconds, counter deltas."""
-    spec = EngineSpec(str(target_dir), str(head_dir), method="eagle3", num_speculative_tokens=cfg.depth,
+    """vLLM with `head_dir` (EAGLE-3, `cfg.spec.depth` tokens) over `prompts`: outputs, seconds, counter deltas."""
+    spec = EngineSpec(str(target_dir), str(head_dir), method="eagle3", num_speculative_tokens=cfg.spec.depth,
                       max_model_len=engine_max_len(target_dir, cfg))
-    progress(f"evaluate (vLLM): starting the engine with the {what} head ({cfg.depth} speculative tokens)")
+    progress(f"evaluate (vLLM): starting the engine with the {what} head ({cfg.spec.depth} speculative tokens)")
     with VllmServer(spec, settings) as srv:
         srv.complete(prompts[0][1], 4)  # warm-up, before the counters are read
         before = srv.spec_counters()
@@ -172,7 +173,7 @@ def _finish(cfg: EvaluateConfig, out: Path, prompts, plain_run: EngineRun, spec_
                for i, ((seg, ids), p, s, sp) in enumerate(zip(prompts, plain, spec, same_plain))]
     atomic_write_text(out / REPORT, json.dumps({"config": asdict(cfg), "result": asdict(res), "samples": samples},
                                                indent=2) + "\n")
-    if cfg.temperature == 0 and (not res.identical_to_plain or res.identical_to_ours is False):
+    if cfg.spec.greedy and (not res.identical_to_plain or res.identical_to_ours is False):
         bad_plain = sum(not s for s in same_plain)
         bad_ours = 0 if same_ours is None else sum(not s for s in same_ours)
         raise NotLosslessError(f"in vLLM, {bad_plain}/{len(prompts)} speculative outputs differ from vLLM's plain "

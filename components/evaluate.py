@@ -3,8 +3,10 @@
 Purpose: `evaluate(cfg, target_dir, head_dir, traffic_path, out_dir) -> EvaluateResult`. For every held-out
 conversation (its first user turn, with the target's chat template) it decodes with plain decoding and with the
 head, interleaved sample by sample so that both see the same machine state, and reports
-- tau (mean tokens per target verification step, the bonus token included), acceptance per draft position both
-  conditional (alpha_k = accepted at depth k / reached depth k) and cumulative (P[accept length >= k]),
+- tau (mean tokens emitted per target verification step, the bonus token included; tokens accepted past EOS or
+  the length limit do not count), acceptance per draft position both conditional (alpha_k = emitted draft k /
+  reached depth k) and cumulative (P[the step emitted draft k]), and beside them `tau_raw` / `acceptance_raw`,
+  which count what the acceptance rule accepted, as vLLM's counters do (`eagle.stats.SpecStats`),
 - a per-segment breakdown (`complete`, `continue`, `explain`, ...),
 - wall-clock speedup = plain seconds / speculative seconds over the same tokens, and tokens/s of each,
 - at temperature 0, whether every output equals the plain greedy output; any difference raises
@@ -19,11 +21,13 @@ from __future__ import annotations
 import json
 import time
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
 from components.atomic import atomic_write_text, remove_stale_temps
+from eagle.config_checks import FieldError, at_least, one_of
+from eagle.run_config import SpecConfig
 
 
 class NotLosslessError(AssertionError):
@@ -32,25 +36,34 @@ class NotLosslessError(AssertionError):
 
 @dataclass(frozen=True)
 class EvaluateConfig:
-    method: str = "chain"  # "chain" | "tree"
-    depth: int = 5
-    topk: int = 4
-    budget: int = 16
-    temperature: float = 0.0
-    max_new_tokens: int = 96
-    limit: int | None = 24
+    """`spec` is how the head drafts and verifies (method, depth, temperature, ...; `evaluate.spec.depth` in a
+    pipeline config); its `eos_token_id`, when unset, is the target's. The rest says what is measured, and where."""
+
+    spec: SpecConfig = field(default_factory=lambda: SpecConfig(max_new_tokens=96))
+    limit: int | None = 24  # held-out prompts measured (None: all)
     max_prompt_tokens: int = 384
     device: str = "cpu"
     seed: int = 0
     engine: str = "local"  # "vllm": also serve the head in vLLM and measure it there (components/engine_eval.py)
 
     def __post_init__(self) -> None:
-        if self.engine not in ("local", "vllm"):
-            raise ValueError(f"evaluate engine must be 'local' or 'vllm', got {self.engine!r}")
+        one_of(self, "engine", ("local", "vllm"))
+        at_least(self, {"max_prompt_tokens": 1, "seed": 0})
+        if self.limit is not None:
+            at_least(self, {"limit": 1})
+        if not isinstance(self.spec, SpecConfig):
+            raise FieldError(self, "spec", f"must be a SpecConfig, got {self.spec!r}")
 
     @classmethod
     def tiny(cls) -> "EvaluateConfig":
-        return cls(depth=3, max_new_tokens=12, limit=3)
+        return cls(spec=SpecConfig(depth=3, max_new_tokens=12), limit=3)
+
+    def spec_for(self, target) -> SpecConfig:
+        """`spec` with the target's end-of-sequence ids where the config sets none."""
+        if self.spec.eos_token_id is not None:
+            return self.spec
+        eos = target.generation_config.eos_token_id
+        return replace(self.spec, eos_token_id=tuple(eos) if isinstance(eos, list) else eos)
 
 
 @dataclass(frozen=True)
@@ -58,7 +71,7 @@ class EvaluateResult:
     tau: float
     speedup: float
     identical: bool | None  # None when sampling (T > 0): outputs are random, not comparable
-    acceptance: list[float]  # conditional alpha_k
+    acceptance: list[float]  # conditional alpha_k, emitted drafts
     acceptance_cumulative: list[float]
     per_segment: dict[str, dict[str, float]]
     plain_tokens_per_s: float
@@ -68,10 +81,16 @@ class EvaluateResult:
     baseline_tau: float | None
     report_file: str
     plots: tuple[str, ...] = field(default_factory=tuple)
+    # what the acceptance rule accepted, also past EOS and the length limit (as vLLM's counters count): for
+    # comparisons with an engine; `tau` and `acceptance` count emitted tokens only
+    tau_raw: float | None = None
+    acceptance_raw: list[float] = field(default_factory=list)
 
     def metrics(self) -> dict[str, float]:
         m = {"tau": self.tau, "speedup": self.speedup, "plain_tokens_per_s": self.plain_tokens_per_s,
              "spec_tokens_per_s": self.spec_tokens_per_s}
+        if self.tau_raw is not None:
+            m["tau_raw"] = self.tau_raw
         if self.identical is not None:  # sampled runs are not comparable token for token
             m["identical"] = float(self.identical)
         m.update({f"alpha_{k + 1}": a for k, a in enumerate(self.acceptance)})
@@ -102,11 +121,12 @@ def held_out_prompts(tokenizer, traffic_path: str, cfg: EvaluateConfig) -> list[
 def evaluate(cfg: EvaluateConfig, target_dir: str, head_dir: str, traffic_path: str, out_dir: str,
              baseline_head_dir: str | None = None, history_file: str | None = None,
              progress: Callable[[str], None] = print, trust_remote_code: bool = False) -> EvaluateResult:
+    """Decode the held-out prompts plainly and with the head (and the baseline head); see the module doc."""
     import torch
 
     from components.targets import load_target
     from eagle.export import load_head
-    from eagle.speculative import SpecConfig, generate_plain, generate_speculative
+    from eagle.speculative import generate_plain, generate_speculative
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -114,15 +134,11 @@ def evaluate(cfg: EvaluateConfig, target_dir: str, head_dir: str, traffic_path: 
     target, tokenizer = load_target(target_dir, cfg.device, trust_remote_code=trust_remote_code)
     draft = load_head(head_dir, target, device=cfg.device).eval()
     baseline = load_head(baseline_head_dir, target, device=cfg.device).eval() if baseline_head_dir else None
-    eos = target.generation_config.eos_token_id
-    spec = SpecConfig(method=cfg.method, depth=cfg.depth, topk=cfg.topk, budget=cfg.budget,
-                      temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
-                      eos_token_id=tuple(eos) if isinstance(eos, list) else eos)
+    spec = cfg.spec_for(target)
     prompts = held_out_prompts(tokenizer, traffic_path, cfg)
     gen = torch.Generator(device=cfg.device).manual_seed(cfg.seed)
     t_plain = t_spec = 0.0
-    n_tokens, identical, samples = 0, True, []
-    base_acc: list[torch.Tensor] = []
+    n_tokens, identical, samples, stats, base_stats = 0, True, [], [], []
     with torch.no_grad():
         ids0 = torch.tensor([prompts[0][1]], device=cfg.device)  # warm-up: first-call costs out of the timing
         generate_plain(target, ids0, None, spec, generator=gen)
@@ -138,42 +154,50 @@ def evaluate(cfg: EvaluateConfig, target_dir: str, head_dir: str, traffic_path: 
             same = bool(torch.equal(plain.sequences, sp.sequences))
             identical &= same
             n_tokens += int(sp.lengths.sum())
-            acc = sp.stats.accept_lengths[sp.stats.accept_lengths >= 0]
-            samples.append({"segment": segment, "accept_lengths": acc.tolist(), "identical": same,
+            stats.append(sp.stats)
+            samples.append({"segment": segment, **_sample_counts(sp.stats), "identical": same,
                             "plain_s": t1 - t0, "spec_s": t2 - t1, "tokens": int(sp.lengths.sum()),
                             "output_ids": sp.sequences[0, :int(sp.lengths[0])].tolist()})
             if baseline is not None:
-                b = generate_speculative(target, baseline, x, None, spec, generator=gen).stats.accept_lengths
-                base_acc.append(b[b >= 0])
-            progress(f"evaluate: {i + 1}/{len(prompts)} [{segment}] tau {float(acc.float().mean() + 1):.2f} "
+                base_stats.append(generate_speculative(target, baseline, x, None, spec, generator=gen).stats)
+            progress(f"evaluate: {i + 1}/{len(prompts)} [{segment}] tau {sp.stats.tau:.2f} "
                      f"{'identical' if same else 'DIFFERENT'}")
-    return _finish(cfg, out, samples, t_plain, t_spec, n_tokens, identical, base_acc, history_file)
+    return _finish(cfg, out, samples, (t_plain, t_spec), n_tokens, identical, (stats, base_stats), history_file)
 
 
-def _finish(cfg, out: Path, samples, t_plain, t_spec, n_tokens, identical, base_acc, history_file):
-    import torch
+def _sample_counts(stats) -> dict[str, list[int]]:
+    """Per verification step of one prompt (batch 1): drafts the rule accepted (raw, as vLLM counts them), tokens
+    that reached the output, and tokens drafted."""
+    live = stats.accept_lengths[:, 0] >= 0
+    return {"accept_lengths": stats.accept_lengths[live, 0].tolist(),
+            "emitted_lengths": stats.emitted_lengths[live, 0].tolist(), "drafted": stats.drafted[live].tolist()}
 
+
+def _finish(cfg, out: Path, samples, seconds, n_tokens, identical, runs, history_file):
+    """The report over all prompts: emitted tau and alpha_k (the raw ones beside them), per segment, the baseline
+    head's tau on the same prompts, plots; writes `evaluation.json`."""
     from components.plots import plot_acceptance, plot_training
+    from eagle.stats import SpecStats
 
-    all_acc = torch.tensor([a for s in samples for a in s["accept_lengths"]], dtype=torch.float)
-    tau = float(all_acc.mean() + 1) if all_acc.numel() else 1.0
-    cond = [float((all_acc >= k).sum() / (all_acc >= k - 1).sum().clamp_min(1)) for k in range(1, cfg.depth + 1)]
-    cum = [float((all_acc >= k).float().mean()) for k in range(1, cfg.depth + 1)]
-    seg: dict[str, list[float]] = defaultdict(list)
-    for s in samples:
-        seg[s["segment"]].extend(s["accept_lengths"])
-    per_segment = {k: {"tau": sum(v) / max(len(v), 1) + 1, "verify_steps": len(v)} for k, v in sorted(seg.items())}
-    baseline_tau = float(torch.cat(base_acc).float().mean() + 1) if base_acc else None
+    (t_plain, t_spec), (stats, base_stats) = seconds, runs
+    every = SpecStats.cat(stats)
+    tau, cond, cum = every.tau, every.per_position_acceptance, every.cumulative_acceptance
+    seg: dict[str, list] = defaultdict(list)
+    for s, st in zip(samples, stats):
+        seg[s["segment"]].append(st)
+    per_segment = {k: {"tau": SpecStats.cat(v).tau, "verify_steps": sum(x.n_verify_steps for x in v)}
+                   for k, v in sorted(seg.items())}
+    baseline_tau = SpecStats.cat(base_stats).tau if base_stats else None
     plots = [str(plot_acceptance(cond, cum, tau, out / "acceptance_by_position.png"))]
     if history_file and Path(history_file).is_file():
         plots.append(str(plot_training(history_file, out / "training_curves.png")))
-    greedy = cfg.temperature == 0
+    greedy = cfg.spec.greedy
     res = EvaluateResult(tau=tau, speedup=t_plain / max(t_spec, 1e-9), identical=identical if greedy else None,
                          acceptance=cond, acceptance_cumulative=cum, per_segment=per_segment,
                          plain_tokens_per_s=n_tokens / max(t_plain, 1e-9),
                          spec_tokens_per_s=n_tokens / max(t_spec, 1e-9), n_samples=len(samples),
                          n_tokens=n_tokens, baseline_tau=baseline_tau, report_file=str(out / "evaluation.json"),
-                         plots=tuple(plots))
+                         plots=tuple(plots), tau_raw=every.tau_raw, acceptance_raw=every.per_position_acceptance_raw)
     atomic_write_text(out / "evaluation.json", json.dumps({"config": asdict(cfg), "result": asdict(res),
                                                            "samples": samples}, indent=2) + "\n")
     if greedy and not identical:

@@ -33,6 +33,7 @@ from components.atomic import atomic_path, atomic_write_text, file_sha256, remov
 from components.chat import tokenize_conversation
 from components.regenerate import read_regenerated
 from components.targets import declared_dtype, load_target, weights_sha256
+from eagle.config_checks import FieldError, at_least, one_of
 
 MANIFEST = "manifest.json"
 
@@ -48,14 +49,13 @@ class ExtractConfig:
     aux_layer_ids: tuple[int, ...] = ()  # fused layers (inputs of these target layers); empty: the default rule
 
     def __post_init__(self) -> None:
-        if self.mode not in ("offline", "online"):
-            raise ValueError(f"extract mode must be 'offline' or 'online', got {self.mode!r}")
-        if self.dtype not in ("bfloat16", "float16", "float32"):
-            raise ValueError(f"feature dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
+        one_of(self, "mode", ("offline", "online"))
+        one_of(self, "dtype", ("bfloat16", "float16", "float32"))  # of the stored features
+        at_least(self, {"max_len": 2, "batch_size": 1, "seqs_per_shard": 1})
         ids = tuple(self.aux_layer_ids)
         if ids and not (len(ids) == 3 and all(type(i) is int for i in ids) and 1 <= ids[0] < ids[1] < ids[2]):
-            raise ValueError(f"aux_layer_ids {list(ids)} must be three distinct ascending layer ids >= 1, or empty "
-                             "for the default rule of the target's depth")
+            raise FieldError(self, "aux_layer_ids", f"{list(ids)} must be three distinct ascending layer ids >= 1, or "
+                             "empty for the default rule of the target's depth")
         object.__setattr__(self, "aux_layer_ids", ids)
 
 

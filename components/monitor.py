@@ -29,6 +29,7 @@ from typing import Literal
 
 from components.atomic import atomic_write_text
 from components.register import TargetRef, head_model_name
+from eagle.config_checks import at_least, finite
 from infra.mlflow_store import CHAMPION, MlflowStore, parse_model_uri
 from infra.vllm_server import SpecCounters
 
@@ -51,12 +52,9 @@ class MonitorConfig:
 
     def __post_init__(self) -> None:
         for name in ("interval_s", "window_s", "sustain_s"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"monitor.{name} must be >= 0, got {getattr(self, name)}")
-        if not 0 < self.ratio <= 1:
-            raise ValueError(f"monitor.ratio must be in (0, 1], got {self.ratio}")
-        if self.min_drafts < 1:
-            raise ValueError(f"monitor.min_drafts must be >= 1, got {self.min_drafts}")
+            finite(self, name, lambda x: x >= 0, ">= 0")
+        finite(self, "ratio", lambda x: 0 < x <= 1, "in (0, 1]")
+        at_least(self, {"min_drafts": 1})
 
     @classmethod
     def tiny(cls) -> "MonitorConfig":
@@ -70,7 +68,7 @@ class Baseline:
     target: str  # models:/NAME/VERSION of the target
     head_uri: str  # models:/HEAD/VERSION of its champion head
     tau: float
-    tau_source: str  # "tau_vllm" or "tau"
+    tau_source: str  # "tau_vllm", "tau_raw" (ours, counted as vLLM counts) or "tau"
     depth: int  # drafted tokens per step in the evaluation (0: unknown)
 
 
@@ -123,7 +121,8 @@ def baseline_of(store: MlflowStore, target: str, suffix: str = "-eagle3") -> Bas
     if champion is None:
         raise MonitorError(f"models:/{name}/{version} has no champion head (no model {head} with alias champion): "
                            "train and register one first (eagle-heads train)")
-    source = "tau_vllm" if "tau_vllm" in champion.tags else "tau"
+    # vLLM's counters count what the rule accepted: compare with vLLM's own figure, else with ours counted alike
+    source = next(k for k in ("tau_vllm", "tau_raw", "tau") if k in champion.tags or k == "tau")
     depth = len(champion.tags.get("acceptance_vllm" if source == "tau_vllm" else "acceptance", "").split())
     return Baseline(f"models:/{name}/{version}", f"models:/{head}/{champion.version}",
                     float(champion.tags[source]), source, depth)

@@ -24,7 +24,9 @@ from components.extract import ExtractConfig
 from components.monitor import MonitorConfig
 from components.regenerate import RegenerateConfig
 from components.register import RegisterConfig
-from components.train import TrainConfig
+from components.train import RayConfig, TrainConfig
+from eagle.config_checks import FieldError
+from eagle.run_config import OptimConfig, SpecConfig, TTTConfig
 
 
 class ConfigError(ValueError):
@@ -64,10 +66,12 @@ class PipelineConfig:
         """
         return cls(regenerate=RegenerateConfig(max_new_tokens=96, batch_size=32, shard_size=64, limit=320),
                    extract=ExtractConfig(max_len=320, seqs_per_shard=128),
-                   train=TrainConfig(steps=120, batch_size=8, draft_vocab_size=2048, ttt_steps=5, lr=3e-3,
-                                     warmup_steps=10, num_workers=1, cpus_per_worker=2, checkpoint_every=40,
-                                     log_every=10, warm_start_steps=60, eval_every=20, holdout_seqs=32),
-                   evaluate=EvaluateConfig(method="chain", depth=5, max_new_tokens=96, limit=16, engine="vllm"),
+                   train=TrainConfig(steps=120, batch_size=8, draft_vocab_size=2048, checkpoint_every=40,
+                                     log_every=10, warm_start_steps=60, eval_every=20, holdout_seqs=32,
+                                     ttt=TTTConfig(ttt_steps=5), optim=OptimConfig(lr=3e-3, warmup_steps=10),
+                                     ray=RayConfig(num_workers=1, cpus_per_worker=2)),
+                   evaluate=EvaluateConfig(spec=SpecConfig(method="chain", depth=5, max_new_tokens=96), limit=16,
+                                           engine="vllm"),
                    register=RegisterConfig(tau_floor=1.5, gate_tau="engine"))
 
     @classmethod
@@ -78,26 +82,15 @@ class PipelineConfig:
         return presets[name]()
 
     def override(self, data: dict[str, Any], where: str = "config") -> "PipelineConfig":
+        """This config with `data`'s values (sections, keys and nested sections such as `train.ttt`) put in,
+        each checked against its field's type and range; errors name the key's whole path."""
+        if not isinstance(data, dict):
+            raise ConfigError(f"{where}: the config must be a mapping of sections")
         sections = {f.name for f in dataclasses.fields(self)}
-        out = self
-        for sec, values in data.items():
-            if sec not in sections:
-                raise ConfigError(f"{where}: unknown section {sec!r}; known: {sorted(sections)}")
-            if not isinstance(values, dict):
-                raise ConfigError(f"{where}: section {sec!r} must be a mapping")
-            current = getattr(self, sec)
-            known = {f.name: f for f in dataclasses.fields(current)}
-            hints = typing.get_type_hints(type(current))
-            values = dict(values)
-            for k, v in values.items():
-                if k not in known:
-                    raise ConfigError(f"{where}: unknown key {sec}.{k}; known: {sorted(known)}")
-                values[k] = _typed(v, hints[k], f"{where}: {sec}.{k}")
-            try:
-                out = dataclasses.replace(out, **{sec: dataclasses.replace(current, **values)})
-            except (TypeError, ValueError) as e:
-                raise ConfigError(f"{where}: section {sec!r}: {e}") from None
-        return out.check(where)
+        unknown = [k for k in data if k not in sections]
+        if unknown:
+            raise ConfigError(f"{where}: unknown section {unknown[0]!r}; known: {sorted(sections)}")
+        return override_values(self, data, where).check(where)
 
     @classmethod
     def load(cls, path: str | Path | None, preset: str = "default") -> "PipelineConfig":
@@ -119,6 +112,39 @@ class PipelineConfig:
         """The hash of what makes a head: every section but `monitor` (watching a head does not change it)."""
         made = {k: v for k, v in self.to_dict().items() if k != "monitor"}
         return hashlib.sha256(json.dumps(made, sort_keys=True).encode()).hexdigest()
+
+
+def override_values(cfg: Any, values: Any, where: str, path: str = "") -> Any:
+    """The frozen dataclass `cfg` with `values` (a mapping; a nested dataclass field takes a nested mapping) put
+    in. An unknown key, a value of the wrong type or out of range raises ConfigError naming `path.key`."""
+    if not isinstance(values, dict):
+        what = path if "." in path else f"section {path!r}" if path else "the config"
+        raise ConfigError(f"{where}: {what} must be a mapping, got {values!r}")
+    fields = {f.name for f in dataclasses.fields(cfg)}
+    hints = typing.get_type_hints(type(cfg))
+    changes = {}
+    for k, v in values.items():
+        key = f"{path}.{k}" if path else k
+        if k not in fields:
+            raise ConfigError(f"{where}: unknown key {key}; known: {sorted(fields)}{_moved_hint(cfg, k, path)}")
+        current = getattr(cfg, k)
+        changes[k] = (override_values(current, v, where, key) if dataclasses.is_dataclass(current)
+                      else _typed(v, hints[k], f"{where}: {key}"))
+    try:
+        return dataclasses.replace(cfg, **changes)
+    except FieldError as e:
+        raise ConfigError(f"{where}: {f'{path}.' if path else ''}{e.field} {e.reason}") from None
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{where}: {path or 'config'}: {e}") from None
+
+
+def _moved_hint(cfg: Any, key: str, path: str) -> str:
+    """'; did you mean train.optim.lr?' when `key` is a field of one of `cfg`'s nested sections."""
+    for f in dataclasses.fields(cfg):
+        sub = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(sub) and key in {g.name for g in dataclasses.fields(sub)}:
+            return f"; did you mean {f'{path}.' if path else ''}{f.name}.{key}?"
+    return ""
 
 
 def _fits(value: Any, hint: Any) -> bool:
@@ -151,6 +177,7 @@ def _typed(value: Any, hint: Any, what: str) -> Any:
     if hint is float or (typing.get_origin(hint) in (Union, types.UnionType) and float in typing.get_args(hint)
                          and isinstance(value, int)):
         return float(value)
-    if typing.get_origin(hint) is tuple:
-        return tuple(value)
+    if isinstance(value, list) and (typing.get_origin(hint) is tuple or any(
+            typing.get_origin(h) is tuple and _fits(value, h) for h in typing.get_args(hint))):
+        return tuple(value)  # a JSON array for a tuple field (also inside `int | tuple[int, ...] | None`)
     return value

@@ -23,6 +23,7 @@ from typing import Any, Callable, Sequence
 from components.atomic import atomic_write_text, remove_stale_temps
 from components.chat import prompt_ids
 from components.traffic_io import Conversation, load_traffic
+from eagle.config_checks import at_least, finite
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,14 @@ class RegenerateConfig:
     endpoint_url: str | None = None  # OpenAI-compatible server, e.g. http://127.0.0.1:8000
     endpoint_model: str | None = None
     endpoint_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        at_least(self, {"max_new_tokens": 1, "batch_size": 1, "shard_size": 1, "seed": 0})
+        if self.limit is not None:
+            at_least(self, {"limit": 1})
+        finite(self, "temperature", lambda x: x >= 0, ">= 0")
+        finite(self, "top_p", lambda x: 0 < x <= 1, "in (0, 1]")
+        finite(self, "endpoint_timeout_s", lambda x: x > 0, "> 0")
 
 
 @dataclass(frozen=True)

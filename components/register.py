@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from eagle.config_checks import finite, one_of
 from infra.mlflow_store import CHALLENGER, CHAMPION, MlflowStore, ModelVersionRef
 
 TARGET_KIND = "causal-lm-target"
@@ -41,8 +42,8 @@ class RegisterConfig:
     gate_tau: str = "local"  # "engine": the gate decides on vLLM's τ (needs evaluate.engine "vllm")
 
     def __post_init__(self) -> None:
-        if self.gate_tau not in ("local", "engine"):
-            raise ValueError(f"register.gate_tau must be 'local' or 'engine', got {self.gate_tau!r}")
+        one_of(self, "gate_tau", ("local", "engine"))
+        finite(self, "tau_floor", lambda x: x >= 0, ">= 0")
 
 
 @dataclass(frozen=True)
@@ -156,13 +157,14 @@ def _alphas(metrics: dict[str, float], prefix: str) -> list[float]:
 
 def _acceptance_tags(metrics: dict[str, float]) -> dict[str, str]:
     """Per-position acceptance (alpha_1..alpha_k) and `identical` ("true"/"false"; absent when sampling: outputs
-    are not comparable) as measured here, and the engine's figures when it measured them (`tau_vllm`,
+    are not comparable) as measured here, `tau_raw` (what the rule accepted, also past EOS: an engine's counting),
+    and the engine's figures when it measured them (`tau_vllm`,
     `speedup_vllm`, `identical_vllm`, `acceptance_vllm`)."""
     tags = {}
     for name, prefix in (("acceptance", "alpha_"), ("acceptance_vllm", "alpha_vllm_")):
         if alphas := _alphas(metrics, prefix):
             tags[name] = " ".join(f"{a:.4f}" for a in alphas)
-    for k in ("tau_vllm", "speedup_vllm"):
+    for k in ("tau_raw", "tau_vllm", "speedup_vllm"):
         if k in metrics:
             tags[k] = f"{float(metrics[k]):.4f}"
     for k in ("identical", "identical_vllm"):

@@ -1,7 +1,7 @@
 """Stage 3, train: the draft head with training-time test, distributed with Ray Train (DDP), resumable.
 
 Purpose: `train(cfg, extract_dir, out_dir, ...) -> TrainResult`. A Ray `TorchTrainer` runs `train_loop` on
-`cfg.num_workers` workers (0 = in the driver process, for tiny runs); each worker reads the extract stage's
+`cfg.ray.num_workers` workers (0 = in the driver process, for tiny runs); each worker reads the extract stage's
 output (offline feature shards, or tokens + the target itself in online mode), rank 0 streams per-step TTT
 metrics to a `MetricsSink` (MLflow in the pipeline) and prints progress. AdamW with warm-up and cosine decay,
 gradient clipping, bf16 autocast on GPU.
@@ -28,13 +28,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from components.atomic import remove_stale_temps
+from eagle.config_checks import FieldError, at_least, one_of
+from eagle.run_config import OptimConfig, TTTConfig
 from components.train_state import (HISTORY, check_checkpoint, history_rows, latest_checkpoint, load_checkpoint,
                                     save_checkpoint, sync_best, trim_history, write_best)
 
@@ -45,67 +46,70 @@ CHOICE_KEYS = ("selected_step", "selection_rule", "selected_heldout_tau", "last_
 if TYPE_CHECKING:
     from eagle.train import BestSoFar
 
-__all__ = ["LoopArgs", "TrainConfig", "TrainResult", "holdout_size", "latest_checkpoint", "train", "train_loop",
-           "warm_start_head"]
+__all__ = ["LoopArgs", "RayConfig", "TrainConfig", "TrainResult", "holdout_size", "latest_checkpoint", "train",
+           "train_loop", "warm_start_head"]
+
+
+@dataclass(frozen=True)
+class RayConfig:
+    """Where training runs: Ray Train workers (DDP), their resources, and how often Ray restarts a failed one."""
+
+    num_workers: int = 1  # 0: run in the driver process
+    use_gpu: bool = False
+    cpus_per_worker: int = 1
+    max_failures: int = 2  # worker restarts before the run fails (-1: no limit)
+
+    def __post_init__(self) -> None:
+        at_least(self, {"num_workers": 0, "cpus_per_worker": 1, "max_failures": -1})
+        if not isinstance(self.use_gpu, bool):
+            raise FieldError(self, "use_gpu", f"must be true or false, got {self.use_gpu!r}")
 
 
 @dataclass(frozen=True)
 class TrainConfig:
+    """The head's training run: its length, data and checkpoints here; the TTT loss (`ttt`), the optimiser
+    (`optim`) and the workers (`ray`) in their own sections (`train.ttt.ttt_steps` in a pipeline config)."""
+
     steps: int = 400
     batch_size: int = 8
     draft_vocab_size: int = 2048
-    ttt_steps: int = 7
-    gamma: float = 0.8
-    lr: float = 1e-3
-    warmup_steps: int = 20
-    grad_clip: float = 0.5
     seed: int = 0
-    num_workers: int = 1  # 0: run in the driver process
-    use_gpu: bool = False
-    cpus_per_worker: int = 1
     checkpoint_every: int = 100
     keep_checkpoints: int = 2
-    max_failures: int = 2
     log_every: int = 10
     warm_start: bool = True  # a fine-tune's head starts from its base target's champion head when there is one
     warm_start_steps: int = 0  # steps of a warm-started run (0: `steps`)
     eval_every: int = 50  # held-out loss and simulated tau every N steps and at the last (0: none, nothing held out)
     holdout_seqs: int = 32  # sequences set aside for it (at most a quarter of the data, at least one)
     select: Literal["best_tau", "last"] = "best_tau"  # the exported weights: best held-out tau, or the last step's
+    ttt: TTTConfig = field(default_factory=TTTConfig)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3, warmup_steps=20))
+    ray: RayConfig = field(default_factory=RayConfig)
 
     def __post_init__(self) -> None:
         _check_config(self)
 
     @classmethod
     def tiny(cls) -> "TrainConfig":
-        return cls(steps=12, batch_size=4, draft_vocab_size=128, ttt_steps=3, lr=3e-3, warmup_steps=2,
-                   num_workers=0, checkpoint_every=5, log_every=2, warm_start_steps=6, eval_every=4, holdout_seqs=2)
-
-
-_AT_LEAST = {"steps": 1, "batch_size": 1, "draft_vocab_size": 1, "ttt_steps": 1, "warmup_steps": 0, "seed": 0,
-             "num_workers": 0, "cpus_per_worker": 1, "checkpoint_every": 1, "keep_checkpoints": 1, "max_failures": -1,
-             "log_every": 1, "warm_start_steps": 0, "eval_every": 0, "holdout_seqs": 0}
+        return cls(steps=12, batch_size=4, draft_vocab_size=128, checkpoint_every=5, log_every=2, warm_start_steps=6,
+                   eval_every=4, holdout_seqs=2, ttt=TTTConfig(ttt_steps=3), optim=OptimConfig(lr=3e-3, warmup_steps=2),
+                   ray=RayConfig(num_workers=0))
 
 
 def _check_config(cfg: TrainConfig) -> None:
     """Refuse out-of-range values, naming the field (a pipeline config file then fails at load)."""
-    for name, low in _AT_LEAST.items():
-        v = getattr(cfg, name)
-        if isinstance(v, bool) or not isinstance(v, int) or v < low:
-            raise ValueError(f"TrainConfig.{name} must be an integer >= {low}, got {v!r}")
-    for name, ok, want in (("gamma", lambda x: 0 < x <= 1, "in (0, 1]"), ("lr", lambda x: x >= 0, ">= 0"),
-                           ("grad_clip", lambda x: x > 0, "> 0")):
-        v = getattr(cfg, name)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not ok(v):
-            raise ValueError(f"TrainConfig.{name} must be a finite number {want}, got {v!r}")
-    if cfg.select not in ("best_tau", "last"):
-        raise ValueError(f"TrainConfig.select must be 'best_tau' or 'last', got {cfg.select!r}")
+    at_least(cfg, {"steps": 1, "batch_size": 1, "draft_vocab_size": 1, "seed": 0, "checkpoint_every": 1,
+                   "keep_checkpoints": 1, "log_every": 1, "warm_start_steps": 0, "eval_every": 0, "holdout_seqs": 0})
+    one_of(cfg, "select", ("best_tau", "last"))
+    for name, kind in (("ttt", TTTConfig), ("optim", OptimConfig), ("ray", RayConfig)):
+        if not isinstance(getattr(cfg, name), kind):
+            raise FieldError(cfg, name, f"must be a {kind.__name__}, got {getattr(cfg, name)!r}")
     if cfg.select == "best_tau" and cfg.eval_every == 0:
-        raise ValueError("TrainConfig.select 'best_tau' needs the held-out evaluation: set eval_every >= 1, or "
-                         "select 'last'")
+        raise FieldError(cfg, "select", "'best_tau' needs the held-out evaluation: set eval_every >= 1, or select "
+                         "'last'")
     if cfg.eval_every and cfg.holdout_seqs == 0:
-        raise ValueError("TrainConfig.holdout_seqs must be >= 1 when eval_every >= 1 (eval_every 0 turns the "
-                         "held-out evaluation off)")
+        raise FieldError(cfg, "holdout_seqs", "must be >= 1 when eval_every >= 1 (eval_every 0 turns the held-out "
+                         "evaluation off)")
 
 
 @dataclass(frozen=True)
@@ -158,8 +162,7 @@ def train_loop(args: LoopArgs) -> None:
     import torch
 
     from components.datasets import TrainingData, batches, heldout_split, ttt_batch
-    from eagle.train import OptimConfig, TTTModule, make_optimizer, train_step
-    from eagle.ttt import TTTConfig
+    from eagle.train import TTTModule, make_optimizer, train_step
 
     cfg, out = args.cfg, Path(args.out_dir)
     rank, world, device = _dist_context(cfg)
@@ -171,16 +174,14 @@ def train_loop(args: LoopArgs) -> None:
 
         target = load_target(args.target_dir, str(device), trust_remote_code=args.trust_remote_code)[0]
     draft = _new_head(args, data).to(device)
-    ttt = TTTConfig(ttt_steps=cfg.ttt_steps, gamma=cfg.gamma)
-    optim = OptimConfig(lr=cfg.lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps, grad_clip=cfg.grad_clip)
-    opt, sched = make_optimizer(draft.trainable_parameters(), optim)
+    opt, sched = make_optimizer(draft.trainable_parameters(), cfg.optim, cfg.steps)
     ckpt = latest_checkpoint(out)
     start, best = load_checkpoint(ckpt, draft, opt, sched) if ckpt else (0, _empty_best())
     train_ids, heldout_ids = heldout_split(data.n_seqs, holdout_size(cfg, data.n_seqs), cfg.seed)
     if rank == 0:
         trim_history(out / HISTORY, start)
         sync_best(out, best)
-    model = _ddp(TTTModule(draft, ttt), world, device)
+    model = _ddp(TTTModule(draft, cfg.ttt), world, device)
     amp = torch.bfloat16 if device.type == "cuda" else None
     t0, seen = time.perf_counter(), 0
     for step, pos in batches(len(train_ids), cfg.batch_size, cfg.seed, start, rank, world):
@@ -188,7 +189,7 @@ def train_loop(args: LoopArgs) -> None:
             break
         batch = ttt_batch(data, [train_ids[i] for i in pos], draft.draft_ids(), device, target)
         try:
-            res = train_step(model, draft, batch, ttt, opt, sched, optim.grad_clip, amp)
+            res = train_step(model, draft, batch, cfg.ttt, opt, sched, cfg.optim.grad_clip, amp)
         except FloatingPointError as e:  # before the optimiser step: the checkpoints stay clean
             raise FloatingPointError(f"{args.extract_dir}, step {step + 1}: {e}") from None
         seen += int(batch.input_ids_BS.numel())
@@ -218,12 +219,11 @@ def _heldout(cfg: TrainConfig, data, heldout_ids: list[int], draft, amp, target)
     """`eagle.train.heldout_metrics` of `draft` on the held-out sequences, `cfg.batch_size` at a time."""
     from components.datasets import ttt_batch
     from eagle.train import heldout_metrics
-    from eagle.ttt import TTTConfig
 
     device, b = next(draft.parameters()).device, cfg.batch_size
     chunks = (heldout_ids[i:i + b] for i in range(0, len(heldout_ids), b))
     return heldout_metrics(draft, (ttt_batch(data, c, draft.draft_ids(), device, target) for c in chunks),
-                           TTTConfig(ttt_steps=cfg.ttt_steps, gamma=cfg.gamma), amp)
+                           cfg.ttt, amp)
 
 
 def _ddp(model, world: int, device):
@@ -244,7 +244,7 @@ def _empty_best() -> BestSoFar:
 
 def _log(args: LoopArgs, step: int, m: dict[str, float]) -> None:
     """One row to every sink and a progress line (held-out figures when the step has them)."""
-    k = args.cfg.ttt_steps - 1
+    k = args.cfg.ttt.ttt_steps - 1
     for s in args.sinks:
         s.log(step, m)
     held = f" heldout tau {m['heldout_tau']:.2f} loss {m['heldout_loss']:.3f}" if "heldout_tau" in m else ""
@@ -313,7 +313,7 @@ def _dist_context(cfg: TrainConfig):
         rank, world = ctx.get_world_rank(), ctx.get_world_size()
     except Exception:  # not inside a Ray Train worker (num_workers == 0 path)
         rank, world = 0, 1
-    if cfg.use_gpu and torch.cuda.is_available():
+    if cfg.ray.use_gpu and torch.cuda.is_available():
         import ray.train.torch
 
         return rank, world, ray.train.torch.get_device()
@@ -361,7 +361,7 @@ def train(cfg: TrainConfig, extract_dir: str, out_dir: str, target_dir: str | No
     args = LoopArgs(cfg, extract_dir, str(out), target_dir, dict(lineage or {}),
                     (JsonlSink(str(history)), *sinks), trust_remote_code, init_head_dir)
     t0 = time.perf_counter()
-    if cfg.num_workers == 0:
+    if cfg.ray.num_workers == 0:
         train_loop(args)
     else:
         _fit_with_ray(args, storage_dir or str(out / "ray"))
@@ -398,7 +398,7 @@ def _fit_with_ray(args: LoopArgs, storage: str) -> None:
     from ray.train import FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    cfg = args.cfg
+    cfg = args.cfg.ray
     trainer = TorchTrainer(
         train_loop, train_loop_config=args,
         scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_gpu,

@@ -55,8 +55,7 @@ def train_online_head(target, ids, mask, steps: int, batch_size: int, device: st
     counts = count_tokens(torch.zeros(target.config.vocab_size, dtype=torch.long), ids.cpu(), mask.cpu())
     draft = init_head(target, counts, draft_vocab_size=256).to(device)
     ttt = TTTConfig(ttt_steps=5)
-    opt, sched = make_optimizer(draft.trainable_parameters(), OptimConfig(lr=3e-3, warmup_steps=20,
-                                                                          total_steps=steps))
+    opt, sched = make_optimizer(draft.trainable_parameters(), OptimConfig(lr=3e-3, warmup_steps=20), steps)
     g = torch.Generator().manual_seed(0)
     history = []
     for step in range(steps):

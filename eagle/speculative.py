@@ -10,7 +10,7 @@ features replace the head's speculative entries, and the target keeps only the a
 Rows of a batch advance by their own accepted lengths (per-row cache lengths, positions and masks); a row stops at
 EOS or `max_new_tokens` and is then frozen while the others finish.
 How to run: `out = generate_speculative(target, draft, ids, mask, SpecConfig(method="tree"))`; `out.sequences`,
-`out.stats.tau`. Greedy when `temperature == 0`.
+`out.stats.tau` (`eagle.stats.SpecStats`). Greedy when `temperature == 0`.
 Speed (both functions alike): inference mode; the target runner's session (CPU kernels, feature hooks attached
 once), `eagle.fastpath.LeanDecoder` for Llama-family targets, preallocated caches written by slice for one row,
 prebuilt causal masks; the head's lean inference path (`eagle.draft`). At batch 1 on a shared 2-core CPU use 1 torch
@@ -19,7 +19,7 @@ Not here: sliding-window targets past their window, flash-attention backends (4-
 dropping finished rows from the batch, CUDA graphs / torch.compile.
 
 Shape legend: B batch, T new positions, V target vocabulary, Vd draft vocabulary, N verified nodes (root first),
-A kept path length (accepted drafts + 1), H hidden.
+A kept path length (accepted drafts + 1), H hidden, S verification steps.
 """
 
 from __future__ import annotations
@@ -36,79 +36,11 @@ from eagle import sampling
 from eagle.draft import Eagle3Draft
 from eagle.fastpath import LeanDecoder, linear, packed_linears
 from eagle.features import capture_layer_inputs, decoder_layers
+from eagle.run_config import SpecConfig
+from eagle.stats import SpecStats
 from eagle.kvcache import (CausalMask, SlotCache, additive_mask, causal_region, check_no_sliding_window,
                           visibility_mask)
 from eagle.tree import HeadRunner, Prefix, Tree, draft_chain, draft_tree, draft_tree_sampled
-
-
-@dataclass(frozen=True)
-class SpecConfig:
-    """How to generate. `topk` and `budget` shape trees only; `budget` counts drafted nodes, the root excluded.
-    Chains sample their drafts from the head (standard rule). Greedy trees draft the top-k (EAGLE-2); sampling
-    trees draw `topk` children per expanded node from the head and verify them by recursive rejection, keeping
-    whole sibling groups (`budget // topk` of them; see `eagle.tree.draft_tree_sampled`, `eagle.sampling`)."""
-
-    method: str = "chain"  # "chain" | "tree"
-    depth: int = 5  # on a 2-core CPU a head step costs ~0.1-0.2 plain steps: 5 is best for alpha ~0.7-0.85
-    topk: int = 4
-    budget: int = 16
-    temperature: float = 0.0  # 0 means greedy
-    top_p: float = 1.0
-    max_new_tokens: int = 64
-    eos_token_id: int | tuple[int, ...] | None = None
-    pad_token_id: int = 0
-    # chains stop drafting early when the head's top probability for the next draft is below this in every row
-    # (its drafts there are mostly rejected; skipping them saves head steps). 0: always draft `depth` tokens.
-    min_draft_prob: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.method not in ("chain", "tree"):
-            raise ValueError(f"method must be 'chain' or 'tree', got {self.method!r}")
-        if self.depth < 1 or self.topk < 1 or self.max_new_tokens < 1:
-            raise ValueError("depth, topk and max_new_tokens must be >= 1")
-        if self.method == "tree" and not 1 <= self.budget <= self.topk + (self.depth - 1) * self.topk ** 2:
-            raise ValueError(f"budget must be in 1..topk + (depth-1)*topk^2, got {self.budget}")
-        if self.temperature < 0 or not 0 < self.top_p <= 1:
-            raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
-        if not 0 <= self.min_draft_prob < 1:
-            raise ValueError(f"min_draft_prob must be in [0, 1), got {self.min_draft_prob}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-    @property
-    def verify_width(self) -> int:
-        """Tokens per verification pass, the root included."""
-        return 1 + (self.depth if self.method == "chain" else self.budget)
-
-
-@dataclass
-class SpecStats:
-    """Per verification step and row: drafted tokens accepted (-1 where the row had already finished)."""
-
-    accept_lengths: torch.Tensor  # [steps, B]
-    depth: int
-    drafted: torch.Tensor | None = None  # [steps] tokens drafted per step (< depth when a chain stopped early)
-
-    @property
-    def n_verify_steps(self) -> int:
-        return int(self.accept_lengths.shape[0])
-
-    @property
-    def tau(self) -> float:
-        """Mean tokens per verification step, the bonus token included."""
-        a = self.accept_lengths[self.accept_lengths >= 0]
-        return float(a.float().mean() + 1) if a.numel() else 0.0
-
-    @property
-    def per_position_acceptance(self) -> list[float]:
-        """alpha_k = (steps that accepted depth k) / (steps that reached depth k, having drafted it), k = 1..depth."""
-        live = self.accept_lengths >= 0
-        a = self.accept_lengths[live]
-        d = (self.drafted[:, None].expand_as(self.accept_lengths)[live] if self.drafted is not None
-             else torch.full_like(a, self.depth))
-        return [float((a >= k).sum() / ((a >= k - 1) & (d >= k)).sum().clamp_min(1)) for k in range(1, self.depth + 1)]
 
 
 @dataclass
@@ -131,7 +63,8 @@ class _Emitted:
         self.eos = None if eos is None else torch.tensor([eos] if isinstance(eos, int) else list(eos), device=device)
         self.max_new = cfg.max_new_tokens
 
-    def emit(self, tokens_BA: torch.Tensor, n_B: torch.Tensor) -> None:
+    def emit(self, tokens_BA: torch.Tensor, n_B: torch.Tensor) -> torch.Tensor:
+        """Append each row's first n tokens (as far as the row is not done); returns the tokens kept per row [B]."""
         B, A = tokens_BA.shape
         ar = torch.arange(A, device=tokens_BA.device)[None]
         ok_BA = (ar < n_B[:, None]) & ~self.done_B[:, None] & (self.count_B[:, None] + ar < self.max_new)
@@ -142,8 +75,10 @@ class _Emitted:
             self.done_B |= (eos_BA & ok_BA).any(1)
         rows_BA = torch.arange(B, device=tokens_BA.device)[:, None].expand(B, A)
         self.tokens_BN[rows_BA[ok_BA], (self.count_B[:, None] + ar)[ok_BA]] = tokens_BA[ok_BA]
-        self.count_B += ok_BA.sum(1)
+        kept_B = ok_BA.sum(1)
+        self.count_B += kept_B
         self.done_B |= self.count_B >= self.max_new
+        return kept_B
 
 
 def pack_left(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -256,8 +191,12 @@ def generate_plain(target: nn.Module, input_ids: torch.Tensor, attention_mask: t
 def _outside_inference_mode(out: GenOutput) -> GenOutput:
     """Copies that autograd code may use (inference-mode tensors cannot be saved for backward)."""
     st = out.stats
-    stats = None if st is None else SpecStats(st.accept_lengths.clone(), st.depth,
-                                              None if st.drafted is None else st.drafted.clone())
+
+    def copy(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.clone()
+
+    stats = None if st is None else SpecStats(st.accept_lengths.clone(), st.depth, copy(st.drafted),
+                                              copy(st.emitted_lengths))
     return GenOutput(out.sequences.clone(), out.lengths.clone(), stats)
 
 
@@ -429,17 +368,19 @@ def _speculative_loop(spec: Speculator, ids_BT: torch.Tensor, n_B: torch.Tensor)
     out.emit(root_B[:, None], torch.ones_like(n_B))
     shifted_BT = torch.cat([ids_BT[:, 1:], ids_BT[:, :1]], 1).scatter(1, (n_B - 1)[:, None], root_B[:, None])
     hidden_BH, dlogits_BVd = spec.head_extend(Prefix(torch.zeros_like(n_B), 0), shifted_BT, aux_BT3H, n_B)
-    lengths_B, accepted, drafted = n_B, [], []
+    lengths_B, accepted, emitted, drafted = n_B, [], [], []
     while not bool(out.done_B.all()):
         prefix = Prefix.of(lengths_B)
         n_B, kept_BA, aux_BA3H = spec.step(prefix, root_B, hidden_BH, dlogits_BVd)
         active_B = ~out.done_B
         accepted.append(torch.where(active_B, n_B, -1))
         drafted.append(kept_BA.shape[1] - 1)
-        out.emit(kept_BA, n_B + 1)
+        emitted.append(torch.where(active_B, out.emit(kept_BA, n_B + 1), -1))
         A = int(n_B.max()) + 1
         hidden_BH, dlogits_BVd = spec.head_extend(prefix, kept_BA[:, :A], aux_BA3H[:, :A], n_B + 1)
         root_B = kept_BA.gather(1, n_B[:, None])[:, 0]
         lengths_B = lengths_B + (n_B + 1) * active_B
-    steps = torch.stack(accepted) if accepted else torch.zeros(0, B, dtype=torch.long)
-    return GenOutput(out.tokens_BN, out.count_B, SpecStats(steps, cfg.depth, torch.tensor(drafted, dtype=torch.long)))
+    empty = torch.zeros(0, B, dtype=torch.long, device=ids_BT.device)
+    accepted_SB, emitted_SB = (torch.stack(x) if x else empty for x in (accepted, emitted))
+    stats = SpecStats(accepted_SB, cfg.depth, torch.tensor(drafted, dtype=torch.long), emitted_SB)
+    return GenOutput(out.tokens_BN, out.count_B, stats)

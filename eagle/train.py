@@ -23,25 +23,9 @@ from eagle.config import DraftConfig
 from eagle.draft import Eagle3Draft
 from eagle.export import head_state_dict
 from eagle.features import target_forward, teacher_targets
-from eagle.ttt import TTTBatch, TTTConfig, TTTOutput, ttt_loss
+from eagle.run_config import OptimConfig, TTTConfig
+from eagle.ttt import TTTBatch, TTTOutput, ttt_loss
 from eagle.vocab import select_draft_vocab
-
-
-@dataclass(frozen=True)
-class OptimConfig:
-    """AdamW and its schedule (`make_optimizer`), and the gradient-norm clip the caller passes to `train_step`."""
-
-    lr: float = 3e-4
-    warmup_steps: int = 50
-    total_steps: int = 1000
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.95)
-    grad_clip: float = 0.5
-
-    @classmethod
-    def tiny(cls) -> "OptimConfig":
-        return cls(lr=3e-3, warmup_steps=2, total_steps=20)
 
 
 def init_head(target: nn.Module, token_counts_V: torch.Tensor, draft_vocab_size: int,
@@ -73,14 +57,14 @@ def online_batch(target: nn.Module, draft: Eagle3Draft, input_ids_BS: torch.Tens
     return TTTBatch(input_ids_BS, step.aux_BT3H, loss_mask_BS, teacher)
 
 
-def make_optimizer(params, cfg: OptimConfig):
+def make_optimizer(params, cfg: OptimConfig, total_steps: int):
     """AdamW with linear warm-up to `lr`, then cosine decay to `lr * min_lr_ratio` at `total_steps`."""
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
 
     def factor(step: int) -> float:
         if step < cfg.warmup_steps:
             return (step + 1) / cfg.warmup_steps
-        t = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.total_steps - cfg.warmup_steps))
+        t = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
         return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t))
 
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)

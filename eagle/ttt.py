@@ -25,23 +25,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from eagle.draft import Eagle3Draft
+from eagle.run_config import TTTConfig
 from eagle.features import Teacher
-
-
-@dataclass(frozen=True)
-class TTTConfig:
-    ttt_steps: int = 7
-    gamma: float = 0.8
-    attn_chunk: int = 512  # query rows per attention chunk
-    loss_chunk: int = 2048  # rows per lm_head/loss chunk
-
-    def __post_init__(self) -> None:
-        if self.ttt_steps < 1 or not 0 < self.gamma <= 1 or self.attn_chunk < 1 or self.loss_chunk < 1:
-            raise ValueError(f"invalid TTTConfig {self}")
-
-    @classmethod
-    def tiny(cls) -> "TTTConfig":
-        return cls(ttt_steps=3, attn_chunk=8, loss_chunk=16)
 
 
 @dataclass

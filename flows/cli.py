@@ -35,7 +35,8 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--embedded-preset", default="default", choices=["default", "tiny", "gpu"])
     t = sub.add_parser("train", help="train, evaluate and register a head for one target")
     t.add_argument("--target", required=True, help="HF model directory or models:/name/version")
-    t.add_argument("--traffic", required=True, help="training traffic (OpenAI messages or ShareGPT JSONL)")
+    t.add_argument("--traffic", required=True, help="training traffic: JSONL, Parquet, Arrow or a datasets "
+                   "save_to_disk directory (OpenAI messages or ShareGPT conversations)")
     t.add_argument("--heldout", required=True, help="held-out traffic for evaluation")
     t.add_argument("--name", help="registry name for a target given as a directory (default: its folder name)")
     t.add_argument("--preset", default="default", choices=["default", "tiny"])
@@ -43,7 +44,7 @@ def _parser() -> argparse.ArgumentParser:
     e = sub.add_parser("evaluate", help="measure a head: tau, acceptance, speedup, identical outputs")
     e.add_argument("--head", required=True, help="exported head directory or models:/name/version|@alias")
     e.add_argument("--target", help="target directory or models:/...; default: the head's target from lineage")
-    e.add_argument("--traffic", required=True, help="held-out traffic JSONL")
+    e.add_argument("--traffic", required=True, help="held-out traffic (same formats as train --traffic)")
     e.add_argument("--json", help="write the result here as JSON")
     e.add_argument("--preset", default="default", choices=["default", "tiny"])
     e.add_argument("--method", choices=["chain", "tree"], help="drafting method (default: the preset's, chain)")
@@ -122,8 +123,8 @@ def _check_files(parser: argparse.ArgumentParser, a: argparse.Namespace) -> None
             continue
         if not Path(p).exists():
             parser.error(f"--{opt} {p}: no such file or directory")
-        if opt in ("traffic", "heldout", "config") and not Path(p).is_file():
-            parser.error(f"--{opt} {p}: not a file")
+        if opt == "config" and not Path(p).is_file():
+            parser.error(f"--{opt} {p}: not a file")  # traffic may be a `datasets` save_to_disk directory
 
 
 def _setup():
@@ -193,15 +194,15 @@ def _resolve_head(a, settings) -> tuple[str, str, dict]:
 
 
 def _evaluate(a, settings) -> dict:
-    from dataclasses import asdict, replace
+    from dataclasses import asdict
 
     from components.evaluate import evaluate
-    from components.pipeline_config import PipelineConfig
+    from components.pipeline_config import PipelineConfig, override_values
 
     head, target, _ = _resolve_head(a, settings)
-    cfg = PipelineConfig.preset(a.preset).evaluate
-    cfg = replace(cfg, **{k: v for k, v in (("method", a.method), ("depth", a.depth), ("limit", a.limit),
-                                            ("engine", a.engine)) if v is not None})
+    given = {"spec": {k: v for k, v in (("method", a.method), ("depth", a.depth)) if v is not None},
+             **{k: v for k, v in (("limit", a.limit), ("engine", a.engine)) if v is not None}}
+    cfg = override_values(PipelineConfig.preset(a.preset).evaluate, given, "command line", "evaluate")
     out = settings.state_dir / "evaluations" / time.strftime("%Y%m%d-%H%M%S")
     res = asdict(evaluate(cfg, target, head, a.traffic, str(out), trust_remote_code=settings.trust_remote_code))
     if cfg.engine == "vllm":

@@ -3,8 +3,9 @@
 Purpose: build (or reuse) the embedded default (tokenizer, base target, its fine-tune, traffic), register the
 base target as version 1 of `stdlib-llama`, train/evaluate/register its head through `train-head`, then register
 the fine-tune as version 2 and let the trigger path (registry watcher -> `on-new-finetune`) train its head.
-Returns a table of both heads (tau measured here and, with `evaluate.engine: vllm`, in vLLM serving the head) whose
-last line is
+Returns a table of both heads (tau measured here: emitted tokens per step, and `tau_raw`, what the rule accepted,
+as vLLM counts; with `evaluate.engine: vllm` also tau in vLLM serving the head, equal to `tau_raw`) whose last
+line is
 `demo: tau=<tau> speedup=<x>x identical=<yes|no> head=<models:/...@alias>` for the fine-tune's head
 (the CLI prints it after the flow, so it is the very last line of `make demo`).
 Run: `make demo` or `eagle-heads demo [--preset tiny]`.
@@ -27,7 +28,8 @@ def _row(label: str, s: HeadRun) -> str:
     alpha = " ".join(f"{a:.2f}" for a in s.acceptance)
     ident = {True: "yes", False: "NO", None: "n/a"}[s.identical]
     tau_vllm = f"{s.tau_vllm:.2f}" if s.tau_vllm is not None else "-"
-    return (f"{label:<28} {s.head_uri:<36} {s.alias:<10} {s.tau:>5.2f} {tau_vllm:>9} "
+    tau_raw = f"{s.tau_raw:.2f}" if s.tau_raw is not None else "-"
+    return (f"{label:<28} {s.head_uri:<36} {s.alias:<10} {s.tau:>5.2f} {tau_raw:>7} {tau_vllm:>9} "
             f"{s.speedup:>7.2f}x {ident:>9}  {alpha}")
 
 
@@ -59,8 +61,8 @@ def demo(preset: str = "default", embedded_preset: str = "default", target_name:
     alias = r2.alias or "champion"
     ident = "yes" if r2.identical else "no"
     table = ["results (held-out traffic, greedy, outputs checked identical to plain decoding):",
-             f"{'target':<28} {'head':<36} {'alias':<10} {'tau':>5} {'tau(vLLM)':>9} {'speedup':>8} {'identical':>9}"
-             "  alpha_1..k",
+             f"{'target':<28} {'head':<36} {'alias':<10} {'tau':>5} {'tau_raw':>7} {'tau(vLLM)':>9} {'speedup':>8} "
+             f"{'identical':>9}  alpha_1..k",
              _row(f"{target_name} v{base.version} (base)", r1),
              _row(f"{target_name} v{tuned.version} (fine-tune)", r2),
              f"demo: tau={r2.tau:.2f} speedup={r2.speedup:.2f}x identical={ident} head=models:/{name}@{alias}"]

@@ -59,7 +59,7 @@ def extract_task(cfg: ExtractConfig, target_dir: str, regen_dir: str, out_dir: s
 def train_task(cfg: TrainConfig, extract_dir: str, out_dir: str, target_dir: str, lineage: dict,
                ray_settings, sinks: tuple = (), init_head_dir: str | None = None) -> TrainResult:
     trust = ray_settings.trust_remote_code
-    if cfg.num_workers == 0:
+    if cfg.ray.num_workers == 0:
         return train(cfg, extract_dir, out_dir, target_dir, lineage, sinks, trust_remote_code=trust,
                      init_head_dir=init_head_dir)
     from infra.ray_cluster import ray_session

@@ -54,7 +54,8 @@ class HeadRun:
     alias: str  # "champion", "challenger" or "none"
     promoted: bool
     gate: str  # the gate's reason
-    tau: float
+    tau: float  # tokens emitted per verification step (this project's decoder)
+    tau_raw: float | None  # what the rule accepted per step, also past EOS: comparable with vLLM's counters
     tau_vllm: float | None  # None: not measured in vLLM
     speedup: float
     identical: bool | None  # None when sampling: outputs not comparable
@@ -74,6 +75,7 @@ class HeadRun:
         v, reg = done.version, done.result()
         return cls(head_uri=reg.uri, alias=reg.alias, promoted=reg.promoted, gate=reg.reason,
                    tau=float(v.tags.get("tau", "nan")),
+                   tau_raw=float(v.tags["tau_raw"]) if "tau_raw" in v.tags else None,
                    tau_vllm=float(v.tags["tau_vllm"]) if "tau_vllm" in v.tags else None,
                    speedup=float(v.tags.get("speedup", "nan")), identical=identical_of(v),
                    acceptance=[float(a) for a in v.tags.get("acceptance", "").split()], per_segment=None, vllm=None,
@@ -91,11 +93,10 @@ def _check_traffic(path: str, what: str) -> None:
     try:
         load_traffic(path)
     except TrafficFormatError as e:
-        hint = ("give a JSONL file with at least one conversation" if e.line == 0 else
-                f"fix or remove line {e.line} (each line: an OpenAI `messages` or ShareGPT `conversations` object)")
-        raise TrafficFormatError(e.path, e.line, f"{e.reason} ({what}; {hint})") from None
-    except IsADirectoryError:
-        raise TrafficFormatError(path, 0, f"is a directory ({what}; pass a JSONL file)") from None
+        hint = ("give JSONL, Parquet, Arrow or a datasets save_to_disk directory with at least one conversation"
+                if e.line == 0 else f"fix or remove {e.unit} {e.line} (each {e.unit}: an OpenAI `messages` or "
+                "ShareGPT `conversations` record)")
+        raise TrafficFormatError(e.path, e.line, f"{e.reason} ({what}; {hint})", e.unit) from None
 
 
 def check_inputs(target: str, traffic: str, heldout: str, cfg: PipelineConfig, settings: Settings) -> None:
@@ -109,7 +110,7 @@ def check_inputs(target: str, traffic: str, heldout: str, cfg: PipelineConfig, s
             parse_model_uri(target)
         except ValueError as e:
             raise TargetError(f"{e}; pass a model directory or a registered target version") from None
-    if cfg.train.num_workers > 0 and settings.ray_address:
+    if cfg.train.ray.num_workers > 0 and settings.ray_address:
         from infra.ray_cluster import probe_ray
 
         probe_ray(settings)
@@ -245,7 +246,7 @@ def _run(cfg: PipelineConfig, settings: Settings, store: MlflowStore, tref: Targ
                               checkpoint={k: getattr(tr, k, None) for k in CHOICE_KEYS})
         reg = register_task(settings, cfg.register, head)
     summary = HeadRun(head_uri=reg.uri, alias=reg.alias, promoted=reg.promoted, gate=reg.reason, tau=ev.tau,
-                      tau_vllm=engine.tau if engine else None, speedup=ev.speedup, identical=ev.identical,
+                      tau_raw=ev.tau_raw, tau_vllm=engine.tau if engine else None, speedup=ev.speedup, identical=ev.identical,
                       acceptance=ev.acceptance, per_segment=ev.per_segment, vllm=engine, train=tr, regenerate=regen,
                       extract=ext, created=True, work_dir=str(work), init_from=parent.uri if parent else None)
     atomic_write_text(work / "summary.json", json.dumps(asdict(summary), indent=2, default=str) + "\n")

@@ -11,6 +11,7 @@ Not here: kills and outages (tests/test_faults.py).
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
@@ -70,7 +71,7 @@ def test_a_head_for_another_target(tiny_embedded, extracted, tmp_path):
     from components.train import TrainConfig, train
     from eagle.export import HeadMismatchError
 
-    head = train(TrainConfig(**{**TrainConfig.tiny().__dict__, "steps": 2}), str(extracted / "ext"),
+    head = train(dataclasses.replace(TrainConfig.tiny(), steps=2), str(extracted / "ext"),
                  str(tmp_path / "train")).head_dir
     other = target_copy(tiny_embedded, tmp_path)  # same tokenizer and template, another shape
     cfg = AutoConfig.from_pretrained(other, trust_remote_code=False)

@@ -19,7 +19,6 @@ import torch
 
 from components.evaluate import EvaluateConfig, NotLosslessError, evaluate
 from components.extract import ExtractConfig, extract
-from components.pipeline_config import ConfigError, PipelineConfig
 from components.regenerate import RegenerateConfig, regenerate
 from components.register import (HeadToRegister, RegisterConfig, TargetRef, identical_of, register_head,
                                  register_target)
@@ -51,8 +50,8 @@ def test_evaluate_reports_acceptance_and_identical_outputs(tiny_embedded, head, 
     res = evaluate(cfg, tiny_embedded.target_dir, head.head_dir, heldout, str(tmp_path / "eval"),
                    baseline_head_dir=head.head_dir, history_file=head.history_file, **QUIET)
     assert res.identical is True and res.n_samples == cfg.limit
-    assert 1.0 <= res.tau <= cfg.depth + 1
-    assert len(res.acceptance) == len(res.acceptance_cumulative) == cfg.depth
+    assert 1.0 <= res.tau <= cfg.spec.depth + 1
+    assert len(res.acceptance) == len(res.acceptance_cumulative) == cfg.spec.depth
     assert all(0.0 <= a <= 1.0 for a in res.acceptance + res.acceptance_cumulative)
     assert all(b <= a + 1e-9 for a, b in zip(res.acceptance_cumulative, res.acceptance_cumulative[1:]))
     segments = [c.segment for c in load_traffic(heldout).conversations[: cfg.limit]]
@@ -194,51 +193,6 @@ def test_a_head_never_lands_among_a_targets_versions(mlflow_store, tiny_embedded
     assert [v.version for v in mlflow_store.list_versions("tiny-v1-eagle3")] == [1]
 
 
-# ---- pipeline config --------------------------------------------------------------------------------------------
-
-
-def _load(tmp_path: Path, data, preset: str = "tiny") -> PipelineConfig:
-    path = tmp_path / "cfg.json"
-    path.write_text(json.dumps(data))
-    return PipelineConfig.load(path, preset)
-
-
-def test_presets_and_overrides(tmp_path):
-    assert PipelineConfig.load(None, "tiny") == PipelineConfig.tiny()
-    assert PipelineConfig.load(None, "default") == PipelineConfig.default()
-    cfg = _load(tmp_path, {"train": {"steps": 7}, "extract": {"mode": "online"}})
-    assert cfg.train.steps == 7 and cfg.extract.mode == "online"
-    assert cfg.train.batch_size == PipelineConfig.tiny().train.batch_size  # the rest of the preset stays
-    with pytest.raises(ConfigError, match="unknown preset 'huge'"):
-        PipelineConfig.preset("huge")
-
-
-@pytest.mark.parametrize("data, named", [
-    ({"trian": {"steps": 1}}, "unknown section 'trian'"),
-    ({"train": {"stepz": 1}}, "unknown key train.stepz"),
-    ({"train": 5}, "section 'train' must be a mapping"),
-    ({"extract": {"mode": "sideways"}}, r"extract.mode: 'sideways' is not of type .*'offline', 'online'"),
-    ({"extract": {"dtype": "int8"}}, "feature dtype must be"),
-    ({"train": {"steps": "ten"}}, "train.steps"),
-    ({"regenerate": {"limit": 2.5}}, "regenerate.limit"),
-])
-def test_bad_config_is_refused_by_name(tmp_path, data, named):
-    with pytest.raises(ConfigError, match=named):
-        _load(tmp_path, data)
-
-
-def test_optional_values_accept_null(tmp_path):
-    assert _load(tmp_path, {"regenerate": {"limit": None}, "train": {"lr": 1}}).regenerate.limit is None
-
-
-def test_fingerprint_is_stable_and_sensitive(tmp_path):
-    a = PipelineConfig.tiny()
-    assert a.fingerprint() == PipelineConfig.tiny().fingerprint() == _load(tmp_path, {}).fingerprint()
-    assert _load(tmp_path, {"train": {"steps": a.train.steps}}).fingerprint() == a.fingerprint()
-    assert _load(tmp_path, {"train": {"steps": a.train.steps + 1}}).fingerprint() != a.fingerprint()
-    assert len(a.fingerprint()) == 64 and a.fingerprint() != PipelineConfig.default().fingerprint()
-
-
 def test_the_gate_can_decide_on_the_engines_tau(mlflow_store, target_ref, head):
     cfg = RegisterConfig(tau_floor=1.5, gate_tau="engine")
     name = "tiny-v1-eagle3"
@@ -256,13 +210,3 @@ def test_the_gate_can_decide_on_the_engines_tau(mlflow_store, target_ref, head):
         register_head(mlflow_store, cfg, _head(mlflow_store, target_ref, head.head_dir, "k3", 3.5, 3.0, tau_vllm=2.5))
     with pytest.raises(ValueError, match="not measured in vLLM: set evaluate.engine"):
         register_head(mlflow_store, cfg, _head(mlflow_store, target_ref, head.head_dir, "k4", 3.5, None))
-
-
-def test_an_engine_gate_needs_the_engine(tmp_path):
-    assert PipelineConfig.default().register.gate_tau == "engine"
-    with pytest.raises(ConfigError, match="register.gate_tau 'engine' needs evaluate.engine 'vllm'"):
-        _load(tmp_path, {"evaluate": {"engine": "local"}}, "default")
-    cfg = _load(tmp_path, {"evaluate": {"engine": "local"}, "register": {"gate_tau": "local"}}, "default")
-    assert cfg.register.gate_tau == "local"
-    with pytest.raises(ConfigError, match="register.gate_tau must be 'local' or 'engine'"):
-        _load(tmp_path, {"register": {"gate_tau": "both"}})

@@ -30,7 +30,7 @@ from components.extract import ExtractConfig, extract
 from components.regenerate import RegenerateConfig, regenerate
 from components.targets import load_target
 from components.pipeline_config import ConfigError, PipelineConfig
-from components.train import TrainConfig, holdout_size, latest_checkpoint, train
+from components.train import RayConfig, TrainConfig, holdout_size, latest_checkpoint, train
 from components.train_state import read_best
 from eagle.config import default_aux_layer_ids
 from eagle.export import load_head, read_head_meta, verify_probe
@@ -182,7 +182,7 @@ def test_offline_and_online_batches_and_steps_are_the_same(offline_dir, online_d
     losses = []
     for batch in (a, b):
         head = _head(off)
-        opt, sched = make_optimizer(head.trainable_parameters(), OptimConfig.tiny())
+        opt, sched = make_optimizer(head.trainable_parameters(), OptimConfig.tiny(), 20)
         losses.append(float(train_step(head, head, batch, ttt, opt, sched, 0.5).loss.detach()))
     assert losses[0] == pytest.approx(losses[1], abs=1e-5)
 
@@ -322,17 +322,6 @@ def test_selection_keeps_the_earliest_best_and_the_holdout_is_seeded():
     assert holdout_size(TrainConfig(eval_every=0, select="last"), 1) == 0  # nothing held out, nothing refused
 
 
-@pytest.mark.parametrize("field,value", [("steps", 0), ("ttt_steps", 0), ("eval_every", -1), ("gamma", 0.0),
-                                         ("gamma", 1.5), ("lr", float("nan")), ("holdout_seqs", 0), ("select", "x"),
-                                         ("batch_size", 0), ("keep_checkpoints", 0), ("eval_every", 0)])
-def test_bad_train_config_values_name_the_field(field, value, tmp_path):
-    with pytest.raises(ValueError, match=rf"TrainConfig\.{'select' if field == 'eval_every' and not value else field}"):
-        TrainConfig(**{**TrainConfig.tiny().__dict__, field: value})  # eval_every 0 with select 'best_tau': select
-    (tmp_path / "p.json").write_text(json.dumps({"train": {field: value}}))
-    with pytest.raises(ConfigError, match=rf"section 'train': TrainConfig\.|train\.select: 'x' is not of type"):
-        PipelineConfig.load(tmp_path / "p.json", preset="tiny")
-
-
 def test_warm_start_begins_at_the_given_head_and_learns_faster(offline_dir, trained, target, tmp_path):
     parent = load_file(str(Path(trained.head_dir) / "model.safetensors"))
     frozen = dataclasses.replace(TrainConfig.tiny(), steps=2, lr=0.0, log_every=1)
@@ -375,8 +364,8 @@ def test_ray_failure_config_restarts_and_completes(offline_dir, ray_local, tmp_p
                 Path(self.marker).write_text("crashed")
                 raise RuntimeError(f"crashed at step {step}")
 
-    cfg = TrainConfig(**{**TrainConfig.tiny().__dict__, "num_workers": 2, "steps": 8, "checkpoint_every": 3,
-                         "batch_size": 2, "max_failures": 1})
+    cfg = dataclasses.replace(TrainConfig.tiny(), steps=8, checkpoint_every=3, batch_size=2,
+                              ray=RayConfig(num_workers=2, max_failures=1))
     out, marker = tmp_path / "train", tmp_path / "crashed"
     res = train(cfg, str(offline_dir), str(out), sinks=(CrashOnce(str(marker), 4),), storage_dir=str(tmp_path / "ray"))
     assert marker.is_file()  # the worker group crashed at step 4, and fit() still returned: Ray restarted it
@@ -442,7 +431,7 @@ def test_pipeline_config_takes_layer_ids_and_refuses_bad_ones(tmp_path):
 
     assert load([1, 3, 5]).extract.aux_layer_ids == (1, 3, 5)
     for bad in ([1, 1, 3], [0, 2, 4], [3, 2, 1], [1, 2]):
-        with pytest.raises(ConfigError, match=r"section 'extract': aux_layer_ids .* three distinct ascending"):
+        with pytest.raises(ConfigError, match=r"extract.aux_layer_ids \[.*\] must be three distinct ascending"):
             load(bad)
     for bad in ([1, 2, "3"], [1, 2, 3.5], 3):
         with pytest.raises(ConfigError, match="extract.aux_layer_ids"):

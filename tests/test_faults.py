@@ -328,7 +328,7 @@ def test_resumed_run_equals_an_uninterrupted_one(chain, reference):
 
 
 def test_a_killed_ray_worker_is_restarted_from_the_last_checkpoint(reference, ray_local, tmp_path):
-    from components.train import TrainConfig, latest_checkpoint, train
+    from components.train import RayConfig, TrainConfig, latest_checkpoint, train
     from eagle.export import read_head_meta
 
     @dataclass(frozen=True)
@@ -341,8 +341,8 @@ def test_a_killed_ray_worker_is_restarted_from_the_last_checkpoint(reference, ra
                 Path(self.marker).write_text(str(os.getpid()))
                 os.kill(os.getpid(), signal.SIGKILL)
 
-    cfg = TrainConfig(**{**TrainConfig.tiny().__dict__, "num_workers": 1, "steps": 8, "checkpoint_every": 3,
-                         "batch_size": 2, "max_failures": 1})  # one worker: the 2-worker restart is in test_extract_train
+    cfg = dataclasses.replace(TrainConfig.tiny(), steps=8, checkpoint_every=3, batch_size=2,
+                              ray=RayConfig(num_workers=1, max_failures=1))  # the 2-worker restart: test_extract_train
     marker, out = tmp_path / "killed-pid", tmp_path / "train"
     res = train(cfg, str(_work(reference[0]) / "extract"), str(out), sinks=(KillWorker(str(marker), 4),),
                 storage_dir=str(tmp_path / "ray"))

@@ -119,7 +119,7 @@ def test_config_values_are_checked_at_load(tmp_path):
 
     path = tmp_path / "c.json"
     path.write_text(json.dumps({"monitor": {"ratio": 1.5}}))
-    with pytest.raises(ConfigError, match="monitor.ratio must be in"):
+    with pytest.raises(ConfigError, match=r"monitor.ratio must be a finite number in \(0, 1\]"):
         PipelineConfig.load(path, "tiny")
 
 
@@ -146,6 +146,13 @@ def test_baseline_prefers_the_engine_tau_and_refuses_no_champion(mlflow_store, t
     mlflow_store.set_alias(name, CHAMPION, mv.version)
     b = baseline_of(mlflow_store, "models:/tgt/1")
     assert (b.tau, b.tau_source, b.depth, b.head_uri) == (2.4, "tau_vllm", 3, f"models:/{name}/{mv.version}")
+    with mlflow_store.run("h2") as run_id:  # measured here only: our tau counted as vLLM counts, not the emitted one
+        mlflow_store.log_dir(run_id, head, "head")
+        mv = mlflow_store.register(name, run_id, "head", run_key="k2", tags={
+            "tau": "2.5000", "tau_raw": "2.6000", "acceptance": "0.9 0.8 0.7"})
+    mlflow_store.set_alias(name, CHAMPION, mv.version)
+    assert (baseline_of(mlflow_store, "models:/tgt/1").tau_source, baseline_of(mlflow_store, "models:/tgt/1").tau) \
+        == ("tau_raw", 2.6)
 
 
 def test_newest_snapshot_is_the_last_in_name_order(tmp_path):

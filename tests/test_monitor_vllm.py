@@ -87,7 +87,8 @@ def drift(drift_target, tmp_path):
     config = tmp_path / "pipeline.json"
     config.write_text(json.dumps({
         "regenerate": {"max_new_tokens": 48, "limit": 64}, "train": {"steps": 300, "checkpoint_every": 300},
-        "evaluate": {"max_new_tokens": 48, "limit": None}, "monitor": {"traffic_dir": str(tmp_path / "traffic"), "ratio": RATIO}}))
+        "evaluate": {"spec": {"max_new_tokens": 48}, "limit": None},
+        "monitor": {"traffic_dir": str(tmp_path / "traffic"), "ratio": RATIO}}))
     return {"train": _kind(emb.target_traffic.train, CODE, tmp_path / "code-train.jsonl"),
             "heldout": _kind(emb.target_traffic.heldout, CODE, tmp_path / "code-heldout.jsonl"),
             "explain": _kind(emb.target_traffic.train, {"explain"}, tmp_path / "explain.jsonl"),
@@ -130,11 +131,11 @@ def test_a_drop_in_served_acceptance_retrains_the_head(live_prefect, drift_targe
     store = MlflowStore.connect(settings)
     head_name = f"{TARGET}-v1-eagle3"
     spec = EngineSpec(emb.target_dir, str(store.resolve(store.get_alias(head_name, CHAMPION).uri)),
-                      num_speculative_tokens=cfg.evaluate.depth, max_model_len=512)
+                      num_speculative_tokens=cfg.evaluate.spec.depth, max_model_len=512)
 
     def serve(srv, traffic: Path) -> None:
         for _, ids in engine_prompts(cfg.evaluate, emb.target_dir, str(traffic), settings):
-            srv.complete(ids, cfg.evaluate.max_new_tokens)
+            srv.complete(ids, cfg.evaluate.spec.max_new_tokens)
 
     with VllmServer(spec, settings) as srv:
         monitor = [str(BIN / "eagle-heads"), "monitor", "--target", f"models:/{TARGET}/1", "--once", "--preset",
