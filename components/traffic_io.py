@@ -1,30 +1,37 @@
-"""Loaders for user traffic: OpenAI `messages` JSONL and ShareGPT `conversations` JSONL, normalised to one type.
+"""Loaders for user traffic: OpenAI `messages` and ShareGPT `conversations` chats, normalised to one type.
 
-Purpose: `load_traffic(path)` reads a JSONL file of chats and returns `Conversation`s (id, messages with roles
-system/user/assistant, optional `segment` and `source_file` metadata). Formats, one JSON object per line:
+Purpose: `load_traffic(path)` reads chats and returns `Conversation`s (id, messages with roles system/user/assistant,
+optional `segment` and `source_file` metadata). Schemas, one JSON object per line (or one table row):
   OpenAI:   {"id": ..., "messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...], ...}
   ShareGPT: {"id": ..., "conversations": [{"from": "system"|"human"|"gpt", "value": "..."}, ...], ...}
-`format="auto"` decides per line by the key present. Rules: at most one system message, and only first; at least
+Sources: JSON Lines (`.jsonl`, `.json`, `.ndjson`), Parquet (`.parquet`), Arrow IPC file or stream (`.arrow`), or a
+directory written by `Dataset.save_to_disk` (a `DatasetDict` one when it has a single split; else pass `DIR/<split>`).
+Tables are read a batch of rows at a time (components/traffic_sources.py); a null column counts as an absent key.
+`format="auto"` decides per row by the key present. Rules: at most one system message, and only first; at least
 one user turn; contents are strings; lines are UTF-8 (a leading byte-order mark is allowed). Blank lines are
-ignored; a line without an id gets `line-<n>`.
-A bad line raises `TrafficFormatError` naming the file, the line and the reason; with `skip_bad=True` bad lines
-are skipped and counted in `TrafficLoad.skipped`. An empty file (or one with no valid line) always raises.
-`traffic_sha256` hashes a file's bytes; `conversations_sha256` hashes the normalised content (format-independent).
-Run: `python -m components.traffic_io FILE...` prints counts per segment and the hashes.
+ignored; a line without an id gets `line-<n>`, a table row `row-<n>`.
+A bad line or row raises `TrafficFormatError` naming the file, the line or row (1-based) and the reason; with
+`skip_bad=True` bad ones are skipped and counted in `TrafficLoad.skipped`. An empty source (or one with nothing
+valid) always raises, and so does any other path (one error listing the accepted forms).
+`traffic_sha256` hashes a file's bytes (a dataset directory: its data files); `conversations_sha256` hashes the
+normalised content (independent of schema and source form).
+Run: `python -m components.traffic_io PATH...` prints counts per segment and the hashes.
 Not here: tokenisation, chat templates, regeneration of answers by a target.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Literal
+from typing import Any, Callable, Iterable, Iterator, Literal
 
 from components.atomic import atomic_path, file_sha256
+from components.traffic_sources import SourceError, dataset_data_files, table_records, traffic_kind
 
 ROLES = ("system", "user", "assistant")
 SHAREGPT_ROLES = {"system": "system", "human": "user", "gpt": "assistant"}
@@ -32,11 +39,13 @@ Format = Literal["auto", "openai", "sharegpt"]
 
 
 class TrafficFormatError(ValueError):
-    """A traffic file that cannot be read: `path`, `line` (1-based; 0 for the whole file) and `reason`."""
+    """Traffic that cannot be read: `path`, `line` (1-based; 0 for the whole source), `reason`, and `unit`: "line"
+    for JSON Lines (message `path:line: reason`), "row" for tables and other sources (`path: row n: reason`)."""
 
-    def __init__(self, path: Path | str, line: int, reason: str):
-        self.path, self.line, self.reason = str(path), line, reason
-        super().__init__(f"{path}:{line}: {reason}")
+    def __init__(self, path: Path | str, line: int, reason: str, unit: str = "line"):
+        self.path, self.line, self.reason, self.unit = str(path), line, reason, unit
+        where = f"{path}:{line}" if unit == "line" else f"{path}: row {line}" if line else str(path)
+        super().__init__(f"{where}: {reason}")
 
 
 @dataclass(frozen=True)
@@ -89,26 +98,45 @@ def load_traffic(path: Path | str, format: Format = "auto", skip_bad: bool = Fal
     path = Path(path)
     if format not in ("auto", "openai", "sharegpt"):
         raise ValueError(f"unknown traffic format {format!r}; expected auto, openai or sharegpt")
+    try:
+        kind = traffic_kind(path)
+    except SourceError as e:
+        raise TrafficFormatError(path, 0, e.reason, "row") from None
+    if kind == "jsonl":
+        unit, records = "line", _jsonl_lines(path)
+        parse: Callable[[Any, int], Conversation] = lambda raw, n: parse_line(_decode(raw, n), n, format)
+    else:
+        unit, records = "row", table_records(path, kind)
+        parse = lambda rec, n: parse_record(rec, n, format, id_prefix="row")
     convs: list[Conversation] = []
     skipped: list[SkippedLine] = []
     seen_any = False
+    try:
+        with contextlib.closing(records):  # closes the file or memory map also when a bad row stops the read
+            for n, payload in records:
+                seen_any = True
+                try:
+                    convs.append(parse(payload, n))
+                except _LineError as e:
+                    if not skip_bad:
+                        raise TrafficFormatError(path, n, str(e), unit) from None
+                    skipped.append(SkippedLine(n, str(e)))
+    except SourceError as e:
+        raise TrafficFormatError(path, e.row, e.reason, unit) from None
+    if not seen_any:
+        raise TrafficFormatError(path, 0, "empty file: no conversations" if unit == "line" else
+                                 "empty table: no rows", unit)
+    if not convs:
+        raise TrafficFormatError(path, 0, f"no valid conversation; all {len(skipped)} {unit}s were bad "
+                                          f"(first: {unit} {skipped[0].line}: {skipped[0].reason})", unit)
+    return TrafficLoad(path, tuple(convs), tuple(skipped))
+
+
+def _jsonl_lines(path: Path) -> Iterator[tuple[int, bytes]]:
     with path.open("rb") as fh:  # bytes: a line that is not UTF-8 is one bad line, not a crash of the whole read
         for lineno, raw_bytes in enumerate(fh, start=1):
-            if not raw_bytes.strip():
-                continue
-            seen_any = True
-            try:
-                convs.append(parse_line(_decode(raw_bytes, lineno), lineno, format))
-            except _LineError as e:
-                if not skip_bad:
-                    raise TrafficFormatError(path, lineno, str(e)) from None
-                skipped.append(SkippedLine(lineno, str(e)))
-    if not seen_any:
-        raise TrafficFormatError(path, 0, "empty file: no conversations")
-    if not convs:
-        raise TrafficFormatError(path, 0, f"no valid conversation; all {len(skipped)} lines were bad "
-                                          f"(first: line {skipped[0].line}: {skipped[0].reason})")
-    return TrafficLoad(path, tuple(convs), tuple(skipped))
+            if raw_bytes.strip():
+                yield lineno, raw_bytes
 
 
 class _LineError(Exception):
@@ -130,6 +158,11 @@ def parse_line(raw: str, lineno: int, format: Format = "auto") -> Conversation:
         obj = json.loads(raw)
     except json.JSONDecodeError as e:
         raise _LineError(f"malformed JSON: {e.msg} at column {e.colno}") from None
+    return parse_record(obj, lineno, format)
+
+
+def parse_record(obj: Any, n: int, format: Format = "auto", id_prefix: str = "line") -> Conversation:
+    """One chat (a JSON line's object or a table row's dict); without an id it is `<id_prefix>-<n>`."""
     if not isinstance(obj, dict):
         raise _LineError(f"not a JSON object: got {type(obj).__name__}")
     kind = format
@@ -143,7 +176,7 @@ def parse_line(raw: str, lineno: int, format: Format = "auto") -> Conversation:
     for k, v in meta.items():
         if v is not None and not isinstance(v, (str, int)):
             raise _LineError(f"bad field: {k!r} must be a string, got {type(v).__name__}")
-    return Conversation(id=str(meta["id"]) if meta["id"] is not None else f"line-{lineno}",
+    return Conversation(id=str(meta["id"]) if meta["id"] is not None else f"{id_prefix}-{n}",
                         messages=tuple(messages), segment=_opt_str(meta["segment"]),
                         source_file=_opt_str(meta["source_file"]))
 
@@ -213,8 +246,18 @@ def write_openai_jsonl(path: Path | str, conversations: Iterable[Conversation]) 
 
 
 def traffic_sha256(path: Path | str) -> str:
-    """sha256 of the file's bytes (lineage of the exact file used)."""
-    return file_sha256(path)
+    """sha256 of the exact traffic used: a file's bytes; for a saved-dataset directory, of the lines
+    `<sha256 of a data file>  <its path relative to the directory>` in sorted order, over the data files its
+    state.json lists (not state.json itself, whose fingerprint differs between saves of identical rows)."""
+    path = Path(path)
+    if not path.is_dir():
+        return file_sha256(path)
+    try:
+        files = dataset_data_files(path)
+    except SourceError as e:
+        raise TrafficFormatError(path, 0, e.reason, "row") from None
+    rel = sorted((f.relative_to(path).as_posix(), f) for f in files)
+    return hashlib.sha256("".join(f"{file_sha256(f)}  {name}\n" for name, f in rel).encode()).hexdigest()
 
 
 def conversations_sha256(conversations: Iterable[Conversation]) -> str:
@@ -228,7 +271,8 @@ def conversations_sha256(conversations: Iterable[Conversation]) -> str:
 def main(argv: list[str] | None = None) -> int:
     paths = argv if argv is not None else sys.argv[1:]
     if not paths:
-        print("usage: python -m components.traffic_io FILE.jsonl...", file=sys.stderr)
+        print("usage: python -m components.traffic_io PATH... (.jsonl, .parquet, .arrow or a save_to_disk "
+              "directory)", file=sys.stderr)
         return 2
     for p in paths:
         load = load_traffic(p, skip_bad=True)

@@ -37,7 +37,7 @@ def head_status(store: MlflowStore, name: str, version: int, suffix: str = "-eag
     if champion.tags.get("target_weights_sha256") != v.tags.get("weights_sha256"):
         return "stale"
     traffic = v.tags.get("traffic_train")
-    if traffic and Path(traffic).is_file() and traffic_sha256(traffic) != champion.tags.get("traffic_sha256"):
+    if traffic and Path(traffic).exists() and traffic_sha256(traffic) != champion.tags.get("traffic_sha256"):
         return "stale"
     return "fresh"
 

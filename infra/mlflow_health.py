@@ -1,22 +1,51 @@
 """Health of the MLflow store: is the tracking server there, and which failures mean "the store is down".
 
-Purpose: `probe_tracking(settings)` fails in seconds when MLFLOW_TRACKING_URI names a server that does not answer
-(the CLI calls it before starting a flow); `with store_errors(settings, "registering ..."):` turns the store's
-transient failures (a locked SQLite database, a server that is down or answers 5xx) into `TrackingUnreachable`
-with the redacted URI and what to do, and lets errors about the request itself (a missing model) through.
+Purpose: `probe_tracking(settings)` (`probe_http(uri)` underneath; `MlflowStore` probes with it too) fails in seconds
+with `TrackingUnreachable` when MLFLOW_TRACKING_URI names a server that does not answer (the CLI calls it before
+starting a flow); `with store_errors(settings, "registering ..."):` turns the store's transient failures (a locked
+SQLite database, a server that is down or answers 5xx) into `TrackingUnreachable` with the redacted URI and what to
+do, and lets errors about the request itself (a missing model) through.
 Run: `python -m infra.mlflow_health` probes the store named by the environment.
 Not here: the store's operations (infra/mlflow_store.py).
 """
 
 from __future__ import annotations
 
+import urllib.error
+import urllib.request
 from contextlib import contextmanager
 from typing import Iterator
+from urllib.parse import urlsplit, urlunsplit
 
 from mlflow.exceptions import MlflowException
 
-from infra.mlflow_store import TrackingUnreachable, probe_http
 from infra.settings import Settings, redact_uri
+
+
+class TrackingUnreachable(ConnectionError):
+    """The MLflow tracking server named by the settings does not answer."""
+
+
+def probe_http(uri: str, timeout_s: float) -> None:
+    """Any HTTP answer from `<uri>/health` counts as reachable; no answer within `timeout_s` does not.
+
+    Credentials in the URI (`user:password@`) are left out of the probe: urllib cannot send them, and any answer,
+    401 included, proves the server is there.
+    """
+    parts = urlsplit(uri)
+    host = f"[{parts.hostname}]" if parts.hostname and ":" in parts.hostname else (parts.hostname or "")
+    bare = urlunsplit(parts._replace(netloc=host + (f":{parts.port}" if parts.port else "")))
+    try:
+        urllib.request.urlopen(bare.rstrip("/") + "/health", timeout=timeout_s).close()
+    except urllib.error.HTTPError:
+        return  # the server answered (auth, proxy or a 404): it is there
+    except (OSError, ValueError) as err:
+        reason = getattr(err, "reason", err)
+        raise TrackingUnreachable(
+            f"MLflow tracking server {redact_uri(uri)} is unreachable ({reason}). Start it, for example "
+            "`mlflow server --host 127.0.0.1 --port 5000 --workers 1`, or fix MLFLOW_TRACKING_URI; unset "
+            "MLFLOW_TRACKING_URI to use the local SQLite store under the state dir (EAGLE_HOME)."
+        ) from err
 
 
 def probe_tracking(settings: Settings, timeout_s: float = 5.0) -> None:

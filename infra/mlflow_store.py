@@ -14,6 +14,9 @@ Not here: what a head is or how it is scored (components), the promotion gate, t
 probing the server and classifying its failures (infra/mlflow_health.py).
 `connect` also points MLflow's process-wide tracking and registry URIs at the store, because MLflow resolves
 some URIs (logged models, `models:/<model_id>`) through its global client.
+`register` tries a tracking server that does not answer again (`REGISTER_ATTEMPTS`, doubling delays) and keeps
+one version per `run_key` even when MLflow's client re-sent a create whose answer was lost (the server died after
+committing it): the key's later versions are deleted, the oldest kept.
 Not safe against two processes registering the same `run_key` at the same instant (MLflow has no conditional
 create); the flows run one registration per key.
 """
@@ -28,13 +31,10 @@ import re
 import shutil
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator, Mapping
-from urllib.parse import urlsplit, urlunsplit
 
 import mlflow
 import mlflow.artifacts
@@ -43,6 +43,7 @@ from mlflow.entities import Metric, Param
 from mlflow.exceptions import MlflowException
 from mlflow.utils.validation import MAX_METRICS_PER_BATCH, MAX_PARAMS_TAGS_PER_BATCH
 
+from infra.mlflow_health import TrackingUnreachable, probe_http  # noqa: F401  (callers import them from here)
 from infra.settings import Settings, redact_uri
 
 logger = logging.getLogger(__name__)
@@ -53,13 +54,11 @@ HEAD_KIND = "eagle3-head"
 RUN_KEY_TAG = "run_key"
 CHAMPION = "champion"
 CHALLENGER = "challenger"
+REGISTER_ATTEMPTS = 7  # a server that does not answer: tried again 1, 2, 4, 8, 16 and 32 s later (63 s in all)
+REGISTER_FIRST_DELAY_S = 1.0
 
 _TAG_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*$")
 _MODEL_URI = re.compile(r"^models:/(?P<name>[^@]+?)(?:/(?P<version>\d+)|@(?P<alias>[A-Za-z0-9_-]+))$")
-
-
-class TrackingUnreachable(ConnectionError):
-    """The MLflow tracking server named by the settings does not answer."""
 
 
 class RegistryCollision(ValueError):
@@ -113,28 +112,6 @@ def _version_ref(mv, aliases: Iterable[str] = ()) -> ModelVersionRef:
         tags=dict(mv.tags or {}),
         aliases=tuple(sorted(set(aliases) | set(mv.aliases or ()))),
     )
-
-
-def probe_http(uri: str, timeout_s: float) -> None:
-    """Any HTTP answer from `<uri>/health` counts as reachable; no answer within `timeout_s` does not.
-
-    Credentials in the URI (`user:password@`) are left out of the probe: urllib cannot send them, and any answer,
-    401 included, proves the server is there.
-    """
-    parts = urlsplit(uri)
-    host = f"[{parts.hostname}]" if parts.hostname and ":" in parts.hostname else (parts.hostname or "")
-    bare = urlunsplit(parts._replace(netloc=host + (f":{parts.port}" if parts.port else "")))
-    try:
-        urllib.request.urlopen(bare.rstrip("/") + "/health", timeout=timeout_s).close()
-    except urllib.error.HTTPError:
-        return  # the server answered (auth, proxy or a 404): it is there
-    except (OSError, ValueError) as err:
-        reason = getattr(err, "reason", err)
-        raise TrackingUnreachable(
-            f"MLflow tracking server {redact_uri(uri)} is unreachable ({reason}). Start it, for example "
-            "`mlflow server --host 127.0.0.1 --port 5000 --workers 1`, or fix MLFLOW_TRACKING_URI; unset "
-            "MLFLOW_TRACKING_URI to use the local SQLite store under the state dir (EAGLE_HOME)."
-        ) from err
 
 
 def _check_kind(rm, kind: str) -> None:
@@ -317,15 +294,39 @@ class MlflowStore:
 
         A version of `name` already tagged `run_key=<run_key>` is returned as it is, so a retried flow
         does not create a second version. `kind=None` skips the kind check (for targets registered here).
+        A tracking server that does not answer is tried again (each try re-checks the key first); a server that
+        answers with an error (4xx, 5xx) is not retried here.
         """
+        delay = REGISTER_FIRST_DELAY_S
+        for attempt in range(1, REGISTER_ATTEMPTS):
+            try:
+                return self._register_once(name, run_id, artifact_path, run_key, tags, kind)
+            except ConnectionError as err:  # the probe's TrackingUnreachable; MLflow's answers are MlflowException
+                logger.warning("registering a version of %s: try %d of %d failed (%s); retrying in %.0f s", name,
+                               attempt, REGISTER_ATTEMPTS, err, delay)
+                time.sleep(delay)
+                delay *= 2
+        return self._register_once(name, run_id, artifact_path, run_key, tags, kind)  # the last try raises
+
+    def _register_once(self, name: str, run_id: str, artifact_path: str, run_key: str,
+                       tags: Mapping[str, str] | None, kind: str | None) -> ModelVersionRef:
+        if self.tracking_uri.startswith(("http://", "https://")):
+            probe_http(self.tracking_uri, 5.0)  # fails in seconds; MLflow's client would retry silently for minutes
         self.ensure_model(name, kind)
         existing = self.find_versions(name, **{RUN_KEY_TAG: run_key})
         if existing:
             return existing[0]
         source = f"runs:/{run_id}/{artifact_path.strip('/')}"
         all_tags = {str(k): str(v) for k, v in (tags or {}).items()} | {RUN_KEY_TAG: run_key}
-        mv = self.client.create_model_version(name, source, run_id=run_id, tags=all_tags)
-        return _version_ref(mv)
+        mv = _version_ref(self.client.create_model_version(name, source, run_id=run_id, tags=all_tags))
+        # A second version of the key: MLflow's client re-sent the create after its answer was lost (the server
+        # died after committing it). Keep the oldest.
+        found = self.find_versions(name, **{RUN_KEY_TAG: run_key})
+        for extra in found[1:]:
+            logger.warning("%s: deleting version %d, a second one of run_key %s (a create re-sent after its answer "
+                           "was lost); keeping version %d", name, extra.version, run_key[:12], found[0].version)
+            self.client.delete_model_version(name, str(extra.version))
+        return found[0] if found else mv
 
     def find_versions(self, name: str, **tags: str) -> list[ModelVersionRef]:
         """Versions of `name` carrying every given tag, oldest first (aliases not filled: see `get_version`)."""

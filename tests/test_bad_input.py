@@ -97,15 +97,16 @@ def test_traffic_that_is_not_utf8(cli, tmp_path):
     assert rc == 2 and str(path) in err and "not UTF-8" in err, err
 
 
-def test_traffic_that_is_a_directory(cli, tmp_path):
+def test_traffic_that_is_a_directory_but_not_a_saved_dataset(cli, tmp_path):
     rc, err = cli(traffic=str(tmp_path))
-    assert rc == 2 and f"--traffic {tmp_path}: not a file" in err, err
+    assert rc == 2 and f"{tmp_path}: a directory that is not a saved dataset" in err and "Parquet" in err, err
+    assert len(err.strip().splitlines()) == 1, err
 
 
 @pytest.mark.parametrize("content, needle", [
     ('{"train": {"stepz": 3}}', "unknown key train.stepz; known: ["),
     ('{"train": {"steps": 3}', "cannot read the config"),
-    ('{"evaluate": {"depth": "deep"}}', "evaluate.depth: 'deep' is not of type int"),
+    ('{"evaluate": {"spec": {"depth": "deep"}}}', "evaluate.spec.depth: 'deep' is not of type int"),
 ], ids=["unknown-key", "not-json", "wrong-type"])
 def test_bad_config(cli, tmp_path, content, needle):
     path = tmp_path / "cfg.json"

@@ -248,3 +248,17 @@ def test_endpoint_answers_turn_by_turn_and_counts_server_errors(fake_vllm, tmp_p
     assert [m.content for m in convs["multi"].messages if m.role == "assistant"] == ["echo:def add(a, b):",
                                                                                      "echo:And sub?"]
     assert [m.role for m in convs["one"].messages] == ["user", "assistant"]
+
+
+def test_parquet_traffic_regenerates_what_its_jsonl_does(tiny_embedded, traffic, tmp_path):
+    """The same conversations as a Parquet file: the same regenerated answers, the same accounting."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [json.loads(line) for line in Path(traffic).read_text().splitlines() if line.strip()]
+    parquet = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), parquet)
+    a = regenerate(CFG, tiny_embedded.target_dir, traffic, str(tmp_path / "a"), progress=lambda s: None)
+    b = regenerate(CFG, tiny_embedded.target_dir, str(parquet), str(tmp_path / "b"), progress=lambda s: None)
+    assert (a.total, a.ok, a.failed) == (b.total, b.ok, b.failed)
+    assert [c.to_openai() for c in read_regenerated(a.out_dir)] == [c.to_openai() for c in read_regenerated(b.out_dir)]
