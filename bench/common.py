@@ -9,8 +9,10 @@ Purpose: every benchmark starts with `setup = prepare(quick)`:
 - `train_or_reuse_head(setup, name, TrainConfig)` trains a head with `components.train.train` once per (config, data)
   and returns its directory; every benchmark that asks for the same config gets the same head.
 Results of a full run go to `bench/results/<name>.json` + `.png`; of a `--quick` run to `.eagle/bench/results-quick/`
-so a test never overwrites the committed figures. Every result file carries the machine state (cores, load average
-before and after, torch threads): the machine is shared, so read ratios measured side by side, not absolute speeds.
+so a test never overwrites the committed figures. Every result file carries the run's metadata (commit, clean tree,
+CPU model and caches, torch, date) and the machine state (cores, load average before and after, torch threads), and
+keeps the earlier runs of its name (bench/report.py, which also holds `goal_line` and `spec_figures`; import them
+from here). The machine is shared, so read ratios measured side by side, not absolute speeds.
 Torch runs one thread by default (`--threads`): on 2 busy cores a second thread made matrix products 5x slower.
 Run: `python bench/common.py [--quick]` prepares the cache and prints where it is.
 Not here: what a benchmark measures (bench/*.py), any change to the stages themselves.
@@ -23,7 +25,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -31,11 +32,14 @@ from pathlib import Path
 from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for _p in (ROOT, ROOT / "bench"):  # the repository (eagle/, components/) and bench/ (report.py)
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
 
 import torch  # noqa: E402
 
+import report  # noqa: E402
+from report import cpu_info, goal_line, print_table, run_metadata, spec_figures  # noqa: E402,F401  (re-exported)
 from components.embedded import EmbeddedConfig, build_embedded, load_result  # noqa: E402
 from components.embedded.result import EmbeddedResult  # noqa: E402
 from components.extract import ExtractConfig, extract  # noqa: E402
@@ -283,57 +287,7 @@ def tokens_per_s(runs: list[Run]) -> float:
     return sum(len(r.tokens) for r in runs) / max(sum(r.seconds for r in runs), 1e-9)
 
 
-# ---- reporting -------------------------------------------------------------------------------------------------
-
-def machine() -> dict[str, Any]:
-    def git(*a: str) -> str:
-        try:
-            return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
-
-    commit = git("rev-parse", "--short", "HEAD")
-    if git("status", "--porcelain", "--", "eagle", "components"):  # a shared checkout: say what ran
-        commit += " + uncommitted changes in eagle/ or components/"
-    return {"cpus": os.cpu_count(), "cpu": cpu_model(), "torch_threads": torch.get_num_threads(),
-            "loadavg": list(os.getloadavg()),
-            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M"), "commit": commit,
-            "note": "shared machine: other engineers' jobs ran at the same time; compare ratios within one run"}
-
-
-def cpu_model() -> str:
-    """The CPU's model name and L3 size (speed ratios moved a lot between the kinds of machine seen here)."""
-    try:
-        name = next(ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                    if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        name = "unknown"
-    l3 = ""
-    for d in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
-        try:
-            if (d / "level").read_text().strip() == "3":
-                l3 = f", L3 {(d / 'size').read_text().strip()}"
-        except OSError:
-            pass
-    return name + l3
-
-
-def print_table(rows: list[dict[str, Any]], cols: list[str], title: str = "") -> str:
-    """Print rows as an aligned text table (floats with 3 significant decimals) and return it."""
-    def fmt(v: Any) -> str:
-        if isinstance(v, float):
-            return f"{v:.3f}" if abs(v) < 100 else f"{v:.0f}"
-        return "" if v is None else str(v)
-
-    cells = [[fmt(r.get(c)) for c in cols] for r in rows]
-    width = [max(len(c), *(len(x[i]) for x in cells)) for i, c in enumerate(cols)]
-    lines = ([title] if title else []) + ["  ".join(c.rjust(w) for c, w in zip(cols, width)),
-                                          "  ".join("-" * w for w in width)]
-    lines += ["  ".join(x.rjust(w) for x, w in zip(row, width)) for row in cells]
-    text = "\n".join(lines)
-    print(text, flush=True)
-    return text
-
+# ---- reporting (bench/report.py) -------------------------------------------------------------------------------
 
 def results_dir(quick: bool) -> Path:
     d = CACHE / "results-quick" if quick else RESULTS
@@ -342,12 +296,9 @@ def results_dir(quick: bool) -> Path:
 
 
 def write_results(name: str, quick: bool, payload: dict[str, Any], load_before: list[float]) -> Path:
-    info = {**machine(), "loadavg_before": load_before}
-    path = results_dir(quick) / f"{name}.json"
-    path.write_text(json.dumps({"benchmark": name, "preset": "quick" if quick else "default", "machine": info,
-                                **payload}, indent=2, default=str) + "\n")
-    print(f"wrote {path}", flush=True)
-    return path
+    """`report.write_results` into `results_dir(quick)`: this run's record with its metadata (commit, clean tree, CPU
+    and caches, torch, date), the earlier runs of that name kept under `earlier_runs`; prints what it wrote."""
+    return report.write_results(name, quick, payload, load_before, results_dir(quick))
 
 
 def pyplot():

@@ -6,8 +6,9 @@ The regenerated training traffic of bench/common.py is cut to its first fraction
 batch, so smaller sets are seen for more epochs; `components.train`, in process). To keep four trainings inside
 about ten minutes the heads are cheaper than the other benchmarks' (K=3 TTT steps, 100 steps; `--steps`, `--ttt`). Each head drafts chains at
 T=0 on the same held-out prompts (`generate_speculative`, outputs checked identical to plain greedy decoding).
-Reports per fraction: conversations, trained tokens, tau, alpha_1 and alpha_depth, and the training run's
-simulated tau and final loss. Writes data_scaling.json and .png.
+Reports per fraction: conversations, trained tokens, tau, alpha_1 and alpha_depth (of emitted tokens, `SpecStats`;
+the raw tau is kept in the JSON), and the training run's simulated tau and final loss. Writes data_scaling.json and
+.png.
 Other settings than the defaults name their files (`data_scaling-conv2000-steps400-ttt7-depth7.json`): with
 `--conversations 2000` the pool is the embedded traffic's 2,000 training conversations instead of 512.
 Not measured here: a budget that grows with the data (every head gets the same steps), wall-clock speed.
@@ -23,8 +24,8 @@ from pathlib import Path
 import common  # noqa: F401  (puts the repo root on sys.path)
 import torch
 
-from common import (Setup, base_args, eos_of, heldout_prompts, prepare, print_table, pyplot, results_dir, start,
-                    train_or_reuse_head, with_ttt_steps, write_results)
+from common import (Setup, base_args, eos_of, heldout_prompts, prepare, print_table, pyplot, results_dir,
+                    spec_figures, start, train_or_reuse_head, with_ttt_steps, write_results)
 from components.extract import extract
 
 
@@ -47,16 +48,13 @@ def subset_extract(setup: Setup, fraction: float) -> tuple[Path, dict]:
 def tau_of(target, draft, prompts: list[list[int]], cfg) -> dict:
     from eagle.speculative import generate_plain, generate_speculative
 
-    acc, mismatch = [], 0
+    stats, mismatch = [], 0
     for ids in prompts:
         x = torch.tensor([ids])
         out = generate_speculative(target, draft, x, None, cfg)
         mismatch += int(not torch.equal(out.sequences, generate_plain(target, x, None, cfg).sequences))
-        a = out.stats.accept_lengths
-        acc.append(a[a >= 0])
-    a = torch.cat(acc).float()
-    alpha = [float((a >= k).sum() / (a >= k - 1).sum().clamp_min(1)) for k in range(1, cfg.depth + 1)]
-    return {"tau": float(a.mean() + 1), "alpha": alpha, "verify_steps": int(a.numel()), "mismatches": mismatch}
+        stats.append(out.stats)
+    return {**spec_figures(stats), "mismatches": mismatch}  # emitted tau / alpha (SpecStats), raw ones beside
 
 
 def plot(rows: list[dict], path: Path, depth: int) -> None:
@@ -112,8 +110,9 @@ def run(setup: Setup, args: argparse.Namespace, load0: list[float]) -> None:
         for f, manifest, head in heads:
             r = tau_of(target, load_head(head.head_dir, target).eval(), prompts, spec)
             rows.append({"fraction": f, "conversations": manifest["n_seqs"],
-                         "trained_tokens": manifest["n_trained_tokens"], "tau": r["tau"], "a1": r["alpha"][0],
-                         f"a{args.depth}": r["alpha"][-1], "sim_tau": head.final_metrics.get("tau"),
+                         "trained_tokens": manifest["n_trained_tokens"], "tau": r["tau"], "tau_raw": r["tau_raw"],
+                         "a1": r["alpha"][0], f"a{args.depth}": r["alpha"][-1], "alpha": r["alpha"],
+                         "sim_tau": head.final_metrics.get("tau"),
                          "train_loss": head.final_metrics.get("loss"), "mismatch": r["mismatches"],
                          "epochs": cfg_train.steps * cfg_train.batch_size / manifest["n_seqs"]})
     table = print_table(rows, ["fraction", "conversations", "trained_tokens", "epochs", "tau", "a1",

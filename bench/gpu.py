@@ -244,8 +244,11 @@ def padded(prompts: list[list[int]], B: int, pad: int, device: torch.device) -> 
     return ids.to(device), mask.to(device)
 
 
-def _summary(runs: dict[str, list], depth: dict[str, int]) -> dict[str, dict]:
-    """runs[method] = [(seconds, sequences [B, N], lengths [B], accept lengths or None)] -> a row per method."""
+def _summary(runs: dict[str, list]) -> dict[str, dict]:
+    """runs[method] = [(seconds, sequences [B, N], lengths [B], SpecStats or None)] -> a row per method; tau and
+    alpha count emitted tokens (`SpecStats.tau`, `per_position_acceptance`), `tau_raw` what the rule accepted."""
+    from eagle.stats import SpecStats
+
     base_s, base_tok = sum(r[0] for r in runs["plain"]), sum(int(r[2].sum()) for r in runs["plain"])
     rows = {}
     for name, rs in runs.items():
@@ -254,12 +257,10 @@ def _summary(runs: dict[str, list], depth: dict[str, int]) -> dict[str, dict]:
                "mismatch": sum(int((r[1] != p[1]).any(1).sum()) for r, p in zip(rs, runs["plain"]))}
         row["x_plain"] = row["tok_s"] / max(base_tok / max(base_s, 1e-9), 1e-9)
         if name != "plain":
-            a = torch.cat([r[3].flatten() for r in rs])
-            a = a[a >= 0].float()
-            row["tau"] = float(a.mean() + 1) if a.numel() else 0.0
-            row["alpha"] = [round(float((a >= k).sum() / (a >= k - 1).sum().clamp_min(1)), 3)
-                            for k in range(1, depth[name] + 1)]
-            row["verify_steps"] = int(a.numel())
+            st = SpecStats.cat([r[3] for r in rs])
+            row["tau"], row["tau_raw"] = st.tau, st.tau_raw
+            row["alpha"] = [round(a, 3) for a in st.per_position_acceptance]
+            row["verify_steps"] = int((st.accept_lengths >= 0).sum())
         rows[name] = row
     return rows
 
@@ -293,8 +294,7 @@ def measure(target, draft, prompts: list[list[int]], preset: Preset, run: Run) -
             run.say(f"measure: {name} failed ({errors[name]}); going on without it")
             return
         if runs is not None:
-            runs[name].append((s, g.sequences.cpu(), g.lengths.cpu(), None if g.stats is None else
-                               g.stats.accept_lengths.cpu()))
+            runs[name].append((s, g.sequences.cpu(), g.lengths.cpu(), g.stats))
 
     for j, B in enumerate(preset.batches):
         if run.left() < 10 and j:
@@ -314,7 +314,7 @@ def measure(target, draft, prompts: list[list[int]], preset: Preset, run: Run) -
                 gen(m, ids, mask, None)  # warm-up at this batch size
             for m in names + names[::-1]:
                 gen(m, ids, mask, runs)
-        rows = _summary({m: r for m, r in runs.items() if r and m in names}, {"chain": preset.chain_depth, "tree": d})
+        rows = _summary({m: r for m, r in runs.items() if r and m in names})
         out[f"batch_{B}"] = {"rows": rows, "prompts": len(runs["plain"]) if B == 1 else B}
         run.say(f"measure: batch {B}: " + ", ".join(f"{m} {r['tok_s']:.0f} tok/s x{r['x_plain']:.2f} tau "
                                                    f"{r.get('tau', 1):.2f} mismatches {r['mismatch']}"

@@ -25,7 +25,7 @@ Not measured here: acceptance, end-to-end wall time of a trained pair, GPU timin
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -169,6 +169,7 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
 
 
 def main() -> None:
+    load0 = list(os.getloadavg())
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: leave the default)")
@@ -192,9 +193,9 @@ def main() -> None:
         step = r[f"whole step, {name}"]
         print(f"projected speedup, {name}: " + ", ".join(f"tau {t}: {t * plain / step:.2f}x" for t in (3, 4, 5)))
     name = "spec_profile" + (f"-depth{args.depth}" if args.depth != 5 else "")
-    out = ROOT / "bench" / "results" / f"{name}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "clock": clock_name, "ms": r}, indent=2))
+    from report import write_results  # metadata, earlier runs kept (bench/report.py)
+
+    write_results(name, False, {"args": vars(args), "clock": clock_name, "ms": r}, load0, ROOT / "bench" / "results")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ Not measured here: a trained head's acceptance (see `components/evaluate.py`), s
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import random
 import sys
 from pathlib import Path
@@ -152,6 +152,7 @@ def report(args: argparse.Namespace, res: dict) -> dict:
 
 
 def main() -> None:
+    load0 = list(os.getloadavg())
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--prompt", type=int, default=64)
@@ -166,9 +167,10 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     res = run(args)
     cycle = report(args, res)
-    out = ROOT / "bench" / "results" / "spec_speedup_cpu.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "cycle_ms": cycle, **res}, indent=2))
+    from report import write_results  # metadata, earlier runs kept (bench/report.py)
+
+    write_results("spec_speedup_cpu", False, {"args": vars(args), "cycle_ms": cycle, **res}, load0,
+                  ROOT / "bench" / "results")
 
 
 if __name__ == "__main__":

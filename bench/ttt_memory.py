@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import resource
 import subprocess
 import sys
@@ -80,6 +81,7 @@ def naive_estimate_gb(S: int) -> float:
 
 
 def main() -> None:
+    load0 = list(os.getloadavg())
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -135,9 +137,11 @@ def report(rows: list[dict], a) -> None:
             platform.machine(), "torch": torch.__version__, "shape": SHAPE, "growth_exponents": exps}
     if a.device == "cuda":
         meta["gpu"] = torch.cuda.get_device_name()
-    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    from report import write_results  # metadata, earlier runs kept (bench/report.py); torch is loaded by now
+
+    write_results(out.stem, False, {"meta": meta, "rows": rows}, load0, out.parent)
     _plot(rows, out.with_suffix(".png"), meta)
-    print(f"\nwrote {out} and {out.with_suffix('.png')}")
+    print(f"wrote {out.with_suffix('.png')}")
 
 
 def _plot(rows: list[dict], path: Path, meta: dict) -> None:

@@ -5,9 +5,11 @@ Each run starts a fresh vLLM server per method on the embedded default's target 
 sends the same held-out prompts one at a time (batch 1, greedy, the same token budget): `plain` (no speculation),
 `eagle3` (our head, `bench/speedup.py`'s cached one, K speculative tokens) and `ngram` (vLLM's prompt lookup, K
 tokens). The order of the methods rotates from run to run. Per method: tokens/s, x vLLM plain (per run, then the
-median and minimum over runs), tau and alpha_k from the engine's own counters, and mismatches: greedy outputs that
-differ from vLLM plain. Our own evaluation of the same head on the same prompts (`eagle.speculative`, chain of depth
-K) gives tau and the per-position counts to compare with vLLM's (equal when the engine loads the head faithfully).
+median and minimum over runs), tau and alpha_k from the engine's own counters (raw: they count drafts accepted past
+EOS or the token budget too; labelled `tau raw`, `alpha raw`), and mismatches: greedy outputs that differ from vLLM
+plain. Our own evaluation of the same head on the same prompts (`eagle.speculative`, chain of depth K) gives the raw
+tau, alpha and per-position counts to compare with vLLM's (equal when the engine loads the head faithfully) and,
+beside them, the emitted tau and alpha (`SpecStats.tau`, `per_position_acceptance`) that this project reports.
 Writes vllm_speedup*.json (`-head<N>`, `-conv<N>`, `-depth<K>`, `-runs<N>` name non-default settings).
 Not measured here: batches > 1, T > 0, trees (vLLM's CPU build runs EAGLE-3 chains).
 """
@@ -20,7 +22,8 @@ from pathlib import Path
 
 import common  # noqa: F401  (puts the repo root on sys.path)
 
-from common import base_args, eos_of, heldout_prompts, prepare, print_table, speed_head, start, write_results
+from common import (base_args, eos_of, heldout_prompts, prepare, print_table, spec_figures, speed_head, start,
+                    write_results)
 
 METHODS = ("plain", "eagle3", "ngram")
 
@@ -45,7 +48,8 @@ def engine_run(method: str, setup, head_dir: Path, prompts, depth: int, max_new:
 
 
 def ours(setup, head_dir: Path, prompts, depth: int, max_new: int) -> dict:
-    """Our chain on the same prompts: outputs, tau, drafts and accepted counts per position (as vLLM counts)."""
+    """Our chain on the same prompts: outputs, drafts and raw accepted counts per position (as vLLM counts them), the
+    raw tau / alpha to set beside the engine's, and the emitted ones (`SpecStats`) this project reports."""
     import torch
 
     from components.targets import load_target
@@ -55,13 +59,16 @@ def ours(setup, head_dir: Path, prompts, depth: int, max_new: int) -> dict:
     target = load_target(str(setup.target_dir))[0]
     draft = load_head(head_dir, target).eval()
     cfg = SpecConfig(method="chain", depth=depth, max_new_tokens=max_new, eos_token_id=eos_of(target))
-    outs, steps = [], []
+    outs, steps, stats = [], [], []
     for ids in prompts:
         g = generate_speculative(target, draft, torch.tensor([ids]), None, cfg)
         outs.append(g.sequences[0, :int(g.lengths[0])].tolist())
         steps += [int(a) for a in g.stats.accept_lengths[:, 0] if a >= 0]
-    return {"outputs": outs, "tau": 1 + sum(steps) / max(len(steps), 1), "drafts": len(steps),
-            "accepted_per_pos": [sum(a > k for a in steps) for k in range(depth)]}
+        stats.append(g.stats)
+    fig = spec_figures(stats)
+    return {"outputs": outs, "tau_raw": fig["tau_raw"], "alpha_raw": fig["alpha_raw"], "tau": fig["tau"],
+            "alpha": fig["alpha"], "drafts": len(steps), "accepted_per_pos": [sum(a > k for a in steps)
+                                                                             for k in range(depth)]}
 
 
 def summarise(runs: list[dict], mine: dict) -> list[dict]:
@@ -73,15 +80,21 @@ def summarise(runs: list[dict], mine: dict) -> list[dict]:
         bad = sum(a != b for pr, r in zip(plain_outs, per_run) for a, b in zip(pr, r["outputs"]))
         row = {"method": f"vLLM {m}", "tok/s": statistics.median(x["tokens"] / x["seconds"] for x in per_run),
                "x vLLM plain (median)": statistics.median(ratios), "min": min(ratios), "mismatches": bad}
-        if m != "plain":
-            row.update(tau=per_run[0]["tau"], alpha=" ".join(f"{a:.2f}" for a in per_run[0]["acceptance"]))
+        if m != "plain":  # the engine's counters: raw (drafts accepted past EOS or the token budget included)
+            row.update({"tau raw": per_run[0]["tau"], "alpha raw": _alphas(per_run[0]["acceptance"])})
         rows.append(row)
     e = runs[0]["eagle3"]
-    rows.append({"method": "ours (same head, eagle/)", "tau": mine["tau"],
+    rows.append({"method": "ours (same head, eagle/)", "tau raw": mine["tau_raw"],
+                 "alpha raw": _alphas(mine["alpha_raw"]), "tau emitted": mine["tau"],
+                 "alpha emitted": _alphas(mine["alpha"]),
                  "mismatches": sum(a != b for a, b in zip(runs[0]["plain"]["outputs"], mine["outputs"])),
-                 "alpha": "counts equal vLLM's" if (mine["drafts"], mine["accepted_per_pos"]) ==
-                 (e["drafts"], e["accepted_per_pos"]) else f"counts differ: {mine['accepted_per_pos']}"})
+                 "counts": "equal vLLM's" if (mine["drafts"], mine["accepted_per_pos"]) ==
+                 (e["drafts"], e["accepted_per_pos"]) else f"differ: {mine['accepted_per_pos']}"})
     return rows
+
+
+def _alphas(alpha: list[float]) -> str:
+    return " ".join(f"{a:.2f}" for a in alpha)
 
 
 def main() -> None:
@@ -108,7 +121,8 @@ def main() -> None:
         print(f"run {r + 1}/{args.runs} done", file=sys.stderr, flush=True)
     mine = ours(setup, head.head_dir, prompts, args.depth, max_new)
     rows = summarise(runs, mine)
-    cols = ["method", "tok/s", "x vLLM plain (median)", "min", "tau", "mismatches", "alpha"]
+    cols = ["method", "tok/s", "x vLLM plain (median)", "min", "tau raw", "tau emitted", "mismatches", "alpha raw",
+            "alpha emitted", "counts"]
     print_table(rows, cols, f"vLLM on {len(prompts)} held-out prompts, {max_new} new tokens, K={args.depth}, "
                             f"{args.runs} run(s)")
     name = "vllm_speedup" + suffix + (f"-depth{args.depth}" if args.depth != 5 else "") + \

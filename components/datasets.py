@@ -5,8 +5,12 @@ Purpose: `TrainingData.open(extract_dir)` reads the tokens, trained-token counts
 `batches(...)` yields padded index batches in a seeded order from a given position (so a resumed run continues
 exactly); `ttt_batch(...)` builds the `TTTBatch` either from stored feature shards (offline) or by running the
 target (online). Both paths round the features to the same dtype, so training sees the same tensors.
-Feature shards are checked against the manifest's sha256 when opened: a corrupted or truncated shard is refused
-with the file name and what to do.
+Features stored as fp8 (`dtype` float8_e4m3fn, the manifest's `scales` naming one float32 scale tensor per feature
+tensor, one scale per row) are dequantised on read (`eagle.fp8`) to float32; online training quantises and
+dequantises the target's features the same way. Manifests from before fp8 (no `scales` key) read as before.
+Feature shards are checked against the manifest's sha256 when opened, and fp8 shards' headers for their scales: a
+corrupted or truncated shard, or one whose scales are missing or of the wrong shape, is refused with the file name
+and what to do.
 Not here: the training loop (components/train.py).
 """
 
@@ -22,6 +26,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from components.atomic import file_sha256
+from eagle import fp8
 from eagle.features import teacher_targets
 from eagle.ttt import TTTBatch
 
@@ -54,6 +59,7 @@ class TrainingData:
         except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
             raise FeatureStoreError(f"{mpath}: not a readable extract manifest ({type(e).__name__}: {e}); "
                                     "delete it and re-run extract") from None
+        _check_scale_layout(manifest, mpath)
         try:
             tok = load_file(str(root / "tokens.safetensors"))
             heads = load_file(str(root / "target_heads.safetensors"))
@@ -72,6 +78,11 @@ class TrainingData:
         return AutoConfig.from_pretrained(self.root / "target_config", trust_remote_code=trust_remote_code)
 
     @property
+    def scales(self) -> dict[str, str]:
+        """Feature tensor -> its per-row scale tensor (empty: the features are stored unscaled)."""
+        return dict((self.manifest.get("scales") or {}).get("tensors", {}))
+
+    @property
     def n_seqs(self) -> int:
         return self.offsets.numel() - 1
 
@@ -84,6 +95,8 @@ class TrainingData:
             if verify and file_sha256(path) != s["sha256"]:
                 raise FeatureStoreError(f"{path}: sha256 does not match the manifest (corrupted or truncated); "
                                         "delete it and re-run extract")
+            if self.scales:
+                _check_fp8_shard(path, self.scales, s["n_tokens"])
             shards.append((start, start + s["n_seqs"], path))
             start += s["n_seqs"]
         if start != self.n_seqs:
@@ -96,14 +109,54 @@ class TrainingData:
         return self.input_ids[a:b].long(), self.loss_mask[a:b].long()
 
     def features(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(aux [T, 3H], last [T, H]) of sequence i from its shard."""
+        """(aux [T, 3H], last [T, H]) of sequence i from its shard: in the stored dtype, or dequantised to float32
+        when stored as fp8."""
+        scales = self.scales
         for start, end, path in self._shards or []:
             if start <= i < end:
                 with safe_open(str(path), "pt") as f:
                     offs = f.get_slice("offsets")
                     a, b = int(offs[i - start]), int(offs[i - start + 1])
-                    return f.get_slice("aux_hidden_states")[a:b], f.get_slice("last_hidden_state")[a:b]
+
+                    def read(name: str) -> torch.Tensor:
+                        x = f.get_slice(name)[a:b]
+                        return fp8.dequantize_rows(x, f.get_slice(scales[name])[a:b]) if name in scales else x
+
+                    return read("aux_hidden_states"), read("last_hidden_state")
         raise FeatureStoreError(f"sequence {i} is in no feature shard (online extract?)")
+
+
+def _check_scale_layout(manifest: dict, mpath: Path) -> None:
+    """An fp8 manifest must say how its features are scaled (one float32 scale per row, a tensor per feature)."""
+    scales, want = manifest.get("scales"), {"aux_hidden_states", "last_hidden_state"}
+    if manifest["dtype"] != fp8.DTYPE_NAME:
+        if scales:
+            raise FeatureStoreError(f"{mpath}: scales {scales} given for {manifest['dtype']} features; re-run extract")
+        return
+    ok = isinstance(scales, dict) and scales.get("layout") == "per_row" and scales.get("dtype") == "float32" \
+        and isinstance(scales.get("tensors"), dict) and set(scales["tensors"]) == want
+    if not ok:
+        raise FeatureStoreError(f"{mpath}: {fp8.DTYPE_NAME} features need `scales` with layout per_row, dtype float32 "
+                                f"and a scale tensor for each of {sorted(want)}, got {scales!r}; re-run extract")
+
+
+def _check_fp8_shard(path: Path, scales: dict[str, str], n_tokens: int) -> None:
+    """Each fp8 feature tensor of the shard and its per-row scales are there, of the right dtype and shape."""
+    try:
+        with safe_open(str(path), "pt") as f:
+            names = set(f.keys())
+            header = {n: (f.get_slice(n).get_shape(), f.get_slice(n).get_dtype()) for n in names}
+    except Exception as e:  # safetensors raises several types for truncated files
+        raise FeatureStoreError(f"{path}: unreadable feature shard ({e}); delete it and re-run extract") from None
+    for name, scale in scales.items():
+        shape, dtype = header.get(name, (None, None))
+        if dtype != "F8_E4M3" or not shape or shape[0] != n_tokens:
+            raise FeatureStoreError(f"{path}: {name} is {dtype} {shape}, expected F8_E4M3 [{n_tokens}, ...] as the "
+                                    "manifest says; delete the shard and re-run extract")
+        problem = fp8.check_scale(*header.get(scale, (None, None)), n_tokens)
+        if problem:
+            raise FeatureStoreError(f"{path}: the per-row scales of {name} ({scale}) {problem}; the shard cannot be "
+                                    "dequantised: delete it and re-run extract")
 
 
 def epoch_order(n: int, epoch: int, seed: int) -> list[int]:
@@ -140,7 +193,8 @@ def batches(n_seqs: int, batch_size: int, seed: int, start_step: int = 0, rank: 
 def ttt_batch(data: TrainingData, idx: list[int], draft_ids: torch.Tensor, device: str | torch.device,
               target: torch.nn.Module | None = None) -> TTTBatch:
     """Right-padded TTT batch of sequences `idx`: stored features (offline) or the target's (online)."""
-    dtype = getattr(torch, data.manifest["dtype"])
+    stored = data.manifest["dtype"]
+    dtype = torch.float32 if stored == fp8.DTYPE_NAME else getattr(torch, stored)  # what `features` returns
     seqs = [data.sequence(i) for i in idx]
     width = max(len(s) for s, _ in seqs)
     ids = torch.zeros(len(idx), width, dtype=torch.long)
@@ -161,7 +215,12 @@ def ttt_batch(data: TrainingData, idx: list[int], draft_ids: torch.Tensor, devic
         layer_ids = data.manifest["layer_ids"]
         with torch.no_grad():
             step = target_forward(target, ids.to(device), layer_ids, attention_mask=att.to(device))
-        aux, last = step.aux_BT3H.to(dtype), step.last_hidden_BTH.to(dtype)
+        aux, last = _as_stored(step.aux_BT3H, stored), _as_stored(step.last_hidden_BTH, stored)
     aux, last = aux.to(device).float(), last.to(device).float()
     teacher = teacher_targets(last, data.lm_head.to(device), draft_ids.to(device))
     return TTTBatch(ids.to(device), aux, mask.to(device), teacher)
+
+
+def _as_stored(x: torch.Tensor, stored: str) -> torch.Tensor:
+    """`x` as it would read back from a shard of dtype `stored` (fp8: quantised and dequantised per row)."""
+    return fp8.round_rows(x) if stored == fp8.DTYPE_NAME else x.to(getattr(torch, stored))

@@ -94,6 +94,7 @@ class EvaluateResult:
         if self.identical is not None:  # sampled runs are not comparable token for token
             m["identical"] = float(self.identical)
         m.update({f"alpha_{k + 1}": a for k, a in enumerate(self.acceptance)})
+        m.update({f"alpha_raw_{k + 1}": a for k, a in enumerate(self.acceptance_raw)})
         if self.baseline_tau is not None:
             m["baseline_tau"] = self.baseline_tau
         return m

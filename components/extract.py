@@ -11,11 +11,16 @@ Purpose: `extract(cfg, target_dir, regen_dir, out_dir) -> ExtractResult`.
   when empty `eagle.config.default_aux_layer_ids` of the target's depth; the manifest's `layer_ids` records them
   and training builds the head with exactly those.
 - `cfg.mode == "offline"`: also writes feature shards `features-XXXXX.safetensors` (input_ids int32, loss_mask
-  uint8, offsets int64, aux_hidden_states and last_hidden_state in `cfg.dtype`) and a manifest with the target's
-  path and weights hash, layer ids, dtype, each shard's sha256, tokens hash and size, and bytes per token. Shards
-  are written atomically; a re-run keeps every shard whose file hash matches the previous manifest and that holds
-  the same sequences, from the same target weights, layers and dtype.
-- `cfg.mode == "online"`: stores no features; training computes the same tensors (rounded to the same dtype).
+  uint8, offsets int64, aux_hidden_states [T, 3H] and last_hidden_state [T, H] in `cfg.dtype`) and a manifest with
+  the target's path and weights hash, layer ids, dtype, scale layout, each shard's sha256, tokens hash and size, and
+  bytes per token (of the shard files). Shards are written atomically; a re-run keeps every shard whose file hash
+  matches the previous manifest and that holds the same sequences, from the same target weights, layers, dtype and
+  scale layout.
+- `cfg.dtype == "float8_e4m3fn"`: both hidden states are stored as e4m3 with one float32 scale per row (token
+  position), `aux_hidden_states_scale` [T] and `last_hidden_state_scale` [T] (`eagle.fp8`: scale = amax(|row|)/448);
+  the manifest's `scales` says so (`FP8_SCALES`; null for the other dtypes). About half the bytes of bfloat16.
+- `cfg.mode == "online"`: stores no features; training computes the same tensors (rounded to the same dtype, fp8
+  included: quantised and dequantised per row).
 Not here: training (components/train.py) and the dataset readers (components/datasets.py).
 """
 
@@ -36,6 +41,16 @@ from components.targets import declared_dtype, load_target, weights_sha256
 from eagle.config_checks import FieldError, at_least, one_of
 
 MANIFEST = "manifest.json"
+FEATURES = ("aux_hidden_states", "last_hidden_state")  # the hidden-state tensors of a shard
+FP8 = "float8_e4m3fn"  # eagle.fp8.DTYPE_NAME (eagle.fp8 imports torch: not at import time here)
+FEATURE_DTYPES = ("bfloat16", "float16", "float32", FP8)
+FP8_SCALES = {"layout": "per_row", "dtype": "float32", "rule": "amax(|row|) / 448",
+              "tensors": {name: f"{name}_scale" for name in FEATURES}}  # the manifest's `scales` of fp8 features
+
+
+def scale_layout(dtype: str) -> dict | None:
+    """The manifest's `scales` entry for features stored in `dtype` (None: stored as they are, no scales)."""
+    return copy.deepcopy(FP8_SCALES) if dtype == FP8 else None
 
 
 @dataclass(frozen=True)
@@ -50,7 +65,7 @@ class ExtractConfig:
 
     def __post_init__(self) -> None:
         one_of(self, "mode", ("offline", "online"))
-        one_of(self, "dtype", ("bfloat16", "float16", "float32"))  # of the stored features
+        one_of(self, "dtype", FEATURE_DTYPES)  # of the stored features
         at_least(self, {"max_len": 2, "batch_size": 1, "seqs_per_shard": 1})
         ids = tuple(self.aux_layer_ids)
         if ids and not (len(ids) == 3 and all(type(i) is int for i in ids) and 1 <= ids[0] < ids[1] < ids[2]):
@@ -111,8 +126,7 @@ def _write_shard(path: Path, target, layer_ids, seqs, cfg: ExtractConfig) -> Non
 
     from eagle.features import target_forward
 
-    dtype = getattr(torch, cfg.dtype)
-    aux, last = [], []
+    parts: list[dict] = []
     for b in range(0, len(seqs), cfg.batch_size):
         chunk = seqs[b:b + cfg.batch_size]
         width = max(len(s) for s, _ in chunk)
@@ -124,14 +138,26 @@ def _write_shard(path: Path, target, layer_ids, seqs, cfg: ExtractConfig) -> Non
         with torch.no_grad():
             step = target_forward(target, ids.to(cfg.device), layer_ids, attention_mask=att.to(cfg.device))
         for r, (s, _) in enumerate(chunk):
-            aux.append(step.aux_BT3H[r, :len(s)].to(dtype).cpu())
-            last.append(step.last_hidden_BTH[r, :len(s)].to(dtype).cpu())
+            parts.append({**_stored(FEATURES[0], step.aux_BT3H[r, :len(s)], cfg.dtype),
+                          **_stored(FEATURES[1], step.last_hidden_BTH[r, :len(s)], cfg.dtype)})
     tensors = {"input_ids": torch.tensor([i for s, _ in seqs for i in s], dtype=torch.int32),
                "loss_mask": torch.tensor([m for _, ms in seqs for m in ms], dtype=torch.uint8),
                "offsets": torch.tensor([0] + [len(s) for s, _ in seqs]).cumsum(0),
-               "aux_hidden_states": torch.cat(aux), "last_hidden_state": torch.cat(last)}
+               **{k: torch.cat([p[k] for p in parts]) for k in parts[0]}}
     with atomic_path(path) as tmp:
         save_file(tensors, str(tmp))
+
+
+def _stored(name: str, x_TC, dtype: str) -> dict:
+    """The shard tensors holding hidden states `x_TC` as `name`: in `dtype`, or e4m3 plus `name`_scale (per row)."""
+    import torch
+
+    from eagle import fp8
+
+    if dtype != FP8:
+        return {name: x_TC.to(getattr(torch, dtype)).cpu()}
+    q_TC, scale_T = fp8.quantize_rows(x_TC)
+    return {name: q_TC.cpu(), FP8_SCALES["tensors"][name]: scale_T.cpu()}
 
 
 def extract(cfg: ExtractConfig, target_dir: str, regen_dir: str, out_dir: str,
@@ -147,8 +173,9 @@ def extract(cfg: ExtractConfig, target_dir: str, regen_dir: str, out_dir: str,
     _save_target_config(out, target, target_dir)
     target_sha = weights_sha256(target_dir)  # once: hashing a real target's weights takes a while
     previous = _previous_manifest(out / MANIFEST)
-    same_source = (previous.get("dtype"), previous.get("layer_ids"), previous.get("target", {}).get("weights_sha256")) \
-        == (cfg.dtype, layer_ids, target_sha)  # else every shard holds other features: rewrite them all
+    same_source = (previous.get("dtype"), previous.get("scales"), previous.get("layer_ids"),
+                   previous.get("target", {}).get("weights_sha256")) \
+        == (cfg.dtype, scale_layout(cfg.dtype), layer_ids, target_sha)  # else the shards hold other features
     known = {s["file"]: (s["sha256"], s.get("tokens_sha256")) for s in previous.get("shards", []) if same_source}
     shards = []
     if cfg.mode == "offline":
@@ -207,6 +234,6 @@ def _manifest(cfg: ExtractConfig, target_dir: str, target_sha: str, layer_ids, s
     n_tokens = sum(len(s) for s, _ in seqs)
     total = sum(s["bytes"] for s in shards)
     return {"format_version": 1, "mode": cfg.mode, "target": {"path": str(target_dir), "weights_sha256": target_sha},
-            "layer_ids": layer_ids, "dtype": cfg.dtype, "max_len": cfg.max_len, "n_seqs": len(seqs),
-            "n_tokens": n_tokens, "n_trained_tokens": n_trained, "n_truncated": truncated,
+            "layer_ids": layer_ids, "dtype": cfg.dtype, "scales": scale_layout(cfg.dtype), "max_len": cfg.max_len,
+            "n_seqs": len(seqs), "n_tokens": n_tokens, "n_trained_tokens": n_trained, "n_truncated": truncated,
             "shards": shards, "bytes_per_token": total / n_tokens if shards else 0.0}

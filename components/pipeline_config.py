@@ -109,9 +109,17 @@ class PipelineConfig:
         return dataclasses.asdict(self)
 
     def fingerprint(self) -> str:
-        """The hash of what makes a head: every section but `monitor` (watching a head does not change it)."""
-        made = {k: v for k, v in self.to_dict().items() if k != "monitor"}
+        """The hash of what makes a head: every section but `monitor` (watching a head does not change it), less
+        the fields marked `metadata={"identity": False}` (how fast a stage runs, e.g. regenerate.num_workers)."""
+        made = {k: v for k, v in _identity(self).items() if k != "monitor"}
         return hashlib.sha256(json.dumps(made, sort_keys=True).encode()).hexdigest()
+
+
+def _identity(cfg: Any) -> Any:
+    if not dataclasses.is_dataclass(cfg):
+        return list(cfg) if isinstance(cfg, tuple) else cfg
+    return {f.name: _identity(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)
+            if f.metadata.get("identity", True)}
 
 
 def override_values(cfg: Any, values: Any, where: str, path: str = "") -> Any:

@@ -2,10 +2,14 @@
 
 Purpose: `regenerate(cfg, target_dir, traffic_path, out_dir) -> RegenerateResult`. Multi-turn conversations are
 answered turn by turn (each answer becomes the history of the next turn), batched with HF generation on a local
-target, or through any OpenAI-compatible endpoint (a vLLM or SGLang server) when `cfg.endpoint_url` is set.
+target, or through any OpenAI-compatible endpoint (a vLLM or SGLang server) when `cfg.endpoint_url` is set, with up
+to `cfg.endpoint_concurrency` requests in flight (components/regen_endpoint.py).
 Resumable: conversations are written in shards of `cfg.shard_size`, each shard atomically (temp file + rename)
 with a sidecar listing its ok and failed ids; a re-run skips every conversation of a finished shard. The
 accounting (`accounting.json`) always satisfies total = ok + failed + skipped.
+Distributed: `cfg.num_workers` 0 answers the shards in this process; N >= 1 answers them on N Ray actors, one shard
+per task, each actor loading the target once (components/regen_ray.py); this process still writes every file, and
+each shard is seeded by its index alone, so the files are byte-identical whatever `num_workers` is.
 Run: through flows/train_head.py or `eagle-heads train`; in tests directly.
 Not here: tokenisation for training (components/extract.py), evaluation prompts (components/evaluate.py).
 """
@@ -14,16 +18,24 @@ from __future__ import annotations
 
 import json
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from components.atomic import atomic_write_text, remove_stale_temps
 from components.chat import prompt_ids
+from components.regen_endpoint import (answer_concurrently, conversation_record, endpoint_answerer, endpoint_ask,
+                                       history_turns)
 from components.traffic_io import Conversation, load_traffic
 from eagle.config_checks import at_least, finite
+
+NOT_IDENTITY = {"identity": False}  # a config field that does not change the stage's output
+
+if TYPE_CHECKING:
+    from infra.settings import Settings
+
+__all__ = ["Answerer", "RegenerateConfig", "RegenerateError", "RegenerateResult", "answer_all", "answer_shard",
+           "endpoint_answerer", "hf_answerer", "read_regenerated", "regenerate", "responder"]
 
 
 @dataclass(frozen=True)
@@ -39,9 +51,14 @@ class RegenerateConfig:
     endpoint_url: str | None = None  # OpenAI-compatible server, e.g. http://127.0.0.1:8000
     endpoint_model: str | None = None
     endpoint_timeout_s: float = 120.0
+    # where and how fast, not what: the files are the same whatever these are (not part of a run's identity)
+    endpoint_concurrency: int = field(default=4, metadata=NOT_IDENTITY)  # requests in flight at most, per worker
+    num_workers: int = field(default=0, metadata=NOT_IDENTITY)  # 0: in this process; N: N Ray actors, a shard each
+    cpus_per_worker: int = field(default=1, metadata=NOT_IDENTITY)  # of each actor (one GPU each too on CUDA)
 
     def __post_init__(self) -> None:
-        at_least(self, {"max_new_tokens": 1, "batch_size": 1, "shard_size": 1, "seed": 0})
+        at_least(self, {"max_new_tokens": 1, "batch_size": 1, "shard_size": 1, "seed": 0, "endpoint_concurrency": 1,
+                        "num_workers": 0, "cpus_per_worker": 1})
         if self.limit is not None:
             at_least(self, {"limit": 1})
         finite(self, "temperature", lambda x: x >= 0, ">= 0")
@@ -61,17 +78,11 @@ class RegenerateResult:
 
 
 Answerer = Callable[[list[list[dict[str, str]]]], list[str | Exception]]
+Responder = Callable[[Sequence[Conversation], Callable[[str], None] | None], list[dict[str, Any]]]
 
 
 class RegenerateError(ValueError):
     """No conversation of the traffic could be regenerated (every one failed)."""
-
-
-def _history_turns(conv: Conversation) -> tuple[list[dict[str, str]], list[str]]:
-    """(system messages, user turns) of a conversation; original assistant answers are dropped."""
-    system = [{"role": "system", "content": m.content} for m in conv.messages if m.role == "system"]
-    users = [m.content for m in conv.messages if m.role == "user"]
-    return system, users
 
 
 def answer_all(convs: Sequence[Conversation], answer: Answerer, batch_size: int,
@@ -79,7 +90,7 @@ def answer_all(convs: Sequence[Conversation], answer: Answerer, batch_size: int,
     """Regenerate every conversation turn by turn; each record is ok (messages) or failed (reason)."""
     states = []
     for c in convs:
-        system, users = _history_turns(c)
+        system, users = history_turns(c)
         states.append({"conv": c, "msgs": list(system), "users": users, "error": None})
     max_turns = max((len(s["users"]) for s in states), default=0)
     for t in range(max_turns):
@@ -97,12 +108,7 @@ def answer_all(convs: Sequence[Conversation], answer: Answerer, batch_size: int,
             if on_batch:
                 on_batch(f"  turn {t + 1}: {min(b + batch_size, len(live))}/{len(live)} conversations "
                          f"({time.perf_counter() - t0:.1f} s for this batch)")
-    out = []
-    for s in states:
-        c = s["conv"]
-        rec = {"id": c.id, "segment": c.segment, "source_file": c.source_file}
-        out.append({**rec, "error": s["error"]} if s["error"] else {**rec, "messages": s["msgs"]})
-    return out
+    return [conversation_record(s["conv"], s["msgs"], s["error"]) for s in states]
 
 
 def hf_answerer(target: Any, tokenizer: Any, cfg: RegenerateConfig) -> Answerer:
@@ -145,31 +151,6 @@ def hf_answerer(target: Any, tokenizer: Any, cfg: RegenerateConfig) -> Answerer:
     return answer
 
 
-def endpoint_answerer(cfg: RegenerateConfig, retries: int = 3) -> Answerer:
-    """One chat-completions request per conversation to an OpenAI-compatible server (vLLM, SGLang)."""
-    url = cfg.endpoint_url.rstrip("/") + "/v1/chat/completions"  # type: ignore[union-attr]
-
-    def one(msgs: list[dict[str, str]]) -> str | Exception:
-        body = json.dumps({"model": cfg.endpoint_model, "messages": msgs, "max_tokens": cfg.max_new_tokens,
-                           "temperature": cfg.temperature, "top_p": cfg.top_p}).encode()
-        err: Exception = RuntimeError("no attempt")
-        for attempt in range(retries):
-            try:
-                req = urllib.request.Request(url, body, {"Content-Type": "application/json"})
-                with urllib.request.urlopen(req, timeout=cfg.endpoint_timeout_s) as r:
-                    content = json.loads(r.read())["choices"][0]["message"]["content"]
-                if not isinstance(content, str):
-                    raise ValueError(f"no text in the answer (content {content!r})")
-                return content
-            except (urllib.error.URLError, OSError, KeyError, IndexError, TypeError, ValueError) as e:
-                err = RuntimeError(f"{url}: {e}")
-                if attempt + 1 < retries:
-                    time.sleep(0.5 * 2 ** attempt)
-        return err
-
-    return lambda batch: [one(m) for m in batch]
-
-
 def _load_local(target_dir: str, cfg: RegenerateConfig, trust_remote_code: bool):
     from components.targets import load_target
 
@@ -178,56 +159,113 @@ def _load_local(target_dir: str, cfg: RegenerateConfig, trust_remote_code: bool)
     return hf_answerer(target, tokenizer, cfg)
 
 
+def responder(cfg: RegenerateConfig, target_dir: str, trust_remote_code: bool = False,
+              answer: Answerer | None = None) -> Responder:
+    """What answers a shard's conversations: `answer` in batches if given, else the endpoint (concurrent requests)
+    when `cfg.endpoint_url` is set, else the local target, loaded here once, in batches."""
+    if answer is None and cfg.endpoint_url:
+        ask = endpoint_ask(cfg)
+        return lambda convs, report: answer_concurrently(convs, ask, cfg.endpoint_concurrency, report)
+    batched = answer or _load_local(target_dir, cfg, trust_remote_code)
+    return lambda convs, report: answer_all(convs, batched, cfg.batch_size, on_batch=report)
+
+
 def _seed_shard(seed: int, shard: int) -> None:
     import torch
 
     torch.manual_seed(seed * 1_000_003 + shard)
 
 
+def answer_shard(cfg: RegenerateConfig, shard: int, convs: Sequence[Conversation], respond: Responder,
+                 progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+    """One shard's records. Seeded by its index alone: its samples do not depend on which shards ran before it, in
+    which process (resume = clean run, Ray = in-process)."""
+    _seed_shard(cfg.seed, shard)
+    return respond(convs, progress)
+
+
+def _shard_paths(out: Path, s: int) -> tuple[Path, Path]:
+    return out / f"shard-{s:05d}.jsonl", out / f"shard-{s:05d}.json"
+
+
+def _finished_ok(out: Path, s: int, chunk: Sequence[Conversation]) -> int | None:
+    """The ok count of shard `s` if a previous run finished it (for these very conversations), else None."""
+    data, meta = _shard_paths(out, s)
+    if meta.is_file() and data.is_file():
+        done = json.loads(meta.read_text())
+        if done.get("ids") == [c.id for c in chunk]:
+            return int(done.get("ok", 0))
+    return None
+
+
+def _write_shard(out: Path, s: int, chunk: Sequence[Conversation],
+                 records: list[dict[str, Any]]) -> tuple[int, dict[str, str]]:
+    """Shard `s`'s files (the data first, then the sidecar that marks it done; nothing when every conversation
+    failed, so a re-run tries it again); returns (ok, failures)."""
+    good = [r for r in records if "messages" in r]
+    bad = {r["id"]: r["error"] for r in records if "error" in r}
+    if good:
+        data, meta = _shard_paths(out, s)
+        atomic_write_text(data, "".join(json.dumps(r) + "\n" for r in good))
+        atomic_write_text(meta, json.dumps({"ids": [c.id for c in chunk], "ok": len(good), "failed": bad}) + "\n")
+    return len(good), bad
+
+
 def regenerate(cfg: RegenerateConfig, target_dir: str, traffic_path: str, out_dir: str,
                answer: Answerer | None = None, progress: Callable[[str], None] = print,
-               trust_remote_code: bool = False) -> RegenerateResult:
+               trust_remote_code: bool = False, ray_settings: Settings | None = None) -> RegenerateResult:
     """Regenerate the traffic's answers into `out_dir` (resuming a previous run) and return the accounting.
 
     A shard whose every conversation failed is not marked done, so a re-run tries it again (an endpoint that was
     down); when no conversation at all could be regenerated, `RegenerateError` says why (accounting.json is written).
+    `cfg.num_workers` >= 1 answers the shards on Ray (`ray_settings`: the infra.settings.Settings that say where;
+    None: from the environment); `answer` (a batch Answerer, for tests) runs in this process only.
     """
+    if answer is not None and cfg.num_workers:
+        raise ValueError("regenerate: `answer` runs in this process only; use num_workers 0 with it")
     convs = list(load_traffic(traffic_path).conversations)[: cfg.limit]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(out)  # left by a run killed mid-write
-    shards, ok, failed, skipped, failures, usable = [], 0, 0, 0, {}, 0
-    for s, start in enumerate(range(0, len(convs), cfg.shard_size)):
-        chunk = convs[start:start + cfg.shard_size]
-        data, meta = out / f"shard-{s:05d}.jsonl", out / f"shard-{s:05d}.json"
-        shards.append(str(data))
-        if meta.is_file() and data.is_file():
-            done = json.loads(meta.read_text())
-            if done.get("ids") == [c.id for c in chunk]:
-                skipped += len(chunk)
-                usable += int(done.get("ok", 0))
-                continue
-        answer = answer or (endpoint_answerer(cfg) if cfg.endpoint_url else
-                            _load_local(target_dir, cfg, trust_remote_code))
-        _seed_shard(cfg.seed, s)  # a shard's samples do not depend on which shards ran before it (resume = clean run)
-        t0 = time.perf_counter()
-        records = answer_all(chunk, answer, cfg.batch_size, on_batch=progress)
-        good = [r for r in records if "messages" in r]
-        bad = {r["id"]: r["error"] for r in records if "error" in r}
-        if good:  # the data first, then the sidecar that marks the shard done
-            atomic_write_text(data, "".join(json.dumps(r) + "\n" for r in good))
-            atomic_write_text(meta, json.dumps({"ids": [c.id for c in chunk], "ok": len(good), "failed": bad}) + "\n")
-        ok, failed, usable = ok + len(good), failed + len(bad), usable + len(good)
-        failures.update(bad)
-        progress(f"regenerate: shard {s + 1}/{-(-len(convs) // cfg.shard_size)}: {len(good)} ok, {len(bad)} failed "
-                 f"({time.perf_counter() - t0:.1f} s)")
-    res = RegenerateResult(str(out), tuple(shards), len(convs), ok, failed, skipped, failures)
+    chunks = [convs[i:i + cfg.shard_size] for i in range(0, len(convs), cfg.shard_size)]
+    before = {s: _finished_ok(out, s, chunk) for s, chunk in enumerate(chunks)}
+    pending = {s: chunks[s] for s, n_ok in before.items() if n_ok is None}
+    outcomes: dict[int, tuple[int, dict[str, str]]] = {}
+
+    def finish(s: int, records: list[dict[str, Any]], seconds: float) -> None:
+        outcomes[s] = _write_shard(out, s, chunks[s], records)
+        progress(f"regenerate: shard {s + 1}/{len(chunks)}: {outcomes[s][0]} ok, {len(outcomes[s][1])} failed "
+                 f"({seconds:.1f} s)")
+
+    if pending and cfg.num_workers:
+        from components.regen_ray import run_on_ray
+
+        run_on_ray(cfg, target_dir, pending, finish, trust_remote_code, ray_settings, progress)
+    elif pending:
+        respond = responder(cfg, target_dir, trust_remote_code, answer)  # loads the target only when work is left
+        for s, chunk in pending.items():
+            t0 = time.perf_counter()
+            finish(s, answer_shard(cfg, s, chunk, respond, progress), time.perf_counter() - t0)
+    return _account(out, traffic_path, chunks, before, outcomes)
+
+
+def _account(out: Path, traffic_path: str, chunks: list[list[Conversation]], before: dict[int, int | None],
+             outcomes: dict[int, tuple[int, dict[str, str]]]) -> RegenerateResult:
+    """The run's accounting in shard order (accounting.json); `RegenerateError` when nothing at all is usable."""
+    ok = sum(n for n, _ in outcomes.values())
+    failed = sum(len(bad) for _, bad in outcomes.values())
+    failures = {k: v for s in sorted(outcomes) for k, v in outcomes[s][1].items()}
+    skipped = sum(len(chunks[s]) for s, n_ok in before.items() if n_ok is not None)
+    usable = ok + sum(n_ok or 0 for n_ok in before.values())
+    total = sum(len(c) for c in chunks)
+    shards = tuple(str(_shard_paths(out, s)[0]) for s in range(len(chunks)))
+    res = RegenerateResult(str(out), shards, total, ok, failed, skipped, failures)
     assert res.total == res.ok + res.failed + res.skipped
     atomic_write_text(out / "accounting.json", json.dumps({"total": res.total, "ok": ok, "failed": failed,
                                                             "skipped": skipped, "failures": failures}, indent=2))
     if usable == 0:
         first = next(iter(failures.items()), ("-", "-"))
-        raise RegenerateError(f"{traffic_path}: none of {len(convs)} conversations could be regenerated by the target "
+        raise RegenerateError(f"{traffic_path}: none of {total} conversations could be regenerated by the target "
                               f"(first failure: {first[0]}: {first[1]}); every reason is in {out / 'accounting.json'}. "
                               "Shorten the prompts, lower regenerate.max_new_tokens, or check the endpoint")
     return res

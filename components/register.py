@@ -161,7 +161,8 @@ def _acceptance_tags(metrics: dict[str, float]) -> dict[str, str]:
     and the engine's figures when it measured them (`tau_vllm`,
     `speedup_vllm`, `identical_vllm`, `acceptance_vllm`)."""
     tags = {}
-    for name, prefix in (("acceptance", "alpha_"), ("acceptance_vllm", "alpha_vllm_")):
+    for name, prefix in (("acceptance", "alpha_"), ("acceptance_raw", "alpha_raw_"),
+                         ("acceptance_vllm", "alpha_vllm_")):
         if alphas := _alphas(metrics, prefix):
             tags[name] = " ".join(f"{a:.4f}" for a in alphas)
     for k in ("tau_raw", "tau_vllm", "speedup_vllm"):

@@ -1,9 +1,13 @@
 """The cheap benchmarks run end to end in `--quick` mode and write result files that make sense.
 
-Purpose: keep bench/ runnable. speedup, batch, acceptance_vs_depth, chain_depth and checkpoint_by_tau run as
-scripts with `--quick` (the tiny embedded preset) in one temporary cache directory (`--cache`, shared so the tiny
-build, the regenerated traffic and the TTT head are made once), each under a timeout; the tests read the JSON they
-write: every method and head is present, greedy outputs equal plain greedy decoding, ratios are positive.
+Purpose: keep bench/ runnable and its verdicts honest. speedup, batch, acceptance_vs_depth, chain_depth and
+checkpoint_by_tau run as scripts with `--quick` (the tiny embedded preset) in one temporary cache directory
+(`--cache`, shared so the tiny build, the regenerated traffic and the TTT head are made once), each under a timeout;
+the tests read the JSON they write: every method and head is present, greedy outputs equal plain greedy decoding,
+ratios are positive, tau counts emitted tokens (tau x verification steps = output tokens after the first), a goal is
+met only with 0 mismatches, every file carries the run's metadata (commit, clean flag, CPU). With the greedy
+acceptance rule broken on purpose (`eagle.sampling.accept_chain_greedy` patched in process to keep every draft),
+speedup must report the mismatches and meet no goal. `write_results` keeps an earlier run of the same name.
 Run: `python -m pytest -m slow tests/test_bench_quick.py` (about 2-3 minutes on 2 cores with a cold cache).
 Not here: the figures themselves (a tiny target's numbers mean nothing), data_scaling and train_throughput
 (several trainings or Ray starts each; run them by hand).
@@ -12,6 +16,7 @@ Not here: the figures themselves (a tiny target's numbers mean nothing), data_sc
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +25,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
+OURS = ("plain", "eagle-chain", "eagle-tree")  # lossless: their greedy outputs must equal plain decoding's
 
 
 @pytest.fixture(scope="module")
@@ -38,19 +44,97 @@ def run_quick(name: str, cache: Path, timeout_s: int = 240, *extra: str) -> dict
     return json.loads(result.read_text())
 
 
+def check_metadata(r: dict) -> None:
+    """The run's metadata that `common.write_results` attaches to every result file."""
+    meta = r["metadata"]
+    if (ROOT / ".git").exists():
+        assert re.fullmatch(r"[0-9a-f]{40}", meta["commit"]) and isinstance(meta["tree_clean"], bool), meta
+        assert meta["tree_clean"] == (meta["n_changed_paths"] == 0)
+    assert meta["cpu_model"] and isinstance(meta["cpu_caches"], dict) and meta["torch"] and meta["date"]
+    assert r["history"][-1]["date"] == meta["date"] and isinstance(r["earlier_runs"], list)
+
+
+def check_goals(goals: dict, mismatches: int) -> None:
+    """Every goal of a run: met exactly when its figure reached it and no lossless output differed."""
+    lines = [g for g in goals.values() if isinstance(g, dict)]
+    assert lines and all(g["mismatches"] == mismatches for g in lines), goals
+    assert all(g["met"] == (g["reached"] and mismatches == 0) for g in lines), goals
+
+
 def test_speedup_quick(cache: Path) -> None:
     r = run_quick("speedup", cache)
+    check_metadata(r)
     greedy = {row["method"]: row for row in r["tables"]["0"]}
     assert set(greedy) == {"plain", "eagle-chain", "eagle-tree", "hf-plain", "hf-lookup", "hf-assisted"}
-    assert all(row["mismatch"] == 0 for name, row in greedy.items() if name.startswith(("plain", "eagle"))), greedy
+    assert all(greedy[name]["mismatch"] == 0 for name in OURS), greedy
     assert all(row["tok_s"] > 0 and row["tok_per_call"] >= 1.0 for row in greedy.values())
-    assert greedy["eagle-chain"]["tau"] >= 1.0 and "speedup vs plain >= 2.0" in r["goals_T0"]
+    for name in ("eagle-chain", "eagle-tree"):  # tau counts emitted tokens: the output after the prefill's token
+        row, n = greedy[name], r["n_prompts"]
+        steps = round(row["tokens"] / row["tok_per_call"]) - n  # target passes: prefill + one per verification
+        assert row["tau"] * steps == pytest.approx(row["tokens"] - n) and 1.0 <= row["tau"] <= row["tau_raw"], row
+    check_goals(r["goals_T0"], 0)
+
+
+def test_speedup_with_a_broken_acceptance_rule_meets_no_goal(cache: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture) -> None:
+    """The greedy rule made to keep every draft (right or wrong) and to emit the target's runner-up as the bonus
+    token (the tiny quick target is so repetitive that its head drafts right every time, so keeping every draft
+    alone changes nothing): the chain's outputs differ from plain decoding, the table says so, and no goal is met,
+    although the inflated tau reaches its goal."""
+    import torch
+
+    import eagle.sampling
+
+    def broken_rule(target_logits_BKV: torch.Tensor, draft_BK: torch.Tensor):
+        n_B = torch.full(draft_BK.shape[:1], draft_BK.shape[1], dtype=torch.long, device=draft_BK.device)
+        return n_B, target_logits_BKV[:, -1].topk(2, dim=-1).indices[:, 1]
+
+    monkeypatch.setattr(eagle.sampling, "accept_chain_greedy", broken_rule)
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import speedup
+
+    threads = torch.get_num_threads()
+    try:
+        speedup.main(["--quick", "--cache", str(cache), "--temperatures", "0"])
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    r = json.loads((cache / "results-quick" / "speedup-T0.json").read_text())
+    greedy = {row["method"]: row for row in r["tables"]["0"]}
+    bad = sum(greedy[name]["mismatch"] for name in OURS)
+    assert greedy["eagle-chain"]["mismatch"] > 0 and bad == r["goals_T0"]["mismatches_ours"], greedy
+    check_goals(r["goals_T0"], bad)
+    assert not any(g["met"] for g in r["goals_T0"].values() if isinstance(g, dict))
+    assert r["goals_T0"]["tau >= 4"]["reached"], r["goals_T0"]  # depth 5, every draft kept: tau near 6
+    assert "-> met" not in out and f"{bad} mismatches -> NOT MET" in out, out[-3000:]
+
+
+def test_write_results_keeps_earlier_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                          capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import common
+
+    monkeypatch.setattr(common, "CACHE", tmp_path)
+    path = common.write_results("probe", True, {"figure": 1}, [0.0, 0.0, 0.0])
+    first = json.loads(path.read_text())
+    check_metadata(first)
+    assert first["figure"] == 1 and first["earlier_runs"] == [] and len(first["history"]) == 1
+    assert common.write_results("probe", True, {"figure": 2}, [0.0, 0.0, 0.0]) == path
+    r = json.loads(path.read_text())
+    check_metadata(r)
+    assert r["figure"] == 2 and [e["figure"] for e in r["earlier_runs"]] == [1]
+    assert r["earlier_runs"][0]["metadata"] == first["metadata"] and len(r["history"]) == 2
+    out = capsys.readouterr().out
+    assert "run 2 of probe" in out and f"earlier run(s) of {first['metadata']['date']}" in out, out
 
 
 def test_batch_quick(cache: Path) -> None:
     r = run_quick("batch", cache)
+    check_metadata(r)
     assert [row["batch"] for row in r["rows"]] == [1, 2, 4]
-    assert all(row["mismatch_rows"] == 0 and row["ratio"] > 0 for row in r["rows"]), r["rows"]
+    for row in r["rows"]:  # --runs 3 (the default): median and min of three timed blocks, after a warm-up
+        assert row["mismatch_rows"] == 0 and len(row["ratio_runs"]) == 3, row
+        assert 0 < row["ratio_min"] <= row["ratio"] <= row["ratio_max"] and 1.0 <= row["tau"] <= row["tau_raw"], row
 
 
 def test_acceptance_vs_depth_quick(cache: Path) -> None:
@@ -58,7 +142,9 @@ def test_acceptance_vs_depth_quick(cache: Path) -> None:
     assert set(r["heads"]) == {"eagle3-ttt7", "eagle3-ttt1", "eagle1"}
     for head in r["heads"].values():
         assert len(head["alpha"]) == 7 and all(0 <= a <= 1 for a in head["alpha"])
-        assert head["mismatches"] == 0 and head["tau"] >= 1.0
+        assert head["mismatches"] == 0 and 1.0 <= head["tau"] <= head["tau_raw"]
+        assert head["reached"][0] == head["verify_steps"]  # every live step emits at least one token
+    assert all(c["met"] == c["reached"] for c in r["claims"].values()), r["claims"]  # 0 mismatches
 
 
 def test_speedup_setup_only_with_more_conversations(cache: Path) -> None:
@@ -79,6 +165,7 @@ def test_chain_depth_quick(cache: Path) -> None:
     assert list(rows) == ["plain", "chain-2", "chain-3", "tree-3,2,4"]
     assert all(row["mismatch"] == 0 and row["tok_s"] > 0 for row in rows.values()), rows
     assert len(rows["chain-3"]["alpha"]) == 3 and rows["chain-2"]["tau"] >= 1.0 and r["fastest"] in rows
+    check_goals(r["goals"], 0)
 
 
 def test_checkpoint_by_tau_quick(cache: Path) -> None:

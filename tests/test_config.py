@@ -92,6 +92,9 @@ def test_fingerprint_is_stable_and_sensitive(tmp_path):
     assert _load(tmp_path, {"train": {"steps": a.train.steps}}).fingerprint() == a.fingerprint()
     assert _load(tmp_path, {"train": {"steps": a.train.steps + 1}}).fingerprint() != a.fingerprint()
     assert len(a.fingerprint()) == 64 and a.fingerprint() != PipelineConfig.default().fingerprint()
+    faster = {"regenerate": {"num_workers": 2, "endpoint_concurrency": 8}}  # the same files, faster: the same run
+    assert _load(tmp_path, faster).fingerprint() == a.fingerprint()
+    assert _load(tmp_path, {"train": {"ttt": {"ttt_steps": 4}}}).fingerprint() != a.fingerprint()
 
 
 

@@ -33,6 +33,7 @@ from components.pipeline_config import ConfigError, PipelineConfig
 from components.train import RayConfig, TrainConfig, holdout_size, latest_checkpoint, train
 from components.train_state import read_best
 from eagle.config import default_aux_layer_ids
+from eagle.run_config import OptimConfig
 from eagle.export import load_head, read_head_meta, verify_probe
 from tests.helpers import Crash, CrashAt
 
@@ -324,7 +325,7 @@ def test_selection_keeps_the_earliest_best_and_the_holdout_is_seeded():
 
 def test_warm_start_begins_at_the_given_head_and_learns_faster(offline_dir, trained, target, tmp_path):
     parent = load_file(str(Path(trained.head_dir) / "model.safetensors"))
-    frozen = dataclasses.replace(TrainConfig.tiny(), steps=2, lr=0.0, log_every=1)
+    frozen = dataclasses.replace(TrainConfig.tiny(), steps=2, optim=OptimConfig(lr=0.0, warmup_steps=2), log_every=1)
     res = train(frozen, str(offline_dir), str(tmp_path / "frozen"), init_head_dir=trained.head_dir)
     child = load_file(str(Path(res.head_dir) / "model.safetensors"))
     assert set(child) == set(parent)

@@ -25,6 +25,7 @@ Not here: bad input (tests/test_bad_input.py).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
