@@ -21,6 +21,10 @@ Purpose: `extract(cfg, target_dir, regen_dir, out_dir) -> ExtractResult`.
   the manifest's `scales` says so (`FP8_SCALES`; null for the other dtypes). About half the bytes of bfloat16.
 - `cfg.mode == "online"`: stores no features; training computes the same tensors (rounded to the same dtype, fp8
   included: quantised and dequantised per row).
+- Distributed: `cfg.num_workers` 0 computes the shards in this process; N >= 1 computes the shards that need
+  (re)writing on N Ray actors, one shard per task, each actor loading the target once (components/extract_ray.py).
+  A shard travels back as its safetensors bytes (`shard_bytes`, the same function in both paths) and this process
+  writes every file and the manifest, so they are byte-identical whatever `num_workers` is, and resume is the same.
 Not here: training (components/train.py) and the dataset readers (components/datasets.py).
 """
 
@@ -30,15 +34,18 @@ import copy
 import hashlib
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Literal
+from typing import TYPE_CHECKING, Callable, Literal
 
-from components.atomic import atomic_path, atomic_write_text, file_sha256, remove_stale_temps
+from components.atomic import atomic_path, atomic_write_bytes, atomic_write_text, file_sha256, remove_stale_temps
 from components.chat import tokenize_conversation
-from components.regenerate import read_regenerated
+from components.regenerate import NOT_IDENTITY, read_regenerated
 from components.targets import declared_dtype, load_target, weights_sha256
 from eagle.config_checks import FieldError, at_least, one_of
+
+if TYPE_CHECKING:
+    from infra.settings import Settings
 
 MANIFEST = "manifest.json"
 FEATURES = ("aux_hidden_states", "last_hidden_state")  # the hidden-state tensors of a shard
@@ -62,11 +69,14 @@ class ExtractConfig:
     seqs_per_shard: int = 256
     device: str = "cpu"
     aux_layer_ids: tuple[int, ...] = ()  # fused layers (inputs of these target layers); empty: the default rule
+    # where and how fast, not what: the files are the same whatever these are (not part of a run's identity)
+    num_workers: int = field(default=0, metadata=NOT_IDENTITY)  # 0: in this process; N: N Ray actors, a shard each
+    cpus_per_worker: int = field(default=1, metadata=NOT_IDENTITY)  # of each actor (one GPU each too on CUDA)
 
     def __post_init__(self) -> None:
         one_of(self, "mode", ("offline", "online"))
         one_of(self, "dtype", FEATURE_DTYPES)  # of the stored features
-        at_least(self, {"max_len": 2, "batch_size": 1, "seqs_per_shard": 1})
+        at_least(self, {"max_len": 2, "batch_size": 1, "seqs_per_shard": 1, "num_workers": 0, "cpus_per_worker": 1})
         ids = tuple(self.aux_layer_ids)
         if ids and not (len(ids) == 3 and all(type(i) is int for i in ids) and 1 <= ids[0] < ids[1] < ids[2]):
             raise FieldError(self, "aux_layer_ids", f"{list(ids)} must be three distinct ascending layer ids >= 1, or "
@@ -120,9 +130,10 @@ def _save_target_heads(out: Path, target) -> None:
         save_file(tensors, str(tmp))
 
 
-def _write_shard(path: Path, target, layer_ids, seqs, cfg: ExtractConfig) -> None:
+def shard_bytes(target, layer_ids, seqs, cfg: ExtractConfig) -> bytes:
+    """The safetensors file of the feature shard holding `seqs` (what the driver writes, in- or out-of-process)."""
     import torch
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     from eagle.features import target_forward
 
@@ -144,8 +155,8 @@ def _write_shard(path: Path, target, layer_ids, seqs, cfg: ExtractConfig) -> Non
                "loss_mask": torch.tensor([m for _, ms in seqs for m in ms], dtype=torch.uint8),
                "offsets": torch.tensor([0] + [len(s) for s, _ in seqs]).cumsum(0),
                **{k: torch.cat([p[k] for p in parts]) for k in parts[0]}}
-    with atomic_path(path) as tmp:
-        save_file(tensors, str(tmp))
+    del parts
+    return save(tensors)
 
 
 def _stored(name: str, x_TC, dtype: str) -> dict:
@@ -161,7 +172,10 @@ def _stored(name: str, x_TC, dtype: str) -> dict:
 
 
 def extract(cfg: ExtractConfig, target_dir: str, regen_dir: str, out_dir: str,
-            progress: Callable[[str], None] = print, trust_remote_code: bool = False) -> ExtractResult:
+            progress: Callable[[str], None] = print, trust_remote_code: bool = False,
+            ray_settings: Settings | None = None) -> ExtractResult:
+    """Extract into `out_dir` (resuming a previous run). `cfg.num_workers` >= 1 computes the shards on Ray
+    (`ray_settings`: the infra.settings.Settings that say where; None: from the environment)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(out)  # left by a run killed mid-write
@@ -177,28 +191,67 @@ def extract(cfg: ExtractConfig, target_dir: str, regen_dir: str, out_dir: str,
                    previous.get("target", {}).get("weights_sha256")) \
         == (cfg.dtype, scale_layout(cfg.dtype), layer_ids, target_sha)  # else the shards hold other features
     known = {s["file"]: (s["sha256"], s.get("tokens_sha256")) for s in previous.get("shards", []) if same_source}
-    shards = []
-    if cfg.mode == "offline":
-        n_shards = -(-len(seqs) // cfg.seqs_per_shard)
-        for k in range(n_shards):
-            path = out / f"features-{k:05d}.safetensors"
-            part = seqs[k * cfg.seqs_per_shard:(k + 1) * cfg.seqs_per_shard]
-            tokens_sha = hashlib.sha256(json.dumps(part).encode()).hexdigest()  # the sequences this shard holds
+    parts = [seqs[i:i + cfg.seqs_per_shard] for i in range(0, len(seqs), cfg.seqs_per_shard)] \
+        if cfg.mode == "offline" else []
+    shards, pending = _kept_shards(out, parts, known)  # shard index -> manifest entry; index -> sequences to write
+
+    def save_manifest() -> dict:
+        manifest = _manifest(cfg, target_dir, target_sha, layer_ids, seqs, n_trained, truncated,
+                             [shards[k] for k in sorted(shards)])
+        atomic_write_text(out / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+        return manifest
+
+    def finish(k: int, data: bytes, seconds: float) -> None:
+        path = _shard_path(out, k)
+        atomic_write_bytes(path, data)
+        shards[k] = _shard_entry(path, parts[k], file_sha256(path))
+        progress(f"extract: shard {k + 1}/{len(parts)}, {shards[k]['n_tokens']} tokens ({seconds:.1f} s)")
+        save_manifest()  # after each shard: a killed run keeps what it finished
+
+    if pending and cfg.num_workers:
+        from components.extract_ray import run_on_ray
+
+        del target  # the workers load their own; on CUDA its memory goes back for the worker on this device
+        if str(cfg.device).startswith("cuda"):
+            import torch
+
+            torch.cuda.empty_cache()
+        run_on_ray(cfg, target_dir, layer_ids, pending, finish, trust_remote_code, ray_settings, progress)
+    else:
+        for k, part in pending.items():
             t0 = time.perf_counter()
-            sha = file_sha256(path) if path.is_file() else None
-            if sha is None or known.get(path.name) != (sha, tokens_sha):
-                _write_shard(path, target, layer_ids, part, cfg)
-                sha = file_sha256(path)
-                progress(f"extract: shard {k + 1}/{n_shards}, {sum(len(s) for s, _ in part)} tokens "
-                         f"({time.perf_counter() - t0:.1f} s)")
-            shards.append({"file": path.name, "sha256": sha, "tokens_sha256": tokens_sha, "n_seqs": len(part),
-                           "n_tokens": sum(len(s) for s, _ in part), "bytes": path.stat().st_size})
-            manifest = _manifest(cfg, target_dir, target_sha, layer_ids, seqs, n_trained, truncated, shards)
-            atomic_write_text(out / MANIFEST, json.dumps(manifest, indent=2) + "\n")
-    manifest = _manifest(cfg, target_dir, target_sha, layer_ids, seqs, n_trained, truncated, shards)
-    atomic_write_text(out / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+            finish(k, shard_bytes(target, layer_ids, part, cfg), time.perf_counter() - t0)
+    manifest = save_manifest()
     return ExtractResult(str(out), cfg.mode, str(out / MANIFEST), len(seqs), manifest["n_tokens"], n_trained,
                          manifest["bytes_per_token"])
+
+
+def _shard_path(out: Path, k: int) -> Path:
+    return out / f"features-{k:05d}.safetensors"
+
+
+def _tokens_sha256(part) -> str:
+    """The hash of the sequences a shard holds."""
+    return hashlib.sha256(json.dumps(part).encode()).hexdigest()
+
+
+def _shard_entry(path: Path, part, sha: str) -> dict:
+    return {"file": path.name, "sha256": sha, "tokens_sha256": _tokens_sha256(part), "n_seqs": len(part),
+            "n_tokens": sum(len(s) for s, _ in part), "bytes": path.stat().st_size}
+
+
+def _kept_shards(out: Path, parts, known: dict) -> tuple[dict[int, dict], dict[int, list]]:
+    """(index -> manifest entry of each shard a previous run wrote for these very sequences and features, whose file
+    hash matches its manifest; index -> sequences of every other shard, to be written)."""
+    kept, pending = {}, {}
+    for k, part in enumerate(parts):
+        path = _shard_path(out, k)
+        sha = file_sha256(path) if path.is_file() else None
+        if sha is not None and known.get(path.name) == (sha, _tokens_sha256(part)):
+            kept[k] = _shard_entry(path, part, sha)
+        else:
+            pending[k] = part
+    return kept, pending
 
 
 def fused_layer_ids(cfg: ExtractConfig, n: int, target_dir: str) -> list[int]:

@@ -42,19 +42,19 @@ class ShardWorker:
         return answer_shard(self.cfg, shard, convs, self.respond)
 
 
-def _uses_gpu(cfg: Any) -> bool:
+def uses_gpu(cfg: Any) -> bool:
     return str(cfg.device).startswith("cuda")
 
 
 def fitting_workers(cfg: Any, wanted: int, available: dict[str, float]) -> int:
     """How many of `wanted` workers the cluster's free resources hold (CPUs, and GPUs for a CUDA device)."""
     room = math.floor(available.get("CPU", 0.0) / cfg.cpus_per_worker + 1e-9)
-    if _uses_gpu(cfg):
+    if uses_gpu(cfg):
         room = min(room, math.floor(available.get("GPU", 0.0) + 1e-9))
     return min(wanted, room)
 
 
-def _local_cpus(cfg: Any, settings: Any) -> int | None:
+def local_cpus(cfg: Any, settings: Any) -> int | None:
     """CPUs of a local Ray started for this run (None on a cluster: it has its own)."""
     if settings.ray_address is not None:
         return None
@@ -72,21 +72,36 @@ def run_on_ray(cfg: Any, target_dir: str, pending: dict[int, Sequence[Conversati
     from infra.settings import Settings
 
     settings = settings or Settings.from_env()
-    with ray_session(settings, num_cpus=_local_cpus(cfg, settings)):
-        import ray
+    with ray_session(settings, num_cpus=local_cpus(cfg, settings)):
+        run_actors(cfg, ShardWorker, (target_dir, trust_remote_code), pending, finish, "regenerate", progress)
 
-        n = fitting_workers(cfg, min(cfg.num_workers, len(pending)), ray.available_resources())
-        need = f"{cfg.cpus_per_worker} CPU" + (" and 1 GPU" if _uses_gpu(cfg) else "")
-        if n < 1:
-            raise RuntimeError(f"the Ray cluster has no room for one regeneration worker ({need}; free: "
-                               f"{ray.available_resources()}): lower regenerate.cpus_per_worker or free the cluster")
-        if n < min(cfg.num_workers, len(pending)):
-            progress(f"regenerate: the Ray cluster holds {n} of {cfg.num_workers} workers ({need} each); using {n}")
-        worker_cfg = dataclasses.replace(cfg, device="cuda") if _uses_gpu(cfg) else cfg  # Ray shows it one device
-        actor = ray.remote(num_cpus=cfg.cpus_per_worker, num_gpus=1 if _uses_gpu(cfg) else 0,
-                           max_restarts=1, max_task_retries=1)(ShardWorker)
-        actors = [actor.remote(worker_cfg, target_dir, trust_remote_code) for _ in range(n)]
+
+def run_actors(cfg: Any, worker_cls: type, args: tuple, pending: dict[int, Any], finish: Finish, stage: str,
+               progress: Callable[[str], None], wait_s: float = 30.0) -> None:
+    """`cfg.num_workers` actors of `worker_cls(worker_cfg, *args)` (fewer if the cluster holds fewer) answer the
+    pending shards; the actors are ended afterwards, so their CPUs are free for the next stage. Resources that
+    another job (a finished stage's actors, a Ray Train run) is still releasing are waited for up to `wait_s`."""
+    import ray
+
+    wanted = min(cfg.num_workers, len(pending))
+    need = f"{cfg.cpus_per_worker} CPU" + (" and 1 GPU" if uses_gpu(cfg) else "")
+    deadline = time.monotonic() + wait_s
+    while (n := fitting_workers(cfg, wanted, ray.available_resources())) < 1 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if n < 1:
+        raise RuntimeError(f"the Ray cluster has no room for one {stage} worker ({need}; free: "
+                           f"{ray.available_resources()}): lower {stage}.cpus_per_worker or free the cluster")
+    if n < wanted:
+        progress(f"{stage}: the Ray cluster holds {n} of {cfg.num_workers} workers ({need} each); using {n}")
+    worker_cfg = dataclasses.replace(cfg, device="cuda") if uses_gpu(cfg) else cfg  # Ray shows it one device
+    actor = ray.remote(num_cpus=cfg.cpus_per_worker, num_gpus=1 if uses_gpu(cfg) else 0,
+                       max_restarts=1, max_task_retries=1)(worker_cls)
+    actors = [actor.remote(worker_cfg, *args) for _ in range(n)]
+    try:
         _dispatch(actors, dict(pending), finish)
+    finally:
+        for a in actors:
+            ray.kill(a)
 
 
 def _dispatch(actors: list, pending: dict[int, Sequence[Conversation]], finish: Finish) -> None:

@@ -21,6 +21,8 @@ training a fine-tune of it), keeping that head's draft vocabulary; `TrainConfig.
 budget for such runs.
 The head fuses the layers the features were extracted at (the manifest's `layer_ids`); a warm-start head or a
 checkpoint made for other layer ids is refused, naming both.
+Workers on several hosts must all see `out_dir` and the Ray checkpoint storage (a shared filesystem mounted at the
+same path; the storage may be an object-store URI instead): checked before training, refused by name otherwise.
 Not here: evaluation, registration, the choice of hyper-parameters per target (flows/ pass the config).
 """
 
@@ -398,12 +400,16 @@ def _fit_with_ray(args: LoopArgs, storage: str) -> None:
     from ray.train import FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
+    from infra.ray_cluster import check_shared_paths
+
     cfg = args.cfg.ray
+    storage = storage if "://" in storage else str(Path(storage).resolve())  # a URI (s3://, file://) as it is
+    check_shared_paths({"the checkpoint storage": storage, "the output directory": args.out_dir})  # workers span hosts
     trainer = TorchTrainer(
         train_loop, train_loop_config=args,
         scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_gpu,
                                      resources_per_worker={"CPU": cfg.cpus_per_worker}),
-        run_config=RunConfig(name=_ray_run_name(args.out_dir), storage_path=str(Path(storage).resolve()),
+        run_config=RunConfig(name=_ray_run_name(args.out_dir), storage_path=storage,
                              failure_config=FailureConfig(max_failures=cfg.max_failures),
                              logging_config=LoggingConfig(log_level="WARNING")))  # no INFO lines per worker start
     result = trainer.fit()

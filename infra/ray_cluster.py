@@ -8,6 +8,8 @@ check alone (preflight, before any work).
 Quiet by configuration: the driver's `ray` logger at WARNING (no "Started a local Ray instance" line), and on a
 local Ray no preemption watcher and no placement-group cleaner warnings (see LOCAL_WORKER_ENV, PG_CLEANER_LOGGER);
 workers get the libraries' quiet settings (infra/quiet.py). Our workers' `print`s reach the driver once.
+Shared paths: `check_shared_paths({...})` refuses, before training, a local path that Ray Train workers on several
+hosts must all see (checkpoint storage, output dir) but that some host does not (`storage_refusal` decides).
 Run: `python -m infra.ray_cluster` starts a local session, prints its resources and stops it.
 Not here: training loops (components), choosing hardware. Ray imports lazily: importing this module is cheap.
 A local Ray's core services listen on all interfaces (Ray 2.60 has no loopback-only switch); its dashboard is
@@ -20,9 +22,11 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from pathlib import Path
+from typing import Callable, Iterator, Mapping, Sequence
 from urllib.parse import urlsplit
 
 from infra.quiet import quiet_env
@@ -117,6 +121,81 @@ def probe_ray(settings: Settings, timeout_s: float = 5.0) -> None:
         _probe(settings.ray_address, timeout_s)
 
 
+class StorageNotShared(ValueError):
+    """Training workers may run on several hosts, and a local path they all need is not seen by every host."""
+
+
+def is_local_path(path: str) -> bool:
+    """True for a filesystem path (`/x`, `file:///x`); False for an object-store URI (`s3://b/x`, `gs://b/x`)."""
+    scheme = urlsplit(str(path)).scheme
+    return scheme in ("", "file") or len(scheme) == 1  # one letter: a Windows drive
+
+
+def _worker_hosts(nodes: Sequence[dict]) -> dict[str, dict]:
+    """One alive node that can run a worker (CPU > 0) per host address."""
+    hosts: dict[str, dict] = {}
+    for node in nodes:
+        if node.get("Alive") and node.get("Resources", {}).get("CPU", 0) > 0:
+            hosts.setdefault(node["NodeManagerAddress"], node)
+    return hosts
+
+
+def storage_refusal(paths: Mapping[str, str], nodes: Sequence[dict], sees: Callable[[dict, str], bool]) -> str | None:
+    """Why workers on `nodes` (`ray.nodes()` entries) cannot share `paths` (what -> path), or None when they can.
+
+    Fine: all alive worker nodes (CPU > 0) on one host; an object-store URI; a local path that `sees(node, path)`
+    on one node of every host (a shared filesystem mounted at the same path). `sees` is asked only for the hosts."""
+    hosts = _worker_hosts(nodes)
+    if len(hosts) < 2:
+        return None
+    problems = []
+    for what, path in paths.items():
+        blind = [ip for ip, node in sorted(hosts.items()) if is_local_path(path) and not sees(node, path)]
+        if blind:
+            problems.append(f"{what} {path} is a local path that host {', '.join(blind)} does not see")
+    if not problems:
+        return None
+    return (f"Ray Train workers may run on any of {len(hosts)} hosts ({', '.join(sorted(hosts))}), but "
+            f"{'; '.join(problems)}. Put it on a shared filesystem mounted at the same path on every node (e.g. "
+            "EAGLE_HOME on NFS), or give the checkpoint storage as an object-store URI (s3://..., gs://...)")
+
+
+def _node_sees(node: dict, path: str) -> bool:
+    """Whether `path` exists on `node`, asked by a zero-CPU task pinned there."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    pinned = NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)
+    return bool(ray.get(ray.remote(num_cpus=0)(os.path.exists).options(scheduling_strategy=pinned).remote(path),
+                        timeout=120))
+
+
+def check_shared_paths(paths: Mapping[str, str]) -> None:
+    """`StorageNotShared` when the connected cluster spans hosts and one of `paths` (local directories, made here
+    when missing) is not seen by all of them: each gets a marker file that a task on every host looks for."""
+    import ray
+
+    if not ray.is_initialized():
+        return  # Ray Train would start a local Ray: one host
+    nodes = ray.nodes()
+    if len(_worker_hosts(nodes)) < 2 or not any(is_local_path(p) for p in paths.values()):
+        return  # one host, or only URIs: nothing to probe
+    markers = {}
+    try:
+        for what, path in paths.items():
+            if is_local_path(path):
+                local = Path(urlsplit(path).path if path.startswith("file:") else path)
+                local.mkdir(parents=True, exist_ok=True)
+                markers[path] = local / f".shared-probe-{uuid.uuid4().hex}"
+                markers[path].write_text("")
+        refusal = storage_refusal(paths, nodes, lambda node, path: _node_sees(node, str(markers[path])))
+    finally:
+        for marker in markers.values():
+            marker.unlink(missing_ok=True)
+    if refusal:
+        raise StorageNotShared(refusal)
+
+
 @contextmanager
 def _logger_level(name: str, level: int) -> Iterator[None]:
     """Logger `name` at `level` for the duration of the block, then as it was."""
@@ -176,8 +255,10 @@ def ray_session(
         return
     auth = settings.ray_auth_mode
     with _env_var("RAY_AUTH_MODE", auth), _logger_level(AUTH_LOGGER, logging.ERROR):  # workers agree with the GCS
-        ray.init(num_cpus=num_cpus or LOCAL_NUM_CPUS, include_dashboard=False, runtime_env=_runtime_env(True, auth),
-                 logging_level=logging.WARNING)
+        # address "local": a new Ray of this process's own, even where `ray start` left a cluster on the machine
+        # (ray.init would otherwise join that one)
+        ray.init(address="local", num_cpus=num_cpus or LOCAL_NUM_CPUS, include_dashboard=False,
+                 runtime_env=_runtime_env(True, auth), logging_level=logging.WARNING)
         try:
             yield RaySessionInfo(address=ray.get_runtime_context().gcs_address, started=True)
         finally:

@@ -180,7 +180,7 @@ def test_unreachable_tracking_uri(cli):
     assert "s3cret-pw" not in err and "someone" not in err  # credentials are never shown
 
 
-def test_tracking_uri_with_credentials_reaches_a_server_that_is_up():
+def test_tracking_uri_with_credentials_reaches_a_server_that_is_up(capsys, caplog):
     """The probe leaves `user:password@` out (urllib would read it as part of the host name) and never shows it."""
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -188,8 +188,11 @@ def test_tracking_uri_with_credentials_reaches_a_server_that_is_up():
     from infra.mlflow_health import probe_tracking
     from infra.settings import Settings
 
+    seen = []
+
     class Health(BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802
+            seen.append((self.path, str(self.headers)))
             self.send_response(401 if self.headers.get("Authorization") is None else 200)
             self.end_headers()
 
@@ -204,6 +207,10 @@ def test_tracking_uri_with_credentials_reaches_a_server_that_is_up():
     finally:
         server.shutdown()
         server.server_close()
+    assert [path for path, _ in seen] == ["/health"]  # the probe reached the server, at the health path
+    assert not any("s3cret-pw" in headers or "someone" in headers for _, headers in seen)  # not sent in the clear
+    shown = capsys.readouterr()
+    assert not any("s3cret-pw" in text for text in (shown.out, shown.err, caplog.text))  # and never shown
 
 
 def test_unreachable_ray_address(cli):

@@ -39,6 +39,7 @@ WRITE_ALLOWLIST = {  # (file, source snippet of the call) -> why it need not be 
     ("components/train_state.py", "save_file"): "inside a temp dir or atomic_path temp file, renamed whole",
     ("components/train.py", "open(self.path, 'a')"): "appends one history line; a torn last line is dropped on read",
     ("infra/locks.py", "open(path, 'a+')"): "a lock file: its content is never read",
+    ("infra/ray_cluster.py", "markers[path].write_text"): "an empty probe marker: only its existence is read",
     ("infra/vllm_server.py", "open(self.log_path, 'w')"): "the engine's log, written by the engine as it runs",
     ("infra/prefect_env.py", "open(home / 'local-api-start.lock', 'a+')"): "a lock file: its content is never read",
     ("infra/mlflow_store.py", "open(Path(uri[len('sqlite:///'):]).expanduser().with_suffix('.lock'), 'a+')"):
