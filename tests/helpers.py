@@ -33,3 +33,13 @@ class CrashAt:
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if step == self.step:
             raise Crash(f"crashed at step {step}")
+
+
+def send_json(handler, code: int, payload: dict) -> None:
+    """A JSON answer from a test HTTP server's handler (`http.server.BaseHTTPRequestHandler`)."""
+    data = json.dumps(payload).encode()
+    handler.send_response(code)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    handler.wfile.write(data)

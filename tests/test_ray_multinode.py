@@ -290,6 +290,8 @@ def _where(path: Path) -> list[dict]:
 
 @pytest.mark.slow
 def test_two_node_training_spans_both_nodes_and_survives_losing_one(cluster, features, tmp_path):
+    """Placement, the node kill, the restart and the equality, as one story (over 60 lines on purpose: each step
+    acts on the cluster the previous one left)."""
     from safetensors.torch import load_file
 
     spec = {"work": str(tmp_path), "features": str(features), "result": str(tmp_path / "result.json")}

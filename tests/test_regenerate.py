@@ -22,6 +22,7 @@ import torch
 from components.chat import ChatTemplateError, tokenize_conversation
 from components.regenerate import RegenerateConfig, hf_answerer, read_regenerated, regenerate
 from components.targets import load_target
+from tests.helpers import send_json
 
 
 @pytest.fixture(scope="module")
@@ -206,12 +207,7 @@ class _FakeVllm(BaseHTTPRequestHandler):
             self.send_response(500 if "FAIL" in last else 404)
             self.end_headers()
             return
-        data = json.dumps({"choices": [{"message": {"role": "assistant", "content": f"echo:{last}"}}]}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        send_json(self, 200, {"choices": [{"message": {"role": "assistant", "content": f"echo:{last}"}}]})
 
     def log_message(self, *args):
         pass

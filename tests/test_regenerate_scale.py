@@ -21,7 +21,6 @@ import dataclasses
 import hashlib
 import json
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -30,6 +29,7 @@ import pytest
 from components.regenerate import RegenerateConfig, read_regenerated, regenerate
 from eagle.config_checks import FieldError
 from infra.settings import Settings
+from tests.helpers import send_json
 
 QUIET = dict(progress=lambda s: None)
 MULTI = [("system", "You write Python."), ("user", "def add(a, b):"), ("assistant", "    return a + b\n"),
@@ -57,24 +57,28 @@ def _counts(res) -> tuple[int, int, int, int]:
 
 
 class _CountingServer(BaseHTTPRequestHandler):
-    """POST /v1/chat/completions after DELAY_S: `echo<n messages>:<last turn>`; REFUSE in the last turn gets a 400
-    with a JSON body. Counts the requests in flight and keeps their maximum."""
+    """POST /v1/chat/completions: `echo<n messages>:<last turn>`; REFUSE in the last turn gets a 400 with a JSON
+    body. Counts the requests in flight and keeps their maximum. A request is held until `expect` are in flight (at
+    most HOLD_S), so a client that keeps that many in flight reaches it however loaded the machine is."""
 
-    DELAY_S = 0.15
+    HOLD_S = 2.0
+    expect = 1
     lock = threading.Lock()
+    arrived = threading.Condition(lock)
     in_flight = 0
     max_in_flight = 0
     requests: list[dict] = []
 
     def do_POST(self):  # noqa: N802 (http.server's naming)
         cls = type(self)
-        with cls.lock:
+        with cls.arrived:
             cls.in_flight += 1
             cls.max_in_flight = max(cls.max_in_flight, cls.in_flight)
+            cls.arrived.notify_all()
+            cls.arrived.wait_for(lambda: cls.in_flight >= cls.expect, timeout=cls.HOLD_S)
         try:
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             cls.requests.append(body)
-            time.sleep(cls.DELAY_S)
             last = body["messages"][-1]["content"]
             if "REFUSE" in last:
                 self._send(400, {"error": {"message": "This model's maximum context length is 512 tokens (fake)"}})
@@ -86,12 +90,7 @@ class _CountingServer(BaseHTTPRequestHandler):
                 cls.in_flight -= 1
 
     def _send(self, code: int, payload: dict) -> None:
-        data = json.dumps(payload).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        send_json(self, code, payload)
 
     def log_message(self, *args):
         pass
@@ -123,6 +122,7 @@ def test_endpoint_requests_run_concurrently_within_the_bound(counting_server, tm
     runs = {}
     for bound in (3, 1):
         reset()
+        _CountingServer.expect = bound
         out = tmp_path / f"c{bound}"
         res = regenerate(dataclasses.replace(base, endpoint_concurrency=bound), "no-local-target", traffic, str(out),
                          **QUIET)
