@@ -158,19 +158,19 @@ def _enospc(*_args):
 
 
 def test_full_disk_writing_a_feature_shard(tiny_embedded, extracted, tmp_path, monkeypatch):
-    import safetensors.torch
-
+    from components import atomic
     from components.extract import ExtractConfig, extract
 
-    real = safetensors.torch.save_file
+    real = atomic.atomic_write_bytes
 
-    def full(tensors, filename, metadata=None):
-        real(tensors, filename, metadata)
-        if "features-00001" in filename:  # half of it reached the disk, then no space
-            os.truncate(filename, os.path.getsize(filename) // 2)
+    def full(path, data):  # the shard's bytes go through atomic_write_bytes (in-process and Ray workers alike)
+        if "features-00001" not in str(path):
+            return real(path, data)
+        with atomic.atomic_path(path) as tmp:  # half of it reached the disk, then no space
+            Path(tmp).write_bytes(data[: len(data) // 2])
             _enospc()
 
-    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    monkeypatch.setattr("components.extract.atomic_write_bytes", full)
     out = tmp_path / "ext"
     cfg = ExtractConfig(max_len=128, dtype="float32", seqs_per_shard=4)
     with pytest.raises(OSError) as err:
@@ -180,7 +180,7 @@ def test_full_disk_writing_a_feature_shard(tiny_embedded, extracted, tmp_path, m
     assert not _leftovers(out) and not (out / "features-00001.safetensors").exists()
     assert [s["file"] for s in json.loads((out / "manifest.json").read_text())["shards"]] == [
         "features-00000.safetensors"]  # the manifest lists only what is whole
-    monkeypatch.setattr(safetensors.torch, "save_file", real)
+    monkeypatch.setattr("components.extract.atomic_write_bytes", real)
     res = extract(cfg, tiny_embedded.target_dir, str(extracted / "regen"), str(out), **QUIET)  # space freed
     assert json.loads(Path(res.manifest).read_text())["shards"] == \
         json.loads((extracted / "ext" / "manifest.json").read_text())["shards"]
