@@ -62,8 +62,7 @@ class EvaluateConfig:
         """`spec` with the target's end-of-sequence ids where the config sets none."""
         if self.spec.eos_token_id is not None:
             return self.spec
-        eos = target.generation_config.eos_token_id
-        return replace(self.spec, eos_token_id=tuple(eos) if isinstance(eos, list) else eos)
+        return replace(self.spec, eos_token_id=target.generation_config.eos_token_id)  # a list: SpecConfig makes a tuple
 
 
 @dataclass(frozen=True)
