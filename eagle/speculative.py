@@ -218,6 +218,17 @@ def _plain_loop(runner: TargetRunner, ids_BT: torch.Tensor, n_B: torch.Tensor, c
         lengths_B = lengths_B + active_B.long()
 
 
+def commit_head(head: HeadRunner, draft: Eagle3Draft, prefix: Prefix, tokens_BA: torch.Tensor,
+                aux_BA3H: torch.Tensor, n_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Commit (token x_{i+1}, target feature f_i) to the head's cache at positions lengths+i; returns the head's
+    (output hidden [B, H], logits [B, Vd]) at each row's n-th new entry (where its next draft starts)."""
+    A = tokens_BA.shape[1]
+    pos_BA = prefix.lengths_B[:, None] + torch.arange(A, device=tokens_BA.device)
+    hidden_B1H, logits_B1Vd = head.extend(prefix, tokens_BA, draft.fuse(aux_BA3H), pos_BA,
+                                          select_B=(n_B - 1).clamp(0, A - 1))
+    return hidden_B1H[:, 0], logits_B1Vd[:, 0]
+
+
 @dataclass(frozen=True)
 class Verified:
     """One verification pass per row: accepted drafts `n_B`; `path_BA`, node indices of the verified tokens from
@@ -248,11 +259,7 @@ class Speculator:
 
     def head_extend(self, prefix: Prefix, tokens_BA: torch.Tensor, aux_BA3H: torch.Tensor, n_B: torch.Tensor):
         """Commit (token x_{i+1}, feature f_i) at positions lengths+i; returns the head's output at the n-th entry."""
-        A = tokens_BA.shape[1]
-        pos_BA = prefix.lengths_B[:, None] + torch.arange(A, device=tokens_BA.device)
-        hidden_B1H, logits_B1Vd = self.head.extend(prefix, tokens_BA, self.draft.fuse(aux_BA3H), pos_BA,
-                                                   select_B=(n_B - 1).clamp(0, A - 1))
-        return hidden_B1H[:, 0], logits_B1Vd[:, 0]
+        return commit_head(self.head, self.draft, prefix, tokens_BA, aux_BA3H, n_B)
 
     def _draft_probs(self, logits_BTVd: torch.Tensor) -> torch.Tensor:
         return sampling.probs(logits_BTVd, self.cfg.temperature, self.cfg.top_p)
