@@ -1,63 +1,46 @@
-"""End-to-end decoding speed on held-out traffic: our EAGLE-3 head (chain, tree) against plain decoding, transformers'
-prompt-lookup decoding and transformers' assisted generation with a small draft model, at T=0 and T=1.
+"""End-to-end decoding speed on held-out traffic: our EAGLE-3 head against plain decoding, prompt lookup and a small
+draft model, each both inside our own loop and in transformers' `generate`, at T=0 and T=1.
 
 Run: `python bench/speedup.py [--quick] [--prompts N] [--depth 5] [--tree 5,4,12] [--head-steps N]`
 Methods, all at batch 1 on the same held-out prompts, interleaved prompt by prompt (rotating order):
   plain          `eagle.speculative.generate_plain` (the baseline the goals refer to)
   eagle-chain    our head, chain of `--depth` drafts (`generate_speculative`)
   eagle-tree     our head, EAGLE-2 dynamic tree (depth, top-k, budget)
+  lookup         prompt lookup in our loop (`eagle.drafters.PromptLookupDrafter`, the same n-gram size and draft
+                 length as hf-lookup: `--lookup-ngram`, `--lookup`)
+  draft-model    the small draft model in our loop (`eagle.drafters.ModelDrafter`), chain of `--depth`, drafting
+                 stopped below the draft's top probability `--assistant-threshold` (as transformers' assistant does)
   hf-plain       `target.generate` (transformers' own loop, the baseline of its speculative methods)
-  hf-lookup      `target.generate(prompt_lookup_num_tokens=...)`
-  hf-assisted    `target.generate(assistant_model=...)`, a 2-layer Llama of the same tokenizer trained briefly on
-                 the target's corpus with the embedded trainer (components/embedded/lm_train.py), cached
-The head is the EAGLE-3 TTT head of bench/acceptance_vs_depth.py (the same cached one when it exists).
-Reports tokens/s, speedup over plain and over hf-plain, tokens per target forward pass (prefill included;
-counted by a hook on the HF decoder for transformers' methods, from the outputs for ours) and our tau (tokens
-emitted per verification step, `SpecStats.tau`; the rule's raw count `tau_raw` is kept in the JSON); at T=0 every
-method's output is compared with plain greedy decoding, mismatches reported. Goals checked at T=0 (`goal_line`: met
-only with 0 mismatches in plain and eagle-*): our tau >= 4, >= 2.0x plain, >= 1.5x each alternative. Writes
-speedup.json and .png.
-Not measured here: batches > 1 (bench/batch.py), GPU timings.
+  hf-lookup      `target.generate(prompt_lookup_num_tokens=..., max_matching_ngram_size=...)`
+  hf-assisted    `target.generate(assistant_model=...)` with the same small draft model and transformers' defaults
+                 (its documented usage: `num_assistant_tokens` 20, constant schedule, confidence threshold 0.4)
+The small draft model (bench/draft_model.py): the target's tokenizer, tied embeddings, half the width and 2 layers
+(~0.2x the target's per-token matrix work), trained on the same regenerated conversations as the head for the
+head's training time. The head is the EAGLE-3 TTT head of bench/acceptance_vs_depth.py (the same cached one).
+Reports tokens/s, speedup over our plain (`x_plain`), over the method's own implementation's plain (`x_own`: ours
+over plain, hf-* over hf-plain: the speculation gain alone), over hf-plain, tokens per target forward pass (prefill
+included; counted by a hook on the HF decoder for transformers' methods, from the outputs for ours) and our tau
+(tokens emitted per verification step, `SpecStats.tau`; the rule's raw count `tau_raw` is kept in the JSON); at
+T=0 every method's output is compared with plain greedy decoding, mismatches reported. Goals checked at T=0
+(`goal_line`: met only with 0 mismatches in all of our methods): our tau >= 4, >= 2.0x plain, >= 1.5x each
+transformers method, and the head's speculation gain >= 1.5x that of prompt lookup and of the draft model in the
+same (our) loop. Writes speedup.json and .png.
+Not measured here: batches > 1 (bench/batch.py), GPU timings, vLLM (bench/vllm_speedup.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 from contextlib import contextmanager
 from pathlib import Path
 
 import common  # noqa: F401  (puts the repo root on sys.path)
+import draft_model
 import torch
 
 from common import (Setup, base_args, eos_of, goal_line, heldout_prompts, interleaved, prepare, print_table, pyplot,
                     results_dir, spec_figures, speed_head, start, tokens_per_s, write_results)
-
-
-def draft_lm(setup: Setup, layers: int = 2) -> Path:
-    """A small Llama of the target's tokenizer, trained briefly on the target's own corpus (cached)."""
-    from transformers import AutoTokenizer
-
-    from components.embedded import lm_train
-    from components.embedded.build import _domain_data, load_domains
-
-    cfg = setup.emb.config
-    small = dataclasses.replace(cfg.target, num_layers=layers)
-    tcfg = dataclasses.replace(cfg.train, steps=max(20, cfg.train.steps // 4))
-    out = setup.shared / f"draft-lm-{common.fingerprint(small, tcfg)}"
-    if (out / "config.json").is_file():
-        return out
-    common._say(f"bench: training a {layers}-layer draft LM ({tcfg.steps} steps) into {out}")
-    tokenizer = AutoTokenizer.from_pretrained(setup.emb.tokenizer_dir)
-    data = _domain_data(load_domains(cfg)[0], cfg, tokenizer, progress=False)
-    windows = lm_train.pack_windows(data.chat_ids["train"], data.raw_ids["train"], tcfg.steps * tcfg.batch_size,
-                                    tcfg.seq_len, tcfg.raw_fraction, cfg.seed + 7)
-    model = lm_train.make_target(small, tokenizer, cfg.seed + 7)
-    stats = lm_train.train(model, windows, tcfg, cfg.seed + 7, "draft LM", progress=False)
-    lm_train.save_target(model, tokenizer, out)
-    (out / "bench_train.json").write_text(json.dumps(dataclasses.asdict(stats)) + "\n")
-    return out
 
 
 class CallCounter:
@@ -85,6 +68,7 @@ class CallCounter:
 
 
 def methods(target, draft, assistant, temperature: float, args, max_new: int, counter: CallCounter):
+    from eagle.drafters import ModelDrafter, PromptLookupDrafter, generate_drafted
     from eagle.speculative import SpecConfig, generate_plain, generate_speculative
 
     eos, greedy = eos_of(target), temperature == 0
@@ -124,8 +108,20 @@ def methods(target, draft, assistant, temperature: float, args, max_new: int, co
     if args.min_draft_prob:  # the chain with early exit, side by side with the full-depth chain
         exit_cfg = dataclasses.replace(chain, min_draft_prob=args.min_draft_prob)
         ms["eagle-chain-exit"] = ours(generate_speculative, draft, exit_cfg)
-    return {**ms, "hf-plain": hf(), "hf-lookup": hf(prompt_lookup_num_tokens=args.lookup),
+    lookup_cfg = dataclasses.replace(chain, depth=args.lookup)
+    model_cfg = dataclasses.replace(chain, min_draft_prob=args.assistant_threshold)
+    ms["lookup"] = ours(generate_drafted, PromptLookupDrafter(max_ngram=args.lookup_ngram), lookup_cfg)
+    ms["draft-model"] = ours(generate_drafted, ModelDrafter(assistant), model_cfg)
+    return {**ms, "hf-plain": hf(),
+            "hf-lookup": hf(prompt_lookup_num_tokens=args.lookup, max_matching_ngram_size=args.lookup_ngram),
             "hf-assisted": hf(assistant_model=assistant)}
+
+
+OUR_LOOP = ("plain", "eagle-", "lookup", "draft-model")  # lossless, in our loop: greedy must equal plain
+
+
+def ours_method(name: str) -> bool:
+    return any(name == m or (m.endswith("-") and name.startswith(m)) for m in OUR_LOOP)
 
 
 def summarize(runs: dict, greedy: bool) -> list[dict]:
@@ -136,7 +132,8 @@ def summarize(runs: dict, greedy: bool) -> list[dict]:
         toks, calls = sum(len(r.tokens) for r in rs), sum(r.extra["calls"] for r in rs)
         stats = [r.extra["stats"] for r in rs if "stats" in r.extra]
         fig = spec_figures(stats) if stats else {}
-        rows.append({"method": name, "tok_s": tps, "x_plain": tps / base, "x_hf_plain": tps / hf_base,
+        own = hf_base if name.startswith("hf-") else base
+        rows.append({"method": name, "tok_s": tps, "x_plain": tps / base, "x_own": tps / own, "x_hf_plain": tps / hf_base,
                      "tok_per_call": toks / max(calls, 1), "tau": fig.get("tau"), "tau_raw": fig.get("tau_raw"),
                      "alpha": fig.get("alpha"), "tokens": toks,
                      "mismatch": sum(r.tokens != p.tokens for r, p in zip(rs, plain)) if greedy else None})
@@ -150,7 +147,7 @@ def goals(rows: list[dict]) -> dict:
     ours = [r for r in rows if r["method"].startswith("eagle-")]
     best = max(ours, key=lambda r: r["tok_s"])  # our fastest method
     top_tau = max(ours, key=lambda r: r["tau"])
-    bad = sum(r["mismatch"] for r in rows if r["method"] == "plain" or r["method"].startswith("eagle-"))
+    bad = sum(r["mismatch"] for r in rows if ours_method(r["method"]))
     out = {"best_ours": best["method"], "mismatches_ours": bad,
            "tau >= 4": goal_line("tau >= 4", top_tau["tau"], 4.0, bad, method=top_tau["method"]),
            "speedup vs plain >= 2.0": goal_line("speedup vs plain >= 2.0", best["x_plain"], 2.0, bad,
@@ -158,6 +155,9 @@ def goals(rows: list[dict]) -> dict:
     for alt in ("hf-plain", "hf-lookup", "hf-assisted"):
         name = f"vs {alt} >= 1.5"
         out[name] = goal_line(name, best["tok_s"] / by[alt]["tok_s"], 1.5, bad, method=best["method"])
+    for alt in ("lookup", "draft-model"):  # speculation gain over speculation gain, both in our loop
+        name = f"gain vs {alt} (our loop) >= 1.5"
+        out[name] = goal_line(name, best["x_own"] / by[alt]["x_own"], 1.5, bad, method=best["method"])
     return out
 
 
@@ -166,8 +166,9 @@ def plot(tables: dict[str, list[dict]], path: Path) -> None:
     fig, axes = plt.subplots(1, len(tables), figsize=(5.2 * len(tables), 3.8), squeeze=False)
     for ax, (temp, rows) in zip(axes[0], tables.items()):
         names = [r["method"] for r in rows]
-        ax.bar(names, [r["x_plain"] for r in rows], color=["#888" if "plain" in n else "#3a7" if "eagle" in n
-                                                           else "#c84" for n in names])
+        ax.bar(names, [r["x_plain"] for r in rows],
+               color=["#888" if "plain" in n else "#3a7" if "eagle" in n else "#c84" if n.startswith("hf-")
+                      else "#58b" for n in names])
         ax.axhline(1.0, color="k", lw=0.8)
         ax.set_ylabel("speedup over plain (tokens/s ratio)")
         ax.set_title(f"T = {temp}")
@@ -184,7 +185,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompts", type=int, default=0, help="held-out prompts (0: the preset's)")
     p.add_argument("--depth", type=int, default=5, help="chain depth")
     p.add_argument("--tree", default="5,4,12", help="tree depth,topk,budget")
-    p.add_argument("--lookup", type=int, default=10, help="prompt_lookup_num_tokens")
+    p.add_argument("--lookup", type=int, default=10,
+                   help="prompt lookup's draft length (hf: prompt_lookup_num_tokens; ours: chain depth)")
+    p.add_argument("--lookup-ngram", type=int, default=2,
+                   help="longest n-gram prompt lookup matches (hf: max_matching_ngram_size, its default 2)")
+    p.add_argument("--assistant-threshold", type=float, default=0.4,
+                   help="the draft model in our loop stops drafting below this top probability (transformers' "
+                        "assistant_confidence_threshold default)")
     p.add_argument("--temperatures", default="0,1")
     p.add_argument("--draft-dtype", default="float32", choices=["float32", "bfloat16"],
                    help="the head's weights at inference (the target stays float32)")
@@ -214,9 +221,10 @@ def run(setup: Setup, args: argparse.Namespace, load0: list[float]) -> None:
         name += "-tree" + args.tree.replace(",", "_")
     if args.temperatures != "0,1":
         name += "-T" + args.temperatures.replace(",", "_")
-    lm_dir = draft_lm(setup)
+    lm_dir, lm_info = draft_model.ensure(setup, head.seconds)
     if args.setup_only:
-        print(f"setup done: head {head.head_dir} ({head.seconds:.0f} s of training), draft LM {lm_dir}", flush=True)
+        print(f"setup done: head {head.head_dir} ({head.seconds:.0f} s of training), draft model {lm_dir} "
+              f"({lm_info['seconds']:.0f} s, {lm_info['x_target_compute']}x the target's compute)", flush=True)
         return
 
     from components.targets import load_target
@@ -233,8 +241,8 @@ def run(setup: Setup, args: argparse.Namespace, load0: list[float]) -> None:
             ms = methods(target, draft, assistant, temp, args, setup.preset.max_new_tokens, counter)
             rows = summarize(interleaved(ms, prompts), temp == 0)
             tables[f"{temp:g}"] = rows
-            texts.append(print_table(rows, ["method", "tok_s", "x_plain", "x_hf_plain", "tok_per_call", "tau",
-                                            "tokens", "mismatch"],
+            texts.append(print_table(rows, ["method", "tok_s", "x_plain", "x_own", "x_hf_plain", "tok_per_call",
+                                            "tau", "tokens", "mismatch"],
                                      f"T={temp:g}, batch 1, {len(prompts)} held-out prompts, "
                                      f"max {setup.preset.max_new_tokens} new tokens"))
     g = goals(tables["0"]) if "0" in tables else {}
@@ -242,7 +250,10 @@ def run(setup: Setup, args: argparse.Namespace, load0: list[float]) -> None:
     plot(tables, png)
     write_results(name, args.quick, {"args": vars(args), "n_prompts": len(prompts), "tables": tables,
                                           "goals_T0": g, "head_train_seconds": head.seconds,
-                                          "draft_lm": str(lm_dir), "text": texts, "plot": str(png)}, load0)
+                                          "draft_model": {"dir": str(lm_dir), **lm_info},
+                                          "head_x_target_compute": round(draft_model.head_macs(draft.cfg)
+                                                                         / lm_info["target_macs_per_token"], 3),
+                                          "text": texts, "plot": str(png)}, load0)
 
 
 def _load_lm(path: Path):

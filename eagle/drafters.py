@@ -8,8 +8,9 @@ speculation gain alone, and our loop vs transformers' `generate` is the implemen
 Drafters:
 - `HeadDrafter`: the EAGLE-3 head's chain (the same drafts, rules and random draws as `generate_speculative` with
   `method="chain"`, so the same output; tested).
-- `PromptLookupDrafter`: the continuation of the latest earlier occurrence of the history's last n tokens
-  (n from `max_ngram` down to `min_ngram`), as transformers' prompt lookup and vLLM's `ngram` method draft.
+- `PromptLookupDrafter`: the continuation of an earlier occurrence of the history's last n tokens (n from
+  `max_ngram` down to `min_ngram`; the latest occurrence with a full-length continuation, else the earliest), as
+  transformers' prompt lookup and vLLM's `ngram` method draft.
   Deterministic: when sampling, its draft distribution is one-hot, which the standard rule handles exactly.
 - `ModelDrafter`: a small causal LM of the target's tokenizer, with its own cache in a `TargetRunner` (its lean
   decoder too), drafting autoregressively; greedy or sampled from its own distribution.
@@ -146,7 +147,7 @@ def _one_hot(drafts_BK: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 class PromptLookupDrafter(Drafter):
-    """Drafts the tokens that followed the latest earlier occurrence of the history's last n tokens, trying
+    """Drafts the tokens that followed an earlier occurrence of the history's last n tokens (`lookup`), trying
     n = `max_ngram` down to `min_ngram`; no match: no draft (the step verifies the root alone). Rows of a batch
     with shorter matches are padded with their last draft (any token is lossless to verify)."""
 
@@ -156,13 +157,15 @@ class PromptLookupDrafter(Drafter):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
     def lookup(self, h_L: torch.Tensor, depth: int) -> torch.Tensor:
-        """The continuation (at most `depth` tokens) of the latest earlier match of h's last n tokens."""
+        """The continuation (at most `depth` tokens) of an earlier match of h's last n tokens, the longest n first:
+        the latest match with `depth` tokens after it, else the earliest (the longest continuation there is)."""
         L = h_L.shape[0]
         for n in range(min(self.max_ngram, L - 1), self.min_ngram - 1, -1):
             windows_WN = h_L[:L - 1].unfold(0, n, 1)  # starts 0..L-1-n: each has a following token
-            hits = (windows_WN == h_L[L - n:]).all(1).nonzero()
-            if hits.numel():
-                start = int(hits[-1]) + n
+            starts = (windows_WN == h_L[L - n:]).all(1).nonzero()[:, 0] + n  # where each continuation starts
+            if starts.numel():
+                full = starts[starts + depth <= L]
+                start = int(full[-1]) if full.numel() else int(starts[0])
                 return h_L[start:start + depth]
         return h_L[:0]
 

@@ -25,7 +25,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
-OURS = ("plain", "eagle-chain", "eagle-tree")  # lossless: their greedy outputs must equal plain decoding's
+OURS = ("plain", "eagle-chain", "eagle-tree", "lookup", "draft-model")  # lossless, our loop: greedy == plain
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +65,9 @@ def test_speedup_quick(cache: Path) -> None:
     r = run_quick("speedup", cache)
     check_metadata(r)
     greedy = {row["method"]: row for row in r["tables"]["0"]}
-    assert set(greedy) == {"plain", "eagle-chain", "eagle-tree", "hf-plain", "hf-lookup", "hf-assisted"}
+    assert set(greedy) == {"plain", "eagle-chain", "eagle-tree", "lookup", "draft-model", "hf-plain", "hf-lookup",
+                           "hf-assisted"}
+    assert r["draft_model"]["x_target_compute"] <= 0.25 and r["draft_model"]["shape"]["tie_word_embeddings"]
     assert all(greedy[name]["mismatch"] == 0 for name in OURS), greedy
     assert all(row["tok_s"] > 0 and row["tok_per_call"] >= 1.0 for row in greedy.values())
     for name in ("eagle-chain", "eagle-tree"):  # tau counts emitted tokens: the output after the prefill's token

@@ -109,8 +109,9 @@ def test_eos_and_max_length_edges(llama_pair, small_lm, kind):
 def test_prompt_lookup_finds_the_latest_longest_match():
     d = PromptLookupDrafter(max_ngram=3, min_ngram=1)
     h = torch.tensor([5, 1, 2, 9, 7, 1, 2, 3, 4, 8, 1, 2])
-    assert d.lookup(h, 3).tolist() == [3, 4, 8]  # "1 2" last seen before position 5: 3 4 8 follow
-    assert d.lookup(torch.tensor([4, 6, 4, 6, 4]), 5).tolist() == [6, 4]  # the match may run into the suffix
+    assert d.lookup(h, 3).tolist() == [3, 4, 8]  # "1 2" last seen at 5: 3 4 8 follow
+    assert d.lookup(h, 6).tolist() == [9, 7, 1, 2, 3, 4]  # no later match has 6 tokens after it: the earliest
+    assert d.lookup(torch.tensor([4, 6, 4, 6, 4]), 5).tolist() == [6, 4]  # "4 6 4" at 0: runs into the suffix
     assert d.lookup(torch.tensor([1, 2, 3]), 4).tolist() == []  # no earlier 3
     assert PromptLookupDrafter(max_ngram=2, min_ngram=2).lookup(torch.tensor([7, 1, 9, 1]), 4).tolist() == []
 
