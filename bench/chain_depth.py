@@ -30,8 +30,8 @@ from pathlib import Path
 import common  # noqa: F401  (puts the repo root on sys.path)
 import torch
 
-from common import (Setup, base_args, eos_of, goal_line, heldout_prompts, interleaved, prepare, print_table, pyplot,
-                    results_dir, spec_figures, speed_head, start, tokens_per_s, write_results)
+from common import (argv_without, Setup, base_args, eos_of, goal_line, heldout_prompts, interleaved, prepare,
+                    print_table, pyplot, results_dir, spec_figures, speed_head, start, tokens_per_s, write_results)
 
 
 def configs(args: argparse.Namespace, max_new: int, eos) -> dict:
@@ -139,7 +139,7 @@ def repeat(args: argparse.Namespace, argv: list[str], load0: list[float]) -> Non
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.runs):
             out = Path(tmp) / f"run{i}.json"
-            cmd = [sys.executable, __file__, *_without(argv, "--runs"), "--runs", "1", "--out", str(out)]
+            cmd = [sys.executable, __file__, *argv_without(argv, "--runs"), "--runs", "1", "--out", str(out)]
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
             runs.append(json.loads(out.read_text()))
             print(f"run {i + 1}/{args.runs}: " + ", ".join(f"{r['method']} {r['x_plain']:.3f}"
@@ -164,19 +164,6 @@ def repeat(args: argparse.Namespace, argv: list[str], load0: list[float]) -> Non
     write_results(name, args.quick, {"args": vars(args), "n_prompts": runs[0]["n_prompts"], "rows": rows,
                                      "fastest": best["method"], "goals": g, "head": runs[0]["head"],
                                      "table": table, "plot": str(png)}, load0)
-
-
-def _without(argv: list[str], flag: str) -> list[str]:
-    """`argv` less `flag` and its value (`--flag V` or `--flag=V`)."""
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a == flag:
-            skip = True
-        elif not a.startswith(flag + "="):
-            out.append(a)
-    return out
 
 
 def run(setup: Setup, args: argparse.Namespace, load0: list[float]) -> None:

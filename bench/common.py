@@ -338,9 +338,23 @@ def start(args: argparse.Namespace) -> list[float]:
     return list(os.getloadavg())
 
 
+def argv_without(argv: list[str], flag: str) -> list[str]:
+    """`argv` less `flag` and its value (`--flag V` or `--flag=V`)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == flag:
+            skip = True
+        elif not a.startswith(flag + "="):
+            out.append(a)
+    return out
+
+
 if __name__ == "__main__":
     a = base_args(__doc__.splitlines()[0]).parse_args()
     start(a)
     s = prepare(a.quick, conversations=a.conversations)
     print(json.dumps({"build": str(s.emb.build_dir), "work": str(s.work),
                       **json.loads((s.work / "prepared.json").read_text())}, indent=2))
+

@@ -42,17 +42,20 @@ def fresh_if_missing(task_obj, *paths: str | Path):
     return task_obj.with_options(refresh_cache=missing) if missing else task_obj
 
 
-@task(name="regenerate", cache_policy=CACHE, persist_result=True, retries=2, retry_delay_seconds=5,
+@task(name="regenerate", cache_policy=CACHE - "ray_settings", persist_result=True, retries=2, retry_delay_seconds=5,
       retry_condition_fn=transient)
 def regenerate_task(cfg: RegenerateConfig, target_dir: str, traffic: str, out_dir: str,
-                    trust_remote_code: bool = False) -> RegenerateResult:
-    return regenerate(cfg, target_dir, traffic, out_dir, trust_remote_code=trust_remote_code)
+                    trust_remote_code: bool = False, ray_settings=None) -> RegenerateResult:
+    """`ray_settings` (the flow's Settings) say where Ray workers run when `cfg.num_workers` >= 1."""
+    return regenerate(cfg, target_dir, traffic, out_dir, trust_remote_code=trust_remote_code,
+                      ray_settings=ray_settings)
 
 
-@task(name="extract", cache_policy=CACHE, persist_result=True)
+@task(name="extract", cache_policy=CACHE - "ray_settings", persist_result=True)
 def extract_task(cfg: ExtractConfig, target_dir: str, regen_dir: str, out_dir: str,
-                 trust_remote_code: bool = False) -> ExtractResult:
-    return extract(cfg, target_dir, regen_dir, out_dir, trust_remote_code=trust_remote_code)
+                 trust_remote_code: bool = False, ray_settings=None) -> ExtractResult:
+    return extract(cfg, target_dir, regen_dir, out_dir, trust_remote_code=trust_remote_code,
+                   ray_settings=ray_settings)
 
 
 @task(name="train", cache_policy=CACHE - "sinks", persist_result=True)

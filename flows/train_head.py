@@ -217,10 +217,11 @@ def _run(cfg: PipelineConfig, settings: Settings, store: MlflowStore, tref: Targ
         return HeadRun.from_registered(done, work)
     regen_dir, ext_dir, train_dir, eval_dir = (str(work / s) for s in ("regenerate", "extract", "train", "evaluate"))
     trust = settings.trust_remote_code
-    regen = fresh_if_missing(regenerate_task, regen_dir)(cfg.regenerate, tref.path, traffic, regen_dir, trust)
+    regen = fresh_if_missing(regenerate_task, regen_dir)(cfg.regenerate, tref.path, traffic, regen_dir, trust,
+                                                         ray_settings=settings)
     print(f"regenerate: {regen.ok} ok, {regen.failed} failed, {regen.skipped} skipped of {regen.total}")
     ext = fresh_if_missing(extract_task, Path(ext_dir) / "manifest.json")(cfg.extract, tref.path, regen_dir, ext_dir,
-                                                                           trust)
+                                                                           trust, ray_settings=settings)
     with store.run(f"{name}-{key[:12]}", tags={"run_key": key, "target": f"{tref.name}/{tref.version}"}) as run_id:
         lineage = {"target_name": tref.name, "target_version": tref.version,
                    "target_weights_sha256": tref.weights_sha256, "traffic_sha256": traffic_sha256(traffic),

@@ -33,13 +33,13 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("bench-cache")
 
 
-def run_quick(name: str, cache: Path, timeout_s: int = 240, *extra: str) -> dict:
+def run_quick(name: str, cache: Path, timeout_s: int = 240, *extra: str, result_name: str = "") -> dict:
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / f"{name}.py"), "--quick", "--cache", str(cache),
                            *extra], cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
     assert proc.returncode == 0, f"{name} --quick failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     if "--setup-only" in extra:
         return {"stdout": proc.stdout}
-    result = cache / "results-quick" / f"{name}.json"
+    result = cache / "results-quick" / f"{result_name or name}.json"
     assert result.is_file() and result.with_suffix(".png").is_file()
     return json.loads(result.read_text())
 
@@ -62,9 +62,15 @@ def check_goals(goals: dict, mismatches: int) -> None:
 
 
 def test_speedup_quick(cache: Path) -> None:
-    r = run_quick("speedup", cache)
+    """Two fresh measuring processes (`--runs 2`): every ratio's median, minimum and maximum over the two."""
+    r = run_quick("speedup", cache, 300, "--runs", "2", result_name="speedup-runs2")
     check_metadata(r)
     greedy = {row["method"]: row for row in r["tables"]["0"]}
+    for row in greedy.values():
+        assert len(row["x_plain_runs"]) == 2 and row["x_plain_min"] <= row["x_plain"] <= row["x_plain_max"], row
+        assert row["x_plain_min"] == min(row["x_plain_runs"]) and row["x_own_min"] <= row["x_own"], row
+    assert greedy["plain"]["x_plain"] == 1.0 and greedy["hf-plain"]["x_own"] == 1.0
+    assert "minimum speedup vs plain >= 1.9" in r["goals_T0"]
     assert set(greedy) == {"plain", "eagle-chain", "eagle-tree", "lookup", "draft-model", "hf-plain", "hf-lookup",
                            "hf-assisted"}
     assert r["draft_model"]["x_target_compute"] <= 0.25 and r["draft_model"]["shape"]["tie_word_embeddings"]
