@@ -30,7 +30,7 @@ from pathlib import Path
 import common  # noqa: F401  (puts the repo root on sys.path)
 import torch
 
-from common import (argv_without, Setup, base_args, eos_of, goal_line, heldout_prompts, interleaved, prepare,
+from common import (Setup, base_args, fresh_runs, eos_of, goal_line, heldout_prompts, interleaved, prepare,
                     print_table, pyplot, results_dir, spec_figures, speed_head, start, tokens_per_s, write_results)
 
 
@@ -132,18 +132,9 @@ def main(argv: list[str] | None = None) -> None:
 def repeat(args: argparse.Namespace, argv: list[str], load0: list[float]) -> None:
     """`--runs N`: the same measurement in N fresh processes, one after the other; per method the median, min and
     max of its ratio to plain decoding (tau is the same in every run: greedy decoding is deterministic)."""
-    import subprocess
-    import tempfile
-
-    runs = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for i in range(args.runs):
-            out = Path(tmp) / f"run{i}.json"
-            cmd = [sys.executable, __file__, *argv_without(argv, "--runs"), "--runs", "1", "--out", str(out)]
-            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-            runs.append(json.loads(out.read_text()))
-            print(f"run {i + 1}/{args.runs}: " + ", ".join(f"{r['method']} {r['x_plain']:.3f}"
-                                                           for r in runs[-1]["rows"][1:]), flush=True)
+    runs = fresh_runs(__file__, argv, args.runs, lambda i, r: print(
+        f"run {i + 1}/{args.runs}: " + ", ".join(f"{x['method']} {x['x_plain']:.3f}" for x in r["rows"][1:]),
+        flush=True))
     rows = []
     for j, first in enumerate(runs[0]["rows"]):
         x = sorted(r["rows"][j]["x_plain"] for r in runs)

@@ -338,6 +338,23 @@ def start(args: argparse.Namespace) -> list[float]:
     return list(os.getloadavg())
 
 
+def fresh_runs(script: str, argv: list[str], runs: int, say: Callable[[int, dict], None]) -> list[dict]:
+    """`--runs N` of a benchmark: `script` with `argv` (its own `--runs` replaced by 1, `--out` added) in N fresh
+    processes, one after the other; each child's JSON payload, in order. `say(i, payload)` after each."""
+    import subprocess
+    import tempfile
+
+    out: list[dict] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(runs):
+            path = Path(tmp) / f"run{i}.json"
+            cmd = [sys.executable, script, *argv_without(argv, "--runs"), "--runs", "1", "--out", str(path)]
+            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+            out.append(json.loads(path.read_text()))
+            say(i, out[-1])
+    return out
+
+
 def argv_without(argv: list[str], flag: str) -> list[str]:
     """`argv` less `flag` and its value (`--flag V` or `--flag=V`)."""
     out, skip = [], False

@@ -41,7 +41,7 @@ import common  # noqa: F401  (puts the repo root on sys.path)
 import draft_model
 import torch
 
-from common import (Setup, argv_without, base_args, eos_of, goal_line, heldout_prompts, interleaved, prepare,
+from common import (Setup, base_args, eos_of, fresh_runs, goal_line, heldout_prompts, interleaved, prepare,
                     print_table, pyplot, results_dir, spec_figures, speed_head, start, tokens_per_s, write_results)
 
 
@@ -230,19 +230,13 @@ def repeat(args: argparse.Namespace, argv: list[str], load0: list[float]) -> Non
     median, minimum and maximum of tokens/s and of each ratio, the worst mismatch count; tau and tokens per call
     from the first run with every run's kept (`tau_runs`)."""
     import statistics
-    import subprocess
-    import tempfile
 
-    runs = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for i in range(args.runs):
-            out = Path(tmp) / f"run{i}.json"
-            cmd = [sys.executable, __file__, *argv_without(argv, "--runs"), "--runs", "1", "--out", str(out)]
-            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-            runs.append(json.loads(out.read_text()))
-            t0 = {r["method"]: r for r in runs[-1]["tables"].get("0", [])}
-            print(f"run {i + 1}/{args.runs}: " + ", ".join(f"{m} {r['x_plain']:.3f}" for m, r in t0.items()
-                                                           if m != "plain"), flush=True)
+    def say(i: int, payload: dict) -> None:
+        t0 = {r["method"]: r for r in payload["tables"].get("0", [])}
+        print(f"run {i + 1}/{args.runs}: " + ", ".join(f"{m} {r['x_plain']:.3f}" for m, r in t0.items()
+                                                       if m != "plain"), flush=True)
+
+    runs = fresh_runs(__file__, argv, args.runs, say)
     first = runs[0]
     tables, texts = {}, []
     for temp, rows0 in first["tables"].items():

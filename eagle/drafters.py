@@ -78,6 +78,16 @@ class History:
         return self.tokens_BC[b, :int(self.lengths_B[b])]
 
 
+def draft_pick(logits_BV: torch.Tensor, setup: DraftSetup) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A drafter's own pick: its argmax when greedy, else a draw from its distribution at the config's temperature
+    and top-p (returned too, for the acceptance rule)."""
+    cfg = setup.cfg
+    if cfg.greedy:
+        return logits_BV.argmax(-1), None
+    q_BV = sampling.probs(logits_BV, cfg.temperature, cfg.top_p)
+    return sampling.sample(q_BV, setup.generator), q_BV
+
+
 class Drafter:
     """A chain drafter for `generate_drafted`; see the module docstring for the protocol. `layer_ids`: the target
     layers whose inputs the drafter reads (the head's fused features); empty for drafters that read tokens only."""
@@ -109,6 +119,7 @@ class HeadDrafter(Drafter):
     def session(self, setup: DraftSetup) -> ContextManager[None]:
         self.setup = setup
         self.head = HeadRunner(self.draft, setup.capacity)
+        self._pick = lambda logits_BVd: draft_pick(logits_BVd, setup)
         return nullcontext()
 
     def begin(self, history: History, aux_BT3H: torch.Tensor | None) -> None:
@@ -118,12 +129,6 @@ class HeadDrafter(Drafter):
         self.hidden_BH, self.logits_BVd = commit_head(self.head, self.draft, Prefix(torch.zeros_like(n_B), 0),
                                                       shifted_BT, aux_BT3H, n_B)
 
-    def _pick(self, logits_BVd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        cfg = self.setup.cfg
-        if cfg.greedy:
-            return logits_BVd.argmax(-1), None
-        q_BVd = sampling.probs(logits_BVd, cfg.temperature, cfg.top_p)
-        return sampling.sample(q_BVd, self.setup.generator), q_BVd
 
     def propose(self, prefix: Prefix, history: History, depth: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         drafts_BK, q_BKVd = draft_chain(self.head, prefix, self.hidden_BH, self.logits_BVd, depth, self._pick,
@@ -209,12 +214,6 @@ class ModelDrafter(Drafter):
     def begin(self, history: History, aux_BT3H: torch.Tensor | None) -> None:
         self.cached_B = torch.zeros_like(history.lengths_B)
 
-    def _pick(self, logits_BV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        cfg = self.setup.cfg
-        if cfg.greedy:
-            return logits_BV.argmax(-1), None
-        q_BV = sampling.probs(logits_BV, cfg.temperature, cfg.top_p)
-        return sampling.sample(q_BV, self.setup.generator), q_BV
 
     def propose(self, prefix: Prefix, history: History, depth: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         L_B = history.lengths_B
@@ -228,7 +227,7 @@ class ModelDrafter(Drafter):
         for j in range(depth):
             if j and min_prob > 0 and bool((torch.softmax(logits_BV.float(), -1).amax(-1) < min_prob).all()):
                 break
-            tok_B, q_BV = self._pick(logits_BV)
+            tok_B, q_BV = draft_pick(logits_BV, self.setup)
             picks.append(tok_B)
             dists.append(q_BV)
             if j + 1 == depth:

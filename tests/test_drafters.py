@@ -19,18 +19,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from eagle.drafters import HeadDrafter, ModelDrafter, PromptLookupDrafter, generate_drafted
 from eagle.speculative import SpecConfig, generate_plain, generate_speculative
 from tests.test_sampling import E2E_VOCAB, PROMPTS, _exact_tokens_2_3, tiny_pair, tv, tv_bound  # noqa: F401
-from tests.test_speculative import SHAPE, _prompts, _same, _train_pair
+from tests.test_speculative import SHAPE, _prompts, _same, llama_pair  # noqa: F401  (the shared pair)
 
 
 @pytest.fixture(scope="module")
-def llama_pair():
-    torch.manual_seed(0)
-    target = LlamaForCausalLM(LlamaConfig(**SHAPE)).eval()
-    return target, _train_pair(target, draft_vocab=200, seed=1)
-
-
-@pytest.fixture(scope="module")
-def small_lm(llama_pair):
+def small_lm(llama_pair):  # noqa: F811
     """A 2-layer Llama of the target's vocabulary, trained briefly on the target's greedy continuations."""
     target, _ = llama_pair
     torch.manual_seed(4)
