@@ -374,4 +374,3 @@ if __name__ == "__main__":
     s = prepare(a.quick, conversations=a.conversations)
     print(json.dumps({"build": str(s.emb.build_dir), "work": str(s.work),
                       **json.loads((s.work / "prepared.json").read_text())}, indent=2))
-

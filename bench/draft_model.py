@@ -100,7 +100,7 @@ def train_for(model, windows_NT: torch.Tensor, budget_s: float) -> dict:
 
 def ensure(setup: Setup, budget_s: float) -> tuple[Path, dict]:
     """The draft model for this setup and time budget (trained once, cached): its directory and its record."""
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     from components.embedded import lm_train
 
@@ -117,8 +117,6 @@ def ensure(setup: Setup, budget_s: float) -> tuple[Path, dict]:
     with common.setup_threads():
         stats = train_for(model, _windows(setup.extract_dir), budget_s)
     lm_train.save_target(model, tokenizer, out)
-    from transformers import AutoConfig
-
     target_cfg = AutoConfig.from_pretrained(setup.target_dir)
     info = {**stats, "shape": dataclasses.asdict(shape), "budget_s": budget_s,
             "parameters": sum(p.numel() for p in model.parameters()),

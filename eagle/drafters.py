@@ -110,7 +110,8 @@ class Drafter:
 
 
 class HeadDrafter(Drafter):
-    """The EAGLE-3 head drafting a chain: the same drafts, draws and output as `generate_speculative(method="chain")`."""
+    """The EAGLE-3 head drafting a chain: the same drafts, draws and output as
+    `generate_speculative(method="chain")`."""
 
     def __init__(self, draft: Eagle3Draft):
         self.draft = draft
@@ -119,8 +120,10 @@ class HeadDrafter(Drafter):
     def session(self, setup: DraftSetup) -> ContextManager[None]:
         self.setup = setup
         self.head = HeadRunner(self.draft, setup.capacity)
-        self._pick = lambda logits_BVd: draft_pick(logits_BVd, setup)
         return nullcontext()
+
+    def _pick(self, logits_BVd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return draft_pick(logits_BVd, self.setup)
 
     def begin(self, history: History, aux_BT3H: torch.Tensor | None) -> None:
         T = aux_BT3H.shape[1]
@@ -128,7 +131,6 @@ class HeadDrafter(Drafter):
         shifted_BT = history.tokens_BC[:, 1:T + 1]  # (x_{i+1}, f_i); x at each row's prompt length is the root
         self.hidden_BH, self.logits_BVd = commit_head(self.head, self.draft, Prefix(torch.zeros_like(n_B), 0),
                                                       shifted_BT, aux_BT3H, n_B)
-
 
     def propose(self, prefix: Prefix, history: History, depth: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         drafts_BK, q_BKVd = draft_chain(self.head, prefix, self.hidden_BH, self.logits_BVd, depth, self._pick,
@@ -213,7 +215,6 @@ class ModelDrafter(Drafter):
 
     def begin(self, history: History, aux_BT3H: torch.Tensor | None) -> None:
         self.cached_B = torch.zeros_like(history.lengths_B)
-
 
     def propose(self, prefix: Prefix, history: History, depth: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         L_B = history.lengths_B
