@@ -302,7 +302,12 @@ def run(setup: Setup, args: argparse.Namespace, load0: list[float]) -> None:
                                             "tau", "tokens", "mismatch"],
                                      f"T={temp:g}, batch 1, {len(prompts)} held-out prompts, "
                                      f"max {setup.preset.max_new_tokens} new tokens"))
+    from eagle import target_path
+
+    timed = target_path.timing(target)  # how our loop ran the target here (measured at its first pass)
     payload = {"args": vars(args), "n_prompts": len(prompts), "tables": tables, "head_train_seconds": head.seconds,
+               "target_path": timed.as_dict() if timed else {"chosen": target_path.resolve(target, "auto"),
+                                                             "reason": "pinned"},
                "draft_model": {"dir": str(lm_dir), **lm_info},
                "head_x_target_compute": round(draft_model.head_macs(draft.cfg) / lm_info["target_macs_per_token"], 3),
                "text": texts}

@@ -8,7 +8,8 @@ head, interleaved sample by sample so that both see the same machine state, and 
   reached depth k) and cumulative (P[the step emitted draft k]), and beside them `tau_raw` / `acceptance_raw`,
   which count what the acceptance rule accepted, as vLLM's counters do (`eagle.stats.SpecStats`),
 - a per-segment breakdown (`complete`, `continue`, `explain`, ...),
-- wall-clock speedup = plain seconds / speculative seconds over the same tokens, and tokens/s of each,
+- wall-clock speedup = plain seconds / speculative seconds over the same tokens, and tokens/s of each, both on
+  the target path (`eagle.target_path`, `spec.path`) measured fastest here, recorded as `target_path`,
 - at temperature 0, whether every output equals the plain greedy output; any difference raises
   `NotLosslessError` after the report is written (the run fails loudly).
 `baseline_head_dir` (e.g. the current champion) is measured on the same prompts in the same run for the
@@ -162,7 +163,18 @@ def evaluate(cfg: EvaluateConfig, target_dir: str, head_dir: str, traffic_path: 
                 base_stats.append(generate_speculative(target, baseline, x, None, spec, generator=gen).stats)
             progress(f"evaluate: {i + 1}/{len(prompts)} [{segment}] tau {sp.stats.tau:.2f} "
                      f"{'identical' if same else 'DIFFERENT'}")
-    return _finish(cfg, out, samples, (t_plain, t_spec), n_tokens, identical, (stats, base_stats), history_file)
+    return _finish(cfg, out, samples, (t_plain, t_spec), n_tokens, identical, (stats, base_stats), history_file,
+                   _path_record(target, spec))
+
+
+def _path_record(target, spec: SpecConfig) -> dict:
+    """How the target's passes ran (`eagle.target_path`): the path and, when it was measured here, the timings."""
+    from eagle import target_path
+
+    timed = target_path.timing(target)
+    if timed is not None and spec.path == "auto":
+        return timed.as_dict()
+    return {"chosen": target_path.resolve(target, spec.path), "reason": "pinned"}
 
 
 def _sample_counts(stats) -> dict[str, list[int]]:
@@ -173,7 +185,7 @@ def _sample_counts(stats) -> dict[str, list[int]]:
             "emitted_lengths": stats.emitted_lengths[live, 0].tolist(), "drafted": stats.drafted[live].tolist()}
 
 
-def _finish(cfg, out: Path, samples, seconds, n_tokens, identical, runs, history_file):
+def _finish(cfg, out: Path, samples, seconds, n_tokens, identical, runs, history_file, path_record: dict):
     """The report over all prompts: emitted tau and alpha_k (the raw ones beside them), per segment, the baseline
     head's tau on the same prompts, plots; writes `evaluation.json`."""
     from components.plots import plot_acceptance, plot_training
@@ -199,7 +211,8 @@ def _finish(cfg, out: Path, samples, seconds, n_tokens, identical, runs, history
                          n_tokens=n_tokens, baseline_tau=baseline_tau, report_file=str(out / "evaluation.json"),
                          plots=tuple(plots), tau_raw=every.tau_raw, acceptance_raw=every.per_position_acceptance_raw)
     atomic_write_text(out / "evaluation.json", json.dumps({"config": asdict(cfg), "result": asdict(res),
-                                                           "samples": samples}, indent=2) + "\n")
+                                                           "target_path": path_record, "samples": samples},
+                                                          indent=2) + "\n")
     if greedy and not identical:
         bad = sum(not s["identical"] for s in samples)
         raise NotLosslessError(f"{bad}/{len(samples)} greedy speculative outputs differ from plain greedy decoding; "

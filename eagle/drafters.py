@@ -205,7 +205,7 @@ class ModelDrafter(Drafter):
         if rows != setup.vocab:
             raise ValueError(f"the draft model's vocabulary has {rows} tokens, the target's {setup.vocab}: a draft "
                              "model must share the target's tokenizer")
-        self.runner = TargetRunner(self.model, setup.capacity)
+        self.runner = TargetRunner(self.model, setup.capacity, path=setup.cfg.path)
         with self.runner.session():
             yield
 
@@ -254,7 +254,7 @@ def generate_drafted(target: nn.Module, drafter: Drafter, input_ids: torch.Tenso
     with torch.inference_mode():
         ids_BT, n_B = pack_left(input_ids, attention_mask)
         capacity = ids_BT.shape[1] + cfg.max_new_tokens + cfg.depth + 2
-        runner = TargetRunner(target, capacity, drafter.layer_ids)
+        runner = TargetRunner(target, capacity, drafter.layer_ids, cfg.path)
         setup = DraftSetup(capacity, runner.lm_head.weight.shape[0], cfg, generator)
         with ExitStack() as stack:
             stack.enter_context(runner.session())

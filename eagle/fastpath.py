@@ -12,7 +12,8 @@ changes what is computed (up to rounding), only how fast.
   plumbing): less Python per pass, what counts for small targets on CPU. `LeanDecoder.of(target)` says whether a
   target qualifies; `FAMILIES` lists the families it runs.
 How to run: `eagle.draft` computes its products with `linear`; `eagle.speculative` runs the target inside
-`packed_linears` and through `LeanDecoder` once it has reproduced HF's forward (`confirm`).
+`packed_linears` and through `LeanDecoder` once it has reproduced HF's forward (`confirm`), on the path that
+`eagle.target_path` measured fastest on the machine (`torch_linear` and HF's forward are the other choices).
 Not here: what the models compute (`eagle.draft`, `eagle.features`), GPU kernels, torch.compile, CUDA graphs.
 
 Shape legend: B batch, T new positions, L keys visible (past + T), H hidden size, D head dim, h heads.
@@ -66,6 +67,11 @@ def _packed_weight(layer: nn.Module) -> torch.Tensor:
     return hit[1]
 
 
+def torch_linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+    """`F.linear(x, layer.weight, layer.bias)` with torch's own kernels (the "torch" kernels of `eagle.target_path`)."""
+    return F.linear(x, layer.weight, layer.bias)
+
+
 def linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
     """`F.linear(x, layer.weight, layer.bias)`; without autograd on CPU, through oneDNN's packed weight."""
     w = layer.weight
@@ -107,6 +113,7 @@ class LeanDecoder:
         self.attention = sdpa_attention_forward
         self.rope = sys.modules[type(self.layers[0].self_attn).__module__].apply_rotary_pos_emb
         self.trusted = _LEAN_VERDICTS.get(target, False)
+        self.linear = linear  # the products' kernels: `linear` (oneDNN, packed) or `torch_linear`
 
     def confirm(self, hf: Sequence[torch.Tensor | None], lean: Sequence[torch.Tensor | None]) -> bool:
         """Trust this decoder for its model iff its outputs match HF's forward on the same pass."""
@@ -157,15 +164,16 @@ class LeanDecoder:
         a, m = layer.self_attn, layer.mlp
         x_BTH = _norm(layer.input_layernorm, h_BTH)
         heads = (*x_BTH.shape[:-1], -1, a.head_dim)
-        q_BThD, k_BThD, v_BThD = (linear(x_BTH, p).view(heads) for p in (a.q_proj, a.k_proj, a.v_proj))
+        lin = self.linear
+        q_BThD, k_BThD, v_BThD = (lin(x_BTH, p).view(heads) for p in (a.q_proj, a.k_proj, a.v_proj))
         if hasattr(a, "q_norm"):  # Qwen3
             q_BThD, k_BThD = a.q_norm(q_BThD), a.k_norm(k_BThD)
         q_BhTD, k_BhTD = self.rope(q_BThD.transpose(1, 2), k_BThD.transpose(1, 2), *cos_sin)
         k_BhLD, v_BhLD = cache_layer.update(k_BhTD, v_BThD.transpose(1, 2))
         out_BThD, _ = self.attention(a, q_BhTD, k_BhLD, v_BhLD, mask_B1TL, dropout=0.0, scaling=a.scaling)
-        h_BTH = h_BTH + linear(out_BThD.reshape(*x_BTH.shape[:-1], -1).contiguous(), a.o_proj)
+        h_BTH = h_BTH + lin(out_BThD.reshape(*x_BTH.shape[:-1], -1).contiguous(), a.o_proj)
         y_BTH = _norm(layer.post_attention_layernorm, h_BTH)
-        return h_BTH + linear(F.silu(linear(y_BTH, m.gate_proj)) * linear(y_BTH, m.up_proj), m.down_proj)
+        return h_BTH + lin(F.silu(lin(y_BTH, m.gate_proj)) * lin(y_BTH, m.up_proj), m.down_proj)
 
 
 def _norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:

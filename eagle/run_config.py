@@ -13,6 +13,9 @@ from dataclasses import dataclass
 
 from eagle.config_checks import FieldError, at_least, finite, one_of
 
+# the ways the target's passes can run (decoder-kernels; see eagle/target_path.py), and "auto" for the fastest
+TARGET_PATHS = ("lean-packed", "lean-torch", "hf-packed", "hf-torch")
+
 
 @dataclass(frozen=True)
 class TTTConfig:
@@ -80,9 +83,13 @@ class SpecConfig:
     # chains stop drafting early when the head's top probability for the next draft is below this in every row
     # (its drafts there are mostly rejected; skipping them saves head steps). 0: always draft `depth` tokens.
     min_draft_prob: float = 0.0
+    # how the target's passes run (`eagle.target_path`): "auto" times the paths once per target and process and
+    # takes the fastest (or the one EAGLE_TARGET_PATH pins); "lean-packed" | "lean-torch" | "hf-packed" | "hf-torch"
+    path: str = "auto"
 
     def __post_init__(self) -> None:
         one_of(self, "method", ("chain", "tree"))
+        one_of(self, "path", ("auto",) + TARGET_PATHS)
         at_least(self, {"depth": 1, "topk": 1, "budget": 1, "max_new_tokens": 1, "pad_token_id": -1})
         most = self.topk + (self.depth - 1) * self.topk ** 2
         if self.method == "tree" and self.budget > most:

@@ -25,7 +25,7 @@ A kept path length (accepted drafts + 1), H hidden, S verification steps.
 from __future__ import annotations
 
 import inspect
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -34,7 +34,8 @@ from torch import nn
 
 from eagle import sampling
 from eagle.draft import Eagle3Draft
-from eagle.fastpath import LeanDecoder, linear, packed_linears
+from eagle import fastpath, target_path
+from eagle.fastpath import LeanDecoder, packed_linears
 from eagle.features import capture_layer_inputs, decoder_layers
 from eagle.run_config import SpecConfig
 from eagle.stats import SpecStats
@@ -95,14 +96,17 @@ def pack_left(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> t
 
 class TargetRunner:
     """The target with its `SlotCache`: one pass over T new tokens placed after each row's committed prefix.
-    Llama-family targets run through `LeanDecoder` once it has reproduced HF's forward on a first pass (every other
-    target through HF). Inside `with runner.session():` linears use the CPU kernels of `eagle.fastpath.linear` and
-    HF's feature capture hooks stay attached (outside a session they are attached per call)."""
+    `path` (`eagle.target_path`; "auto": the fastest measured on this machine) picks the decoder and the kernels:
+    a "lean" path runs Llama-family targets through `LeanDecoder` once it has reproduced HF's forward on a first
+    pass (every other target through HF); inside `with runner.session():` a "packed" path computes linears with
+    the CPU kernels of `eagle.fastpath.linear`, and HF's feature capture hooks stay attached (outside a session
+    they are attached per call). `runner.path` is the path resolved, `runner.decoder` the decoder in use."""
 
     CAUSAL_ROWS = 64  # passes of up to this many tokens of one row slice a prebuilt causal mask
 
-    def __init__(self, target: nn.Module, capacity: int, layer_ids: tuple[int, ...] = ()):
+    def __init__(self, target: nn.Module, capacity: int, layer_ids: tuple[int, ...] = (), path: str = "auto"):
         check_no_sliding_window(target.config, capacity)
+        self.path = target_path.resolve(target, path)
         self.target, self.layer_ids = target, tuple(layer_ids)
         self.cache = SlotCache(len(decoder_layers(target)), capacity)
         self.lm_head = target.get_output_embeddings()
@@ -112,18 +116,26 @@ class TargetRunner:
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._store: dict[int, torch.Tensor] | None = None
         self._causal: CausalMask | None = None
-        self._lean = LeanDecoder.of(target)
+        self.packed = target_path.kernels_of(self.path) == "packed"
+        self._linear = fastpath.linear if self.packed else fastpath.torch_linear
+        self._lean = LeanDecoder.of(target) if target_path.decoder_of(self.path) == "lean" else None
+        if self._lean is not None:
+            self._lean.linear = self._linear
+
+    @property
+    def decoder(self) -> str:
+        return "hf" if self._lean is None else "lean"
 
     @contextmanager
     def session(self) -> Iterator[None]:
-        with packed_linears(self.target), ExitStack() as stack:
+        with packed_linears(self.target) if self.packed else nullcontext(), ExitStack() as stack:
             if self.layer_ids and self._store is None:
                 self._store = stack.enter_context(capture_layer_inputs(self.target, self.layer_ids))
                 stack.callback(setattr, self, "_store", None)
             yield
 
     def logits(self, hidden_BTH: torch.Tensor) -> torch.Tensor:
-        return linear(hidden_BTH, self.lm_head) if type(self.lm_head) is nn.Linear else self.lm_head(hidden_BTH)
+        return self._linear(hidden_BTH, self.lm_head) if type(self.lm_head) is nn.Linear else self.lm_head(hidden_BTH)
 
     def __call__(self, prefix: Prefix, ids_BT: torch.Tensor, pos_BT: torch.Tensor, region_BTR: torch.Tensor | None):
         """Returns (final hidden [B, T, H], fused-layer inputs [B, T, 3H] or None without `layer_ids`).
@@ -182,7 +194,7 @@ def generate_plain(target: nn.Module, input_ids: torch.Tensor, attention_mask: t
     """One token per target pass (greedy or temperature/top-p sampling), with the speculative path's helpers."""
     with torch.inference_mode():
         ids_BT, n_B = pack_left(input_ids, attention_mask)
-        runner = TargetRunner(target, ids_BT.shape[1] + cfg.max_new_tokens + 1)
+        runner = TargetRunner(target, ids_BT.shape[1] + cfg.max_new_tokens + 1, path=cfg.path)
         with runner.session():
             out = _plain_loop(runner, ids_BT, n_B, cfg, generator)
     return _outside_inference_mode(out)
@@ -252,7 +264,7 @@ class Speculator:
         if cfg.method == "tree" and cfg.topk > draft.cfg.draft_vocab_size:
             raise ValueError("topk exceeds the draft vocabulary")
         capacity = prompt_len + cfg.max_new_tokens + max(cfg.verify_width, cfg.depth * cfg.topk) + 2
-        self.target = TargetRunner(target, capacity, draft.cfg.aux_layer_ids)
+        self.target = TargetRunner(target, capacity, draft.cfg.aux_layer_ids, cfg.path)
         self.draft, self.cfg, self.generator = draft, cfg, generator
         self.head = HeadRunner(draft, capacity)
         self.vocab = self.target.lm_head.weight.shape[0]

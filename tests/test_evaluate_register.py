@@ -103,6 +103,7 @@ def test_a_broken_verification_rule_is_caught(tiny_embedded, head, tmp_path, mon
                  str(tiny_embedded.target_traffic.heldout), str(tmp_path / "eval"), **QUIET)
     report = json.loads((tmp_path / "eval" / "evaluation.json").read_text())
     assert report["result"]["identical"] is False and not all(s["identical"] for s in report["samples"])
+    assert report["target_path"]["chosen"] in ("lean-packed", "lean-torch", "hf-packed", "hf-torch")
 
 
 # ---- register ---------------------------------------------------------------------------------------------------

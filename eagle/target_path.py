@@ -1,0 +1,169 @@
+"""Which way the target's passes run on the machine at hand, chosen by timing them on the target itself.
+
+Purpose: the speed layer (`eagle.fastpath`: oneDNN products over packed weights, the lean decoder) was tuned on one
+kind of CPU; on another it can lose to HF's own forward and torch's own kernels (an Intel Xeon with AMX ran
+transformers `generate` at 1.15x our plain decoding). A path is a decoder and a kernel choice:
+- decoder "lean" (`fastpath.LeanDecoder`, Llama-family targets only) or "hf" (the model's own forward);
+- kernels "packed" (`fastpath.linear`, oneDNN over packed weights, CPU without autograd) or "torch" (`F.linear`).
+`PATHS` are the four; `DEFAULT` is the speed layer. All four compute the same thing up to rounding.
+`resolve(target, "auto")` times every path that applies on a short synthetic pass mix (one 1-token and one
+8-token pass after a 48-token prefix per round, rounds interleaved across paths, about a second in all; each
+path's fastest round counts) once per target, device, dtype and thread count in a process, and keeps `DEFAULT`
+unless another path is faster by more than `MARGIN` (so a machine where the speed layer clearly pays gets it
+every time). A large target on CPU spends ~40 passes on this once: pin a path there. `EAGLE_TARGET_PATH` pins one path for
+every "auto"; `SpecConfig.path` pins it per call. `timing(target)` is the last measurement (for result files).
+How to run: `TargetRunner(target, capacity, path="auto")` resolves its path here; nothing else calls it.
+Not here: the head's kernels (`eagle.draft`, always `fastpath.linear`), GPU kernels, torch.compile.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from eagle.run_config import TARGET_PATHS
+
+PATHS = TARGET_PATHS
+DEFAULT = "lean-packed"
+AUTO = "auto"
+MARGIN = 0.05  # another path must be this much faster than the default to be picked
+ENV = "EAGLE_TARGET_PATH"
+# rounds: at least MIN_ROUNDS, then more until BUDGET_S has passed or MAX_ROUNDS; each path's fastest round counts
+# (other work on the machine only adds time, so the minimum is the steadiest estimate of a path's own cost)
+MIN_ROUNDS, MAX_ROUNDS, BUDGET_S, WARMUP, PREFIX, WIDTH = 5, 40, 1.0, 2, 48, 8
+
+_TIMINGS: "weakref.WeakKeyDictionary[nn.Module, dict[tuple, PathTiming]]" = weakref.WeakKeyDictionary()
+
+
+@dataclass(frozen=True)
+class PathTiming:
+    """One measurement: the path picked, the fastest round's seconds of each path timed, and why it was picked."""
+
+    chosen: str
+    seconds: dict[str, float] = field(default_factory=dict)
+    reason: str = ""
+
+    def as_dict(self) -> dict:
+        base = self.seconds.get(DEFAULT)
+        speed = {p: round(base / s, 3) for p, s in self.seconds.items()} if base else {}
+        return {"chosen": self.chosen, "reason": self.reason,
+                "ms_per_round": {p: round(s * 1e3, 3) for p, s in self.seconds.items()},
+                "x_default": speed}
+
+
+def check(path: str) -> str:
+    """`path` if it names a path or "auto"; a clear error otherwise."""
+    if path != AUTO and path not in PATHS:
+        raise ValueError(f"unknown target path {path!r}: use one of {(AUTO,) + PATHS}")
+    return path
+
+
+def decoder_of(path: str) -> str:
+    return path.split("-")[0]
+
+
+def kernels_of(path: str) -> str:
+    return path.split("-")[1]
+
+
+def choose(seconds: dict[str, float], default: str = DEFAULT, margin: float = MARGIN) -> str:
+    """The fastest path, unless it beats `default` by no more than `margin` (then `default`)."""
+    best = min(seconds, key=seconds.__getitem__)
+    if default in seconds and seconds[best] >= (1 - margin) * seconds[default]:
+        return default
+    return best
+
+
+def resolve(target: nn.Module, path: str) -> str:
+    """The path a runner of `target` uses: `path` itself unless "auto"; then `EAGLE_TARGET_PATH`, else measured."""
+    if check(path) != AUTO:
+        return path
+    pinned = os.environ.get(ENV, "").strip()
+    if pinned:
+        try:
+            return check(pinned) if pinned != AUTO else measure(target).chosen
+        except ValueError as e:
+            raise ValueError(f"{ENV}={pinned!r}: {e}") from None
+    return measure(target).chosen
+
+
+def timing(target: nn.Module) -> PathTiming | None:
+    """The last measurement made for `target` in this process (None: never measured, e.g. a pinned path)."""
+    got = _TIMINGS.get(target)
+    return next(reversed(got.values())) if got else None
+
+
+def _key(target: nn.Module) -> tuple:
+    p = next(target.parameters())
+    return (str(p.device), p.dtype, torch.get_num_threads())
+
+
+def measure(target: nn.Module) -> PathTiming:
+    """Time the paths that apply to `target` (cached per target, device, dtype and thread count)."""
+    from eagle.fastpath import LeanDecoder
+
+    key = _key(target)
+    got = _TIMINGS.setdefault(target, {})
+    if key in got:
+        return got[key]
+    lean = LeanDecoder.of(target) is not None
+    seconds = _time_paths(target, [p for p in PATHS if lean or decoder_of(p) == "hf"])
+    default = DEFAULT if DEFAULT in seconds else "hf-packed"
+    chosen = choose(seconds, default)
+    if not lean:
+        reason = "no lean decoder for this target (family, attention or forward hooks); "
+    elif DEFAULT not in seconds:
+        reason = "the lean decoder did not reproduce HF's forward; "
+    else:
+        reason = ""
+    reason += f"no path faster than {default} by more than {MARGIN:.0%}" if chosen == default else \
+        f"{seconds[default] / seconds[chosen]:.2f}x as fast as {default}"
+    got[key] = PathTiming(chosen, seconds, reason)
+    return got[key]
+
+
+def _time_paths(target: nn.Module, paths: list[str]) -> dict[str, float]:
+    """Each path's fastest round (a 1-token and a `WIDTH`-token pass after a `PREFIX`-token prefill), in seconds;
+    rounds rotate the order of the paths so that each sees the same machine state."""
+    from eagle.speculative import TargetRunner
+    from eagle.tree import Prefix
+
+    p = next(target.parameters())
+    vocab = target.get_input_embeddings().weight.shape[0]
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (1, PREFIX + WIDTH), generator=g).to(p.device)
+    n = torch.tensor([PREFIX], device=p.device)
+    prefix = Prefix.of(n)
+    pos = torch.arange(PREFIX, PREFIX + WIDTH, device=p.device)[None]
+    runners = {q: TargetRunner(target, PREFIX + WIDTH + 1, path=q) for q in paths}
+    sync = torch.cuda.synchronize if p.device.type == "cuda" else (lambda: None)
+    times: dict[str, list[float]] = {q: [] for q in paths}
+    with torch.inference_mode():
+        for q, r in runners.items():
+            with r.session():
+                r.prefill(ids[:, :PREFIX], n)
+        for q, r in list(runners.items()):  # a lean decoder that failed to reproduce HF is gone: not a lean path
+            if decoder_of(q) == "lean" and r.decoder != "lean":
+                del runners[q], times[q]
+        t_start, i = time.perf_counter(), 0
+        while i < WARMUP + MIN_ROUNDS or (i < WARMUP + MAX_ROUNDS and time.perf_counter() - t_start < BUDGET_S):
+            names = list(runners)
+            for q in names[i % len(names):] + names[:i % len(names)]:
+                r = runners[q]
+                with r.session():
+                    sync()
+                    t0 = time.perf_counter()
+                    h, _ = r(prefix, ids[:, PREFIX:PREFIX + 1], pos[:, :1], None)
+                    r.logits(h[:, -1])
+                    h, _ = r(prefix, ids[:, PREFIX:], pos, None)
+                    r.logits(h[:, -1])
+                    sync()
+                    if i >= WARMUP:
+                        times[q].append(time.perf_counter() - t0)
+            i += 1
+    return {q: min(ts) for q, ts in times.items()}
