@@ -1,7 +1,7 @@
 """The cheap benchmarks run end to end in `--quick` mode and write result files that make sense.
 
-Purpose: keep bench/ runnable and its verdicts honest. speedup, batch, acceptance_vs_depth, chain_depth and
-checkpoint_by_tau run as scripts with `--quick` (the tiny embedded preset) in one temporary cache directory
+Purpose: keep bench/ runnable and its verdicts honest. speedup, batch, acceptance_vs_depth, chain_depth,
+checkpoint_by_tau and target_path run as scripts with `--quick` (the tiny embedded preset) in one temporary cache directory
 (`--cache`, shared so the tiny build, the regenerated traffic and the TTT head are made once), each under a timeout;
 the tests read the JSON they write: every method and head is present, greedy outputs equal plain greedy decoding,
 ratios are positive, tau counts emitted tokens (tau x verification steps = output tokens after the first), a goal is
@@ -184,6 +184,24 @@ def test_checkpoint_by_tau_quick(cache: Path) -> None:
                                                                                  -x["heldout_loss"]))["step"]
     assert last["step"] == 16 and last["rule"].startswith("last step 16")
     assert all(h["identical"] and h["tau"] >= 1.0 and 0 <= h["a1"] <= 1 for h in (best, last)), r["heads"]
+
+
+def test_target_path_quick(cache: Path) -> None:
+    """Every path decodes (plain and chain) the tokens of the default path; auto's pick is one of them and its
+    goals follow the figures."""
+    from eagle.target_path import PATHS
+
+    r = run_quick("target_path", cache)
+    check_metadata(r)
+    rows = {row["method"]: row for row in r["rows"]}
+    assert set(rows) == {f"{m}:{p}" for m in ("plain", "chain") for p in PATHS} | {"hf-plain"}
+    assert all(row["mismatch"] == 0 and row["tok_s"] > 0 for row in rows.values()), rows
+    assert r["auto"]["chosen"] in PATHS and set(r["auto"]["ms_per_round"]) == set(PATHS) and r["auto"]["reason"]
+    pick = r["pick"]
+    assert pick["chosen"] == r["auto"]["chosen"] and 0 < pick["chosen_x_fastest"] <= 1.0
+    assert pick["chosen_x_fastest"] == pytest.approx(rows[f"plain:{pick['chosen']}"]["tok_s"]
+                                                     / rows[f"plain:{pick['fastest_plain']}"]["tok_s"])
+    check_goals(r["goals"], 0)
 
 
 def test_chain_depth_runs_in_fresh_processes(cache: Path) -> None:
