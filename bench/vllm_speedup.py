@@ -10,6 +10,8 @@ EOS or the token budget too; labelled `tau raw`, `alpha raw`), and mismatches: g
 plain. Our own evaluation of the same head on the same prompts (`eagle.speculative`, chain of depth K) gives the raw
 tau, alpha and per-position counts to compare with vLLM's (equal when the engine loads the head faithfully) and,
 beside them, the emitted tau and alpha (`SpecStats.tau`, `per_position_acceptance`) that this project reports.
+Goals (medians; met only with 0 mismatches anywhere): eagle3 >= 1.8x vLLM plain, and its gain >= 1.5x that of
+ngram (both in the same engine).
 Writes vllm_speedup*.json (`-head<N>`, `-conv<N>`, `-depth<K>`, `-runs<N>` name non-default settings).
 Not measured here: batches > 1, T > 0, trees (vLLM's CPU build runs EAGLE-3 chains).
 """
@@ -22,8 +24,8 @@ from pathlib import Path
 
 import common  # noqa: F401  (puts the repo root on sys.path)
 
-from common import (base_args, eos_of, heldout_prompts, prepare, print_table, spec_figures, speed_head, start,
-                    write_results)
+from common import (base_args, eos_of, goal_line, heldout_prompts, prepare, print_table, spec_figures, speed_head,
+                    start, write_results)
 
 METHODS = ("plain", "eagle3", "ngram")
 
@@ -93,6 +95,17 @@ def summarise(runs: list[dict], mine: dict) -> list[dict]:
     return rows
 
 
+def goals(rows: list[dict]) -> dict:
+    """Issue 12's engine goals on the medians: our head in vLLM >= 1.8x vLLM plain, and its gain >= 1.5x that of
+    vLLM's prompt lookup; met only with 0 mismatches in every vLLM method and in our own run of the head."""
+    by = {r["method"]: r for r in rows}
+    bad = sum(r["mismatches"] for r in rows)
+    head, ngram = by["vLLM eagle3"]["x vLLM plain (median)"], by["vLLM ngram"]["x vLLM plain (median)"]
+    return {"eagle3 >= 1.8x vLLM plain": goal_line("eagle3 >= 1.8x vLLM plain (median)", head, 1.8, bad),
+            "eagle3 gain >= 1.5x ngram gain": goal_line("eagle3 gain >= 1.5x vLLM ngram gain", head / ngram, 1.5,
+                                                        bad)}
+
+
 def _alphas(alpha: list[float]) -> str:
     return " ".join(f"{a:.2f}" for a in alpha)
 
@@ -127,7 +140,7 @@ def main() -> None:
                             f"{args.runs} run(s)")
     name = "vllm_speedup" + suffix + (f"-depth{args.depth}" if args.depth != 5 else "") + \
         (f"-runs{args.runs}" if args.runs > 1 else "")
-    payload = {"rows": rows, "depth": args.depth, "runs": args.runs, "head": str(head.head_dir),
+    payload = {"rows": rows, "goals": goals(rows), "depth": args.depth, "runs": args.runs, "head": str(head.head_dir),
                "prompts": len(prompts), "max_new_tokens": max_new,
                "per_run": [{m: {k: v for k, v in x.items() if k != "outputs"} for m, x in r.items()} for r in runs]}
     print(write_results(name, args.quick, payload, load))
