@@ -263,6 +263,7 @@ def repeat(args: argparse.Namespace, argv: list[str], load0: list[float]) -> Non
     plot(tables, png)
     write_results(name, args.quick, {**{k: v for k, v in first.items() if k not in ("tables", "text", "name")},
                                      "args": vars(args), "tables": tables, "goals_T0": g, "text": texts,
+                                     "target_path_runs": [r.get("target_path") for r in runs],
                                      "plot": str(png)}, load0)
 
 
