@@ -116,11 +116,17 @@ def hf_answerer(target: Any, tokenizer: Any, cfg: RegenerateConfig) -> Answerer:
 
     Decoding uses `eagle.speculative.generate_plain` (the HF model's forward with a preallocated KV cache; greedy
     or temperature/top-p sampling, tested token-for-token against HF greedy), which skips `model.generate`'s
-    per-step overhead.
+    per-step overhead. It runs the target on the default path of `eagle.target_path` (or the one
+    `EAGLE_TARGET_PATH` pins), never "auto": a path measured per process could differ between Ray workers or
+    between a run and its resume, and the paths agree only up to rounding, which sampling can turn into other
+    tokens; the shard files must be byte-identical whatever runs them.
     """
     import torch
 
+    from eagle import target_path
     from eagle.speculative import SpecConfig, generate_plain
+
+    path = target_path.pinned() or target_path.DEFAULT
 
     limit = int(getattr(target.config, "max_position_embeddings", 2048)) - cfg.max_new_tokens
     eos = target.generation_config.eos_token_id
@@ -140,7 +146,7 @@ def hf_answerer(target: Any, tokenizer: Any, cfg: RegenerateConfig) -> Answerer:
             inp[r, width - len(ids[i]):] = torch.tensor(ids[i])
             att[r, width - len(ids[i]):] = 1
         spec = SpecConfig(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
-                          eos_token_id=tuple(eos) if isinstance(eos, list) else eos, pad_token_id=pad)
+                          eos_token_id=tuple(eos) if isinstance(eos, list) else eos, pad_token_id=pad, path=path)
         with torch.inference_mode():  # the same model and sampling rule as HF generate, with the lean KV cache
             out = generate_plain(target, inp.to(cfg.device), att.to(cfg.device), spec)
         for r, i in enumerate(keep):

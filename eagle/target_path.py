@@ -9,8 +9,8 @@ transformers `generate` at 1.15x our plain decoding). A path is a decoder and a 
 `resolve(target, "auto")` times every path that applies on a short synthetic pass mix (one 1-token and one
 8-token pass after a 48-token prefix per round, rounds interleaved across paths, about a second in all; each
 path's fastest round counts) once per target, device, dtype and thread count in a process, and keeps `DEFAULT`
-unless another path is faster by more than `MARGIN` (so a machine where the speed layer clearly pays gets it
-every time). A large target on CPU spends ~40 passes on this once: pin a path there. `EAGLE_TARGET_PATH` pins one path for
+unless another path is faster by more than `MARGIN`, and among the others prefers the earlier in `PATHS` the same
+way (so close timings give the same choice in every process). A large target on CPU spends ~40 passes on this once: pin a path there. `EAGLE_TARGET_PATH` pins one path for
 every "auto"; `SpecConfig.path` pins it per call. `timing(target)` is the last measurement (for result files).
 How to run: `TargetRunner(target, capacity, path="auto")` resolves its path here; nothing else calls it.
 Not here: the head's kernels (`eagle.draft`, always `fastpath.linear`), GPU kernels, torch.compile.
@@ -72,24 +72,29 @@ def kernels_of(path: str) -> str:
 
 
 def choose(seconds: dict[str, float], default: str = DEFAULT, margin: float = MARGIN) -> str:
-    """The fastest path, unless it beats `default` by no more than `margin` (then `default`)."""
-    best = min(seconds, key=seconds.__getitem__)
-    if default in seconds and seconds[best] >= (1 - margin) * seconds[default]:
-        return default
-    return best
+    """The first path in the order `default`, then `PATHS`, that is within `margin` of the fastest: a path is only
+    left for one that is clearly faster, so close timings give the same choice every time."""
+    best = min(seconds.values())
+    order = [default] + [p for p in PATHS if p != default]
+    return next(p for p in order if p in seconds and seconds[p] * (1 - margin) <= best)
+
+
+def pinned() -> str | None:
+    """The path `EAGLE_TARGET_PATH` pins (None: unset or "auto")."""
+    env = os.environ.get(ENV, "").strip()
+    if not env or env == AUTO:
+        return None
+    try:
+        return check(env)
+    except ValueError as e:
+        raise ValueError(f"{ENV}={env!r}: {e}") from None
 
 
 def resolve(target: nn.Module, path: str) -> str:
     """The path a runner of `target` uses: `path` itself unless "auto"; then `EAGLE_TARGET_PATH`, else measured."""
     if check(path) != AUTO:
         return path
-    pinned = os.environ.get(ENV, "").strip()
-    if pinned:
-        try:
-            return check(pinned) if pinned != AUTO else measure(target).chosen
-        except ValueError as e:
-            raise ValueError(f"{ENV}={pinned!r}: {e}") from None
-    return measure(target).chosen
+    return pinned() or measure(target).chosen
 
 
 def timing(target: nn.Module) -> PathTiming | None:

@@ -191,6 +191,33 @@ def test_a_batch_answers_each_conversation_as_if_alone(tiny_embedded):
     assert together == [answer([msgs])[0] for msgs in batch]
 
 
+def test_regeneration_runs_a_fixed_target_path(tiny_embedded, monkeypatch):
+    """Never "auto" (a per-process timing could differ between workers or a resume): the default path, or the one
+    EAGLE_TARGET_PATH pins."""
+    from eagle import speculative, target_path
+
+    def no_timing(target):
+        raise AssertionError("regeneration must not time the target's paths")
+
+    seen = []
+    real_init = speculative.TargetRunner.__init__
+
+    def spy(self, *a, **kw):
+        real_init(self, *a, **kw)
+        seen.append(self.path)
+
+    monkeypatch.setattr(target_path, "measure", no_timing)
+    monkeypatch.setattr(speculative.TargetRunner, "__init__", spy)
+    monkeypatch.delenv(target_path.ENV, raising=False)
+    target, tok = load_target(tiny_embedded.target_dir)
+    tok.padding_side = "left"
+    msgs = [[{"role": "user", "content": "def f(x):"}]]
+    first = hf_answerer(target, tok, RegenerateConfig(max_new_tokens=4, temperature=0.0))(msgs)
+    monkeypatch.setenv(target_path.ENV, "hf-torch")
+    assert hf_answerer(target, tok, RegenerateConfig(max_new_tokens=4, temperature=0.0))(msgs) == first
+    assert seen == [target_path.DEFAULT, "hf-torch"]
+
+
 # ---- regenerate through an OpenAI-compatible endpoint -----------------------------------------------------------
 
 

@@ -27,7 +27,8 @@ def _no_pin(monkeypatch):
 
 def test_choose_keeps_the_default_unless_another_is_clearly_faster():
     assert target_path.choose({"lean-packed": 1.0, "hf-torch": 0.97}) == "lean-packed"
-    assert target_path.choose({"lean-packed": 1.0, "hf-torch": 0.9, "lean-torch": 0.93}) == "hf-torch"
+    assert target_path.choose({"lean-packed": 1.0, "hf-torch": 0.9, "lean-torch": 0.96}) == "hf-torch"
+    assert target_path.choose({"lean-packed": 1.0, "hf-torch": 0.9, "lean-torch": 0.93}) == "lean-torch"  # close
     assert target_path.choose({"hf-packed": 2.0, "hf-torch": 1.0}, default="hf-packed") == "hf-torch"
 
 
