@@ -32,9 +32,8 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from eagle import sampling
+from eagle import fastpath, sampling, target_path
 from eagle.draft import Eagle3Draft
-from eagle import fastpath, target_path
 from eagle.fastpath import LeanDecoder, packed_linears
 from eagle.features import capture_layer_inputs, decoder_layers
 from eagle.run_config import SpecConfig
