@@ -113,7 +113,7 @@ def ensure(setup: Setup, budget_s: float) -> tuple[Path, dict]:
     tokenizer = AutoTokenizer.from_pretrained(setup.emb.tokenizer_dir)
     model = lm_train.make_target(shape, tokenizer, SEED)
     common._say(f"bench: training the draft model ({shape.num_layers} layers, hidden {shape.hidden_size}, tied) "
-                f"for {budget_s:.0f} s, the head's training time, on {setup.extract_dir}")
+                f"for {budget_s:.0f} s on {setup.extract_dir}")
     with common.setup_threads():
         stats = train_for(model, _windows(setup.extract_dir), budget_s)
     lm_train.save_target(model, tokenizer, out)
