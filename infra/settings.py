@@ -1,7 +1,8 @@
 """Process settings read from the environment: where state lives and which MLflow, Ray and Prefect to use.
 
 Purpose: one frozen `Settings`, built once by `Settings.from_env()` at the edge of a program (the CLI, a flow's
-entry) and passed down. This is the only module of the project that reads environment variables.
+entry) and passed down. This is the only module of the project that reads environment variables, but for one
+(EAGLE_TARGET_PATH, below; tests/test_layout.py's allowlist).
 
     EAGLE_HOME                  state dir (default `.eagle/` in the working dir)
     MLFLOW_TRACKING_URI         default `sqlite:///<state>/mlflow.db`, artifacts under `<state>/mlartifacts`
@@ -10,6 +11,9 @@ entry) and passed down. This is the only module of the project that reads enviro
     PREFECT_API_URL             a Prefect server; default: Prefect's ephemeral mode
     EAGLE_TRUST_REMOTE_CODE     `1` lets transformers run code shipped with a model (default off)
     EAGLE_VLLM_PYTHON           the python of an environment with vLLM (default: the project's `.venv-vllm`)
+    EAGLE_TARGET_PATH           pins how our loop runs the target (`lean-packed`, `lean-torch`, `hf-packed`,
+                                `hf-torch`; default: timed per process). Read by eagle/target_path.py itself, in
+                                every process that decodes (eagle/ imports no infra), not by Settings.
     MLFLOW_TRACKING_TOKEN, MLFLOW_TRACKING_USERNAME, MLFLOW_TRACKING_PASSWORD, PREFECT_API_KEY
                                 read so that `describe()` can say they are set; never printed (`repr` redacts)
 

@@ -28,7 +28,11 @@ FORBIDDEN_IMPORTS = {
     "infra": {"eagle", "components", "flows"},
 }
 # path relative to the repo root -> why that file may touch the environment. Keep it empty if you can.
-ENV_ALLOWLIST: dict[str, str] = {}
+ENV_ALLOWLIST: dict[str, str] = {
+    # eagle/ imports no infra, and the pin must reach every process that decodes (Ray workers, benchmark children,
+    # the device's scripts), most of which never build a Settings
+    "eagle/target_path.py": "EAGLE_TARGET_PATH, the process-wide pin of the target path",
+}
 _ENV_ATTRS = {"environ", "environb", "getenv", "getenvb", "putenv", "unsetenv"}
 
 
