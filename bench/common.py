@@ -246,6 +246,12 @@ def heldout_prompts(tokenizer, path: Path, limit: int, max_prompt_tokens: int = 
     return out
 
 
+def until_eos(tokens: list[int], eos: int | tuple[int, ...] | None) -> list[int]:
+    """`tokens` up to and including the first end-of-sequence id (transformers pads after it)."""
+    ends = eos if isinstance(eos, tuple) else (eos,)
+    return tokens[:next((i + 1 for i, t in enumerate(tokens) if t in ends), len(tokens))]
+
+
 def eos_of(target) -> int | tuple[int, ...] | None:
     eos = target.generation_config.eos_token_id
     return tuple(eos) if isinstance(eos, list) else eos

@@ -42,7 +42,8 @@ import draft_model
 import torch
 
 from common import (Setup, base_args, eos_of, fresh_runs, goal_line, heldout_prompts, interleaved, prepare,
-                    print_table, pyplot, results_dir, spec_figures, speed_head, start, tokens_per_s, write_results)
+                    print_table, pyplot, results_dir, spec_figures, speed_head, start, tokens_per_s, until_eos,
+                    write_results)
 
 
 class CallCounter:
@@ -99,10 +100,7 @@ def methods(target, draft, assistant, temperature: float, args, max_new: int, co
             with counter.counting():
                 out = target.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_new,
                                       do_sample=not greedy, eos_token_id=eos, pad_token_id=pad, **sample, **kw)
-            toks = out[0, x.shape[1]:].tolist()
-            e = eos if isinstance(eos, tuple) else (eos,)
-            cut = next((i + 1 for i, t in enumerate(toks) if t in e), len(toks))
-            return toks[:cut], {"calls": counter.n - c0}
+            return until_eos(out[0, x.shape[1]:].tolist(), eos), {"calls": counter.n - c0}
         return run
 
     ms = {"plain": ours(generate_plain, chain), "eagle-chain": ours(generate_speculative, draft, chain),
@@ -314,10 +312,8 @@ def run(setup: Setup, args: argparse.Namespace, load0: list[float]) -> None:
                                      f"max {setup.preset.max_new_tokens} new tokens"))
     from eagle import target_path
 
-    timed = target_path.timing(target)  # how our loop ran the target here (measured at its first pass)
     payload = {"args": vars(args), "n_prompts": len(prompts), "tables": tables, "head_train_seconds": head.seconds,
-               "target_path": timed.as_dict() if timed else {"chosen": target_path.resolve(target, "auto"),
-                                                             "reason": "pinned"},
+               "target_path": target_path.record(target),  # how our loop ran the target (timed at its first pass)
                "draft_model": {"dir": str(lm_dir), **lm_info},
                "head_x_target_compute": round(draft_model.head_macs(draft.cfg) / lm_info["target_macs_per_token"], 3),
                "text": texts}

@@ -26,7 +26,7 @@ import common  # noqa: F401  (puts the repo root on sys.path)
 import torch
 
 from common import (base_args, eos_of, fresh_runs, goal_line, heldout_prompts, interleaved, prepare, print_table,
-                    pyplot, results_dir, speed_head, start, tokens_per_s, write_results)
+                    pyplot, results_dir, speed_head, start, tokens_per_s, until_eos, write_results)
 
 
 def methods(target, draft, args, max_new: int) -> dict:
@@ -46,9 +46,7 @@ def methods(target, draft, args, max_new: int) -> dict:
         x = torch.tensor([ids])
         out = target.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_new,
                               do_sample=False, eos_token_id=eos, pad_token_id=pad)
-        toks = out[0, x.shape[1]:].tolist()
-        e = eos if isinstance(eos, tuple) else (eos,)
-        return toks[:next((i + 1 for i, t in enumerate(toks) if t in e), len(toks))], {}
+        return until_eos(out[0, x.shape[1]:].tolist(), eos), {}
 
     ms = {}
     for p in PATHS:

@@ -126,6 +126,7 @@ def evaluate(cfg: EvaluateConfig, target_dir: str, head_dir: str, traffic_path: 
     import torch
 
     from components.targets import load_target
+    from eagle import target_path
     from eagle.export import load_head
     from eagle.speculative import generate_plain, generate_speculative
 
@@ -164,17 +165,7 @@ def evaluate(cfg: EvaluateConfig, target_dir: str, head_dir: str, traffic_path: 
             progress(f"evaluate: {i + 1}/{len(prompts)} [{segment}] tau {sp.stats.tau:.2f} "
                      f"{'identical' if same else 'DIFFERENT'}")
     return _finish(cfg, out, samples, (t_plain, t_spec), n_tokens, identical, (stats, base_stats), history_file,
-                   _path_record(target, spec))
-
-
-def _path_record(target, spec: SpecConfig) -> dict:
-    """How the target's passes ran (`eagle.target_path`): the path and, when it was measured here, the timings."""
-    from eagle import target_path
-
-    timed = target_path.timing(target)
-    if timed is not None and spec.path == "auto":
-        return timed.as_dict()
-    return {"chosen": target_path.resolve(target, spec.path), "reason": "pinned"}
+                   target_path.record(target, spec.path))
 
 
 def _sample_counts(stats) -> dict[str, list[int]]:

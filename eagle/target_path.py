@@ -10,8 +10,9 @@ transformers `generate` at 1.15x our plain decoding). A path is a decoder and a 
 8-token pass after a 48-token prefix per round, rounds interleaved across paths, about a second in all; each
 path's fastest round counts) once per target, device, dtype and thread count in a process, and keeps `DEFAULT`
 unless another path is faster by more than `MARGIN`, and among the others prefers the earlier in `PATHS` the same
-way (so close timings give the same choice in every process). A large target on CPU spends ~40 passes on this once: pin a path there. `EAGLE_TARGET_PATH` pins one path for
-every "auto"; `SpecConfig.path` pins it per call. `timing(target)` is the last measurement (for result files).
+way (so close timings give the same choice in every process). A large target on CPU spends ~40 passes on this
+once: pin a path there. `EAGLE_TARGET_PATH` pins one path for every "auto"; `SpecConfig.path` pins it per call.
+`timing(target)` is the last measurement, `record(target, path)` what result files keep of it.
 How to run: `TargetRunner(target, capacity, path="auto")` resolves its path here; nothing else calls it.
 Not here: the head's kernels (`eagle.draft`, always `fastpath.linear`), GPU kernels, torch.compile.
 """
@@ -101,6 +102,14 @@ def timing(target: nn.Module) -> PathTiming | None:
     """The last measurement made for `target` in this process (None: never measured, e.g. a pinned path)."""
     got = _TIMINGS.get(target)
     return next(reversed(got.values())) if got else None
+
+
+def record(target: nn.Module, path: str = AUTO) -> dict:
+    """For a result file: how runners of `target` with `path` ran it (the measurement when auto measured one)."""
+    timed = timing(target)
+    if timed is not None and path == AUTO and pinned() is None:
+        return timed.as_dict()
+    return {"chosen": resolve(target, path), "reason": "pinned"}
 
 
 def _key(target: nn.Module) -> tuple:
