@@ -204,10 +204,17 @@ def with_ttt_steps(cfg: TrainConfig, k: int) -> TrainConfig:
     return dataclasses.replace(cfg, ttt=dataclasses.replace(cfg.ttt, ttt_steps=k))
 
 
+def head_work_dir(setup: Setup, name: str, cfg: TrainConfig, extract_dir: Path | None = None) -> Path:
+    """Where `train_or_reuse_head` trains (and caches) the head of this name, config and data; its
+    `bench_train.json` appears when the training is done."""
+    ext = Path(extract_dir or setup.extract_dir)
+    return setup.work / "heads" / f"{name}-{fingerprint(cfg, str(ext))}"
+
+
 def train_or_reuse_head(setup: Setup, name: str, cfg: TrainConfig, extract_dir: Path | None = None) -> TrainedHead:
     """Train a head with `components.train.train` (or reuse the one trained with the same config and data)."""
     ext = Path(extract_dir or setup.extract_dir)
-    out = setup.work / "heads" / f"{name}-{fingerprint(cfg, str(ext))}"
+    out = head_work_dir(setup, name, cfg, ext)
     info = out / "bench_train.json"
     if info.is_file() and (out / "head" / "model.safetensors").is_file():
         d = json.loads(info.read_text())
@@ -215,15 +222,22 @@ def train_or_reuse_head(setup: Setup, name: str, cfg: TrainConfig, extract_dir: 
     _say(f"bench: training head {name} ({cfg.steps} steps, ttt_steps {cfg.ttt.ttt_steps}) into {out}")
     with setup_threads():
         res = train(cfg, str(ext), str(out), target_dir=str(setup.target_dir))
-    info.write_text(json.dumps({"seconds": res.seconds, "final_metrics": res.final_metrics}) + "\n")
+        threads = torch.get_num_threads()
+    info.write_text(json.dumps({"seconds": res.seconds, "final_metrics": res.final_metrics,
+                                "torch_threads": threads}) + "\n")
     return TrainedHead(Path(res.head_dir), res.seconds, res.final_metrics, False)
+
+
+def speed_head_config(setup: Setup, head_steps: int) -> TrainConfig:
+    """The training config of `speed_head`'s head (`head_steps` 0: the preset's steps)."""
+    return dataclasses.replace(with_ttt_steps(setup.preset.train, 7), steps=head_steps or setup.preset.train.steps)
 
 
 def speed_head(setup: Setup, head_steps: int, conversations: int) -> tuple[TrainedHead, str]:
     """The TTT (K=7) head that `speedup.py` and `chain_depth.py` measure (`head_steps` 0: the preset's steps), and
     the suffix that names their result files after it (`-head<N>`, `-conv<N>`; empty for the preset's head)."""
-    steps = head_steps or setup.preset.train.steps
-    cfg = dataclasses.replace(with_ttt_steps(setup.preset.train, 7), steps=steps)
+    cfg = speed_head_config(setup, head_steps)
+    steps = cfg.steps
     head = train_or_reuse_head(setup, "eagle3-ttt7", cfg)
     suffix = (f"-head{steps}" if steps != setup.preset.train.steps else "") + \
         (f"-conv{conversations}" if conversations else "")

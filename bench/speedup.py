@@ -33,7 +33,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -212,11 +214,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--draft-model-seconds", type=float, default=0.0,
                    help="train the draft model this long instead of the head's training time (0): not like for "
                         "like, so the result name says -dm<S> and the draft-model goal line names the ratio")
+    p.add_argument("--side-by-side", action="store_true",
+                   help="train the head and the draft model at the same time, half the cores each, the draft model "
+                        "until the head is done: the same CPU-minutes for both in the time of one training")
     p.add_argument("--runs", type=int, default=1,
                    help="repeat the measurement in N fresh processes (after one setup); the table gives each ratio's "
                         "median and minimum, the goals use the medians (results in <name>-runs<N>.*)")
     p.add_argument("--out", default="", help=argparse.SUPPRESS)  # where a child process of --runs writes its JSON
     args = p.parse_args(argv)
+    if args.side_by_side and args.draft_model_seconds:
+        p.error("--side-by-side trains the draft model for the head's time; drop --draft-model-seconds")
     load0 = start(args)
     setup = prepare(args.quick, conversations=args.conversations)
     if args.runs > 1:
@@ -227,6 +234,56 @@ def main(argv: list[str] | None = None) -> None:
 
 
 RATIOS = ("tok_s", "x_plain", "x_own", "x_hf_plain")
+
+
+def _draft_model_beside(setup: Setup, args: argparse.Namespace):
+    """`--side-by-side`: when the head is not trained yet, start the draft model's training in a child process
+    (`bench/draft_model.py --beside`) and give each of the two half the cores; the child stops when the head is
+    done, so both train for the same wall time on the same share of the machine. None when the head is cached."""
+    import subprocess
+
+    from common import head_work_dir, speed_head_config
+
+    cfg = speed_head_config(setup, args.head_steps)
+    work = head_work_dir(setup, "eagle3-ttt7", cfg)
+    if (work / "bench_train.json").is_file():
+        return None
+    half = max(1, (os.cpu_count() or 2) // 2)
+    common.SETUP_THREADS = half
+    cmd = [sys.executable, str(Path(__file__).with_name("draft_model.py")), "--beside", str(work),
+           "--head-steps", str(cfg.steps), "--setup-threads", str(half), "--threads", str(half),
+           "--conversations", str(args.conversations), *(["--quick"] if args.quick else []),
+           *(["--cache", args.cache] if args.cache else [])]
+    print(f"side by side: the head and the draft model train at once, {half} torch thread(s) each", flush=True)
+    ready = draft_model.Beside(work, cfg.steps).ready_file
+    ready.unlink(missing_ok=True)
+    child = subprocess.Popen(cmd)
+    t0 = time.monotonic()
+    while not ready.is_file():  # start the head with the draft model's first step, not before
+        if child.poll() is not None:
+            raise RuntimeError(f"the draft model beside the head failed to start (exit {child.returncode})")
+        if time.monotonic() - t0 > 600:
+            child.kill()
+            raise RuntimeError("the draft model beside the head was not ready within 10 min")
+        time.sleep(0.2)
+    return child, work
+
+
+def _join(beside) -> None:
+    """Wait for the draft model trained beside the head (it stops within seconds of the head); a failed head
+    stops it."""
+    import subprocess
+
+    child, work = beside
+    if not (work / "bench_train.json").is_file():
+        child.terminate()
+    try:
+        rc = child.wait(timeout=600)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        raise RuntimeError("the draft model beside the head did not stop within 10 min of the head") from None
+    if rc != 0 and rc != -15:
+        raise RuntimeError(f"the draft model beside the head failed (exit {rc}); see its output above")
 
 
 def repeat(args: argparse.Namespace, argv: list[str], load0: list[float]) -> None:
@@ -260,7 +317,7 @@ def repeat(args: argparse.Namespace, argv: list[str], load0: list[float]) -> Non
                                         "x_hf_plain", "tok_per_call", "tau", "mismatch"],
                                  f"T={temp}, batch 1, {first['n_prompts']} held-out prompts, median and minimum of "
                                  f"{args.runs} fresh processes"))
-    g = goals(tables["0"], first["draft_model"]["budget_s"] / first["head_train_seconds"]) if "0" in tables else {}
+    g = goals(tables["0"], first["draft_model"]["seconds"] / first["head_train_seconds"]) if "0" in tables else {}
     name = first["name"] + f"-runs{args.runs}"
     png = results_dir(args.quick) / f"{name}.png"
     plot(tables, png)
@@ -272,7 +329,12 @@ def repeat(args: argparse.Namespace, argv: list[str], load0: list[float]) -> Non
 
 def run(setup: Setup, args: argparse.Namespace, load0: list[float]) -> None:
     """The benchmark on a prepared setup (see bench/common.py); prints the table, writes the result files."""
-    head, suffix = speed_head(setup, args.head_steps, args.conversations)
+    beside = _draft_model_beside(setup, args) if args.side_by_side else None
+    try:
+        head, suffix = speed_head(setup, args.head_steps, args.conversations)
+    finally:
+        if beside is not None:
+            _join(beside)
     name = "speedup" + suffix
     if args.depth != 5:
         name += f"-depth{args.depth}"
@@ -320,7 +382,7 @@ def run(setup: Setup, args: argparse.Namespace, load0: list[float]) -> None:
     if args.out:  # a child of --runs: its parent aggregates, checks the goals and writes the result files
         Path(args.out).write_text(json.dumps({**payload, "name": name}, default=str))
         return
-    g = goals(tables["0"], lm_info["budget_s"] / head.seconds) if "0" in tables else {}
+    g = goals(tables["0"], lm_info["seconds"] / head.seconds) if "0" in tables else {}
     png = results_dir(args.quick) / f"{name}.png"
     plot(tables, png)
     write_results(name, args.quick, {**payload, "goals_T0": g, "plot": str(png)}, load0)

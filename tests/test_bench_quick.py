@@ -167,6 +167,21 @@ def test_speedup_setup_only_with_more_conversations(cache: Path) -> None:
 
 
 
+def test_speedup_side_by_side_trains_the_draft_model_for_the_heads_time(cache: Path) -> None:
+    """`--side-by-side`: the draft model trains in a second process while the head trains, half the cores each,
+    and stops when the head is done; the measurement then finds both cached and names the time ratio."""
+    import os
+
+    r = run_quick("speedup", cache, 300, "--side-by-side", "--head-steps", "6", "--temperatures", "0",
+                  result_name="speedup-head6-T0")
+    dm, half = r["draft_model"], max(1, (os.cpu_count() or 2) // 2)
+    assert dm["side_by_side"]["head_seconds"] == pytest.approx(r["head_train_seconds"], abs=0.1)
+    assert dm["steps"] > 0 and dm["torch_threads"] == half, dm
+    assert dm["budget_s"] == max(10.0, round(r["head_train_seconds"]))  # cached where ensure(head.seconds) looks
+    assert r["args"]["side_by_side"] and all(row["mismatch"] == 0 for row in r["tables"]["0"]
+                                            if row["method"] in OURS), r["tables"]["0"]
+
+
 def test_chain_depth_quick(cache: Path) -> None:
     r = run_quick("chain_depth", cache, 240, "--depths", "2,3", "--trees", "3,2,4")
     rows = {row["method"]: row for row in r["rows"]}
