@@ -7,9 +7,10 @@ directory's `tokens.safetensors`) for the same wall time as the head's training 
 AdamW and a warmup + cosine schedule over that time. Or beside the head (`speedup.py --side-by-side`, this file's
 `main`): both at once in two processes, half the cores each, the draft model from the head's first step until the
 head is done, so the same CPU-minutes in the time of one training. Cached per (shape, data, budget) under the
-setup's shared directory. Used by `bench/speedup.py` both in our loop (`eagle.drafters.ModelDrafter`) and as transformers'
-`assistant_model`.
-How to run: `lm_dir, info = draft_model.ensure(setup, head_seconds)`; `per_token_macs(config)` for the sizing.
+setup's shared directory. Used by `bench/speedup.py` both in our loop (`eagle.drafters.ModelDrafter`) and as
+transformers' `assistant_model`.
+How to run: `lm_dir, info = draft_model.ensure(setup, head_seconds)`; `per_token_macs(config)` for the sizing;
+`python bench/draft_model.py --beside HEAD_DIR --head-steps N` trains beside a head (speedup.py starts it).
 Not here: distillation against the target's logits (a user with only a chat dataset trains on tokens), a
 pretrained small model (none exists for the embedded tokenizer).
 """
