@@ -21,7 +21,7 @@ import dataclasses
 import json
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import common  # noqa: F401  (puts the repo root on sys.path)
@@ -80,8 +80,8 @@ class Beside:
     head_dir: Path
     steps: int
     every_s: float = 5.0
-    _last: float = -1e9
-    _projected: float = 0.0
+    _last: float = field(default=-1e9, init=False)
+    _projected: float = field(default=0.0, init=False)
 
     @property
     def ready_file(self) -> Path:
@@ -126,12 +126,12 @@ def train_for(model, windows_NT: torch.Tensor, budget_s: float, beside: Beside |
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.1)
     model.train()
     order = torch.randperm(len(windows_NT), generator=g)
-    if beside:
+    if beside is not None:
         beside.ready_file.parent.mkdir(parents=True, exist_ok=True)
         beside.ready_file.write_text(f"{time.time()}\n")
     t0, step, losses = time.perf_counter(), 0, []
-    while (elapsed := time.perf_counter() - t0) < budget_s or beside:
-        if beside:
+    while (elapsed := time.perf_counter() - t0) < budget_s or beside is not None:
+        if beside is not None:
             if beside.done():
                 break
             budget_s = beside.projected_s(elapsed, budget_s)
@@ -153,9 +153,8 @@ def train_for(model, windows_NT: torch.Tensor, budget_s: float, beside: Beside |
             "epochs": round(step * BATCH / len(windows_NT), 2), "torch_threads": torch.get_num_threads()}
 
 
-def _cache_dir(setup: Setup, budget_s: float) -> tuple[Path, float]:
+def _cache_dir(setup: Setup, shape, budget_s: float) -> tuple[Path, float]:
     budget_s = max(10.0, round(budget_s))
-    shape = shape_for(setup.emb.config.target)
     return setup.work / f"draft-model-{common.fingerprint(shape, budget_s, SEQ_LEN, BATCH, LR, SEED)}", budget_s
 
 
@@ -170,7 +169,7 @@ def ensure(setup: Setup, budget_s: float, beside: Beside | None = None) -> tuple
     from components.embedded import lm_train
 
     shape = shape_for(setup.emb.config.target)
-    out, budget_s = _cache_dir(setup, budget_s)
+    out, budget_s = _cache_dir(setup, shape, budget_s)
     info_path = out / "bench_train.json"
     if beside is None and (out / "config.json").is_file() and info_path.is_file():
         return out, json.loads(info_path.read_text())
@@ -184,7 +183,7 @@ def ensure(setup: Setup, budget_s: float, beside: Beside | None = None) -> tuple
     extra = {}
     if beside:
         head_s = json.loads((beside.head_dir / "bench_train.json").read_text())["seconds"]
-        out, budget_s = _cache_dir(setup, head_s)
+        out, budget_s = _cache_dir(setup, shape, head_s)
         info_path = out / "bench_train.json"
         extra = {"side_by_side": {"head_dir": str(beside.head_dir), "head_seconds": round(head_s, 1)}}
     lm_train.save_target(model, tokenizer, out)

@@ -34,6 +34,7 @@ import argparse
 import dataclasses
 import json
 import os
+import signal
 import sys
 import time
 from contextlib import contextmanager
@@ -282,7 +283,7 @@ def _join(beside) -> None:
     except subprocess.TimeoutExpired:
         child.kill()
         raise RuntimeError("the draft model beside the head did not stop within 10 min of the head") from None
-    if rc != 0 and rc != -15:
+    if rc not in (0, -signal.SIGTERM):  # SIGTERM: stopped above, after a failed head
         raise RuntimeError(f"the draft model beside the head failed (exit {rc}); see its output above")
 
 
