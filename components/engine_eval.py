@@ -2,12 +2,14 @@
 
 Purpose: `evaluate_in_vllm(cfg, target_dir, head_dir, traffic_path, out_dir, settings) -> EngineEvalResult`.
 On the same held-out prompts as the local evaluation (their token ids, sent to `/v1/completions`, so both see the
-very same prompt), it runs vLLM twice, one request at a time: plain decoding, then EAGLE-3 with the head
-(`num_speculative_tokens` = the evaluation's depth), and, given the champion's head, a third time with it. It
-reports
+very same prompt), it runs two vLLM servers side by side, one without speculation and one with EAGLE-3 and the head
+(`num_speculative_tokens` = the evaluation's depth), one request at a time, interleaved prompt by prompt in rounds
+(components/speed.py, `cfg.speed`), and, given the champion's head, a third server with it after them. Each server
+of the pair gets a smaller memory share (`PAIR_MEMORY_SHARE`) so that both fit. It reports
 - tau and alpha_k from the deltas of vLLM's own `/metrics` counters (drafts, accepted tokens per position),
 - the champion's tau on the same prompts (`baseline_tau`), for a promotion gate on the engine's figures,
-- wall-clock speedup in the engine (plain seconds / speculative seconds over the same requests),
+- wall-clock speedup in the engine: the median over rounds of plain seconds / speculative seconds over the same
+  requests, with its interval and whether it is reliable (`speedup_lo`, `speedup_hi`, `speedup_reliable`),
 - whether vLLM's speculative output equals vLLM's plain output token for token, and (when `ours` gives this
   project's greedy outputs for the same prompts) whether it equals ours.
 Writes `engine_evaluation.json`. A greedy output that differs raises `NotLosslessError` after the report is written.
@@ -20,16 +22,19 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
 from components.atomic import atomic_write_text
 from components.evaluate import EvaluateConfig, NotLosslessError, held_out_prompts
+from components.speed import SpeedupEstimate, measure_speedup
 from infra.settings import Settings
 from infra.vllm_server import EngineSpec, SpecCounters, VllmServer
 
 REPORT = "engine_evaluation.json"
+PAIR_MEMORY_SHARE = {"cpu": 0.12, "cuda": 0.45}  # each server of the plain/speculative pair, of host or GPU memory
 
 
 @dataclass(frozen=True)
@@ -48,10 +53,19 @@ class EngineEvalResult:
     n_tokens: int
     report_file: str
     baseline_tau: float | None = None  # the champion's τ in vLLM on the same prompts (None: not measured)
+    # `speedup` is the median of the rounds' ratios; the interval of that median, and whether it can be trusted
+    speedup_lo: float | None = None
+    speedup_hi: float | None = None
+    speedup_reliable: bool = True
+    speedup_note: str = ""
+    speedup_rounds: int = 1
 
     def metrics(self) -> dict[str, float]:
         m = {"tau_vllm": self.tau, "speedup_vllm": self.speedup, "identical_vllm": float(self.identical_to_plain),
-             "spec_tokens_per_s_vllm": self.spec_tokens_per_s, "plain_tokens_per_s_vllm": self.plain_tokens_per_s}
+             "spec_tokens_per_s_vllm": self.spec_tokens_per_s, "plain_tokens_per_s_vllm": self.plain_tokens_per_s,
+             "speedup_vllm_reliable": float(self.speedup_reliable), "speedup_vllm_rounds": float(self.speedup_rounds)}
+        m.update({k: v for k, v in (("speedup_vllm_lo", self.speedup_lo), ("speedup_vllm_hi", self.speedup_hi))
+                  if v is not None})
         m.update({f"alpha_vllm_{k + 1}": a for k, a in enumerate(self.acceptance)})
         return m
 
@@ -87,12 +101,81 @@ def time_requests(server: VllmServer, prompts: list[list[int]], max_tokens: int,
     return outs, seconds
 
 
-def _run_all(server: VllmServer, prompts, cfg: EvaluateConfig, progress: Callable[[str], None], what: str):
-    def report(done: int) -> None:
-        if done % 8 == 0 or done == len(prompts):
-            progress(f"evaluate (vLLM {what}): {done}/{len(prompts)}")
+def engine_prompts(cfg: EvaluateConfig, target_dir: str, traffic_path: str, settings: Settings):
+    from transformers import AutoTokenizer
 
-    return time_requests(server, [ids for _, ids in prompts], cfg.spec.max_new_tokens, cfg.spec.temperature, report)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir, trust_remote_code=settings.trust_remote_code)
+    return held_out_prompts(tokenizer, traffic_path, cfg)
+
+
+def eval_spec(cfg: EvaluateConfig, target_dir: str, head_dir: str | None = None, pair: bool = True) -> EngineSpec:
+    """The engine the evaluation runs: plain (`head_dir` None) or EAGLE-3 with `head_dir` at `cfg.spec.depth`;
+    `pair`: one of two servers up at once, each with `PAIR_MEMORY_SHARE` of the memory."""
+    spec = EngineSpec(str(target_dir), str(head_dir) if head_dir else None, method="eagle3" if head_dir else None,
+                      num_speculative_tokens=cfg.spec.depth, max_model_len=engine_max_len(target_dir, cfg))
+    if not pair:
+        return spec
+    if spec.resolved_device() == "cpu":
+        return replace(spec, cpu_memory_share=PAIR_MEMORY_SHARE["cpu"])
+    return replace(spec, extra_args=("--gpu-memory-utilization", str(PAIR_MEMORY_SHARE["cuda"])))
+
+
+def plain_server(cfg: EvaluateConfig, target_dir: str, settings: Settings) -> VllmServer:
+    """vLLM without speculation for this target and config, not yet started (`with plain_server(...) as srv`); one
+    running server can be handed to several `evaluate_in_vllm` calls of the same target and config."""
+    return VllmServer(eval_spec(cfg, target_dir), settings)
+
+
+def evaluate_in_vllm(cfg: EvaluateConfig, target_dir: str, head_dir: str, traffic_path: str, out_dir: str,
+                     settings: Settings, ours: list[list[int]] | None = None, plain: VllmServer | None = None,
+                     progress: Callable[[str], None] = print,
+                     baseline_head_dir: str | None = None) -> EngineEvalResult:
+    """`ours`: this project's greedy outputs on the same prompts (from `evaluate.json`); `plain`: a running
+    `plain_server` for this target and config (else one is started beside the head's); `baseline_head_dir`: the
+    current champion's head, also served on the same prompts, so that a gate on the engine's τ compares like with
+    like (`baseline_tau`)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    prompts = engine_prompts(cfg, target_dir, traffic_path, settings)
+    with ExitStack() as stack:
+        if plain is None:
+            progress("evaluate (vLLM): starting the engine without speculation")
+            plain = stack.enter_context(plain_server(cfg, target_dir, settings))
+        progress(f"evaluate (vLLM): starting the engine with the head ({cfg.spec.depth} speculative tokens)")
+        srv = stack.enter_context(VllmServer(eval_spec(cfg, target_dir, head_dir), settings))
+        plain_run, spec_run, counters, speed = _interleaved(cfg, plain, srv, prompts, progress)
+    baseline = None
+    if baseline_head_dir:
+        from components.serve import servable_head
+
+        served = servable_head(baseline_head_dir, target_dir, settings.state_dir / "servable",
+                               settings.trust_remote_code)
+        baseline = _run_head(cfg, target_dir, str(served), prompts, settings, progress, "champion")[1].tau
+    return _finish(cfg, out, prompts, plain_run, spec_run, ours, counters, speed, baseline)
+
+
+def _interleaved(cfg: EvaluateConfig, plain: VllmServer, srv: VllmServer, prompts, progress):
+    """Rounds of plain and speculative requests, interleaved prompt by prompt (components/speed.py): round 0's
+    outputs of both, the speculative server's counter deltas over round 0 (the prompts once, as ours), the timing."""
+    n, max_new, temp = len(prompts), cfg.spec.max_new_tokens, cfg.spec.temperature
+    for s in (plain, srv):
+        s.complete(prompts[0][1], 4)  # warm-up: first-request costs out of the timing, before the counters
+    before = srv.spec_counters()
+    outs: dict[str, list] = {"plain": [None] * n, "spec": [None] * n}
+    counters: list[SpecCounters] = []
+
+    def run(server: VllmServer, key: str, i: int, r: int) -> int:
+        ids = server.complete(prompts[i][1], max_new, temp).token_ids
+        if r == 0:
+            outs[key][i] = ids
+            if key == "spec" and all(o is not None for o in outs["spec"]):
+                counters.append(srv.spec_counters() - before)
+        return len(ids)
+
+    speed = measure_speedup(n, lambda i, r: run(plain, "plain", i, r), lambda i, r: run(srv, "spec", i, r),
+                            cfg.speed, progress, what=" (vLLM)")
+    return EngineRun(outs["plain"], sum(speed.plain_s[0])), EngineRun(outs["spec"], sum(speed.spec_s[0])), \
+        counters[0], speed
 
 
 @dataclass(frozen=True)
@@ -103,76 +186,37 @@ class EngineRun:
     seconds: float
 
 
-def engine_prompts(cfg: EvaluateConfig, target_dir: str, traffic_path: str, settings: Settings):
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(target_dir, trust_remote_code=settings.trust_remote_code)
-    return held_out_prompts(tokenizer, traffic_path, cfg)
-
-
-def run_plain(cfg: EvaluateConfig, target_dir: str, prompts, settings: Settings,
-              progress: Callable[[str], None] = print) -> EngineRun:
-    """vLLM without speculation over `prompts` (reusable across heads of the same target)."""
-    spec = EngineSpec(str(target_dir), method=None, max_model_len=engine_max_len(target_dir, cfg))
-    progress(f"evaluate (vLLM): starting the engine without speculation ({len(prompts)} prompts)")
-    with VllmServer(spec, settings) as srv:
-        srv.complete(prompts[0][1], 4)  # warm-up: first-request costs out of the timing
-        return EngineRun(*_run_all(srv, prompts, cfg, progress, "plain"))
-
-
-def evaluate_in_vllm(cfg: EvaluateConfig, target_dir: str, head_dir: str, traffic_path: str, out_dir: str,
-                     settings: Settings, ours: list[list[int]] | None = None, plain: EngineRun | None = None,
-                     progress: Callable[[str], None] = print,
-                     baseline_head_dir: str | None = None) -> EngineEvalResult:
-    """`ours`: this project's greedy outputs on the same prompts (from `evaluate.json`); `plain`: a `run_plain`
-    result for this target and config, to skip that pass; `baseline_head_dir`: the current champion's head, also
-    served on the same prompts, so that a gate on the engine's τ compares like with like (`baseline_tau`)."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    prompts = engine_prompts(cfg, target_dir, traffic_path, settings)
-    plain = plain or run_plain(cfg, target_dir, prompts, settings, progress)
-    spec_run, counters = _run_head(cfg, target_dir, head_dir, prompts, settings, progress, "EAGLE-3")
-    baseline = None
-    if baseline_head_dir:
-        from components.serve import servable_head
-
-        served = servable_head(baseline_head_dir, target_dir, settings.state_dir / "servable",
-                               settings.trust_remote_code)
-        baseline = _run_head(cfg, target_dir, str(served), prompts, settings, progress, "champion")[1].tau
-    return _finish(cfg, out, prompts, plain, spec_run, ours, counters, baseline)
-
-
 def _run_head(cfg: EvaluateConfig, target_dir: str, head_dir: str, prompts, settings: Settings,
               progress: Callable[[str], None], what: str) -> tuple[EngineRun, SpecCounters]:
-    """vLLM with `head_dir` (EAGLE-3, `cfg.spec.depth` tokens) over `prompts`: outputs, seconds, counter deltas."""
-    spec = EngineSpec(str(target_dir), str(head_dir), method="eagle3", num_speculative_tokens=cfg.spec.depth,
-                      max_model_len=engine_max_len(target_dir, cfg))
+    """vLLM with `head_dir` (EAGLE-3, `cfg.spec.depth` tokens) alone over `prompts`: outputs, seconds, counters."""
     progress(f"evaluate (vLLM): starting the engine with the {what} head ({cfg.spec.depth} speculative tokens)")
-    with VllmServer(spec, settings) as srv:
+    with VllmServer(eval_spec(cfg, target_dir, head_dir, pair=False), settings) as srv:
         srv.complete(prompts[0][1], 4)  # warm-up, before the counters are read
         before = srv.spec_counters()
-        outputs, seconds = _run_all(srv, prompts, cfg, progress, what)
+        outputs, seconds = time_requests(srv, [ids for _, ids in prompts], cfg.spec.max_new_tokens,
+                                         cfg.spec.temperature)
         return EngineRun(outputs, seconds), srv.spec_counters() - before
 
 
 def _finish(cfg: EvaluateConfig, out: Path, prompts, plain_run: EngineRun, spec_run: EngineRun, ours,
-            counters: SpecCounters, baseline_tau: float | None = None) -> EngineEvalResult:
-    plain, spec, t_plain, t_spec = plain_run.outputs, spec_run.outputs, plain_run.seconds, spec_run.seconds
+            counters: SpecCounters, speed: SpeedupEstimate, baseline_tau: float | None = None) -> EngineEvalResult:
+    plain, spec = plain_run.outputs, spec_run.outputs
     n_tokens = sum(len(s) for s in spec)
     same_plain = [a == b for a, b in zip(plain, spec)]
     same_ours = None if ours is None else [list(a) == b for a, b in zip(ours, spec)]
     res = EngineEvalResult(
         engine="vllm", tau=counters.tau, acceptance=counters.acceptance, drafts=counters.drafts,
-        accepted_per_pos=list(counters.accepted_per_pos), speedup=t_plain / max(t_spec, 1e-9),
-        plain_tokens_per_s=sum(len(p) for p in plain) / max(t_plain, 1e-9),
-        spec_tokens_per_s=n_tokens / max(t_spec, 1e-9), identical_to_plain=all(same_plain),
-        identical_to_ours=None if same_ours is None else all(same_ours), n_samples=len(prompts), n_tokens=n_tokens,
-        report_file=str(out / REPORT), baseline_tau=baseline_tau)
+        accepted_per_pos=list(counters.accepted_per_pos), speedup=speed.speedup,
+        plain_tokens_per_s=speed.plain_tokens_per_s, spec_tokens_per_s=speed.spec_tokens_per_s,
+        identical_to_plain=all(same_plain), identical_to_ours=None if same_ours is None else all(same_ours),
+        n_samples=len(prompts), n_tokens=n_tokens, report_file=str(out / REPORT), baseline_tau=baseline_tau,
+        speedup_lo=speed.lo, speedup_hi=speed.hi, speedup_reliable=speed.reliable, speedup_note=speed.reason,
+        speedup_rounds=speed.rounds)
     samples = [{"segment": seg, "prompt_len": len(ids), "plain": p, "spec": s, "identical_to_plain": sp,
                 **({} if same_ours is None else {"identical_to_ours": same_ours[i]})}
                for i, ((seg, ids), p, s, sp) in enumerate(zip(prompts, plain, spec, same_plain))]
-    atomic_write_text(out / REPORT, json.dumps({"config": asdict(cfg), "result": asdict(res), "samples": samples},
-                                               indent=2) + "\n")
+    atomic_write_text(out / REPORT, json.dumps({"config": asdict(cfg), "result": asdict(res), "speed": asdict(speed),
+                                                "samples": samples}, indent=2) + "\n")
     if cfg.spec.greedy and (not res.identical_to_plain or res.identical_to_ours is False):
         bad_plain = sum(not s for s in same_plain)
         bad_ours = 0 if same_ours is None else sum(not s for s in same_ours)

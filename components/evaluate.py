@@ -8,8 +8,10 @@ head, interleaved sample by sample so that both see the same machine state, and 
   reached depth k) and cumulative (P[the step emitted draft k]), and beside them `tau_raw` / `acceptance_raw`,
   which count what the acceptance rule accepted, as vLLM's counters do (`eagle.stats.SpecStats`),
 - a per-segment breakdown (`complete`, `continue`, `explain`, ...),
-- wall-clock speedup = plain seconds / speculative seconds over the same tokens, and tokens/s of each, both on
-  the target path (`eagle.target_path`, `spec.path`) measured fastest here, recorded as `target_path`,
+- wall-clock speedup (plain seconds / speculative seconds over the same prompts) measured in rounds, plain and
+  speculative interleaved prompt by prompt (components/speed.py, `cfg.speed`): the median of the rounds' ratios,
+  its interval `speedup_lo`..`speedup_hi`, and whether it is reliable (with the reason when not); tokens/s of each,
+  both on the target path (`eagle.target_path`, `spec.path`) measured fastest here, recorded as `target_path`,
 - at temperature 0, whether every output equals the plain greedy output; any difference raises
   `NotLosslessError` after the report is written (the run fails loudly).
 `baseline_head_dir` (e.g. the current champion) is measured on the same prompts in the same run for the
@@ -20,13 +22,13 @@ Not here: registration and the gate's decision (components/register.py).
 from __future__ import annotations
 
 import json
-import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
 from components.atomic import atomic_write_text, remove_stale_temps
+from components.speed import SpeedupConfig, SpeedupEstimate, measure_speedup
 from eagle.config_checks import FieldError, at_least, one_of
 from eagle.run_config import SpecConfig
 
@@ -46,6 +48,7 @@ class EvaluateConfig:
     device: str = "cpu"
     seed: int = 0
     engine: str = "local"  # "vllm": also serve the head in vLLM and measure it there (components/engine_eval.py)
+    speed: SpeedupConfig = field(default_factory=SpeedupConfig)  # how long the speedup is measured, in both engines
 
     def __post_init__(self) -> None:
         one_of(self, "engine", ("local", "vllm"))
@@ -54,10 +57,12 @@ class EvaluateConfig:
             at_least(self, {"limit": 1})
         if not isinstance(self.spec, SpecConfig):
             raise FieldError(self, "spec", f"must be a SpecConfig, got {self.spec!r}")
+        if not isinstance(self.speed, SpeedupConfig):
+            raise FieldError(self, "speed", f"must be a SpeedupConfig, got {self.speed!r}")
 
     @classmethod
     def tiny(cls) -> "EvaluateConfig":
-        return cls(spec=SpecConfig(depth=3, max_new_tokens=12), limit=3)
+        return cls(spec=SpecConfig(depth=3, max_new_tokens=12), limit=3, speed=SpeedupConfig.tiny())
 
     def spec_for(self, target) -> SpecConfig:
         """`spec` with the target's end-of-sequence ids where the config sets none."""
@@ -85,10 +90,19 @@ class EvaluateResult:
     # comparisons with an engine; `tau` and `acceptance` count emitted tokens only
     tau_raw: float | None = None
     acceptance_raw: list[float] = field(default_factory=list)
+    # `speedup` is the median of the rounds' ratios; the interval of that median, and whether it can be trusted
+    speedup_lo: float | None = None
+    speedup_hi: float | None = None
+    speedup_reliable: bool = True
+    speedup_note: str = ""  # why the speedup is unreliable; "" when it is not
+    speedup_rounds: int = 1
 
     def metrics(self) -> dict[str, float]:
         m = {"tau": self.tau, "speedup": self.speedup, "plain_tokens_per_s": self.plain_tokens_per_s,
-             "spec_tokens_per_s": self.spec_tokens_per_s}
+             "spec_tokens_per_s": self.spec_tokens_per_s, "speedup_reliable": float(self.speedup_reliable),
+             "speedup_rounds": float(self.speedup_rounds)}
+        m.update({k: v for k, v in (("speedup_lo", self.speedup_lo), ("speedup_hi", self.speedup_hi))
+                  if v is not None})
         if self.tau_raw is not None:
             m["tau_raw"] = self.tau_raw
         if self.identical is not None:  # sampled runs are not comparable token for token
@@ -139,32 +153,38 @@ def evaluate(cfg: EvaluateConfig, target_dir: str, head_dir: str, traffic_path: 
     spec = cfg.spec_for(target)
     prompts = held_out_prompts(tokenizer, traffic_path, cfg)
     gen = torch.Generator(device=cfg.device).manual_seed(cfg.seed)
-    t_plain = t_spec = 0.0
-    n_tokens, identical, samples, stats, base_stats = 0, True, [], [], []
-    with torch.no_grad():
-        ids0 = torch.tensor([prompts[0][1]], device=cfg.device)  # warm-up: first-call costs out of the timing
-        generate_plain(target, ids0, None, spec, generator=gen)
-        generate_speculative(target, draft, ids0, None, spec, generator=gen)
-        for i, (segment, ids) in enumerate(prompts):
-            x = torch.tensor([ids], device=cfg.device)
-            t0 = time.perf_counter()
-            plain = generate_plain(target, x, None, spec, generator=gen)
-            t1 = time.perf_counter()
-            sp = generate_speculative(target, draft, x, None, spec, generator=gen)
-            t2 = time.perf_counter()
-            t_plain, t_spec = t_plain + t1 - t0, t_spec + t2 - t1
-            same = bool(torch.equal(plain.sequences, sp.sequences))
-            identical &= same
-            n_tokens += int(sp.lengths.sum())
+    xs = [torch.tensor([ids], device=cfg.device) for _, ids in prompts]
+    plains: dict[int, object] = {}
+    samples: list[dict] = []
+    stats: list = []
+
+    def plain(i: int, r: int) -> int:
+        out = generate_plain(target, xs[i], None, spec, generator=gen)
+        if r == 0:
+            plains[i] = out
+        return int(out.lengths.sum())
+
+    def speculative(i: int, r: int) -> int:
+        sp = generate_speculative(target, draft, xs[i], None, spec, generator=gen)
+        if r == 0:
+            samples.append({"segment": prompts[i][0], **_sample_counts(sp.stats), "tokens": int(sp.lengths.sum()),
+                            "output_ids": sp.sequences[0, :int(sp.lengths[0])].tolist(), "_seq": sp.sequences})
             stats.append(sp.stats)
-            samples.append({"segment": segment, **_sample_counts(sp.stats), "identical": same,
-                            "plain_s": t1 - t0, "spec_s": t2 - t1, "tokens": int(sp.lengths.sum()),
-                            "output_ids": sp.sequences[0, :int(sp.lengths[0])].tolist()})
-            if baseline is not None:
-                base_stats.append(generate_speculative(target, baseline, x, None, spec, generator=gen).stats)
-            progress(f"evaluate: {i + 1}/{len(prompts)} [{segment}] tau {sp.stats.tau:.2f} "
-                     f"{'identical' if same else 'DIFFERENT'}")
-    return _finish(cfg, out, samples, (t_plain, t_spec), n_tokens, identical, (stats, base_stats), history_file,
+            progress(f"evaluate: {i + 1}/{len(prompts)} [{prompts[i][0]}] tau {sp.stats.tau:.2f}")
+        return int(sp.lengths.sum())
+
+    with torch.no_grad():
+        generate_plain(target, xs[0], None, spec, generator=gen)  # warm-up: first-call costs out of the timing
+        generate_speculative(target, draft, xs[0], None, spec, generator=gen)
+        speed = measure_speedup(len(prompts), plain, speculative, cfg.speed, progress)
+        base_stats = [generate_speculative(target, baseline, x, None, spec, generator=gen).stats
+                      for x in xs] if baseline is not None else []
+    for i, s in enumerate(samples):  # round 0's outputs, in prompt order
+        s["identical"] = bool(torch.equal(plains[i].sequences, s.pop("_seq")))
+        s["plain_s"], s["spec_s"] = speed.plain_s[0][i], speed.spec_s[0][i]
+    identical = all(s["identical"] for s in samples)
+    progress(f"evaluate: speedup {speed.describe()}; outputs {'identical' if identical else 'DIFFERENT'}")
+    return _finish(cfg, out, samples, speed, identical, (stats, base_stats), history_file,
                    target_path.record(target, spec.path))
 
 
@@ -176,13 +196,14 @@ def _sample_counts(stats) -> dict[str, list[int]]:
             "emitted_lengths": stats.emitted_lengths[live, 0].tolist(), "drafted": stats.drafted[live].tolist()}
 
 
-def _finish(cfg, out: Path, samples, seconds, n_tokens, identical, runs, history_file, path_record: dict):
+def _finish(cfg, out: Path, samples, speed: SpeedupEstimate, identical, runs, history_file, path_record: dict):
     """The report over all prompts: emitted tau and alpha_k (the raw ones beside them), per segment, the baseline
     head's tau on the same prompts, plots; writes `evaluation.json`."""
     from components.plots import plot_acceptance, plot_training
     from eagle.stats import SpecStats
 
-    (t_plain, t_spec), (stats, base_stats) = seconds, runs
+    stats, base_stats = runs
+    n_tokens = sum(s["tokens"] for s in samples)
     every = SpecStats.cat(stats)
     tau, cond, cum = every.tau, every.per_position_acceptance, every.cumulative_acceptance
     seg: dict[str, list] = defaultdict(list)
@@ -195,15 +216,16 @@ def _finish(cfg, out: Path, samples, seconds, n_tokens, identical, runs, history
     if history_file and Path(history_file).is_file():
         plots.append(str(plot_training(history_file, out / "training_curves.png")))
     greedy = cfg.spec.greedy
-    res = EvaluateResult(tau=tau, speedup=t_plain / max(t_spec, 1e-9), identical=identical if greedy else None,
+    res = EvaluateResult(tau=tau, speedup=speed.speedup, identical=identical if greedy else None,
                          acceptance=cond, acceptance_cumulative=cum, per_segment=per_segment,
-                         plain_tokens_per_s=n_tokens / max(t_plain, 1e-9),
-                         spec_tokens_per_s=n_tokens / max(t_spec, 1e-9), n_samples=len(samples),
-                         n_tokens=n_tokens, baseline_tau=baseline_tau, report_file=str(out / "evaluation.json"),
-                         plots=tuple(plots), tau_raw=every.tau_raw, acceptance_raw=every.per_position_acceptance_raw)
+                         plain_tokens_per_s=speed.plain_tokens_per_s, spec_tokens_per_s=speed.spec_tokens_per_s,
+                         n_samples=len(samples), n_tokens=n_tokens, baseline_tau=baseline_tau,
+                         report_file=str(out / "evaluation.json"), plots=tuple(plots), tau_raw=every.tau_raw,
+                         acceptance_raw=every.per_position_acceptance_raw, speedup_lo=speed.lo, speedup_hi=speed.hi,
+                         speedup_reliable=speed.reliable, speedup_note=speed.reason, speedup_rounds=speed.rounds)
     atomic_write_text(out / "evaluation.json", json.dumps({"config": asdict(cfg), "result": asdict(res),
-                                                           "target_path": path_record, "samples": samples},
-                                                          indent=2) + "\n")
+                                                           "speed": asdict(speed), "target_path": path_record,
+                                                           "samples": samples}, indent=2) + "\n")
     if greedy and not identical:
         bad = sum(not s["identical"] for s in samples)
         raise NotLosslessError(f"{bad}/{len(samples)} greedy speculative outputs differ from plain greedy decoding; "

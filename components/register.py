@@ -68,6 +68,7 @@ class HeadToRegister:
     init_from: str | None = None  # the head a warm-started run began from (models:/name/version)
     champion_tau_engine: float | None = None  # the champion's τ in vLLM on the same prompts (gate_tau "engine")
     checkpoint: dict[str, Any] | None = None  # which training step was exported and why (TrainResult's choice)
+    notes: dict[str, str] | None = None  # free-text tags, e.g. `speedup_note`: why a speedup is unreliable
 
 
 @dataclass(frozen=True)
@@ -165,13 +166,41 @@ def _acceptance_tags(metrics: dict[str, float]) -> dict[str, str]:
                          ("acceptance_vllm", "alpha_vllm_")):
         if alphas := _alphas(metrics, prefix):
             tags[name] = " ".join(f"{a:.4f}" for a in alphas)
-    for k in ("tau_raw", "tau_vllm", "speedup_vllm"):
+    for k in ("tau_raw", "tau_vllm"):
         if k in metrics:
             tags[k] = f"{float(metrics[k]):.4f}"
+    for k in ("speedup", "speedup_vllm"):
+        if k in metrics:
+            tags.update(speedup_tags(metrics, k))
     for k in ("identical", "identical_vllm"):
         if k in metrics:
             tags[k] = "true" if metrics[k] else "false"
     return tags
+
+
+def speedup_tags(metrics: dict[str, float], key: str) -> dict[str, str]:
+    """`<key>` (the median of the evaluation's rounds, or "unreliable" when its rounds disagreed or too few fitted
+    in the time budget: then `<key>_median` keeps the number for reference), `<key>_lo`/`<key>_hi` (the median's
+    interval) and `<key>_rounds`, from the metrics of components/speed.py."""
+    tags = {}
+    reliable = bool(metrics.get(f"{key}_reliable", 1.0))
+    tags[key] = f"{float(metrics[key]):.4f}" if reliable else "unreliable"
+    if not reliable:
+        tags[f"{key}_median"] = f"{float(metrics[key]):.4f}"
+    for part in ("lo", "hi"):
+        if f"{key}_{part}" in metrics:
+            tags[f"{key}_{part}"] = f"{float(metrics[f'{key}_{part}']):.4f}"
+    if f"{key}_rounds" in metrics:
+        tags[f"{key}_rounds"] = str(int(metrics[f"{key}_rounds"]))
+    return tags
+
+
+def tag_float(tags: dict[str, str], key: str) -> float | None:
+    """A numeric tag as a float; None when absent or not a number (e.g. an "unreliable" speedup)."""
+    try:
+        return float(tags[key])
+    except (KeyError, ValueError):
+        return None
 
 
 def _checkpoint_tags(choice: dict[str, Any]) -> dict[str, str]:
@@ -238,12 +267,12 @@ def register_head(store: MlflowStore, cfg: RegisterConfig, head: HeadToRegister)
         reason = f"vLLM {reason} (local tau {tau:.3f})"
     tags = {"target_name": head.target.name, "target_version": str(head.target.version),
             "target_weights_sha256": head.target.weights_sha256, "traffic_sha256": head.traffic_sha256,
-            "tau": f"{tau:.4f}", "speedup": f"{float(head.metrics.get('speedup', 0.0)):.4f}",
-            "gate": reason, "gate_tau": cfg.gate_tau, PROMOTED_TAG: str(promoted).lower()}
+            "tau": f"{tau:.4f}", "gate": reason, "gate_tau": cfg.gate_tau, PROMOTED_TAG: str(promoted).lower()}
     if head.init_from:
         tags["init_from"] = head.init_from
     tags.update(_acceptance_tags(head.metrics))
     tags.update(_checkpoint_tags(head.checkpoint or {}))
+    tags.update({k: v for k, v in (head.notes or {}).items() if v})
     run_id = head.run_id
     store.log_params(run_id, {"target": f"{head.target.name}/{head.target.version}",
                               **{k: json.dumps(v) if isinstance(v, (dict, list)) else v

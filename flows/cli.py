@@ -285,16 +285,22 @@ def _train(a, settings) -> int:
     return 0
 
 
+def _speed_text(res: dict) -> str:
+    """"1.52x [1.47, 1.58]" from an evaluation result's speedup fields; "(unreliable: why)" when it is."""
+    text = f"{res['speedup']:.2f}x [{res['speedup_lo']:.2f}, {res['speedup_hi']:.2f}]"
+    return text if res["speedup_reliable"] else f"{text} (unreliable: {res['speedup_note']})"
+
+
 def _evaluate_command(a, settings) -> int:
     res = _evaluate(a, settings)
     if a.json:
         from components.atomic import atomic_write_text
 
         atomic_write_text(a.json, json.dumps(res, indent=2) + "\n")
-    print(f"evaluate: tau={res['tau']:.2f} speedup={res['speedup']:.2f}x identical={res['identical']}")
+    print(f"evaluate: tau={res['tau']:.2f} speedup={_speed_text(res)} identical={res['identical']}")
     if "vllm" in res:
         v = res["vllm"]
-        print(f"evaluate (vLLM): tau={v['tau']:.2f} speedup={v['speedup']:.2f}x "
+        print(f"evaluate (vLLM): tau={v['tau']:.2f} speedup={_speed_text(v)} "
               f"identical={v['identical_to_plain'] and v['identical_to_ours'] is not False} "
               f"alpha={' '.join(f'{x:.2f}' for x in v['acceptance'])}")
     return 0

@@ -7,7 +7,8 @@ Returns a table of both heads (tau measured here: emitted tokens per step, and `
 as vLLM counts; with `evaluate.engine: vllm` also tau in vLLM serving the head, equal to `tau_raw`) whose last
 line is
 `demo: tau=<tau> speedup=<x>x identical=<yes|no> head=<models:/...@alias>` for the fine-tune's head
-(the CLI prints it after the flow, so it is the very last line of `make demo`).
+(the CLI prints it after the flow, so it is the very last line of `make demo`). `speedup=` is the served one (vLLM's,
+as a user serving the head gets it; ours where vLLM did not measure); a line above says so when it is unreliable.
 Run: `make demo` or `eagle-heads demo [--preset tiny]`.
 Not here: any stage logic.
 """
@@ -24,13 +25,30 @@ from infra.mlflow_store import MlflowStore
 from infra.settings import Settings
 
 
+def _speedup(value: float | None, reliable: bool = True) -> str:
+    """A speedup cell: "1.52x", "1.52x?" when its rounds disagreed (unreliable), "-" when not measured."""
+    if value is None or value != value:
+        return "-"
+    return f"{value:.2f}x" + ("" if reliable else "?")
+
+
+def served_speedup(s: HeadRun) -> tuple[float, bool]:
+    """The speedup a user gets and whether it is reliable: vLLM's when measured, else ours."""
+    if s.vllm is not None:
+        return s.vllm.speedup, s.vllm.speedup_reliable
+    if s.speedup_vllm is not None:
+        return s.speedup_vllm, True
+    return s.speedup, not s.speedup_note
+
+
 def _row(label: str, s: HeadRun) -> str:
     alpha = " ".join(f"{a:.2f}" for a in s.acceptance)
     ident = {True: "yes", False: "NO", None: "n/a"}[s.identical]
     tau_vllm = f"{s.tau_vllm:.2f}" if s.tau_vllm is not None else "-"
     tau_raw = f"{s.tau_raw:.2f}" if s.tau_raw is not None else "-"
+    vllm = _speedup(*served_speedup(s)) if (s.vllm is not None or s.speedup_vllm is not None) else "-"
     return (f"{label:<28} {s.head_uri:<36} {s.alias:<10} {s.tau:>5.2f} {tau_raw:>7} {tau_vllm:>9} "
-            f"{s.speedup:>7.2f}x {ident:>9}  {alpha}")
+            f"{_speedup(s.speedup, not s.speedup_note):>8} {vllm:>9} {ident:>9}  {alpha}")
 
 
 @flow(name="demo", log_prints=True)
@@ -62,8 +80,12 @@ def demo(preset: str = "default", embedded_preset: str = "default", target_name:
     ident = "yes" if r2.identical else "no"
     table = ["results (held-out traffic, greedy, outputs checked identical to plain decoding):",
              f"{'target':<28} {'head':<36} {'alias':<10} {'tau':>5} {'tau_raw':>7} {'tau(vLLM)':>9} {'speedup':>8} "
-             f"{'identical':>9}  alpha_1..k",
+             f"{'sp(vLLM)':>9} {'identical':>9}  alpha_1..k",
+             "(speedup: median of interleaved rounds, ours and in vLLM; '?' marks a figure whose rounds disagreed)",
              _row(f"{target_name} v{base.version} (base)", r1),
              _row(f"{target_name} v{tuned.version} (fine-tune)", r2),
-             f"demo: tau={r2.tau:.2f} speedup={r2.speedup:.2f}x identical={ident} head=models:/{name}@{alias}"]
+             *([] if served_speedup(r2)[1] else ["the served speedup below is unreliable (its rounds disagreed): "
+                                                 "re-run `eagle-heads evaluate` on quiet cores"]),
+             f"demo: tau={r2.tau:.2f} speedup={served_speedup(r2)[0]:.2f}x identical={ident} "
+             f"head=models:/{name}@{alias}"]
     return {"base": r1, "finetune": r2, "lines": table}

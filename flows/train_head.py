@@ -32,7 +32,8 @@ from components.extract import ExtractResult
 from components.pipeline_config import PipelineConfig
 from components.regenerate import RegenerateResult
 from components.register import (HeadToRegister, RegisteredRun, RegisterResult, TargetRef, check_head_name,
-                                 head_model_name, identical_of, register_head, register_target, registered_run)
+                                 head_model_name, identical_of, register_head, register_target, registered_run,
+                                 tag_float)
 from components.targets import TargetError, check_target, weights_sha256
 from components.train import CHOICE_KEYS, TrainResult
 from components.traffic_io import TrafficFormatError, load_traffic, traffic_sha256
@@ -57,7 +58,8 @@ class HeadRun:
     tau: float  # tokens emitted per verification step (this project's decoder)
     tau_raw: float | None  # what the rule accepted per step, also past EOS: comparable with vLLM's counters
     tau_vllm: float | None  # None: not measured in vLLM
-    speedup: float
+    speedup: float  # the median of the local evaluation's rounds (see `vllm` for its interval and reliability)
+    speedup_vllm: float | None  # the same in vLLM, what a user serving the head gets (None: not measured)
     identical: bool | None  # None when sampling: outputs not comparable
     acceptance: list[float]
     per_segment: dict[str, dict[str, float]] | None
@@ -68,6 +70,7 @@ class HeadRun:
     created: bool  # False: the run key was already registered, nothing was done
     work_dir: str
     init_from: str | None  # the head a warm-started run began from
+    speedup_note: str = ""  # why the local speedup is unreliable ("" when it is reliable)
 
     @classmethod
     def from_registered(cls, done: RegisteredRun, work: Path) -> HeadRun:
@@ -77,10 +80,11 @@ class HeadRun:
                    tau=float(v.tags.get("tau", "nan")),
                    tau_raw=float(v.tags["tau_raw"]) if "tau_raw" in v.tags else None,
                    tau_vllm=float(v.tags["tau_vllm"]) if "tau_vllm" in v.tags else None,
-                   speedup=float(v.tags.get("speedup", "nan")), identical=identical_of(v),
+                   speedup=tag_float(v.tags, "speedup") or tag_float(v.tags, "speedup_median") or float("nan"),
+                   speedup_vllm=tag_float(v.tags, "speedup_vllm"), identical=identical_of(v),
                    acceptance=[float(a) for a in v.tags.get("acceptance", "").split()], per_segment=None, vllm=None,
                    train=None, regenerate=None, extract=None, created=False, work_dir=str(work),
-                   init_from=v.tags.get("init_from"))
+                   init_from=v.tags.get("init_from"), speedup_note=v.tags.get("speedup_note", ""))
 
 
 @task(name="register", retries=2, retry_delay_seconds=3, retry_condition_fn=transient)
@@ -244,12 +248,16 @@ def _run(cfg: PipelineConfig, settings: Settings, store: MlflowStore, tref: Targ
                               evaluation_dir=eval_dir, params={"config": cfg.to_dict()},
                               init_from=parent.uri if parent else None,
                               champion_tau_engine=engine.baseline_tau if engine else None,
-                              checkpoint={k: getattr(tr, k, None) for k in CHOICE_KEYS})
+                              checkpoint={k: getattr(tr, k, None) for k in CHOICE_KEYS},
+                              notes={"speedup_note": ev.speedup_note,
+                                     "speedup_vllm_note": engine.speedup_note if engine else ""})
         reg = register_task(settings, cfg.register, head)
     summary = HeadRun(head_uri=reg.uri, alias=reg.alias, promoted=reg.promoted, gate=reg.reason, tau=ev.tau,
-                      tau_raw=ev.tau_raw, tau_vllm=engine.tau if engine else None, speedup=ev.speedup, identical=ev.identical,
+                      tau_raw=ev.tau_raw, tau_vllm=engine.tau if engine else None, speedup=ev.speedup,
+                      speedup_vllm=engine.speedup if engine else None, identical=ev.identical,
                       acceptance=ev.acceptance, per_segment=ev.per_segment, vllm=engine, train=tr, regenerate=regen,
-                      extract=ext, created=True, work_dir=str(work), init_from=parent.uri if parent else None)
+                      extract=ext, created=True, work_dir=str(work), init_from=parent.uri if parent else None,
+                      speedup_note=ev.speedup_note)
     atomic_write_text(work / "summary.json", json.dumps(asdict(summary), indent=2, default=str) + "\n")
     print(f"registered {reg.uri} as {reg.alias}: {reg.reason}")
     return summary

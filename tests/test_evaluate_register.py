@@ -20,7 +20,7 @@ import torch
 from components.evaluate import EvaluateConfig, NotLosslessError, evaluate
 from components.extract import ExtractConfig, extract
 from components.regenerate import RegenerateConfig, regenerate
-from components.register import (HeadToRegister, RegisterConfig, TargetRef, identical_of, register_head,
+from components.register import (HeadToRegister, RegisterConfig, TargetRef, identical_of, register_head, tag_float,
                                  register_target)
 from components.targets import weights_sha256
 from components.traffic_io import load_traffic
@@ -59,8 +59,12 @@ def test_evaluate_reports_acceptance_and_identical_outputs(tiny_embedded, head, 
     assert sum(s["verify_steps"] for s in res.per_segment.values()) > 0
     assert res.baseline_tau == pytest.approx(res.tau)  # the same head as its own baseline, same prompts
     assert res.n_tokens > 0 and res.speedup > 0 and res.plain_tokens_per_s > 0
+    # the speedup: rounds of plain and speculative decoding interleaved (components/speed.py), median and interval
+    assert res.speedup_rounds == cfg.speed.min_rounds and res.speedup_lo <= res.speedup <= res.speedup_hi
+    assert res.speedup_reliable == (not res.speedup_note)
     report = json.loads(Path(res.report_file).read_text())
     assert report["result"]["tau"] == res.tau and len(report["samples"]) == cfg.limit
+    assert len(report["speed"]["plain_s"]) == res.speedup_rounds and len(report["speed"]["plain_s"][0]) == cfg.limit
     assert {Path(p).name for p in res.plots} == {"acceptance_by_position.png", "training_curves.png"}
     assert all(Path(p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in res.plots)
     assert res.metrics()["identical"] == 1.0 and res.metrics()["alpha_1"] == res.acceptance[0]
@@ -159,6 +163,25 @@ def test_the_identical_verdict_is_a_version_tag_read_back_as_it_was(mlflow_store
     versions = mlflow_store.list_versions("tiny-v1-eagle3")
     assert [v.tags.get("identical") for v in versions] == ["true", "false", None]
     assert [identical_of(v) for v in versions] == [True, False, None]
+
+
+def test_an_unreliable_speedup_is_registered_as_such_with_its_reason(mlflow_store, target_ref, head):
+    cfg = RegisterConfig(tau_floor=1.0)
+    steady = _head(mlflow_store, target_ref, head.head_dir, "k1", 3.0, None, speedup_lo=1.05, speedup_hi=1.15,
+                   speedup_reliable=1.0, speedup_rounds=5, speedup_vllm=1.4, speedup_vllm_reliable=1.0)
+    register_head(mlflow_store, cfg, steady)
+    tags = mlflow_store.get_version("tiny-v1-eagle3", 1).tags
+    assert (tags["speedup"], tags["speedup_lo"], tags["speedup_hi"], tags["speedup_rounds"]) == (
+        "1.1000", "1.0500", "1.1500", "5")
+    assert tags["speedup_vllm"] == "1.4000" and "speedup_note" not in tags
+    noisy = dataclasses.replace(
+        _head(mlflow_store, target_ref, head.head_dir, "k2", 3.1, 3.0, speedup_lo=0.6, speedup_hi=1.6,
+              speedup_reliable=0.0, speedup_rounds=9), notes={"speedup_note": "the rounds disagree"})
+    register_head(mlflow_store, cfg, noisy)
+    tags = mlflow_store.get_version("tiny-v1-eagle3", 2).tags
+    assert (tags["speedup"], tags["speedup_median"], tags["speedup_note"]) == ("unreliable", "1.1000",
+                                                                               "the rounds disagree")
+    assert tag_float(tags, "speedup") is None and tag_float(tags, "speedup_median") == 1.1
 
 
 def test_a_head_cannot_skip_the_champion_comparison(mlflow_store, target_ref, head):

@@ -38,7 +38,7 @@ import pytest
 from tests.live_mlflow import live_mlflow, restored_mlflow_uris  # noqa: F401  (the fixture)
 from tests.live_prefect import ROOT, _free_port
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.live, pytest.mark.timeout(900)]
 
 HEAD, FT_HEAD = "t-v1-eagle3", "t-v2-eagle3"
 RETRY_LINE = f"registering a version of {FT_HEAD}: try 1 of"

@@ -29,7 +29,7 @@ import yaml
 
 from tests.live_prefect import BIN, ROOT, live_prefect  # noqa: F401  (the fixture)
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.slow, pytest.mark.engine, pytest.mark.live, pytest.mark.timeout(1200)]
 TARGET = "drift-llama"
 CODE = {"complete", "continue", "followup"}
 # The drop threshold this test configures (monitor.ratio). Steady traffic reproduces the registered τ exactly, so any

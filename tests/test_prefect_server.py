@@ -23,7 +23,7 @@ import pytest
 
 from tests.live_prefect import BIN, ROOT, live_prefect  # noqa: F401  (the fixture)
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.live, pytest.mark.timeout(600)]
 
 TARGET = "stdlib-llama"
 

@@ -289,6 +289,7 @@ def _where(path: Path) -> list[dict]:
 
 
 @pytest.mark.slow
+@pytest.mark.live
 def test_two_node_training_spans_both_nodes_and_survives_losing_one(cluster, features, tmp_path):
     """Placement, the node kill, the restart and the equality, as one story (over 60 lines on purpose: each step
     acts on the cluster the previous one left)."""

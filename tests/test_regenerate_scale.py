@@ -220,6 +220,7 @@ def vllm_plain(engine_target, tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+@pytest.mark.engine
 def test_regenerate_through_vllm_gives_vllms_own_answers(engine_target, vllm_plain, tmp_path):
     from components.traffic_io import load_traffic
 

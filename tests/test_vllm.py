@@ -32,8 +32,9 @@ from pathlib import Path
 
 import pytest
 
-from components.engine_eval import engine_prompts, evaluate_in_vllm, our_outputs, run_plain
+from components.engine_eval import evaluate_in_vllm, our_outputs, plain_server
 from components.evaluate import EvaluateConfig, evaluate
+from components.speed import SpeedupConfig
 from eagle.speculative import SpecConfig
 from components.extract import ExtractConfig, extract
 from components.regenerate import RegenerateConfig, regenerate
@@ -42,9 +43,9 @@ from components.train import TrainConfig, train
 from infra.settings import Settings
 from infra.vllm_server import EngineError, EngineSpec, VllmServer, vllm_python
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.engine]
 QUIET = dict(progress=lambda s: None)
-EVAL = EvaluateConfig(spec=SpecConfig(depth=3, max_new_tokens=24), limit=6)
+EVAL = EvaluateConfig(spec=SpecConfig(depth=3, max_new_tokens=24), limit=6, speed=SpeedupConfig.tiny())
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -108,8 +109,9 @@ def _as_legacy(head: Path, out: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def plain_run(engine_target, settings):
-    prompts = engine_prompts(EVAL, engine_target.target_dir, str(engine_target.target_traffic.heldout), settings)
-    return run_plain(EVAL, engine_target.target_dir, prompts, settings, **QUIET)
+    """vLLM without speculation, started once and run beside each head's server."""
+    with plain_server(EVAL, engine_target.target_dir, settings) as srv:
+        yield srv
 
 
 def _our_counts(report_file: str) -> tuple[int, list[int]]:
@@ -132,6 +134,7 @@ def test_vllm_serves_the_head_losslessly_with_our_acceptance(kind, heads, engine
     res = evaluate_in_vllm(EVAL, engine_target.target_dir, str(served), heldout, str(tmp_path / "vllm"), settings,
                            ours=our_outputs(ours.report_file), plain=plain_run, baseline_head_dir=champion, **QUIET)
     assert res.identical_to_plain and res.identical_to_ours
+    assert res.speedup_rounds == EVAL.speed.min_rounds and res.speedup_lo <= res.speedup <= res.speedup_hi
     assert res.baseline_tau == (pytest.approx(res.tau) if champion else None)  # the gate's champion τ in vLLM
     steps, per_pos = _our_counts(ours.report_file)
     assert (res.drafts, res.accepted_per_pos) == (steps, per_pos)

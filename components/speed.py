@@ -1,0 +1,165 @@
+"""A speedup figure you can trust: plain and speculative decoding timed side by side, in rounds, until it settles.
+
+Purpose: `measure_speedup(n_prompts, plain, spec, cfg, progress) -> SpeedupEstimate`, used by the local
+evaluation (components/evaluate.py) and the engine evaluation (components/engine_eval.py) alike.
+- `plain(i, r)` and `spec(i, r)` decode prompt i once (round r); this module only times them. Within a round the two
+  run prompt by prompt, interleaved, and which of the two goes first alternates with the prompt and the round, so
+  that anything else on the machine lands on both sides alike.
+- A round's ratio is its plain seconds over its speculative seconds summed over every prompt (what a user sees over
+  that traffic). Rounds repeat until `min_rounds` are done and the median's interval is within `max_spread`, or
+  `max_rounds` or `budget_s` is reached.
+- The figure is the **median of the round ratios**; `lo`/`hi` is a distribution-free interval of that median from
+  the rounds' order statistics (the widest pair (k, n+1-k) whose coverage is >= 90%; with fewer than 5 rounds no
+  such pair exists and lo/hi are the min and max, whose coverage `coverage` states).
+- `reliable` is False, with `reason` saying why, when fewer than `min_rounds` rounds fit in the budget or the
+  interval is wider than `max_spread` (relative half-width, max(hi/median - 1, 1 - lo/median)). An unreliable figure
+  is registered as such, never as a number (components/register.py).
+Run: the evaluation calls it; `python -m components.speed` prints the interval rule's coverages.
+Not here: what is decoded, identity checks, acceptance (the callers do that).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from math import comb
+from typing import Callable
+
+from eagle.config_checks import FieldError, at_least
+
+COVERAGE = 0.90  # the wanted coverage of the median's interval
+
+
+@dataclass(frozen=True)
+class SpeedupConfig:
+    """How long to measure: at least `min_rounds` rounds over the prompts, at most `max_rounds`, stopping early once
+    the median's interval is within +-`max_spread`; no new round starts after `budget_s` seconds."""
+
+    min_rounds: int = 5
+    max_rounds: int = 9
+    max_spread: float = 0.10
+    budget_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        at_least(self, {"min_rounds": 1, "max_rounds": 1})
+        if self.max_rounds < self.min_rounds:
+            raise FieldError(self, "max_rounds", f"must be >= min_rounds ({self.min_rounds}), got {self.max_rounds}")
+        if not 0.0 < self.max_spread < 1.0:
+            raise FieldError(self, "max_spread", f"must be in (0, 1) (a relative half-width), got {self.max_spread}")
+        if not 0.0 < self.budget_s < float("inf"):
+            raise FieldError(self, "budget_s", f"must be a positive number of seconds, got {self.budget_s}")
+
+    @classmethod
+    def tiny(cls) -> "SpeedupConfig":
+        return cls(min_rounds=2, max_rounds=2, budget_s=60.0)
+
+
+@dataclass(frozen=True)
+class SpeedupEstimate:
+    speedup: float  # median of the round ratios (plain seconds / speculative seconds)
+    lo: float
+    hi: float
+    coverage: float  # of [lo, hi] for the median (distribution-free)
+    rounds: int
+    reliable: bool
+    reason: str  # why it is unreliable ("" when reliable)
+    plain_tokens_per_s: float  # round 0's tokens over the median round's seconds
+    spec_tokens_per_s: float
+    round_ratios: list[float] = field(default_factory=list)
+    plain_s: list[list[float]] = field(default_factory=list)  # [round][prompt]
+    spec_s: list[list[float]] = field(default_factory=list)
+
+    @property
+    def spread(self) -> float:
+        """Relative half-width of [lo, hi] around the median."""
+        return max(self.hi / self.speedup - 1.0, 1.0 - self.lo / self.speedup) if self.speedup > 0 else float("inf")
+
+    def describe(self) -> str:
+        """"1.52x [1.47, 1.58] over 5 rounds", with "unreliable: <why>" when it is."""
+        text = f"{self.speedup:.2f}x [{self.lo:.2f}, {self.hi:.2f}] over {self.rounds} round(s)"
+        return text if self.reliable else f"{text}, unreliable: {self.reason}"
+
+    def metrics(self, suffix: str = "") -> dict[str, float]:
+        """`speedup<suffix>` (the median), `_lo`, `_hi`, `_reliable` (1/0), `_rounds` (e.g. suffix "_vllm")."""
+        base = f"speedup{suffix}"
+        return {base: self.speedup, f"{base}_lo": self.lo, f"{base}_hi": self.hi,
+                f"{base}_reliable": float(self.reliable), f"{base}_rounds": float(self.rounds)}
+
+
+def median_interval(values: list[float], coverage: float = COVERAGE) -> tuple[float, float, float]:
+    """(lo, hi, achieved coverage) of a distribution-free interval for the median of `values`: the order statistics
+    (k, n+1-k) with the largest k whose coverage 1 - 2 P(Binomial(n, 1/2) < k) is at least `coverage`; (min, max)
+    when no k reaches it."""
+    xs, n = sorted(values), len(values)
+    if n == 0:
+        raise ValueError("no values")
+
+    def cover(k: int) -> float:
+        return 1.0 - 2.0 * sum(comb(n, j) for j in range(k)) / 2 ** n
+
+    k = 1
+    while k + 1 <= (n + 1) // 2 and cover(k + 1) >= coverage:
+        k += 1
+    return xs[k - 1], xs[n - k], cover(k)
+
+
+def measure_speedup(n_prompts: int, plain: Callable[[int, int], int], spec: Callable[[int, int], int],
+                    cfg: SpeedupConfig, progress: Callable[[str], None] | None = None,
+                    what: str = "", clock: Callable[[], float] = time.perf_counter) -> SpeedupEstimate:
+    """Rounds of interleaved plain and speculative decoding over `n_prompts`; each callable returns the tokens it
+    produced (for tokens/s). `clock` times them and the budget (seconds). See the module doc."""
+    t_start = clock()
+    plain_s: list[list[float]] = []
+    spec_s: list[list[float]] = []
+    tokens_plain = tokens_spec = 0
+    est = None
+    while len(plain_s) < cfg.max_rounds and (not plain_s or clock() - t_start < cfg.budget_s):
+        r = len(plain_s)
+        row_p, row_s = [], []
+        for i in range(n_prompts):
+            order = ((plain, row_p), (spec, row_s)) if (i + r) % 2 == 0 else ((spec, row_s), (plain, row_p))
+            for fn, row in order:
+                t0 = clock()
+                n_tok = fn(i, r)
+                row.append(clock() - t0)
+                if r == 0:
+                    tokens_plain += n_tok if fn is plain else 0
+                    tokens_spec += n_tok if fn is spec else 0
+        plain_s.append(row_p)
+        spec_s.append(row_s)
+        est = _estimate(plain_s, spec_s, tokens_plain, tokens_spec, cfg, clock() - t_start)
+        if progress:
+            progress(f"speedup{what}: round {r + 1}: {sum(row_p) / max(sum(row_s), 1e-9):.2f}x; "
+                     f"so far {est.describe()}")
+        if len(plain_s) >= cfg.min_rounds and est.spread <= cfg.max_spread:
+            break
+    assert est is not None
+    return est
+
+
+def _estimate(plain_s, spec_s, tokens_plain: int, tokens_spec: int, cfg: SpeedupConfig,
+              elapsed: float) -> SpeedupEstimate:
+    ratios = [sum(p) / max(sum(s), 1e-9) for p, s in zip(plain_s, spec_s)]
+    med = statistics.median(ratios)
+    lo, hi, cov = median_interval(ratios)
+    n = len(ratios)
+    spread = max(hi / med - 1.0, 1.0 - lo / med) if med > 0 else float("inf")
+    reason = ""
+    if n < cfg.min_rounds:
+        reason = (f"only {n} of {cfg.min_rounds} rounds fitted in the {cfg.budget_s:.0f} s budget "
+                  f"({elapsed:.0f} s spent)")
+    elif spread > cfg.max_spread:
+        reason = (f"the rounds disagree: median {med:.2f}x, interval [{lo:.2f}, {hi:.2f}] is +-{spread:.0%} "
+                  f"(bound +-{cfg.max_spread:.0%}); the machine was probably busy")
+    return SpeedupEstimate(
+        speedup=med, lo=lo, hi=hi, coverage=cov, rounds=n, reliable=not reason, reason=reason,
+        plain_tokens_per_s=tokens_plain / max(statistics.median(sum(p) for p in plain_s), 1e-9),
+        spec_tokens_per_s=tokens_spec / max(statistics.median(sum(s) for s in spec_s), 1e-9),
+        round_ratios=ratios, plain_s=plain_s, spec_s=spec_s)
+
+
+if __name__ == "__main__":
+    for n in range(1, 13):
+        print(f"{n:>2} rounds: interval of the median from order statistics covers "
+              f"{median_interval(list(range(n)))[2]:.3f}")
