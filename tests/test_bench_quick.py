@@ -249,3 +249,13 @@ def test_call_counter_hooks_the_target_only_while_counting() -> None:
         target(torch.tensor([[1, 2, 3]]))
         assert counter.n == 1
     assert LeanDecoder.of(target) is not None
+
+
+def test_speedup_trust_quick(cache: Path) -> None:
+    """bench/speedup_trust.py: fresh processes quiet and under a load job, each figure against the quiet median."""
+    r = run_quick("speedup_trust", cache, 600, "--runs", "2")
+    check_metadata(r)
+    assert [x["condition"] for x in r["runs"]] == ["quiet", "quiet", "loaded", "loaded"]
+    assert all(x["lo"] <= x["speedup"] <= x["hi"] and x["rounds"] >= 2 for x in r["runs"])
+    assert set(r["verdict"]["by_condition"]) == {"quiet", "loaded"}
+    check_goals(r["goals"], r["mismatches"])
