@@ -13,9 +13,10 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from components.traffic_io import Conversation
+from eagle.errors import BadInput
 
 
-class ChatTemplateError(ValueError):
+class ChatTemplateError(BadInput):
     """The tokenizer has no chat template, or its template does not render prefixes as prefixes."""
 
 

@@ -27,11 +27,12 @@ from safetensors.torch import load_file
 
 from components.atomic import file_sha256
 from eagle import fp8
+from eagle.errors import BadInput
 from eagle.features import teacher_targets
 from eagle.ttt import TTTBatch
 
 
-class FeatureStoreError(ValueError):
+class FeatureStoreError(BadInput):
     """Feature shards that are missing, corrupted or do not match their manifest."""
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Callable
 
 from components.atomic import atomic_write_text, remove_stale_temps
+from components.load_sweep import LoadConfig
 from components.speed import SpeedupConfig, SpeedupEstimate, measure_speedup
 from eagle.config_checks import FieldError, at_least, one_of
 from eagle.run_config import SpecConfig
@@ -49,6 +50,7 @@ class EvaluateConfig:
     seed: int = 0
     engine: str = "local"  # "vllm": also serve the head in vLLM and measure it there (components/engine_eval.py)
     speed: SpeedupConfig = field(default_factory=SpeedupConfig)  # how long the speedup is measured, in both engines
+    load: LoadConfig = field(default_factory=LoadConfig)  # throughput by concurrency in vLLM (components/load_sweep.py)
 
     def __post_init__(self) -> None:
         one_of(self, "engine", ("local", "vllm"))
@@ -59,6 +61,8 @@ class EvaluateConfig:
             raise FieldError(self, "spec", f"must be a SpecConfig, got {self.spec!r}")
         if not isinstance(self.speed, SpeedupConfig):
             raise FieldError(self, "speed", f"must be a SpeedupConfig, got {self.speed!r}")
+        if not isinstance(self.load, LoadConfig):
+            raise FieldError(self, "load", f"must be a LoadConfig, got {self.load!r}")
 
     @classmethod
     def tiny(cls) -> "EvaluateConfig":
@@ -114,18 +118,25 @@ class EvaluateResult:
         return m
 
 
-def held_out_prompts(tokenizer, traffic_path: str, cfg: EvaluateConfig) -> list[tuple[str, list[int]]]:
-    """(segment, prompt token ids) of the first user turn of each held-out conversation, with the chat template."""
-    from components.chat import prompt_ids
+def held_out_messages(traffic_path: str):
+    """(segment, messages up to and including the first user turn) of each held-out conversation, in file order."""
     from components.traffic_io import load_traffic
 
-    out = []
     for conv in load_traffic(traffic_path).conversations:
         first_user = next(i for i, m in enumerate(conv.messages) if m.role == "user")
         msgs = [{"role": m.role, "content": m.content} for m in conv.messages[: first_user + 1]]
+        yield conv.segment or "default", msgs
+
+
+def held_out_prompts(tokenizer, traffic_path: str, cfg: EvaluateConfig) -> list[tuple[str, list[int]]]:
+    """(segment, prompt token ids) of the first user turn of each held-out conversation, with the chat template."""
+    from components.chat import prompt_ids
+
+    out = []
+    for segment, msgs in held_out_messages(traffic_path):
         ids = prompt_ids(tokenizer, msgs)
         if len(ids) <= cfg.max_prompt_tokens:
-            out.append((conv.segment or "default", ids))
+            out.append((segment, ids))
         if cfg.limit and len(out) >= cfg.limit:
             break
     if not out:

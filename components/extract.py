@@ -25,6 +25,10 @@ Purpose: `extract(cfg, target_dir, regen_dir, out_dir) -> ExtractResult`.
   (re)writing on N Ray actors, one shard per task, each actor loading the target once (components/extract_ray.py).
   A shard travels back as its safetensors bytes (`shard_bytes`, the same function in both paths) and this process
   writes every file and the manifest, so they are byte-identical whatever `num_workers` is, and resume is the same.
+- `cfg.engine == "vllm"`: the shards' hidden states come from a vLLM started for the run
+  (components/extract_engine.py), sent the same token ids; the shards, the manifest (its `engine` says which) and
+  resume are the same, and this process never loads the whole target (embedding and lm_head are read by tensor
+  name). Shards of the other engine are recomputed, not kept.
 Not here: training (components/train.py) and the dataset readers (components/datasets.py).
 """
 
@@ -51,6 +55,7 @@ MANIFEST = "manifest.json"
 FEATURES = ("aux_hidden_states", "last_hidden_state")  # the hidden-state tensors of a shard
 FP8 = "float8_e4m3fn"  # eagle.fp8.DTYPE_NAME (eagle.fp8 imports torch: not at import time here)
 FEATURE_DTYPES = ("bfloat16", "float16", "float32", FP8)
+ENGINES = ("local", "vllm")  # who computes the hidden states (components/extract_engine.py for vLLM)
 FP8_SCALES = {"layout": "per_row", "dtype": "float32", "rule": "amax(|row|) / 448",
               "tensors": {name: f"{name}_scale" for name in FEATURES}}  # the manifest's `scales` of fp8 features
 
@@ -69,6 +74,7 @@ class ExtractConfig:
     seqs_per_shard: int = 256
     device: str = "cpu"
     aux_layer_ids: tuple[int, ...] = ()  # fused layers (inputs of these target layers); empty: the default rule
+    engine: str = "local"  # who runs the target: "local" (here or on Ray actors); "vllm" (an engine started here)
     # where and how fast, not what: the files are the same whatever these are (not part of a run's identity)
     num_workers: int = field(default=0, metadata=NOT_IDENTITY)  # 0: in this process; N: N Ray actors, a shard each
     cpus_per_worker: int = field(default=1, metadata=NOT_IDENTITY)  # of each actor (one GPU each too on CUDA)
@@ -76,12 +82,19 @@ class ExtractConfig:
     def __post_init__(self) -> None:
         one_of(self, "mode", ("offline", "online"))
         one_of(self, "dtype", FEATURE_DTYPES)  # of the stored features
+        one_of(self, "engine", ENGINES)
         at_least(self, {"max_len": 2, "batch_size": 1, "seqs_per_shard": 1, "num_workers": 0, "cpus_per_worker": 1})
         ids = tuple(self.aux_layer_ids)
         if ids and not (len(ids) == 3 and all(type(i) is int for i in ids) and 1 <= ids[0] < ids[1] < ids[2]):
             raise FieldError(self, "aux_layer_ids", f"{list(ids)} must be three distinct ascending layer ids >= 1, or "
                              "empty for the default rule of the target's depth")
         object.__setattr__(self, "aux_layer_ids", ids)
+        if self.engine == "vllm" and self.mode == "online":
+            raise FieldError(self, "engine", "'vllm' needs mode 'offline': online features are computed inside "
+                             "training by this process")
+        if self.engine == "vllm" and self.num_workers:
+            raise FieldError(self, "num_workers", f"must be 0 with engine 'vllm' (one engine computes every shard), "
+                             f"got {self.num_workers}")
 
 
 @dataclass(frozen=True)
@@ -121,23 +134,39 @@ def _save_tokens(out: Path, seqs, vocab_size: int) -> int:
     return int(mask.sum())
 
 
-def _save_target_heads(out: Path, target) -> None:
+def _save_target_heads(out: Path, heads: dict) -> None:
     from safetensors.torch import save_file
 
-    tensors = {"embed_tokens": target.get_input_embeddings().weight.detach().float().contiguous().cpu(),
-               "lm_head": target.get_output_embeddings().weight.detach().float().contiguous().cpu()}
     with atomic_path(out / "target_heads.safetensors") as tmp:
-        save_file(tensors, str(tmp))
+        save_file(heads, str(tmp))
+
+
+def _open_target(cfg: ExtractConfig, target_dir: str, trust_remote_code: bool):
+    """(loaded target or None, its config, tokenizer, {"embed_tokens", "lm_head"} float32): with engine 'vllm' the
+    target is never loaded here (its embedding and lm_head are read by tensor name)."""
+    if cfg.engine == "vllm":
+        from components.extract_engine import target_heads
+        from components.targets import check_target
+
+        config, tokenizer = check_target(target_dir, trust_remote_code)
+        return None, config, tokenizer, target_heads(target_dir, config)
+    target, tokenizer = load_target(target_dir, cfg.device, trust_remote_code=trust_remote_code)
+    heads = {"embed_tokens": target.get_input_embeddings().weight.detach().float().contiguous().cpu(),
+             "lm_head": target.get_output_embeddings().weight.detach().float().contiguous().cpu()}
+    return target, target.config, tokenizer, heads
 
 
 def shard_bytes(target, layer_ids, seqs, cfg: ExtractConfig) -> bytes:
     """The safetensors file of the feature shard holding `seqs` (what the driver writes, in- or out-of-process)."""
+    return pack_shard(seqs, _local_features(target, layer_ids, seqs, cfg), cfg.dtype)
+
+
+def _local_features(target, layer_ids, seqs, cfg: ExtractConfig):
+    """(aux_hidden_states [T, 3H], last_hidden_state [T, H]) of each sequence, in order, from the loaded target."""
     import torch
-    from safetensors.torch import save
 
     from eagle.features import target_forward
 
-    parts: list[dict] = []
     for b in range(0, len(seqs), cfg.batch_size):
         chunk = seqs[b:b + cfg.batch_size]
         width = max(len(s) for s, _ in chunk)
@@ -149,8 +178,18 @@ def shard_bytes(target, layer_ids, seqs, cfg: ExtractConfig) -> bytes:
         with torch.no_grad():
             step = target_forward(target, ids.to(cfg.device), layer_ids, attention_mask=att.to(cfg.device))
         for r, (s, _) in enumerate(chunk):
-            parts.append({**_stored(FEATURES[0], step.aux_BT3H[r, :len(s)], cfg.dtype),
-                          **_stored(FEATURES[1], step.last_hidden_BTH[r, :len(s)], cfg.dtype)})
+            yield step.aux_BT3H[r, :len(s)], step.last_hidden_BTH[r, :len(s)]
+
+
+def pack_shard(seqs, features, dtype: str) -> bytes:
+    """The shard file of `seqs` ((input_ids, loss_mask) each) given `features`, an iterable of (aux_hidden_states
+    [T, 3H], last_hidden_state [T, H]) per sequence in the same order, stored in `dtype`: the one shard format,
+    whoever computed the features (this process, a Ray actor, the engine)."""
+    import torch
+    from safetensors.torch import save
+
+    parts = [{**_stored(FEATURES[0], aux_TC, dtype), **_stored(FEATURES[1], last_TH, dtype)}
+             for aux_TC, last_TH in features]
     tensors = {"input_ids": torch.tensor([i for s, _ in seqs for i in s], dtype=torch.int32),
                "loss_mask": torch.tensor([m for _, ms in seqs for m in ms], dtype=torch.uint8),
                "offsets": torch.tensor([0] + [len(s) for s, _ in seqs]).cumsum(0),
@@ -174,22 +213,23 @@ def _stored(name: str, x_TC, dtype: str) -> dict:
 def extract(cfg: ExtractConfig, target_dir: str, regen_dir: str, out_dir: str,
             progress: Callable[[str], None] = print, trust_remote_code: bool = False,
             ray_settings: Settings | None = None) -> ExtractResult:
-    """Extract into `out_dir` (resuming a previous run). `cfg.num_workers` >= 1 computes the shards on Ray
-    (`ray_settings`: the infra.settings.Settings that say where; None: from the environment)."""
+    """Extract into `out_dir` (resuming a previous run). `cfg.num_workers` >= 1 computes the shards on Ray,
+    `cfg.engine` 'vllm' in a vLLM started here (`ray_settings`: the infra.settings.Settings that say where Ray runs
+    and where vLLM's venv is; None: from the environment)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(out)  # left by a run killed mid-write
-    target, tokenizer = load_target(target_dir, cfg.device, trust_remote_code=trust_remote_code)
-    layer_ids = fused_layer_ids(cfg, target.config.num_hidden_layers, target_dir)
+    target, config, tokenizer, heads = _open_target(cfg, target_dir, trust_remote_code)
+    layer_ids = fused_layer_ids(cfg, config.num_hidden_layers, target_dir)
     seqs, truncated = tokenize_all(tokenizer, regen_dir, cfg.max_len)
-    n_trained = _save_tokens(out, seqs, target.config.vocab_size)
-    _save_target_heads(out, target)
-    _save_target_config(out, target, target_dir)
+    n_trained = _save_tokens(out, seqs, config.vocab_size)
+    _save_target_heads(out, heads)
+    _save_target_config(out, config, target_dir)
     target_sha = weights_sha256(target_dir)  # once: hashing a real target's weights takes a while
     previous = _previous_manifest(out / MANIFEST)
     same_source = (previous.get("dtype"), previous.get("scales"), previous.get("layer_ids"),
-                   previous.get("target", {}).get("weights_sha256")) \
-        == (cfg.dtype, scale_layout(cfg.dtype), layer_ids, target_sha)  # else the shards hold other features
+                   previous.get("target", {}).get("weights_sha256"), previous.get("engine", "local")) \
+        == (cfg.dtype, scale_layout(cfg.dtype), layer_ids, target_sha, cfg.engine)  # else other features
     known = {s["file"]: (s["sha256"], s.get("tokens_sha256")) for s in previous.get("shards", []) if same_source}
     parts = [seqs[i:i + cfg.seqs_per_shard] for i in range(0, len(seqs), cfg.seqs_per_shard)] \
         if cfg.mode == "offline" else []
@@ -205,10 +245,14 @@ def extract(cfg: ExtractConfig, target_dir: str, regen_dir: str, out_dir: str,
         path = _shard_path(out, k)
         atomic_write_bytes(path, data)
         shards[k] = _shard_entry(path, parts[k], file_sha256(path))
-        progress(f"extract: shard {k + 1}/{len(parts)}, {shards[k]['n_tokens']} tokens ({seconds:.1f} s)")
+        progress(f"extract: shard {k + 1}/{len(parts)}, {shards[k]['n_tokens']} tokens ({seconds:.2f} s)")
         save_manifest()  # after each shard: a killed run keeps what it finished
 
-    if pending and cfg.num_workers:
+    if pending and cfg.engine == "vllm":
+        from components.extract_engine import run_in_engine
+
+        run_in_engine(cfg, target_dir, config, layer_ids, pending, finish, out, ray_settings, progress)
+    elif pending and cfg.num_workers:
         from components.extract_ray import run_on_ray
 
         del target  # the workers load their own; on CUDA its memory goes back for the worker on this device
@@ -266,9 +310,9 @@ def fused_layer_ids(cfg: ExtractConfig, n: int, target_dir: str) -> list[int]:
         raise ValueError(f"extract.aux_layer_ids for {target_dir}: {e}") from None
 
 
-def _save_target_config(out: Path, target, target_dir: str) -> None:
-    """The loaded target's config, stating the dtype of the target's own config.json (it was loaded in fp32)."""
-    config = copy.deepcopy(target.config)
+def _save_target_config(out: Path, config, target_dir: str) -> None:
+    """The target's config, stating the dtype of the target's own config.json (a loaded target is in fp32)."""
+    config = copy.deepcopy(config)
     config.dtype = declared_dtype(target_dir)
     atomic_write_text(out / "target_config" / "config.json", config.to_json_string())
 
@@ -286,7 +330,8 @@ def _manifest(cfg: ExtractConfig, target_dir: str, target_sha: str, layer_ids, s
               shards):
     n_tokens = sum(len(s) for s, _ in seqs)
     total = sum(s["bytes"] for s in shards)
-    return {"format_version": 1, "mode": cfg.mode, "target": {"path": str(target_dir), "weights_sha256": target_sha},
+    return {"format_version": 1, "mode": cfg.mode, "engine": cfg.engine,
+            "target": {"path": str(target_dir), "weights_sha256": target_sha},
             "layer_ids": layer_ids, "dtype": cfg.dtype, "scales": scale_layout(cfg.dtype), "max_len": cfg.max_len,
             "n_seqs": len(seqs), "n_tokens": n_tokens, "n_trained_tokens": n_trained, "n_truncated": truncated,
             "shards": shards, "bytes_per_token": total / n_tokens if shards else 0.0}

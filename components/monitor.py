@@ -23,21 +23,24 @@ Not here: the HTTP scrape (`infra.vllm_server.read_metrics`), the event (flows/w
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
 from components.atomic import atomic_write_text
 from components.register import TargetRef, head_model_name
 from eagle.config_checks import at_least, finite
+from eagle.errors import BadInput
 from infra.mlflow_store import CHAMPION, MlflowStore, parse_model_uri
+from infra.model_uri import lookup
+from infra.settings import redact_uri
 from infra.vllm_server import SpecCounters
 
 EVENT = "eagle.acceptance.dropped"
 Verdict = Literal["warming", "ok", "low", "dropped", "announced"]
 
 
-class MonitorError(RuntimeError):
+class MonitorError(BadInput):
     """The monitor cannot judge: no champion, a bad target URI, a served K unlike the evaluated one; one line."""
 
 
@@ -51,7 +54,8 @@ class MonitorConfig:
     traffic_dir: str = ""  # snapshots `<dir>/<name>/{train,heldout}.jsonl`; a drop retrains on the newest
 
     def __post_init__(self) -> None:
-        for name in ("interval_s", "window_s", "sustain_s"):
+        finite(self, "interval_s", lambda x: x > 0, "> 0")  # 0 would scrape in a busy loop
+        for name in ("window_s", "sustain_s"):
             finite(self, name, lambda x: x >= 0, ">= 0")
         finite(self, "ratio", lambda x: 0 < x <= 1, "in (0, 1]")
         at_least(self, {"min_drafts": 1})
@@ -82,11 +86,15 @@ class WindowReport:
     drafts: int
     window_s: float  # the span the window really covers
     baseline: Baseline
+    # mean of `vllm:num_requests_running` over the window's scrapes (None: not reported): a change of load, not of
+    # acceptance, is told apart by it
+    mean_running: float | None = None
 
     def line(self) -> str:
         alphas = " ".join(f"{a:.2f}" for a in self.acceptance)
         return (f"{self.baseline.target}: window tau {self.window_tau:.2f} (registered {self.registered_tau:.2f}, "
                 f"{self.baseline.tau_source}) over {self.drafts} drafts in {self.window_s:.0f} s, alpha {alphas or '-'}"
+                f"{'' if self.mean_running is None else f', mean running requests {self.mean_running:.1f}'}"
                 f": {self.verdict}")
 
     def payload(self) -> dict:
@@ -94,7 +102,8 @@ class WindowReport:
         return {"name": name, "version": version, "window_tau": round(self.window_tau, 4),
                 "registered_tau": round(self.registered_tau, 4), "tau_source": self.baseline.tau_source,
                 "head": self.baseline.head_uri, "drafts": self.drafts, "window_s": round(self.window_s, 1),
-                "acceptance": [round(a, 4) for a in self.acceptance]}
+                "acceptance": [round(a, 4) for a in self.acceptance],
+                "mean_running": None if self.mean_running is None else round(self.mean_running, 2)}
 
 
 @dataclass
@@ -108,14 +117,10 @@ class _State:
 def baseline_of(store: MlflowStore, target: str, suffix: str = "-eagle3") -> Baseline:
     """The champion head of target version `target` (models:/NAME/VERSION) and the τ it was registered with."""
     try:
-        name, version, alias = parse_model_uri(target)
+        name, _, _ = parse_model_uri(target)
     except ValueError as e:
         raise MonitorError(f"{e}; pass the target version as models:/NAME/VERSION") from None
-    if version is None:
-        v = store.get_alias(name, alias)
-        if v is None:
-            raise MonitorError(f"{target}: no such alias; pass the target version as models:/NAME/VERSION")
-        version = v.version
+    version = lookup(store.client, target, redact_uri(store.tracking_uri))  # UnknownModel: model, version or alias
     head = head_model_name(TargetRef(name, version, "", ""), suffix)
     champion = store.get_alias(head, CHAMPION) if store.find_versions(head) else None
     if champion is None:
@@ -148,19 +153,23 @@ class Monitor:
     def _save(self) -> None:
         atomic_write_text(self.path, json.dumps(asdict(self.state)) + "\n")
 
-    def observe(self, counters: SpecCounters, now: float) -> WindowReport:
-        """Add a reading taken at `now` (seconds) and judge the window that ends there."""
+    def observe(self, counters: SpecCounters, now: float, running: float | None = None) -> WindowReport:
+        """Add a reading taken at `now` (seconds), with the requests running then, and judge the window that ends
+        there."""
         depth = len(counters.accepted_per_pos)
         if self.baseline.depth and depth and depth != self.baseline.depth:
             raise MonitorError(f"the server drafts {depth} tokens per step but {self.baseline.head_uri} was evaluated "
                                f"at {self.baseline.depth}: τ is not comparable; serve it with "
                                f"num_speculative_tokens {self.baseline.depth}")
-        self.state.readings.append((now, asdict(counters)))
+        self.state.readings.append((now, {**asdict(counters), "running": running}))
         start = self._window_start(now)
         self.state.readings = self.state.readings[start:]
-        window = _window_counts([SpecCounters(**{**c, "accepted_per_pos": tuple(c["accepted_per_pos"])})
+        window = _window_counts([SpecCounters(**{k: v for k, v in c.items() if k != "running"}
+                                              | {"accepted_per_pos": tuple(c["accepted_per_pos"])})
                                  for _, c in self.state.readings])
         report = self._judge(window, now, now - self.state.readings[0][0])
+        loads = [c["running"] for _, c in self.state.readings if c.get("running") is not None]
+        report = replace(report, mean_running=sum(loads) / len(loads) if loads else None)
         self._save()
         return report
 

@@ -3,7 +3,8 @@
 Purpose: `PipelineConfig` groups the stage configs (`regenerate`, `extract`, `train`, `evaluate`, `register`) and the
 acceptance monitor's (`monitor`);
 `PipelineConfig.preset("tiny" | "default")` gives the test and demo settings; `PipelineConfig.load(path)`
-reads a JSON file whose sections override a preset key by key, and refuses an unknown section or key, naming it.
+reads a JSON file whose sections override a preset key by key, and refuses an unknown section or key, naming it;
+`monitor_config(preset, path, **flags)` adds the monitor's command-line values on top, checked the same way.
 `fingerprint()` is a stable hash of the config but its `monitor` section (part of a run's identity).
 Not here: where things run (infra/ settings) or what to run (flows/).
 """
@@ -23,13 +24,15 @@ from components.evaluate import EvaluateConfig
 from components.extract import ExtractConfig
 from components.monitor import MonitorConfig
 from components.regenerate import RegenerateConfig
+from components.load_sweep import LoadConfig
 from components.register import RegisterConfig
 from components.train import RayConfig, TrainConfig
 from eagle.config_checks import FieldError
+from eagle.errors import BadInput
 from eagle.run_config import OptimConfig, SpecConfig, TTTConfig
 
 
-class ConfigError(ValueError):
+class ConfigError(BadInput):
     """A config file or override that names an unknown section or key, or has a value of the wrong type."""
 
 
@@ -62,7 +65,9 @@ class PipelineConfig:
 
         One Ray worker with both cores (two torch threads train faster than one); a fine-tune's head, warm-started
         from its base's head, gets half the steps of a fresh one (`train.warm_start_steps`), since it starts close.
-        Each head is also served by vLLM and measured there (`evaluate.engine: vllm`), as production will run it.
+        Each head is also served by vLLM and measured there (`evaluate.engine: vllm`), as production will run it,
+        one request at a time and under load (`evaluate.load`: concurrency 1, 4 and 16, K 5 against plain, which
+        gives the K schedule the engine is served with).
         """
         return cls(regenerate=RegenerateConfig(max_new_tokens=96, batch_size=32, shard_size=64, limit=320),
                    extract=ExtractConfig(max_len=320, seqs_per_shard=128),
@@ -71,7 +76,8 @@ class PipelineConfig:
                                      ttt=TTTConfig(ttt_steps=5), optim=OptimConfig(lr=3e-3, warmup_steps=10),
                                      ray=RayConfig(num_workers=1, cpus_per_worker=2)),
                    evaluate=EvaluateConfig(spec=SpecConfig(method="chain", depth=5, max_new_tokens=96), limit=16,
-                                           engine="vllm"),
+                                           engine="vllm", load=LoadConfig(concurrency=(1, 4, 16), k_values=(5,),
+                                                                          requests=16)),
                    register=RegisterConfig(tau_floor=1.5, gate_tau="engine"))
 
     @classmethod
@@ -113,6 +119,13 @@ class PipelineConfig:
         the fields marked `metadata={"identity": False}` (how fast a stage runs, e.g. regenerate.num_workers)."""
         made = {k: v for k, v in _identity(self).items() if k != "monitor"}
         return hashlib.sha256(json.dumps(made, sort_keys=True).encode()).hexdigest()
+
+
+def monitor_config(preset: str, config_path: str | None, **overrides: Any) -> PipelineConfig:
+    """The pipeline config with the `monitor` values given (None: keep the config's), checked like a file's: a flag
+    and its config key share one definition of their bounds (`MonitorConfig`)."""
+    values = {k: v for k, v in overrides.items() if v is not None}
+    return PipelineConfig.load(config_path, preset).override({"monitor": values}, where="command line")
 
 
 def _identity(cfg: Any) -> Any:

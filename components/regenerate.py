@@ -27,7 +27,9 @@ from components.chat import prompt_ids
 from components.regen_endpoint import (answer_concurrently, conversation_record, endpoint_answerer, endpoint_ask,
                                        history_turns)
 from components.traffic_io import Conversation, load_traffic
-from eagle.config_checks import at_least, finite
+from eagle.config_checks import FieldError, at_least, finite
+from eagle.errors import BadInput
+from infra.settings import http_url_problem
 
 NOT_IDENTITY = {"identity": False}  # a config field that does not change the stage's output
 
@@ -64,6 +66,8 @@ class RegenerateConfig:
         finite(self, "temperature", lambda x: x >= 0, ">= 0")
         finite(self, "top_p", lambda x: 0 < x <= 1, "in (0, 1]")
         finite(self, "endpoint_timeout_s", lambda x: x > 0, "> 0")
+        if self.endpoint_url is not None and (problem := http_url_problem(self.endpoint_url)):
+            raise FieldError(self, "endpoint_url", f"{self.endpoint_url!r}: {problem}")
 
 
 @dataclass(frozen=True)
@@ -81,7 +85,7 @@ Answerer = Callable[[list[list[dict[str, str]]]], list[str | Exception]]
 Responder = Callable[[Sequence[Conversation], Callable[[str], None] | None], list[dict[str, Any]]]
 
 
-class RegenerateError(ValueError):
+class RegenerateError(BadInput):
     """No conversation of the traffic could be regenerated (every one failed)."""
 
 

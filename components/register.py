@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eagle.config_checks import finite, one_of
+from eagle.config_checks import at_least, finite, one_of
 from infra.mlflow_store import CHALLENGER, CHAMPION, MlflowStore, ModelVersionRef
 
 TARGET_KIND = "causal-lm-target"
@@ -40,10 +40,16 @@ class RegisterConfig:
     tau_floor: float = 1.2
     experiment_suffix: str = "-eagle3"
     gate_tau: str = "local"  # "engine": the gate decides on vLLM's τ (needs evaluate.engine "vllm")
+    # also gate on throughput under load: at this concurrency (the users' typical load; 0: no such gate) the served
+    # head (with its K schedule) must give at least `gate_min_speedup` x plain's output tokens/s (evaluate.load)
+    gate_concurrency: int = 0
+    gate_min_speedup: float = 1.0
 
     def __post_init__(self) -> None:
         one_of(self, "gate_tau", ("local", "engine"))
         finite(self, "tau_floor", lambda x: x >= 0, ">= 0")
+        at_least(self, {"gate_concurrency": 0})
+        finite(self, "gate_min_speedup", lambda x: x > 0, "> 0")
 
 
 @dataclass(frozen=True)
@@ -122,6 +128,18 @@ def _gate(cfg: RegisterConfig, tau: float, champion_tau: float | None) -> tuple[
     if champion_tau is None:
         return True, f"tau {tau:.3f} >= floor {cfg.tau_floor}; no champion yet"
     return True, f"tau {tau:.3f} >= floor {cfg.tau_floor} and >= champion's {champion_tau:.3f}"
+
+
+def _load_gate(cfg: RegisterConfig, metrics: dict[str, float], promoted: bool, reason: str) -> tuple[bool, str]:
+    """The τ gate's verdict, and the throughput gate at `cfg.gate_concurrency` (`speedup_at_<c>` of the sweep)."""
+    c, key = cfg.gate_concurrency, f"speedup_at_{cfg.gate_concurrency}"
+    if key not in metrics:
+        raise ValueError(f"register.gate_concurrency is {c} but the load sweep did not measure concurrency {c}: add "
+                         f"it to evaluate.load.concurrency (with evaluate.engine 'vllm')")
+    x = float(metrics[key])
+    if x < cfg.gate_min_speedup:
+        return False, f"{reason}; but at concurrency {c} it serves {x:.2f}x plain < {cfg.gate_min_speedup}"
+    return promoted, f"{reason}; at concurrency {c} it serves {x:.2f}x plain >= {cfg.gate_min_speedup}"
 
 
 def _gate_inputs(cfg: RegisterConfig, head: HeadToRegister) -> tuple[float, float | None]:
@@ -265,6 +283,8 @@ def register_head(store: MlflowStore, cfg: RegisterConfig, head: HeadToRegister)
     promoted, reason = _gate(cfg, gate_tau, champion_tau)
     if cfg.gate_tau == "engine":
         reason = f"vLLM {reason} (local tau {tau:.3f})"
+    if cfg.gate_concurrency:
+        promoted, reason = _load_gate(cfg, head.metrics, promoted, reason)
     tags = {"target_name": head.target.name, "target_version": str(head.target.version),
             "target_weights_sha256": head.target.weights_sha256, "traffic_sha256": head.traffic_sha256,
             "tau": f"{tau:.4f}", "gate": reason, "gate_tau": cfg.gate_tau, PROMOTED_TAG: str(promoted).lower()}

@@ -57,7 +57,7 @@ def launch_commands(spec: EngineSpec, port: int = 8000) -> dict[str, str]:
     head = str(spec.head_dir)
     gpu = EngineSpec(spec.target_dir, head, method="eagle3", num_speculative_tokens=spec.num_speculative_tokens,
                      dtype="auto", max_model_len=spec.max_model_len, served_model_name=spec.served_model_name,
-                     device="cuda")
+                     device="cuda", k_schedule=spec.k_schedule)
     sglang = ["python", "-m", "sglang.launch_server", "--model-path", str(spec.target_dir),
               "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", head,
               "--speculative-num-steps", str(spec.num_speculative_tokens), "--speculative-eagle-topk", "1",

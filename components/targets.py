@@ -6,6 +6,8 @@ with enough layers for an EAGLE-3 head, or whose tokenizer does not fit the mode
 `check_target(path)` makes the same checks without loading the weights (flows check their inputs up front).
 `weights_sha256` hashes the weight files for lineage; `declared_dtype` is the dtype the target's config.json
 states (targets are loaded in float32 here, which rewrites the loaded config's dtype; engines use the stated one).
+`read_tensors(path, names)` reads single tensors by name from the target's safetensors (through
+`model.safetensors.index.json` when sharded) without loading the model, for a target an engine runs.
 Not here: registry URIs (infra/ resolves `models:/...` to a local directory first).
 """
 
@@ -17,9 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from eagle.config import default_aux_layer_ids
+from eagle.errors import BadInput
 
 
-class TargetError(ValueError):
+class TargetError(BadInput):
     """A target directory that cannot serve as an EAGLE-3 target."""
 
 
@@ -92,3 +95,25 @@ def weights_sha256(path: str | Path) -> str:
             for block in iter(lambda: fh.read(1 << 20), b""):
                 h.update(block)
     return h.hexdigest()
+
+
+def read_tensors(path: str | Path, names: list[str]) -> dict:
+    """{name: tensor} for each of `names` found in the target's safetensors (absent names are left out), read one
+    tensor at a time: the rest of the weights are never loaded."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = {n: path / weight_map[n] for n in names if n in weight_map}
+    else:
+        files = {}
+        for f in sorted(path.glob("*.safetensors")):
+            with safe_open(str(f), "pt") as st:
+                files.update({n: f for n in names if n in st.keys() and n not in files})
+    out = {}
+    for name, f in files.items():
+        with safe_open(str(f), "pt") as st:
+            out[name] = st.get_tensor(name)
+    return out

@@ -32,13 +32,14 @@ from typing import Any, Callable, Iterable, Iterator, Literal
 
 from components.atomic import atomic_path, file_sha256
 from components.traffic_sources import SourceError, dataset_data_files, table_records, traffic_kind
+from eagle.errors import BadInput
 
 ROLES = ("system", "user", "assistant")
 SHAREGPT_ROLES = {"system": "system", "human": "user", "gpt": "assistant"}
 Format = Literal["auto", "openai", "sharegpt"]
 
 
-class TrafficFormatError(ValueError):
+class TrafficFormatError(BadInput):
     """Traffic that cannot be read: `path`, `line` (1-based; 0 for the whole source), `reason`, and `unit`: "line"
     for JSON Lines (message `path:line: reason`), "row" for tables and other sources (`path: row n: reason`)."""
 
@@ -275,7 +276,11 @@ def main(argv: list[str] | None = None) -> int:
               "directory)", file=sys.stderr)
         return 2
     for p in paths:
-        load = load_traffic(p, skip_bad=True)
+        try:
+            load = load_traffic(p, skip_bad=True)
+        except (TrafficFormatError, OSError) as e:  # one line, no traceback: the file and why
+            print(f"traffic_io: error: {e}", file=sys.stderr)
+            return 2
         segments = collections.Counter(c.segment or "-" for c in load.conversations)
         print(json.dumps({"path": str(p), "conversations": len(load.conversations), "segments": dict(segments),
                           "skipped": load.skipped_reasons, "sha256": traffic_sha256(p),

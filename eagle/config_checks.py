@@ -12,8 +12,10 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Iterable
 
+from eagle.errors import BadInput
 
-class FieldError(ValueError):
+
+class FieldError(BadInput):
     """A config field whose value is out of range: `owner` (the class), `field` and `reason` (what it must be)."""
 
     def __init__(self, owner: object, field: str, reason: str):

@@ -40,6 +40,7 @@ from safetensors.torch import load_file, save_file
 
 from eagle.config import DraftConfig
 from eagle.draft import Eagle3Draft
+from eagle.errors import BadInput
 
 FORMAT_VERSION = 1
 WEIGHTS = "model.safetensors"
@@ -50,8 +51,12 @@ VOCAB_MAP = ("d2t", "t2d")
 NUM_AUX = 3
 
 
-class HeadMismatchError(ValueError):
+class HeadMismatchError(BadInput):
     """A head was loaded for a target it was not trained for."""
+
+
+class HeadFileError(BadInput):
+    """A head directory whose files are missing or unreadable; the message names the file."""
 
 
 def engine_config(cfg: DraftConfig, dtype: torch.dtype) -> dict[str, Any]:
@@ -181,12 +186,17 @@ def _replace_dir(tmp: Path, out: Path) -> None:
 
 
 def read_head_meta(head_dir: str | Path) -> dict[str, Any]:
+    """The head's `eagle_head.json`; `HeadFileError` naming the file when it is missing, unreadable or not ours."""
     path = Path(head_dir) / META
     if not path.is_file():
-        raise FileNotFoundError(f"{head_dir} is not an exported EAGLE-3 head: {META} is missing")
-    meta = json.loads(path.read_text())
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{path}: unsupported head format version {meta.get('format_version')!r}")
+        raise HeadFileError(f"{head_dir} is not an exported EAGLE-3 head: {META} is missing")
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise HeadFileError(f"{path}: not readable JSON ({e}); the head is damaged: export it again") from None
+    if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
+        got = meta.get("format_version") if isinstance(meta, dict) else type(meta).__name__
+        raise HeadFileError(f"{path}: unsupported head format version {got!r}")
     return meta
 
 

@@ -12,16 +12,19 @@ argument errors import nothing heavy; Prefect, MLflow and torch load only once a
   eagle-heads monitor --metrics-url URL --target models:/name/version [--once] [--interval S] [--window S]
                       [--ratio R] [--sustain S] [--config F]
 Settings come from the environment (infra/settings.py): EAGLE_HOME, MLFLOW_TRACKING_URI, RAY_ADDRESS,
-PREFECT_API_URL. Exit codes: 0 success, 1 failure of the job, 2 bad arguments, bad input (traffic, target,
-config, registry name; checked before any work starts) or unreachable services.
+PREFECT_API_URL. Exit codes: 0 success; 2 bad arguments, bad input (`eagle.errors.BadInput`: arguments, files,
+URIs, settings, config values, checked by flows/preflight.py before any work starts) or unreachable services, as one
+line `eagle-heads: error: ...`; 1 a failure of the job, as one line naming the log file that holds its traceback.
 Not here: any stage logic.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import math
 import sys
 import time
 from pathlib import Path
@@ -53,11 +56,15 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--limit", type=_count, help="held-out conversations to decode (default: the preset's)")
     e.add_argument("--engine", choices=["local", "vllm"],
                    help="vllm: also serve the head in vLLM and measure tau, alpha_k and speedup there")
+    e.add_argument("--load", action="store_true",
+                   help="also sweep load in vLLM (evaluate.load: concurrency levels x K values, vLLM's own load "
+                        "client) and derive the K schedule; the default preset's levels when the preset has none")
     s = sub.add_parser("serve", help="serve a head with its target in vLLM (OpenAI-compatible server on loopback)")
     s.add_argument("--head", required=True, help="models:/name@alias, models:/name/version or a head directory")
     s.add_argument("--target", help="target directory or models:/...; default: the head's target from lineage")
     s.add_argument("--port", type=_port, help="port on 127.0.0.1 (default: a free one)")
-    s.add_argument("--k", type=_count, default=5, help="speculative tokens per verification step (default 5)")
+    s.add_argument("--k", type=_k, help="pin K speculative tokens per verification step (at most 16); default: the "
+                   "head's registered K schedule (evaluate.load), else 5")
     s.add_argument("--print-only", action="store_true",
                    help="print the equivalent vLLM and SGLang launch commands for a GPU cluster and exit")
     w = sub.add_parser("watch", help="poll the registry and announce target versions without a head")
@@ -87,7 +94,7 @@ def _number(check, rule: str, what: str = "a number of seconds"):
             value = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
-        if not check(value):
+        if not math.isfinite(value) or not check(value):
             raise argparse.ArgumentTypeError(f"{text!r}: {rule}")
         return value
 
@@ -103,6 +110,18 @@ def _port(text: str) -> int:
     value = _count(text)
     if value > 65535:
         raise argparse.ArgumentTypeError(f"{text!r}: a port is 1..65535")
+    return value
+
+
+def _k(text: str) -> int:
+    """Speculative tokens per step, 1..16. vLLM bounds `num_speculative_tokens` only below (> 0), and an EAGLE-3
+    head drafts autoregressively to any depth, but it is trained for `ttt_steps` positions (7 by default) and its
+    acceptance falls with each one past them: beyond ~2x that, every extra draft costs a head step and a verified
+    token slot and is almost never accepted. 16 also keeps K+1 verified tokens far inside any engine's context."""
+    value = _count(text)
+    if value > 16:
+        raise argparse.ArgumentTypeError(f"{text!r}: at most 16 speculative tokens per step (the head is trained for "
+                                         "7 positions; deeper drafts are almost never accepted)")
     return value
 
 
@@ -127,39 +146,44 @@ def _check_files(parser: argparse.ArgumentParser, a: argparse.Namespace) -> None
             parser.error(f"--{opt} {p}: not a file")  # traffic may be a `datasets` save_to_disk directory
 
 
-def _setup():
+def _setup(a):
+    """The settings, checked (state dir, tracking URI), and the command's preflight; Prefect's defaults only then,
+    so that a refusal leaves nothing under the state dir."""
+    from flows.preflight import preflight
     from infra.prefect_env import apply_prefect_defaults
     from infra.settings import Settings
 
-    settings = Settings.from_env()
+    settings = Settings.from_env().check()
+    preflight(a, settings)
     apply_prefect_defaults(settings)
     return settings
 
 
-def _input_errors() -> tuple[type[BaseException], ...]:
-    """Errors that mean bad input (exit 2): each names the input and what to do."""
-    from components.chat import ChatTemplateError
-    from components.monitor import MonitorError
-    from components.pipeline_config import ConfigError
-    from components.regenerate import RegenerateError
-    from components.targets import TargetError
-    from components.traffic_io import TrafficFormatError
-    from eagle.export import HeadMismatchError
-    from infra.mlflow_store import RegistryCollision
+def _refusals() -> tuple[type[BaseException], ...]:
+    """Errors that exit 2 with one line: bad input (`BadInput`: each names the input and what to do), unreachable
+    services (`ConnectionError`), an engine that cannot start (`EngineError`)."""
+    from eagle.errors import BadInput
+    from infra.vllm_server import EngineError
 
-    return (TrafficFormatError, ConfigError, TargetError, RegistryCollision, RegenerateError, ChatTemplateError,
-            HeadMismatchError, MonitorError)
+    return (BadInput, ConnectionError, EngineError)
 
 
-def _preflight_train(a, settings) -> None:
-    """Bad input and unreachable services fail here, in seconds, before the flow starts or writes anything."""
-    from components.pipeline_config import PipelineConfig
-    from flows.train_head import check_inputs
-    from infra.mlflow_health import probe_tracking
+def _log_failure(a, settings) -> str:
+    """Write the current exception's traceback to `<state>/logs/<command>-<time>.log` (or the temp dir when the
+    state dir is unusable) and return its path."""
+    import tempfile
+    import traceback
 
-    cfg = PipelineConfig.load(a.config, a.preset)
-    check_inputs(a.target, a.traffic, a.heldout, cfg, settings)
-    probe_tracking(settings)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for folder in ([settings.state_dir / "logs"] if settings else []) + [Path(tempfile.gettempdir())]:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            path = folder / f"eagle-heads-{a.command}-{stamp}.log"
+            path.write_text(traceback.format_exc())
+            return str(path)
+        except OSError:
+            continue
+    return "(no log: nowhere writable)"
 
 
 def _quiet_prefect() -> None:
@@ -185,7 +209,9 @@ def _resolve_head(a, settings) -> tuple[str, str, dict]:
     target = a.target
     if target is None:
         if "target_name" not in lineage:
-            raise LookupError(f"{head}: the head names no target (lineage or registry tags); pass --target")
+            from eagle.errors import BadInput
+
+            raise BadInput(f"{head}: the head names no target (lineage or registry tags); pass --target")
         target = f"models:/{lineage['target_name']}/{lineage['target_version']}"
     if target.startswith("models:/"):
         store = store or MlflowStore.connect(settings)
@@ -194,6 +220,7 @@ def _resolve_head(a, settings) -> tuple[str, str, dict]:
 
 
 def _evaluate(a, settings) -> dict:
+    import dataclasses
     from dataclasses import asdict
 
     from components.evaluate import evaluate
@@ -204,7 +231,13 @@ def _evaluate(a, settings) -> dict:
              **{k: v for k, v in (("limit", a.limit), ("engine", a.engine)) if v is not None}}
     cfg = override_values(PipelineConfig.preset(a.preset).evaluate, given, "command line", "evaluate")
     out = settings.state_dir / "evaluations" / time.strftime("%Y%m%d-%H%M%S")
-    res = asdict(evaluate(cfg, target, head, a.traffic, str(out), trust_remote_code=settings.trust_remote_code))
+    try:
+        res = asdict(evaluate(cfg, target, head, a.traffic, str(out), trust_remote_code=settings.trust_remote_code))
+    except BaseException:
+        for folder in (out, out.parent):  # a refusal leaves no empty evaluation folder behind
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        raise
     if cfg.engine == "vllm":
         from components.engine_eval import evaluate_in_vllm, our_outputs
         from components.serve import servable_head
@@ -212,6 +245,14 @@ def _evaluate(a, settings) -> dict:
         served = servable_head(head, target, settings.state_dir / "servable", settings.trust_remote_code)
         res["vllm"] = asdict(evaluate_in_vllm(cfg, target, str(served), a.traffic, str(out / "vllm"), settings,
                                               ours=our_outputs(res["report_file"])))
+    if getattr(a, "load", False):
+        from components.load_sweep import load_sweep
+        from components.serve import servable_head
+
+        if not cfg.load.enabled:
+            cfg = dataclasses.replace(cfg, load=PipelineConfig.preset("default").evaluate.load)
+        served = servable_head(head, target, settings.state_dir / "servable", settings.trust_remote_code)
+        res["load"] = asdict(load_sweep(cfg, target, str(served), a.traffic, str(out / "load"), settings))
     return res
 
 
@@ -229,18 +270,24 @@ def _serve(a, settings) -> int:
     head, target, lineage = _resolve_head(a, settings)
     served = servable_head(head, target, settings.state_dir / "servable", settings.trust_remote_code)
     name = lineage.get("target_name") or Path(target).name
-    spec = EngineSpec(target, str(served), method="eagle3", num_speculative_tokens=a.k,
-                      max_model_len=min(target_context(target), 4096), served_model_name=name)
+    schedule = None if a.k else _registered_schedule(a.head, settings)
+    k = a.k or (max(max(r[2] for r in schedule), 1) if schedule else 5)
+    spec = EngineSpec(target, str(served), method="eagle3", num_speculative_tokens=k,
+                      max_model_len=min(target_context(target), 4096), served_model_name=name,
+                      k_schedule=tuple(tuple(r) for r in schedule) if schedule else None)
     if served != Path(head):
         print(f"serve: {head} predates the engine format; serving its lossless re-export {served}")
+    how = (f"the registered K schedule {json.dumps(schedule)} ([first batch size, last, K]; K 0: no drafts)"
+           if schedule else f"{k} speculative tokens" + ("" if a.k else " (no K schedule registered)"))
     if a.print_only:
         cmds = launch_commands(spec, a.port or 8000)
-        print(f"# vLLM (GPU; copy {served} and {target} to the cluster first)\n{cmds['vllm']}")
-        print(f"# SGLang\n{cmds['sglang']}")
+        print(f"# vLLM with {how} (GPU; copy {served} and {target} to the cluster first)\n{cmds['vllm']}")
+        sglang_note = (f"; SGLang has no per-batch-size K: it runs K {k} at every load (pass --k for the K of "
+                       "your typical concurrency)" if schedule else "")
+        print(f"# SGLang{sglang_note}\n{cmds['sglang']}")
         return 0
     signal.signal(signal.SIGTERM, _interrupt)  # `kill PID` stops the engine as Ctrl-C does
-    print(f"serve: starting vLLM with {a.head} ({a.k} speculative tokens); log under {settings.state_dir / 'vllm'}",
-          flush=True)
+    print(f"serve: starting vLLM with {a.head} ({how}); log under {settings.state_dir / 'vllm'}", flush=True)
     with VllmServer(spec, settings, port=a.port) as srv:
         print(f"serve: ready at {srv.base_url}/v1 (model {name!r}); try\n  curl {srv.base_url}/v1/chat/completions "
               f"-H 'Content-Type: application/json' -d '{{\"model\": \"{name}\", \"messages\": "
@@ -250,6 +297,19 @@ def _serve(a, settings) -> int:
             time.sleep(1.0)
         print(f"eagle-heads: error: vLLM stopped: {srv.last_error()} (log: {srv.log_path})", file=sys.stderr)
         return 1
+
+
+def _registered_schedule(uri: str, settings) -> list[list[int]] | None:
+    """The `k_schedule` tag of a registered head version (None: a directory, or no load sweep registered)."""
+    if not uri.startswith("models:/"):
+        return None
+    from infra.mlflow_store import MlflowStore, parse_model_uri
+
+    store = MlflowStore.connect(settings)
+    name, version, alias = parse_model_uri(uri)
+    ref = store.get_version(name, version) if version is not None else store.get_alias(name, alias or "")
+    text = ref.tags.get("k_schedule") if ref else None
+    return json.loads(text) if text else None
 
 
 def _monitor(a, settings) -> int:
@@ -303,6 +363,11 @@ def _evaluate_command(a, settings) -> int:
         print(f"evaluate (vLLM): tau={v['tau']:.2f} speedup={_speed_text(v)} "
               f"identical={v['identical_to_plain'] and v['identical_to_ours'] is not False} "
               f"alpha={' '.join(f'{x:.2f}' for x in v['acceptance'])}")
+    if "load" in res:
+        w = res["load"]
+        at = " ".join(f"{c}:{x:.2f}x" for c, x in w["speedup_at"].items())
+        print(f"evaluate (vLLM, load): speedup by concurrency {at}; crossover={w['crossover']} "
+              f"schedule={json.dumps(w['schedule'])} (plot {w['plot_file']})")
     return 0
 
 
@@ -323,13 +388,7 @@ NEEDS_PREFECT = {"demo", "train", "watch"}  # commands that run flows
 
 
 def _run_command(a, settings) -> int:
-    """Preflight (bad input and unreachable services fail in seconds), then the command."""
-    if a.command in ("demo", "watch"):
-        from infra.mlflow_health import probe_tracking
-
-        probe_tracking(settings)
-    if a.command == "train":
-        _preflight_train(a, settings)
+    """The command, its preflight passed (flows/preflight.py, from `_setup`)."""
     if a.command in NEEDS_PREFECT:
         from infra.prefect_env import start_local_api
 
@@ -337,29 +396,26 @@ def _run_command(a, settings) -> int:
     return COMMANDS[a.command](a, settings)
 
 
-def main(argv: list[str] | None = None) -> int:
-    from infra.vllm_server import EngineError
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split("\n")).strip() or type(e).__name__
 
+
+def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     a = parser.parse_args(argv)
     _check_files(parser, a)
+    settings = None
     try:
-        settings = _setup()
-    except ValueError as e:  # a malformed setting in the environment
-        print(f"eagle-heads: error: {e}", file=sys.stderr)
-        return 2
-    try:
+        settings = _setup(a)
         return _run_command(a, settings)
     except KeyboardInterrupt:
         return 130
-    except (ConnectionError, FileNotFoundError, LookupError, EngineError) as e:
-        print(f"eagle-heads: error: {e}", file=sys.stderr)
+    except _refusals() as e:
+        print(f"eagle-heads: error: {_one_line(e)}", file=sys.stderr)
         return 2
-    except _input_errors() as e:
-        print(f"eagle-heads: error: {e}", file=sys.stderr)
-        return 2
-    except Exception as e:  # the job failed: one clear line, the traceback is in the logs above
-        print(f"eagle-heads: {a.command} failed: {type(e).__name__}: {e}", file=sys.stderr)
+    except Exception as e:  # the job failed, or a bug: one line here, the traceback in a log file
+        print(f"eagle-heads: {a.command} failed: {type(e).__name__}: {_one_line(e)[:500]} (traceback: "
+              f"{_log_failure(a, settings)})", file=sys.stderr)
         return 1
 
 

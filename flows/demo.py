@@ -47,8 +47,9 @@ def _row(label: str, s: HeadRun) -> str:
     tau_vllm = f"{s.tau_vllm:.2f}" if s.tau_vllm is not None else "-"
     tau_raw = f"{s.tau_raw:.2f}" if s.tau_raw is not None else "-"
     vllm = _speedup(*served_speedup(s)) if (s.vllm is not None or s.speedup_vllm is not None) else "-"
+    cross = "-" if s.k_schedule is None else (str(s.crossover) if s.crossover is not None else "none")
     return (f"{label:<28} {s.head_uri:<36} {s.alias:<10} {s.tau:>5.2f} {tau_raw:>7} {tau_vllm:>9} "
-            f"{_speedup(s.speedup, not s.speedup_note):>8} {vllm:>9} {ident:>9}  {alpha}")
+            f"{_speedup(s.speedup, not s.speedup_note):>8} {vllm:>9} {cross:>9} {ident:>9}  {alpha}")
 
 
 @flow(name="demo", log_prints=True)
@@ -80,8 +81,10 @@ def demo(preset: str = "default", embedded_preset: str = "default", target_name:
     ident = "yes" if r2.identical else "no"
     table = ["results (held-out traffic, greedy, outputs checked identical to plain decoding):",
              f"{'target':<28} {'head':<36} {'alias':<10} {'tau':>5} {'tau_raw':>7} {'tau(vLLM)':>9} {'speedup':>8} "
-             f"{'sp(vLLM)':>9} {'identical':>9}  alpha_1..k",
-             "(speedup: median of interleaved rounds, ours and in vLLM; '?' marks a figure whose rounds disagreed)",
+             f"{'sp(vLLM)':>9} {'crossover':>9} {'identical':>9}  alpha_1..k",
+             "(speedup: median of interleaved rounds, ours and in vLLM, one request at a time; '?' marks a figure whose "
+             "rounds disagreed; crossover: the first concurrency where plain decoding out-serves the head in vLLM, "
+             "where the registered K schedule stops drafting)",
              _row(f"{target_name} v{base.version} (base)", r1),
              _row(f"{target_name} v{tuned.version} (fine-tune)", r2),
              *([] if served_speedup(r2)[1] else ["the served speedup below is unreliable (its rounds disagreed): "

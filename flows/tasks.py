@@ -91,3 +91,12 @@ def engine_eval_task(cfg: EvaluateConfig, target_dir: str, head_dir: str, heldou
 
     return evaluate_in_vllm(cfg, target_dir, head_dir, heldout, out_dir, settings, ours=our_outputs(local_report),
                             baseline_head_dir=baseline_head_dir)
+
+
+@task(name="load-sweep", cache_policy=CACHE - "settings", persist_result=True, retries=1, retry_delay_seconds=5,
+      retry_condition_fn=transient)
+def load_sweep_task(cfg: EvaluateConfig, target_dir: str, head_dir: str, heldout: str, out_dir: str, settings):
+    """Throughput by concurrency in vLLM (plain, each K, the derived schedule) with vLLM's own load client."""
+    from components.load_sweep import load_sweep
+
+    return load_sweep(cfg, target_dir, head_dir, heldout, out_dir, settings)

@@ -34,11 +34,12 @@ from components.regenerate import RegenerateResult
 from components.register import (HeadToRegister, RegisteredRun, RegisterResult, TargetRef, check_head_name,
                                  head_model_name, identical_of, register_head, register_target, registered_run,
                                  tag_float)
-from components.targets import TargetError, check_target, weights_sha256
+from components.targets import weights_sha256
 from components.train import CHOICE_KEYS, TrainResult
-from components.traffic_io import TrafficFormatError, load_traffic, traffic_sha256
-from flows.tasks import (engine_eval_task, evaluate_task, extract_task, fresh_if_missing, regenerate_task, train_task,
-                         transient)
+from components.traffic_io import traffic_sha256
+from flows.preflight import check_inputs
+from flows.tasks import (engine_eval_task, evaluate_task, extract_task, fresh_if_missing, load_sweep_task,
+                         regenerate_task, train_task, transient)
 from infra.locks import target_lock
 from infra.metrics_sink import MlflowSink
 from infra.mlflow_health import store_errors
@@ -71,6 +72,8 @@ class HeadRun:
     work_dir: str
     init_from: str | None  # the head a warm-started run began from
     speedup_note: str = ""  # why the local speedup is unreliable ("" when it is reliable)
+    crossover: int | None = None  # first concurrency where plain decoding wins in vLLM (None: not measured/none)
+    k_schedule: list[list[int]] | None = None  # vLLM's num_speculative_tokens_per_batch_size from the load sweep
 
     @classmethod
     def from_registered(cls, done: RegisteredRun, work: Path) -> HeadRun:
@@ -84,40 +87,15 @@ class HeadRun:
                    speedup_vllm=tag_float(v.tags, "speedup_vllm"), identical=identical_of(v),
                    acceptance=[float(a) for a in v.tags.get("acceptance", "").split()], per_segment=None, vllm=None,
                    train=None, regenerate=None, extract=None, created=False, work_dir=str(work),
-                   init_from=v.tags.get("init_from"), speedup_note=v.tags.get("speedup_note", ""))
+                   init_from=v.tags.get("init_from"), speedup_note=v.tags.get("speedup_note", ""),
+                   crossover=int(v.tags["crossover"]) if v.tags.get("crossover", "none").isdigit() else None,
+                   k_schedule=json.loads(v.tags["k_schedule"]) if "k_schedule" in v.tags else None)
 
 
 @task(name="register", retries=2, retry_delay_seconds=3, retry_condition_fn=transient)
 def register_task(settings: Settings, cfg, head: HeadToRegister) -> RegisterResult:
     with store_errors(settings, f"registering the head of run {head.run_key[:12]}"):
         return register_head(MlflowStore.connect(settings), cfg, head)
-
-
-def _check_traffic(path: str, what: str) -> None:
-    try:
-        load_traffic(path)
-    except TrafficFormatError as e:
-        hint = ("give JSONL, Parquet, Arrow or a datasets save_to_disk directory with at least one conversation"
-                if e.line == 0 else f"fix or remove {e.unit} {e.line} (each {e.unit}: an OpenAI `messages` or "
-                "ShareGPT `conversations` record)")
-        raise TrafficFormatError(e.path, e.line, f"{e.reason} ({what}; {hint})", e.unit) from None
-
-
-def check_inputs(target: str, traffic: str, heldout: str, cfg: PipelineConfig, settings: Settings) -> None:
-    """Refuse bad input before anything is written: traffic files, a target directory, a Ray address in use."""
-    _check_traffic(traffic, "training traffic")
-    _check_traffic(heldout, "held-out traffic")
-    if not target.startswith("models:/"):
-        check_target(target, settings.trust_remote_code)
-    else:
-        try:
-            parse_model_uri(target)
-        except ValueError as e:
-            raise TargetError(f"{e}; pass a model directory or a registered target version") from None
-    if cfg.train.ray.num_workers > 0 and settings.ray_address:
-        from infra.ray_cluster import probe_ray
-
-        probe_ray(settings)
 
 
 def resolve_target(store: MlflowStore, target: str, name: str | None = None,
@@ -243,6 +221,11 @@ def _run(cfg: PipelineConfig, settings: Settings, store: MlflowStore, tref: Targ
                 cfg.evaluate, tref.path, tr.head_dir, heldout, str(Path(eval_dir) / "vllm"), ev.report_file, settings,
                 champ_dir if cfg.register.gate_tau == "engine" else None)
             metrics.update(engine.metrics())
+        sweep = None
+        if cfg.evaluate.engine == "vllm" and cfg.evaluate.load.enabled:  # throughput by load, the K schedule
+            sweep = fresh_if_missing(load_sweep_task, Path(eval_dir) / "load" / "load_sweep.json")(
+                cfg.evaluate, tref.path, tr.head_dir, heldout, str(Path(eval_dir) / "load"), settings)
+            metrics.update(sweep.metrics())
         head = HeadToRegister(head_dir=tr.head_dir, target=tref, traffic_sha256=traffic_sha256(traffic),
                               run_key=key, run_id=run_id, metrics=metrics, champion_tau=ev.baseline_tau,
                               evaluation_dir=eval_dir, params={"config": cfg.to_dict()},
@@ -250,14 +233,16 @@ def _run(cfg: PipelineConfig, settings: Settings, store: MlflowStore, tref: Targ
                               champion_tau_engine=engine.baseline_tau if engine else None,
                               checkpoint={k: getattr(tr, k, None) for k in CHOICE_KEYS},
                               notes={"speedup_note": ev.speedup_note,
-                                     "speedup_vllm_note": engine.speedup_note if engine else ""})
+                                     "speedup_vllm_note": engine.speedup_note if engine else "",
+                                     **(sweep.tags() if sweep else {})})
         reg = register_task(settings, cfg.register, head)
     summary = HeadRun(head_uri=reg.uri, alias=reg.alias, promoted=reg.promoted, gate=reg.reason, tau=ev.tau,
                       tau_raw=ev.tau_raw, tau_vllm=engine.tau if engine else None, speedup=ev.speedup,
                       speedup_vllm=engine.speedup if engine else None, identical=ev.identical,
                       acceptance=ev.acceptance, per_segment=ev.per_segment, vllm=engine, train=tr, regenerate=regen,
                       extract=ext, created=True, work_dir=str(work), init_from=parent.uri if parent else None,
-                      speedup_note=ev.speedup_note)
+                      speedup_note=ev.speedup_note, crossover=sweep.crossover if sweep else None,
+                      k_schedule=sweep.schedule if sweep else None)
     atomic_write_text(work / "summary.json", json.dumps(asdict(summary), indent=2, default=str) + "\n")
     print(f"registered {reg.uri} as {reg.alias}: {reg.reason}")
     return summary

@@ -22,11 +22,11 @@ from typing import Callable
 from prefect import flow
 
 from components.monitor import EVENT, Monitor, WindowReport, baseline_of
-from components.pipeline_config import PipelineConfig
+from components.pipeline_config import PipelineConfig, monitor_config
 from infra.mlflow_store import MlflowStore, parse_model_uri
 from infra.prefect_env import emit_event
 from infra.settings import Settings
-from infra.vllm_server import SpecCounters, read_metrics
+from infra.vllm_server import EngineError, SpecCounters, read_metrics, running_requests
 
 
 def open_monitor(metrics_url: str, target: str, cfg: PipelineConfig, settings: Settings) -> Monitor:
@@ -38,9 +38,26 @@ def open_monitor(metrics_url: str, target: str, cfg: PipelineConfig, settings: S
     return Monitor(cfg.monitor, state, baseline)
 
 
+def scrape(metrics_url: str) -> tuple[SpecCounters, float | None]:
+    """vLLM's counters at `metrics_url`; `EngineError` (one line) for a page that is not vLLM's, a server that speaks
+    another protocol, or a counter that is not a finite number (`NaN`)."""
+    import http.client
+
+    try:
+        text = read_metrics(metrics_url)
+        return SpecCounters.parse(text), running_requests(text)
+    except http.client.HTTPException as e:
+        raise EngineError(f"cannot read {metrics_url}: not an HTTP answer ({type(e).__name__}): is this a vLLM "
+                          "server's /metrics?") from None
+    except (ValueError, OverflowError, IndexError) as e:
+        raise EngineError(f"{metrics_url}: a spec-decode counter is not a finite number ({e}): is this a vLLM "
+                          "server's /metrics?") from None
+
+
 def check_acceptance(monitor: Monitor, metrics_url: str, say: Callable[[str], None] = print) -> WindowReport:
     """One scrape: read the counters, judge the window, announce a drop once. Raises EngineError (no vLLM there)."""
-    report = monitor.observe(SpecCounters.parse(read_metrics(metrics_url)), time.time())
+    counters, running = scrape(metrics_url)
+    report = monitor.observe(counters, time.time(), running)
     say(report.line())
     if report.verdict == "dropped":
         name, version, _ = parse_model_uri(report.baseline.target)
@@ -52,12 +69,6 @@ def check_acceptance(monitor: Monitor, metrics_url: str, say: Callable[[str], No
         else:
             say(f"{EVENT} for {report.baseline.target} not sent (no Prefect API); the next scrape tries again")
     return report
-
-
-def monitor_config(preset: str, config_path: str | None, **overrides) -> PipelineConfig:
-    """The pipeline config with the `monitor` values given (None: keep the config's), checked like a file's."""
-    values = {k: v for k, v in overrides.items() if v is not None}
-    return PipelineConfig.load(config_path, preset).override({"monitor": values}, where="command line")
 
 
 @flow(name="watch-acceptance", log_prints=True)
@@ -79,8 +90,6 @@ def watch_acceptance(metrics_url: str, target: str, scrapes: int = 1, preset: st
 
 def monitor_forever(monitor: Monitor, metrics_url: str, once: bool, say: Callable[[str], None] = print) -> int:
     """The CLI's loop: a scrape every `interval_s`; a failed scrape is one line (and exit 1 with `once`)."""
-    from infra.vllm_server import EngineError
-
     while True:
         try:
             check_acceptance(monitor, metrics_url, say)

@@ -43,7 +43,9 @@ from mlflow.entities import Metric, Param
 from mlflow.exceptions import MlflowException
 from mlflow.utils.validation import MAX_METRICS_PER_BATCH, MAX_PARAMS_TAGS_PER_BATCH
 
+from eagle.errors import BadInput
 from infra.mlflow_health import TrackingUnreachable, probe_http  # noqa: F401  (callers import them from here)
+from infra.model_uri import lookup, parse_model_uri  # noqa: F401  (callers import parse_model_uri from here)
 from infra.settings import Settings, redact_uri
 
 logger = logging.getLogger(__name__)
@@ -58,10 +60,9 @@ REGISTER_ATTEMPTS = 7  # a server that does not answer: tried again 1, 2, 4, 8, 
 REGISTER_FIRST_DELAY_S = 1.0
 
 _TAG_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*$")
-_MODEL_URI = re.compile(r"^models:/(?P<name>[^@]+?)(?:/(?P<version>\d+)|@(?P<alias>[A-Za-z0-9_-]+))$")
 
 
-class RegistryCollision(ValueError):
+class RegistryCollision(BadInput):
     """A registered model of that name exists but holds something else than what is being registered."""
 
 
@@ -86,15 +87,6 @@ class RegisteredModelRef:
     name: str
     tags: Mapping[str, str] = field(default_factory=dict)
     aliases: Mapping[str, int] = field(default_factory=dict)  # alias -> version
-
-
-def parse_model_uri(uri: str) -> tuple[str, int | None, str | None]:
-    """`models:/name/3` -> (name, 3, None); `models:/name@champion` -> (name, None, 'champion')."""
-    match = _MODEL_URI.match(uri)
-    if not match:
-        raise ValueError(f"{uri!r} is not a model URI of the form models:/<name>/<version> or models:/<name>@<alias>")
-    version = match["version"]
-    return match["name"], int(version) if version else None, match["alias"]
 
 
 def _quoted(value: str, what: str) -> str:
@@ -394,24 +386,16 @@ class MlflowStore:
         Versions are immutable, so a version already downloaded under `dst_root` (default: the state dir's
         `models/`) is reused. The download lands in a temporary sibling and is renamed into place.
         """
-        name, version, alias = parse_model_uri(uri)
-        if version is None:
-            ref = self.get_alias(name, alias)
-            if ref is None:
-                raise LookupError(f"{uri}: registered model {name!r} has no alias {alias!r}")
-            version = ref.version
+        name, version, _ = parse_model_uri(uri)
         store_key = hashlib.sha256(self.tracking_uri.encode()).hexdigest()[:8]
         safe_name = re.sub(r"[^A-Za-z0-9._-]", "_", name).lstrip(".") or "_"
-        dest = Path(dst_root or self.settings.models_dir) / store_key / safe_name / str(version)
+        versions = Path(dst_root or self.settings.models_dir) / store_key / safe_name
+        if version is None or not (versions / str(version)).is_dir():
+            version = lookup(self.client, uri, redact_uri(self.tracking_uri))  # UnknownModel: which part is missing
+        dest = versions / str(version)
         if dest.is_dir():
             return dest
-        try:
-            download_uri = self.client.get_model_version_download_uri(name, str(version))
-        except MlflowException as err:
-            if err.error_code != "RESOURCE_DOES_NOT_EXIST":
-                raise
-            raise LookupError(f"{uri}: no such registered model version in {redact_uri(self.tracking_uri)}; "
-                              "check the name and version (`python -m infra.mlflow_store` lists the models)") from None
+        download_uri = self.client.get_model_version_download_uri(name, str(version))
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{version}.partial-", dir=dest.parent))
         try:

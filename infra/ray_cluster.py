@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Mapping, Sequence
 from urllib.parse import urlsplit
 
+from eagle.errors import BadInput
 from infra.quiet import quiet_env
 from infra.settings import Settings
 
@@ -121,7 +122,7 @@ def probe_ray(settings: Settings, timeout_s: float = 5.0) -> None:
         _probe(settings.ray_address, timeout_s)
 
 
-class StorageNotShared(ValueError):
+class StorageNotShared(BadInput):
     """Training workers may run on several hosts, and a local path they all need is not seen by every host."""
 
 

@@ -18,6 +18,9 @@ entry) and passed down. This is the only module of the project that reads enviro
                                 read so that `describe()` can say they are set; never printed (`repr` redacts)
 
 Run: `python -m infra.settings` prints the resolved settings (credentials redacted).
+`Settings.check()` refuses a state dir that is a file or cannot be written, and a tracking URI of a scheme MLflow
+does not know or a SQLite file in a directory that does not exist (`BadSetting`, one line); `check_http_url` is the
+one rule for the URLs we connect to (http or https, with a host and a valid port).
 Not here: starting anything, creating directories (the adapters do that when they connect).
 MLflow and Prefect read their own credential variables themselves; these fields do not feed them.
 """
@@ -26,16 +29,27 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 from urllib.parse import urlsplit, urlunsplit
+
+from eagle.errors import BadInput
 
 BIND_HOST = "127.0.0.1"  # servers we start (Prefect, MLflow) listen on loopback; Ray cannot: see ray_cluster
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"", "0", "false", "no", "off"}
 _SECRET_FIELDS = ("mlflow_tracking_token", "mlflow_tracking_username", "mlflow_tracking_password", "prefect_api_key")
+# MLflow's tracking stores: a directory (file), SQLAlchemy databases (`dialect+driver://`), a server, Databricks
+_TRACKING_SCHEMES = {"", "file", "sqlite", "postgresql", "mysql", "mssql", "http", "https", "databricks",
+                     "databricks-uc", "uc"}
+
+
+class BadSetting(BadInput):
+    """A setting in the environment that cannot work (a malformed value, an unknown scheme, a state dir that is a
+    file); the message names the variable."""
 
 
 def redact_uri(uri: str | None) -> str | None:
@@ -56,7 +70,7 @@ def _flag(env: Mapping[str, str], name: str) -> bool:
         return True
     if raw in _FALSE:
         return False
-    raise ValueError(f"{name}={env[name]!r} is not a boolean: use 1/0, true/false, yes/no or on/off")
+    raise BadSetting(f"{name}={env[name]!r} is not a boolean: use 1/0, true/false, yes/no or on/off")
 
 
 def _get(env: Mapping[str, str], name: str) -> str | None:
@@ -64,10 +78,52 @@ def _get(env: Mapping[str, str], name: str) -> str | None:
     return value or None
 
 
+def _not_writable(folder: Path) -> str | None:
+    """Why nothing can be created in `folder`, or None: an empty directory is made and removed again (`os.access`
+    says yes to root on a read-only mount or in /proc)."""
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".eagle-write-check-", dir=folder))
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
+
+
 def is_local_tracking_uri(uri: str) -> bool:
     """True for URIs whose store is a file on this machine (sqlite, file, a bare path)."""
     scheme = urlsplit(uri).scheme
     return scheme in ("", "file", "sqlite") or len(scheme) == 1  # one letter: a Windows drive
+
+
+def http_url_problem(url: str) -> str | None:
+    """What is wrong with `url` as an http(s)://HOST[:PORT][/path] URL, or None when nothing is."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port  # a port that is not a number in 0..65535 raises here
+    except ValueError as e:
+        return f"not a URL ({e})"
+    if parts.scheme not in ("http", "https"):
+        got = f"not {parts.scheme}://" if parts.scheme else "and the scheme is missing"
+        return f"only http:// and https:// URLs are accepted, {got}"
+    if not parts.hostname:
+        return "no host; give http://HOST:PORT/..."
+    return "port 0 is not a port to connect to" if port == 0 else None
+
+
+def check_http_url(url: str, what: str) -> str:
+    """`url` when it is an http(s) URL with a host; else `BadInput` naming `what` and the part that is wrong."""
+    problem = http_url_problem(url)
+    if problem:
+        raise BadInput(f"{what} {url!r}: {problem}")
+    return url
+
+
+def _check_sqlite_dir(uri: str, default: str) -> None:
+    """A sqlite URI whose directory does not exist would silently start a new, empty registry: refused (but the
+    default store under the state dir, which is made on first use)."""
+    path = Path(uri[len("sqlite:///"):]).expanduser() if uri.startswith("sqlite:///") else None
+    if path is not None and uri != default and not path.parent.is_dir():
+        raise BadSetting(f"MLFLOW_TRACKING_URI={uri!r}: the directory {path.parent} does not exist; fix the path "
+                         "(a new store needs its directory created first) or unset it for the default store")
 
 
 @dataclass(frozen=True, repr=False)
@@ -131,6 +187,31 @@ class Settings:
     def models_dir(self) -> Path:
         """Where registered model versions are downloaded to (one directory per name and version)."""
         return self.state_dir / "models"
+
+    def check(self) -> Settings:
+        """Self, when the state dir can be written and the tracking URI names a store MLflow knows; else
+        `BadSetting` naming the variable. Writes nothing."""
+        home, probe = self.state_dir, self.state_dir
+        if home.exists() and not home.is_dir():
+            raise BadSetting(f"EAGLE_HOME={home}: a file, not a directory; point EAGLE_HOME at a directory")
+        while not probe.exists():
+            probe = probe.parent
+        why = _not_writable(probe) if probe.is_dir() else "not a directory"
+        if why:
+            raise BadSetting(f"EAGLE_HOME={home}: {probe} is not writable ({why}); point EAGLE_HOME at a writable "
+                             "directory")
+        uri = self.mlflow_tracking_uri
+        scheme = uri.partition("://")[0].split("+")[0].lower() if "://" in uri else urlsplit(uri).scheme
+        problem = http_url_problem(uri) if scheme in ("http", "https") else None
+        if scheme not in _TRACKING_SCHEMES and len(scheme) != 1:
+            problem = (f"unknown scheme {scheme}://; use sqlite:///PATH, http(s)://HOST:PORT (a tracking server), a "
+                       "database URI (postgresql://, mysql://, mssql://) or a directory; unset it for the local store "
+                       "under EAGLE_HOME")
+        if problem:
+            shown = redact_uri(uri) if "@" not in uri or not problem.startswith("not a URL") else "(credentials)@..."
+            raise BadSetting(f"MLFLOW_TRACKING_URI={shown!r}: {problem}")
+        _check_sqlite_dir(uri, f"sqlite:///{home / 'mlflow.db'}")
+        return self
 
     def describe(self) -> dict[str, str]:
         """Printable summary: URIs with credentials redacted, secrets only as 'set'/'unset'."""

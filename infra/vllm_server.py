@@ -56,6 +56,10 @@ class EngineSpec:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     cpu_memory_share: float = 0.25  # vLLM's CPU build reads --gpu-memory-utilization as a share of host memory
     extra_args: tuple[str, ...] = field(default_factory=tuple)
+    # vLLM's `num_speculative_tokens_per_batch_size`: (first batch size, last batch size, K) ranges, K 0 = no drafts
+    # there; each K is capped at `num_speculative_tokens` (components/load_sweep.py derives it from measurement)
+    k_schedule: tuple[tuple[int, int, int], ...] | None = None
+    env: tuple[tuple[str, str], ...] = ()  # more environment of the engine (e.g. PYTHONPATH of a connector plugin)
 
     def __post_init__(self) -> None:
         if self.method == "eagle3" and not self.head_dir:
@@ -71,7 +75,11 @@ class EngineSpec:
         if self.method == "ngram":
             return {"method": "ngram", "num_speculative_tokens": self.num_speculative_tokens,
                     "prompt_lookup_max": 4, "prompt_lookup_min": 1}
-        return {"method": "eagle3", "model": str(self.head_dir), "num_speculative_tokens": self.num_speculative_tokens}
+        spec: dict[str, Any] = {"method": "eagle3", "model": str(self.head_dir),
+                                "num_speculative_tokens": self.num_speculative_tokens}
+        if self.k_schedule:
+            spec["num_speculative_tokens_per_batch_size"] = [list(r) for r in self.k_schedule]
+        return spec
 
     def resolved_device(self) -> str:
         if self.device != "auto":
@@ -140,6 +148,7 @@ class VllmServer:
         env = {**os.environ, "VLLM_CONFIGURE_LOGGING": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
         env.pop("PYTHONPATH", None)  # our venv's packages must not shadow vLLM's pinned ones
+        env.update(dict(self.spec.env))
         cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", *self.spec.server_args(self.port)]
         with open(self.log_path, "w") as log:
             log.write("$ " + " ".join(shlex.quote(c) for c in cmd) + "\n")
@@ -237,6 +246,13 @@ class VllmServer:
 
     def spec_counters(self) -> "SpecCounters":
         return SpecCounters.parse(self.metrics_text())
+
+
+def running_requests(text: str) -> float | None:
+    """`vllm:num_requests_running` summed over engines (the load at the moment of the scrape); None when absent."""
+    values = [float(ln.rpartition(" ")[2]) for ln in text.splitlines()
+              if ln.startswith("vllm:num_requests_running") and not ln.startswith("#")]
+    return sum(values) if values else None
 
 
 def read_metrics(url: str, timeout_s: float = 10.0) -> str:

@@ -9,6 +9,8 @@ the expensive ones are made once per session:
     ray_local        a local Ray (2 CPUs, no dashboard, auth disabled)             (session, ~5-9 s)
     prefect_harness  prefect_test_harness(server_startup_timeout=120), with Prefect's home under a tmp dir
                                                                                     (session, ~15-20 s)
+    tiny_embedded    the embedded default at `EmbeddedConfig.tiny()`                (session, ~5-10 s)
+    engine_target    the same trained 400 steps: what the engine tests serve in vLLM (session, ~20-30 s)
 Run: `python -m pytest tests/` (the fixtures are found by pytest).
 Not here: assertions. Heavy libraries are imported inside the fixtures, never at module scope.
 """
@@ -86,6 +88,20 @@ def tiny_embedded(tmp_path_factory: pytest.TempPathFactory):
     from components.embedded.config import EmbeddedConfig
 
     return build_embedded(EmbeddedConfig.tiny(), tmp_path_factory.mktemp("embedded"), progress=False)
+
+
+@pytest.fixture(scope="session")
+def engine_target(tmp_path_factory: pytest.TempPathFactory):
+    """The tiny embedded default (head_dim 32: vLLM's CPU attention takes it) trained 400 steps (~20 s) so that
+    greedy outputs vary with the prompt; built once per session for every test that serves it in vLLM."""
+    import dataclasses
+
+    from components.embedded.build import build_embedded
+    from components.embedded.config import EmbeddedConfig
+
+    c = EmbeddedConfig.tiny()
+    c = dataclasses.replace(c, train=dataclasses.replace(c.train, steps=400))
+    return build_embedded(c, tmp_path_factory.mktemp("engine-embedded"), progress=False)
 
 
 @pytest.fixture(autouse=True)

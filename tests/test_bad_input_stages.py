@@ -253,7 +253,8 @@ def test_target_name_taken_by_a_head(mlflow_store, tiny_embedded):
 
 
 def test_unknown_registered_version(mlflow_store):
-    with pytest.raises(LookupError, match="models:/nope/3: no such registered model version"):
+    """`resolve` says which part of the URI is not in the registry (the CLI's rows: tests/test_bad_input_table.py)."""
+    with pytest.raises(LookupError, match="models:/nope/3: no registered model 'nope'"):
         mlflow_store.resolve("models:/nope/3")
 
 

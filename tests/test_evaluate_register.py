@@ -234,3 +234,15 @@ def test_the_gate_can_decide_on_the_engines_tau(mlflow_store, target_ref, head):
         register_head(mlflow_store, cfg, _head(mlflow_store, target_ref, head.head_dir, "k3", 3.5, 3.0, tau_vllm=2.5))
     with pytest.raises(ValueError, match="not measured in vLLM: set evaluate.engine"):
         register_head(mlflow_store, cfg, _head(mlflow_store, target_ref, head.head_dir, "k4", 3.5, None))
+
+
+def test_the_gate_can_require_throughput_at_the_users_concurrency(mlflow_store, target_ref, head):
+    cfg = RegisterConfig(tau_floor=1.0, gate_concurrency=8, gate_min_speedup=1.0)
+    fast = register_head(mlflow_store, cfg, _head(mlflow_store, target_ref, head.head_dir, "k1", 3.0, None,
+                                                  speedup_at_1=1.4, speedup_at_8=1.05))
+    assert fast.promoted and "at concurrency 8 it serves 1.05x plain >= 1.0" in fast.reason
+    slow = register_head(mlflow_store, cfg, _head(mlflow_store, target_ref, head.head_dir, "k2", 3.5, 3.0,
+                                                  speedup_at_1=1.5, speedup_at_8=0.8))
+    assert not slow.promoted and "0.80x plain < 1.0" in slow.reason  # a better tau, but slower under the load
+    with pytest.raises(ValueError, match="did not measure concurrency 8"):
+        register_head(mlflow_store, cfg, _head(mlflow_store, target_ref, head.head_dir, "k3", 3.5, 3.0))

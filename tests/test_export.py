@@ -11,8 +11,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 
 from eagle.config import DraftConfig, default_aux_layer_ids
 from eagle.draft import Eagle3Draft
-from eagle.export import (HeadMismatchError, export_head, fold_duplicate_aux, load_head, sglang_capture_layers,
-                          verify_probe, vllm_capture_layers)
+from eagle.export import (HeadFileError, HeadMismatchError, export_head, fold_duplicate_aux, load_head,
+                          sglang_capture_layers, verify_probe, vllm_capture_layers)
 from eagle.features import target_forward
 
 
@@ -89,7 +89,7 @@ def test_reexport_replaces_atomically_and_bad_dirs_are_refused(tmp_path):
     export_head(_head(target, vd=50), out)
     assert load_head(out, target).cfg.draft_vocab_size == 50
     assert sorted(p.name for p in tmp_path.iterdir()) == ["head"]  # no temp dirs left behind
-    with pytest.raises(FileNotFoundError, match="not an exported EAGLE-3 head"):
+    with pytest.raises(HeadFileError, match="not an exported EAGLE-3 head"):
         load_head(tmp_path)
 
 

@@ -49,6 +49,23 @@ def test_window_tau_and_alphas_follow_the_counters(tmp_path):
     assert r.window_tau == pytest.approx(3.5) and r.drafts == 40
 
 
+def test_the_window_reports_the_mean_load_beside_tau(tmp_path):
+    """`vllm:num_requests_running` at each scrape, averaged over the window: a drop of acceptance is told apart from
+    a change of load."""
+    from infra.vllm_server import running_requests
+
+    text = ('# HELP vllm:num_requests_running x\nvllm:num_requests_running{engine="0",model_name="t"} 3.0\n'
+            'vllm:num_requests_running{engine="1",model_name="t"} 2.0\n')
+    assert running_requests(text) == 5.0 and running_requests("vllm:other 1\n") is None
+    srv, m = Server(), Monitor(CFG, tmp_path / "s.json", BASE)
+    m.observe(srv.serve(0, 0), 0, running=2.0)
+    r = m.observe(srv.serve(20, 2), 10, running=6.0)
+    assert r.mean_running == pytest.approx(4.0) and "mean running requests 4.0" in r.line()
+    assert r.payload()["mean_running"] == 4.0
+    r = Monitor(CFG, tmp_path / "s.json", BASE).observe(srv.serve(20, 2), 20)  # state kept across processes
+    assert r.mean_running == pytest.approx(4.0) and r.window_tau == 3.0
+
+
 def test_sliding_window_forgets_old_readings(tmp_path):
     srv, m = Server(), Monitor(CFG, tmp_path / "s.json", BASE)
     m.observe(srv.serve(0, 0), 0)
@@ -227,7 +244,7 @@ def test_cli_says_one_line_for_a_stopped_server_and_a_non_vllm_page(registered_c
     assert "has no vLLM speculative-decoding counters" in out and "announced" not in out
     assert main(["monitor", "--metrics-url", not_vllm, "--target", "models:/tgt/2", "--once"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "models:/tgt/2 has no champion head" in err
+    assert err.count("\n") == 1 and "models:/tgt/2: registered model 'tgt' has no version 2" in err  # not "no champion"
 
 
 def dataclass_replace(obj, **changes):

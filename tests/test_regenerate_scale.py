@@ -196,18 +196,6 @@ def test_an_injected_answerer_is_refused_on_ray(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def engine_target(tmp_path_factory):
-    """The tiny embedded default (head_dim 32: vLLM's CPU attention takes it) trained 400 steps (~20 s), so greedy
-    answers vary with the prompt (as in tests/test_vllm.py)."""
-    from components.embedded.build import build_embedded
-    from components.embedded.config import EmbeddedConfig
-
-    c = EmbeddedConfig.tiny()
-    c = dataclasses.replace(c, train=dataclasses.replace(c.train, steps=400))
-    return build_embedded(c, tmp_path_factory.mktemp("regen-engine-embedded"), progress=False)
-
-
-@pytest.fixture(scope="module")
 def vllm_plain(engine_target, tmp_path_factory):
     from infra.vllm_server import EngineSpec, VllmServer, vllm_python
 

@@ -37,11 +37,14 @@ WRITE_ALLOWLIST = {  # (file, source snippet of the call) -> why it need not be 
     ("components/train_state.py", "(tmp / 'DONE').write_text"): "inside the checkpoint's temp dir, renamed whole",
     ("components/train_state.py", "torch.save"): "inside the checkpoint's temp dir, renamed whole",
     ("components/train_state.py", "save_file"): "inside a temp dir or atomic_path temp file, renamed whole",
+    ("infra/vllm_plugins/cpu_hidden_states_connector.py", "save_file"):
+        "runs inside vLLM (no project imports); readers wait on the file's lock, released after the write",
     ("components/train.py", "open(self.path, 'a')"): "appends one history line; a torn last line is dropped on read",
     ("infra/locks.py", "open(path, 'a+')"): "a lock file: its content is never read",
     ("infra/ray_cluster.py", "markers[path].write_text"): "an empty probe marker: only its existence is read",
     ("infra/vllm_server.py", "open(self.log_path, 'w')"): "the engine's log, written by the engine as it runs",
     ("infra/prefect_env.py", "open(home / 'local-api-start.lock', 'a+')"): "a lock file: its content is never read",
+    ("flows/cli.py", "path.write_text"): "a failed command's traceback log, a new file each time, read by people only",
     ("infra/mlflow_store.py", "open(Path(uri[len('sqlite:///'):]).expanduser().with_suffix('.lock'), 'a+')"):
         "a lock file: its content is never read",
 }

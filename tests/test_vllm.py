@@ -50,17 +50,6 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
-def engine_target(tmp_path_factory):
-    """The tiny embedded default trained long enough (400 steps, ~20 s) that greedy outputs vary with the prompt."""
-    from components.embedded.build import build_embedded
-    from components.embedded.config import EmbeddedConfig
-
-    c = EmbeddedConfig.tiny()
-    c = dataclasses.replace(c, train=dataclasses.replace(c.train, steps=400))
-    return build_embedded(c, tmp_path_factory.mktemp("engine-embedded"), progress=False)
-
-
-@pytest.fixture(scope="module")
 def settings(tmp_path_factory) -> Settings:
     s = Settings.local(tmp_path_factory.mktemp("engine-state") / ".eagle")
     vllm_python(s)  # a missing vLLM venv fails here with the line that says how to make it

@@ -1,0 +1,204 @@
+"""Preflight: every argument, file, URI, setting and config value a command will use, checked before it starts.
+
+Purpose: `preflight(args, settings)` runs the checks of one `eagle-heads` command before anything is started or
+written (no Prefect, no Ray, no MLflow write, no engine): files exist, are the right kind and parse (the error
+names the file); safetensors headers of every weights file of a target or head are read (the header and the
+file's size only: a truncated file is caught in milliseconds); registry names are valid for MLflow; `models:/`
+URIs parse and the model, version or alias they name exists (infra/model_uri.py); a port to serve on is free;
+URLs are http(s) with a host; output paths are writable; a GPU preset finds CUDA. Every refusal is `BadInput`
+(eagle/errors.py) or an unreachable service (`ConnectionError`), which the CLI prints as one line with exit 2.
+`check_inputs` is the train flow's own check (flows/train_head.py calls it too, so deployments get it).
+Run: through `eagle-heads ...` (flows/cli.py); tests/test_bad_input_table.py has one row per refusal.
+Not here: the commands themselves (flows/cli.py), checks that need the work done (a head that does not fit its
+target is found when both are loaded). This module imports no Prefect: it runs before Prefect's settings are set.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+from components.pipeline_config import PipelineConfig, monitor_config
+from components.traffic_io import TrafficFormatError, load_traffic
+from eagle.errors import BadInput
+from infra.model_uri import check_model_name, check_registered, parse_model_uri
+from infra.settings import Settings, check_http_url
+
+MAX_K = 16  # serve --k: see `_k` in flows/cli.py for why
+HEAD_META = "eagle_head.json"  # eagle.export.META, named here without importing torch
+
+
+def check_safetensors(path: Path) -> None:
+    """The file's safetensors header parses and the tensors it lists fit in the file (a truncated copy does not)."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if size < 8 or n > size - 8:
+                raise ValueError(f"header of {n} bytes in a file of {size}")
+            header = json.loads(f.read(n))
+        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+        raise BadInput(f"{path}: not a readable safetensors file ({e}); copy or export it again") from None
+    if 8 + n + end > size:
+        raise BadInput(f"{path}: truncated: its tensors need {8 + n + end} bytes, the file has {size}; copy or "
+                       "export it again")
+
+
+def check_weights(directory: str | Path, recursive: bool = False) -> None:
+    """Every `*.safetensors` file of `directory` (and below it with `recursive`) passes `check_safetensors`."""
+    d = Path(directory)
+    for f in sorted(d.rglob("*.safetensors") if recursive else d.glob("*.safetensors")):
+        check_safetensors(f)
+
+
+def read_json(path: Path) -> dict:
+    """A JSON object from `path`; `BadInput` naming the file when it is missing, unreadable or not an object."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise BadInput(f"{path}: missing") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BadInput(f"{path}: not readable JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise BadInput(f"{path}: a JSON object was expected, got {type(data).__name__}")
+    return data
+
+
+def check_head(head: str) -> None:
+    """An exported head directory: `eagle_head.json` and `config.json` parse, and its weights are whole."""
+    d = Path(head)
+    if not d.is_dir():
+        raise BadInput(f"--head {head}: not a directory; pass an exported head directory or models:/NAME@ALIAS")
+    read_json(d / HEAD_META)
+    read_json(d / "config.json")
+    if not (d / "model.safetensors").is_file():
+        raise BadInput(f"{d}: model.safetensors is missing; the head is incomplete: export it again")
+    check_weights(d, recursive=True)
+
+
+def check_target_dir(target: str, settings: Settings) -> None:
+    from components.targets import check_target
+
+    check_target(target, settings.trust_remote_code)
+    check_weights(target)
+
+
+def check_model(opt: str, value: str | None, settings: Settings) -> None:
+    """`--head` or `--target`: a directory (a head or a target, checked as such), or a registry URI that must parse
+    (its lookup in the registry comes last, with the others: `check_registered`)."""
+    if value is None:
+        return
+    if value.startswith("models:/"):
+        parse_model_uri(value)
+    elif opt == "head":
+        check_head(value)
+    else:
+        check_target_dir(value, settings)
+
+
+def _check_traffic(path: str, what: str) -> None:
+    try:
+        load_traffic(path)
+    except TrafficFormatError as e:
+        hint = ("give JSONL, Parquet, Arrow or a datasets save_to_disk directory with at least one conversation"
+                if e.line == 0 else f"fix or remove {e.unit} {e.line} (each {e.unit}: an OpenAI `messages` or "
+                "ShareGPT `conversations` record)")
+        raise TrafficFormatError(e.path, e.line, f"{e.reason} ({what}; {hint})", e.unit) from None
+
+
+def check_inputs(target: str, traffic: str, heldout: str, cfg: PipelineConfig, settings: Settings) -> None:
+    """Refuse bad input before anything is written: traffic files, a target directory, a Ray address in use."""
+    from components.targets import TargetError
+
+    _check_traffic(traffic, "training traffic")
+    _check_traffic(heldout, "held-out traffic")
+    if not target.startswith("models:/"):
+        check_target_dir(target, settings)
+    else:
+        try:
+            parse_model_uri(target)
+        except ValueError as e:
+            raise TargetError(f"{e}; pass a model directory or a registered target version") from None
+    if cfg.train.ray.num_workers > 0 and settings.ray_address:
+        from infra.ray_cluster import probe_ray
+
+        probe_ray(settings)
+
+
+def check_output_file(path: str | None, opt: str) -> None:
+    """`--<opt> PATH` can be written as a file: not a directory, in a directory that exists and is writable."""
+    if path is None:
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise BadInput(f"--{opt} {path}: a directory; give a file path, e.g. {p / 'result.json'}")
+    if not p.parent.is_dir():
+        raise BadInput(f"--{opt} {path}: the directory {p.parent} does not exist")
+    import os
+
+    if not os.access(p.parent, os.W_OK):
+        raise BadInput(f"--{opt} {path}: the directory {p.parent} is not writable")
+
+
+def check_port_free(port: int | None) -> None:
+    """`--port P` is free on 127.0.0.1 (vLLM would fail after minutes, or another server would answer for it)."""
+    if port is None:
+        return
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind: a closing socket is no owner
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError as e:
+            raise BadInput(f"--port {port}: 127.0.0.1:{port} is taken ({e.strerror}); pick another port or leave "
+                           "--port out for a free one") from None
+
+
+def check_registry_name(a, cfg: PipelineConfig) -> None:
+    """The names `train` registers under (the target's, and its head's `<name>-v<N><suffix>`) are valid in MLflow."""
+    if a.target.startswith("models:/"):
+        return
+    name = a.name if a.name is not None else Path(a.target).resolve().name
+    check_model_name(name, "--name" if a.name is not None else "--target's folder name (the default --name)")
+    check_model_name(f"{name}-v1{cfg.register.experiment_suffix}", "head name (register.experiment_suffix)")
+
+
+def check_cuda(preset: str) -> None:
+    if preset == "gpu":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise BadInput("--embedded-preset gpu: no CUDA device here (torch.cuda.is_available() is False); use "
+                           "--embedded-preset default or tiny on a CPU machine")
+
+
+def preflight(a, settings: Settings) -> None:
+    """The checks of command `a.command` (parsed arguments `a`); raises `BadInput` or `ConnectionError`."""
+    from infra.mlflow_health import probe_tracking
+
+    if a.command == "train":
+        cfg = PipelineConfig.load(a.config, a.preset)
+        check_registry_name(a, cfg)
+        check_inputs(a.target, a.traffic, a.heldout, cfg, settings)
+        probe_tracking(settings)
+        check_registered(settings, [a.target])
+    elif a.command in ("evaluate", "serve"):
+        check_model("head", a.head, settings)
+        check_model("target", a.target, settings)
+        if a.command == "evaluate":
+            check_output_file(a.json, "json")
+            _check_traffic(a.traffic, "held-out traffic")
+        elif not a.print_only:
+            check_port_free(a.port)
+        check_registered(settings, [a.head, a.target or ""])
+    elif a.command == "monitor":
+        check_http_url(a.metrics_url, "--metrics-url")
+        parse_model_uri(a.target)
+        monitor_config(a.preset, a.config, interval_s=a.interval, window_s=a.window, ratio=a.ratio,
+                       sustain_s=a.sustain)
+        check_registered(settings, [a.target])
+    else:  # demo, watch
+        if a.command == "demo":
+            check_cuda(a.embedded_preset)
+        probe_tracking(settings)

@@ -1,0 +1,256 @@
+"""Bad input across all six commands, one table row each: exit 2, one line naming the input, nothing written.
+
+Purpose: issue 28's table (HARDENING.md lists every row by its id): arguments, files (truncated weights, broken JSON,
+directories where files belong), registry URIs and names, URLs, settings and config values. Each row runs
+`flows.cli.main(argv)` in this process and asserts exit code 2, exactly one `error:` line on stderr that contains the
+row's needle (the offending input), no traceback, and no new file under the state dir. Rows share two state dirs: an
+`empty` one (it does not exist and must not be created) and a `registry` one (a local MLflow store holding target
+`t` version 1, which has no alias). If a row's input passed the preflight, the command is not run: the row fails
+with exit 99.
+Run: `python -m pytest tests/test_bad_input_table.py` (fast tier, ~20 s once the tiny embedded default is built).
+Not here: bad input met inside a stage (tests/test_bad_input_stages.py), kills and outages (tests/test_faults.py).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import target_copy
+
+EMPTY, REGISTRY = "empty", "registry"
+TRAIN = ["train", "--target", "{target}", "--traffic", "{traffic}", "--heldout", "{heldout}", "--preset", "tiny"]
+EVAL = ["evaluate", "--head", "{head}", "--target", "{target}", "--traffic", "{heldout}", "--preset", "tiny"]
+SERVE = ["serve", "--head", "{head}", "--target", "{target}"]
+MON = ["monitor", "--metrics-url", "http://127.0.0.1:9/metrics", "--target", "models:/t/1", "--preset", "tiny"]
+
+
+def _with(base: list[str], **opts: str) -> list[str]:
+    """`base` with `--key value` replaced or added for each of `opts` (underscores become dashes)."""
+    out = list(base)
+    for key, value in opts.items():
+        flag = "--" + key.replace("_", "-")
+        if flag in out:
+            out[out.index(flag) + 1] = value
+        else:
+            out += [flag, value]
+    return out
+
+
+# id -> (state dir, argv (templated with the paths of `files`), environment, needle the one error line must contain)
+ROWS: dict[str, tuple[str, list[str], dict[str, str], str]] = {
+    # train: arguments, target directories, registry names and URIs, config values
+    "train-no-target": (EMPTY, ["train", "--traffic", "{traffic}", "--heldout", "{heldout}"], {}, "--target"),
+    "train-unknown-preset": (EMPTY, _with(TRAIN, preset="huge"), {}, "'huge'"),
+    "train-target-missing": (EMPTY, _with(TRAIN, target="/no/such/model"), {}, "/no/such/model: no such file"),
+    "train-target-weights-truncated": (EMPTY, _with(TRAIN, target="{t_trunc}"), {}, "model.safetensors: truncated"),
+    "train-target-weights-garbage": (EMPTY, _with(TRAIN, target="{t_garbage}"), {}, "not a readable safetensors"),
+    "train-target-config-broken": (EMPTY, _with(TRAIN, target="{t_badcfg}"), {}, "config.json: cannot be read"),
+    "train-target-is-a-file": (EMPTY, _with(TRAIN, target="{traffic}"), {}, "not a Hugging Face model directory"),
+    "train-name-with-slash": (EMPTY, _with(TRAIN, name="a/b"), {}, "--name 'a/b' is not valid for the MLflow"),
+    "train-name-with-colon": (EMPTY, _with(TRAIN, name="a:b"), {}, "--name 'a:b' is not valid"),
+    "train-name-empty": (EMPTY, _with(TRAIN, name=""), {}, "--name '' is not valid"),
+    "train-folder-name-invalid": (EMPTY, _with(TRAIN, target="{t_colon}"), {}, "folder name (the default --name) 'x:y'"),
+    "train-head-suffix-invalid": (EMPTY, _with(TRAIN, config="{c_suffix}"), {}, "head name"),
+    "train-uri-no-version": (EMPTY, _with(TRAIN, target="models:/x"), {}, "'models:/x' is not a model URI"),
+    "train-uri-no-name": (EMPTY, _with(TRAIN, target="models:/"), {}, "the model name is missing"),
+    "train-uri-empty-alias": (EMPTY, _with(TRAIN, target="models:/x@"), {}, "'models:/x@' is not a model URI"),
+    "train-uri-alias-no-name": (EMPTY, _with(TRAIN, target="models:/@champion"), {}, "'models:/@champion'"),
+    "train-uri-query": (EMPTY, _with(TRAIN, target="models:/a?x=1"), {}, "'models:/a?x=1' is not a model URI"),
+    "train-uri-version-zero": (EMPTY, _with(TRAIN, target="models:/a/0"), {}, "the version '0' is not a whole"),
+    "train-uri-version-word": (EMPTY, _with(TRAIN, target="models:/a/latest"), {}, "the version 'latest'"),
+    "train-uri-no-registry-yet": (EMPTY, _with(TRAIN, target="models:/nope/3"), {}, "models:/nope/3: no registered"),
+    "train-uri-unknown-model": (REGISTRY, _with(TRAIN, target="models:/nope/3"), {}, "no registered model 'nope'"),
+    "train-uri-unknown-version": (REGISTRY, _with(TRAIN, target="models:/t/9"), {}, "models:/t/9: registered model "
+                                  "'t' has no version 9 (its versions: 1)"),
+    "train-uri-unknown-alias": (REGISTRY, _with(TRAIN, target="models:/t@champion"), {}, "has no alias 'champion'"),
+    "train-config-is-a-directory": (EMPTY, _with(TRAIN, config="{dir}"), {}, "--config {dir}: not a file"),
+    "train-config-not-an-object": (EMPTY, _with(TRAIN, config="{c_list}"), {}, "must be a JSON object"),
+    "train-config-interval-zero": (EMPTY, _with(TRAIN, config="{c_interval0}"), {}, "monitor.interval_s must be"),
+    "train-config-endpoint-ftp": (EMPTY, _with(TRAIN, config="{c_ftp}"), {}, "regenerate.endpoint_url 'ftp://"),
+    "train-config-endpoint-no-scheme": (EMPTY, _with(TRAIN, config="{c_noscheme}"), {}, "the scheme is missing"),
+    "train-config-ttt-steps-zero": (EMPTY, _with(TRAIN, config="{c_ttt0}"), {}, "train.ttt.ttt_steps must be"),
+    "train-traffic-missing": (EMPTY, _with(TRAIN, traffic="/no/such.jsonl"), {}, "--traffic /no/such.jsonl"),
+    "train-heldout-empty": (EMPTY, _with(TRAIN, heldout="{empty_jsonl}"), {}, "held-out traffic"),
+    "train-traffic-bad-line": (EMPTY, _with(TRAIN, traffic="{bad_jsonl}"), {}, "bad.jsonl:1: malformed JSON"),
+    # settings (the environment), met by every command
+    "tracking-uri-unknown-scheme": (EMPTY, TRAIN, {"MLFLOW_TRACKING_URI": "foo://bar"}, "unknown scheme foo://"),
+    "tracking-uri-sqlite-dir-missing": (EMPTY, TRAIN, {"MLFLOW_TRACKING_URI": "sqlite:////no/such/dir/x.db"},
+                                        "the directory /no/such/dir does not exist"),
+    "tracking-uri-bad-ipv6": (EMPTY, TRAIN, {"MLFLOW_TRACKING_URI": "http://[::1:5000"}, "Invalid IPv6 URL"),
+    "tracking-uri-no-host": (EMPTY, TRAIN, {"MLFLOW_TRACKING_URI": "http:///x"}, "MLFLOW_TRACKING_URI='http:///x'"),
+    "tracking-uri-unreachable": (EMPTY, TRAIN, {"MLFLOW_TRACKING_URI": "http://127.0.0.1:9"}, "127.0.0.1:9 is "
+                                 "unreachable"),
+    "eagle-home-is-a-file": ("file", TRAIN, {}, "a file, not a directory"),
+    "eagle-home-not-writable": ("/proc/eagle-home", TRAIN, {}, "EAGLE_HOME=/proc/eagle-home: /proc is not writable"),
+    "trust-remote-code-malformed": (EMPTY, TRAIN, {"EAGLE_TRUST_REMOTE_CODE": "maybe"}, "'maybe' is not a boolean"),
+    # evaluate
+    "evaluate-json-is-a-directory": (EMPTY, _with(EVAL, json="{dir}"), {}, "--json {dir}: a directory"),
+    "evaluate-json-dir-missing": (EMPTY, _with(EVAL, json="/no/such/dir/r.json"), {}, "/no/such/dir does not exist"),
+    "evaluate-head-meta-truncated": (EMPTY, _with(EVAL, head="{h_meta}"), {}, "eagle_head.json: not readable JSON"),
+    "evaluate-head-config-truncated": (EMPTY, _with(EVAL, head="{h_cfg}"), {}, "config.json: not readable JSON"),
+    "evaluate-head-weights-truncated": (EMPTY, _with(EVAL, head="{h_trunc}"), {}, "model.safetensors: truncated"),
+    "evaluate-head-no-weights": (EMPTY, _with(EVAL, head="{h_noweights}"), {}, "model.safetensors is missing"),
+    "evaluate-head-probe-truncated": (EMPTY, _with(EVAL, head="{h_probe}"), {}, "probe.safetensors: truncated"),
+    "evaluate-head-is-a-file": (EMPTY, _with(EVAL, head="{traffic}"), {}, "--head {traffic}: not a directory"),
+    "evaluate-target-weights-truncated": (EMPTY, _with(EVAL, target="{t_trunc}"), {}, "model.safetensors: truncated"),
+    "evaluate-traffic-empty": (EMPTY, _with(EVAL, traffic="{empty_jsonl}"), {}, "empty.jsonl:0: empty file"),
+    "evaluate-head-uri-malformed": (EMPTY, _with(EVAL, head="models:/h"), {}, "'models:/h' is not a model URI"),
+    "evaluate-head-unknown-model": (REGISTRY, _with(EVAL, head="models:/nope@champion"), {}, "no registered model "
+                                    "'nope'"),
+    "evaluate-depth-zero": (EMPTY, _with(EVAL, depth="0"), {}, "'0': must be >= 1"),
+    "evaluate-unknown-method": (EMPTY, _with(EVAL, method="beam"), {}, "'beam'"),
+    "evaluate-unknown-engine": (EMPTY, _with(EVAL, engine="tpu"), {}, "'tpu'"),
+    # serve
+    "serve-k-too-large": (EMPTY, _with(SERVE, k="1000"), {}, "'1000': at most 16 speculative tokens"),
+    "serve-k-zero": (EMPTY, _with(SERVE, k="0"), {}, "'0': must be >= 1"),
+    "serve-port-out-of-range": (EMPTY, _with(SERVE, port="70000"), {}, "'70000': a port is 1..65535"),
+    "serve-port-taken": (EMPTY, _with(SERVE, port="{taken_port}"), {}, "--port {taken_port}: 127.0.0.1:{taken_port}"
+                         " is taken"),
+    "serve-print-only-truncated-head": (EMPTY, [*_with(SERVE, head="{h_trunc}"), "--print-only"], {},
+                                        "model.safetensors: truncated"),
+    "serve-head-uri-empty-alias": (EMPTY, _with(SERVE, head="models:/t@"), {}, "the alias after @ is missing"),
+    "serve-head-unknown-version": (REGISTRY, _with(SERVE, head="models:/t/9"), {}, "has no version 9"),
+    "serve-head-unknown-alias": (REGISTRY, _with(SERVE, head="models:/t@champion"), {}, "has no alias 'champion'"),
+    # monitor: URLs, bounds shared with the config, the target version
+    "monitor-url-file": (EMPTY, _with(MON, metrics_url="file:///etc/passwd"), {}, "'file:///etc/passwd': only http"),
+    "monitor-url-ftp": (EMPTY, _with(MON, metrics_url="ftp://h/metrics"), {}, "not ftp://"),
+    "monitor-url-no-scheme": (EMPTY, _with(MON, metrics_url="127.0.0.1:8000/metrics"), {}, "the scheme is missing"),
+    "monitor-url-bad-ipv6": (EMPTY, _with(MON, metrics_url="http://[::1/metrics"), {}, "'http://[::1/metrics': not"),
+    "monitor-url-bad-port": (EMPTY, _with(MON, metrics_url="http://h:99999/metrics"), {}, "Port out of range"),
+    "monitor-url-no-host": (EMPTY, _with(MON, metrics_url="http:///metrics"), {}, "'http:///metrics': no host"),
+    "monitor-interval-zero": (EMPTY, _with(MON, interval="0"), {}, "'0': the interval must be > 0"),
+    "monitor-interval-inf": (EMPTY, _with(MON, interval="inf"), {}, "'inf': the interval must be > 0"),
+    "monitor-ratio-above-one": (EMPTY, _with(MON, ratio="1.5"), {}, "'1.5': the ratio must be in (0, 1]"),
+    "monitor-config-interval-zero": (EMPTY, _with(MON, config="{c_interval0}"), {}, "monitor.interval_s must be"),
+    "monitor-config-window-negative": (EMPTY, _with(MON, config="{c_window}"), {}, "monitor.window_s must be"),
+    "monitor-target-not-a-version": (EMPTY, _with(MON, target="models:/t"), {}, "'models:/t' is not a model URI"),
+    "monitor-target-no-registry-yet": (EMPTY, MON, {}, "models:/t/1: no registered model 't'"),
+    "monitor-target-unknown-version": (REGISTRY, _with(MON, target="models:/t/9"), {}, "has no version 9"),
+    "monitor-target-unknown-model": (REGISTRY, _with(MON, target="models:/nope@champion"), {}, "no registered model "
+                                     "'nope'"),
+    # watch and demo
+    "watch-interval-inf": (EMPTY, ["watch", "--interval", "inf"], {}, "'inf': the interval must be > 0"),
+    "watch-interval-nan": (EMPTY, ["watch", "--interval", "nan"], {}, "'nan': the interval must be > 0"),
+    "watch-interval-negative": (EMPTY, ["watch", "--interval", "-5"], {}, "'-5': the interval must be > 0"),
+    "watch-unknown-dispatch": (EMPTY, ["watch", "--dispatch", "everywhere"], {}, "'everywhere'"),
+    "watch-tracking-uri-ftp": (EMPTY, ["watch", "--once"], {"MLFLOW_TRACKING_URI": "ftp://h/x"}, "unknown scheme"),
+    "demo-gpu-without-cuda": (EMPTY, ["demo", "--embedded-preset", "gpu"], {}, "--embedded-preset gpu: no CUDA"),
+    "demo-unknown-preset": (EMPTY, ["demo", "--preset", "huge"], {}, "'huge'"),
+    "unknown-command": (EMPTY, ["frobnicate"], {}, "'frobnicate'"),
+}
+
+
+def _truncate(path: Path) -> None:
+    raw = path.read_bytes()
+    path.write_bytes(raw[: len(raw) - 16])
+
+
+def _fake_head(root: Path, name: str, damage=None) -> str:
+    """A head directory with what the preflight reads (eagle_head.json, config.json, weights), damaged by `damage`."""
+    from safetensors.torch import save_file
+    import torch
+
+    d = root / name
+    (d / "probe").mkdir(parents=True)
+    (d / "eagle_head.json").write_text(json.dumps({"format_version": 1, "lineage": {}}))
+    (d / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"]}))
+    save_file({"fc.weight": torch.zeros(8, 24)}, str(d / "model.safetensors"))
+    save_file({"probe": torch.zeros(4)}, str(d / "probe" / "probe.safetensors"))
+    if damage:
+        damage(d)
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def files(tiny_embedded, tmp_path_factory):
+    """The paths the rows' argv templates name: good inputs, damaged copies, config files, a taken port."""
+    root = tmp_path_factory.mktemp("bad-table")
+    p = {"target": str(tiny_embedded.target_dir), "traffic": str(tiny_embedded.target_traffic.train),
+         "heldout": str(tiny_embedded.target_traffic.heldout), "dir": str(root)}
+    for name, damage in {"t_trunc": lambda d: _truncate(d / "model.safetensors"),
+                         "t_garbage": lambda d: (d / "model.safetensors").write_bytes(b"\xff" * 64),
+                         "t_badcfg": lambda d: (d / "config.json").write_text('{"architectures": ['),
+                         "t_colon": None}.items():
+        d = target_copy(tiny_embedded, root / name)
+        if damage:
+            damage(d)
+        p[name] = str(d if name != "t_colon" else d.rename(d.parent / "x:y"))
+    p["head"] = _fake_head(root, "head")
+    for name, damage in {"h_meta": lambda d: (d / "eagle_head.json").write_text('{"format_version": '),
+                         "h_cfg": lambda d: (d / "config.json").write_text('{"architectures": '),
+                         "h_trunc": lambda d: _truncate(d / "model.safetensors"),
+                         "h_noweights": lambda d: (d / "model.safetensors").unlink(),
+                         "h_probe": lambda d: _truncate(d / "probe" / "probe.safetensors")}.items():
+        p[name] = _fake_head(root, name, damage)
+    for name, cfg in {"c_list": [], "c_suffix": {"register": {"experiment_suffix": "/eagle3"}},
+                      "c_interval0": {"monitor": {"interval_s": 0}}, "c_window": {"monitor": {"window_s": -1}},
+                      "c_ftp": {"regenerate": {"endpoint_url": "ftp://h:21/"}},
+                      "c_noscheme": {"regenerate": {"endpoint_url": "127.0.0.1:8000"}},
+                      "c_ttt0": {"train": {"ttt": {"ttt_steps": 0}}}}.items():
+        (root / f"{name}.json").write_text(json.dumps(cfg))
+        p[name] = str(root / f"{name}.json")
+    (root / "empty.jsonl").touch()
+    (root / "bad.jsonl").write_text('{"messages": [\n')
+    p.update(empty_jsonl=str(root / "empty.jsonl"), bad_jsonl=str(root / "bad.jsonl"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        p["taken_port"] = str(taken.getsockname()[1])
+        yield p
+
+
+@pytest.fixture(scope="module")
+def homes(tiny_embedded, tmp_path_factory):
+    """State dirs by kind: `empty` (not created), `registry` (target `t` v1 registered), `file` (a file)."""
+    from components.register import register_target
+    from infra.mlflow_store import MlflowStore
+    from infra.settings import Settings
+
+    root = tmp_path_factory.mktemp("homes")
+    registry = root / "registry"
+    register_target(MlflowStore.connect(Settings.local(registry)), "t", str(tiny_embedded.target_dir), role="base",
+                    base_model="", weights_sha256="a" * 64)
+    (root / "file").write_text("not a directory\n")
+    return {EMPTY: root / "empty", REGISTRY: registry, "file": root / "file"}
+
+
+def _tree(home: Path) -> list[str]:
+    if not home.exists():
+        return []
+    return sorted(str(p) for p in home.rglob("*")) if home.is_dir() else [f"{home}:{home.stat().st_size}"]
+
+
+@pytest.mark.parametrize("row", list(ROWS))
+def test_bad_input_is_refused_in_one_line(row, files, homes, monkeypatch, capsys):
+    from flows import cli
+
+    kind, argv, env, needle = ROWS[row]
+    if row == "demo-gpu-without-cuda":
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("this machine has CUDA")
+    home = homes.get(kind, Path(kind))
+    for key in [k for k in __import__("os").environ if k.startswith(("MLFLOW_", "EAGLE_", "RAY_ADDRESS"))]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("EAGLE_HOME", str(home))
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr("infra.prefect_env.apply_prefect_defaults", lambda settings: {})
+    monkeypatch.setattr(cli, "_run_command", lambda a, settings: 99)  # passed the preflight: the row fails
+    before = _tree(home)
+    try:
+        rc = cli.main([a.format(**files) for a in argv])
+    except SystemExit as e:  # argparse
+        rc = e.code
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if "error:" in x]
+    assert rc == 2, f"exit {rc}: {err}"
+    assert "Traceback" not in err and len(lines) == 1 and needle.format(**files) in lines[0], err
+    assert err.count("\n") == 1 or err.startswith("usage:"), err  # ours: one line; argparse: usage, then one line
+    assert _tree(home) == before, "the refusal wrote under the state dir"

@@ -1,0 +1,181 @@
+"""Throughput by load and the K schedule (components/load_sweep.py, infra/vllm_bench.py), with the real engine.
+
+Purpose:
+- the schedule rule on given throughputs (no engine): the best K per level, K 0 unless a K beats plain by the
+  margin, ranges from batch size 1 that vLLM accepts, the crossover; bad sweep settings fail at config load with
+  the key's path;
+- the sweep on the tiny engine target (two concurrency levels, two K values) with vLLM's own load client: every cell
+  measured, 0 head mismatches, the schedule and the plot written;
+- a schedule served by vLLM takes effect: K 3 at batch size 1 and K 0 from 2 on drafts at concurrency 1 and almost
+  never at concurrency 4 (only while the batch ramps up or drains), and the engine's log shows the schedule;
+- `eagle-heads serve --print-only` puts a registered schedule in the vLLM command and says what SGLang can express.
+Run: `python -m pytest tests/test_load_sweep.py` (about 5 minutes on 2 cores: four engine starts).
+Not here: batch-1 speedups (tests/test_vllm.py, tests/test_speed.py).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from components.evaluate import EvaluateConfig
+from components.load_sweep import LoadConfig, crossover_of, derive_schedule
+from components.pipeline_config import ConfigError, PipelineConfig
+from eagle.run_config import SpecConfig
+
+
+def test_the_schedule_takes_the_best_k_per_level_and_stops_where_plain_wins():
+    tput = {0: {1: 100.0, 4: 300.0, 16: 900.0}, 3: {1: 150.0, 4: 320.0, 16: 600.0}, 5: {1: 160.0, 4: 290.0, 16: 500.0}}
+    schedule, best = derive_schedule(tput, margin=0.03)
+    assert best == {1: 5, 4: 3, 16: 0} and crossover_of(best) == 16
+    assert schedule == [[1, 3, 5], [4, 15, 3], [16, 1024, 0]]
+    # within the margin plain keeps the level; equal throughputs prefer the smaller K
+    schedule, best = derive_schedule({0: {1: 100.0, 8: 400.0}, 2: {1: 130.0, 8: 410.0}, 4: {1: 130.0, 8: 300.0}},
+                                     margin=0.05)
+    assert best == {1: 2, 8: 0} and schedule == [[1, 7, 2], [8, 1024, 0]]
+    schedule, best = derive_schedule({0: {2: 100.0, 4: 150.0}, 3: {2: 200.0, 4: 300.0}}, margin=0.0)
+    assert schedule == [[1, 1024, 3]] and crossover_of(best) is None  # the first range starts at 1, merged
+
+
+@pytest.mark.parametrize("load,key", [({"concurrency": [4, 1]}, "concurrency"), ({"concurrency": [0]}, "concurrency"),
+                                      ({"concurrency": [1], "k_values": []}, "k_values"),
+                                      ({"k_values": [40]}, "k_values"), ({"margin": 1.5}, "margin"),
+                                      ({"concurrency": [1, 32], "requests": 8}, "requests")])
+def test_bad_sweep_settings_fail_at_config_load_with_the_key_path(load, key):
+    with pytest.raises(ConfigError, match=f"evaluate.load.{key}"):
+        PipelineConfig.preset("tiny").override({"evaluate": {"load": load}})
+
+
+def test_the_default_preset_sweeps_what_two_cores_afford():
+    load = PipelineConfig.preset("default").evaluate.load
+    assert load.enabled and load.concurrency == (1, 4, 16) and load.k_values == (5,)
+    assert not PipelineConfig.preset("tiny").evaluate.load.enabled
+
+
+# ---- with the engine ----------------------------------------------------------------------------------------------
+
+SWEEP = EvaluateConfig(spec=SpecConfig(depth=3, max_new_tokens=16), limit=4,
+                       load=LoadConfig(concurrency=(1, 4), k_values=(2, 3), requests=4, verify_schedule=False))
+
+
+@pytest.fixture(scope="module")
+def settings(tmp_path_factory):
+    from infra.settings import Settings
+    from infra.vllm_server import vllm_python
+
+    s = Settings.local(tmp_path_factory.mktemp("sweep-state") / ".eagle")
+    vllm_python(s)  # a missing vLLM venv fails here with the line that says how to make it
+    return s
+
+
+@pytest.fixture(scope="module")
+def head_dir(engine_target, tmp_path_factory) -> str:
+    import dataclasses
+
+    from components.extract import ExtractConfig, extract
+    from components.regenerate import RegenerateConfig, regenerate
+    from components.train import TrainConfig, train
+
+    root = tmp_path_factory.mktemp("sweep-head")
+    quiet = dict(progress=lambda s: None)
+    regenerate(RegenerateConfig(max_new_tokens=32, batch_size=8, shard_size=8, limit=24), engine_target.target_dir,
+               str(engine_target.target_traffic.train), str(root / "regen"), **quiet)
+    extract(ExtractConfig(max_len=192, dtype="float32", seqs_per_shard=8), engine_target.target_dir,
+            str(root / "regen"), str(root / "ext"), **quiet)
+    cfg = dataclasses.replace(TrainConfig.tiny(), steps=60, checkpoint_every=60)
+    return train(cfg, str(root / "ext"), str(root / "train"), engine_target.target_dir).head_dir
+
+
+@pytest.mark.slow
+@pytest.mark.engine
+@pytest.mark.timeout(1500)
+def test_the_sweep_measures_every_cell_with_vllms_client_and_writes_the_schedule(engine_target, head_dir, settings,
+                                                                               tmp_path):
+    from components.load_sweep import load_sweep
+
+    res = load_sweep(SWEEP, engine_target.target_dir, head_dir, str(engine_target.target_traffic.heldout),
+                     str(tmp_path / "load"), settings, progress=lambda s: None)
+    cells = {(c["k"], c["concurrency"]): c for c in res.cells}
+    assert {(k, c) for k in (0, 2, 3) for c in (1, 4)} <= set(cells)
+    assert all(c["requests"] == 4 and c["output_tokens_per_s"] > 0 and c["p99_itl_ms"] >= c["median_itl_ms"]
+               for c in res.cells)
+    assert cells[(0, 1)]["drafts"] is None and cells[(3, 1)]["drafts"] > 0 and cells[(3, 1)]["acceptance_length"] >= 1
+    assert res.mismatches == 0
+    assert res.schedule[0][0] == 1 and res.schedule[-1][1] == 1024 and set(res.best_k) == {1, 4}
+    assert res.crossover == crossover_of(res.best_k) and set(res.speedup_at) == {1, 4}
+    assert all(c["k"] != -1 for c in res.cells)  # verify_schedule off: the next test serves a schedule
+    report = json.loads(Path(res.report_file).read_text())
+    assert report["schedule"] == res.schedule and Path(res.plot_file).read_bytes()[:4] == b"\x89PNG"
+    tags = res.tags()
+    assert json.loads(tags["k_schedule"]) == res.schedule and "speedup_at_4" in tags
+
+
+@pytest.mark.slow
+@pytest.mark.engine
+@pytest.mark.timeout(900)
+def test_a_schedule_served_by_vllm_stops_drafting_above_its_range(engine_target, head_dir, settings, tmp_path):
+    from components.chat import prompt_ids
+    from components.evaluate import held_out_messages
+    from infra.vllm_bench import LoadRequest, bench_serve, write_dataset
+    from infra.vllm_server import EngineSpec, VllmServer
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(engine_target.target_dir)
+    texts = [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True)
+             for _, m in held_out_messages(str(engine_target.target_traffic.heldout))
+             if len(prompt_ids(tok, m)) <= 300][:8]
+    data = str(write_dataset(texts, tmp_path / "prompts.json"))
+    spec = EngineSpec(engine_target.target_dir, head_dir, num_speculative_tokens=3, max_model_len=512,
+                      k_schedule=((1, 1, 3), (2, 1024, 0)))
+    with VllmServer(spec, settings) as srv:
+        one = bench_serve(srv, settings, LoadRequest(data, engine_target.target_dir, 1, 8, 24))
+        four = bench_serve(srv, settings, LoadRequest(data, engine_target.target_dir, 4, 8, 24))
+        log = srv.log_path.read_text()
+    assert one.drafts and one.drafts >= 8 * 24 // 4  # batch size 1: K 3 on every step
+    assert (four.drafts or 0) < one.drafts / 3  # batch size >= 2: no drafts but while ramping up and draining
+    assert "num_speculative_tokens_per_batch_size" in log
+
+
+def test_serve_print_only_puts_the_registered_schedule_in_the_vllm_command(mlflow_store, mlflow_settings,
+                                                                           tiny_embedded, tmp_path, monkeypatch,
+                                                                           capsys):
+    """A head version whose `k_schedule` tag says [[1, 3, 4], [4, 1024, 0]]: `serve --print-only` (no --k) starts
+    vLLM with it; `--k 2` pins one K instead."""
+    from components.register import RegisterConfig, TargetRef, register_head, register_target
+    from components.targets import weights_sha256
+    from flows import cli
+    from tests.test_evaluate_register import _head
+
+    sha = weights_sha256(tiny_embedded.target_dir)
+    ref: TargetRef = register_target(mlflow_store, "tiny", tiny_embedded.target_dir, role="base", base_model="",
+                                     weights_sha256=sha)
+    head = _tiny_head(tiny_embedded, tmp_path)
+    h = _head(mlflow_store, ref, head, "k1", 3.0, None)
+    import dataclasses
+
+    register_head(mlflow_store, RegisterConfig(tau_floor=1.0),
+                  dataclasses.replace(h, notes={"k_schedule": "[[1, 3, 4], [4, 1024, 0]]", "crossover": "4"}))
+    monkeypatch.setenv("EAGLE_HOME", str(mlflow_settings.state_dir))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert cli.main(["serve", "--head", "models:/tiny-v1-eagle3@champion", "--print-only"]) == 0
+    out = capsys.readouterr().out
+    assert '"num_speculative_tokens_per_batch_size": [[1, 3, 4], [4, 1024, 0]]' in out
+    assert '"num_speculative_tokens": 4' in out and "SGLang has no per-batch-size K" in out
+    assert cli.main(["serve", "--head", "models:/tiny-v1-eagle3@champion", "--print-only", "--k", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "num_speculative_tokens_per_batch_size" not in out and '"num_speculative_tokens": 2' in out
+
+
+def _tiny_head(tiny_embedded, root: Path) -> str:
+    from components.extract import ExtractConfig, extract
+    from components.regenerate import RegenerateConfig, regenerate
+    from components.train import TrainConfig, train
+
+    quiet = dict(progress=lambda s: None)
+    regenerate(RegenerateConfig(max_new_tokens=8, batch_size=8, shard_size=8, limit=8), tiny_embedded.target_dir,
+               str(tiny_embedded.target_traffic.train), str(root / "regen"), **quiet)
+    extract(ExtractConfig(max_len=128, seqs_per_shard=8), tiny_embedded.target_dir, str(root / "regen"),
+            str(root / "ext"), **quiet)
+    return train(TrainConfig.tiny(), str(root / "ext"), str(root / "train")).head_dir
