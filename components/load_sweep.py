@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Callable
 
 from components.atomic import atomic_write_text
+from components.plots import plot_load_sweep
 from eagle.config_checks import FieldError, at_least
 
 MAX_BATCH = 1024  # the last range of a schedule reaches this batch size (vLLM caps it at its max_num_seqs)
@@ -221,35 +222,10 @@ def _finish(cfg: LoadConfig, plan: SweepPlan, cells: list[dict], schedule, best)
         {"config": asdict(cfg), "output_len": plan.output_len, "schedule": schedule, "crossover": res.crossover,
          "best_k": best, "speedup_at": speedup_at, "batch_variant": res.batch_variant, "mismatches": mismatches,
          "cells": slim, **plan.extra}, indent=2) + "\n")
-    plot_sweep(cells, schedule, Path(res.plot_file))
+    plot_load_sweep(cells, schedule, res.plot_file)
     if plan.temperature == 0.0 and mismatches:
         raise NotLosslessError(f"under load in vLLM, {mismatches} speculative outputs differ from plain decoding at "
                                f"the same concurrency (not explained by batching); see {res.report_file}")
     plan.progress(f"load sweep: schedule {schedule}, crossover {res.crossover}; {res.batch_variant} plain outputs "
                   f"varied with the batch alone")
     return res
-
-
-def plot_sweep(cells: list[dict], schedule: list[list[int]], path: Path) -> Path:
-    """Output tokens/s against concurrency: plain, each fixed K, the schedule (log-scaled concurrency)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.0))
-    for k in sorted({c["k"] for c in cells}, key=lambda k: (k < 0, k)):
-        rows = sorted((c for c in cells if c["k"] == k), key=lambda c: c["concurrency"])
-        label = "plain" if k == 0 else ("schedule " + json.dumps(schedule) if k < 0 else f"K = {k}")
-        style = dict(color="black", lw=2) if k == 0 else (dict(color="C3", lw=2, ls="--") if k < 0 else {})
-        ax.plot([c["concurrency"] for c in rows], [c["output_tokens_per_s"] for c in rows], marker="o", label=label,
-                **style)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("concurrent requests")
-    ax.set_ylabel("output tokens/s (vLLM bench serve)")
-    ax.set_title("throughput by load: where speculation pays")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path

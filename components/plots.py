@@ -78,3 +78,23 @@ def plot_training(history_file: str | Path, path: str | Path) -> Path:
     b.grid(True, alpha=0.3)
     fig.suptitle("Head training")
     return _save(plt, fig, path)
+
+
+def plot_load_sweep(cells: list[dict], schedule: list[list[int]], path: str | Path) -> Path:
+    """Output tokens/s against concurrency (log scale): plain, each fixed K, the schedule (components/load_sweep.py)."""
+    import json
+
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for k in sorted({c["k"] for c in cells}, key=lambda k: (k < 0, k)):
+        rows = sorted((c for c in cells if c["k"] == k), key=lambda c: c["concurrency"])
+        label = "plain" if k == 0 else ("schedule " + json.dumps(schedule) if k < 0 else f"K = {k}")
+        style = dict(color="black", lw=2) if k == 0 else (dict(color="C3", lw=2, ls="--") if k < 0 else {})
+        ax.plot([c["concurrency"] for c in rows], [c["output_tokens_per_s"] for c in rows], marker="o", label=label,
+                **style)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("output tokens/s (vLLM bench serve)")
+    ax.set_title("throughput by load: where speculation pays")
+    ax.legend(fontsize=8)
+    return _save(plt, fig, path)

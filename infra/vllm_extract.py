@@ -42,8 +42,7 @@ def hidden_states_spec(target_dir: str, layer_ids: list[int], storage_dir: Path,
     env: list[tuple[str, str]] = []
     if context is not None and max_model_len > context:
         env.append(("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1"))
-    probe = EngineSpec(str(target_dir), method=None, device=device)  # type: ignore[arg-type]
-    if probe.resolved_device() == "cpu":
+    if EngineSpec(str(target_dir), method=None, device=device).resolved_device() == "cpu":  # type: ignore[arg-type]
         kv.update(kv_connector=CPU_CONNECTOR[0], kv_connector_module_path=CPU_CONNECTOR[1])
         env.append(("PYTHONPATH", str(PLUGIN_DIR)))
     else:

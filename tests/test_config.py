@@ -27,6 +27,7 @@ def test_presets_and_overrides(tmp_path):
     assert PipelineConfig.load(None, "default") == PipelineConfig.default()
     cfg = _load(tmp_path, {"train": {"steps": 7}, "extract": {"mode": "online"}})
     assert cfg.train.steps == 7 and cfg.extract.mode == "online"
+    assert _load(tmp_path, {"extract": {"engine": "vllm"}}).extract.engine == "vllm"
     assert cfg.train.batch_size == PipelineConfig.tiny().train.batch_size  # the rest of the preset stays
     with pytest.raises(ConfigError, match="unknown preset 'huge'"):
         PipelineConfig.preset("huge")
@@ -38,6 +39,9 @@ def test_presets_and_overrides(tmp_path):
     ({"train": 5}, "section 'train' must be a mapping"),
     ({"extract": {"mode": "sideways"}}, r"extract.mode: 'sideways' is not of type .*'offline', 'online'"),
     ({"extract": {"dtype": "int8"}}, "extract.dtype must be one of"),
+    ({"extract": {"engine": "sglang"}}, "extract.engine must be one of 'local', 'vllm'"),
+    ({"extract": {"engine": "vllm", "mode": "online"}}, "extract.engine 'vllm' needs mode 'offline'"),
+    ({"extract": {"engine": "vllm", "num_workers": 2}}, "extract.num_workers must be 0 with engine 'vllm'"),
     ({"train": {"steps": "ten"}}, "train.steps"),
     ({"regenerate": {"limit": 2.5}}, "regenerate.limit"),
     ({"regenerate": {"batch_size": 0}}, "regenerate.batch_size must be an integer >= 1, got 0"),

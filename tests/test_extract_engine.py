@@ -9,8 +9,8 @@ local extraction, and:
 - the engine's output directory is interchangeable with the local one: the dataset reader gives the same TTT batches
   (teacher included) and a few training steps from either reach the same loss;
 - a re-run keeps every shard and starts no engine; a layer id out of range, an engine that cannot start (no vLLM
-  venv, an interpreter without vLLM) and a bad `extract.engine` value are each one clear line, and a failed start
-  leaves the finished shards in place.
+  venv, an interpreter without vLLM) are each one clear line, and a failed start leaves the finished shards in place
+  (a bad `extract.engine` value fails at config load: tests/test_config.py).
 Run: `python -m pytest tests/test_extract_engine.py` (about 1.5 minutes on 2 cores, most of it the one engine start).
 Needs vLLM's venv (`make vllm`).
 Not here: the engine's serving of heads (tests/test_vllm.py), extraction on Ray (tests/test_extract_scale.py).
@@ -154,16 +154,3 @@ def test_rerun_keeps_shards_and_faults_are_one_clear_line(extracted, tiny_embedd
                 ray_settings=no_vllm, **QUIET)
     assert "extract.aux_layer_ids" in _one_line(e) and "1..5" in str(e.value)
 
-
-def test_engine_setting_is_checked_at_config_load(tmp_path):
-    from components.pipeline_config import ConfigError, PipelineConfig
-
-    path = tmp_path / "cfg.json"
-    path.write_text(json.dumps({"extract": {"engine": "vllm"}}))
-    assert PipelineConfig.load(path, "tiny").extract.engine == "vllm"
-    for bad, match in (({"engine": "sglang"}, "extract.engine must be one of"),
-                       ({"engine": "vllm", "mode": "online"}, "extract.engine 'vllm' needs mode 'offline'"),
-                       ({"engine": "vllm", "num_workers": 2}, "extract.num_workers must be 0 with engine 'vllm'")):
-        path.write_text(json.dumps({"extract": bad}))
-        with pytest.raises(ConfigError, match=match):
-            PipelineConfig.load(path, "tiny")

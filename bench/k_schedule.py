@@ -1,0 +1,158 @@
+"""Does the K schedule hold? A head served three ways in vLLM at every concurrency: plain, the best fixed K, the schedule.
+
+Purpose: issue 27's proof for the schedule the load sweep derives (components/load_sweep.py). First the sweep itself
+(plain and each K of `--k-values` at each level of `--concurrency`, vLLM's own load client) gives the schedule and
+the best fixed K (the K with the most summed output tokens/s over the levels). Then `--repeats` rounds, each serving
+plain, the best fixed K and the schedule on fresh servers (the order rotating by round), every level measured with
+`vllm bench serve` on the same held-out prompts. Per level: the median output tokens/s of each way.
+Goals: at every level the schedule within 3% of the better of the other two, and never below plain by more than the
+plain runs' own spread (max/min - 1 over the repeats); outputs identical to plain at T = 0 (0 mismatches).
+Head: `--head DIR|models:/...` with `--target` (e.g. the demo's fine-tune champion), else the benchmarks' speed head
+on the embedded default (`--head-steps`). Writes `k_schedule[-<name>].json` and `.png` (tokens/s by concurrency).
+Run: `python bench/k_schedule.py [--quick] [--repeats 3] [--concurrency 1,4,16] [--k-values 3,5] [--head H --target T]`
+(default preset: ~15 min on 2 cores; `--quick`: the tiny preset, two levels, for tests).
+Not here: batch-1 speedup (bench/speedup_trust.py, bench/vllm_speedup.py).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import common  # noqa: E402  (puts the repository on sys.path)
+from common import base_args, goal_line, prepare, print_table, speed_head, start, write_results
+
+from components.evaluate import EvaluateConfig
+from components.load_sweep import LoadConfig, load_sweep
+from eagle.run_config import SpecConfig
+
+WAYS = ("plain", "best_k", "schedule")
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def resolve(args, settings) -> tuple[str, str, str, str]:
+    """(target dir, head dir, held-out traffic, name) of the head to measure."""
+    if args.head:
+        from components.serve import servable_head
+        from infra.mlflow_store import MlflowStore
+
+        def local(uri: str) -> str:
+            return str(MlflowStore.connect(settings).resolve(uri)) if uri.startswith("models:/") else uri
+
+        target, head = local(args.target), local(args.head)
+        served = servable_head(head, target, settings.state_dir / "servable")
+        name = args.head.replace("models:/", "").replace("/", "-").replace("@", "-")
+        return target, str(served), args.heldout, name
+    setup = prepare(args.quick, conversations=args.conversations)
+    head, suffix = speed_head(setup, args.head_steps, args.conversations)
+    return str(setup.target_dir), str(head.head_dir), str(setup.heldout_traffic), "speedhead" + suffix
+
+
+def serve_way(plan_args, way: str, schedule, best_k: int, settings, tmp: Path) -> dict[int, dict]:
+    """One fresh server of `way` measured at every level: concurrency -> cell (output tokens/s, texts, ...)."""
+    from dataclasses import asdict
+
+    from infra.vllm_bench import LoadRequest, bench_serve
+    from infra.vllm_server import EngineSpec, VllmServer
+
+    target, head, dataset, n, out_len, levels, max_len = plan_args
+    spec = EngineSpec(target, None, method=None, max_model_len=max_len)
+    if way != "plain":
+        top = max(r[2] for r in schedule) if way == "schedule" else best_k
+        spec = EngineSpec(target, head, num_speculative_tokens=max(top, 1), max_model_len=max_len,
+                          k_schedule=tuple(tuple(r) for r in schedule) if way == "schedule" else None)
+    with VllmServer(spec, settings, log_dir=tmp) as srv:
+        return {c: asdict(bench_serve(srv, settings, LoadRequest(dataset, target, c, n, out_len))) for c in levels}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = base_args(__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--concurrency", type=_ints, default=(1, 4, 16))
+    p.add_argument("--k-values", type=_ints, default=(3, 5))
+    p.add_argument("--requests", type=int, default=16, help="requests per level (the same prompts at every level)")
+    p.add_argument("--output-len", type=int, default=96)
+    p.add_argument("--head", default="", help="head directory or models:/... (default: the benchmarks' speed head)")
+    p.add_argument("--target", default="", help="the head's target (directory or models:/...), with --head")
+    p.add_argument("--heldout", default="", help="held-out traffic, with --head")
+    p.add_argument("--head-steps", type=int, default=0)
+    args = p.parse_args(argv)
+    load_before = start(args)
+    from infra.settings import Settings
+
+    settings = Settings.from_env()
+    if args.quick:
+        args.concurrency, args.k_values, args.requests, args.output_len = (1, 4), (2, 3), 4, 16
+    target, head, heldout, name = resolve(args, settings)
+    cfg = EvaluateConfig(spec=SpecConfig(depth=max(args.k_values), max_new_tokens=args.output_len),
+                         load=LoadConfig(concurrency=args.concurrency, k_values=args.k_values, requests=args.requests,
+                                         verify_schedule=False))
+    with tempfile.TemporaryDirectory() as tmp:
+        sweep = load_sweep(cfg, target, head, heldout, str(Path(tmp) / "sweep"), settings)
+        k_sum = {k: sum(c["output_tokens_per_s"] for c in sweep.cells if c["k"] == k) for k in args.k_values}
+        best_k = max(k_sum, key=k_sum.get)
+        print(f"k_schedule: schedule {sweep.schedule} (crossover {sweep.crossover}); best fixed K {best_k}", flush=True)
+        dataset = str(Path(tmp) / "sweep" / "prompts.sharegpt.json")
+        plan_args = (target, head, dataset, args.requests, args.output_len, args.concurrency,
+                     json.loads(Path(sweep.report_file).read_text()).get("max_model_len") or 512)
+        runs: dict[str, list[dict[int, dict]]] = {w: [] for w in WAYS}
+        for r in range(args.repeats):
+            for way in WAYS[r % 3:] + WAYS[:r % 3]:
+                runs[way].append(serve_way(plan_args, way, sweep.schedule, best_k, settings, Path(tmp)))
+                print(f"  repeat {r + 1}/{args.repeats} {way}: " + ", ".join(
+                    f"{c}: {runs[way][-1][c]['output_tokens_per_s']:.0f} tok/s" for c in args.concurrency), flush=True)
+    return report(args, name, sweep, best_k, runs, load_before)
+
+
+def report(args, name: str, sweep, best_k: int, runs, load_before) -> dict:
+    rows, goals = [], {}
+    mism = 0
+    for c in args.concurrency:
+        med = {w: statistics.median(run[c]["output_tokens_per_s"] for run in runs[w]) for w in WAYS}
+        plain_t = [run[c]["output_tokens_per_s"] for run in runs["plain"]]
+        noise = max(plain_t) / min(plain_t) - 1.0
+        for w in ("best_k", "schedule"):
+            mism += sum(t != p for run, prun in zip(runs[w], runs["plain"])
+                        for t, p in zip(run[c]["texts"], prun[c]["texts"]))
+        rows.append({"concurrency": c, **{f"{w}_tok_s": med[w] for w in WAYS}, "plain_noise": noise,
+                     "schedule_vs_best": med["schedule"] / max(med["plain"], med["best_k"]),
+                     "schedule_vs_plain": med["schedule"] / med["plain"]})
+    print_table(rows, list(rows[0]))
+    worst = min(r["schedule_vs_best"] for r in rows)
+    goals["schedule_vs_best"] = goal_line("the schedule's tokens/s within 3% of the better of plain and the best fixed"
+                                          " K at every level (worst ratio)", worst, 0.97, mism)
+    below = min(r["schedule_vs_plain"] - (1 - r["plain_noise"]) for r in rows)
+    goals["never_below_plain"] = goal_line("the schedule never below plain by more than plain's own spread (worst "
+                                           "margin)", below, 0.0, mism)
+    out = name if not args.quick else "k_schedule"
+    path = write_results(out if out == "k_schedule" else f"k_schedule-{out}", args.quick, {
+        "head": name, "schedule": sweep.schedule, "crossover": sweep.crossover, "best_k": best_k,
+        "sweep_cells": [{k: v for k, v in c.items() if k != "texts"} for c in sweep.cells], "levels": rows,
+        "repeats": args.repeats, "goals": goals, "mismatches": mism}, load_before)
+    plot(rows, sweep.schedule, best_k, path.with_suffix(".png"))
+    return {"rows": rows, "goals": goals, "mismatches": mism}
+
+
+def plot(rows: list[dict], schedule, best_k: int, path: Path) -> None:
+    plt = common.pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    xs = [r["concurrency"] for r in rows]
+    for w, label in (("plain", "plain"), ("best_k", f"fixed K = {best_k}"), ("schedule", f"schedule {schedule}")):
+        ax.plot(xs, [r[f"{w}_tok_s"] for r in rows], marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("output tokens/s (median of repeats)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
