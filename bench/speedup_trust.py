@@ -10,7 +10,8 @@ pass of each (round 0's ratio), so the two estimators are read side by side.
 - `--engine vllm`: the same in vLLM (a plain and a speculative server side by side, components/engine_eval.py).
 Goal: every reliable figure within +-10% of the quiet median, quiet and loaded; an unreliable one counts as flagged
 (the registry says "unreliable"), never as a number; 0 mismatches. Writes `speedup_trust[-vllm].json`.
-Run: `python bench/speedup_trust.py [--quick] [--runs 5] [--engine local|vllm] [--head-steps N]`
+Run: `python bench/speedup_trust.py [--quick] [--runs 5] [--engine local|vllm] [--head-steps N]
+[--head DIR|models:/... --target DIR|models:/... --heldout FILE]` (e.g. the demo's fine-tune champion)
 (~1-2 min per local process on the default preset, ~3 per vLLM one; `--quick`: the tiny preset, for tests).
 Not here: throughput under concurrency (issue 27 items 1-4).
 """
@@ -44,14 +45,28 @@ def eval_config(quick: bool) -> EvaluateConfig:
     return PipelineConfig.preset("default").evaluate
 
 
-def child(args: argparse.Namespace) -> None:
-    """One fresh process: evaluate the speed head once, write the figures to `--out`."""
+def subject(args: argparse.Namespace) -> tuple[str, str, str]:
+    """(target dir, head dir, held-out traffic): `--head`/`--target`/`--heldout` (directories or models:/ URIs),
+    else the benchmarks' speed head on the embedded default."""
+    if args.head:
+        from infra.mlflow_store import MlflowStore
+        from infra.settings import Settings
+
+        def local(uri: str) -> str:
+            return str(MlflowStore.connect(Settings.from_env()).resolve(uri)) if uri.startswith("models:/") else uri
+
+        return local(args.target), local(args.head), args.heldout
     setup = prepare(args.quick, conversations=args.conversations)
     head, _ = speed_head(setup, args.head_steps, args.conversations)
+    return str(setup.target_dir), str(head.head_dir), str(setup.heldout_traffic)
+
+
+def child(args: argparse.Namespace) -> None:
+    """One fresh process: evaluate the head once, write the figures to `--out`."""
+    target, head_dir, heldout = subject(args)
     cfg = eval_config(args.quick)
     with tempfile.TemporaryDirectory() as tmp:
-        res = evaluate(cfg, str(setup.target_dir), str(head.head_dir), str(setup.heldout_traffic), tmp,
-                       progress=lambda s: None)
+        res = evaluate(cfg, target, head_dir, heldout, tmp, progress=lambda s: None)
         mismatches = sum(not s["identical"] for s in json.loads(Path(res.report_file).read_text())["samples"])
         row = {"speedup": res.speedup, "lo": res.speedup_lo, "hi": res.speedup_hi, "reliable": res.speedup_reliable,
                "note": res.speedup_note, "rounds": res.speedup_rounds, "tau": res.tau, "mismatches": mismatches,
@@ -60,9 +75,8 @@ def child(args: argparse.Namespace) -> None:
             from components.engine_eval import evaluate_in_vllm, our_outputs
             from infra.settings import Settings
 
-            v = evaluate_in_vllm(cfg, str(setup.target_dir), str(head.head_dir), str(setup.heldout_traffic),
-                                 str(Path(tmp) / "vllm"), Settings.from_env(), ours=our_outputs(res.report_file),
-                                 progress=lambda s: None)
+            v = evaluate_in_vllm(cfg, target, head_dir, heldout, str(Path(tmp) / "vllm"), Settings.from_env(),
+                                 ours=our_outputs(res.report_file), progress=lambda s: None)
             speed = json.loads(Path(v.report_file).read_text())["speed"]
             row = {"speedup": v.speedup, "lo": v.speedup_lo, "hi": v.speedup_hi, "reliable": v.speedup_reliable,
                    "note": v.speedup_note, "rounds": v.speedup_rounds, "tau": v.tau,
@@ -140,6 +154,10 @@ def main(argv: list[str] | None = None) -> dict | None:
     p.add_argument("--engine", choices=("local", "vllm"), default="local")
     p.add_argument("--head-steps", type=int, default=0, help="the speed head's training steps (0: the preset's)")
     p.add_argument("--load-threads", type=int, default=1, help="threads of the load job in the loaded condition")
+    p.add_argument("--head", default="", help="head directory or models:/... (default: the benchmarks' speed head)")
+    p.add_argument("--target", default="", help="the head's target (directory or models:/...), with --head")
+    p.add_argument("--heldout", default="", help="held-out traffic, with --head")
+    p.add_argument("--name", default="", help="suffix of the result file (e.g. demo-finetune)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", default="", help=argparse.SUPPRESS)
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -148,8 +166,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     if args.child:
         child(args)
         return None
-    setup = prepare(args.quick, conversations=args.conversations)  # the cache, once, before any timed process
-    speed_head(setup, args.head_steps, args.conversations)
+    subject(args)  # the cache (or the registry lookups), once, before any timed process
     passed = common.argv_without(common.argv_without(argv, "--runs"), "--load-threads")
     rows = fresh(passed, args.runs, 0, "quiet") + fresh(passed, args.runs, args.load_threads, "loaded")
     v = verdict(rows)
@@ -161,7 +178,7 @@ def main(argv: list[str] | None = None) -> dict | None:
                        f"({c['reliable']}/{c['runs']} reliable, {c['flagged_unreliable']} flagged unreliable; the "
                        f"single pass: {c['single_pass_max_deviation']:.1%})", c["max_deviation"], BAND + 1e-9, mism,
                        below=True, label="goal") for cond, c in v["by_condition"].items()}
-    name = "speedup_trust" + ("-vllm" if args.engine == "vllm" else "")
+    name = "speedup_trust" + ("-vllm" if args.engine == "vllm" else "") + ("-" + args.name if args.name else "")
     path = write_results(name, args.quick, {"engine": args.engine, "runs": rows, "verdict": v, "goals": goals,
                                             "mismatches": mism}, load_before)
     plot(rows, v, path.with_suffix(".png"), args.engine)

@@ -7,6 +7,10 @@ very same prompt), it runs two vLLM servers side by side, one without speculatio
 (components/speed.py, `cfg.speed`), and, given the champion's head, a third server with it after them. Each server
 of the pair gets a smaller memory share (`PAIR_MEMORY_SHARE`) so that both fit. It reports
 - tau and alpha_k from the deltas of vLLM's own `/metrics` counters (drafts, accepted tokens per position),
+- tau and alpha_1 by output position (`by_position`, buckets `cfg.position_edges`) from vLLM's per-request
+  speculative metrics (`--per-request-spec-decode-metrics detailed`: drafts accepted per verification step, in
+  output order, in each response), counted raw as the counters count; each sample's steps are in the report, the
+  buckets also in `acceptance_by_output_position_vllm.png`,
 - the champion's tau on the same prompts (`baseline_tau`), for a promotion gate on the engine's figures,
 - wall-clock speedup in the engine: the median over rounds of plain seconds / speculative seconds over the same
   requests, with its interval and whether it is reliable (`speedup_lo`, `speedup_hi`, `speedup_reliable`),
@@ -23,15 +27,16 @@ from __future__ import annotations
 import json
 import time
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
 from components.atomic import atomic_write_text
-from components.evaluate import EvaluateConfig, NotLosslessError, held_out_prompts
+from components.evaluate import EvaluateConfig, NotLosslessError, held_out_prompts, position_metrics
 from components.speed import SpeedupEstimate, measure_speedup
 from infra.settings import Settings
-from infra.vllm_server import EngineSpec, SpecCounters, VllmServer
+from eagle.stats import acceptance_by_position, raw_steps
+from infra.vllm_server import PER_REQUEST_METRICS, EngineSpec, SpecCounters, VllmServer
 
 REPORT = "engine_evaluation.json"
 PAIR_MEMORY_SHARE = {"cpu": 0.12, "cuda": 0.45}  # each server of the plain/speculative pair, of host or GPU memory
@@ -59,6 +64,7 @@ class EngineEvalResult:
     speedup_reliable: bool = True
     speedup_note: str = ""
     speedup_rounds: int = 1
+    by_position: list[dict] = field(default_factory=list)  # eagle.stats.acceptance_by_position, raw ([]: not given)
 
     def metrics(self) -> dict[str, float]:
         m = {"tau_vllm": self.tau, "speedup_vllm": self.speedup, "identical_vllm": float(self.identical_to_plain),
@@ -67,6 +73,7 @@ class EngineEvalResult:
         m.update({k: v for k, v in (("speedup_vllm_lo", self.speedup_lo), ("speedup_vllm_hi", self.speedup_hi))
                   if v is not None})
         m.update({f"alpha_vllm_{k + 1}": a for k, a in enumerate(self.acceptance)})
+        m.update(position_metrics(self.by_position, "_vllm"))
         return m
 
 
@@ -112,12 +119,13 @@ def eval_spec(cfg: EvaluateConfig, target_dir: str, head_dir: str | None = None,
     """The engine the evaluation runs: plain (`head_dir` None) or EAGLE-3 with `head_dir` at `cfg.spec.depth`;
     `pair`: one of two servers up at once, each with `PAIR_MEMORY_SHARE` of the memory."""
     spec = EngineSpec(str(target_dir), str(head_dir) if head_dir else None, method="eagle3" if head_dir else None,
-                      num_speculative_tokens=cfg.spec.depth, max_model_len=engine_max_len(target_dir, cfg))
+                      num_speculative_tokens=cfg.spec.depth, max_model_len=engine_max_len(target_dir, cfg),
+                      extra_args=PER_REQUEST_METRICS if head_dir else ())
     if not pair:
         return spec
     if spec.resolved_device() == "cpu":
         return replace(spec, cpu_memory_share=PAIR_MEMORY_SHARE["cpu"])
-    return replace(spec, extra_args=("--gpu-memory-utilization", str(PAIR_MEMORY_SHARE["cuda"])))
+    return replace(spec, extra_args=(*spec.extra_args, "--gpu-memory-utilization", str(PAIR_MEMORY_SHARE["cuda"])))
 
 
 def plain_server(cfg: EvaluateConfig, target_dir: str, settings: Settings) -> VllmServer:
@@ -161,21 +169,23 @@ def _interleaved(cfg: EvaluateConfig, plain: VllmServer, srv: VllmServer, prompt
     for s in (plain, srv):
         s.complete(prompts[0][1], 4)  # warm-up: first-request costs out of the timing, before the counters
     before = srv.spec_counters()
-    outs: dict[str, list] = {"plain": [None] * n, "spec": [None] * n}
+    outs: dict[str, list] = {"plain": [None] * n, "spec": [None] * n, "steps": [None] * n}
     counters: list[SpecCounters] = []
 
     def run(server: VllmServer, key: str, i: int, r: int) -> int:
-        ids = server.complete(prompts[i][1], max_new, temp).token_ids
+        c = server.complete(prompts[i][1], max_new, temp)
         if r == 0:
-            outs[key][i] = ids
-            if key == "spec" and all(o is not None for o in outs["spec"]):
-                counters.append(srv.spec_counters() - before)
-        return len(ids)
+            outs[key][i] = c.token_ids
+            if key == "spec":
+                outs["steps"][i] = c.accepted_per_step
+                if all(o is not None for o in outs["spec"]):
+                    counters.append(srv.spec_counters() - before)
+        return len(c.token_ids)
 
     speed = measure_speedup(n, lambda i, r: run(plain, "plain", i, r), lambda i, r: run(srv, "spec", i, r),
                             cfg.speed, progress, what=" (vLLM)")
-    return EngineRun(outs["plain"], sum(speed.plain_s[0])), EngineRun(outs["spec"], sum(speed.spec_s[0])), \
-        counters[0], speed
+    return EngineRun(outs["plain"], sum(speed.plain_s[0])), \
+        EngineRun(outs["spec"], sum(speed.spec_s[0]), outs["steps"]), counters[0], speed
 
 
 @dataclass(frozen=True)
@@ -184,6 +194,7 @@ class EngineRun:
 
     outputs: list[list[int]]
     seconds: float
+    accepted_per_step: list[list[int] | None] | None = None  # per prompt, from the per-request metrics (if given)
 
 
 def _run_head(cfg: EvaluateConfig, target_dir: str, head_dir: str, prompts, settings: Settings,
@@ -204,6 +215,9 @@ def _finish(cfg: EvaluateConfig, out: Path, prompts, plain_run: EngineRun, spec_
     n_tokens = sum(len(s) for s in spec)
     same_plain = [a == b for a, b in zip(plain, spec)]
     same_ours = None if ours is None else [list(a) == b for a, b in zip(ours, spec)]
+    steps = spec_run.accepted_per_step or [None] * len(spec)
+    given = all(s is not None for s in steps)  # a vLLM without per-request metrics gives none: no buckets then
+    by_position = acceptance_by_position([raw_steps(s) for s in steps], cfg.position_edges) if given else []
     res = EngineEvalResult(
         engine="vllm", tau=counters.tau, acceptance=counters.acceptance, drafts=counters.drafts,
         accepted_per_pos=list(counters.accepted_per_pos), speedup=speed.speedup,
@@ -211,12 +225,16 @@ def _finish(cfg: EvaluateConfig, out: Path, prompts, plain_run: EngineRun, spec_
         identical_to_plain=all(same_plain), identical_to_ours=None if same_ours is None else all(same_ours),
         n_samples=len(prompts), n_tokens=n_tokens, report_file=str(out / REPORT), baseline_tau=baseline_tau,
         speedup_lo=speed.lo, speedup_hi=speed.hi, speedup_reliable=speed.reliable, speedup_note=speed.reason,
-        speedup_rounds=speed.rounds)
+        speedup_rounds=speed.rounds, by_position=by_position)
     samples = [{"segment": seg, "prompt_len": len(ids), "plain": p, "spec": s, "identical_to_plain": sp,
-                **({} if same_ours is None else {"identical_to_ours": same_ours[i]})}
+                "accept_lengths": steps[i], **({} if same_ours is None else {"identical_to_ours": same_ours[i]})}
                for i, ((seg, ids), p, s, sp) in enumerate(zip(prompts, plain, spec, same_plain))]
     atomic_write_text(out / REPORT, json.dumps({"config": asdict(cfg), "result": asdict(res), "speed": asdict(speed),
                                                 "samples": samples}, indent=2) + "\n")
+    if by_position:
+        from components.plots import plot_by_output_position
+
+        plot_by_output_position(by_position, out / "acceptance_by_output_position_vllm.png", label="vLLM")
     if cfg.spec.greedy and (not res.identical_to_plain or res.identical_to_ours is False):
         bad_plain = sum(not s for s in same_plain)
         bad_ours = 0 if same_ours is None else sum(not s for s in same_ours)

@@ -8,6 +8,9 @@ head, interleaved sample by sample so that both see the same machine state, and 
   reached depth k) and cumulative (P[the step emitted draft k]), and beside them `tau_raw` / `acceptance_raw`,
   which count what the acceptance rule accepted, as vLLM's counters do (`eagle.stats.SpecStats`),
 - a per-segment breakdown (`complete`, `continue`, `explain`, ...),
+- tau and alpha_1 by output position (`by_position`: buckets `cfg.position_edges`, default 0-128, 128-512,
+  512-2048; a verification step belongs to the bucket of the output position where it starts; emitted counts, and
+  `by_position_raw` in evaluation.json with raw counts, as the engine's per-request metrics give them),
 - wall-clock speedup (plain seconds / speculative seconds over the same prompts) measured in rounds, plain and
   speculative interleaved prompt by prompt (components/speed.py, `cfg.speed`): the median of the rounds' ratios,
   its interval `speedup_lo`..`speedup_hi`, and whether it is reliable (with the reason when not); tokens/s of each,
@@ -32,6 +35,7 @@ from components.load_sweep import LoadConfig
 from components.speed import SpeedupConfig, SpeedupEstimate, measure_speedup
 from eagle.config_checks import FieldError, at_least, one_of
 from eagle.run_config import SpecConfig
+from eagle.stats import POSITION_EDGES
 
 
 class NotLosslessError(AssertionError):
@@ -51,6 +55,7 @@ class EvaluateConfig:
     engine: str = "local"  # "vllm": also serve the head in vLLM and measure it there (components/engine_eval.py)
     speed: SpeedupConfig = field(default_factory=SpeedupConfig)  # how long the speedup is measured, in both engines
     load: LoadConfig = field(default_factory=LoadConfig)  # throughput by concurrency in vLLM (components/load_sweep.py)
+    position_edges: tuple[int, ...] = POSITION_EDGES  # output-position buckets of tau/alpha_1 (ascending, >= 0)
 
     def __post_init__(self) -> None:
         one_of(self, "engine", ("local", "vllm"))
@@ -63,6 +68,10 @@ class EvaluateConfig:
             raise FieldError(self, "speed", f"must be a SpeedupConfig, got {self.speed!r}")
         if not isinstance(self.load, LoadConfig):
             raise FieldError(self, "load", f"must be a LoadConfig, got {self.load!r}")
+        e = self.position_edges
+        if (not isinstance(e, tuple) or len(e) < 2 or any(isinstance(x, bool) or not isinstance(x, int) for x in e)
+                or e[0] < 0 or any(a >= b for a, b in zip(e, e[1:]))):
+            raise FieldError(self, "position_edges", f"must be >= 2 ascending integers >= 0, got {e!r}")
 
     @classmethod
     def tiny(cls) -> "EvaluateConfig":
@@ -100,6 +109,7 @@ class EvaluateResult:
     speedup_reliable: bool = True
     speedup_note: str = ""  # why the speedup is unreliable; "" when it is not
     speedup_rounds: int = 1
+    by_position: list[dict] = field(default_factory=list)  # eagle.stats.acceptance_by_position, emitted counts
 
     def metrics(self) -> dict[str, float]:
         m = {"tau": self.tau, "speedup": self.speedup, "plain_tokens_per_s": self.plain_tokens_per_s,
@@ -115,7 +125,19 @@ class EvaluateResult:
         m.update({f"alpha_raw_{k + 1}": a for k, a in enumerate(self.acceptance_raw)})
         if self.baseline_tau is not None:
             m["baseline_tau"] = self.baseline_tau
+        m.update(position_metrics(self.by_position))
         return m
+
+
+def position_metrics(buckets: list[dict], engine: str = "") -> dict[str, float]:
+    """`tau<engine>_pos_<lo>_<hi>` and `alpha_1<engine>_pos_<lo>_<hi>` of each non-empty output-position bucket
+    (`engine` "" for ours, "_vllm" for the engine's): what components/register.py tags as `tau_by_position`."""
+    m = {}
+    for b in buckets:
+        if b["steps"]:
+            m[f"tau{engine}_pos_{b['lo']}_{b['hi']}"] = b["tau"]
+            m[f"alpha_1{engine}_pos_{b['lo']}_{b['hi']}"] = b["alpha_1"]
+    return m
 
 
 def held_out_messages(traffic_path: str):
@@ -210,8 +232,8 @@ def _sample_counts(stats) -> dict[str, list[int]]:
 def _finish(cfg, out: Path, samples, speed: SpeedupEstimate, identical, runs, history_file, path_record: dict):
     """The report over all prompts: emitted tau and alpha_k (the raw ones beside them), per segment, the baseline
     head's tau on the same prompts, plots; writes `evaluation.json`."""
-    from components.plots import plot_acceptance, plot_training
-    from eagle.stats import SpecStats
+    from components.plots import plot_acceptance, plot_by_output_position, plot_training
+    from eagle.stats import SpecStats, acceptance_by_position, raw_steps
 
     stats, base_stats = runs
     n_tokens = sum(s["tokens"] for s in samples)
@@ -223,7 +245,11 @@ def _finish(cfg, out: Path, samples, speed: SpeedupEstimate, identical, runs, hi
     per_segment = {k: {"tau": SpecStats.cat(v).tau, "verify_steps": sum(x.n_verify_steps for x in v)}
                    for k, v in sorted(seg.items())}
     baseline_tau = SpecStats.cat(base_stats).tau if base_stats else None
-    plots = [str(plot_acceptance(cond, cum, tau, out / "acceptance_by_position.png"))]
+    by_position = acceptance_by_position([(s["accept_lengths"], s["emitted_lengths"]) for s in samples],
+                                         cfg.position_edges)
+    by_position_raw = acceptance_by_position([raw_steps(s["accept_lengths"]) for s in samples], cfg.position_edges)
+    plots = [str(plot_acceptance(cond, cum, tau, out / "acceptance_by_position.png")),
+             str(plot_by_output_position(by_position, out / "acceptance_by_output_position.png"))]
     if history_file and Path(history_file).is_file():
         plots.append(str(plot_training(history_file, out / "training_curves.png")))
     greedy = cfg.spec.greedy
@@ -233,8 +259,10 @@ def _finish(cfg, out: Path, samples, speed: SpeedupEstimate, identical, runs, hi
                          n_samples=len(samples), n_tokens=n_tokens, baseline_tau=baseline_tau,
                          report_file=str(out / "evaluation.json"), plots=tuple(plots), tau_raw=every.tau_raw,
                          acceptance_raw=every.per_position_acceptance_raw, speedup_lo=speed.lo, speedup_hi=speed.hi,
-                         speedup_reliable=speed.reliable, speedup_note=speed.reason, speedup_rounds=speed.rounds)
+                         speedup_reliable=speed.reliable, speedup_note=speed.reason, speedup_rounds=speed.rounds,
+                         by_position=by_position)
     atomic_write_text(out / "evaluation.json", json.dumps({"config": asdict(cfg), "result": asdict(res),
+                                                           "by_position_raw": by_position_raw,
                                                            "speed": asdict(speed), "target_path": path_record,
                                                            "samples": samples}, indent=2) + "\n")
     if greedy and not identical:

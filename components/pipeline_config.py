@@ -1,8 +1,8 @@
 """One config for a whole pipeline run: a section per stage, presets, strict loading from JSON.
 
-Purpose: `PipelineConfig` groups the stage configs (`regenerate`, `extract`, `train`, `evaluate`, `register`) and the
-acceptance monitor's (`monitor`);
-`PipelineConfig.preset("tiny" | "default")` gives the test and demo settings; `PipelineConfig.load(path)`
+Purpose: `PipelineConfig` groups who runs the target (`target`: this process or vLLM, and vLLM's scale), the stage
+configs (`regenerate`, `extract`, `train`, `evaluate`, `register`) and the acceptance monitor's (`monitor`);
+`PipelineConfig.preset(name)` gives a named preset (all of them live in components/presets.py); `PipelineConfig.load(path)`
 reads a JSON file whose sections override a preset key by key, and refuses an unknown section or key, naming it;
 `monitor_config(preset, path, **flags)` adds the monitor's command-line values on top, checked the same way.
 `fingerprint()` is a stable hash of the config but its `monitor` section (part of a run's identity).
@@ -24,26 +24,72 @@ from components.evaluate import EvaluateConfig
 from components.extract import ExtractConfig
 from components.monitor import MonitorConfig
 from components.regenerate import RegenerateConfig
-from components.load_sweep import LoadConfig
 from components.register import RegisterConfig
-from components.train import RayConfig, TrainConfig
-from eagle.config_checks import FieldError
+from components.train import TrainConfig
+from eagle.config_checks import FieldError, at_least, one_of
 from eagle.errors import BadInput
-from eagle.run_config import OptimConfig, SpecConfig, TTTConfig
 
 
 class ConfigError(BadInput):
     """A config file or override that names an unknown section or key, or has a value of the wrong type."""
 
 
+RUNTIMES = ("local", "vllm")
+NOT_IDENTITY = {"identity": False}  # how the engine spreads the target does not change the head
+
+
+@dataclass(frozen=True)
+class TargetConfig:
+    """Who runs the target. `runtime` "local": this process (or Ray actors) loads it with transformers; "vllm": the
+    serving engine runs it in every stage (regenerate, extract, evaluate: the stages' `engine` become "vllm", the
+    gate decides on vLLM's τ) and this process reads only the embedding, final norm and lm_head by tensor name.
+    The scale fields are vLLM's own (infra/vllm_scale.py `EngineScale`) and reach every vLLM the run starts."""
+
+    runtime: str = "local"
+    tensor_parallel_size: int = field(default=1, metadata=NOT_IDENTITY)
+    pipeline_parallel_size: int = field(default=1, metadata=NOT_IDENTITY)
+    data_parallel_size: int = field(default=1, metadata=NOT_IDENTITY)
+    distributed_executor_backend: str | None = field(default=None, metadata=NOT_IDENTITY)  # mp, ray, uni, ...
+
+    def __post_init__(self) -> None:
+        from infra.vllm_scale import EXECUTOR_BACKENDS
+
+        one_of(self, "runtime", RUNTIMES)
+        at_least(self, {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "data_parallel_size": 1})
+        one_of(self, "distributed_executor_backend", EXECUTOR_BACKENDS)
+
+    def engine_scale(self):
+        """The scale as infra.vllm_scale.EngineScale."""
+        from infra.vllm_scale import EngineScale
+
+        return EngineScale(self.tensor_parallel_size, self.pipeline_parallel_size, self.data_parallel_size,
+                           self.distributed_executor_backend)
+
+
 @dataclass(frozen=True)
 class PipelineConfig:
+    target: TargetConfig = field(default_factory=TargetConfig)
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
     extract: ExtractConfig = field(default_factory=ExtractConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
     register: RegisterConfig = field(default_factory=RegisterConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
+
+    def __post_init__(self) -> None:
+        if self.target.runtime == "vllm":  # one setting: every stage that runs the target runs it in the engine
+            for name, changes in self.engine_stages().items():
+                try:
+                    object.__setattr__(self, name, dataclasses.replace(getattr(self, name), **changes))
+                except FieldError as e:  # e.g. extract.mode 'online': features computed by this process
+                    raise FieldError(self, "target.runtime", f"'vllm' runs the {name} stage in the engine: "
+                                     f"{name}.{e.field} {e.reason}") from None
+
+    @staticmethod
+    def engine_stages() -> dict[str, dict[str, str]]:
+        """What `target.runtime: vllm` sets in the stage sections."""
+        return {"regenerate": {"engine": "vllm"}, "extract": {"engine": "vllm"}, "evaluate": {"engine": "vllm"},
+                "register": {"gate_tau": "engine"}}
 
     def check(self, where: str = "config") -> "PipelineConfig":
         """Rules across sections (each section checks its own values when built); returns self."""
@@ -54,38 +100,20 @@ class PipelineConfig:
 
     @classmethod
     def tiny(cls) -> "PipelineConfig":
-        return cls(regenerate=RegenerateConfig(max_new_tokens=16, batch_size=8, shard_size=8, limit=16),
-                   extract=ExtractConfig(max_len=192, seqs_per_shard=8),
-                   train=TrainConfig.tiny(), evaluate=EvaluateConfig.tiny(), register=RegisterConfig(tau_floor=1.0),
-                   monitor=MonitorConfig.tiny())
+        """The `tiny` preset (components/presets.py)."""
+        return cls.preset("tiny")
 
     @classmethod
     def default(cls) -> "PipelineConfig":
-        """The demo on 2 CPU cores, on the embedded default.
-
-        One Ray worker with both cores (two torch threads train faster than one); a fine-tune's head, warm-started
-        from its base's head, gets half the steps of a fresh one (`train.warm_start_steps`), since it starts close.
-        Each head is also served by vLLM and measured there (`evaluate.engine: vllm`), as production will run it,
-        one request at a time and under load (`evaluate.load`: concurrency 1, 4 and 16, K 5 against plain, which
-        gives the K schedule the engine is served with).
-        """
-        return cls(regenerate=RegenerateConfig(max_new_tokens=96, batch_size=32, shard_size=64, limit=320),
-                   extract=ExtractConfig(max_len=320, seqs_per_shard=128),
-                   train=TrainConfig(steps=120, batch_size=8, draft_vocab_size=2048, checkpoint_every=40,
-                                     log_every=10, warm_start_steps=60, eval_every=20, holdout_seqs=32,
-                                     ttt=TTTConfig(ttt_steps=5), optim=OptimConfig(lr=3e-3, warmup_steps=10),
-                                     ray=RayConfig(num_workers=1, cpus_per_worker=2)),
-                   evaluate=EvaluateConfig(spec=SpecConfig(method="chain", depth=5, max_new_tokens=96), limit=16,
-                                           engine="vllm", load=LoadConfig(concurrency=(1, 4, 16), k_values=(5,),
-                                                                          requests=16)),
-                   register=RegisterConfig(tau_floor=1.5, gate_tau="engine"))
+        """The `default` preset (components/presets.py): the demo on 2 CPU cores, on the embedded default."""
+        return cls.preset("default")
 
     @classmethod
     def preset(cls, name: str) -> "PipelineConfig":
-        presets = {"tiny": cls.tiny, "default": cls.default}
-        if name not in presets:
-            raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(presets)}")
-        return presets[name]()
+        """The named preset; every preset lives in components/presets.py."""
+        from components.presets import preset
+
+        return preset(name)
 
     def override(self, data: dict[str, Any], where: str = "config") -> "PipelineConfig":
         """This config with `data`'s values (sections, keys and nested sections such as `train.ttt`) put in,

@@ -1,6 +1,7 @@
 """PNG plots a person reads faster than tables: acceptance by draft position, training curves.
 
-Purpose: `plot_acceptance` (bars of conditional and cumulative acceptance per position, tau in the title) and
+Purpose: `plot_acceptance` (bars of conditional and cumulative acceptance per position, tau in the title),
+`plot_by_output_position` (tau and alpha_1 per output-position bucket, ours and the engine's) and
 `plot_training` (loss, per-step accuracy and simulated tau from a training history JSONL).
 Not here: what to measure (components/evaluate.py, components/train.py). Uses matplotlib's Agg backend; a plot
 file appears whole or not at all (written aside, then renamed).
@@ -97,4 +98,30 @@ def plot_load_sweep(cells: list[dict], schedule: list[list[int]], path: str | Pa
     ax.set_ylabel("output tokens/s (vLLM bench serve)")
     ax.set_title("throughput by load: where speculation pays")
     ax.legend(fontsize=8)
+    return _save(plt, fig, path)
+
+
+def plot_by_output_position(buckets: list[dict], path: str | Path, engine: list[dict] | None = None,
+                             label: str = "ours") -> Path:
+    """τ per output-position bucket (bars; the engine's beside them when given), α_1 as a line on a second axis;
+    an empty bucket is drawn empty and labelled with its step count 0 (eagle.stats.acceptance_by_position).
+    `label` names whose `buckets` they are."""
+    plt = _plt()
+    labels = [f"{b['lo']}–{b['hi']}\n({b['steps']} steps)" for b in buckets]
+    x = list(range(len(buckets)))
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    w = 0.38 if engine else 0.6
+    ax.bar([i - (w / 2 if engine else 0) for i in x], [b["tau"] or 0 for b in buckets], w, label=f"τ ({label})")
+    if engine:
+        ax.bar([i + w / 2 for i in x], [b["tau"] or 0 for b in engine], w, label="τ (vLLM)")
+    ax.set_xticks(x, labels, fontsize=8)
+    ax.set_xlabel("output position where the verification step starts")
+    ax.set_ylabel("τ (tokens per verification step)")
+    a2 = ax.twinx()
+    a2.plot(x, [b["alpha_1"] for b in buckets], "k--o", label=f"α_1 ({label})")
+    a2.set_ylim(0, 1.05)
+    a2.set_ylabel("α_1")
+    ax.set_title("Acceptance by output position")
+    ax.legend(fontsize=8, loc="lower left")
+    a2.legend(fontsize=8, loc="lower right")
     return _save(plt, fig, path)

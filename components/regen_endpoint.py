@@ -8,19 +8,23 @@ reason, becomes the failure. `answer_concurrently(convs, ask, concurrency)` answ
 flight (one thread per conversation being answered); records come back in conversation order, and a failed request
 fails its own conversation only. `history_turns` and `conversation_record` are the conversation state that
 components/regenerate.py's batched path shares.
+`engine_endpoint(cfg, target_dir, settings)` starts the endpoint itself when `cfg.engine` is "vllm" and no
+`endpoint_url` is given (`target.runtime: vllm`): a plain vLLM for the target, stopped when the block ends.
 Run: through `components.regenerate.regenerate` with `cfg.endpoint_url` set; tests/test_regenerate_scale.py.
-Not here: shards, seeds, accounting and resume (components/regenerate.py), starting a server (infra/vllm_server.py).
+Not here: shards, seeds, accounting and resume (components/regenerate.py), the server process (infra/vllm_server.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Sequence
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Sequence
 
 from components.traffic_io import Conversation
 
@@ -76,6 +80,27 @@ def endpoint_ask(cfg: Any, retries: int = 3) -> Ask:
         return err
 
     return ask
+
+
+@contextmanager
+def engine_endpoint(cfg: Any, target_dir: str, settings: Any = None,
+                    progress: Callable[[str], None] = print) -> Iterator[Any]:
+    """`cfg` (a RegenerateConfig) as it is, unless its engine is "vllm" with no `endpoint_url`: then a plain vLLM
+    started here for `target_dir` (the dtype its config.json states, its whole context), and `cfg` pointed at it
+    while it runs. `settings`: infra.settings.Settings (None: from the environment)."""
+    if cfg.engine != "vllm" or cfg.endpoint_url:
+        yield cfg
+        return
+    from components.engine_eval import target_context
+    from components.targets import declared_dtype
+    from infra.settings import Settings
+    from infra.vllm_server import EngineSpec, VllmServer
+
+    spec = EngineSpec(str(target_dir), method=None, dtype=declared_dtype(target_dir),
+                      max_model_len=target_context(target_dir))
+    progress(f"regenerate (vLLM): starting the engine for {target_dir}")
+    with VllmServer(spec, settings or Settings.from_env()) as srv:
+        yield dataclasses.replace(cfg, endpoint_url=srv.base_url, endpoint_model=spec.served_model_name)
 
 
 def endpoint_answerer(cfg: Any, retries: int = 3) -> Callable[[list[list[dict[str, str]]]], list[str | Exception]]:

@@ -3,7 +3,8 @@
 Purpose: `regenerate(cfg, target_dir, traffic_path, out_dir) -> RegenerateResult`. Multi-turn conversations are
 answered turn by turn (each answer becomes the history of the next turn), batched with HF generation on a local
 target, or through any OpenAI-compatible endpoint (a vLLM or SGLang server) when `cfg.endpoint_url` is set, with up
-to `cfg.endpoint_concurrency` requests in flight (components/regen_endpoint.py).
+to `cfg.endpoint_concurrency` requests in flight (components/regen_endpoint.py); with `cfg.engine` "vllm" and no
+URL, through a vLLM this stage starts for the target (`target.runtime: vllm`: our process never loads it).
 Resumable: conversations are written in shards of `cfg.shard_size`, each shard atomically (temp file + rename)
 with a sidecar listing its ok and failed ids; a re-run skips every conversation of a finished shard. The
 accounting (`accounting.json`) always satisfies total = ok + failed + skipped.
@@ -25,9 +26,9 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 from components.atomic import atomic_write_text, remove_stale_temps
 from components.chat import prompt_ids
 from components.regen_endpoint import (answer_concurrently, conversation_record, endpoint_answerer, endpoint_ask,
-                                       history_turns)
+                                       engine_endpoint, history_turns)
 from components.traffic_io import Conversation, load_traffic
-from eagle.config_checks import FieldError, at_least, finite
+from eagle.config_checks import FieldError, at_least, finite, one_of
 from eagle.errors import BadInput
 from infra.settings import http_url_problem
 
@@ -53,6 +54,7 @@ class RegenerateConfig:
     endpoint_url: str | None = None  # OpenAI-compatible server, e.g. http://127.0.0.1:8000
     endpoint_model: str | None = None
     endpoint_timeout_s: float = 120.0
+    engine: str = "local"  # "vllm": without endpoint_url, a vLLM started here for the run answers (target.runtime)
     # where and how fast, not what: the files are the same whatever these are (not part of a run's identity)
     endpoint_concurrency: int = field(default=4, metadata=NOT_IDENTITY)  # requests in flight at most, per worker
     num_workers: int = field(default=0, metadata=NOT_IDENTITY)  # 0: in this process; N: N Ray actors, a shard each
@@ -68,6 +70,10 @@ class RegenerateConfig:
         finite(self, "endpoint_timeout_s", lambda x: x > 0, "> 0")
         if self.endpoint_url is not None and (problem := http_url_problem(self.endpoint_url)):
             raise FieldError(self, "endpoint_url", f"{self.endpoint_url!r}: {problem}")
+        one_of(self, "engine", ("local", "vllm"))
+        if self.engine == "vllm" and self.num_workers and not self.endpoint_url:
+            raise FieldError(self, "num_workers", f"must be 0 with engine 'vllm' (one engine answers every shard), "
+                             f"got {self.num_workers}")
 
 
 @dataclass(frozen=True)
@@ -228,8 +234,9 @@ def regenerate(cfg: RegenerateConfig, target_dir: str, traffic_path: str, out_di
 
     A shard whose every conversation failed is not marked done, so a re-run tries it again (an endpoint that was
     down); when no conversation at all could be regenerated, `RegenerateError` says why (accounting.json is written).
-    `cfg.num_workers` >= 1 answers the shards on Ray (`ray_settings`: the infra.settings.Settings that say where;
-    None: from the environment); `answer` (a batch Answerer, for tests) runs in this process only.
+    `cfg.num_workers` >= 1 answers the shards on Ray, `cfg.engine` "vllm" in a vLLM started here (`ray_settings`:
+    the infra.settings.Settings that say where Ray runs and where vLLM's venv is; None: from the environment);
+    `answer` (a batch Answerer, for tests) runs in this process only.
     """
     if answer is not None and cfg.num_workers:
         raise ValueError("regenerate: `answer` runs in this process only; use num_workers 0 with it")
@@ -251,11 +258,12 @@ def regenerate(cfg: RegenerateConfig, target_dir: str, traffic_path: str, out_di
         from components.regen_ray import run_on_ray
 
         run_on_ray(cfg, target_dir, pending, finish, trust_remote_code, ray_settings, progress)
-    elif pending:
-        respond = responder(cfg, target_dir, trust_remote_code, answer)  # loads the target only when work is left
-        for s, chunk in pending.items():
-            t0 = time.perf_counter()
-            finish(s, answer_shard(cfg, s, chunk, respond, progress), time.perf_counter() - t0)
+    elif pending:  # the target is loaded, or its engine started, only when work is left
+        with engine_endpoint(cfg, target_dir, ray_settings, progress) as run_cfg:
+            respond = responder(run_cfg, target_dir, trust_remote_code, answer)
+            for s, chunk in pending.items():
+                t0 = time.perf_counter()
+                finish(s, answer_shard(run_cfg, s, chunk, respond, progress), time.perf_counter() - t0)
     return _account(out, traffic_path, chunks, before, outcomes)
 
 

@@ -67,7 +67,7 @@ class HeadToRegister:
     traffic_sha256: str
     run_key: str
     run_id: str  # the pipeline's MLflow run; the head is logged and registered from it
-    metrics: dict[str, float]  # at least tau and speedup
+    metrics: dict[str, float]  # tau and speedup (ours), or tau_vllm (the engine alone: target.runtime vllm)
     champion_tau: float | None  # the current champion's tau on the same traffic, same run (None: no champion)
     evaluation_dir: str | None = None
     params: dict[str, Any] | None = None
@@ -174,12 +174,26 @@ def _alphas(metrics: dict[str, float], prefix: str) -> list[float]:
     return [metrics[k] for k in sorted(keys, key=lambda k: int(k[len(prefix):]))]
 
 
+def _by_position(metrics: dict[str, float], prefix: str) -> list[tuple[int, int, float]]:
+    """(lo, hi, value) of the `<prefix><lo>_<hi>` metrics, by lo."""
+    out = []
+    for k, v in metrics.items():
+        lo, _, hi = k[len(prefix):].partition("_") if k.startswith(prefix) else ("", "", "")
+        if lo.isdigit() and hi.isdigit():
+            out.append((int(lo), int(hi), v))
+    return sorted(out)
+
+
 def _acceptance_tags(metrics: dict[str, float]) -> dict[str, str]:
     """Per-position acceptance (alpha_1..alpha_k) and `identical` ("true"/"false"; absent when sampling: outputs
     are not comparable) as measured here, `tau_raw` (what the rule accepted, also past EOS: an engine's counting),
     and the engine's figures when it measured them (`tau_vllm`,
-    `speedup_vllm`, `identical_vllm`, `acceptance_vllm`)."""
+    `speedup_vllm`, `identical_vllm`, `acceptance_vllm`); `tau_by_position` (and `_vllm`): tau per non-empty
+    output-position bucket, "0-128:2.8100 128-512:2.5012" (from the `tau_pos_<lo>_<hi>` metrics)."""
     tags = {}
+    for name, prefix in (("tau_by_position", "tau_pos_"), ("tau_by_position_vllm", "tau_vllm_pos_")):
+        if buckets := _by_position(metrics, prefix):
+            tags[name] = " ".join(f"{lo}-{hi}:{float(v):.4f}" for lo, hi, v in buckets)
     for name, prefix in (("acceptance", "alpha_"), ("acceptance_raw", "alpha_raw_"),
                          ("acceptance_vllm", "alpha_vllm_")):
         if alphas := _alphas(metrics, prefix):
@@ -274,7 +288,7 @@ def register_head(store: MlflowStore, cfg: RegisterConfig, head: HeadToRegister)
     store.ensure_model(name)
     if (done := registered_run(store, name, head.run_key)) is not None:
         return done.result()
-    tau = float(head.metrics["tau"])
+    tau = head.metrics.get("tau")  # ours; None when only the engine measured the head (target.runtime vllm)
     gate_tau, champion_tau = _gate_inputs(cfg, head)
     champion = store.get_alias(name, CHAMPION)
     if champion_tau is None and champion is not None:
@@ -282,12 +296,13 @@ def register_head(store: MlflowStore, cfg: RegisterConfig, head: HeadToRegister)
                          f"{cfg.gate_tau} gate: evaluate the champion on the same held-out traffic")
     promoted, reason = _gate(cfg, gate_tau, champion_tau)
     if cfg.gate_tau == "engine":
-        reason = f"vLLM {reason} (local tau {tau:.3f})"
+        reason = f"vLLM {reason}" + (f" (local tau {tau:.3f})" if tau is not None else " (no local evaluation)")
     if cfg.gate_concurrency:
         promoted, reason = _load_gate(cfg, head.metrics, promoted, reason)
     tags = {"target_name": head.target.name, "target_version": str(head.target.version),
             "target_weights_sha256": head.target.weights_sha256, "traffic_sha256": head.traffic_sha256,
-            "tau": f"{tau:.4f}", "gate": reason, "gate_tau": cfg.gate_tau, PROMOTED_TAG: str(promoted).lower()}
+            "gate": reason, "gate_tau": cfg.gate_tau, PROMOTED_TAG: str(promoted).lower(),
+            **({"tau": f"{tau:.4f}"} if tau is not None else {})}
     if head.init_from:
         tags["init_from"] = head.init_from
     tags.update(_acceptance_tags(head.metrics))

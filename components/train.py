@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from components.atomic import remove_stale_temps
+from eagle.config import VARIANTS
 from eagle.config_checks import FieldError, at_least, one_of
 from eagle.run_config import OptimConfig, TTTConfig
 from components.train_state import (HISTORY, check_checkpoint, history_rows, latest_checkpoint, load_checkpoint,
@@ -84,6 +85,7 @@ class TrainConfig:
     eval_every: int = 50  # held-out loss and simulated tau every N steps and at the last (0: none, nothing held out)
     holdout_seqs: int = 32  # sequences set aside for it (at most a quarter of the data, at least one)
     select: Literal["best_tau", "last"] = "best_tau"  # the exported weights: best held-out tau, or the last step's
+    variant: str = "eagle3"  # the head's architecture, eagle3 or eagle3.1 (eagle/config.py); TTT trains either
     ttt: TTTConfig = field(default_factory=TTTConfig)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3, warmup_steps=20))
     ray: RayConfig = field(default_factory=RayConfig)
@@ -103,6 +105,7 @@ def _check_config(cfg: TrainConfig) -> None:
     at_least(cfg, {"steps": 1, "batch_size": 1, "draft_vocab_size": 1, "seed": 0, "checkpoint_every": 1,
                    "keep_checkpoints": 1, "log_every": 1, "warm_start_steps": 0, "eval_every": 0, "holdout_seqs": 0})
     one_of(cfg, "select", ("best_tau", "last"))
+    one_of(cfg, "variant", VARIANTS)
     for name, kind in (("ttt", TTTConfig), ("optim", OptimConfig), ("ray", RayConfig)):
         if not isinstance(getattr(cfg, name), kind):
             raise FieldError(cfg, name, f"must be a {kind.__name__}, got {getattr(cfg, name)!r}")
@@ -208,7 +211,8 @@ def train_loop(args: LoopArgs) -> None:
                                   "tokens_per_s": seen * world / max(time.perf_counter() - t0, 1e-9), **held})
         if done % cfg.checkpoint_every == 0 or done == cfg.steps:
             path = save_checkpoint(out, done, draft, opt, sched, cfg.keep_checkpoints, best) if rank == 0 else None
-            _report(done, path)  # every rank reports (a barrier in Ray Train); rank 0 attaches the checkpoint
+            if cfg.ray.num_workers:  # in the driver (0 workers) there is no Ray to report to, nor imported
+                _report(done, path)  # every rank reports (a barrier in Ray Train); rank 0 attaches the checkpoint
     if rank == 0:
         _export(args, draft, best, start, len(heldout_ids))
 
@@ -279,14 +283,14 @@ def holdout_size(cfg: TrainConfig, n_seqs: int) -> int:
 
 
 def _new_head(args: LoopArgs, data):
-    """A fresh head for the features' target and layers, or the warm-start head."""
-    from eagle.train import head_from_tensors
+    """A fresh head of `cfg.variant` for the features' target and layers, or the warm-start head as that variant."""
+    from eagle.train import as_variant, head_from_tensors
 
     layer_ids, tcfg = data.manifest["layer_ids"], data.target_config(args.trust_remote_code)
     if args.init_head_dir:
-        return warm_start_head(args.init_head_dir, tcfg, data.embed_tokens, layer_ids)
+        return as_variant(warm_start_head(args.init_head_dir, tcfg, data.embed_tokens, layer_ids), args.cfg.variant)
     return head_from_tensors(tcfg, data.token_counts, data.embed_tokens, data.lm_head, args.cfg.draft_vocab_size,
-                             aux_layer_ids=layer_ids)
+                             aux_layer_ids=layer_ids, variant=args.cfg.variant)
 
 
 def warm_start_head(head_dir: str, target_config, embed_VH, aux_layer_ids):
@@ -306,8 +310,13 @@ def warm_start_head(head_dir: str, target_config, embed_VH, aux_layer_ids):
 
 
 def _dist_context(cfg: TrainConfig):
+    """(rank, world size, device). In the driver (`ray.num_workers` 0) Ray is not imported: one process, on the
+    current CUDA device when `ray.use_gpu` and CUDA is there, else the CPU."""
     import torch
 
+    if cfg.ray.num_workers == 0:
+        cuda = cfg.ray.use_gpu and torch.cuda.is_available()
+        return 0, 1, torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     try:
         import ray.train
 

@@ -3,7 +3,17 @@
 Purpose: one frozen dataclass, `DraftConfig`, that fixes every shape of a head and the target it belongs to:
 the target's shapes and depth, the draft vocabulary size, the fused layer ids `aux_layer_ids` (three distinct
 ascending ids in 1..N-1; id k is the hidden state entering target decoder layer k) and the target's dtype
-`target_dtype` (the dtype engines run the head in, hence the dtype it is exported in).
+`target_dtype` (the dtype engines run the head in, hence the dtype it is exported in), and the head's `variant`:
+- "eagle3": EAGLE-3 as published: `fc` reads the raw concat of the three fused states; the next drafting step (and
+  the next TTT step) reads the layer's un-normalised output; `lm_head` reads `norm(output)`.
+- "eagle3.1": EAGLE-3.1 (arXiv 2605.09992, against attention drift on long outputs): two changes, both loaded by
+  vLLM 0.32 from the head's config.json (model_executor/models/llama_eagle3.py):
+  `fc_norm: true`, one RMSNorm per fused state before `fc` (weights `fc_norm.{0,1,2}.weight`; vLLM's
+  `combine_hidden_states` chunks the 3H concat and norms each chunk), and `norm_output: true`, the next step reads
+  the post-norm state `norm(output)` (vLLM's `LlamaModel.forward` returns it as the hidden state it carries).
+  `lm_head` is unchanged (it reads `norm(output)` either way).
+vLLM's third key, `norm_before_fc` (one RMSNorm over the 3H concat, weight `input_norm.weight`), belongs to
+neither variant and is exported as false.
 Build it from a Hugging Face target config with `DraftConfig.from_target(...)`, or `DraftConfig.tiny()` in tests.
 `default_aux_layer_ids(N)` is the rule for a target of N layers; `check_aux_layer_ids(ids, N)` validates others.
 Not here: training hyper-parameters (see `eagle.ttt.TTTConfig`) or anything about orchestration.
@@ -17,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 TARGET_DTYPES = ("float32", "bfloat16", "float16")
+VARIANTS = ("eagle3", "eagle3.1")  # see the module doc
 
 
 def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
@@ -64,8 +75,11 @@ class DraftConfig:
     aux_layer_ids: tuple[int, int, int] = field(default=())  # type: ignore[assignment]
     target_model_type: str = "llama"
     target_dtype: str = "float32"
+    variant: str = "eagle3"
 
     def __post_init__(self) -> None:
+        if self.variant not in VARIANTS:
+            raise ValueError(f"variant must be one of {VARIANTS}, got {self.variant!r}")
         if not self.aux_layer_ids:
             object.__setattr__(self, "aux_layer_ids", default_aux_layer_ids(self.target_num_layers))
         object.__setattr__(self, "aux_layer_ids", check_aux_layer_ids(self.aux_layer_ids, self.target_num_layers))
@@ -80,6 +94,16 @@ class DraftConfig:
         if self.rope_scaling and self.rope_scaling.get("rope_type", "default") not in ("default", "llama3", "linear"):
             raise ValueError(f"unsupported rope scaling {self.rope_scaling!r}")
 
+    @property
+    def fc_norm(self) -> bool:
+        """One RMSNorm per fused state before `fc` (vLLM's `fc_norm`)."""
+        return self.variant == "eagle3.1"
+
+    @property
+    def norm_output(self) -> bool:
+        """The next drafting step reads `norm(output)`, not the raw output (vLLM's `norm_output`)."""
+        return self.variant == "eagle3.1"
+
     @classmethod
     def tiny(cls, vocab_size: int = 256, draft_vocab_size: int = 128) -> "DraftConfig":
         return cls(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -88,9 +112,9 @@ class DraftConfig:
 
     @classmethod
     def from_target(cls, target_config: Any, draft_vocab_size: int,
-                    aux_layer_ids: Sequence[int] = ()) -> "DraftConfig":
+                    aux_layer_ids: Sequence[int] = (), variant: str = "eagle3") -> "DraftConfig":
         """Shapes and dtype from a HF `PretrainedConfig` of the Llama, Qwen2/3 or Mistral families; fused layer
-        ids `aux_layer_ids` (empty: `default_aux_layer_ids` of the target's depth)."""
+        ids `aux_layer_ids` (empty: `default_aux_layer_ids` of the target's depth); the head's `variant`."""
         c = target_config
         for name in ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "intermediate_size"):
             if getattr(c, name, None) is None:
@@ -105,7 +129,7 @@ class DraftConfig:
                    rms_norm_eps=float(getattr(c, "rms_norm_eps", 1e-6)), rope_theta=rope[0], rope_scaling=rope[1],
                    max_position_embeddings=int(getattr(c, "max_position_embeddings", 2048)),
                    hidden_act=getattr(c, "hidden_act", "silu"), aux_layer_ids=tuple(aux_layer_ids),
-                   target_model_type=getattr(c, "model_type", "llama"), target_dtype=dtype_name(c))
+                   target_model_type=getattr(c, "model_type", "llama"), target_dtype=dtype_name(c), variant=variant)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

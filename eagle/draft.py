@@ -3,6 +3,9 @@
 Purpose: the model code of the head and nothing else. `Eagle3Draft.forward` runs the head over T new positions
 (with an optional KV cache, for drafting); `Eagle3Layer.project_qkv`/`finish` expose the two halves of the layer
 so that training-time test (`eagle.ttt`) can run its own memory-bounded attention between them.
+Variants (`DraftConfig.variant`, eagle/config.py): "eagle3.1" adds `fc_norm` (an RMSNorm per fused state, in
+`fuse`) and `norm_output` (`carry`: the next step reads `norm(output)`); `forward` returns what the next step
+reads, as vLLM's `LlamaModel.forward` returns its `aux_output`, so drafting and TTT follow the variant alike.
 Inference (autograd off) takes a leaner route with the same results: q/k/v and gate/up each as one product over
 stacked weights, RoPE from a cos/sin table, one fused RMSNorm kernel, oneDNN for multi-row products on CPU
 (`eagle.fastpath.linear`), and `forward(select_B=...)` computes the output of one new position per row only.
@@ -193,6 +196,8 @@ class Eagle3Draft(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, H)
         self.embed_tokens.weight.requires_grad_(False)
         self.fc = nn.Linear(3 * H, H, bias=False)
+        if cfg.fc_norm:  # vLLM: `fc_norm.{i}.weight`, one per fused state
+            self.fc_norm = nn.ModuleList([RMSNorm(H, cfg.rms_norm_eps) for _ in range(3)])
         self.midlayer = Eagle3Layer(cfg)
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
@@ -247,24 +252,33 @@ class Eagle3Draft(nn.Module):
 
     # ---- forward ----------------------------------------------------------------------------------------------
     def fuse(self, aux_BT3H: torch.Tensor) -> torch.Tensor:
-        """Linear fusion of the low/mid/high target hidden states."""
+        """Linear fusion of the low/mid/high target hidden states (each through its own RMSNorm first with
+        `fc_norm`)."""
         w = self.fc.weight
-        return linear(aux_BT3H if aux_BT3H.dtype == w.dtype else aux_BT3H.to(w.dtype), self.fc)
+        aux_BT3H = aux_BT3H if aux_BT3H.dtype == w.dtype else aux_BT3H.to(w.dtype)
+        if self.cfg.fc_norm:
+            aux_BT3H = torch.cat([n(x) for n, x in zip(self.fc_norm, aux_BT3H.chunk(3, dim=-1))], dim=-1)
+        return linear(aux_BT3H, self.fc)
 
     def logits(self, hidden_BTH: torch.Tensor) -> torch.Tensor:
         """Draft-vocab logits [B,T,Vd] from the layer's un-normalised output hidden state."""
         return linear(self.norm(hidden_BTH), self.lm_head)
+
+    def carry(self, out_BTH: torch.Tensor) -> torch.Tensor:
+        """The hidden state the next drafting (or TTT) step reads from the layer's output: the output itself, or
+        `norm(output)` with `norm_output`."""
+        return self.norm(out_BTH) if self.cfg.norm_output else out_BTH
 
     def forward(self, input_ids_BT: torch.Tensor | None, hidden_BTH: torch.Tensor, pos_BT: torch.Tensor,
                 cache: KVStore | None = None, attn_mask_BTL: torch.Tensor | None = None,
                 select_B: torch.Tensor | None = None, normed_emb_BTH: torch.Tensor | None = None):
         """Run T positions. `hidden_BTH` is a fused feature (see `fuse`) or the head's own previous output.
 
-        Returns (out_hidden [B,T,H], logits [B,T,Vd]). `attn_mask_BTL` is boolean, True = may attend; None means
-        causal with every cached key visible. With `select_B` (one new position per row) only those positions'
-        outputs are computed ([B,1,H], [B,1,Vd]); every position's keys and values still go to the cache.
-        `normed_emb_BTH` (rows of `draft_inputs()`) replaces the tokens' embedding and its norm; `input_ids_BT` is
-        then unused.
+        Returns (the hidden state the next step reads [B,T,H] (`carry`), logits [B,T,Vd]). `attn_mask_BTL` is
+        boolean, True = may attend; None means causal with every cached key visible. With `select_B` (one new
+        position per row) only those positions' outputs are computed ([B,1,H], [B,1,Vd]); every position's keys and
+        values still go to the cache. `normed_emb_BTH` (rows of `draft_inputs()`) replaces the tokens' embedding and
+        its norm; `input_ids_BT` is then unused.
         """
         layer = self.midlayer
         emb_BTH = self.embed_tokens(input_ids_BT) if normed_emb_BTH is None else normed_emb_BTH
@@ -278,7 +292,8 @@ class Eagle3Draft(nn.Module):
             q_BhTD, hidden_BTH, attn_mask_BTL = _select(q_BhTD, hidden_BTH, attn_mask_BTL, k_BgLD.shape[2], select_B)
         attn_BhTD = sdpa(q_BhTD, k_BgLD, v_BgLD, attn_mask_BTL)
         out_BTH = layer.finish(hidden_BTH, attn_BhTD)
-        return out_BTH, self.logits(out_BTH)
+        normed_BTH = self.norm(out_BTH)
+        return (normed_BTH if self.cfg.norm_output else out_BTH), linear(normed_BTH, self.lm_head)
 
     def trainable_parameters(self):
         return [p for n, p in self.named_parameters() if not n.startswith("embed_tokens")]

@@ -1,11 +1,14 @@
 """Export and import of a head in the checkpoint format that vLLM and SGLang load unmodified, plus a probe.
 
 Purpose: `export_head(draft, out_dir)` writes
-  config.json              LlamaForCausalLMEagle3, one layer, the target's shapes, every norm flag explicit, the
-                           fused layer ids for both engines (see below) and `torch_dtype`;
-  model.safetensors        fc, midlayer.*, norm, lm_head, d2t (int64), t2d (bool); no embed_tokens (the engine
-                           shares the target's). When the draft vocabulary is the target's (Vd == V) d2t and t2d
-                           are left out: the mapping is the identity and vLLM has no parameter to load them into;
+  config.json              LlamaForCausalLMEagle3, one layer, the target's shapes, every norm flag explicit (vLLM
+                           0.32's `norm_before_residual`, `norm_before_fc`, and the variant's `fc_norm` and
+                           `norm_output`: eagle/config.py), the fused layer ids for both engines (see below) and
+                           `torch_dtype`;
+  model.safetensors        fc, (fc_norm.{0,1,2} for eagle3.1,) midlayer.*, norm, lm_head, d2t (int64), t2d (bool);
+                           no embed_tokens (the engine shares the target's). When the draft vocabulary is the
+                           target's (Vd == V) d2t and t2d are left out: the mapping is the identity and vLLM has
+                           no parameter to load them into;
   probe/probe.safetensors  fused-input features, token ids, positions and the exported head's step-0 draft logits,
                            so a serving team can check that their loader reproduces the head. It sits in a
                            subdirectory because both engines load every top-level `*.safetensors` as weights;
@@ -81,6 +84,9 @@ def engine_config(cfg: DraftConfig, dtype: torch.dtype) -> dict[str, Any]:
         "draft_vocab_size": cfg.draft_vocab_size,
         "tie_word_embeddings": False,
         "norm_before_residual": False,
+        "norm_before_fc": False,
+        "fc_norm": cfg.fc_norm,  # eagle3.1 (eagle/config.py): one RMSNorm per fused state before fc
+        "norm_output": cfg.norm_output,  # eagle3.1: the next draft step reads norm(output)
         "attention_bias": False,
         "mlp_bias": False,
         "num_aux_hidden_states": NUM_AUX,

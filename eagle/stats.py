@@ -5,6 +5,8 @@ the acceptance rule accepted (raw, as an engine's spec-decode counters count the
 output (after EOS and `max_new_tokens` truncation), and gives the figures of both: `tau` / `tau_raw` and
 `per_position_acceptance` / `per_position_acceptance_raw` (alpha_k per draft depth). This project reports the
 emitted figures; the raw ones are for comparisons with an engine's counters.
+`acceptance_by_position` gives tau and alpha_1 per output-position bucket (where in a long output a step starts),
+from per-step counts of ours or of an engine's per-request metrics alike.
 Tested in tests/test_emitted_stats.py.
 """
 
@@ -94,3 +96,41 @@ class SpecStats:
              else torch.full_like(accepted, self.depth))
         return [float((accepted >= k).sum() / ((reach >= k) & (d >= k)).sum().clamp_min(1))
                 for k in range(1, self.depth + 1)]
+
+
+POSITION_EDGES = (0, 128, 512, 2048)  # default output-position buckets [0, 128), [128, 512), [512, 2048)
+
+
+def step_starts(emitted: Sequence[int]) -> list[int]:
+    """Output position at which each verification step of one sequence starts: the token picked after prefill is
+    output position 0 and belongs to no step, so step 0 starts at 1 and step i at 1 + sum(emitted[:i])."""
+    starts, pos = [], 1
+    for e in emitted:
+        starts.append(pos)
+        pos += int(e)
+    return starts
+
+
+def acceptance_by_position(sequences: Sequence[tuple[Sequence[int], Sequence[int]]],
+                           edges: Sequence[int] = POSITION_EDGES) -> list[dict]:
+    """tau and alpha_1 per output-position bucket [edges[i], edges[i+1]) over the verification steps of several
+    sequences, each given as (accepted, emitted) per step in output order; a step belongs to the bucket of the
+    output position where it starts (`step_starts`); steps starting at or past the last edge are in no bucket.
+    tau = mean emitted tokens per step; alpha_1 = share of steps whose output holds draft 1
+    (min(accepted, emitted) >= 1). Emitted = accepted + 1 gives the raw figures an engine's per-request counts give.
+    Returns [{"lo", "hi", "steps", "tau", "alpha_1"}] per bucket; tau and alpha_1 are None for an empty bucket."""
+    sums = [[0, 0, 0] for _ in edges[1:]]  # steps, emitted tokens, steps holding draft 1
+    for accepted, emitted in sequences:
+        for start, a, e in zip(step_starts(emitted), accepted, emitted):
+            b = next((i for i in range(len(sums)) if edges[i] <= start < edges[i + 1]), None)
+            if b is not None:
+                sums[b][0] += 1
+                sums[b][1] += int(e)
+                sums[b][2] += int(min(a, e) >= 1)
+    return [{"lo": int(lo), "hi": int(hi), "steps": n, "tau": em / n if n else None, "alpha_1": one / n if n else None}
+            for lo, hi, (n, em, one) in zip(edges[:-1], edges[1:], sums)]
+
+
+def raw_steps(accepted: Sequence[int]) -> tuple[list[int], list[int]]:
+    """(accepted, emitted) of one sequence counted as an engine counts: every accepted draft plus the bonus token."""
+    return list(accepted), [int(a) + 1 for a in accepted]

@@ -1,6 +1,7 @@
 """The head-training step, shared by the self-check and the distributed trainer (components/train.py).
 
-Purpose: build a head for a target from token counts (`init_head`), turn token batches into TTT batches with
+Purpose: build a head for a target from token counts (`init_head`; `as_variant` for a warm start across head
+variants), turn token batches into TTT batches with
 the target's features computed on the fly (`online_batch`) or from stored features (`TTTBatch` directly),
 an AdamW optimiser with linear warm-up and cosine decay (`make_optimizer`), one optimisation step with
 gradient clipping and optional autocast (`train_step`), the TTT loss and simulated tau of a head on held-out
@@ -29,23 +30,35 @@ from eagle.vocab import select_draft_vocab
 
 
 def init_head(target: nn.Module, token_counts_V: torch.Tensor, draft_vocab_size: int,
-              always_include: Iterable[int] = (), aux_layer_ids: Sequence[int] = ()) -> Eagle3Draft:
+              always_include: Iterable[int] = (), aux_layer_ids: Sequence[int] = (),
+              variant: str = "eagle3") -> Eagle3Draft:
     """A fresh head for `target`: draft vocabulary from counts, frozen target embedding, lm_head from its rows;
-    fused layers `aux_layer_ids` (empty: the default rule for the target's depth)."""
+    fused layers `aux_layer_ids` (empty: the default rule for the target's depth); `variant` (eagle/config.py)."""
     return head_from_tensors(target.config, token_counts_V, target.get_input_embeddings().weight,
-                             target.get_output_embeddings().weight, draft_vocab_size, always_include, aux_layer_ids)
+                             target.get_output_embeddings().weight, draft_vocab_size, always_include, aux_layer_ids,
+                             variant)
 
 
 def head_from_tensors(target_config, token_counts_V: torch.Tensor, embed_VH: torch.Tensor, lm_head_VH: torch.Tensor,
                       draft_vocab_size: int, always_include: Iterable[int] = (),
-                      aux_layer_ids: Sequence[int] = ()) -> Eagle3Draft:
+                      aux_layer_ids: Sequence[int] = (), variant: str = "eagle3") -> Eagle3Draft:
     """As `init_head`, from the target's config, embedding and lm_head alone (offline training, where the
     layer ids are those the features were extracted at)."""
-    cfg = DraftConfig.from_target(target_config, draft_vocab_size, aux_layer_ids)
+    cfg = DraftConfig.from_target(target_config, draft_vocab_size, aux_layer_ids, variant)
     draft = Eagle3Draft(cfg)
     draft.set_draft_vocab(select_draft_vocab(token_counts_V, cfg.draft_vocab_size, always_include))
     draft.init_from_target(embed_VH.detach().float().cpu(), lm_head_VH.detach().float().cpu())
     return draft
+
+
+def as_variant(draft: Eagle3Draft, variant: str) -> Eagle3Draft:
+    """`draft` as a head of `variant` (a warm start across variants): every weight both have is copied; eagle3.1's
+    `fc_norm` starts at ones when the source has none, and is dropped when the target variant has none."""
+    if draft.cfg.variant == variant:
+        return draft
+    out = Eagle3Draft(replace(draft.cfg, variant=variant))
+    out.load_state_dict({k: v for k, v in draft.state_dict().items() if not k.startswith("fc_norm")}, strict=False)
+    return out
 
 
 @torch.no_grad()

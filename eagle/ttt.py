@@ -4,9 +4,10 @@ Purpose: `ttt_loss(draft, batch, cfg)` returns the weighted loss and per-step me
 
 Alignment (S positions, tokens x, fused target features f, teacher p_j = target's next-token distribution after
 x_0..x_j). At step k and position i the head reads token x_{i+1+k}, RoPE position i+k, and as hidden state f_i
-at k = 0 or its own step k-1 output at position i for k > 0; it is scored against p_{i+1+k}, weighted by whether
-x_{i+2+k} is a trained (assistant) token. The step-k query attends to the step-0 keys causally plus the keys of
-steps 1..k at its own position (the diagonal), which is what it sees when drafting at depth k.
+at k = 0 or its own step k-1 output at position i for k > 0 (`draft.carry`: norm(output) for eagle3.1); it is
+scored against p_{i+1+k}, weighted by whether x_{i+2+k} is a trained (assistant) token. The step-k query attends
+to the step-0 keys causally plus the keys of steps 1..k at its own position (the diagonal), which is what it sees
+when drafting at depth k.
 Loss = sum_k gamma^k * soft cross-entropy against p restricted to the draft vocabulary (positions whose target
 argmax lies outside the draft vocabulary carry no loss but count as misses in the accuracy).
 
@@ -175,7 +176,7 @@ def ttt_loss(draft: Eagle3Draft, batch: TTTBatch, cfg: TTTConfig) -> TTTOutput:
         stats["correct"][k] = (right & scored).sum()
         stats["chain"][k] = (chain & scored).sum()
         stats["counted"][k] = scored.sum()
-        hidden = out
+        hidden = draft.carry(out)  # what drafting step k+1 reads (eagle3.1: norm(out))
     tau_sum = ((1.0 + run_len) * valid_all).sum()
     return TTTOutput(loss, stats["step_loss"], stats["correct"], stats["chain"], stats["counted"], stats["prev"],
                      tau_sum, valid_all.sum().float())

@@ -1,12 +1,13 @@
 """Preflight: every argument, file, URI, setting and config value a command will use, checked before it starts.
 
-Purpose: `preflight(args, settings)` runs the checks of one `eagle-heads` command before anything is started or
-written (no Prefect, no Ray, no MLflow write, no engine): files exist, are the right kind and parse (the error
+Purpose: `check_<command>(args, settings)` (named by the command's row in flows/commands.py) runs the checks of one
+`eagle-heads` command before anything is started or written (no Prefect, no Ray, no MLflow write, no engine): files exist, are the right kind and parse (the error
 names the file); safetensors headers of every weights file of a target or head are read (the header and the
 file's size only: a truncated file is caught in milliseconds); registry names are valid for MLflow; `models:/`
 URIs parse and the model, version or alias they name exists (infra/model_uri.py); a port to serve on is free;
 URLs are http(s) with a host; output paths are writable; a GPU preset finds CUDA. Every refusal is `BadInput`
 (eagle/errors.py) or an unreachable service (`ConnectionError`), which the CLI prints as one line with exit 2.
+`command_config(args)` is the config a command runs with (preset, `--config`, `--set`, its own flags).
 `check_inputs` is the train flow's own check (flows/train_head.py calls it too, so deployments get it).
 Run: through `eagle-heads ...` (flows/cli.py); tests/test_bad_input_table.py has one row per refusal.
 Not here: the commands themselves (flows/cli.py), checks that need the work done (a head that does not fit its
@@ -15,17 +16,20 @@ target is found when both are loaded). This module imports no Prefect: it runs b
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 from pathlib import Path
 
-from components.pipeline_config import PipelineConfig, monitor_config
+from components.pipeline_config import PipelineConfig, override_values
+from components.presets import resolve
 from components.traffic_io import TrafficFormatError, load_traffic
 from eagle.errors import BadInput
+from infra.mlflow_health import probe_tracking
 from infra.model_uri import check_model_name, check_registered, parse_model_uri
 from infra.settings import Settings, check_http_url
 
-MAX_K = 16  # serve --k: see `_k` in flows/cli.py for why
+MAX_K = 16  # serve --k: see `_k` in flows/commands.py for why
 HEAD_META = "eagle_head.json"  # eagle.export.META, named here without importing torch
 
 
@@ -173,32 +177,77 @@ def check_cuda(preset: str) -> None:
                            "--embedded-preset default or tiny on a CPU machine")
 
 
-def preflight(a, settings: Settings) -> None:
-    """The checks of command `a.command` (parsed arguments `a`); raises `BadInput` or `ConnectionError`."""
-    from infra.mlflow_health import probe_tracking
+def _flag_values(a) -> dict:
+    """The values command `a`'s own flags give its config section (None: not given, the config's stays)."""
+    if a.command == "evaluate":
+        return {"spec": {k: v for k, v in (("method", a.method), ("depth", a.depth)) if v is not None},
+                **{k: v for k, v in (("limit", a.limit), ("engine", a.engine)) if v is not None}}
+    if a.command == "monitor":
+        return {k: v for k, v in (("interval_s", a.interval), ("window_s", a.window), ("ratio", a.ratio),
+                                  ("sustain_s", a.sustain)) if v is not None}
+    return {}
 
-    if a.command == "train":
-        cfg = PipelineConfig.load(a.config, a.preset)
-        check_registry_name(a, cfg)
-        check_inputs(a.target, a.traffic, a.heldout, cfg, settings)
-        probe_tracking(settings)
-        check_registered(settings, [a.target])
-    elif a.command in ("evaluate", "serve"):
-        check_model("head", a.head, settings)
-        check_model("target", a.target, settings)
-        if a.command == "evaluate":
-            check_output_file(a.json, "json")
-            _check_traffic(a.traffic, "held-out traffic")
-        elif not a.print_only:
-            check_port_free(a.port)
-        check_registered(settings, [a.head, a.target or ""])
-    elif a.command == "monitor":
-        check_http_url(a.metrics_url, "--metrics-url")
-        parse_model_uri(a.target)
-        monitor_config(a.preset, a.config, interval_s=a.interval, window_s=a.window, ratio=a.ratio,
-                       sustain_s=a.sustain)
-        check_registered(settings, [a.target])
-    else:  # demo, watch
-        if a.command == "demo":
-            check_cuda(a.embedded_preset)
-        probe_tracking(settings)
+
+def command_config(a) -> PipelineConfig:
+    """The pipeline config command `a` runs with: `--preset`, `--config`'s sections, `--set` values, then the
+    command's own flags (evaluate: --method, --depth, --limit, --engine into `evaluate`; monitor: --interval,
+    --window, --ratio, --sustain into `monitor`), each layer checked like a config file (`ConfigError` naming the
+    key path). The flags change this invocation's section only (no cross-section rule: `evaluate --engine local`
+    stays valid under a preset that gates on the engine's tau)."""
+    cfg = resolve(a.preset, a.config, a.set)
+    flags = _flag_values(a)
+    if not flags:
+        return cfg
+    return dataclasses.replace(cfg, **{a.command: override_values(getattr(cfg, a.command), flags, "command line",
+                                                                  a.command)})
+
+
+def check_config(a, settings: Settings | None) -> None:
+    """config show: the config resolves."""
+    command_config(a)
+
+
+def check_demo(a, settings: Settings) -> None:
+    check_cuda(a.embedded_preset)
+    resolve(a.preset)
+    probe_tracking(settings)
+
+
+def check_watch(a, settings: Settings) -> None:
+    command_config(a)
+    probe_tracking(settings)
+
+
+def check_train(a, settings: Settings) -> None:
+    cfg = command_config(a)
+    check_registry_name(a, cfg)
+    check_inputs(a.target, a.traffic, a.heldout, cfg, settings)
+    probe_tracking(settings)
+    check_registered(settings, [a.target])
+
+
+def _check_head_and_target(a, settings: Settings) -> None:
+    check_model("head", a.head, settings)
+    check_model("target", a.target, settings)
+
+
+def check_evaluate(a, settings: Settings) -> None:
+    _check_head_and_target(a, settings)
+    check_output_file(a.json, "json")
+    _check_traffic(a.traffic, "held-out traffic")
+    command_config(a)
+    check_registered(settings, [a.head, a.target or ""])
+
+
+def check_serve(a, settings: Settings) -> None:
+    _check_head_and_target(a, settings)
+    if not a.print_only:
+        check_port_free(a.port)
+    check_registered(settings, [a.head, a.target or ""])
+
+
+def check_monitor(a, settings: Settings) -> None:
+    check_http_url(a.metrics_url, "--metrics-url")
+    parse_model_uri(a.target)
+    command_config(a)
+    check_registered(settings, [a.target])

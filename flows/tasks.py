@@ -4,7 +4,8 @@ Purpose: each task calls one component and carries the orchestration concerns on
 INPUTS + TASK_SOURCE and persisted (under the state dir's Prefect home), so a re-run of the same run skips the
 stages that finished; `fresh_if_missing` refreshes a stage's cache when its output files are gone, so a cached
 path never points at nothing. Regeneration and registration retry (endpoint and tracking-server hiccups), but
-never on bad input (`ValueError`: traffic, target, config, features), which fails at once with its message.
+never on bad input (`eagle.errors.BadInput`: traffic, target, config, features), which fails at once with its
+message; any other error (a plain `ValueError` too) may be an outage and is retried.
 `trust_remote_code` comes from the settings (EAGLE_TRUST_REMOTE_CODE) and reaches every model load.
 Not here: the wiring (flows/train_head.py) or any algorithm (components/, eagle/).
 """
@@ -21,15 +22,17 @@ from components.evaluate import EvaluateConfig, EvaluateResult, evaluate
 from components.extract import ExtractConfig, ExtractResult, extract
 from components.regenerate import RegenerateConfig, RegenerateResult, regenerate
 from components.train import TrainConfig, TrainResult, train
+from eagle.errors import BadInput
 
 CACHE = INPUTS + TASK_SOURCE
 
 
 def transient(task_obj, task_run, state) -> bool:
-    """Retry condition: retry a failure unless it is bad input (a ValueError names what to fix)."""
+    """Retry condition: retry a failure unless it is bad input (`BadInput`, the same class the CLI maps to exit 2:
+    its message names what to fix, and a retry would fail the same way)."""
     try:
         state.result()
-    except ValueError:
+    except BadInput:
         return False
     except BaseException:  # noqa: BLE001 (any other failure may pass)
         return True
@@ -84,12 +87,14 @@ def evaluate_task(cfg: EvaluateConfig, target_dir: str, head_dir: str, heldout: 
 @task(name="evaluate-in-vllm", cache_policy=CACHE - "settings", persist_result=True, retries=1, retry_delay_seconds=5,
       retry_condition_fn=transient)
 def engine_eval_task(cfg: EvaluateConfig, target_dir: str, head_dir: str, heldout: str, out_dir: str,
-                     local_report: str, settings, baseline_head_dir: str | None = None) -> EngineEvalResult:
-    """The head served by vLLM on the same prompts; compared with the local evaluation's outputs and counts; the
-    champion's head (`baseline_head_dir`) served on them too, for a gate on the engine's τ."""
+                     local_report: str | None, settings, baseline_head_dir: str | None = None) -> EngineEvalResult:
+    """The head served by vLLM on the same prompts; compared with the local evaluation's outputs (`local_report`;
+    None when vLLM runs the target: no local evaluation); the champion's head (`baseline_head_dir`) served on them
+    too, for a gate on the engine's τ."""
     from components.engine_eval import evaluate_in_vllm, our_outputs
 
-    return evaluate_in_vllm(cfg, target_dir, head_dir, heldout, out_dir, settings, ours=our_outputs(local_report),
+    ours = our_outputs(local_report) if local_report else None
+    return evaluate_in_vllm(cfg, target_dir, head_dir, heldout, out_dir, settings, ours=ours,
                             baseline_head_dir=baseline_head_dir)
 
 

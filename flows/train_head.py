@@ -12,6 +12,9 @@ set). One run per target at a time (a lock under the state dir); registering a t
 so two runs started at once for a new target register it once. Inputs (traffic files, target directory, config,
 head model name, Ray address) are checked before anything is written (`check_inputs`). The flow returns a `HeadRun`
 (its `asdict` is the run's `summary.json`).
+With `target.runtime: vllm` the target is never loaded here: regeneration, extraction and evaluation are vLLMs the
+stages start (every one with `target`'s scale settings, through `Settings.engine_scale`), the local evaluation is
+skipped and the gate decides on vLLM's τ (the HeadRun's own `tau`/`speedup` are nan, its `vllm` holds the figures).
 Run: `eagle-heads train --target DIR|models:/name/version --traffic FILE --heldout FILE`, or as a deployment
 (prefect.yaml). Not here: any algorithm; see components/.
 """
@@ -23,11 +26,13 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from prefect import flow, get_run_logger, task
 
 from components.atomic import atomic_write_text, file_sha256
 from components.engine_eval import EngineEvalResult
+from components.evaluate import EvaluateResult
 from components.extract import ExtractResult
 from components.pipeline_config import PipelineConfig
 from components.regenerate import RegenerateResult
@@ -56,10 +61,10 @@ class HeadRun:
     alias: str  # "champion", "challenger" or "none"
     promoted: bool
     gate: str  # the gate's reason
-    tau: float  # tokens emitted per verification step (this project's decoder)
+    tau: float  # tokens emitted per verification step (this project's decoder; nan with target.runtime vllm)
     tau_raw: float | None  # what the rule accepted per step, also past EOS: comparable with vLLM's counters
     tau_vllm: float | None  # None: not measured in vLLM
-    speedup: float  # the median of the local evaluation's rounds (see `vllm` for its interval and reliability)
+    speedup: float  # the median of the local evaluation's rounds (nan with target.runtime vllm: see `vllm`)
     speedup_vllm: float | None  # the same in vLLM, what a user serving the head gets (None: not measured)
     identical: bool | None  # None when sampling: outputs not comparable
     acceptance: list[float]
@@ -173,7 +178,7 @@ def train_head(target: str, traffic: str, heldout: str, preset: str = "default",
                target_name: str | None = None) -> HeadRun:
     log = get_run_logger()
     cfg = PipelineConfig.load(config_path, preset)
-    settings = Settings.from_env()
+    settings = dataclasses.replace(Settings.from_env(), engine_scale=cfg.target.engine_scale())  # for each vLLM
     check_inputs(target, traffic, heldout, cfg, settings)
     store = MlflowStore.connect(settings)
     tref = resolve_target(store, target, target_name, settings)
@@ -213,36 +218,62 @@ def _run(cfg: PipelineConfig, settings: Settings, store: MlflowStore, tref: Targ
             sinks=(MlflowSink(store.tracking_uri, run_id),), init_head_dir=parent.path if parent else None)
         champion = store.get_alias(name, CHAMPION)
         champ_dir = str(store.resolve(champion.uri)) if champion else None
-        ev = fresh_if_missing(evaluate_task, Path(eval_dir) / "evaluation.json")(
-            cfg.evaluate, tref.path, tr.head_dir, heldout, eval_dir, champ_dir, tr.history_file, trust)
-        metrics, engine = ev.metrics(), None
-        if cfg.evaluate.engine == "vllm":  # the head as production serves it: in vLLM, on the same prompts
-            engine = fresh_if_missing(engine_eval_task, Path(eval_dir) / "vllm" / "engine_evaluation.json")(
-                cfg.evaluate, tref.path, tr.head_dir, heldout, str(Path(eval_dir) / "vllm"), ev.report_file, settings,
-                champ_dir if cfg.register.gate_tau == "engine" else None)
-            metrics.update(engine.metrics())
-        sweep = None
-        if cfg.evaluate.engine == "vllm" and cfg.evaluate.load.enabled:  # throughput by load, the K schedule
-            sweep = fresh_if_missing(load_sweep_task, Path(eval_dir) / "load" / "load_sweep.json")(
-                cfg.evaluate, tref.path, tr.head_dir, heldout, str(Path(eval_dir) / "load"), settings)
-            metrics.update(sweep.metrics())
+        fig = _evaluate_head(cfg, settings, tref, tr.head_dir, heldout, eval_dir, champ_dir, tr.history_file)
+        ev, engine, sweep = fig.local, fig.engine, fig.sweep
         head = HeadToRegister(head_dir=tr.head_dir, target=tref, traffic_sha256=traffic_sha256(traffic),
-                              run_key=key, run_id=run_id, metrics=metrics, champion_tau=ev.baseline_tau,
+                              run_key=key, run_id=run_id, metrics=fig.metrics,
+                              champion_tau=ev.baseline_tau if ev else None,
                               evaluation_dir=eval_dir, params={"config": cfg.to_dict()},
                               init_from=parent.uri if parent else None,
                               champion_tau_engine=engine.baseline_tau if engine else None,
                               checkpoint={k: getattr(tr, k, None) for k in CHOICE_KEYS},
-                              notes={"speedup_note": ev.speedup_note,
+                              notes={"speedup_note": ev.speedup_note if ev else "",
                                      "speedup_vllm_note": engine.speedup_note if engine else "",
+                                     "target_runtime": cfg.target.runtime if cfg.target.runtime != "local" else "",
                                      **(sweep.tags() if sweep else {})})
         reg = register_task(settings, cfg.register, head)
-    summary = HeadRun(head_uri=reg.uri, alias=reg.alias, promoted=reg.promoted, gate=reg.reason, tau=ev.tau,
-                      tau_raw=ev.tau_raw, tau_vllm=engine.tau if engine else None, speedup=ev.speedup,
-                      speedup_vllm=engine.speedup if engine else None, identical=ev.identical,
-                      acceptance=ev.acceptance, per_segment=ev.per_segment, vllm=engine, train=tr, regenerate=regen,
-                      extract=ext, created=True, work_dir=str(work), init_from=parent.uri if parent else None,
-                      speedup_note=ev.speedup_note, crossover=sweep.crossover if sweep else None,
-                      k_schedule=sweep.schedule if sweep else None)
+    nan = float("nan")  # a figure of this project's decoding, not measured when vLLM runs the target
+    summary = HeadRun(head_uri=reg.uri, alias=reg.alias, promoted=reg.promoted, gate=reg.reason,
+                      tau=ev.tau if ev else nan, tau_raw=ev.tau_raw if ev else None,
+                      tau_vllm=engine.tau if engine else None, speedup=ev.speedup if ev else nan,
+                      speedup_vllm=engine.speedup if engine else None, identical=ev.identical if ev else None,
+                      acceptance=ev.acceptance if ev else [], per_segment=ev.per_segment if ev else None,
+                      vllm=engine, train=tr, regenerate=regen, extract=ext, created=True, work_dir=str(work),
+                      init_from=parent.uri if parent else None, speedup_note=ev.speedup_note if ev else "",
+                      crossover=sweep.crossover if sweep else None, k_schedule=sweep.schedule if sweep else None)
     atomic_write_text(work / "summary.json", json.dumps(asdict(summary), indent=2, default=str) + "\n")
     print(f"registered {reg.uri} as {reg.alias}: {reg.reason}")
     return summary
+
+
+@dataclass(frozen=True)
+class Figures:
+    """What the evaluation stages measured: ours (`local`; None when vLLM runs the target), vLLM's (`engine`), the
+    load sweep's (`sweep`), and the metrics the registry gets from them."""
+
+    local: EvaluateResult | None
+    engine: EngineEvalResult | None
+    sweep: Any
+    metrics: dict[str, float]
+
+
+def _evaluate_head(cfg: PipelineConfig, settings: Settings, tref: TargetRef, head_dir: str, heldout: str,
+                   eval_dir: str, champ_dir: str | None, history_file: str | None) -> Figures:
+    """The head against the champion on the held-out traffic: in this process (unless `target.runtime` is "vllm":
+    then the engine's figures alone), in vLLM (`evaluate.engine`), and under load (`evaluate.load`)."""
+    ev, engine, sweep, metrics = None, None, None, {}
+    if cfg.target.runtime == "local":
+        ev = fresh_if_missing(evaluate_task, Path(eval_dir) / "evaluation.json")(
+            cfg.evaluate, tref.path, head_dir, heldout, eval_dir, champ_dir, history_file,
+            settings.trust_remote_code)
+        metrics = ev.metrics()
+    if cfg.evaluate.engine == "vllm":  # the head as production serves it: in vLLM, on the same prompts
+        engine = fresh_if_missing(engine_eval_task, Path(eval_dir) / "vllm" / "engine_evaluation.json")(
+            cfg.evaluate, tref.path, head_dir, heldout, str(Path(eval_dir) / "vllm"), ev.report_file if ev else None,
+            settings, champ_dir if cfg.register.gate_tau == "engine" else None)
+        metrics.update(engine.metrics())
+    if cfg.evaluate.engine == "vllm" and cfg.evaluate.load.enabled:  # throughput by load, the K schedule
+        sweep = fresh_if_missing(load_sweep_task, Path(eval_dir) / "load" / "load_sweep.json")(
+            cfg.evaluate, tref.path, head_dir, heldout, str(Path(eval_dir) / "load"), settings)
+        metrics.update(sweep.metrics())
+    return Figures(ev, engine, sweep, metrics)

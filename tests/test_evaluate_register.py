@@ -65,9 +65,16 @@ def test_evaluate_reports_acceptance_and_identical_outputs(tiny_embedded, head, 
     report = json.loads(Path(res.report_file).read_text())
     assert report["result"]["tau"] == res.tau and len(report["samples"]) == cfg.limit
     assert len(report["speed"]["plain_s"]) == res.speedup_rounds and len(report["speed"]["plain_s"][0]) == cfg.limit
-    assert {Path(p).name for p in res.plots} == {"acceptance_by_position.png", "training_curves.png"}
+    assert {Path(p).name for p in res.plots} == {"acceptance_by_position.png", "acceptance_by_output_position.png",
+                                                 "training_curves.png"}
     assert all(Path(p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in res.plots)
     assert res.metrics()["identical"] == 1.0 and res.metrics()["alpha_1"] == res.acceptance[0]
+    # by output position: every step of these short outputs starts in the first bucket, whose τ is then the τ
+    first, *rest = res.by_position
+    assert (first["lo"], first["hi"]) == cfg.position_edges[:2] and not any(b["steps"] for b in rest)
+    assert first["steps"] == sum(s["verify_steps"] for s in res.per_segment.values())
+    assert first["tau"] == pytest.approx(res.tau) and res.metrics()["tau_pos_0_128"] == pytest.approx(res.tau)
+    assert report["by_position_raw"][0]["tau"] == pytest.approx(res.tau_raw)
 
 
 def test_cli_evaluate_takes_method_depth_and_limit(tiny_embedded, head, tmp_path, monkeypatch, capsys):

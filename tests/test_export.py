@@ -216,3 +216,41 @@ def test_exported_in_the_targets_dtype_unless_told(tmp_path):
     assert load_file(str(fp32 / "model.safetensors"))["lm_head.weight"].dtype == torch.float32
     assert DraftConfig.from_dict({k: v for k, v in d.cfg.to_dict().items() if k != "target_dtype"}).target_dtype \
         == "float32"
+
+
+def test_eagle3_1_head_exports_vllms_keys_and_round_trips(tmp_path):
+    """eagle3.1 = vLLM 0.32's `fc_norm` (an RMSNorm per fused state before fc, weights fc_norm.{0,1,2}) and
+    `norm_output` (the next step reads norm(output)); eagle3 writes both false. The forward is checked against
+    vLLM's form of it (llama_eagle3.py: combine_hidden_states, then LlamaModel.forward's aux_output)."""
+    from eagle.train import as_variant
+
+    target = _target()
+    plain = _head(target)
+    d = as_variant(plain, "eagle3.1")
+    with torch.no_grad():
+        for n in d.fc_norm:
+            n.weight.add_(0.1 * torch.randn_like(n.weight))
+    out = export_head(d, tmp_path / "head")
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["fc_norm"], cfg["norm_output"], cfg["norm_before_fc"], cfg["norm_before_residual"]) == (
+        True, True, False, False)
+    base = json.loads((export_head(plain, tmp_path / "plain") / "config.json").read_text())
+    assert (base["fc_norm"], base["norm_output"], base["norm_before_fc"]) == (False, False, False)
+    t = load_file(str(out / "model.safetensors"))
+    assert {k for k in t if k.startswith("fc_norm")} == {f"fc_norm.{i}.weight" for i in range(3)}
+    back = load_head(out, target)
+    assert back.cfg.variant == "eagle3.1" and verify_probe(back, out) == 0.0
+    assert all(torch.equal(a, b) for a, b in zip(d.state_dict().values(), back.state_dict().values()))
+    aux, ids, pos = torch.randn(1, 5, 192), torch.randint(0, 256, (1, 5)), torch.arange(5)[None]
+    eps = d.cfg.rms_norm_eps
+
+    def rms(x, w):
+        return w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+    with torch.no_grad():
+        fused = d.fc(torch.cat([rms(c, n.weight) for c, n in zip(aux.chunk(3, -1), d.fc_norm)], -1))
+        torch.testing.assert_close(d.fuse(aux), fused)
+        carried, logits = d(ids, fused, pos)
+        raw, logits_plain = plain(ids, fused, pos)  # the same layer weights: only the carried state differs
+        torch.testing.assert_close(carried, rms(raw, d.norm.weight))
+        torch.testing.assert_close(logits, logits_plain)

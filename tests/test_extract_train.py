@@ -338,6 +338,16 @@ def test_warm_start_begins_at_the_given_head_and_learns_faster(offline_dir, trai
     assert first[0] < first[1], first  # same batches: the trained head starts lower
 
 
+def test_variant_eagle3_1_trains_and_warm_starts_across_variants(offline_dir, trained, tmp_path):
+    cfg = dataclasses.replace(TrainConfig.tiny(), steps=2, optim=OptimConfig(0.0, warmup_steps=2), variant="eagle3.1")
+    res = train(cfg, str(offline_dir), str(tmp_path), init_head_dir=trained.head_dir)
+    child, parent = (load_file(str(Path(d) / "model.safetensors")) for d in (res.head_dir, trained.head_dir))
+    assert set(child) - set(parent) == {f"fc_norm.{i}.weight" for i in range(3)}
+    assert all(torch.equal(child[k], parent.get(k, torch.ones_like(child[k]))) for k in child)  # lr 0: fc_norm at 1
+    engine_cfg, back = json.loads((Path(res.head_dir) / "config.json").read_text()), load_head(res.head_dir)
+    assert engine_cfg["fc_norm"] and engine_cfg["norm_output"] and back.cfg.variant == "eagle3.1"
+
+
 def test_warm_start_refuses_a_head_of_another_shape(trained, target):
     import copy
 

@@ -26,7 +26,7 @@ SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_att
              num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=512)
 
 
-def _train_pair(target: torch.nn.Module, draft_vocab: int, seed: int) -> Eagle3Draft:
+def _train_pair(target: torch.nn.Module, draft_vocab: int, seed: int, variant: str = "eagle3") -> Eagle3Draft:
     """Scale the target's residual branches down, then fit a head to its argmax on its own greedy and sampled
     continuations of random prompts: step 0 on true features, step 1 on the head's own output."""
     g = torch.Generator().manual_seed(seed)
@@ -41,7 +41,7 @@ def _train_pair(target: torch.nn.Module, draft_vocab: int, seed: int) -> Eagle3D
         data = torch.cat([prompts, torch.cat([greedy, sampled])], 1)
         step = target_forward(target, data, DraftConfig.from_target(target.config, 256).aux_layer_ids)
         best = target.lm_head(step.last_hidden_BTH).argmax(-1)
-    draft = Eagle3Draft(DraftConfig.from_target(target.config, draft_vocab_size=draft_vocab))
+    draft = Eagle3Draft(DraftConfig.from_target(target.config, draft_vocab_size=draft_vocab, variant=variant))
     draft.set_draft_vocab(best.flatten().bincount(minlength=256).topk(draft_vocab).indices.sort().values)
     with torch.no_grad():
         draft.embed_tokens.weight.copy_(target.model.embed_tokens.weight)
@@ -68,6 +68,14 @@ def llama_pair():
     torch.manual_seed(0)
     target = LlamaForCausalLM(LlamaConfig(**SHAPE)).eval()
     return target, _train_pair(target, draft_vocab=200, seed=1)
+
+
+@pytest.fixture(scope="module")
+def llama_pair_eagle3_1():
+    """The same kind of pair with an eagle3.1 head (fc_norm, norm_output), trained the same way."""
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(LlamaConfig(**SHAPE)).eval()
+    return target, _train_pair(target, draft_vocab=200, seed=1, variant="eagle3.1")
 
 
 @pytest.fixture(scope="module")
@@ -127,6 +135,17 @@ def test_greedy_speculative_equals_plain(llama_pair, method, batch):
     assert acc.max() >= 2 and (acc == 0).any(), "the test pair should accept some drafts and reject others"
     assert spec.stats.tau > 1.3
     assert spec.stats.n_verify_steps < 40
+
+
+@pytest.mark.parametrize("method", ["chain", "tree"])
+def test_eagle3_1_head_greedy_speculative_equals_plain(llama_pair_eagle3_1, method):
+    target, draft = llama_pair_eagle3_1
+    assert draft.cfg.fc_norm and draft.cfg.norm_output
+    ids, mask = _prompts(4)
+    cfg = SpecConfig(method=method, depth=4, topk=3, budget=10, max_new_tokens=40)
+    spec = generate_speculative(target, draft, ids, mask, cfg)
+    _same(spec, generate_plain(target, ids, mask, cfg))
+    assert spec.stats.accept_lengths.max() >= 2 and spec.stats.tau > 1.3
 
 
 @pytest.mark.parametrize("batch", [1, 4])

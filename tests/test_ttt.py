@@ -12,7 +12,7 @@ from eagle.vocab import count_tokens, select_draft_vocab
 from tests.reference_ttt import naive_ttt
 
 
-def _setup(vocab=16, draft_vocab=12, B=2, S=24, seed=0):
+def _setup(vocab=16, draft_vocab=12, B=2, S=24, seed=0, variant="eagle3"):
     torch.manual_seed(seed)
     tc = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
@@ -21,7 +21,7 @@ def _setup(vocab=16, draft_vocab=12, B=2, S=24, seed=0):
     mask = torch.ones(B, S, dtype=torch.long)
     mask[:, :5] = 0  # a "prompt" that is not trained on
     mask[1, -4:] = 0  # right padding in row 1
-    cfg = DraftConfig.from_target(tc, draft_vocab)
+    cfg = DraftConfig.from_target(tc, draft_vocab, variant=variant)
     draft = Eagle3Draft(cfg)
     counts = count_tokens(torch.zeros(vocab, dtype=torch.long), ids, mask)
     draft.set_draft_vocab(select_draft_vocab(counts, draft_vocab))
@@ -31,9 +31,10 @@ def _setup(vocab=16, draft_vocab=12, B=2, S=24, seed=0):
     return target, draft, ids, mask, step
 
 
-@pytest.mark.parametrize("K,attn_chunk,loss_chunk", [(1, 5, 7), (4, 5, 7), (3, 64, 64)])
-def test_ttt_matches_naive_reference(K, attn_chunk, loss_chunk):
-    target, draft, ids, mask, step = _setup()
+@pytest.mark.parametrize("K,attn_chunk,loss_chunk,variant", [(1, 5, 7, "eagle3"), (4, 5, 7, "eagle3"),
+                                                             (3, 64, 64, "eagle3"), (3, 5, 7, "eagle3.1")])
+def test_ttt_matches_naive_reference(K, attn_chunk, loss_chunk, variant):
+    target, draft, ids, mask, step = _setup(variant=variant)
     w = target.get_output_embeddings().weight.detach()
     teacher = teacher_targets(step.last_hidden_BTH, w, draft.draft_ids(), chunk=9)
     batch = TTTBatch(ids, step.aux_BT3H, mask, teacher)

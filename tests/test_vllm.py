@@ -4,9 +4,11 @@ Purpose: a head of the tiny pipeline preset on a real (small, trained) embedded 
 unmodified by vLLM and served next to vLLM's plain decoding on the same held-out prompts:
 - greedy output with the head equals vLLM's plain output and this project's own greedy decoding, token for token;
 - vLLM's `/metrics` counters (drafts, accepted tokens per position) equal this project's evaluation's counts on the
-  same prompts, so tau and every alpha_k agree exactly;
-- the same holds for a head trained at custom fused layer ids and for a head in the earlier format (probe beside the
-  weights, no ids in config.json, a repeated layer id), which `servable_head` re-exports folded;
+  same prompts, so tau and every alpha_k agree exactly; vLLM's per-request metrics (drafts accepted per
+  verification step, in output order) equal ours step by step, so tau and alpha_1 by output position agree too;
+- the same holds for a head trained at custom fused layer ids, for an EAGLE-3.1 head (`train.variant: eagle3.1`:
+  vLLM reads `fc_norm` and `norm_output` from its config.json) and for a head in the earlier format (probe beside
+  the weights, no ids in config.json, a repeated layer id), which `servable_head` re-exports folded;
 - the `train-head` flow with `evaluate.engine: vllm` registers vLLM's tau and alpha_k next to ours (equal), and its
   gate decides on vLLM's tau (`register.gate_tau: engine`); a champion head served on the same prompts gives the
   champion's tau in vLLM;
@@ -45,7 +47,9 @@ from infra.vllm_server import EngineError, EngineSpec, VllmServer, vllm_python
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 QUIET = dict(progress=lambda s: None)
-EVAL = EvaluateConfig(spec=SpecConfig(depth=3, max_new_tokens=24), limit=6, speed=SpeedupConfig.tiny())
+# position buckets small enough that these short outputs span several: the engine's buckets must equal ours
+EVAL = EvaluateConfig(spec=SpecConfig(depth=3, max_new_tokens=24), limit=6, speed=SpeedupConfig.tiny(),
+                      position_edges=(0, 8, 16, 64))
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -64,11 +68,12 @@ def regen_dir(engine_target, tmp_path_factory) -> str:
     return str(out)
 
 
-def _train_head(engine_target, regen_dir: str, root: Path, aux_layer_ids: tuple[int, ...] = ()) -> str:
+def _train_head(engine_target, regen_dir: str, root: Path, aux_layer_ids: tuple[int, ...] = (),
+                variant: str = "eagle3") -> str:
     ext = root / "extract"
     extract(ExtractConfig(max_len=192, dtype="float32", seqs_per_shard=8, aux_layer_ids=aux_layer_ids),
             engine_target.target_dir, regen_dir, str(ext), **QUIET)
-    cfg = dataclasses.replace(TrainConfig.tiny(), steps=60, checkpoint_every=60)
+    cfg = dataclasses.replace(TrainConfig.tiny(), steps=60, checkpoint_every=60, variant=variant)
     return train(cfg, str(ext), str(root / "train"), engine_target.target_dir).head_dir
 
 
@@ -77,7 +82,9 @@ def heads(engine_target, regen_dir, tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("engine-heads")
     default = _train_head(engine_target, regen_dir, root / "default")
     custom = _train_head(engine_target, regen_dir, root / "custom", aux_layer_ids=(2, 3, 4))
-    return {"default": default, "custom": custom, "legacy": str(_as_legacy(Path(custom), root / "legacy"))}
+    eagle3_1 = _train_head(engine_target, regen_dir, root / "eagle3.1", variant="eagle3.1")
+    return {"default": default, "custom": custom, "legacy": str(_as_legacy(Path(custom), root / "legacy")),
+            "eagle3.1": eagle3_1}
 
 
 def _as_legacy(head: Path, out: Path) -> Path:
@@ -109,11 +116,13 @@ def _our_counts(report_file: str) -> tuple[int, list[int]]:
     return len(steps), [sum(a > k for a in steps) for k in range(EVAL.spec.depth)]
 
 
-@pytest.mark.parametrize("kind", ["default", "custom", "legacy"])
+@pytest.mark.parametrize("kind", ["default", "custom", "legacy", "eagle3.1"])
 def test_vllm_serves_the_head_losslessly_with_our_acceptance(kind, heads, engine_target, settings, plain_run,
                                                              tmp_path):
     head = heads[kind]
     assert is_servable(head) == (kind != "legacy")
+    engine_cfg = json.loads((Path(head) / "config.json").read_text())
+    assert engine_cfg.get("fc_norm", False) == engine_cfg.get("norm_output", False) == (kind == "eagle3.1")
     served = servable_head(head, engine_target.target_dir, tmp_path / "servable")
     assert is_servable(served)
     heldout = str(engine_target.target_traffic.heldout)
@@ -130,6 +139,13 @@ def test_vllm_serves_the_head_losslessly_with_our_acceptance(kind, heads, engine
     # vLLM counts what the rule accepted (also past EOS and the length limit): ours counted alike is equal
     assert res.tau == pytest.approx(ours.tau_raw) and res.acceptance == pytest.approx(ours.acceptance_raw)
     assert ours.tau <= ours.tau_raw  # the emitted figure never exceeds it
+    # by output position: vLLM's per-request steps are ours, step for step, so the buckets are equal
+    local = json.loads(Path(ours.report_file).read_text())
+    engine = json.loads(Path(res.report_file).read_text())
+    assert [s["accept_lengths"] for s in engine["samples"]] == [s["accept_lengths"] for s in local["samples"]]
+    assert res.by_position == local["by_position_raw"] and sum(b["steps"] > 0 for b in res.by_position) >= 2
+    assert res.metrics()["tau_vllm_pos_0_8"] == pytest.approx(local["by_position_raw"][0]["tau"])
+    assert (Path(res.report_file).parent / "acceptance_by_output_position_vllm.png").is_file()
     assert sum(per_pos) > 0, "a head that never gets a draft accepted proves little"
 
 
@@ -168,6 +184,9 @@ def test_pipeline_with_engine_vllm_registers_both_engines_figures(flow_run, sett
     assert float(tags["tau_vllm"]) == pytest.approx(float(tags["tau_raw"]), abs=1e-4)
     assert float(tags["tau"]) <= float(tags["tau_raw"])
     assert tags["acceptance_vllm"] == tags["acceptance_raw"]
+    # by output position (default buckets): these short outputs start every step in 0-128, in both engines
+    assert tags["tau_by_position"] == f"0-128:{tags['tau']}"
+    assert tags["tau_by_position_vllm"] == f"0-128:{tags['tau_vllm']}"
     assert tags["gate_tau"] == "engine" and tags["gate"].startswith("vLLM tau")  # the engine's τ decided
 
 

@@ -1,0 +1,155 @@
+"""The accelerator run through the real pipeline: build, regenerate, extract, train, evaluate with the components.
+
+Run: on the device `bash bench/gpu.sh` (bench/README.md, "GPU run"); `python bench/gpu_pipeline.py --quick --device
+cpu` runs the same stages on the tiny embedded target and the `tiny` preset's sections in about a minute
+(tests/test_bench_gpu_quick.py, with Ray, MLflow, Prefect, matplotlib and datasets unimportable).
+What it does, each stage timed, `gpu_pipeline.json` rewritten after each (a run cut short keeps what it measured,
+`status` "partial"):
+  build       components.embedded: `EmbeddedConfig.gpu()` (--quick: `tiny()`), its training on the device
+  regenerate  components.regenerate with the `gpu` preset's section (components/presets.py `gpu_stages`)
+  extract     components.extract (fused features, draft vocabulary)
+  train       components.train in-process (`train.ray.num_workers` 0: no Ray), on the device (`ray.use_gpu`)
+  evaluate    components.evaluate: tau, acceptance per position, speedup against plain decoding, outputs identical
+Imports only torch, transformers, safetensors, tokenizers, eagle/ and components/ (no infra/ or flows/): the device
+has no Ray, MLflow or Prefect. Without matplotlib the evaluation's PNG plots are skipped (`_without_plots`).
+Not here: registration or serving (they need MLflow and vLLM), sampling, MFU (see git history of bench/gpu.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import platform
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from components.embedded import EmbeddedConfig, build_embedded  # noqa: E402
+from components.evaluate import evaluate  # noqa: E402
+from components.extract import extract  # noqa: E402
+from components.presets import gpu_stages, tiny_stages  # noqa: E402
+from components.regenerate import regenerate  # noqa: E402
+from components.train import train  # noqa: E402
+
+
+def _without_plots() -> None:
+    """No matplotlib (the device): the evaluation's plot functions write nothing and return their path."""
+    import components.plots as plots
+
+    for name in ("plot_acceptance", "plot_by_output_position", "plot_training"):
+        setattr(plots, name, lambda *args: Path(args[-1]))
+
+
+def stage_configs(quick: bool, device: str) -> dict[str, Any]:
+    """The preset's stage sections (`tiny` with --quick, else `gpu`), each on `device`."""
+    s = tiny_stages() if quick else gpu_stages()
+    rep = dataclasses.replace
+    return {"regenerate": rep(s["regenerate"], device=device), "extract": rep(s["extract"], device=device),
+            "train": rep(s["train"], ray=rep(s["train"].ray, num_workers=0, use_gpu=device == "cuda")),
+            "evaluate": rep(s["evaluate"], device=device)}
+
+
+def embedded_config(quick: bool, device: str, target_steps: int) -> EmbeddedConfig:
+    cfg = EmbeddedConfig.tiny() if quick else EmbeddedConfig.gpu()
+    train_cfg = dataclasses.replace(cfg.train, device=device, steps=target_steps or cfg.train.steps)
+    return dataclasses.replace(cfg, train=train_cfg, finetune=dataclasses.replace(cfg.finetune, device=device))
+
+
+class Record:
+    """gpu_pipeline.json: the environment, the config, and each stage's seconds and result, rewritten per stage."""
+
+    def __init__(self, path: Path, data: dict[str, Any]):
+        self.path, self.data, self.t0 = path, {**data, "stages": {}, "status": "running"}, time.perf_counter()
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self) -> None:
+        self.data["elapsed_s"] = round(time.perf_counter() - self.t0, 1)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.data, indent=2, default=str) + "\n")
+        tmp.replace(self.path)
+
+    def stage(self, name: str, fn: Callable[[], Any]) -> Any:
+        print(f"gpu_pipeline: {name} ({time.perf_counter() - self.t0:.0f} s in)", flush=True)
+        t = time.perf_counter()
+        res = fn()
+        self.data["stages"][name] = {"seconds": round(time.perf_counter() - t, 2),
+                                     "result": dataclasses.asdict(res) if dataclasses.is_dataclass(res) else res}
+        self.write()
+        return res
+
+
+def run(args: argparse.Namespace, cfgs: dict[str, Any], rec: Record) -> None:
+    work = Path(args.work)
+    emb_cfg = embedded_config(args.quick, args.device, args.target_steps)
+    emb = rec.stage("build", lambda: build_embedded(emb_cfg, work / "embedded", progress=not args.quick))
+    target, traffic = str(emb.target_dir), emb.target_traffic
+    run_dir = work / "runs" / ("quick" if args.quick else "gpu")
+    dirs = {s: str(run_dir / s) for s in ("regenerate", "extract", "train", "evaluate")}
+    rec.stage("regenerate", lambda: regenerate(cfgs["regenerate"], target, str(traffic.train), dirs["regenerate"]))
+    rec.stage("extract", lambda: extract(cfgs["extract"], target, dirs["regenerate"], dirs["extract"]))
+    tr = rec.stage("train", lambda: train(cfgs["train"], dirs["extract"], dirs["train"], target,
+                                          {"target_name": "embedded-gpu", "bench": "gpu_pipeline"}))
+    ev = rec.stage("evaluate", lambda: evaluate(cfgs["evaluate"], target, tr.head_dir, str(traffic.heldout),
+                                                dirs["evaluate"], history_file=tr.history_file))
+    rec.data["summary"] = {"tau": ev.tau, "speedup": ev.speedup, "speedup_lo": ev.speedup_lo,
+                           "speedup_hi": ev.speedup_hi, "identical": ev.identical, "acceptance": ev.acceptance,
+                           "train_tokens_per_s": tr.final_metrics.get("tokens_per_s")}
+
+
+def _args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="tiny embedded target, `tiny` preset sections (tests)")
+    p.add_argument("--device", default="", help="cuda or cpu (default: cuda when available); cpu runs 1 thread")
+    p.add_argument("--out", default="", help="gpu_pipeline.json's directory (bench/results; quick: "
+                                             ".eagle/bench/results-quick)")
+    p.add_argument("--work", default=str(ROOT / ".eagle" / "gpu-pipeline"), help="builds and stage outputs")
+    p.add_argument("--target-steps", type=int, default=0, help="the embedded target's training steps (0: its "
+                                                                "preset's)")
+    a = p.parse_args(argv)
+    a.device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    a.out = a.out or str(ROOT / ".eagle" / "bench" / "results-quick" if a.quick else ROOT / "bench" / "results")
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _args(argv)
+    if args.device == "cpu":  # a shared machine: a second thread on busy cores slows everything down
+        torch.set_num_threads(1)
+    if importlib.util.find_spec("matplotlib") is None:
+        _without_plots()
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # `timeout` TERMs first: keep what was measured
+    cfgs = stage_configs(args.quick, args.device)
+    env = {"device": args.device, "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+           "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
+           "date": time.strftime("%Y-%m-%d %H:%M:%S %z")}
+    rec = Record(Path(args.out) / "gpu_pipeline.json",
+                 {"benchmark": "gpu_pipeline", "preset": "tiny" if args.quick else "gpu", "environment": env,
+                  "config": {k: dataclasses.asdict(v) for k, v in cfgs.items()}, "args": vars(args)})
+    try:
+        run(args, cfgs, rec)
+        rec.data["status"] = "complete"
+    except BaseException as e:  # KeyboardInterrupt (SIGTERM) too: keep what was measured
+        rec.data["status"] = "partial" if rec.data["stages"] else "failed"
+        rec.data["error"] = f"{type(e).__name__}: {e or 'interrupted (SIGTERM of a time limit, or Ctrl-C)'}"
+        rec.data["traceback"] = traceback.format_exc()[-4000:]
+    rec.write()
+    s = rec.data.get("summary", {})
+    print(f"gpu_pipeline: {rec.data['status']} in {rec.data['elapsed_s']} s; tau={s.get('tau')} "
+          f"speedup={s.get('speedup')} identical={s.get('identical')}; wrote {rec.path}"
+          + (f"\n{rec.data['error']}" if "error" in rec.data else ""), flush=True)
+    return 0 if rec.data["status"] == "complete" else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

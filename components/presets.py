@@ -1,0 +1,150 @@
+"""The named pipeline presets, in one place: each a function returning a whole `PipelineConfig`.
+
+Purpose: `preset(name)` is what `--preset NAME` means everywhere (the CLI, the flows, `PipelineConfig.preset`):
+  tiny     the tests' settings: seconds on CPU, in-process training (no Ray)
+  default  the demo on 2 CPU cores on the embedded default (one Ray worker, vLLM measurement)
+  gpu      one accelerator, no Ray, MLflow or Prefect: bench/gpu_pipeline.py's run of the components on the
+           embedded `gpu` target (in-process training, local evaluation)
+"default" means the `default` preset; the stage configs' own dataclass defaults are building blocks, not a preset.
+`resolve(name, config_path, assignments)` is the config a command runs with: the preset, then a JSON file's
+sections, then `--set key.path=value` assignments, each checked by the same strict override machinery
+(components/pipeline_config.py `override_values`: unknown keys and wrong types are refused, naming the key path).
+`assignment(text)` parses one `key.path=value` (the value as JSON, else as a string) without importing anything heavy.
+Run: `eagle-heads config show --preset tiny --set train.steps=5` prints a resolved config as JSON.
+Not here: the stage configs' `tiny()` factories (each stage keeps its own, used by these presets and the unit tests)
+or the benchmark settings of bench/common.py (their embedded sizes and prompt counts are the benchmarks' own).
+This module imports no torch, MLflow, Prefect or Ray at import time (the CLI's parser reads `NAMES`).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any, Sequence
+
+if TYPE_CHECKING:  # each preset imports its sections when called: the CLI's parser imports this module
+    from components.pipeline_config import PipelineConfig
+
+
+def tiny_stages() -> dict[str, Any]:
+    """The `tiny` preset's stage sections (regenerate, extract, train in-process, evaluate): importable where MLflow
+    is not (bench/gpu_pipeline.py --quick)."""
+    from components.evaluate import EvaluateConfig
+    from components.extract import ExtractConfig
+    from components.regenerate import RegenerateConfig
+    from components.train import TrainConfig
+
+    return dict(regenerate=RegenerateConfig(max_new_tokens=16, batch_size=8, shard_size=8, limit=16),
+                extract=ExtractConfig(max_len=192, seqs_per_shard=8), train=TrainConfig.tiny(),
+                evaluate=EvaluateConfig.tiny())
+
+
+def tiny() -> PipelineConfig:
+    """Seconds on CPU: the unit and flow tests' pipeline."""
+    from components.pipeline_config import MonitorConfig, PipelineConfig, RegisterConfig
+
+    return PipelineConfig(**tiny_stages(), register=RegisterConfig(tau_floor=1.0), monitor=MonitorConfig.tiny())
+
+
+def default() -> PipelineConfig:
+    """The demo on 2 CPU cores, on the embedded default.
+
+    One Ray worker with both cores (two torch threads train faster than one); a fine-tune's head, warm-started
+    from its base's head, gets half the steps of a fresh one (`train.warm_start_steps`), since it starts close.
+    Each head is also served by vLLM and measured there (`evaluate.engine: vllm`), as production will run it,
+    one request at a time and under load (`evaluate.load`: concurrency 1, 4 and 16, K 5 against plain, which
+    gives the K schedule the engine is served with).
+    """
+    from components.evaluate import EvaluateConfig
+    from components.extract import ExtractConfig
+    from components.load_sweep import LoadConfig
+    from components.pipeline_config import PipelineConfig, RegisterConfig
+    from components.regenerate import RegenerateConfig
+    from components.train import RayConfig, TrainConfig
+    from eagle.run_config import OptimConfig, SpecConfig, TTTConfig
+
+    return PipelineConfig(
+        regenerate=RegenerateConfig(max_new_tokens=96, batch_size=32, shard_size=64, limit=320),
+        extract=ExtractConfig(max_len=320, seqs_per_shard=128),
+        train=TrainConfig(steps=120, batch_size=8, draft_vocab_size=2048, checkpoint_every=40, log_every=10,
+                          warm_start_steps=60, eval_every=20, holdout_seqs=32, ttt=TTTConfig(ttt_steps=5),
+                          optim=OptimConfig(lr=3e-3, warmup_steps=10), ray=RayConfig(num_workers=1, cpus_per_worker=2)),
+        evaluate=EvaluateConfig(spec=SpecConfig(method="chain", depth=5, max_new_tokens=96), limit=16, engine="vllm",
+                                load=LoadConfig(concurrency=(1, 4, 16), k_values=(5,), requests=16)),
+        register=RegisterConfig(tau_floor=1.5, gate_tau="engine"))
+
+
+def gpu_stages() -> dict[str, Any]:
+    """The `gpu` preset's stage sections (regenerate, extract, train, evaluate), without the registry's and the
+    monitor's: bench/gpu_pipeline.py runs them where MLflow is not installed (and so `PipelineConfig` is not)."""
+    from components.evaluate import EvaluateConfig
+    from components.extract import ExtractConfig
+    from components.regenerate import RegenerateConfig
+    from components.train import RayConfig, TrainConfig
+    from eagle.run_config import OptimConfig, SpecConfig, TTTConfig
+
+    return dict(
+        regenerate=RegenerateConfig(max_new_tokens=128, batch_size=64, shard_size=256, limit=1024, device="cuda"),
+        extract=ExtractConfig(max_len=512, seqs_per_shard=256, device="cuda"),
+        train=TrainConfig(steps=600, batch_size=16, draft_vocab_size=4096, checkpoint_every=200, log_every=25,
+                          eval_every=100, holdout_seqs=32, ttt=TTTConfig(ttt_steps=7),
+                          optim=OptimConfig(lr=2e-3, warmup_steps=30), ray=RayConfig(num_workers=0, use_gpu=True)),
+        evaluate=EvaluateConfig(spec=SpecConfig(method="chain", depth=5, max_new_tokens=128), limit=32,
+                                device="cuda"))
+
+
+def gpu() -> PipelineConfig:
+    """One accelerator, in-process (no Ray), evaluated locally: bench/gpu_pipeline.py's run on the embedded `gpu`
+    target within a few minutes of device time (its `--quick` runs `tiny`'s sections on CPU)."""
+    from components.pipeline_config import PipelineConfig, RegisterConfig
+
+    return PipelineConfig(**gpu_stages(), register=RegisterConfig(tau_floor=1.5))
+
+
+PRESETS = {"tiny": tiny, "default": default, "gpu": gpu}
+NAMES = tuple(PRESETS)
+
+
+def preset(name: str) -> PipelineConfig:
+    """The preset called `name`; `ConfigError` naming the known ones otherwise."""
+    if name not in PRESETS:
+        from components.pipeline_config import ConfigError
+
+        raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    return PRESETS[name]()
+
+
+def assignment(text: str) -> tuple[str, Any]:
+    """`key.path=value` -> ("key.path", value): the value parsed as JSON (5, 0.1, true, null, [1, 2], "s"), else
+    taken as the string itself (`evaluate.engine=vllm`). ValueError when there is no `=` or no key."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip() or any(not part for part in key.strip().split(".")):
+        raise ValueError(f"{text!r}: expected KEY.PATH=VALUE, e.g. train.steps=50")
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        value = raw
+    return key.strip(), value
+
+
+def assignments_tree(assignments: Sequence[tuple[str, Any]]) -> dict[str, Any]:
+    """[("train.optim.lr", 0.1), ("train.steps", 5)] -> {"train": {"optim": {"lr": 0.1}, "steps": 5}}; a later
+    assignment of the same key wins. A key that is both a value and a section keeps the last one given."""
+    tree: dict[str, Any] = {}
+    for key, value in assignments:
+        *sections, leaf = key.split(".")
+        node = tree
+        for s in sections:
+            if not isinstance(node.get(s), dict):
+                node[s] = {}
+            node = node[s]
+        node[leaf] = value
+    return tree
+
+
+def resolve(name: str, config_path: str | None = None,
+            assignments: Sequence[tuple[str, Any]] = ()) -> PipelineConfig:
+    """Preset `name`, then the JSON file's sections, then the `--set` assignments (errors say `--set` and the key)."""
+    from components.pipeline_config import PipelineConfig
+
+    cfg = PipelineConfig.load(config_path, name)
+    return cfg.override(assignments_tree(assignments), where="--set") if assignments else cfg

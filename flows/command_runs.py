@@ -1,0 +1,245 @@
+"""What each `eagle-heads` command does once its preflight passed: one function per row of flows/commands.py.
+
+Purpose: each `name(args, settings) -> exit code` calls one flow or component and prints its result in a line or
+two. `evaluate_head` is the evaluate-a-head path (local measurement, then vLLM's and the load sweep when asked);
+`config_file` turns `--config`/`--set` into the one file a flow takes (`<state>/configs/<hash>.json`, the whole
+resolved config, which loads back to the same config), so the flows keep taking a preset and a file.
+Run: through `eagle-heads ...` (flows/cli.py). Heavy imports (torch, Prefect, MLflow, vLLM) happen inside the
+functions: importing this module is instant.
+Not here: arguments (flows/commands.py), checks before the work (flows/preflight.py), exit codes (flows/cli.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+
+def _quiet_prefect() -> None:
+    """After the job: keep Prefect's shutdown chatter from following our last line."""
+    logging.getLogger("prefect").setLevel(logging.WARNING)
+
+
+def config_file(a, settings) -> str | None:
+    """`--config` as given when there is no `--set`; else the resolved config written whole under the state dir
+    (named by its content: the same command line gives the same file, and a flow's run key does not change)."""
+    if not a.set:
+        return a.config
+    import hashlib
+
+    from components.atomic import atomic_write_text
+    from flows.preflight import command_config
+
+    text = json.dumps(command_config(a).to_dict(), indent=2, sort_keys=True) + "\n"
+    path = settings.state_dir / "configs" / f"{hashlib.sha256(text.encode()).hexdigest()[:16]}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, text)
+    return str(path)
+
+
+def config_show(a, settings) -> int:
+    from flows.preflight import command_config
+
+    print(json.dumps(command_config(a).to_dict(), indent=2))
+    return 0
+
+
+def demo(a, settings) -> int:
+    from flows.demo import demo as run_demo
+
+    res = run_demo(preset=a.preset, embedded_preset=a.embedded_preset)
+    _quiet_prefect()
+    print("\n".join(res["lines"]), flush=True)
+    return 0
+
+
+def train(a, settings) -> int:
+    from flows.train_head import train_head
+
+    s = train_head(a.target, a.traffic, a.heldout, a.preset, config_file(a, settings), a.name)
+    _quiet_prefect()
+    served = s.tau != s.tau and s.tau_vllm is not None  # target.runtime vllm: only the engine measured the head
+    tau, speedup = (s.tau_vllm, s.speedup_vllm) if served else (s.tau, s.speedup)
+    print(f"train: head={s.head_uri} tau{'(vLLM)' if served else ''}={tau:.2f} speedup={speedup or float('nan'):.2f}x "
+          f"identical={'yes' if s.identical or (served and s.vllm and s.vllm.identical_to_plain) else 'no'}")
+    return 0
+
+
+def watch(a, settings) -> int:
+    from flows.watch import watch_registry
+
+    path = config_file(a, settings)
+    while True:
+        done = watch_registry(dispatch=a.dispatch, preset=a.preset, config_path=path)
+        print(f"watch: {len(done)} version(s) announced")
+        if a.once:
+            return 0
+        time.sleep(a.interval)
+
+
+def monitor(a, settings) -> int:
+    """Print the window tau each interval; a drop emits the event (with a Prefect API) once."""
+    from flows.preflight import command_config
+    from flows.watch_acceptance import monitor_forever, open_monitor
+
+    cfg = command_config(a)
+    mon = open_monitor(a.metrics_url, a.target, cfg, settings)
+    m = cfg.monitor
+    print(f"monitor: {a.target} (champion {mon.baseline.head_uri}, registered tau {mon.baseline.tau:.2f} "
+          f"from {mon.baseline.tau_source}) at {a.metrics_url}: a drop is window tau < {m.ratio} x registered "
+          f"for {m.sustain_s:.0f} s (window {m.window_s:.0f} s, >= {m.min_drafts} drafts)", flush=True)
+    return monitor_forever(mon, a.metrics_url, a.once, lambda line: print(line, flush=True))
+
+
+def resolve_head(a, settings) -> tuple[str, str, dict]:
+    """Local directories of `--head` and `--target`, and the head's lineage. The target defaults to the one the head
+    names: its lineage, else (a head registered from elsewhere) its registry version's `target_*` tags."""
+    from eagle.export import read_head_meta
+    from infra.mlflow_store import MlflowStore, parse_model_uri
+
+    store = MlflowStore.connect(settings) if "models:/" in (a.head + (a.target or "")) else None
+    head = str(store.resolve(a.head)) if store and a.head.startswith("models:/") else a.head
+    lineage = dict(read_head_meta(head).get("lineage", {}))
+    if "target_name" not in lineage and store and a.head.startswith("models:/"):
+        name, version, alias = parse_model_uri(a.head)
+        ref = store.get_version(name, version) if version is not None else store.get_alias(name, alias or "")
+        tags = ref.tags if ref else {}
+        if "target_name" in tags:
+            lineage.update(target_name=tags["target_name"], target_version=tags["target_version"])
+    target = a.target
+    if target is None:
+        if "target_name" not in lineage:
+            from eagle.errors import BadInput
+
+            raise BadInput(f"{head}: the head names no target (lineage or registry tags); pass --target")
+        target = f"models:/{lineage['target_name']}/{lineage['target_version']}"
+    if target.startswith("models:/"):
+        store = store or MlflowStore.connect(settings)
+        target = str(store.resolve(target))
+    return head, target, lineage
+
+
+def evaluate_head(cfg, head: str, target: str, traffic: str, out: Path, settings, load: bool = False) -> dict:
+    """The evaluate-a-head path: this project's measurement (components/evaluate.py), then, with `cfg.engine`
+    "vllm", the head served by vLLM on the same prompts, and with `load` the load sweep (the default preset's
+    levels when `cfg.load` has none). Returns the local result as a dict, with `vllm` and `load` when measured."""
+    import dataclasses
+    from dataclasses import asdict
+
+    from components.evaluate import evaluate
+
+    res = asdict(evaluate(cfg, target, head, traffic, str(out), trust_remote_code=settings.trust_remote_code))
+    if cfg.engine != "vllm" and not load:
+        return res
+    from components.serve import servable_head
+
+    served = str(servable_head(head, target, settings.state_dir / "servable", settings.trust_remote_code))
+    if cfg.engine == "vllm":
+        from components.engine_eval import evaluate_in_vllm, our_outputs
+
+        res["vllm"] = asdict(evaluate_in_vllm(cfg, target, served, traffic, str(out / "vllm"), settings,
+                                              ours=our_outputs(res["report_file"])))
+    if load:
+        from components.load_sweep import load_sweep
+        from components.presets import preset
+
+        if not cfg.load.enabled:
+            cfg = dataclasses.replace(cfg, load=preset("default").evaluate.load)
+        res["load"] = asdict(load_sweep(cfg, target, served, traffic, str(out / "load"), settings))
+    return res
+
+
+def _speed_text(res: dict) -> str:
+    """"1.52x [1.47, 1.58]" from an evaluation result's speedup fields; "(unreliable: why)" when it is."""
+    text = f"{res['speedup']:.2f}x [{res['speedup_lo']:.2f}, {res['speedup_hi']:.2f}]"
+    return text if res["speedup_reliable"] else f"{text} (unreliable: {res['speedup_note']})"
+
+
+def evaluate(a, settings) -> int:
+    from flows.preflight import command_config
+
+    head, target, _ = resolve_head(a, settings)
+    out = settings.state_dir / "evaluations" / time.strftime("%Y%m%d-%H%M%S")
+    try:
+        res = evaluate_head(command_config(a).evaluate, head, target, a.traffic, out, settings, a.load)
+    except BaseException:
+        for folder in (out, out.parent):  # a refusal leaves no empty evaluation folder behind
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        raise
+    if a.json:
+        from components.atomic import atomic_write_text
+
+        atomic_write_text(a.json, json.dumps(res, indent=2) + "\n")
+    print(f"evaluate: tau={res['tau']:.2f} speedup={_speed_text(res)} identical={res['identical']}")
+    if "vllm" in res:
+        v = res["vllm"]
+        print(f"evaluate (vLLM): tau={v['tau']:.2f} speedup={_speed_text(v)} "
+              f"identical={v['identical_to_plain'] and v['identical_to_ours'] is not False} "
+              f"alpha={' '.join(f'{x:.2f}' for x in v['acceptance'])}")
+    if "load" in res:
+        w = res["load"]
+        at = " ".join(f"{c}:{x:.2f}x" for c, x in w["speedup_at"].items())
+        print(f"evaluate (vLLM, load): speedup by concurrency {at}; crossover={w['crossover']} "
+              f"schedule={json.dumps(w['schedule'])} (plot {w['plot_file']})")
+    return 0
+
+
+def _registered_schedule(uri: str, settings) -> list[list[int]] | None:
+    """The `k_schedule` tag of a registered head version (None: a directory, or no load sweep registered)."""
+    if not uri.startswith("models:/"):
+        return None
+    from infra.mlflow_store import MlflowStore, parse_model_uri
+
+    store = MlflowStore.connect(settings)
+    name, version, alias = parse_model_uri(uri)
+    ref = store.get_version(name, version) if version is not None else store.get_alias(name, alias or "")
+    text = ref.tags.get("k_schedule") if ref else None
+    return json.loads(text) if text else None
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def serve(a, settings) -> int:
+    import signal
+
+    from components.engine_eval import target_context
+    from components.serve import launch_commands, servable_head
+    from infra.vllm_server import EngineSpec, VllmServer
+
+    head, target, lineage = resolve_head(a, settings)
+    served = servable_head(head, target, settings.state_dir / "servable", settings.trust_remote_code)
+    name = lineage.get("target_name") or Path(target).name
+    schedule = None if a.k else _registered_schedule(a.head, settings)
+    k = a.k or (max(max(r[2] for r in schedule), 1) if schedule else 5)
+    spec = EngineSpec(target, str(served), method="eagle3", num_speculative_tokens=k,
+                      max_model_len=min(target_context(target), 4096), served_model_name=name,
+                      k_schedule=tuple(tuple(r) for r in schedule) if schedule else None)
+    if served != Path(head):
+        print(f"serve: {head} predates the engine format; serving its lossless re-export {served}")
+    how = (f"the registered K schedule {json.dumps(schedule)} ([first batch size, last, K]; K 0: no drafts)"
+           if schedule else f"{k} speculative tokens" + ("" if a.k else " (no K schedule registered)"))
+    if a.print_only:
+        cmds = launch_commands(spec, a.port or 8000)
+        print(f"# vLLM with {how} (GPU; copy {served} and {target} to the cluster first)\n{cmds['vllm']}")
+        sglang_note = (f"; SGLang has no per-batch-size K: it runs K {k} at every load (pass --k for the K of "
+                       "your typical concurrency)" if schedule else "")
+        print(f"# SGLang{sglang_note}\n{cmds['sglang']}")
+        return 0
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill PID` stops the engine as Ctrl-C does
+    print(f"serve: starting vLLM with {a.head} ({how}); log under {settings.state_dir / 'vllm'}", flush=True)
+    with VllmServer(spec, settings, port=a.port) as srv:
+        print(f"serve: ready at {srv.base_url}/v1 (model {name!r}); try\n  curl {srv.base_url}/v1/chat/completions "
+              f"-H 'Content-Type: application/json' -d '{{\"model\": \"{name}\", \"messages\": "
+              f"[{{\"role\": \"user\", \"content\": \"def add(a, b):\"}}], \"max_tokens\": 32}}'\n"
+              f"  acceptance: curl -s {srv.base_url}/metrics | grep spec_decode; Ctrl-C stops the server", flush=True)
+        while srv.proc is not None and srv.proc.poll() is None:
+            time.sleep(1.0)
+        print(f"eagle-heads: error: vLLM stopped: {srv.last_error()} (log: {srv.log_path})", file=sys.stderr)
+        return 1
