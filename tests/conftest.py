@@ -11,6 +11,7 @@ the expensive ones are made once per session:
                                                                                     (session, ~15-20 s)
     tiny_embedded    the embedded default at `EmbeddedConfig.tiny()`                (session, ~5-10 s)
     engine_target    the same trained 400 steps: what the engine tests serve in vLLM (session, ~20-30 s)
+    engine_settings  Settings of a fresh state dir, vLLM's venv checked                 (module, free)
 Run: `python -m pytest tests/` (the fixtures are found by pytest).
 Not here: assertions. Heavy libraries are imported inside the fixtures, never at module scope.
 """
@@ -102,6 +103,17 @@ def engine_target(tmp_path_factory: pytest.TempPathFactory):
     c = EmbeddedConfig.tiny()
     c = dataclasses.replace(c, train=dataclasses.replace(c.train, steps=400))
     return build_embedded(c, tmp_path_factory.mktemp("engine-embedded"), progress=False)
+
+
+@pytest.fixture(scope="module")
+def engine_settings(tmp_path_factory: pytest.TempPathFactory) -> Settings:
+    """Settings under a fresh state dir of the module, for tests that start vLLM: a missing vLLM venv fails here
+    with the line that says how to make it."""
+    from infra.vllm_server import vllm_python
+
+    s = Settings.local(tmp_path_factory.mktemp("engine-state") / ".eagle")
+    vllm_python(s)
+    return s
 
 
 @pytest.fixture(autouse=True)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,3 +45,20 @@ def send_json(handler, code: int, payload: dict) -> None:
     handler.send_header("Content-Length", str(len(data)))
     handler.end_headers()
     handler.wfile.write(data)
+
+
+@contextlib.contextmanager
+def state_dir_env(state_dir: Path):
+    """EAGLE_HOME pointed at `state_dir` and MLFLOW_TRACKING_URI unset while the block runs (the registry of that
+    state dir), both as they were afterwards: what a flow run from a test reads its settings from."""
+    old = {k: os.environ.get(k) for k in ("EAGLE_HOME", "MLFLOW_TRACKING_URI")}
+    os.environ["EAGLE_HOME"] = str(state_dir)
+    os.environ.pop("MLFLOW_TRACKING_URI", None)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

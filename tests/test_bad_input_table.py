@@ -14,7 +14,6 @@ Not here: bad input met inside a stage (tests/test_bad_input_stages.py), kills a
 from __future__ import annotations
 
 import json
-import shutil
 import socket
 from pathlib import Path
 

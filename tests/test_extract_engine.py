@@ -32,7 +32,7 @@ from safetensors.torch import load_file
 from components.extract import ExtractConfig, extract
 from components.regenerate import RegenerateConfig, regenerate
 from infra.settings import Settings
-from infra.vllm_server import EngineError, vllm_python
+from infra.vllm_server import EngineError
 
 pytestmark = pytest.mark.engine
 QUIET = dict(progress=lambda s: None)
@@ -41,10 +41,8 @@ RTOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def settings(tmp_path_factory) -> Settings:
-    s = Settings.local(tmp_path_factory.mktemp("extract-engine-state") / ".eagle")
-    vllm_python(s)  # a missing vLLM venv fails here with the line that says how to make it
-    return s
+def settings(engine_settings):
+    return engine_settings
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,6 @@ from components.datasets import FeatureStoreError, TrainingData, heldout_split, 
 from components.extract import ExtractConfig, extract
 from components.regenerate import RegenerateConfig, regenerate
 from components.targets import load_target
-from components.pipeline_config import ConfigError, PipelineConfig
 from components.train import RayConfig, TrainConfig, holdout_size, latest_checkpoint, train
 from components.train_state import read_best
 from eagle.config import default_aux_layer_ids

@@ -61,13 +61,8 @@ SWEEP = EvaluateConfig(spec=SpecConfig(depth=3, max_new_tokens=16), limit=4,
 
 
 @pytest.fixture(scope="module")
-def settings(tmp_path_factory):
-    from infra.settings import Settings
-    from infra.vllm_server import vllm_python
-
-    s = Settings.local(tmp_path_factory.mktemp("sweep-state") / ".eagle")
-    vllm_python(s)  # a missing vLLM venv fails here with the line that says how to make it
-    return s
+def settings(engine_settings):
+    return engine_settings
 
 
 @pytest.fixture(scope="module")

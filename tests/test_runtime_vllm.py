@@ -16,13 +16,13 @@ Not here: the config rules of `target` (tests/test_engine_scale.py), the engine'
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 
 from infra.settings import Settings
 from infra.vllm_server import vllm_python
+from tests.helpers import state_dir_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
@@ -48,26 +48,16 @@ def runtime_run(engine_target, prefect_harness, tmp_path_factory):
     cfg = state.parent / "pipeline.json"
     cfg.write_text(json.dumps({"target": {"runtime": "vllm"}, "train": {"steps": 60},
                                "evaluate": {"limit": 6, "spec": {"depth": 3, "max_new_tokens": 24}}}))
-    old = {k: os.environ.get(k) for k in ("EAGLE_HOME", "MLFLOW_TRACKING_URI")}
-    os.environ["EAGLE_HOME"] = str(state)
-    os.environ.pop("MLFLOW_TRACKING_URI", None)
-    try:
-        with pytest.MonkeyPatch.context() as mp:
-            for owner in (components.targets, components.extract):
-                mp.setattr(owner, "load_target", _refuse)
-            mp.setattr(transformers.AutoModelForCausalLM, "from_pretrained", _refuse)
-            mp.setattr(PreTrainedModel, "from_pretrained", classmethod(_refuse))
-            from flows.train_head import train_head
+    with state_dir_env(state), pytest.MonkeyPatch.context() as mp:
+        for owner in (components.targets, components.extract):
+            mp.setattr(owner, "load_target", _refuse)
+        mp.setattr(transformers.AutoModelForCausalLM, "from_pretrained", _refuse)
+        mp.setattr(PreTrainedModel, "from_pretrained", classmethod(_refuse))
+        from flows.train_head import train_head
 
-            run = train_head(str(engine_target.target_dir), str(engine_target.target_traffic.train),
-                             str(engine_target.target_traffic.heldout), "tiny", str(cfg), "runtime-tiny")
-        yield run, Settings.local(state)
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        run = train_head(str(engine_target.target_dir), str(engine_target.target_traffic.train),
+                         str(engine_target.target_traffic.heldout), "tiny", str(cfg), "runtime-tiny")
+    yield run, Settings.local(state)
 
 
 def test_the_target_is_never_loaded_and_the_head_registers_on_the_engines_figures(runtime_run):

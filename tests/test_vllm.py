@@ -43,7 +43,8 @@ from components.regenerate import RegenerateConfig, regenerate
 from components.serve import is_servable, servable_head
 from components.train import TrainConfig, train
 from infra.settings import Settings
-from infra.vllm_server import EngineError, EngineSpec, VllmServer, vllm_python
+from infra.vllm_server import EngineError, EngineSpec, VllmServer
+from tests.helpers import state_dir_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 QUIET = dict(progress=lambda s: None)
@@ -54,10 +55,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
-def settings(tmp_path_factory) -> Settings:
-    s = Settings.local(tmp_path_factory.mktemp("engine-state") / ".eagle")
-    vllm_python(s)  # a missing vLLM venv fails here with the line that says how to make it
-    return s
+def settings(engine_settings):
+    return engine_settings
 
 
 @pytest.fixture(scope="module")
@@ -157,20 +156,11 @@ def flow_run(engine_target, settings, prefect_harness, tmp_path_factory):
     cfg.write_text(json.dumps({"train": {"steps": 60}, "register": {"gate_tau": "engine"}, "evaluate": {
         "engine": "vllm", "limit": EVAL.limit,
         "spec": {"depth": EVAL.spec.depth, "max_new_tokens": EVAL.spec.max_new_tokens}}}))
-    old = {k: os.environ.get(k) for k in ("EAGLE_HOME", "MLFLOW_TRACKING_URI")}
-    os.environ["EAGLE_HOME"] = str(settings.state_dir)
-    os.environ.pop("MLFLOW_TRACKING_URI", None)
-    try:
+    with state_dir_env(settings.state_dir):
         from flows.train_head import train_head
 
         yield train_head(str(engine_target.target_dir), str(engine_target.target_traffic.train),
                          str(engine_target.target_traffic.heldout), "tiny", str(cfg), "engine-tiny")
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def test_pipeline_with_engine_vllm_registers_both_engines_figures(flow_run, settings):
