@@ -174,13 +174,22 @@ class VllmServer:
                                   f"(full log: {self.log_path})")
             try:
                 with urllib.request.urlopen(self.base_url + "/health", timeout=2) as r:
-                    if r.status == 200:
+                    if r.status == 200 and self._listening():
                         return
             except (urllib.error.URLError, OSError):
                 pass
             time.sleep(1.0)
         self.stop()
         raise EngineError(f"vLLM did not become healthy in {self.start_timeout_s:.0f} s; log: {self.log_path}")
+
+    def _listening(self) -> bool:
+        """Whether the engine this object started says it listens on our port (its log's "Starting vLLM server on
+        http://HOST:PORT" line), so that another process answering `/health` on that port is never taken for it."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return False
+        return f":{self.port}" in "".join(ln for ln in text.splitlines() if "Starting vLLM" in ln and "http" in ln)
 
     def last_error(self) -> str:
         """The most telling line of the engine's log: the last exception line, else the last line."""

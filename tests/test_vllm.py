@@ -252,3 +252,29 @@ def test_missing_vllm_and_a_dying_engine_are_one_clear_line(engine_target, tmp_p
     with pytest.raises(EngineError, match="exited with code"):
         srv.start()
     assert srv.proc is None or srv.proc.poll() is not None
+
+
+def test_an_engine_that_cannot_take_its_port_is_never_reported_ready(engine_target, tmp_path):
+    """Another process answers /health on the port: the engine we start fails to bind, and start() says so
+    instead of taking the other one for ours (it waits for our engine's own "listening" log line)."""
+    import http.server
+    import threading
+
+    class Healthy(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Healthy)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    try:
+        srv = VllmServer(EngineSpec(engine_target.target_dir, method=None), Settings.local(tmp_path / ".eagle"),
+                         port=other.server_address[1], start_timeout_s=300)
+        with pytest.raises(EngineError, match="exited with code") as e:
+            srv.start()
+        assert "address already in use" in str(e.value).lower()
+    finally:
+        other.shutdown()
