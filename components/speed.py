@@ -147,8 +147,8 @@ def _estimate(plain_s, spec_s, tokens_plain: int, tokens_spec: int, cfg: Speedup
     spread = max(hi / med - 1.0, 1.0 - lo / med) if med > 0 else float("inf")
     reason = ""
     if n < cfg.min_rounds:
-        reason = (f"only {n} of {cfg.min_rounds} rounds fitted in the {cfg.budget_s:.0f} s budget "
-                  f"({elapsed:.0f} s spent)")
+        reason = (f"only {n} of {cfg.min_rounds} rounds fitted in the {cfg.budget_s:.0f} s budget"
+                  if elapsed >= cfg.budget_s or n >= cfg.max_rounds else f"{n} of {cfg.min_rounds} rounds so far")
     elif spread > cfg.max_spread:
         reason = (f"the rounds disagree: median {med:.2f}x, interval [{lo:.2f}, {hi:.2f}] is +-{spread:.0%} "
                   f"(bound +-{cfg.max_spread:.0%}); the machine was probably busy")
