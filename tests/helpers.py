@@ -62,3 +62,10 @@ def state_dir_env(state_dir: Path):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def our_counts(report_file: str, depth: int) -> tuple[int, list[int]]:
+    """(verification steps, steps that accepted draft position k, k < depth) from this project's evaluation.json:
+    what vLLM's counters count (drafts, accepted per position) for the same prompts."""
+    steps = [a for s in json.loads(Path(report_file).read_text())["samples"] for a in s["accept_lengths"]]
+    return len(steps), [sum(a > k for a in steps) for k in range(depth)]

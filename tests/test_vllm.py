@@ -44,7 +44,7 @@ from components.serve import is_servable, servable_head
 from components.train import TrainConfig, train
 from infra.settings import Settings
 from infra.vllm_server import EngineError, EngineSpec, VllmServer
-from tests.helpers import state_dir_env
+from tests.helpers import our_counts, state_dir_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 QUIET = dict(progress=lambda s: None)
@@ -109,12 +109,6 @@ def plain_run(engine_target, settings):
         yield srv
 
 
-def _our_counts(report_file: str) -> tuple[int, list[int]]:
-    """(verification steps, steps that accepted position k) from this project's evaluation."""
-    steps = [a for s in json.loads(Path(report_file).read_text())["samples"] for a in s["accept_lengths"]]
-    return len(steps), [sum(a > k for a in steps) for k in range(EVAL.spec.depth)]
-
-
 @pytest.mark.parametrize("kind", ["default", "custom", "legacy", "eagle3.1"])
 def test_vllm_serves_the_head_losslessly_with_our_acceptance(kind, heads, engine_target, settings, plain_run,
                                                              tmp_path):
@@ -133,7 +127,7 @@ def test_vllm_serves_the_head_losslessly_with_our_acceptance(kind, heads, engine
     assert res.identical_to_plain and res.identical_to_ours
     assert res.speedup_rounds == EVAL.speed.min_rounds and res.speedup_lo <= res.speedup <= res.speedup_hi
     assert res.baseline_tau == (pytest.approx(res.tau) if champion else None)  # the gate's champion τ in vLLM
-    steps, per_pos = _our_counts(ours.report_file)
+    steps, per_pos = our_counts(ours.report_file, EVAL.spec.depth)
     assert (res.drafts, res.accepted_per_pos) == (steps, per_pos)
     # vLLM counts what the rule accepted (also past EOS and the length limit): ours counted alike is equal
     assert res.tau == pytest.approx(ours.tau_raw) and res.acceptance == pytest.approx(ours.acceptance_raw)

@@ -1,0 +1,172 @@
+"""Families beyond Llama: tiny Mistral, Qwen2, Qwen3 and Qwen3-MoE targets go through the whole pipeline.
+
+Purpose: each family's target is built from its transformers config (hidden 64, 2 heads so head_dim 32 as vLLM's
+CPU attention needs, 8 layers so the fused ids (2, 4, 5) are distinct, the tiny embedded default's tokenizer and
+chat template, fp32 safetensors), its residual branches scaled down and its `lm_head` up so that a head trained
+for a few steps on the target's greedy answers gets mixed acceptance (some drafts accepted, some not). Then
+- local path (fast): regenerate a few conversations, extract, train a few TTT steps, export, and check that our
+  greedy speculative decoding equals plain greedy (`evaluate(...).identical`) with some drafts accepted;
+- engine path (`engine`, `slow`): the same head served by vLLM (its CPU build) next to vLLM's plain decoding:
+  outputs identical to vLLM plain and to ours, vLLM's counters (drafts, accepted per position) equal to ours;
+- engine features (`engine`, `slow`): on Qwen3, features vLLM extracted (`ExtractConfig(engine="vllm")`) equal
+  local extraction's within 1e-5 relative, and a head trained on them is served by vLLM the same way.
+Run: `python -m pytest tests/test_families.py -m "not engine"` (local path, about 30 s on 2 cores);
+`python -m pytest tests/test_families.py` for all (11-18 minutes on 2 busy cores: each family's engine
+evaluation starts two vLLM servers, 1.5-6 minutes; engine features add a third start, 2.5-4.5 minutes). Needs
+vLLM's venv for the engine tests (`make vllm`).
+Not here: Llama itself (tests/test_vllm.py, tests/test_extract_engine.py), sampling, trees, registration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from components.evaluate import EvaluateConfig, evaluate
+from components.extract import ExtractConfig, extract
+from components.regenerate import RegenerateConfig, regenerate
+from components.train import TrainConfig, train
+from tests.helpers import our_counts
+
+QUIET = dict(progress=lambda s: None)
+FAMILIES = ("mistral", "qwen2", "qwen3", "qwen3_moe")
+SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=2,
+             num_key_value_heads=1, head_dim=32, max_position_embeddings=512, tie_word_embeddings=False)
+FAMILY_ARGS = {"mistral": dict(sliding_window=None), "qwen2": dict(use_sliding_window=False), "qwen3": {},
+               "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)}
+# greedy answers: what the evaluation's (greedy) prompts will see, so few training steps give some acceptance
+REGENERATE = RegenerateConfig(max_new_tokens=32, temperature=0.0, batch_size=8, shard_size=8, limit=16)
+EVAL = dataclasses.replace(EvaluateConfig.tiny(), limit=4)
+EXTRACT = ExtractConfig(max_len=192, dtype="float32", seqs_per_shard=8)
+TRAIN = dataclasses.replace(TrainConfig.tiny(), steps=80, checkpoint_every=80)
+
+
+def build_target(family: str, tokenizer_dir: Path, out: Path, seed: int = 0) -> Path:
+    """A random `family` target with the tokenizer of `tokenizer_dir`, saved to `out`: its attention output and MLP
+    down projections scaled by 0.3 (the next token then depends mostly, not only, on the current one) and its
+    `lm_head` by 30 (a peaked next-token distribution, as a trained model's: the head has a teacher to learn)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    special = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    config = AutoConfig.for_model(family, vocab_size=len(tok), **SHAPE, **FAMILY_ARGS[family], **special)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("o_proj.weight") or "down_proj" in name:  # MoE experts: one fused down_proj tensor
+                p.mul_(0.3)
+        model.lm_head.weight.mul_(30.0)
+    model.generation_config = GenerationConfig(**special)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    assert json.loads((out / "config.json").read_text())["model_type"] == family
+    return out
+
+
+def train_head(target_dir: Path, regen_dir: str, root: Path, extract_cfg: ExtractConfig = EXTRACT,
+               **extract_kw) -> str:
+    """Extract `regen_dir` with `extract_cfg` and train a head on it; returns the exported head's directory."""
+    ext = root / f"extract-{extract_cfg.engine}"
+    extract(extract_cfg, str(target_dir), regen_dir, str(ext), **QUIET, **extract_kw)
+    return train(TRAIN, str(ext), str(root / f"train-{extract_cfg.engine}"), str(target_dir)).head_dir
+
+
+def target_and_traffic(family: str, tiny_embedded, root: Path) -> tuple[Path, str]:
+    """`family`'s target under `root` and (the directory of) its own answers to a few of the embedded default's
+    training chats."""
+    target = build_target(family, Path(tiny_embedded.target_dir), root / "target")
+    regen = root / "regen"
+    regenerate(REGENERATE, str(target), str(tiny_embedded.target_traffic.train), str(regen), **QUIET)
+    return target, str(regen)
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    name: str
+    target_dir: Path
+    head_dir: str
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, tiny_embedded, tmp_path_factory) -> Family:
+    """One family's target, its regenerated training traffic and a head trained on local features."""
+    name = request.param
+    root = tmp_path_factory.mktemp(f"family-{name}")
+    target, regen = target_and_traffic(name, tiny_embedded, root)
+    return Family(name, target, train_head(target, regen, root))
+
+
+def evaluate_locally(fam: Family, out: Path, traffic: str):
+    """Our evaluation of the family's head on the held-out traffic: greedy speculative must equal plain."""
+    res = evaluate(EVAL, str(fam.target_dir), fam.head_dir, traffic, str(out), **QUIET)
+    assert res.identical, f"{fam.name}: speculative output differs from plain"
+    return res
+
+
+def test_local_path_is_lossless_with_acceptance(family, tiny_embedded, tmp_path):
+    cfg = json.loads((Path(family.head_dir) / "config.json").read_text())
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5] and cfg["head_dim"] == 32
+    res = evaluate_locally(family, tmp_path, str(tiny_embedded.target_traffic.heldout))
+    steps, per_pos = our_counts(res.report_file, EVAL.spec.depth)
+    outputs = [s["output_ids"] for s in json.loads(Path(res.report_file).read_text())["samples"]]
+    assert len({tuple(o) for o in outputs}) > 1, f"{family.name}: every prompt gave the same output"
+    assert 0 < per_pos[0] < steps, f"{family.name}: acceptance {per_pos} of {steps} steps proves little"
+
+
+def serve_and_compare(fam: Family, heldout: str, settings, out: Path) -> None:
+    """The family's head served by vLLM beside vLLM plain: outputs identical to both, counters equal to ours."""
+    from components.engine_eval import evaluate_in_vllm, our_outputs
+
+    ours = evaluate_locally(fam, out / "local", heldout)
+    res = evaluate_in_vllm(EVAL, str(fam.target_dir), fam.head_dir, heldout, str(out / "vllm"), settings,
+                           ours=our_outputs(ours.report_file), **QUIET)
+    assert res.identical_to_plain and res.identical_to_ours, fam.name
+    steps, per_pos = our_counts(ours.report_file, EVAL.spec.depth)
+    assert (res.drafts, res.accepted_per_pos) == (steps, per_pos), fam.name
+    assert res.tau == pytest.approx(ours.tau_raw) and sum(per_pos) > 0
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+def test_engine_serves_each_family_identically(family, tiny_embedded, engine_settings, tmp_path):
+    serve_and_compare(family, str(tiny_embedded.target_traffic.heldout), engine_settings, tmp_path)
+
+
+def _max_rel_difference(a_dir: Path, b_dir: Path) -> dict[str, float]:
+    """Max relative difference of the fused and last hidden states of two extractions of the same conversations
+    (token ids and loss masks must be equal)."""
+    import torch
+    from safetensors.torch import load_file
+
+    worst = {"aux_hidden_states": 0.0, "last_hidden_state": 0.0}
+    pairs = list(zip(*(sorted(d.glob("features-*.safetensors")) for d in (a_dir, b_dir))))
+    assert pairs
+    for pa, pb in pairs:
+        a, b = load_file(str(pa)), load_file(str(pb))
+        assert all(torch.equal(a[k], b[k]) for k in ("input_ids", "loss_mask", "offsets"))
+        for k in worst:
+            x, y = a[k].float(), b[k].float()
+            worst[k] = max(worst[k], float((x - y).abs().max() / x.abs().max()))
+    return worst
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+def test_head_on_engine_features_is_served_identically(tiny_embedded, engine_settings, tmp_path_factory):
+    """Qwen3 (not Llama) end to end on the engine: vLLM's features equal ours, a head trained on them is served by
+    vLLM identically with our counters."""
+    root = tmp_path_factory.mktemp("family-qwen3-engine")
+    target, regen = target_and_traffic("qwen3", tiny_embedded, root)
+    extract(EXTRACT, str(target), regen, str(root / "extract-local"), **QUIET)
+    head = train_head(target, regen, root, dataclasses.replace(EXTRACT, engine="vllm"), ray_settings=engine_settings)
+    assert json.loads((root / "extract-vllm" / "manifest.json").read_text())["engine"] == "vllm"
+    worst = _max_rel_difference(root / "extract-local", root / "extract-vllm")
+    assert all(v < 1e-5 for v in worst.values()), worst
+    print(f"\nqwen3 engine vs local features, max relative difference: {worst}")
+    heldout = str(tiny_embedded.target_traffic.heldout)
+    serve_and_compare(Family("qwen3", target, head), heldout, engine_settings, root / "eval")
