@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Callable
 
 from components.atomic import atomic_write_text, remove_stale_temps
-from components.load_sweep import LoadConfig
+from components.load_config import LoadConfig
 from components.speed import SpeedupConfig, SpeedupEstimate, measure_speedup
 from eagle.config_checks import FieldError, at_least, one_of
 from eagle.run_config import SpecConfig

@@ -31,45 +31,10 @@ from pathlib import Path
 from typing import Callable
 
 from components.atomic import atomic_write_text
+from components.engine_eval import engine_max_len
+from components.evaluate import NotLosslessError, held_out_messages
+from components.load_config import MAX_BATCH, LoadConfig  # noqa: F401  (LoadConfig re-exported)
 from components.plots import plot_load_sweep
-from eagle.config_checks import FieldError, at_least
-
-MAX_BATCH = 1024  # the last range of a schedule reaches this batch size (vLLM caps it at its max_num_seqs)
-
-
-@dataclass(frozen=True)
-class LoadConfig:
-    """The sweep (`evaluate.load` in a pipeline config): empty `concurrency` means no sweep."""
-
-    concurrency: tuple[int, ...] = ()
-    k_values: tuple[int, ...] = (3, 5)
-    requests: int = 16  # requests per level: the same held-out prompts at every level (>= the top concurrency)
-    output_len: int = 0  # new tokens per request (0: the evaluation's max_new_tokens)
-    margin: float = 0.03  # a K must beat plain's output tokens/s by more than this share to be scheduled
-    verify_schedule: bool = True
-
-    def __post_init__(self) -> None:
-        at_least(self, {"requests": 1, "output_len": 0})
-        for name, values, low in (("concurrency", self.concurrency, 1), ("k_values", self.k_values, 1)):
-            if any(not isinstance(v, int) or isinstance(v, bool) or v < low for v in values):
-                raise FieldError(self, name, f"must be whole numbers >= {low}, got {list(values)}")
-            if list(values) != sorted(set(values)):
-                raise FieldError(self, name, f"must be ascending without repeats, got {list(values)}")
-        if self.concurrency and not self.k_values:
-            raise FieldError(self, "k_values", "must name at least one K when concurrency levels are given")
-        if any(k > 16 for k in self.k_values):
-            raise FieldError(self, "k_values", f"must be <= 16 (the heads here draft at most 16), got "
-                                               f"{list(self.k_values)}")
-        if self.concurrency and self.requests < self.concurrency[-1]:
-            raise FieldError(self, "requests", f"must be >= the top concurrency {self.concurrency[-1]} (else that "
-                                               f"level never runs full), got {self.requests}")
-        if not 0.0 <= self.margin < 1.0:
-            raise FieldError(self, "margin", f"must be in [0, 1), got {self.margin}")
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.concurrency)
-
 
 @dataclass(frozen=True)
 class SweepResult:
@@ -126,8 +91,6 @@ def load_sweep(cfg, target_dir: str, head_dir: str, traffic_path: str, out_dir: 
     from transformers import AutoTokenizer
 
     from components.chat import prompt_ids
-    from components.engine_eval import engine_max_len
-    from components.evaluate import held_out_messages
 
     load = cfg.load
     tokenizer = AutoTokenizer.from_pretrained(target_dir, trust_remote_code=settings.trust_remote_code)
@@ -202,8 +165,6 @@ def run_sweep(cfg: LoadConfig, plan: SweepPlan, settings) -> SweepResult:
 
 
 def _finish(cfg: LoadConfig, plan: SweepPlan, cells: list[dict], schedule, best) -> SweepResult:
-    from components.evaluate import NotLosslessError
-
     plain = {c["concurrency"]: c["texts"] for c in cells if c["k"] == 0}
     low = min(plain)
     variant = {(lvl, i) for lvl, texts in plain.items() for i, t in enumerate(texts) if t != plain[low][i]}
