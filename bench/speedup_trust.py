@@ -67,8 +67,14 @@ def child(args: argparse.Namespace) -> None:
     cfg = eval_config(args.quick)
     with tempfile.TemporaryDirectory() as tmp:
         res = evaluate(cfg, target, head_dir, heldout, tmp, progress=lambda s: None)
-        mismatches = sum(not s["identical"] for s in json.loads(Path(res.report_file).read_text())["samples"])
-        row = {"speedup": res.speedup, "lo": res.speedup_lo, "hi": res.speedup_hi, "reliable": res.speedup_reliable,
+        report = json.loads(Path(res.report_file).read_text())
+        mismatches = sum(not s["identical"] for s in report["samples"])
+        path = report.get("target_path", {})
+        row = {"target_path": f"decode {path.get('decode', path).get('chosen', '')}, verify {path.get('chosen', '')}",
+               "path_ms": {role: path[role].get("ms_per_pass") for role in ("decode", "verify") if role in path},
+               "plain_s_per_round": statistics.median(sum(r) for r in report["speed"]["plain_s"]),
+               "spec_s_per_round": statistics.median(sum(r) for r in report["speed"]["spec_s"]),
+               "speedup": res.speedup, "lo": res.speedup_lo, "hi": res.speedup_hi, "reliable": res.speedup_reliable,
                "note": res.speedup_note, "rounds": res.speedup_rounds, "tau": res.tau, "mismatches": mismatches,
                "single_pass": json.loads(Path(res.report_file).read_text())["speed"]["round_ratios"][0]}
         if args.engine == "vllm":
@@ -78,7 +84,7 @@ def child(args: argparse.Namespace) -> None:
             v = evaluate_in_vllm(cfg, target, head_dir, heldout, str(Path(tmp) / "vllm"), Settings.from_env(),
                                  ours=our_outputs(res.report_file), progress=lambda s: None)
             speed = json.loads(Path(v.report_file).read_text())["speed"]
-            row = {"speedup": v.speedup, "lo": v.speedup_lo, "hi": v.speedup_hi, "reliable": v.speedup_reliable,
+            row = {**{k: row[k] for k in ("target_path", "path_ms")}, "speedup": v.speedup, "lo": v.speedup_lo, "hi": v.speedup_hi, "reliable": v.speedup_reliable,
                    "note": v.speedup_note, "rounds": v.speedup_rounds, "tau": v.tau,
                    "mismatches": sum(not s["identical_to_plain"] for s in
                                      json.loads(Path(v.report_file).read_text())["samples"]),
@@ -105,7 +111,8 @@ def fresh(argv: list[str], runs: int, load_threads: int, label: str) -> list[dic
             r = rows[-1]
             print(f"  {label} {i + 1}/{runs}: {r['speedup']:.3f}x [{r['lo']:.3f}, {r['hi']:.3f}] "
                   f"{'reliable' if r['reliable'] else 'UNRELIABLE'} in {r['rounds']} rounds; "
-                  f"single pass {r['single_pass']:.3f}x; mismatches {r['mismatches']}", flush=True)
+                  f"single pass {r['single_pass']:.3f}x; mismatches {r['mismatches']}; target path "
+                  f"{r.get('target_path') or '-'} {r.get('path_ms', {})}", flush=True)
     return rows
 
 

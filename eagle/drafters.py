@@ -205,7 +205,7 @@ class ModelDrafter(Drafter):
         if rows != setup.vocab:
             raise ValueError(f"the draft model's vocabulary has {rows} tokens, the target's {setup.vocab}: a draft "
                              "model must share the target's tokenizer")
-        self.runner = TargetRunner(self.model, setup.capacity, path=setup.cfg.path)
+        self.runner = TargetRunner(self.model, setup.capacity, path=setup.cfg.path, role="decode")
         with self.runner.session():
             yield
 

@@ -95,7 +95,8 @@ def pack_left(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> t
 
 class TargetRunner:
     """The target with its `SlotCache`: one pass over T new tokens placed after each row's committed prefix.
-    `path` (`eagle.target_path`; "auto": the fastest measured on this machine) picks the decoder and the kernels:
+    `path` (`eagle.target_path`; "auto": the fastest measured on this machine for the runner's `role`, "decode" for
+    one token a pass, "verify" for the speculative step's wider passes) picks the decoder and the kernels:
     a "lean" path runs Llama-family targets through `LeanDecoder` once it has reproduced HF's forward on a first
     pass (every other target through HF); inside `with runner.session():` a "packed" path computes linears with
     the CPU kernels of `eagle.fastpath.linear`, and HF's feature capture hooks stay attached (outside a session
@@ -103,9 +104,10 @@ class TargetRunner:
 
     CAUSAL_ROWS = 64  # passes of up to this many tokens of one row slice a prebuilt causal mask
 
-    def __init__(self, target: nn.Module, capacity: int, layer_ids: tuple[int, ...] = (), path: str = "auto"):
+    def __init__(self, target: nn.Module, capacity: int, layer_ids: tuple[int, ...] = (), path: str = "auto",
+                 role: str = "verify"):
         check_no_sliding_window(target.config, capacity)
-        self.path = target_path.resolve(target, path)
+        self.path = target_path.resolve(target, path, role)
         self.target, self.layer_ids = target, tuple(layer_ids)
         self.cache = SlotCache(len(decoder_layers(target)), capacity)
         self.lm_head = target.get_output_embeddings()
@@ -193,7 +195,7 @@ def generate_plain(target: nn.Module, input_ids: torch.Tensor, attention_mask: t
     """One token per target pass (greedy or temperature/top-p sampling), with the speculative path's helpers."""
     with torch.inference_mode():
         ids_BT, n_B = pack_left(input_ids, attention_mask)
-        runner = TargetRunner(target, ids_BT.shape[1] + cfg.max_new_tokens + 1, path=cfg.path)
+        runner = TargetRunner(target, ids_BT.shape[1] + cfg.max_new_tokens + 1, path=cfg.path, role="decode")
         with runner.session():
             out = _plain_loop(runner, ids_BT, n_B, cfg, generator)
     return _outside_inference_mode(out)

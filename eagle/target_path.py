@@ -6,11 +6,15 @@ transformers `generate` at 1.15x our plain decoding). A path is a decoder and a 
 - decoder "lean" (`fastpath.LeanDecoder`, Llama-family targets only) or "hf" (the model's own forward);
 - kernels "packed" (`fastpath.linear`, oneDNN over packed weights, CPU without autograd) or "torch" (`F.linear`).
 `PATHS` are the four; `DEFAULT` is the speed layer. All four compute the same thing up to rounding.
-`resolve(target, "auto")` times every path that applies on a short synthetic pass mix (one 1-token and one
-8-token pass after a 48-token prefix per round, rounds interleaved across paths, about a second in all; each
-path's fastest round counts) once per target, device, dtype and thread count in a process, and keeps `DEFAULT`
-unless another path is faster by more than `MARGIN`, and among the others prefers the earlier in `PATHS` the same
-way (so close timings give the same choice in every process). A large target on CPU spends ~40 passes on this
+`resolve(target, "auto", role)` times every path that applies on two synthetic passes after a 48-token prefix
+(rounds interleaved across paths, about a second in all; each path's fastest round counts) once per target,
+device, dtype and thread count in a process, and picks per `ROLES`: "decode" (a 1-token pass: plain decoding, a
+draft model) and "verify" (an 8-token pass: the speculative step's verification). The two differ: on an AMD EPYC
+the packed kernels verified fastest while torch's decoded up to 25% faster in some processes, and one choice for
+both made a process's plain-decoding baseline, hence its speedup, depend on which way that process's mixed timing
+fell (1.1x or 1.5x for the same head, bench/README.md). Per role it keeps `DEFAULT` unless another path is faster
+by more than `MARGIN`, and among the others prefers the earlier in `PATHS` the same way (so close timings give the
+same choice in every process). A large target on CPU spends ~40 passes on this
 once: pin a path there. `EAGLE_TARGET_PATH` pins one path for every "auto"; `SpecConfig.path` pins it per call.
 `timing(target)` is the last measurement, `record(target, path)` what result files keep of it.
 How to run: `TargetRunner(target, capacity, path="auto")` resolves its path here; nothing else calls it.
@@ -37,24 +41,31 @@ ENV = "EAGLE_TARGET_PATH"
 # rounds: at least MIN_ROUNDS, then more until BUDGET_S has passed or MAX_ROUNDS; each path's fastest round counts
 # (other work on the machine only adds time, so the minimum is the steadiest estimate of a path's own cost)
 MIN_ROUNDS, MAX_ROUNDS, BUDGET_S, WARMUP, PREFIX, WIDTH = 5, 40, 1.0, 2, 48, 8
+ROLES = {"decode": 1, "verify": WIDTH}  # role -> tokens per timed pass
 
 _TIMINGS: "weakref.WeakKeyDictionary[nn.Module, dict[tuple, PathTiming]]" = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
 class PathTiming:
-    """One measurement: the path picked, the fastest round's seconds of each path timed, and why it was picked."""
+    """One measurement: per role, the path picked, each path's fastest pass in seconds and why it was picked.
+    `chosen`, `seconds`, `reason` are the "verify" role's (the speculative step's)."""
 
-    chosen: str
+    by_role: dict[str, "PathTiming"] = field(default_factory=dict, compare=False)
+    chosen: str = ""
     seconds: dict[str, float] = field(default_factory=dict)
     reason: str = ""
 
+    def pick(self, role: str) -> str:
+        return self.by_role[role].chosen if role in self.by_role else self.chosen
+
     def as_dict(self) -> dict:
-        base = self.seconds.get(DEFAULT)
-        speed = {p: round(base / s, 3) for p, s in self.seconds.items()} if base else {}
-        return {"chosen": self.chosen, "reason": self.reason,
-                "ms_per_round": {p: round(s * 1e3, 3) for p, s in self.seconds.items()},
-                "x_default": speed}
+        def one(t: "PathTiming") -> dict:
+            base = t.seconds.get(DEFAULT)
+            return {"chosen": t.chosen, "reason": t.reason,
+                    "ms_per_pass": {p: round(s * 1e3, 3) for p, s in t.seconds.items()},
+                    "x_default": {p: round(base / s, 3) for p, s in t.seconds.items()} if base else {}}
+        return {**one(self), **{role: one(t) for role, t in self.by_role.items()}}
 
 
 def check(path: str) -> str:
@@ -91,11 +102,14 @@ def pinned() -> str | None:
         raise ValueError(f"{ENV}={env!r}: {e}") from None
 
 
-def resolve(target: nn.Module, path: str) -> str:
-    """The path a runner of `target` uses: `path` itself unless "auto"; then `EAGLE_TARGET_PATH`, else measured."""
+def resolve(target: nn.Module, path: str, role: str = "verify") -> str:
+    """The path a runner of `target` in `role` (`ROLES`) uses: `path` itself unless "auto"; then
+    `EAGLE_TARGET_PATH`, else the one measured fastest for that role."""
     if check(path) != AUTO:
         return path
-    return pinned() or measure(target).chosen
+    if role not in ROLES:
+        raise ValueError(f"role {role!r}: expected one of {sorted(ROLES)}")
+    return pinned() or measure(target).pick(role)
 
 
 def timing(target: nn.Module) -> PathTiming | None:
@@ -105,7 +119,8 @@ def timing(target: nn.Module) -> PathTiming | None:
 
 
 def record(target: nn.Module, path: str = AUTO) -> dict:
-    """For a result file: how runners of `target` with `path` ran it (the measurement when auto measured one)."""
+    """For a result file: how runners of `target` with `path` ran it (the measurement when auto measured one:
+    the "verify" role's at the top level, each role's under its name)."""
     timed = timing(target)
     if timed is not None and path == AUTO and pinned() is None:
         return timed.as_dict()
@@ -126,24 +141,29 @@ def measure(target: nn.Module) -> PathTiming:
     if key in got:
         return got[key]
     lean = LeanDecoder.of(target) is not None
-    seconds = _time_paths(target, [p for p in PATHS if lean or decoder_of(p) == "hf"])
-    default = DEFAULT if DEFAULT in seconds else "hf-packed"
-    chosen = choose(seconds, default)
-    if not lean:
-        reason = "no lean decoder for this target (family, attention or forward hooks); "
-    elif DEFAULT not in seconds:
-        reason = "the lean decoder did not reproduce HF's forward; "
-    else:
-        reason = ""
-    reason += f"no path faster than {default} by more than {MARGIN:.0%}" if chosen == default else \
-        f"{seconds[default] / seconds[chosen]:.2f}x as fast as {default}"
-    got[key] = PathTiming(chosen, seconds, reason)
+    timed = _time_paths(target, [p for p in PATHS if lean or decoder_of(p) == "hf"])
+    by_role = {}
+    for role, seconds in timed.items():
+        default = DEFAULT if DEFAULT in seconds else "hf-packed"
+        chosen = choose(seconds, default)
+        if not lean:
+            reason = "no lean decoder for this target (family, attention or forward hooks); "
+        elif DEFAULT not in seconds:
+            reason = "the lean decoder did not reproduce HF's forward; "
+        else:
+            reason = ""
+        reason += f"no path faster than {default} by more than {MARGIN:.0%}" if chosen == default else \
+            f"{seconds[default] / seconds[chosen]:.2f}x as fast as {default}"
+        by_role[role] = PathTiming(chosen=chosen, seconds=seconds, reason=reason)
+    v = by_role["verify"]
+    got[key] = PathTiming(by_role, v.chosen, v.seconds, v.reason)
     return got[key]
 
 
-def _time_paths(target: nn.Module, paths: list[str]) -> dict[str, float]:
-    """Each path's fastest round (a 1-token and a `WIDTH`-token pass after a `PREFIX`-token prefill), in seconds;
-    rounds rotate the order of the paths so that each sees the same machine state."""
+def _time_paths(target: nn.Module, paths: list[str]) -> dict[str, dict[str, float]]:
+    """Per role (`ROLES`: a 1-token and a `WIDTH`-token pass after a `PREFIX`-token prefill, each with the last
+    position's logits), each path's fastest pass in seconds; rounds rotate the order of the paths so that each
+    sees the same machine state."""
     from eagle.speculative import TargetRunner
     from eagle.tree import Prefix
 
@@ -156,28 +176,29 @@ def _time_paths(target: nn.Module, paths: list[str]) -> dict[str, float]:
     pos = torch.arange(PREFIX, PREFIX + WIDTH, device=p.device)[None]
     runners = {q: TargetRunner(target, PREFIX + WIDTH + 1, path=q) for q in paths}
     sync = torch.cuda.synchronize if p.device.type == "cuda" else (lambda: None)
-    times: dict[str, list[float]] = {q: [] for q in paths}
+    times: dict[str, dict[str, list[float]]] = {role: {q: [] for q in paths} for role in ROLES}
     with torch.inference_mode():
         for q, r in runners.items():
             with r.session():
                 r.prefill(ids[:, :PREFIX], n)
         for q, r in list(runners.items()):  # a lean decoder that failed to reproduce HF is gone: not a lean path
             if decoder_of(q) == "lean" and r.decoder != "lean":
-                del runners[q], times[q]
+                del runners[q]
+                for t in times.values():
+                    del t[q]
         t_start, i = time.perf_counter(), 0
         while i < WARMUP + MIN_ROUNDS or (i < WARMUP + MAX_ROUNDS and time.perf_counter() - t_start < BUDGET_S):
             names = list(runners)
             for q in names[i % len(names):] + names[:i % len(names)]:
                 r = runners[q]
                 with r.session():
-                    sync()
-                    t0 = time.perf_counter()
-                    h, _ = r(prefix, ids[:, PREFIX:PREFIX + 1], pos[:, :1], None)
-                    r.logits(h[:, -1])
-                    h, _ = r(prefix, ids[:, PREFIX:], pos, None)
-                    r.logits(h[:, -1])
-                    sync()
-                    if i >= WARMUP:
-                        times[q].append(time.perf_counter() - t0)
+                    for role, width in ROLES.items():
+                        sync()
+                        t0 = time.perf_counter()
+                        h, _ = r(prefix, ids[:, PREFIX:PREFIX + width], pos[:, :width], None)
+                        r.logits(h[:, -1])
+                        sync()
+                        if i >= WARMUP:
+                            times[role][q].append(time.perf_counter() - t0)
             i += 1
-    return {q: min(ts) for q, ts in times.items()}
+    return {role: {q: min(ts) for q, ts in t.items()} for role, t in times.items()}

@@ -45,6 +45,33 @@ def test_auto_measures_once_per_target_and_records_why():
     assert target_path.timing(target) is t  # cached: no second measurement
 
 
+def test_each_role_gets_its_own_fastest_path(monkeypatch):
+    """Plain decoding (1-token passes) and the speculative step (wider passes) each run on the path measured
+    fastest for their own pass width, so a process's plain baseline never rides on the verify pass's timing."""
+    timed = {"decode": {"lean-packed": 1.0, "lean-torch": 0.8, "hf-packed": 1.2, "hf-torch": 1.1},
+             "verify": {"lean-packed": 1.0, "lean-torch": 1.3, "hf-packed": 1.2, "hf-torch": 1.1}}
+    monkeypatch.setattr(target_path, "_time_paths", lambda target, paths: timed)
+    target = _llama(6)
+    assert TargetRunner(target, 64, role="decode").path == "lean-torch"
+    assert TargetRunner(target, 64).path == "lean-packed"  # "verify" by default
+    d = target_path.record(target)
+    assert d["decode"]["chosen"] == "lean-torch" and d["verify"]["chosen"] == d["chosen"] == "lean-packed"
+    with pytest.raises(ValueError, match="role"):
+        TargetRunner(target, 64, role="prefill")
+    cfg = SpecConfig(max_new_tokens=4)
+    x = torch.tensor([[3, 4, 5]])
+    used = []
+    real_init = TargetRunner.__init__
+
+    def spy(self, *a, **k):
+        real_init(self, *a, **k)
+        used.append(self.path)
+
+    monkeypatch.setattr(TargetRunner, "__init__", spy)
+    generate_plain(target, x, None, cfg)
+    assert used == ["lean-torch"]
+
+
 def test_auto_picks_hf_when_the_lean_decoder_is_slow(monkeypatch):
     slow = fastpath.LeanDecoder.__call__
 
