@@ -3,8 +3,12 @@
 Purpose: build (or reuse) the embedded default (tokenizer, base target, its fine-tune, traffic), register the
 base target as version 1 of `stdlib-llama`, train/evaluate/register its head through `train-head`, then register
 the fine-tune as version 2 and let the trigger path (registry watcher -> `on-new-finetune`) train its head.
-Returns a table of both heads (tau measured here: emitted tokens per step, and `tau_raw`, what the rule accepted,
-as vLLM counts; with `evaluate.engine: vllm` also tau in vLLM serving the head, equal to `tau_raw`) whose last
+The two heads show both extraction paths side by side: the base's features are extracted as the preset says (local
+in `default` and `tiny`), the fine-tune's by the serving engine (`extract.engine: vllm`, production's path, through
+a config file of that one key, `<state>/demo/finetune-extract-<engine>.json`; `finetune_extract` picks the engine).
+Returns a table of both heads (`features`: who computed the head's features, from its registered `extract_engine`
+tag; tau measured here: emitted tokens per step, and `tau_raw`, what the rule accepted, as vLLM counts; with
+`evaluate.engine: vllm` also tau in vLLM serving the head, equal to `tau_raw`) whose last
 line is
 `demo: tau=<tau> speedup=<x>x identical=<yes|no> head=<models:/...@alias>` for the fine-tune's head
 (the CLI prints it after the flow, so it is the very last line of `make demo`). `speedup=` is the served one (vLLM's,
@@ -15,13 +19,18 @@ Not here: any stage logic.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from prefect import flow
 
+from components.atomic import atomic_write_text
 from components.register import register_target
 from components.targets import weights_sha256
 from flows.train_head import HeadRun, train_head
 from flows.watch import watch_registry
 from infra.mlflow_store import MlflowStore
+from infra.model_uri import parse_model_uri
 from infra.settings import Settings
 
 
@@ -41,23 +50,48 @@ def served_speedup(s: HeadRun) -> tuple[float, bool]:
     return s.speedup, not s.speedup_note
 
 
-def _row(label: str, s: HeadRun) -> str:
+def features_of(store: MlflowStore, s: HeadRun, configured: str) -> str:
+    """Who computed the head's features: its registered `extract_engine` tag; `configured` (the engine of the config
+    the run had, part of its run key) for a head registered before that tag existed."""
+    name, version, _alias = parse_model_uri(s.head_uri)
+    return (store.get_version(name, version).tags.get("extract_engine") if version else None) or configured
+
+
+def extract_config(state_dir: Path, engine: str) -> str:
+    """The config file of the fine-tune's run: `{"extract": {"engine": ENGINE}}` over the preset."""
+    path = state_dir / "demo" / f"finetune-extract-{engine}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps({"extract": {"engine": engine}}) + "\n"
+    if not path.is_file() or path.read_text() != text:
+        atomic_write_text(path, text)
+    return str(path)
+
+
+def _row(label: str, features: str, s: HeadRun) -> str:
     alpha = " ".join(f"{a:.2f}" for a in s.acceptance)
     ident = {True: "yes", False: "NO", None: "n/a"}[s.identical]
     tau_vllm = f"{s.tau_vllm:.2f}" if s.tau_vllm is not None else "-"
     tau_raw = f"{s.tau_raw:.2f}" if s.tau_raw is not None else "-"
     vllm = _speedup(*served_speedup(s)) if (s.vllm is not None or s.speedup_vllm is not None) else "-"
     cross = "-" if s.k_schedule is None else (str(s.crossover) if s.crossover is not None else "none")
-    return (f"{label:<28} {s.head_uri:<36} {s.alias:<10} {s.tau:>5.2f} {tau_raw:>7} {tau_vllm:>9} "
+    return (f"{label:<28} {features:<8} {s.head_uri:<36} {s.alias:<10} {s.tau:>5.2f} {tau_raw:>7} {tau_vllm:>9} "
             f"{_speedup(s.speedup, not s.speedup_note):>8} {vllm:>9} {cross:>9} {ident:>9}  {alpha}")
 
 
 @flow(name="demo", log_prints=True)
-def demo(preset: str = "default", embedded_preset: str = "default", target_name: str = "stdlib-llama") -> dict:
+def demo(preset: str = "default", embedded_preset: str = "default", target_name: str = "stdlib-llama",
+         finetune_extract: str = "vllm") -> dict:
     from components.embedded.build import build_embedded
     from components.embedded.config import EmbeddedConfig
+    from components.pipeline_config import PipelineConfig
 
     settings = Settings.from_env()
+    base_extract = PipelineConfig.load(None, preset).extract.engine
+    tuned_cfg = extract_config(settings.state_dir, finetune_extract)  # checked (strictly) before any work
+    if PipelineConfig.load(tuned_cfg, preset).extract.engine == "vllm":
+        from infra.vllm_server import vllm_python
+
+        vllm_python(settings)  # no vLLM venv: its one line now, not after the base head is trained
     print(f"[1/4] embedded default ({embedded_preset}): build or reuse under {settings.state_dir / 'embedded'}")
     emb = build_embedded(EmbeddedConfig.preset(embedded_preset), settings.state_dir / "embedded")
     store = MlflowStore.connect(settings)
@@ -65,28 +99,31 @@ def demo(preset: str = "default", embedded_preset: str = "default", target_name:
     base = register_target(store, target_name, str(emb.target_dir), role="base", base_model="",
                            weights_sha256=weights_sha256(emb.target_dir),
                            extra_tags={"traffic_train": str(t.train), "traffic_heldout": str(t.heldout)})
-    print(f"[2/4] base target registered as models:/{target_name}/{base.version}; training its head")
+    print(f"[2/4] base target registered as models:/{target_name}/{base.version}; training its head "
+          f"(features: {base_extract})")
     r1 = train_head(f"models:/{target_name}/{base.version}", str(t.train), str(t.heldout), preset)
     tuned = register_target(store, target_name, str(emb.finetune_dir), role="finetune",
                             base_model=f"{target_name}/{base.version}", weights_sha256=weights_sha256(emb.finetune_dir),
                             extra_tags={"traffic_train": str(f.train), "traffic_heldout": str(f.heldout)})
-    print(f"[3/4] fine-tune registered as models:/{target_name}/{tuned.version}; the registry watcher picks it up")
-    triggered = watch_registry(dispatch="local", preset=preset)
+    print(f"[3/4] fine-tune registered as models:/{target_name}/{tuned.version}; the registry watcher picks it up "
+          f"(features: {finetune_extract}, {tuned_cfg})")
+    triggered = watch_registry(dispatch="local", preset=preset, config_path=tuned_cfg)
     r2 = triggered.get(f"{target_name}/{tuned.version}")
     if not isinstance(r2, HeadRun):  # already had a head from an earlier demo: the run is idempotent
-        r2 = train_head(f"models:/{target_name}/{tuned.version}", str(f.train), str(f.heldout), preset)
+        r2 = train_head(f"models:/{target_name}/{tuned.version}", str(f.train), str(f.heldout), preset, tuned_cfg)
     print("[4/4] done")
     name = r2.head_uri.split("/")[1]
     alias = r2.alias or "champion"
     ident = "yes" if r2.identical else "no"
     table = ["results (held-out traffic, greedy, outputs checked identical to plain decoding):",
-             f"{'target':<28} {'head':<36} {'alias':<10} {'tau':>5} {'tau_raw':>7} {'tau(vLLM)':>9} {'speedup':>8} "
-             f"{'sp(vLLM)':>9} {'crossover':>9} {'identical':>9}  alpha_1..k",
-             "(speedup: median of interleaved rounds, ours and in vLLM, one request at a time; '?' marks a figure whose "
-             "rounds disagreed; crossover: the first concurrency where plain decoding out-serves the head in vLLM, "
-             "where the registered K schedule stops drafting)",
-             _row(f"{target_name} v{base.version} (base)", r1),
-             _row(f"{target_name} v{tuned.version} (fine-tune)", r2),
+             f"{'target':<28} {'features':<8} {'head':<36} {'alias':<10} {'tau':>5} {'tau_raw':>7} {'tau(vLLM)':>9} "
+             f"{'speedup':>8} {'sp(vLLM)':>9} {'crossover':>9} {'identical':>9}  alpha_1..k",
+             "(features: who computed the hidden states the head was trained on, this process (local) or the serving "
+             "engine (vllm); speedup: median of interleaved rounds, ours and in vLLM, one request at a time; '?' marks "
+             "a figure whose rounds disagreed; crossover: the first concurrency where plain decoding out-serves the "
+             "head in vLLM, where the registered K schedule stops drafting)",
+             _row(f"{target_name} v{base.version} (base)", features_of(store, r1, base_extract), r1),
+             _row(f"{target_name} v{tuned.version} (fine-tune)", features_of(store, r2, finetune_extract), r2),
              *([] if served_speedup(r2)[1] else ["the served speedup below is unreliable (its rounds disagreed): "
                                                  "re-run `eagle-heads evaluate` on quiet cores"]),
              f"demo: tau={r2.tau:.2f} speedup={served_speedup(r2)[0]:.2f}x identical={ident} "

@@ -230,6 +230,7 @@ def _run(cfg: PipelineConfig, settings: Settings, store: MlflowStore, tref: Targ
                               notes={"speedup_note": ev.speedup_note if ev else "",
                                      "speedup_vllm_note": engine.speedup_note if engine else "",
                                      "target_runtime": cfg.target.runtime if cfg.target.runtime != "local" else "",
+                                     "extract_engine": cfg.extract.engine,  # who computed the features
                                      **(sweep.tags() if sweep else {})})
         reg = register_task(settings, cfg.register, head)
     nan = float("nan")  # a figure of this project's decoding, not measured when vLLM runs the target

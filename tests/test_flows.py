@@ -1,17 +1,20 @@
 """End to end: the Prefect flows on the tiny embedded default, with real MLflow (SQLite), Prefect and Ray paths.
 
-One session of work: the demo flow builds the tiny default, trains the base target's head through `train-head`,
-registers the fine-tune and lets the registry watcher + `on-new-finetune` (the trigger path) train its head.
+One session of work: the demo flow builds the tiny default, trains the base target's head through `train-head`
+(features extracted locally), registers the fine-tune and lets the registry watcher + `on-new-finetune` (the trigger
+path) train its head on features extracted by vLLM (`extract.engine: vllm`: one engine start, so the module is also
+an `engine` test and needs vLLM's venv, `make vllm`).
 Then: a second identical run adds no registry version; the scheduled `retrain` finds every head fresh; the
 watcher announces nothing new; a changed traffic file makes the head stale.
 """
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +45,9 @@ def _store():
 def test_demo_registers_a_head_per_target_version_through_the_trigger(demo_run):
     home, res = demo_run
     assert res["lines"][-1].startswith("demo: tau=") and "identical=yes" in res["lines"][-1]
+    # both extraction paths side by side: the table's `features` column, from the heads' `extract_engine` tags
+    rows = {label: line.split() for line in res["lines"] for label in ("(base)", "(fine-tune)") if label in line}
+    assert rows["(base)"][3] == "local" and rows["(fine-tune)"][3] == "vllm", res["lines"]
     store = _store()
     heads = {m.name for m in store.list_models(kind="eagle3-head")}
     assert heads == {"stdlib-llama-v1-eagle3", "stdlib-llama-v2-eagle3"}
@@ -58,6 +64,11 @@ def test_demo_registers_a_head_per_target_version_through_the_trigger(demo_run):
         assert [p.name for p in head_dir.glob("*.safetensors")] == ["model.safetensors"]  # what engines load
     v2 = store.list_versions("stdlib-llama-v2-eagle3")[0]
     assert v2.tags["target_version"] == "2"
+    assert v2.tags["extract_engine"] == "vllm"  # the fine-tune's head: features from the serving engine
+    assert store.list_versions("stdlib-llama-v1-eagle3")[0].tags["extract_engine"] == "local"
+    assert json.loads((home / "demo" / "finetune-extract-vllm.json").read_text()) == {"extract": {"engine": "vllm"}}
+    manifest = json.loads((Path(res["finetune"].extract.manifest)).read_text())
+    assert manifest["engine"] == "vllm"
     # the fine-tune's head warm-started from the base target's champion head, and says so in its lineage
     assert v2.tags["init_from"] == "models:/stdlib-llama-v1-eagle3/1"
     assert "init_from" not in store.list_versions("stdlib-llama-v1-eagle3")[0].tags
@@ -87,6 +98,19 @@ def test_second_identical_run_adds_no_version_and_retrain_finds_heads_fresh(demo
     assert len(store.list_versions("stdlib-llama-v1-eagle3")) == 1
     assert retrain(preset="tiny") == {"stdlib-llama/1": "fresh", "stdlib-llama/2": "fresh"}
     assert watch_registry(dispatch="event", preset="tiny") == {}
+
+
+def test_second_demo_retrains_nothing_and_keeps_both_extraction_paths(demo_run):
+    home, res = demo_run
+    from flows.demo import demo
+
+    again = demo(preset="tiny", embedded_preset="tiny")  # the fine-tune's run key includes extract.engine 'vllm'
+    assert again["finetune"].created is False and again["finetune"].head_uri == res["finetune"].head_uri
+    assert again["base"].created is False
+    last, first = again["lines"][-1].split(), res["lines"][-1].split()
+    assert (last[0], last[3:]) == (first[0], first[3:])  # "demo:", identical=, head= (tau from 4-digit tags)
+    rows = [line.split() for line in again["lines"] if "(fine-tune)" in line or "(base)" in line]
+    assert [r[3] for r in rows] == ["local", "vllm"]
 
 
 def test_changed_traffic_makes_the_head_stale(demo_run, tmp_path):
