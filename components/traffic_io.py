@@ -1,9 +1,11 @@
 """Loaders for user traffic: OpenAI `messages` and ShareGPT `conversations` chats, normalised to one type.
 
 Purpose: `load_traffic(path)` reads chats and returns `Conversation`s (id, messages with roles system/user/assistant,
-optional `segment` and `source_file` metadata). Schemas, one JSON object per line (or one table row):
+optional `segment`, `source_file` and `max_new_tokens` metadata). Schemas, one JSON object per line (or table row):
   OpenAI:   {"id": ..., "messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...], ...}
   ShareGPT: {"id": ..., "conversations": [{"from": "system"|"human"|"gpt", "value": "..."}, ...], ...}
+`max_new_tokens` (optional, an integer >= 1) is how many new tokens the sample asks for: the reference answer's
+length in the target's tokens, as the embedded default's long traffic writes it.
 Sources: JSON Lines (`.jsonl`, `.json`, `.ndjson`), Parquet (`.parquet`), Arrow IPC file or stream (`.arrow`), or a
 directory written by `Dataset.save_to_disk` (a `DatasetDict` one when it has a single split; else pass `DIR/<split>`).
 Tables are read a batch of rows at a time (components/traffic_sources.py); a null column counts as an absent key.
@@ -61,6 +63,7 @@ class Conversation:
     messages: tuple[Message, ...]
     segment: str | None = None
     source_file: str | None = None
+    max_new_tokens: int | None = None  # new tokens the sample asks for (its reference answer's length); optional
 
     @property
     def system(self) -> str | None:
@@ -73,6 +76,8 @@ class Conversation:
             d["segment"] = self.segment
         if self.source_file is not None:
             d["source_file"] = self.source_file
+        if self.max_new_tokens is not None:
+            d["max_new_tokens"] = self.max_new_tokens
         d["messages"] = [{"role": m.role, "content": m.content} for m in self.messages]
         return d
 
@@ -179,7 +184,16 @@ def parse_record(obj: Any, n: int, format: Format = "auto", id_prefix: str = "li
             raise _LineError(f"bad field: {k!r} must be a string, got {type(v).__name__}")
     return Conversation(id=str(meta["id"]) if meta["id"] is not None else f"{id_prefix}-{n}",
                         messages=tuple(messages), segment=_opt_str(meta["segment"]),
-                        source_file=_opt_str(meta["source_file"]))
+                        source_file=_opt_str(meta["source_file"]), max_new_tokens=_max_new_tokens(obj))
+
+
+def _max_new_tokens(obj: dict[str, Any]) -> int | None:
+    v = obj.get("max_new_tokens")
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise _LineError(f"bad field: 'max_new_tokens' must be an integer >= 1, got {v!r}")
+    return v
 
 
 def _opt_str(v: Any) -> str | None:

@@ -26,7 +26,8 @@ from typing import Any, Iterator
 ACCEPTED = ("JSON Lines (.jsonl, .json, .ndjson), Parquet (.parquet), Arrow IPC file or stream (.arrow), or a "
             "directory written by datasets' save_to_disk")
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
-COLUMNS = ("id", "segment", "source_file", "messages", "conversations")  # the only columns a row is parsed from
+# the only columns a row is parsed from
+COLUMNS = ("id", "segment", "source_file", "max_new_tokens", "messages", "conversations")
 BATCH_ROWS = 1024  # rows turned into Python objects at a time
 
 

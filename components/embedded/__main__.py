@@ -2,7 +2,8 @@
 
 Run: `python -m components.embedded [--preset tiny|default|gpu] [--config FILE.json] [--root DIR] [--force]
 [--quiet]`. `--config` is a JSON object loaded strictly (unknown keys are errors); it replaces the preset, and
-sections or keys it omits take the dataclass defaults (those of `default()`).
+sections or keys it omits take the dataclass defaults (those of `default()`): `{"traffic": {"kind": "long"}}` is the
+default build with long-output traffic files (components/embedded/long_traffic.py).
 Not here: anything but argument parsing and printing; the work is `components.embedded.build.build_embedded`.
 """
 

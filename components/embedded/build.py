@@ -5,7 +5,8 @@ Purpose: `build_embedded(config, root)` reads the interpreter's standard library
   tokenizer/   byte-level BPE + chat template (`AutoTokenizer.from_pretrained` loads it)
   target/      the base Llama target (`AutoModelForCausalLM.from_pretrained`), with tokenizer + generation config
   finetune/    the target after continued training on the test-suite domain, saved the same way
-  traffic/     target-{train,heldout}.jsonl and finetune-{train,heldout}.jsonl (OpenAI `messages` JSONL)
+  traffic/     target-{train,heldout}.jsonl and finetune-{train,heldout}.jsonl (OpenAI `messages` JSONL) of the
+               kind `traffic.kind` names ("chat" by default; "long": `long_traffic.py`)
   report.json  the `EmbeddedResult`: paths, weight hashes, measured metrics
 The hash covers the corpus files (paths, contents, split), the config, this package's source, the traffic writer's
 version and the versions of torch/transformers/tokenizers; a finished build (its report.json exists) is returned without work. A build is
@@ -37,6 +38,7 @@ from components.embedded import corpus as corpus_mod
 from components.embedded import lm_train
 from components.embedded.config import EmbeddedConfig, LMTrainConfig
 from components.embedded.corpus import Domain
+from components.embedded.long_traffic import long_conversations
 from components.embedded.result import (REPORT, Continuation, DomainInfo, EmbeddedResult, Metrics, TrafficFiles,
                                         load_result, write_report)
 from components.embedded.tokenizer import BOS, encode_texts, render_chat, train_tokenizer
@@ -122,8 +124,8 @@ def _build_into(tmp: Path, cfg: EmbeddedConfig, base: Domain, finetune: Domain, 
     finetune_stats = _train_on(tuned, data[1], cfg.finetune, cfg.seed + 1, "finetune", progress)
     weights["finetune"] = lm_train.save_target(tuned, tokenizer, tmp / "finetune")
 
-    traffic = [_write_traffic(tmp / "traffic", role, d, cfg) for role, d in (("target", data[0]),
-                                                                           ("finetune", data[1]))]
+    traffic = [_write_traffic(tmp / "traffic", role, d, cfg, tokenizer) for role, d in (("target", data[0]),
+                                                                                      ("finetune", data[1]))]
     loss, agreement = _evaluate(target, tuned, data, cfg)
     heldout = sum(loss["target"][base.name].values()) / len(loss["target"][base.name])
     continuations = _continuations(target, tuned, tokenizer, data, cfg)
@@ -171,12 +173,31 @@ def _train_on(model: LlamaForCausalLM, data: DomainData, tcfg: LMTrainConfig, se
     return stats
 
 
-def _write_traffic(out: Path, role: str, data: DomainData, cfg: EmbeddedConfig) -> TrafficFiles:
-    train = sample_traffic(data.pools["train"], cfg.traffic.train_conversations, cfg.seed, f"{role}-train")
-    held = sample_traffic(data.pools["heldout"], cfg.traffic.heldout_conversations, cfg.seed, f"{role}-heldout")
+def _write_traffic(out: Path, role: str, data: DomainData, cfg: EmbeddedConfig,
+                   tokenizer: PreTrainedTokenizerBase) -> TrafficFiles:
+    pools = data.pools if cfg.traffic.kind == "chat" else _long_pools(data.domain, cfg, tokenizer)
+    train = sample_traffic(pools["train"], cfg.traffic.train_conversations, cfg.seed, f"{role}-train")
+    held = sample_traffic(pools["heldout"], cfg.traffic.heldout_conversations, cfg.seed, f"{role}-heldout")
     paths = out / f"{role}-train.jsonl", out / f"{role}-heldout.jsonl"
     shas = write_openai_jsonl(paths[0], train), write_openai_jsonl(paths[1], held)
     return TrafficFiles(paths[0], paths[1], shas[0], shas[1], len(train), len(held))
+
+
+def _long_pools(domain: Domain, cfg: EmbeddedConfig, tokenizer: PreTrainedTokenizerBase
+                ) -> dict[str, list[Conversation]]:
+    """The `long` kind's conversations per split; an error when a split has none (the context is too short for
+    `long_min_new_tokens`, or no file is long enough)."""
+    t = cfg.traffic
+    pools = {split: long_conversations(files, domain.name, tokenizer, t, cfg.target.max_position_embeddings,
+                                       cfg.seed) for split, files in (("train", domain.train),
+                                                                      ("heldout", domain.heldout))}
+    for split, pool in pools.items():
+        if not pool:
+            raise ValueError(f"traffic.kind 'long': no {split} file of {domain.name!r} has an answer of "
+                             f">= {t.long_min_new_tokens} tokens after its first {t.long_prompt_lines} lines "
+                             f"within the target's {cfg.target.max_position_embeddings} positions; lower "
+                             "traffic.long_min_new_tokens or raise target.max_position_embeddings")
+    return pools
 
 
 def _evaluate(target: LlamaForCausalLM, tuned: LlamaForCausalLM, data: list[DomainData],

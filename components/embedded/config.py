@@ -67,14 +67,32 @@ class LMTrainConfig:
     num_threads: int = 0  # torch CPU threads during the build; 0 keeps torch's default (one per core)
 
 
+TRAFFIC_KINDS = ("chat", "long")
+
+
 @dataclass(frozen=True)
 class TrafficConfig:
-    """Sizes of the traffic files written per domain (train and held-out never share a source file)."""
+    """What the traffic files written per domain hold, and how many (train and held-out never share a source file).
+
+    `kind` "chat" is the mix of `traffic.py` (complete, explain, continue, followup); "long" is `long_traffic.py`:
+    whole modules and classes continued from their first `long_prompt_lines` lines, each answer at least
+    `long_min_new_tokens` target tokens and cut to fit the target's context. The kind changes the traffic files
+    only: the target and its fine-tune train on the "chat" samples either way."""
 
     train_conversations: int = 2000
     heldout_conversations: int = 300
     system_prompt_fraction: float = 0.3
     continue_answer_lines: int = 12
+    kind: str = "chat"  # "chat" | "long"
+    long_prompt_lines: int = 24
+    long_min_new_tokens: int = 1000
+
+    def __post_init__(self) -> None:
+        if self.kind not in TRAFFIC_KINDS:
+            raise ValueError(f"traffic.kind: unknown kind {self.kind!r}; choose one of {list(TRAFFIC_KINDS)}")
+        if self.long_prompt_lines < 1 or self.long_min_new_tokens < 1:
+            raise ValueError(f"traffic: long_prompt_lines ({self.long_prompt_lines}) and long_min_new_tokens "
+                             f"({self.long_min_new_tokens}) must be >= 1")
 
 
 @dataclass(frozen=True)

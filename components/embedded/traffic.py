@@ -13,6 +13,7 @@ Not here: file selection and splitting (`corpus.py`), reading user traffic (`com
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from typing import Sequence
 
@@ -86,8 +87,7 @@ def sample_traffic(pool: Sequence[Conversation], n: int, seed: int, split: str) 
     """A seeded sample of `n` conversations (all of them when the pool is smaller), re-numbered per split."""
     rng = random.Random(f"{seed}:sample:{split}")
     picked = rng.sample(list(pool), min(n, len(pool)))
-    return [Conversation(id=f"{split}-{i:05d}", messages=c.messages, segment=c.segment, source_file=c.source_file)
-            for i, c in enumerate(picked)]
+    return [dataclasses.replace(c, id=f"{split}-{i:05d}") for i, c in enumerate(picked)]
 
 
 def _fmt(template: str, pair: FunctionPair | None = None, path: str = "") -> str:
