@@ -96,6 +96,11 @@ class PipelineConfig:
         if self.register.gate_tau == "engine" and self.evaluate.engine != "vllm":
             raise ConfigError(f"{where}: register.gate_tau 'engine' needs evaluate.engine 'vllm' (the gate's τ is "
                               "vLLM's); set register.gate_tau to 'local' to gate on this project's τ")
+        c, load = self.register.gate_concurrency, self.evaluate.load
+        if c and (self.evaluate.engine != "vllm" or c not in load.concurrency):  # else registration fails, at the end
+            raise ConfigError(f"{where}: register.gate_concurrency {c} needs the load sweep to measure concurrency {c} "
+                              f"(evaluate.engine 'vllm', {c} in evaluate.load.concurrency; now engine "
+                              f"{self.evaluate.engine!r}, concurrency {list(load.concurrency)}); 0 turns this gate off")
         return self
 
     @classmethod

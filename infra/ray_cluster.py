@@ -6,8 +6,11 @@ seconds with an error that says what to do, instead of Ray's minutes of retries.
 check alone (preflight, before any work).
 
 Quiet by configuration: the driver's `ray` logger at WARNING (no "Started a local Ray instance" line), and on a
-local Ray no preemption watcher and no placement-group cleaner warnings (see LOCAL_WORKER_ENV, PG_CLEANER_LOGGER);
+local Ray no preemption watcher, no placement-group cleaner warnings and no autoscaling-request warnings (see
+LOCAL_WORKER_ENV, PG_CLEANER_LOGGER, AUTOSCALER_LOGGER);
 workers get the libraries' quiet settings (infra/quiet.py). Our workers' `print`s reach the driver once.
+Side by side: each worker's RAY_ADDRESS names its own Ray (ADDRESS_ENV), so two local sessions on one machine (two
+pipelines, or a pipeline and the tests) never look each other up (tests/test_ray_side_by_side.py).
 Shared paths: `check_shared_paths({...})` refuses, before training, a local path that Ray Train workers on several
 hosts must all see (checkpoint storage, output dir) but that some host does not (`storage_refusal` decides).
 Run: `python -m infra.ray_cluster` starts a local session, prints its resources and stops it.
@@ -43,6 +46,10 @@ LOCAL_WORKER_ENV = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
 # Without a dashboard (a local Ray has none) Ray's State API is not served: Ray Train's placement-group cleaner
 # cannot ask whether the controller lives and warns about it every second, for the whole run.
 PG_CLEANER_LOGGER = "ray.train.v2._internal.execution.controller.placement_group_cleaner"
+# On a local Ray nothing autoscales, yet Ray Train's controller asks the autoscaling coordinator for its workers'
+# resources; when the cores are busy (two pipelines side by side) the 5 s answer comes late and it logs the timeout
+# with a traceback at WARNING ("safe to ignore"): on a local Ray, off.
+AUTOSCALER_LOGGER = "ray.train.v2._internal.execution.scaling_policy.autoscaling_coordinator_client"
 # A new local Ray turns token auth on by itself when RAY_AUTH_MODE is unset and says so, with how to opt out, at
 # WARNING (and that it saved a token, at INFO). We keep token auth on by design; the note is not for our users.
 # (Setting RAY_AUTH_MODE=token ourselves would not do: Ray reads it at import, and only its default path re-reads it.)
@@ -50,6 +57,10 @@ AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
 # Ray Train's worker context logs "Reporting training result <n>: <the whole report>" at INFO for every checkpoint,
 # on a logger named after its file, so its `LoggingConfig` (for `ray.train.*` loggers) does not reach it.
 REPORT_LOGGER_MODULE = "ray.train.v2._internal.execution.context"
+# Where Ray finds "the" Ray when a call names none. Each worker of ours gets its own Ray's address here (see
+# `_pin_own_address`): with two local Rays on one machine (two pipelines, or a pipeline beside the tests), Ray's
+# auto-detection would otherwise see both and raise in a worker, and its traceback would reach the driver's output.
+ADDRESS_ENV = "RAY_ADDRESS"
 
 
 class RayUnreachable(ConnectionError):
@@ -62,8 +73,27 @@ class RaySessionInfo:
     started: bool  # True when this session started a local Ray (and will shut it down)
 
 
-def _quiet_worker() -> None:
-    """Runs in each worker process as it starts (`worker_process_setup_hook`): Ray Train's per-report INFO line off."""
+def _pin_own_address(force: bool) -> None:
+    """RAY_ADDRESS in this worker names the Ray it belongs to, so that Ray's address look-ups here (the State API
+    that Ray Train's placement-group cleaner asks about its controller) find that Ray, never another one on the
+    machine ("Found multiple active Ray instances"). `force`: also over an inherited value (a local Ray's raylet
+    has its starter's environment, whose RAY_ADDRESS, if any, names some other Ray)."""
+    import ray
+
+    own = ray.get_runtime_context().gcs_address
+    if force:
+        os.environ[ADDRESS_ENV] = own
+    else:
+        os.environ.setdefault(ADDRESS_ENV, own)
+
+
+def _errors_only(record: logging.LogRecord) -> bool:
+    """A logging filter: ERROR and above pass."""
+    return record.levelno >= logging.ERROR
+
+
+def _quiet_report_logger() -> None:
+    """Ray Train's per-report INFO line off, in this process."""
     import importlib
 
     try:
@@ -73,10 +103,20 @@ def _quiet_worker() -> None:
     logging.getLogger(module.__file__).setLevel(logging.WARNING)
 
 
+def _quiet_worker() -> None:
+    """Runs in each worker process of a cluster as it starts (`worker_process_setup_hook`): Ray Train's per-report
+    INFO line off; RAY_ADDRESS its own cluster unless the cluster's environment already names one."""
+    _pin_own_address(force=False)
+    _quiet_report_logger()
+
+
 def _quiet_local_worker() -> None:
-    """`_quiet_worker`, and the placement-group cleaner's warnings off (a local Ray serves no State API)."""
-    _quiet_worker()
-    logging.getLogger(PG_CLEANER_LOGGER).setLevel(logging.ERROR)
+    """The same in each worker of a local Ray, with RAY_ADDRESS this Ray's own whatever was inherited, and the
+    placement-group cleaner's warnings (a local Ray serves no State API) and the autoscaling requests' off."""
+    _pin_own_address(force=True)
+    _quiet_report_logger()
+    for name in (PG_CLEANER_LOGGER, AUTOSCALER_LOGGER):  # a filter, not a level: Ray Train's logging setup in the
+        logging.getLogger(name).addFilter(_errors_only)  # controller resets the levels of `ray.train.*` loggers
 
 
 def _runtime_env(local: bool, auth: str | None = None) -> dict:

@@ -1,7 +1,8 @@
 """Bad input across all six commands, one table row each: exit 2, one line naming the input, nothing written.
 
 Purpose: issue 28's table (HARDENING.md lists every row by its id): arguments, files (truncated weights, broken JSON,
-directories where files belong), registry URIs and names, URLs, settings and config values. Each row runs
+directories where files belong), registry URIs and names, URLs, settings, and config values (`BAD_CONFIGS`: bad
+values of the config sections, each in its own `--config` file). Each row runs
 `flows.cli.main(argv)` in this process and asserts exit code 2, exactly one `error:` line on stderr that contains the
 row's needle (the offending input), no traceback, and no new file under the state dir. Rows share two state dirs: an
 `empty` one (it does not exist and must not be created) and a `registry` one (a local MLflow store holding target
@@ -144,6 +145,51 @@ ROWS: dict[str, tuple[str, list[str], dict[str, str], str]] = {
 }
 
 
+# Settings in a `--config` file: row id -> (the file's sections, needle). Each is a row `train-config-<id>`, and the
+# ids in CONFIG_ON_EVALUATE are also rows `evaluate-config-<id>` (the same file given to `evaluate`).
+BAD_CONFIGS: dict[str, tuple[dict, str]] = {
+    "speed-min-rounds-zero": ({"evaluate": {"speed": {"min_rounds": 0}}}, "evaluate.speed.min_rounds must be"),
+    "speed-max-below-min": ({"evaluate": {"speed": {"min_rounds": 5, "max_rounds": 3}}},
+                            "evaluate.speed.max_rounds must be >= min_rounds (5)"),
+    "speed-spread-one": ({"evaluate": {"speed": {"max_spread": 1.0}}}, "evaluate.speed.max_spread must be in (0, 1)"),
+    "speed-budget-inf": ({"evaluate": {"speed": {"budget_s": float("inf")}}}, "evaluate.speed.budget_s must be a "
+                         "positive number of seconds, got inf"),
+    "load-descending": ({"evaluate": {"load": {"concurrency": [4, 1]}}}, "evaluate.load.concurrency must be ascending"),
+    "load-not-a-list": ({"evaluate": {"load": {"concurrency": "1,4"}}}, "evaluate.load.concurrency: '1,4' is not of"),
+    "load-k-above-16": ({"evaluate": {"load": {"k_values": [5, 17]}}}, "evaluate.load.k_values must be <= 16"),
+    "load-requests-below-top": ({"evaluate": {"load": {"concurrency": [1, 32], "requests": 16}}},
+                                "evaluate.load.requests must be >= the top concurrency 32"),
+    "load-margin-above-one": ({"evaluate": {"load": {"margin": 1.5}}}, "evaluate.load.margin must be in [0, 1)"),
+    "target-unknown-runtime": ({"target": {"runtime": "tpu"}}, "target.runtime must be one of 'local', 'vllm'"),
+    "target-tp-zero": ({"target": {"tensor_parallel_size": 0}}, "target.tensor_parallel_size must be an integer >= 1"),
+    "target-pp-negative": ({"target": {"pipeline_parallel_size": -1}}, "target.pipeline_parallel_size must be an "
+                           "integer >= 1"),
+    "target-dp-fraction": ({"target": {"data_parallel_size": 1.5}}, "target.data_parallel_size: 1.5 is not of type"),
+    "target-unknown-backend": ({"target": {"distributed_executor_backend": "magic"}},
+                               "target.distributed_executor_backend must be one of"),
+    "target-vllm-online": ({"target": {"runtime": "vllm"}, "extract": {"mode": "online"}},
+                           "target.runtime 'vllm' runs the extract stage in the engine"),
+    "extract-unknown-engine": ({"extract": {"engine": "tpu"}}, "extract.engine must be one of 'local', 'vllm'"),
+    "train-unknown-variant": ({"train": {"variant": "eagle4"}}, "train.variant must be one of 'eagle3', 'eagle3.1'"),
+    "edges-descending": ({"evaluate": {"position_edges": [128, 0]}}, "evaluate.position_edges must be >= 2 ascending"),
+    "edges-one": ({"evaluate": {"position_edges": [0]}}, "evaluate.position_edges must be >= 2 ascending"),
+    "edges-fraction": ({"evaluate": {"position_edges": [0, 1.5]}}, "evaluate.position_edges: [0, 1.5] is not of"),
+    "gate-concurrency-negative": ({"register": {"gate_concurrency": -1}}, "register.gate_concurrency must be an "
+                                  "integer >= 0"),
+    "gate-concurrency-unmeasured": ({"register": {"gate_concurrency": 4}}, "register.gate_concurrency 4 needs the "
+                                    "load sweep to measure concurrency 4"),
+    "gate-speedup-zero": ({"register": {"gate_min_speedup": 0}}, "register.gate_min_speedup must be a finite number"),
+    "gate-speedup-nan": ({"register": {"gate_min_speedup": float("nan")}}, "register.gate_min_speedup must be a finite "
+                         "number > 0, got nan"),
+}
+CONFIG_ON_EVALUATE = ("speed-budget-inf", "load-k-above-16", "edges-descending")
+for _id, (_, _needle) in BAD_CONFIGS.items():
+    _file = "{bad_config_" + _id.replace("-", "_") + "}"
+    ROWS[f"train-config-{_id}"] = (EMPTY, _with(TRAIN, config=_file), {}, _needle)
+    if _id in CONFIG_ON_EVALUATE:
+        ROWS[f"evaluate-config-{_id}"] = (EMPTY, _with(EVAL, config=_file), {}, _needle)
+
+
 def _truncate(path: Path) -> None:
     raw = path.read_bytes()
     path.write_bytes(raw[: len(raw) - 16])
@@ -191,6 +237,10 @@ def files(tiny_embedded, tmp_path_factory):
                       "c_ftp": {"regenerate": {"endpoint_url": "ftp://h:21/"}},
                       "c_noscheme": {"regenerate": {"endpoint_url": "127.0.0.1:8000"}},
                       "c_ttt0": {"train": {"ttt": {"ttt_steps": 0}}}}.items():
+        (root / f"{name}.json").write_text(json.dumps(cfg))
+        p[name] = str(root / f"{name}.json")
+    for rid, (cfg, _) in BAD_CONFIGS.items():  # json writes inf and nan as Infinity and NaN, which the loader reads
+        name = "bad_config_" + rid.replace("-", "_")
         (root / f"{name}.json").write_text(json.dumps(cfg))
         p[name] = str(root / f"{name}.json")
     (root / "empty.jsonl").touch()
