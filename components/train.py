@@ -86,6 +86,9 @@ class TrainConfig:
     holdout_seqs: int = 32  # sequences set aside for it (at most a quarter of the data, at least one)
     select: Literal["best_tau", "last"] = "best_tau"  # the exported weights: best held-out tau, or the last step's
     variant: str = "eagle3"  # the head's architecture, eagle3 or eagle3.1 (eagle/config.py); TTT trains either
+    # two or more variants: train each on the same features (in place of `variant`), evaluate each, register the one
+    # with the best served speedup (components/variant_choice.py); empty: off
+    variants: tuple[str, ...] = ()
     ttt: TTTConfig = field(default_factory=TTTConfig)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3, warmup_steps=20))
     ray: RayConfig = field(default_factory=RayConfig)
@@ -106,6 +109,7 @@ def _check_config(cfg: TrainConfig) -> None:
                    "keep_checkpoints": 1, "log_every": 1, "warm_start_steps": 0, "eval_every": 0, "holdout_seqs": 0})
     one_of(cfg, "select", ("best_tau", "last"))
     one_of(cfg, "variant", VARIANTS)
+    _check_variants(cfg)
     for name, kind in (("ttt", TTTConfig), ("optim", OptimConfig), ("ray", RayConfig)):
         if not isinstance(getattr(cfg, name), kind):
             raise FieldError(cfg, name, f"must be a {kind.__name__}, got {getattr(cfg, name)!r}")
@@ -115,6 +119,17 @@ def _check_config(cfg: TrainConfig) -> None:
     if cfg.eval_every and cfg.holdout_seqs == 0:
         raise FieldError(cfg, "holdout_seqs", "must be >= 1 when eval_every >= 1 (eval_every 0 turns the held-out "
                          "evaluation off)")
+
+
+def _check_variants(cfg: TrainConfig) -> None:
+    """`variants`: empty, or two or more distinct names of eagle.config.VARIANTS."""
+    vs = cfg.variants
+    bad = ("must be a list of variant names" if not isinstance(vs, tuple) or not all(isinstance(v, str) for v in vs)
+           else f"names an unknown variant; known: {', '.join(VARIANTS)}" if set(vs) - set(VARIANTS)
+           else "names a variant twice" if len(set(vs)) < len(vs)
+           else "must list two or more variants (for one, set train.variant), or none" if len(vs) == 1 else "")
+    if bad:
+        raise FieldError(cfg, "variants", f"{bad}, got {list(vs) if isinstance(vs, tuple) else vs!r}")
 
 
 @dataclass(frozen=True)

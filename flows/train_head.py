@@ -12,6 +12,10 @@ set). One run per target at a time (a lock under the state dir); registering a t
 so two runs started at once for a new target register it once. Inputs (traffic files, target directory, config,
 head model name, Ray address) are checked before anything is written (`check_inputs`). The flow returns a `HeadRun`
 (its `asdict` is the run's `summary.json`).
+With `train.variants` (two or more head variants), train -> evaluate runs once per variant on the same features
+(`train-<variant>/`, `evaluate-<variant>/` in the work directory) and the variant with the best served speedup is
+registered (components/variant_choice.py: vLLM's when measured, ties to the simpler), every variant's figures as
+tags on that version (`variant_<v>_...`, `variant_choice`); the gate judges the chosen head as it would a lone one.
 With `target.runtime: vllm` the target is never loaded here: regeneration, extraction and evaluation are vLLMs the
 stages start (every one with `target`'s scale settings, through `Settings.engine_scale`), the local evaluation is
 skipped and the gate decides on vLLM's τ (the HeadRun's own `tau`/`speedup` are nan, its `vllm` holds the figures).
@@ -42,6 +46,7 @@ from components.register import (HeadToRegister, RegisteredRun, RegisterResult, 
 from components.targets import weights_sha256
 from components.train import CHOICE_KEYS, TrainResult
 from components.traffic_io import traffic_sha256
+from components.variant_choice import VariantSink, choose_variant, variant_tags
 from flows.preflight import check_inputs
 from flows.tasks import (engine_eval_task, evaluate_task, extract_task, fresh_if_missing, load_sweep_task,
                          regenerate_task, train_task, transient)
@@ -79,6 +84,7 @@ class HeadRun:
     speedup_note: str = ""  # why the local speedup is unreliable ("" when it is reliable)
     crossover: int | None = None  # first concurrency where plain decoding wins in vLLM (None: not measured/none)
     k_schedule: list[list[int]] | None = None  # vLLM's num_speculative_tokens_per_batch_size from the load sweep
+    variant_choice: str = ""  # why this variant was registered, when `train.variants` listed several ("": one)
 
     @classmethod
     def from_registered(cls, done: RegisteredRun, work: Path) -> HeadRun:
@@ -94,7 +100,8 @@ class HeadRun:
                    train=None, regenerate=None, extract=None, created=False, work_dir=str(work),
                    init_from=v.tags.get("init_from"), speedup_note=v.tags.get("speedup_note", ""),
                    crossover=int(v.tags["crossover"]) if v.tags.get("crossover", "none").isdigit() else None,
-                   k_schedule=json.loads(v.tags["k_schedule"]) if "k_schedule" in v.tags else None)
+                   k_schedule=json.loads(v.tags["k_schedule"]) if "k_schedule" in v.tags else None,
+                   variant_choice=v.tags.get("variant_choice", ""))
 
 
 @task(name="register", retries=2, retry_delay_seconds=3, retry_condition_fn=transient)
@@ -202,7 +209,7 @@ def _run(cfg: PipelineConfig, settings: Settings, store: MlflowStore, tref: Targ
     if (done := registered_run(store, name, key)) is not None:
         print(f"run {key[:12]} already registered as {done.uri}; nothing to do")
         return HeadRun.from_registered(done, work)
-    regen_dir, ext_dir, train_dir, eval_dir = (str(work / s) for s in ("regenerate", "extract", "train", "evaluate"))
+    regen_dir, ext_dir = str(work / "regenerate"), str(work / "extract")
     trust = settings.trust_remote_code
     regen = fresh_if_missing(regenerate_task, regen_dir)(cfg.regenerate, tref.path, traffic, regen_dir, trust,
                                                          ray_settings=settings)
@@ -213,12 +220,11 @@ def _run(cfg: PipelineConfig, settings: Settings, store: MlflowStore, tref: Targ
         lineage = {"target_name": tref.name, "target_version": tref.version,
                    "target_weights_sha256": tref.weights_sha256, "traffic_sha256": traffic_sha256(traffic),
                    "run_key": key, **({"init_from": parent.uri} if parent else {})}
-        tr = fresh_if_missing(train_task, Path(train_dir) / "head" / "model.safetensors")(
-            cfg.train, ext_dir, train_dir, tref.path, lineage, settings,
-            sinks=(MlflowSink(store.tracking_uri, run_id),), init_head_dir=parent.path if parent else None)
         champion = store.get_alias(name, CHAMPION)
-        champ_dir = str(store.resolve(champion.uri)) if champion else None
-        fig = _evaluate_head(cfg, settings, tref, tr.head_dir, heldout, eval_dir, champ_dir, tr.history_file)
+        job = HeadJob(cfg, settings, tref, work, heldout, lineage, MlflowSink(store.tracking_uri, run_id), parent,
+                      str(store.resolve(champion.uri)) if champion else None)
+        chosen, choice_tags = _choose([_train_and_evaluate(job, v) for v in cfg.train.variants or (None,)])
+        tr, fig, eval_dir = chosen.train, chosen.figures, chosen.eval_dir
         ev, engine, sweep = fig.local, fig.engine, fig.sweep
         head = HeadToRegister(head_dir=tr.head_dir, target=tref, traffic_sha256=traffic_sha256(traffic),
                               run_key=key, run_id=run_id, metrics=fig.metrics,
@@ -231,7 +237,7 @@ def _run(cfg: PipelineConfig, settings: Settings, store: MlflowStore, tref: Targ
                                      "speedup_vllm_note": engine.speedup_note if engine else "",
                                      "target_runtime": cfg.target.runtime if cfg.target.runtime != "local" else "",
                                      "extract_engine": cfg.extract.engine,  # who computed the features
-                                     **(sweep.tags() if sweep else {})})
+                                     **(sweep.tags() if sweep else {}), **choice_tags})
         reg = register_task(settings, cfg.register, head)
     nan = float("nan")  # a figure of this project's decoding, not measured when vLLM runs the target
     summary = HeadRun(head_uri=reg.uri, alias=reg.alias, promoted=reg.promoted, gate=reg.reason,
@@ -241,10 +247,62 @@ def _run(cfg: PipelineConfig, settings: Settings, store: MlflowStore, tref: Targ
                       acceptance=ev.acceptance if ev else [], per_segment=ev.per_segment if ev else None,
                       vllm=engine, train=tr, regenerate=regen, extract=ext, created=True, work_dir=str(work),
                       init_from=parent.uri if parent else None, speedup_note=ev.speedup_note if ev else "",
-                      crossover=sweep.crossover if sweep else None, k_schedule=sweep.schedule if sweep else None)
+                      crossover=sweep.crossover if sweep else None, k_schedule=sweep.schedule if sweep else None,
+                      variant_choice=choice_tags.get("variant_choice", ""))
     atomic_write_text(work / "summary.json", json.dumps(asdict(summary), indent=2, default=str) + "\n")
     print(f"registered {reg.uri} as {reg.alias}: {reg.reason}")
     return summary
+
+
+@dataclass(frozen=True)
+class HeadJob:
+    """What training and evaluating a head of the run needs (once, or once per variant of `train.variants`)."""
+
+    cfg: PipelineConfig
+    settings: Settings
+    tref: TargetRef
+    work: Path
+    heldout: str
+    lineage: dict[str, Any]
+    sink: MlflowSink  # the run's training metrics
+    parent: ParentHead | None
+    champ_dir: str | None  # the current champion head, evaluated beside it
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A trained and evaluated head: its variant (None: `train.variant`, no choice), training, figures."""
+
+    variant: str | None
+    train: TrainResult
+    figures: Figures
+    eval_dir: str
+
+
+def _train_and_evaluate(job: HeadJob, variant: str | None) -> Candidate:
+    """Train a head on the run's features and evaluate it; `variant` (of `train.variants`) in place of
+    `train.variant`, in its own `train-<variant>`/`evaluate-<variant>` directories, its metrics as `<variant>/...`."""
+    cfg, suffix = job.cfg, f"-{variant}" if variant else ""
+    train_cfg = dataclasses.replace(cfg.train, variant=variant, variants=()) if variant else cfg.train
+    train_dir, eval_dir = str(job.work / f"train{suffix}"), str(job.work / f"evaluate{suffix}")
+    tr = fresh_if_missing(train_task, Path(train_dir) / "head" / "model.safetensors")(
+        train_cfg, str(job.work / "extract"), train_dir, job.tref.path, job.lineage, job.settings,
+        sinks=(VariantSink(job.sink, variant) if variant else job.sink,),
+        init_head_dir=job.parent.path if job.parent else None)
+    fig = _evaluate_head(cfg, job.settings, job.tref, tr.head_dir, job.heldout, eval_dir, job.champ_dir,
+                         tr.history_file)
+    return Candidate(variant, tr, fig, eval_dir)
+
+
+def _choose(candidates: list[Candidate]) -> tuple[Candidate, dict[str, str]]:
+    """The head to register and the tags its choice adds: the one candidate and none, or the variant
+    `choose_variant` picks and every variant's figures (`variant_tags`)."""
+    if len(candidates) == 1:
+        return candidates[0], {}
+    metrics = {c.variant: c.figures.metrics for c in candidates if c.variant}
+    choice = choose_variant(metrics)
+    print(f"variant: {choice.reason}")
+    return next(c for c in candidates if c.variant == choice.variant), variant_tags(metrics, choice)
 
 
 @dataclass(frozen=True)
