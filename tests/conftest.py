@@ -11,6 +11,9 @@ the expensive ones are made once per session:
                                                                                     (session, ~15-20 s)
     tiny_embedded    the embedded default at `EmbeddedConfig.tiny()`                (session, ~5-10 s)
     engine_target    the same trained 400 steps: what the engine tests serve in vLLM (session, ~20-30 s)
+    engine_head      a head of the tiny preset on engine_target (regenerated 24 chats, extracted, 60 steps):
+                     `.regen_dir`, `.extract_dir`, `.head_dir`; shared by the vLLM and load-sweep tests
+                                                                                    (session, ~20-40 s)
     engine_settings  Settings of a fresh state dir, vLLM's venv checked                 (module, free)
 Run: `python -m pytest tests/` (the fixtures are found by pytest).
 Not here: assertions. Heavy libraries are imported inside the fixtures, never at module scope.
@@ -18,6 +21,7 @@ Not here: assertions. Heavy libraries are imported inside the fixtures, never at
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
 
@@ -95,14 +99,38 @@ def tiny_embedded(tmp_path_factory: pytest.TempPathFactory):
 def engine_target(tmp_path_factory: pytest.TempPathFactory):
     """The tiny embedded default (head_dim 32: vLLM's CPU attention takes it) trained 400 steps (~20 s) so that
     greedy outputs vary with the prompt; built once per session for every test that serves it in vLLM."""
-    import dataclasses
-
     from components.embedded.build import build_embedded
     from components.embedded.config import EmbeddedConfig
 
     c = EmbeddedConfig.tiny()
     c = dataclasses.replace(c, train=dataclasses.replace(c.train, steps=400))
     return build_embedded(c, tmp_path_factory.mktemp("engine-embedded"), progress=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineHead:
+    regen_dir: str  # engine_target's own answers to 24 of its training chats (32 new tokens each)
+    extract_dir: str  # their features at the default fused ids (fp32, max_len 192)
+    head_dir: str  # the exported head: tiny preset, 60 steps
+
+
+@pytest.fixture(scope="session")
+def engine_head(engine_target, tmp_path_factory: pytest.TempPathFactory) -> EngineHead:
+    """The head the engine tests serve by default, made once per session (tests/test_vllm.py trains its other
+    heads on the same `regen_dir`)."""
+    from components.extract import ExtractConfig, extract
+    from components.regenerate import RegenerateConfig, regenerate
+    from components.train import TrainConfig, train
+
+    root = tmp_path_factory.mktemp("engine-head")
+    quiet = dict(progress=lambda s: None)
+    regenerate(RegenerateConfig(max_new_tokens=32, batch_size=8, shard_size=8, limit=24), engine_target.target_dir,
+               str(engine_target.target_traffic.train), str(root / "regen"), **quiet)
+    extract(ExtractConfig(max_len=192, dtype="float32", seqs_per_shard=8), engine_target.target_dir,
+            str(root / "regen"), str(root / "extract"), **quiet)
+    cfg = dataclasses.replace(TrainConfig.tiny(), steps=60, checkpoint_every=60)
+    head = train(cfg, str(root / "extract"), str(root / "train"), engine_target.target_dir).head_dir
+    return EngineHead(str(root / "regen"), str(root / "extract"), head)
 
 
 @pytest.fixture(scope="module")

@@ -8,12 +8,13 @@ for a few steps on the target's greedy answers gets mixed acceptance (some draft
   greedy speculative decoding equals plain greedy (`evaluate(...).identical`) with some drafts accepted;
 - engine path (`engine`, `slow`): the same head served by vLLM (its CPU build) next to vLLM's plain decoding:
   outputs identical to vLLM plain and to ours, vLLM's counters (drafts, accepted per position) equal to ours;
-- engine features (`engine`, `slow`): on Qwen3, features vLLM extracted (`ExtractConfig(engine="vllm")`) equal
-  local extraction's within 1e-5 relative, and a head trained on them is served by vLLM the same way.
+- engine features (`engine`, `slow`): on Qwen3 (its target, traffic and local extraction reused), features vLLM
+  extracted (`ExtractConfig(engine="vllm")`) equal local extraction's within 1e-5 relative, and a head trained on
+  them is served by vLLM the same way, beside the same plain engine as the local-features Qwen3 head.
 Run: `python -m pytest tests/test_families.py -m "not engine"` (local path, about 30 s on 2 cores);
-`python -m pytest tests/test_families.py` for all (11-18 minutes on 2 busy cores: each family's engine
-evaluation starts two vLLM servers, 1.5-6 minutes; engine features add a third start, 2.5-4.5 minutes). Needs
-vLLM's venv for the engine tests (`make vllm`).
+`python -m pytest tests/test_families.py` for all (ten vLLM starts: each family's evaluation starts a plain and a
+head server, Qwen3 a second head server, engine extraction one more). Needs vLLM's venv for the engine tests
+(`make vllm`).
 Not here: Llama itself (tests/test_vllm.py, tests/test_extract_engine.py), sampling, trees, registration.
 """
 
@@ -90,15 +91,28 @@ class Family:
     name: str
     target_dir: Path
     head_dir: str
+    root: Path  # regen/, extract-local/ (and extract-vllm/ once the engine extracted), train-*/
+
+
+@pytest.fixture(scope="module")
+def built(tiny_embedded, tmp_path_factory):
+    """`built(name)`: one family's target, its regenerated training traffic and a head trained on local features,
+    made on first use and kept for the module (the engine-features test reuses Qwen3's)."""
+    made: dict[str, Family] = {}
+
+    def get(name: str) -> Family:
+        if name not in made:
+            root = tmp_path_factory.mktemp(f"family-{name}")
+            target, regen = target_and_traffic(name, tiny_embedded, root)
+            made[name] = Family(name, target, train_head(target, regen, root), root)
+        return made[name]
+
+    return get
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
-def family(request, tiny_embedded, tmp_path_factory) -> Family:
-    """One family's target, its regenerated training traffic and a head trained on local features."""
-    name = request.param
-    root = tmp_path_factory.mktemp(f"family-{name}")
-    target, regen = target_and_traffic(name, tiny_embedded, root)
-    return Family(name, target, train_head(target, regen, root))
+def family(request, built) -> Family:
+    return built(request.param)
 
 
 def evaluate_locally(fam: Family, out: Path, traffic: str):
@@ -118,23 +132,31 @@ def test_local_path_is_lossless_with_acceptance(family, tiny_embedded, tmp_path)
     assert 0 < per_pos[0] < steps, f"{family.name}: acceptance {per_pos} of {steps} steps proves little"
 
 
-def serve_and_compare(fam: Family, heldout: str, settings, out: Path) -> None:
-    """The family's head served by vLLM beside vLLM plain: outputs identical to both, counters equal to ours."""
-    from components.engine_eval import evaluate_in_vllm, our_outputs
+def serve_and_compare(fams: list[Family], heldout: str, settings, out: Path) -> None:
+    """Each head (all on one target) served by vLLM beside one vLLM plain: outputs identical to both, counters equal
+    to ours."""
+    from components.engine_eval import evaluate_in_vllm, our_outputs, plain_server
 
-    ours = evaluate_locally(fam, out / "local", heldout)
-    res = evaluate_in_vllm(EVAL, str(fam.target_dir), fam.head_dir, heldout, str(out / "vllm"), settings,
-                           ours=our_outputs(ours.report_file), **QUIET)
-    assert res.identical_to_plain and res.identical_to_ours, fam.name
-    steps, per_pos = our_counts(ours.report_file, EVAL.spec.depth)
-    assert (res.drafts, res.accepted_per_pos) == (steps, per_pos), fam.name
-    assert res.tau == pytest.approx(ours.tau_raw) and sum(per_pos) > 0
+    ours = [evaluate_locally(fam, out / f"local-{i}", heldout) for i, fam in enumerate(fams)]
+    with plain_server(EVAL, str(fams[0].target_dir), settings) as plain:
+        for i, (fam, local) in enumerate(zip(fams, ours)):
+            assert fam.target_dir == fams[0].target_dir
+            res = evaluate_in_vllm(EVAL, str(fam.target_dir), fam.head_dir, heldout, str(out / f"vllm-{i}"),
+                                   settings, ours=our_outputs(local.report_file), plain=plain, **QUIET)
+            assert res.identical_to_plain and res.identical_to_ours, fam.name
+            steps, per_pos = our_counts(local.report_file, EVAL.spec.depth)
+            assert (res.drafts, res.accepted_per_pos) == (steps, per_pos), fam.name
+            assert res.tau == pytest.approx(local.tau_raw) and sum(per_pos) > 0, fam.name
 
 
 @pytest.mark.engine
 @pytest.mark.slow
-def test_engine_serves_each_family_identically(family, tiny_embedded, engine_settings, tmp_path):
-    serve_and_compare(family, str(tiny_embedded.target_traffic.heldout), engine_settings, tmp_path)
+def test_engine_serves_each_family_identically(family, request, tiny_embedded, engine_settings, tmp_path):
+    """On Qwen3 the head trained on vLLM's features is served too, beside the same plain engine."""
+    heads = [family]
+    if family.name == "qwen3":
+        heads.append(request.getfixturevalue("qwen3_on_engine_features")[0])
+    serve_and_compare(heads, str(tiny_embedded.target_traffic.heldout), engine_settings, tmp_path)
 
 
 def _max_rel_difference(a_dir: Path, b_dir: Path) -> dict[str, float]:
@@ -155,18 +177,23 @@ def _max_rel_difference(a_dir: Path, b_dir: Path) -> dict[str, float]:
     return worst
 
 
+@pytest.fixture(scope="module")
+def qwen3_on_engine_features(built, engine_settings) -> tuple[Family, dict[str, float]]:
+    """Qwen3's regenerated traffic extracted by vLLM (`ExtractConfig(engine="vllm")`, one engine start) and a head
+    trained on those features; with the max relative difference of the features to the local extraction's."""
+    fam = built("qwen3")
+    head = train_head(fam.target_dir, str(fam.root / "regen"), fam.root, dataclasses.replace(EXTRACT, engine="vllm"),
+                      ray_settings=engine_settings)
+    return (Family("qwen3 on engine features", fam.target_dir, head, fam.root),
+            _max_rel_difference(fam.root / "extract-local", fam.root / "extract-vllm"))
+
+
 @pytest.mark.engine
 @pytest.mark.slow
-def test_head_on_engine_features_is_served_identically(tiny_embedded, engine_settings, tmp_path_factory):
-    """Qwen3 (not Llama) end to end on the engine: vLLM's features equal ours, a head trained on them is served by
-    vLLM identically with our counters."""
-    root = tmp_path_factory.mktemp("family-qwen3-engine")
-    target, regen = target_and_traffic("qwen3", tiny_embedded, root)
-    extract(EXTRACT, str(target), regen, str(root / "extract-local"), **QUIET)
-    head = train_head(target, regen, root, dataclasses.replace(EXTRACT, engine="vllm"), ray_settings=engine_settings)
-    assert json.loads((root / "extract-vllm" / "manifest.json").read_text())["engine"] == "vllm"
-    worst = _max_rel_difference(root / "extract-local", root / "extract-vllm")
+def test_engine_features_equal_local_features(qwen3_on_engine_features):
+    """Qwen3 (not Llama): vLLM's features equal ours; the head trained on them is served by vLLM identically with our
+    counters in test_engine_serves_each_family_identically[qwen3]."""
+    fam, worst = qwen3_on_engine_features
+    assert json.loads((fam.root / "extract-vllm" / "manifest.json").read_text())["engine"] == "vllm"
     assert all(v < 1e-5 for v in worst.values()), worst
     print(f"\nqwen3 engine vs local features, max relative difference: {worst}")
-    heldout = str(tiny_embedded.target_traffic.heldout)
-    serve_and_compare(Family("qwen3", target, head), heldout, engine_settings, root / "eval")

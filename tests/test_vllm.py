@@ -39,7 +39,6 @@ from components.evaluate import EvaluateConfig, evaluate
 from components.speed import SpeedupConfig
 from eagle.speculative import SpecConfig
 from components.extract import ExtractConfig, extract
-from components.regenerate import RegenerateConfig, regenerate
 from components.serve import is_servable, servable_head
 from components.train import TrainConfig, train
 from infra.settings import Settings
@@ -59,30 +58,22 @@ def settings(engine_settings):
     return engine_settings
 
 
-@pytest.fixture(scope="module")
-def regen_dir(engine_target, tmp_path_factory) -> str:
-    out = tmp_path_factory.mktemp("engine-stages") / "regen"
-    cfg = RegenerateConfig(max_new_tokens=32, batch_size=8, shard_size=8, limit=24)
-    regenerate(cfg, engine_target.target_dir, str(engine_target.target_traffic.train), str(out), **QUIET)
-    return str(out)
-
-
-def _train_head(engine_target, regen_dir: str, root: Path, aux_layer_ids: tuple[int, ...] = (),
-                variant: str = "eagle3") -> str:
-    ext = root / "extract"
-    extract(ExtractConfig(max_len=192, dtype="float32", seqs_per_shard=8, aux_layer_ids=aux_layer_ids),
-            engine_target.target_dir, regen_dir, str(ext), **QUIET)
+def _train_head(engine_target, ext: Path, root: Path, variant: str = "eagle3") -> str:
     cfg = dataclasses.replace(TrainConfig.tiny(), steps=60, checkpoint_every=60, variant=variant)
     return train(cfg, str(ext), str(root / "train"), engine_target.target_dir).head_dir
 
 
 @pytest.fixture(scope="module")
-def heads(engine_target, regen_dir, tmp_path_factory) -> dict[str, str]:
+def heads(engine_target, engine_head, tmp_path_factory) -> dict[str, str]:
+    """The session's default head; one trained at custom fused ids on the same conversations; an EAGLE-3.1 head on
+    the default's features; the custom head in the earlier format."""
     root = tmp_path_factory.mktemp("engine-heads")
-    default = _train_head(engine_target, regen_dir, root / "default")
-    custom = _train_head(engine_target, regen_dir, root / "custom", aux_layer_ids=(2, 3, 4))
-    eagle3_1 = _train_head(engine_target, regen_dir, root / "eagle3.1", variant="eagle3.1")
-    return {"default": default, "custom": custom, "legacy": str(_as_legacy(Path(custom), root / "legacy")),
+    custom_ext = root / "custom" / "extract"
+    extract(ExtractConfig(max_len=192, dtype="float32", seqs_per_shard=8, aux_layer_ids=(2, 3, 4)),
+            engine_target.target_dir, engine_head.regen_dir, str(custom_ext), **QUIET)
+    custom = _train_head(engine_target, custom_ext, root / "custom")
+    eagle3_1 = _train_head(engine_target, Path(engine_head.extract_dir), root / "eagle3.1", variant="eagle3.1")
+    return {"default": engine_head.head_dir, "custom": custom, "legacy": str(_as_legacy(Path(custom), root / "legacy")),
             "eagle3.1": eagle3_1}
 
 
