@@ -1,7 +1,8 @@
 """The cheap benchmarks run end to end in `--quick` mode and write result files that make sense.
 
 Purpose: keep bench/ runnable and its verdicts honest. speedup, batch, acceptance_vs_depth, chain_depth,
-checkpoint_by_tau and target_path run as scripts with `--quick` (the tiny embedded preset) in one temporary cache directory
+checkpoint_by_tau, target_path and features_tau (marked engine too: it starts vLLM) run as scripts with `--quick`
+(the tiny embedded preset) in one temporary cache directory
 (`--cache`, shared so the tiny build, the regenerated traffic and the TTT head are made once), each under a timeout;
 the tests read the JSON they write: every method and head is present, greedy outputs equal plain greedy decoding,
 ratios are positive, tau counts emitted tokens (tau x verification steps = output tokens after the first), a goal is
@@ -259,3 +260,19 @@ def test_speedup_trust_quick(cache: Path) -> None:
     assert all(x["lo"] <= x["speedup"] <= x["hi"] and x["rounds"] >= 2 for x in r["runs"])
     assert set(r["verdict"]["by_condition"]) == {"quiet", "loaded"}
     check_goals(r["goals"], r["mismatches"])
+
+
+@pytest.mark.engine
+def test_features_tau_quick(cache: Path) -> None:
+    """bench/features_tau.py: heads trained on local and on vLLM features, the same seeds, tau per head and the
+    per-features summary; starts vLLM for the engine extraction (a missing `.venv-vllm` fails with its line)."""
+    r = run_quick("features_tau", cache, 400, "--seeds", "2")
+    check_metadata(r)
+    assert [(row["features"], row["seed"]) for row in r["rows"]] == [("local", 0), ("local", 1), ("vllm", 0),
+                                                                     ("vllm", 1)]
+    assert all(row["mismatch"] == 0 and 1.0 <= row["tau"] <= row["tau_raw"] for row in r["rows"]), r["rows"]
+    for s in r["summary"].values():
+        assert s["seeds"] == 2 and s["min"] <= s["median"] <= s["max"] and s["range"] == s["max"] - s["min"]
+    assert r["engine_over_local"] == pytest.approx(r["summary"]["vllm"]["median"] / r["summary"]["local"]["median"])
+    assert r["features_max_rel_diff"] < 1e-2  # bf16 storage of the same features
+    check_goals(r["goals"], 0)
