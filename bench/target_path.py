@@ -5,7 +5,8 @@ Methods, batch 1, greedy, on the same held-out prompts, interleaved prompt by pr
   plain:<path>   `generate_plain` with the target path pinned (lean-packed, lean-torch, hf-packed, hf-torch)
   chain:<path>   `generate_speculative` (the benchmarks' cached 150-step head, chain of `--depth`), path pinned
   hf-plain       stock transformers: `target.generate`
-Per process it also records what "auto" chose at its one measurement (`eagle.target_path.measure`, timed before the
+Per process it also records what "auto" chose for each role at its one measurement (`eagle.target_path.measure`:
+"decode", the path plain decoding takes and the one judged here, and "verify", the speculative step's; timed before the
 decoding) and its reason. Reports tokens/s, × the default path (lean-packed) and × hf-plain; mismatches are
 outputs that differ from plain:lean-packed (the paths agree up to rounding only). Goals (`--runs`: medians and
 the worst run): the path "auto" chose decodes plain within 5% of the fastest plain path measured in the same
@@ -151,15 +152,17 @@ def run(setup, args: argparse.Namespace, load0: list[float]) -> None:
     auto = target_path.measure(target)  # what "auto" picks in this process, measured before any decoding
     with torch.no_grad():
         rows = summarize(interleaved(methods(target, draft, args, setup.preset.max_new_tokens), prompts))
-    pick = verdict(rows, auto.chosen)
+    decode = auto.by_role["decode"]  # plain decoding runs on the "decode" role's pick (1-token passes)
+    pick = verdict(rows, decode.chosen)
     text = print_table(rows, ["method", "tok_s", "x_default", "x_hf_plain", "tokens", "mismatch"],
                        f"batch 1, greedy, {len(prompts)} held-out prompts, max {setup.preset.max_new_tokens} new "
-                       f"tokens; auto chose {auto.chosen} ({auto.reason})")
+                       f"tokens; auto chose {decode.chosen} to decode ({decode.reason}), {auto.chosen} to verify "
+                       f"({auto.reason})")
     payload = {"n_prompts": len(prompts), "rows": rows, "auto": auto.as_dict(), "pick": pick, "text": text}
     if args.out:
         Path(args.out).write_text(json.dumps(payload, default=str))
         return
-    png = plot(rows, [auto.chosen], results_dir(args.quick) / "target_path.png")
+    png = plot(rows, [decode.chosen], results_dir(args.quick) / "target_path.png")
     write_results("target_path", args.quick, {"args": vars(args), **payload, "goals": goals([pick]),
                                               "plot": str(png)}, load0)
 

@@ -212,9 +212,12 @@ def test_target_path_quick(cache: Path) -> None:
     rows = {row["method"]: row for row in r["rows"]}
     assert set(rows) == {f"{m}:{p}" for m in ("plain", "chain") for p in PATHS} | {"hf-plain"}
     assert all(row["mismatch"] == 0 and row["tok_s"] > 0 for row in rows.values()), rows
-    assert r["auto"]["chosen"] in PATHS and set(r["auto"]["ms_per_round"]) == set(PATHS) and r["auto"]["reason"]
-    pick = r["pick"]
-    assert pick["chosen"] == r["auto"]["chosen"] and 0 < pick["chosen_x_fastest"] <= 1.0
+    for role in ("decode", "verify"):
+        auto = r["auto"][role]
+        assert auto["chosen"] in PATHS and set(auto["ms_per_pass"]) == set(PATHS) and auto["reason"]
+    assert r["auto"]["chosen"] == r["auto"]["verify"]["chosen"]
+    pick = r["pick"]  # plain decoding runs on the decode role's pick
+    assert pick["chosen"] == r["auto"]["decode"]["chosen"] and 0 < pick["chosen_x_fastest"] <= 1.0
     assert pick["chosen_x_fastest"] == pytest.approx(rows[f"plain:{pick['chosen']}"]["tok_s"]
                                                      / rows[f"plain:{pick['fastest_plain']}"]["tok_s"])
     check_goals(r["goals"], 0)
