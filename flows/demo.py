@@ -50,11 +50,23 @@ def served_speedup(s: HeadRun) -> tuple[float, bool]:
     return s.speedup, not s.speedup_note
 
 
-def features_of(store: MlflowStore, s: HeadRun, configured: str) -> str:
+def version_tags(store: MlflowStore, s: HeadRun) -> dict[str, str]:
+    """The registered head version's tags ({} for a URI without a version)."""
+    name, version, _alias = parse_model_uri(s.head_uri)
+    return dict(store.get_version(name, version).tags) if version else {}
+
+
+def features_of(tags: dict[str, str], configured: str) -> str:
     """Who computed the head's features: its registered `extract_engine` tag; `configured` (the engine of the config
     the run had, part of its run key) for a head registered before that tag existed."""
-    name, version, _alias = parse_model_uri(s.head_uri)
-    return (store.get_version(name, version).tags.get("extract_engine") if version else None) or configured
+    return tags.get("extract_engine") or configured
+
+
+def tau_by_position(tags: dict[str, str]) -> str:
+    """tau in the first and the last output-position bucket measured (`tau_by_position`, "0-128:2.81
+    128-512:2.50"): "2.81..2.50", one figure when one bucket was reached, "-" when none was tagged."""
+    taus = [float(b.rsplit(":", 1)[1]) for b in tags.get("tau_by_position", "").split()]
+    return "-" if not taus else f"{taus[0]:.2f}" if len(taus) == 1 else f"{taus[0]:.2f}..{taus[-1]:.2f}"
 
 
 def extract_config(state_dir: Path, engine: str) -> str:
@@ -67,14 +79,15 @@ def extract_config(state_dir: Path, engine: str) -> str:
     return str(path)
 
 
-def _row(label: str, features: str, s: HeadRun) -> str:
+def _row(label: str, tags: dict[str, str], features: str, s: HeadRun) -> str:
     alpha = " ".join(f"{a:.2f}" for a in s.acceptance)
     ident = {True: "yes", False: "NO", None: "n/a"}[s.identical]
     tau_vllm = f"{s.tau_vllm:.2f}" if s.tau_vllm is not None else "-"
     tau_raw = f"{s.tau_raw:.2f}" if s.tau_raw is not None else "-"
     vllm = _speedup(*served_speedup(s)) if (s.vllm is not None or s.speedup_vllm is not None) else "-"
     cross = "-" if s.k_schedule is None else (str(s.crossover) if s.crossover is not None else "none")
-    return (f"{label:<28} {features:<8} {s.head_uri:<36} {s.alias:<10} {s.tau:>5.2f} {tau_raw:>7} {tau_vllm:>9} "
+    return (f"{label:<28} {features:<8} {s.head_uri:<36} {s.alias:<10} {s.tau:>5.2f} {tau_by_position(tags):>10} "
+            f"{tau_raw:>7} {tau_vllm:>9} "
             f"{_speedup(s.speedup, not s.speedup_note):>8} {vllm:>9} {cross:>9} {ident:>9}  {alpha}")
 
 
@@ -116,14 +129,17 @@ def demo(preset: str = "default", embedded_preset: str = "default", target_name:
     alias = r2.alias or "champion"
     ident = "yes" if r2.identical else "no"
     table = ["results (held-out traffic, greedy, outputs checked identical to plain decoding):",
-             f"{'target':<28} {'features':<8} {'head':<36} {'alias':<10} {'tau':>5} {'tau_raw':>7} {'tau(vLLM)':>9} "
+             f"{'target':<28} {'features':<8} {'head':<36} {'alias':<10} {'tau':>5} {'tau_pos':>10} {'tau_raw':>7} "
+             f"{'tau(vLLM)':>9} "
              f"{'speedup':>8} {'sp(vLLM)':>9} {'crossover':>9} {'identical':>9}  alpha_1..k",
              "(features: who computed the hidden states the head was trained on, this process (local) or the serving "
-             "engine (vllm); speedup: median of interleaved rounds, ours and in vLLM, one request at a time; '?' marks "
+             "engine (vllm); tau_pos: tau in the first..last output-position bucket reached (evaluate.position_edges); "
+             "speedup: median of interleaved rounds, ours and in vLLM, one request at a time; '?' marks "
              "a figure whose rounds disagreed; crossover: the first concurrency where plain decoding out-serves the "
              "head in vLLM, where the registered K schedule stops drafting)",
-             _row(f"{target_name} v{base.version} (base)", features_of(store, r1, base_extract), r1),
-             _row(f"{target_name} v{tuned.version} (fine-tune)", features_of(store, r2, finetune_extract), r2),
+             *(_row(label, tags, features_of(tags, configured), r) for label, r, configured, tags in (
+                 (f"{target_name} v{base.version} (base)", r1, base_extract, version_tags(store, r1)),
+                 (f"{target_name} v{tuned.version} (fine-tune)", r2, finetune_extract, version_tags(store, r2)))),
              *([] if served_speedup(r2)[1] else ["the served speedup below is unreliable (its rounds disagreed): "
                                                  "re-run `eagle-heads evaluate` on quiet cores"]),
              f"demo: tau={r2.tau:.2f} speedup={served_speedup(r2)[0]:.2f}x identical={ident} "

@@ -48,6 +48,8 @@ def test_demo_registers_a_head_per_target_version_through_the_trigger(demo_run):
     # both extraction paths side by side: the table's `features` column, from the heads' `extract_engine` tags
     rows = {label: line.split() for line in res["lines"] for label in ("(base)", "(fine-tune)") if label in line}
     assert rows["(base)"][3] == "local" and rows["(fine-tune)"][3] == "vllm", res["lines"]
+    # tau in the first..last output-position bucket, from the heads' `tau_by_position` tags
+    assert all(r[7] == "-" or all(float(t) >= 1.0 for t in r[7].split("..")) for r in rows.values()), res["lines"]
     store = _store()
     heads = {m.name for m in store.list_models(kind="eagle3-head")}
     assert heads == {"stdlib-llama-v1-eagle3", "stdlib-llama-v2-eagle3"}
