@@ -13,6 +13,10 @@ Goal: every reliable figure within +-10% of the quiet median, quiet and loaded; 
 Run: `python bench/speedup_trust.py [--quick] [--runs 5] [--engine local|vllm] [--head-steps N]
 [--head DIR|models:/... --target DIR|models:/... --heldout FILE]` (e.g. the demo's fine-tune champion)
 (~1-2 min per local process on the default preset, ~3 per vLLM one; `--quick`: the tiny preset, for tests).
+Target-path timings are kept across the run's processes as the CLI keeps them (eagle/target_path.py,
+`EAGLE_TARGET_PATH_TIMINGS`): in a new file per run by default, so the first process starts from nothing as on a
+new machine; `--timings state` uses the state dir's file (what the pipeline's later processes read), `--timings off`
+none (each process picks from its own timing alone, as before 2026-12-03's second session).
 Not here: throughput under concurrency (issue 27 items 1-4).
 """
 
@@ -21,6 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -33,6 +38,7 @@ from common import base_args, goal_line, prepare, print_table, speed_head, start
 from components.evaluate import EvaluateConfig, evaluate
 from components.pipeline_config import PipelineConfig
 from components.speed import SpeedupConfig
+from eagle import target_path
 
 BAND = 0.10
 LOAD_JOB = ("import torch, sys; torch.set_num_threads(int(sys.argv[1])); a = torch.randn(384, 384)\n"
@@ -72,6 +78,7 @@ def child(args: argparse.Namespace) -> None:
         path = report.get("target_path", {})
         row = {"target_path": f"decode {path.get('decode', path).get('chosen', '')}, verify {path.get('chosen', '')}",
                "path_ms": {role: path[role].get("ms_per_pass") for role in ("decode", "verify") if role in path},
+               "path_timings_kept": path.get("measurements_kept", 0),
                "plain_s_per_round": statistics.median(sum(r) for r in report["speed"]["plain_s"]),
                "spec_s_per_round": statistics.median(sum(r) for r in report["speed"]["spec_s"]),
                "speedup": res.speedup, "lo": res.speedup_lo, "hi": res.speedup_hi, "reliable": res.speedup_reliable,
@@ -84,12 +91,21 @@ def child(args: argparse.Namespace) -> None:
             v = evaluate_in_vllm(cfg, target, head_dir, heldout, str(Path(tmp) / "vllm"), Settings.from_env(),
                                  ours=our_outputs(res.report_file), progress=lambda s: None)
             speed = json.loads(Path(v.report_file).read_text())["speed"]
-            row = {**{k: row[k] for k in ("target_path", "path_ms")}, "speedup": v.speedup, "lo": v.speedup_lo, "hi": v.speedup_hi, "reliable": v.speedup_reliable,
+            row = {**{k: row[k] for k in ("target_path", "path_ms", "path_timings_kept")}, "speedup": v.speedup, "lo": v.speedup_lo, "hi": v.speedup_hi, "reliable": v.speedup_reliable,
                    "note": v.speedup_note, "rounds": v.speedup_rounds, "tau": v.tau,
                    "mismatches": sum(not s["identical_to_plain"] for s in
                                      json.loads(Path(v.report_file).read_text())["samples"]),
                    "single_pass": speed["round_ratios"][0]}
     Path(args.out).write_text(json.dumps(row) + "\n")
+
+
+def path_store(timings: str, run_dir: Path) -> str:
+    """The file the children keep target-path timings in ("" for none): see the module doc."""
+    if timings == "state":
+        from infra.settings import Settings
+
+        return str(Settings.from_env().target_path_timings)
+    return str(run_dir / "target_paths.json") if timings == "run" else ""
 
 
 def fresh(argv: list[str], runs: int, load_threads: int, label: str) -> list[dict]:
@@ -112,7 +128,8 @@ def fresh(argv: list[str], runs: int, load_threads: int, label: str) -> list[dic
             print(f"  {label} {i + 1}/{runs}: {r['speedup']:.3f}x [{r['lo']:.3f}, {r['hi']:.3f}] "
                   f"{'reliable' if r['reliable'] else 'UNRELIABLE'} in {r['rounds']} rounds; "
                   f"single pass {r['single_pass']:.3f}x; mismatches {r['mismatches']}; target path "
-                  f"{r.get('target_path') or '-'} {r.get('path_ms', {})}", flush=True)
+                  f"{r.get('target_path') or '-'} {r.get('path_ms', {})} (timings kept over "
+                  f"{r.get('path_timings_kept', 0)} processes)", flush=True)
     return rows
 
 
@@ -165,6 +182,9 @@ def main(argv: list[str] | None = None) -> dict | None:
     p.add_argument("--target", default="", help="the head's target (directory or models:/...), with --head")
     p.add_argument("--heldout", default="", help="held-out traffic, with --head")
     p.add_argument("--name", default="", help="suffix of the result file (e.g. demo-finetune)")
+    p.add_argument("--timings", choices=("run", "state", "off"), default="run",
+                   help="where target-path timings are kept across processes: a new file for this run (default), the "
+                        "state dir's (as the CLI), or nowhere")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", default="", help=argparse.SUPPRESS)
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -175,7 +195,9 @@ def main(argv: list[str] | None = None) -> dict | None:
         return None
     subject(args)  # the cache (or the registry lookups), once, before any timed process
     passed = common.argv_without(common.argv_without(argv, "--runs"), "--load-threads")
-    rows = fresh(passed, args.runs, 0, "quiet") + fresh(passed, args.runs, args.load_threads, "loaded")
+    with tempfile.TemporaryDirectory() as keep:
+        os.environ[target_path.STORE_ENV] = path_store(args.timings, Path(keep))  # the children inherit it
+        rows = fresh(passed, args.runs, 0, "quiet") + fresh(passed, args.runs, args.load_threads, "loaded")
     v = verdict(rows)
     mism = sum(r["mismatches"] for r in rows)
     print_table([{k: r[k] for k in ("condition", "speedup", "lo", "hi", "reliable", "rounds", "single_pass", "tau",
@@ -186,7 +208,7 @@ def main(argv: list[str] | None = None) -> dict | None:
                        f"single pass: {c['single_pass_max_deviation']:.1%})", c["max_deviation"], BAND + 1e-9, mism,
                        below=True, label="goal") for cond, c in v["by_condition"].items()}
     name = "speedup_trust" + ("-vllm" if args.engine == "vllm" else "") + ("-" + args.name if args.name else "")
-    path = write_results(name, args.quick, {"engine": args.engine, "runs": rows, "verdict": v, "goals": goals,
+    path = write_results(name, args.quick, {"engine": args.engine, "timings": args.timings, "runs": rows, "verdict": v, "goals": goals,
                                             "mismatches": mism}, load_before)
     plot(rows, v, path.with_suffix(".png"), args.engine)
     return {"verdict": v, "goals": goals, "mismatches": mism}

@@ -16,6 +16,14 @@ fell (1.1x or 1.5x for the same head, bench/README.md). Per role it keeps `DEFAU
 by more than `MARGIN`, and among the others prefers the earlier in `PATHS` the same way (so close timings give the
 same choice in every process). A large target on CPU spends ~40 passes on this
 once: pin a path there. `EAGLE_TARGET_PATH` pins one path for every "auto"; `SpecConfig.path` pins it per call.
+Kept across processes: when `EAGLE_TARGET_PATH_TIMINGS` names a JSON file (the CLI sets
+`<state dir>/target_paths.json`), each measurement is merged into it per machine (host, CPU model, cores), target
+shape, device, dtype, threads and torch version, keeping each path's fastest pass ever seen, and the pick is made
+from those kept minima. One process's timing is a second of passes on whatever else the machine was doing then; on
+an AMD EPYC under load the decode pick still differed between processes (1.19x vs 1.43x for the same head,
+bench/README.md); the kept minima converge to each path's own cost, so every later process of the machine takes
+the same path. A file that cannot be read is started afresh; one that cannot be written leaves this process's pick
+as measured.
 `timing(target)` is the last measurement, `record(target, path)` what result files keep of it.
 How to run: `TargetRunner(target, capacity, path="auto")` resolves its path here; nothing else calls it.
 Not here: the head's kernels (`eagle.draft`, always `fastpath.linear`), GPU kernels, torch.compile.
@@ -23,7 +31,9 @@ Not here: the head's kernels (`eagle.draft`, always `fastpath.linear`), GPU kern
 
 from __future__ import annotations
 
+import json
 import os
+import platform
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -38,6 +48,8 @@ DEFAULT = "lean-packed"
 AUTO = "auto"
 MARGIN = 0.05  # another path must be this much faster than the default to be picked
 ENV = "EAGLE_TARGET_PATH"
+STORE_ENV = "EAGLE_TARGET_PATH_TIMINGS"  # a JSON file keeping each path's fastest pass across processes
+STORE_VERSION = 1  # bump when the timed passes change (PREFIX, WIDTH, ROLES): older minima no longer compare
 # rounds: at least MIN_ROUNDS, then more until BUDGET_S has passed or MAX_ROUNDS; each path's fastest round counts
 # (other work on the machine only adds time, so the minimum is the steadiest estimate of a path's own cost)
 MIN_ROUNDS, MAX_ROUNDS, BUDGET_S, WARMUP, PREFIX, WIDTH = 5, 40, 1.0, 2, 48, 8
@@ -53,8 +65,10 @@ class PathTiming:
 
     by_role: dict[str, "PathTiming"] = field(default_factory=dict, compare=False)
     chosen: str = ""
-    seconds: dict[str, float] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)  # the kept minima when a store is used, else this process's
     reason: str = ""
+    measured: dict[str, float] = field(default_factory=dict)  # this process's own fastest pass per path
+    kept: int = 0  # measurements merged into `seconds` (this one included); 0: no store
 
     def pick(self, role: str) -> str:
         return self.by_role[role].chosen if role in self.by_role else self.chosen
@@ -62,9 +76,13 @@ class PathTiming:
     def as_dict(self) -> dict:
         def one(t: "PathTiming") -> dict:
             base = t.seconds.get(DEFAULT)
-            return {"chosen": t.chosen, "reason": t.reason,
-                    "ms_per_pass": {p: round(s * 1e3, 3) for p, s in t.seconds.items()},
-                    "x_default": {p: round(base / s, 3) for p, s in t.seconds.items()} if base else {}}
+            out = {"chosen": t.chosen, "reason": t.reason,
+                   "ms_per_pass": {p: round(s * 1e3, 3) for p, s in t.seconds.items()},
+                   "x_default": {p: round(base / s, 3) for p, s in t.seconds.items()} if base else {}}
+            if t.kept:
+                out |= {"measurements_kept": t.kept,
+                        "ms_this_process": {p: round(s * 1e3, 3) for p, s in t.measured.items()}}
+            return out
         return {**one(self), **{role: one(t) for role, t in self.by_role.items()}}
 
 
@@ -142,8 +160,10 @@ def measure(target: nn.Module) -> PathTiming:
         return got[key]
     lean = LeanDecoder.of(target) is not None
     timed = _time_paths(target, [p for p in PATHS if lean or decoder_of(p) == "hf"])
+    kept, n_kept = _keep(target, timed)
     by_role = {}
-    for role, seconds in timed.items():
+    for role, measured in timed.items():
+        seconds = kept.get(role, measured)
         default = DEFAULT if DEFAULT in seconds else "hf-packed"
         chosen = choose(seconds, default)
         if not lean:
@@ -154,10 +174,79 @@ def measure(target: nn.Module) -> PathTiming:
             reason = ""
         reason += f"no path faster than {default} by more than {MARGIN:.0%}" if chosen == default else \
             f"{seconds[default] / seconds[chosen]:.2f}x as fast as {default}"
-        by_role[role] = PathTiming(chosen=chosen, seconds=seconds, reason=reason)
+        if n_kept > 1:
+            reason += f" (fastest passes kept over {n_kept} measurements on this machine)"
+        by_role[role] = PathTiming(chosen=chosen, seconds=seconds, reason=reason, measured=measured, kept=n_kept)
     v = by_role["verify"]
-    got[key] = PathTiming(by_role, v.chosen, v.seconds, v.reason)
+    got[key] = PathTiming(by_role, v.chosen, v.seconds, v.reason, v.measured, v.kept)
     return got[key]
+
+
+def _store_key(target: nn.Module) -> str:
+    """What a kept timing is valid for: the machine, the target's shape, device, dtype, threads, torch, protocol."""
+    cfg = getattr(target, "config", None)
+    shape = {k: getattr(cfg, k, None) for k in ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                                 "num_attention_heads", "num_key_value_heads", "vocab_size")}
+    cpu = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        cpu = platform.processor()
+    device, dtype, threads = _key(target)
+    return json.dumps({"v": STORE_VERSION, "host": platform.node(), "cpu": cpu, "cores": os.cpu_count(),
+                       "shape": shape, "device": device, "dtype": str(dtype), "threads": threads,
+                       "torch": torch.__version__}, sort_keys=True)
+
+
+def _keep(target: nn.Module, timed: dict[str, dict[str, float]]) -> tuple[dict[str, dict[str, float]], int]:
+    """Merge this process's `timed` (role -> path -> seconds) into the store `STORE_ENV` names and return the
+    kept minima for the paths timed here, and how many measurements they span; ({}, 0) without a store.
+    Read, merge and write happen under an exclusive lock on `<file>.lock`, the write through a temporary file."""
+    store = os.environ.get(STORE_ENV, "").strip()
+    if not store:
+        return {}, 0
+    key = _store_key(target)
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(store)), exist_ok=True)
+        lock = open(store + ".lock", "a")
+    except OSError:
+        return {}, 0
+    with lock:
+        try:
+            import fcntl
+
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        except (ImportError, OSError):
+            pass  # no POSIX locks here: a concurrent writer may drop one merge, never corrupt the file
+        try:
+            with open(store) as f:
+                data = json.load(f)
+            entries = data["entries"] if isinstance(data, dict) and isinstance(data.get("entries"), dict) else {}
+        except (OSError, ValueError):
+            entries = {}
+        entry = entries.get(key) if isinstance(entries.get(key), dict) else {}
+        old = entry.get("seconds") if isinstance(entry.get("seconds"), dict) else {}
+        kept = {}
+        for role, seconds in timed.items():
+            before = old.get(role) if isinstance(old.get(role), dict) else {}
+            kept[role] = {p: min(s, float(before[p])) if isinstance(before.get(p), (int, float)) and before[p] > 0
+                          else s for p, s in seconds.items()}
+        merged = {role: {**(old.get(role) if isinstance(old.get(role), dict) else {}), **kept.get(role, {})}
+                  for role in set(old) | set(kept)}
+        n = int(entry.get("measurements", 0)) + 1 if isinstance(entry.get("measurements", 0), int) else 1
+        entries[key] = {"seconds": merged, "measurements": n, "updated": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        tmp = f"{store}.{os.getpid()}.tmp"
+        try:
+            with open(tmp, "w") as f:
+                json.dump({"what": "eagle/target_path.py: each target path's fastest pass (s) per role, kept "
+                                   "across processes", "entries": entries}, f, indent=1, sort_keys=True)
+            os.replace(tmp, store)
+        except OSError:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            return kept, n  # unwritable: this process still picks from what it read and measured
+    return kept, n
 
 
 def _time_paths(target: nn.Module, paths: list[str]) -> dict[str, dict[str, float]]:

@@ -11,6 +11,9 @@ API, where a deployment's `triggers:` entry can start a flow run from it.
 `start_local_api()` starts Prefect's temporary local API (loopback) under a lock, so that two processes sharing a
 new Prefect home do not migrate its database at the same time, and ties the server's life to this process (a
 `kill -9` would otherwise leave it running).
+`hide_bad_input_failures()` keeps Prefect's log of a task or flow that failed on bad input (`eagle.errors.BadInput`,
+a stage's own refusal) off the terminal: the CLI prints that refusal as its one line. The records still reach
+Prefect's API (the run's logs in its UI); any other failure is printed as before.
 
 Run: `python -m infra.prefect_env` prints the defaults it would set.
 Not here: flows, deployments, `serve()`. Triggers need a running server (`prefect server start`, or
@@ -21,13 +24,14 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 import threading
 from contextlib import contextmanager
 from typing import Any, Iterator, Mapping
 
 from infra.quiet import apply_quiet_defaults
-from infra.settings import BIND_HOST, Settings
+from infra.settings import BIND_HOST, Settings, state_env_defaults
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +60,8 @@ def apply_prefect_defaults(settings: Settings) -> dict[str, str]:
     it set."""
     applied = apply_quiet_defaults()
     applied |= {k: v for k, v in prefect_env_defaults(settings).items() if not os.environ.get(k)}
+    # the state's variables: only where absent (set empty, the user turned it off)
+    applied |= {k: v for k, v in state_env_defaults(settings).items() if k not in os.environ}
     if "PREFECT_HOME" in applied:
         settings.prefect_home.mkdir(parents=True, exist_ok=True)  # the ephemeral server's SQLite lives there
     os.environ.update(applied)
@@ -106,6 +112,52 @@ def start_local_api() -> str | None:
         finally:
             fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
     return server.api_url
+
+
+_FAILED_STATE = re.compile(r"encountered an exception:? ([A-Za-z_]\w*): ")
+
+
+def _bad_input_names() -> set[str]:
+    """The class names of `BadInput` and every subclass loaded now (a raised one is loaded)."""
+    from eagle.errors import BadInput
+
+    names, todo = set(), [BadInput]
+    while todo:
+        cls = todo.pop()
+        names.add(cls.__name__)
+        todo += cls.__subclasses__()
+    return names
+
+
+def is_bad_input_failure(record: logging.LogRecord) -> bool:
+    """Whether `record` is Prefect's log of a run that failed on bad input: its exception (`exc_info`: "Encountered
+    exception during execution", a retry's log) is a `BadInput`, or its message is a final state whose exception is
+    one ("Finished in state Failed('Task run encountered an exception TrafficFormatError: ...')"; the state's message
+    names the class only, so this matches by class name)."""
+    from eagle.errors import BadInput
+
+    if record.exc_info and record.exc_info[1] is not None:
+        return isinstance(record.exc_info[1], BadInput)
+    if record.levelno < logging.ERROR and "Finished in state" not in str(record.msg):
+        return False
+    found = _FAILED_STATE.search(record.getMessage())
+    return bool(found) and found.group(1) in _bad_input_names()
+
+
+class _HideBadInputFailures(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.name.startswith("prefect") and is_bad_input_failure(record))
+
+
+def hide_bad_input_failures() -> None:
+    """Filter Prefect's logs of runs that failed on bad input out of the terminal handlers (the root logger's, where
+    Prefect's console handler is; its API handlers keep them). Call it once Prefect is imported (its logging set
+    up); calling it again adds nothing."""
+    import prefect.main  # noqa: F401 (sets up Prefect's logging, whose console handler is filtered here)
+
+    for handler in logging.getLogger().handlers:
+        if not any(isinstance(f, _HideBadInputFailures) for f in handler.filters):
+            handler.addFilter(_HideBadInputFailures())
 
 
 @contextmanager

@@ -14,6 +14,9 @@ entry) and passed down. This is the only module of the project that reads enviro
     EAGLE_TARGET_PATH           pins how our loop runs the target (`lean-packed`, `lean-torch`, `hf-packed`,
                                 `hf-torch`; default: timed per process). Read by eagle/target_path.py itself, in
                                 every process that decodes (eagle/ imports no infra), not by Settings.
+    EAGLE_TARGET_PATH_TIMINGS   the file where the target paths' timings are kept across processes, so that every
+                                process of a machine picks the same path (eagle/target_path.py); default, set by
+                                `state_env_defaults` at the CLI's start: `<state>/target_paths.json`; empty: none
     MLFLOW_TRACKING_TOKEN, MLFLOW_TRACKING_USERNAME, MLFLOW_TRACKING_PASSWORD, PREFECT_API_KEY
                                 read so that `describe()` can say they are set; never printed (`repr` redacts)
 
@@ -50,6 +53,12 @@ _TRACKING_SCHEMES = {"", "file", "sqlite", "postgresql", "mysql", "mssql", "http
 class BadSetting(BadInput):
     """A setting in the environment that cannot work (a malformed value, an unknown scheme, a state dir that is a
     file); the message names the variable."""
+
+
+def state_env_defaults(settings: "Settings") -> dict[str, str]:
+    """Variables that carry the state dir to code that builds no Settings (eagle/, Ray workers, benchmark
+    children), for the user not to set: the kept target-path timings' file."""
+    return {"EAGLE_TARGET_PATH_TIMINGS": str(settings.target_path_timings)}
 
 
 def redact_uri(uri: str | None) -> str | None:
@@ -185,6 +194,11 @@ class Settings:
     @property
     def ray_storage_dir(self) -> Path:
         return self.state_dir / "ray_results"
+
+    @property
+    def target_path_timings(self) -> Path:
+        """Where eagle/target_path.py keeps each target path's fastest pass across processes (per machine)."""
+        return self.state_dir / "target_paths.json"
 
     @property
     def models_dir(self) -> Path:

@@ -262,6 +262,8 @@ def test_speedup_trust_quick(cache: Path) -> None:
     assert [x["condition"] for x in r["runs"]] == ["quiet", "quiet", "loaded", "loaded"]
     assert all(x["lo"] <= x["speedup"] <= x["hi"] and x["rounds"] >= 2 for x in r["runs"])
     assert set(r["verdict"]["by_condition"]) == {"quiet", "loaded"}
+    # the target-path timings are kept across the run's processes: each fresh process adds one measurement
+    assert r["timings"] == "run" and [x["path_timings_kept"] for x in r["runs"]] == [1, 2, 3, 4]
     check_goals(r["goals"], r["mismatches"])
 
 

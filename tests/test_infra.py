@@ -189,13 +189,18 @@ def test_prefect_defaults_respect_the_user(tmp_path, monkeypatch):
 
     monkeypatch.setenv("PREFECT_SERVER_ANALYTICS_ENABLED", "true")  # the user's choice stays
     monkeypatch.delenv("PREFECT_HOME", raising=False)
+    monkeypatch.delenv("EAGLE_TARGET_PATH_TIMINGS", raising=False)
     settings = Settings.local(tmp_path)
     with prefect_defaults(settings) as applied:
         assert applied["PREFECT_HOME"] == str(tmp_path / "prefect")
+        assert applied["EAGLE_TARGET_PATH_TIMINGS"] == str(tmp_path / "target_paths.json")  # kept path timings
         assert "PREFECT_SERVER_ANALYTICS_ENABLED" not in applied
         from prefect.settings import get_current_settings
         assert get_current_settings().server.ephemeral.startup_timeout_seconds == 120
     assert "PREFECT_HOME" not in os.environ
+    monkeypatch.setenv("EAGLE_TARGET_PATH_TIMINGS", "")  # set empty: the user turned keeping off
+    with prefect_defaults(settings) as applied:
+        assert "EAGLE_TARGET_PATH_TIMINGS" not in applied
 
 
 def test_quiet_defaults_respect_the_user(monkeypatch):

@@ -34,7 +34,8 @@ SHARED_MODULES = {"eagle.errors": "BadInput, the one bad-input error type that e
 ENV_ALLOWLIST: dict[str, str] = {
     # eagle/ imports no infra, and the pin must reach every process that decodes (Ray workers, benchmark children,
     # the device's scripts), most of which never build a Settings
-    "eagle/target_path.py": "EAGLE_TARGET_PATH, the process-wide pin of the target path",
+    "eagle/target_path.py": "EAGLE_TARGET_PATH, the process-wide pin of the target path, and "
+                            "EAGLE_TARGET_PATH_TIMINGS, the file its timings are kept in across processes",
 }
 _ENV_ATTRS = {"environ", "environb", "getenv", "getenvb", "putenv", "unsetenv"}
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -23,6 +24,7 @@ def _llama(seed: int = 5) -> torch.nn.Module:
 @pytest.fixture(autouse=True)
 def _no_pin(monkeypatch):
     monkeypatch.delenv(target_path.ENV, raising=False)
+    monkeypatch.delenv(target_path.STORE_ENV, raising=False)
 
 
 def test_choose_keeps_the_default_unless_another_is_clearly_faster():
@@ -138,3 +140,42 @@ def test_bad_paths_are_refused_clearly(monkeypatch):
     monkeypatch.setenv(target_path.ENV, "quick")
     with pytest.raises(ValueError, match=f"{target_path.ENV}='quick'"):
         TargetRunner(_llama(), 64)
+
+
+def test_kept_timings_give_every_later_process_the_same_pick(monkeypatch, tmp_path):
+    """With a store, each measurement is merged into the machine's kept minima and the pick comes from them: a
+    second process whose own timing (taken under load) would pick another path takes the first one's, and a target
+    of another shape, or another thread count, keeps its own entry. An unreadable store is started afresh."""
+    store = tmp_path / "target_paths.json"
+    monkeypatch.setenv(target_path.STORE_ENV, str(store))
+    quiet = {"decode": {"lean-packed": 1.0, "lean-torch": 0.8, "hf-packed": 1.2, "hf-torch": 1.1},
+             "verify": {"lean-packed": 1.0, "lean-torch": 1.3, "hf-packed": 1.2, "hf-torch": 1.1}}
+    loaded = {"decode": {"lean-packed": 0.9, "lean-torch": 1.2, "hf-packed": 1.5, "hf-torch": 1.4},
+              "verify": {"lean-packed": 1.4, "lean-torch": 1.3, "hf-packed": 1.6, "hf-torch": 1.5}}
+    monkeypatch.setattr(target_path, "_time_paths", lambda target, paths: quiet)
+    first = target_path.measure(_llama(7))
+    assert first.pick("decode") == "lean-torch" and first.kept == 1
+    assert target_path.choose(loaded["decode"]) == "lean-packed"  # alone, the loaded process would flip
+    monkeypatch.setattr(target_path, "_time_paths", lambda target, paths: loaded)
+    second = target_path.measure(_llama(7))  # a new module object: what a fresh process sees
+    assert second.pick("decode") == "lean-torch" and second.pick("verify") == "lean-packed"
+    assert second.kept == 2 and second.by_role["decode"].measured == loaded["decode"]
+    assert second.by_role["decode"].seconds == {"lean-packed": 0.9, "lean-torch": 0.8, "hf-packed": 1.2,
+                                                "hf-torch": 1.1}
+    d = second.as_dict()
+    assert d["decode"]["measurements_kept"] == 2 and d["decode"]["ms_this_process"]["lean-torch"] == 1200.0
+    assert "kept over 2 measurements" in second.by_role["decode"].reason
+    data = json.loads(store.read_text())
+    assert len(data["entries"]) == 1
+    other = _llama(7)
+    other.config.hidden_size = 48  # another shape: its own entry, not the kept one
+    assert target_path.measure(other).kept == 1 and len(json.loads(store.read_text())["entries"]) == 2
+    store.write_text("{not json")
+    assert target_path.measure(_llama(7)).kept == 1  # started afresh
+    assert json.loads(store.read_text())["entries"]
+
+
+def test_without_a_store_nothing_is_written(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    t = target_path.measure(_llama(8))
+    assert t.kept == 0 and t.seconds == t.by_role["verify"].measured and not list(tmp_path.iterdir())
