@@ -189,3 +189,18 @@ def test_pack_windows_mixes_by_token_share():
     assert w.shape == (10, 20)
     assert (w == 2).float().mean().item() == pytest.approx(0.3, abs=0.05)
     assert torch.equal(w, pack_windows(chat, raw, 10, 20, 0.3, seed=0))
+
+
+def test_build_hash_ignores_prose_not_code():
+    """Editing a docstring or a comment of the builder keeps every build (and what is cached under its hash); a
+    change of code does not. Every module that shapes what a build writes is hashed."""
+    from pathlib import Path
+
+    from components.embedded import build
+
+    doc = 'def f():\n    """Doc."""\n    return 1  # why\n'
+    assert build.code_digest(doc) == build.code_digest('def f():\n    """Other doc."""\n    # note\n    return 1\n')
+    assert build.code_digest(doc) != build.code_digest('def f():\n    """Doc."""\n    return 2\n')
+    here = Path(build.__file__).parent
+    unhashed = {p.name for p in here.glob("*.py")} - set(build.OUTPUT_MODULES)
+    assert unhashed == {"__init__.py", "__main__.py", "config.py"}, unhashed  # a new module must be listed

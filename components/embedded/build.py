@@ -8,8 +8,9 @@ Purpose: `build_embedded(config, root)` reads the interpreter's standard library
   traffic/     target-{train,heldout}.jsonl and finetune-{train,heldout}.jsonl (OpenAI `messages` JSONL) of the
                kind `traffic.kind` names ("chat" by default; "long": `long_traffic.py`)
   report.json  the `EmbeddedResult`: paths, weight hashes, measured metrics
-The hash covers the corpus files (paths, contents, split), the config, this package's source, the traffic writer's
-version and the versions of torch/transformers/tokenizers; a finished build (its report.json exists) is returned without work. A build is
+The hash covers the corpus files (paths, contents, split), the config, the code of the modules that shape the output
+(`OUTPUT_MODULES`, docstrings and comments left out), the traffic writer's version and the versions of
+torch/transformers/tokenizers; a finished build (its report.json exists) is returned without work. A build is
 written to `<hash>.partial-<pid>` and renamed when complete, so an interrupted build leaves no half directory.
 Run: `python -m components.embedded --preset default` (see `__main__.py`).
 Not here: EAGLE heads, MLflow registration, Prefect; bitwise reproducibility across machines or thread counts
@@ -18,6 +19,7 @@ Not here: EAGLE heads, MLflow registration, Prefect; bitwise reproducibility acr
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import logging
@@ -66,13 +68,31 @@ def load_domains(cfg: EmbeddedConfig) -> tuple[Domain, Domain]:
     return base, corpus_mod.split_domain(name, files, cfg.corpus.heldout_fraction, is_code)
 
 
+# the modules whose code shapes what a build writes; config.py is left out (the config's values are hashed, its checks
+# change nothing written), as are __init__.py and the CLI
+OUTPUT_MODULES = ("build.py", "corpus.py", "lm_train.py", "long_traffic.py", "result.py", "tokenizer.py", "traffic.py")
+
+
+def code_digest(source: str) -> bytes:
+    """A module's code without its docstrings and comments: what `code_sha256` hashes, so that editing prose does
+    not throw away every build (and the benchmarks' heads cached under its hash)."""
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree, annotate_fields=False).encode()
+
+
 def code_sha256() -> str:
-    """sha256 of this package's source (but the CLI) and of the traffic writer's version number (the loaders in
-    `components/traffic_io.py` can change without changing a byte of what the build writes)."""
+    """sha256 of the code (`code_digest`) of `OUTPUT_MODULES` and of the traffic writer's version number (the
+    loaders in `components/traffic_io.py` can change without changing a byte of what the build writes)."""
     here = Path(__file__).resolve().parent
     h = hashlib.sha256()
-    for f in sorted(p for p in here.glob("*.py") if p.name != "__main__.py"):
-        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    for name in OUTPUT_MODULES:
+        h.update(name.encode() + b"\0" + code_digest((here / name).read_text()))
     h.update(f"traffic_io.WRITER_VERSION={WRITER_VERSION}".encode())
     return h.hexdigest()
 
