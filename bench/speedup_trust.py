@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -39,6 +38,7 @@ from components.evaluate import EvaluateConfig, evaluate
 from components.pipeline_config import PipelineConfig
 from components.speed import SpeedupConfig
 from eagle import target_path
+from infra.settings import env_with
 
 BAND = 0.10
 LOAD_JOB = ("import torch, sys; torch.set_num_threads(int(sys.argv[1])); a = torch.randn(384, 384)\n"
@@ -108,7 +108,7 @@ def path_store(timings: str, run_dir: Path) -> str:
     return str(run_dir / "target_paths.json") if timings == "run" else ""
 
 
-def fresh(argv: list[str], runs: int, load_threads: int, label: str) -> list[dict]:
+def fresh(argv: list[str], runs: int, load_threads: int, label: str, env: dict[str, str]) -> list[dict]:
     """`runs` fresh child processes, one after the other; with a load job beside each when `load_threads` > 0."""
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -118,7 +118,7 @@ def fresh(argv: list[str], runs: int, load_threads: int, label: str) -> list[dic
                     if load_threads else None)
             try:
                 subprocess.run([sys.executable, __file__, *argv, "--child", "--out", str(out)], check=True,
-                               stdout=subprocess.DEVNULL)
+                               stdout=subprocess.DEVNULL, env=env)
             finally:
                 if load is not None:
                     load.kill()
@@ -196,8 +196,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     subject(args)  # the cache (or the registry lookups), once, before any timed process
     passed = common.argv_without(common.argv_without(argv, "--runs"), "--load-threads")
     with tempfile.TemporaryDirectory() as keep:
-        os.environ[target_path.STORE_ENV] = path_store(args.timings, Path(keep))  # the children inherit it
-        rows = fresh(passed, args.runs, 0, "quiet") + fresh(passed, args.runs, args.load_threads, "loaded")
+        env = env_with({target_path.STORE_ENV: path_store(args.timings, Path(keep))})
+        rows = fresh(passed, args.runs, 0, "quiet", env) + fresh(passed, args.runs, args.load_threads, "loaded", env)
     v = verdict(rows)
     mism = sum(r["mismatches"] for r in rows)
     print_table([{k: r[k] for k in ("condition", "speedup", "lo", "hi", "reliable", "rounds", "single_pass", "tau",

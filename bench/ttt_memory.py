@@ -3,7 +3,7 @@
 Run: `python bench/ttt_memory.py [--lengths 512 1024 2048 4096 8192] [--device cpu|cuda]`
 (or `make bench-ttt-memory`). Each (implementation, length) runs in a fresh subprocess so peaks do not mix;
 on CPU the figure is the growth of the process's peak RSS during the step, on CUDA `max_memory_allocated`.
-The naive side (tests/reference_ttt.py) materialises [S, (k+1)S] scores at every step and full-vocabulary fp32
+The naive side (bench/reference_ttt.py) materialises [S, (k+1)S] scores at every step and full-vocabulary fp32
 teacher logits; it is skipped where its estimate exceeds --max-naive-gb. Writes bench/results/ttt_memory.json
 and bench/results/ttt_memory.png, and prints a table with the growth exponent between successive lengths
 (1.0 = linear, 2.0 = quadratic).
@@ -40,7 +40,7 @@ def run_one(impl: str, S: int, device: str) -> dict:
     from eagle.draft import Eagle3Draft
     from eagle.features import teacher_targets
     from eagle.ttt import TTTBatch, TTTConfig, ttt_loss
-    from tests.reference_ttt import naive_ttt
+    from bench.reference_ttt import naive_ttt
 
     torch.manual_seed(0)
     s = SHAPE

@@ -61,6 +61,11 @@ def state_env_defaults(settings: "Settings") -> dict[str, str]:
     return {"EAGLE_TARGET_PATH_TIMINGS": str(settings.target_path_timings)}
 
 
+def env_with(overrides: Mapping[str, str]) -> dict[str, str]:
+    """This process's environment with `overrides` set: the `env` of a child process (benchmarks' children)."""
+    return {**os.environ, **overrides}
+
+
 def redact_uri(uri: str | None) -> str | None:
     """`uri` with any `user:password@` part replaced by `***@`, safe to print or put in an error."""
     if not uri or "@" not in uri:

@@ -5,6 +5,7 @@ Purpose: keep the layer rules of ARCHITECTURE.md true as the code grows:
     components/  imports no prefect (no decorators there) and no flows
     infra/       imports no eagle, components, flows (adapters sit below the pipeline); any package may import
                  the SHARED_MODULES (eagle.errors: the bad-input base class, which imports nothing)
+    bench/       imports no tests (tests may import bench's references, e.g. bench/reference_ttt.py)
     only infra/ touches environment variables (os.environ, os.getenv, ...); exceptions go in ENV_ALLOWLIST
     every non-empty module has a docstring; every file is under MAX_LINES lines
 Run: `python -m pytest tests/test_layout.py` (well under a second; nothing is imported).
@@ -27,6 +28,7 @@ FORBIDDEN_IMPORTS = {
     "eagle": {"prefect", "mlflow", "ray", "infra", "components", "flows"},
     "components": {"prefect", "flows"},
     "infra": {"eagle", "components", "flows"},
+    "bench": {"tests"},  # a benchmark runs from a checkout without the suite's helpers; shared references live in bench/
 }
 # modules any package may import: they hold no logic and import nothing of ours
 SHARED_MODULES = {"eagle.errors": "BadInput, the one bad-input error type that every layer's errors subclass"}

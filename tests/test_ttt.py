@@ -9,7 +9,7 @@ from eagle.draft import Eagle3Draft
 from eagle.features import target_forward, teacher_targets
 from eagle.ttt import TTTBatch, TTTConfig, ttt_loss
 from eagle.vocab import count_tokens, select_draft_vocab
-from tests.reference_ttt import naive_ttt
+from bench.reference_ttt import naive_ttt
 
 
 def _setup(vocab=16, draft_vocab=12, B=2, S=24, seed=0, variant="eagle3"):

@@ -1,4 +1,4 @@
-"""A deliberately plain TTT implementation: the reference for tests and the "naive" side of bench/ttt_memory.py.
+"""A deliberately plain TTT implementation: the reference for tests/test_ttt.py and the "naive" side of ttt_memory.py.
 
 It materialises, at every step k, the full [S, (k+1)*S] score matrix with an explicit mask, and full-vocabulary
 fp32 teacher logits for the whole batch — exactly the memory traps eagle.ttt avoids. Not for training.
