@@ -6,7 +6,9 @@ Purpose:
   `*.safetensors`); otherwise (a head exported before that format: probe beside the weights, no ids in config.json,
   maybe a repeated layer id) a re-export under `cache_dir`, folded losslessly by `eagle.export.load_head`, made once
   per head (keyed by the weights' hash).
-- `launch_commands(spec, head_dir)`: the vLLM and SGLang command lines for a GPU cluster, with the head's ids.
+- `launch_commands(spec, head_dir)`: the vLLM and SGLang command lines for a GPU cluster, with the head's ids; for a
+  head made for parallel drafting (variant "parallel") vLLM's gets `parallel_drafting: true` and SGLang's is a
+  comment saying so (this project knows no SGLang setting for it).
 Run: `eagle-heads serve --head models:/NAME@champion [--print-only]` (flows/cli.py) uses both.
 Not here: starting the engine (infra/vllm_server.py), measuring it (components/engine_eval.py).
 """
@@ -55,9 +57,13 @@ def servable_head(head_dir: str | Path, target_dir: str | Path, cache_dir: str |
 def launch_commands(spec: EngineSpec, port: int = 8000) -> dict[str, str]:
     """Equivalent launch commands: vLLM (`vllm serve`) and SGLang (`python -m sglang.launch_server`)."""
     head = str(spec.head_dir)
+    parallel = spec.drafts_in_parallel()
     gpu = EngineSpec(spec.target_dir, head, method="eagle3", num_speculative_tokens=spec.num_speculative_tokens,
                      dtype="auto", max_model_len=spec.max_model_len, served_model_name=spec.served_model_name,
-                     device="cuda", k_schedule=spec.k_schedule)
+                     device="cuda", k_schedule=spec.k_schedule, parallel_drafting=parallel)
+    if parallel:
+        return {"vllm": gpu.launch_command(port),
+                "sglang": "# none: the head drafts in parallel (vLLM's parallel_drafting); serve it with vLLM"}
     sglang = ["python", "-m", "sglang.launch_server", "--model-path", str(spec.target_dir),
               "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", head,
               "--speculative-num-steps", str(spec.num_speculative_tokens), "--speculative-eagle-topk", "1",

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from components.atomic import remove_stale_temps
-from eagle.config import VARIANTS
+from eagle.config import VARIANTS, default_mask_token_id
 from eagle.config_checks import FieldError, at_least, one_of
 from eagle.run_config import OptimConfig, TTTConfig
 from components.train_state import (HISTORY, check_checkpoint, history_rows, latest_checkpoint, load_checkpoint,
@@ -85,7 +85,9 @@ class TrainConfig:
     eval_every: int = 50  # held-out loss and simulated tau every N steps and at the last (0: none, nothing held out)
     holdout_seqs: int = 32  # sequences set aside for it (at most a quarter of the data, at least one)
     select: Literal["best_tau", "last"] = "best_tau"  # the exported weights: best held-out tau, or the last step's
-    variant: str = "eagle3"  # the head's architecture, eagle3 or eagle3.1 (eagle/config.py); TTT trains either
+    # the head's architecture (eagle/config.py): eagle3, eagle3.1 or parallel (P-EAGLE: drafts K tokens in one pass;
+    # TTT's steps 1..K-1 become its masked slots, eagle/ttt.py); TTT trains each
+    variant: str = "eagle3"
     # two or more variants: train each on the same features (in place of `variant`), evaluate each, register the one
     # with the best served speedup (components/variant_choice.py); empty: off
     variants: tuple[str, ...] = ()
@@ -113,6 +115,9 @@ def _check_config(cfg: TrainConfig) -> None:
     for name, kind in (("ttt", TTTConfig), ("optim", OptimConfig), ("ray", RayConfig)):
         if not isinstance(getattr(cfg, name), kind):
             raise FieldError(cfg, name, f"must be a {kind.__name__}, got {getattr(cfg, name)!r}")
+    if "parallel" in (cfg.variant, *cfg.variants) and cfg.ttt.ttt_steps < 2:
+        raise FieldError(cfg, "variant", "'parallel' needs ttt.ttt_steps >= 2 (its masked slots are TTT's steps "
+                         f"1..K-1), got ttt_steps {cfg.ttt.ttt_steps}")
     if cfg.select == "best_tau" and cfg.eval_every == 0:
         raise FieldError(cfg, "select", "'best_tau' needs the held-out evaluation: set eval_every >= 1, or select "
                          "'last'")
@@ -303,7 +308,8 @@ def _new_head(args: LoopArgs, data):
 
     layer_ids, tcfg = data.manifest["layer_ids"], data.target_config(args.trust_remote_code)
     if args.init_head_dir:
-        return as_variant(warm_start_head(args.init_head_dir, tcfg, data.embed_tokens, layer_ids), args.cfg.variant)
+        return as_variant(warm_start_head(args.init_head_dir, tcfg, data.embed_tokens, layer_ids), args.cfg.variant,
+                          default_mask_token_id(tcfg))
     return head_from_tensors(tcfg, data.token_counts, data.embed_tokens, data.lm_head, args.cfg.draft_vocab_size,
                              aux_layer_ids=layer_ids, variant=args.cfg.variant)
 

@@ -12,8 +12,16 @@ ascending ids in 1..N-1; id k is the hidden state entering target decoder layer 
   `combine_hidden_states` chunks the 3H concat and norms each chunk), and `norm_output: true`, the next step reads
   the post-norm state `norm(output)` (vLLM's `LlamaModel.forward` returns it as the hidden state it carries).
   `lm_head` is unchanged (it reads `norm(output)` either way).
+- "parallel": P-EAGLE parallel drafting on the eagle3 layout: all K drafts of a step come from one head pass in
+  which K-1 masked slots follow the last committed entry. vLLM 0.32 serves it with `parallel_drafting: true` in
+  the speculative config (v1/spec_decode/llm_base_proposer.py); each masked slot reads the token `mask_token_id`
+  (the first of the keys vLLM looks up in the head's config.json) and, as its hidden state, `fc(mask_hidden)`,
+  where `mask_hidden` [1, 3H] is a learned fused feature (tensor `mask_hidden`; vLLM's buffer of shape
+  [1, fc_input_size], projected once by `combine_hidden_states`). `mask_token_id` defaults to 0 here;
+  `from_target` takes the target's pad token (else its first EOS, else 0). vLLM also allows the eagle3.1 norms
+  with parallel drafting; that combination is not a variant here.
 vLLM's third key, `norm_before_fc` (one RMSNorm over the 3H concat, weight `input_norm.weight`), belongs to
-neither variant and is exported as false.
+no variant and is exported as false.
 Build it from a Hugging Face target config with `DraftConfig.from_target(...)`, or `DraftConfig.tiny()` in tests.
 `default_aux_layer_ids(N)` is the rule for a target of N layers; `check_aux_layer_ids(ids, N)` validates others.
 Not here: training hyper-parameters (see `eagle.ttt.TTTConfig`) or anything about orchestration.
@@ -27,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 TARGET_DTYPES = ("float32", "bfloat16", "float16")
-VARIANTS = ("eagle3", "eagle3.1")  # see the module doc
+VARIANTS = ("eagle3", "eagle3.1", "parallel")  # see the module doc; simplest first
 
 
 def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
@@ -76,10 +84,18 @@ class DraftConfig:
     target_model_type: str = "llama"
     target_dtype: str = "float32"
     variant: str = "eagle3"
+    mask_token_id: int | None = None  # the token of parallel drafting's masked slots ("parallel" only)
 
     def __post_init__(self) -> None:
         if self.variant not in VARIANTS:
             raise ValueError(f"variant must be one of {VARIANTS}, got {self.variant!r}")
+        if self.parallel and self.mask_token_id is None:
+            object.__setattr__(self, "mask_token_id", 0)
+        m = self.mask_token_id
+        if m is not None and not self.parallel:
+            raise ValueError(f"mask_token_id is for the parallel variant only, got {m} for {self.variant!r}")
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or not 0 <= m < self.vocab_size):
+            raise ValueError(f"mask_token_id must be a token id in 0..{self.vocab_size - 1}, got {m!r}")
         if not self.aux_layer_ids:
             object.__setattr__(self, "aux_layer_ids", default_aux_layer_ids(self.target_num_layers))
         object.__setattr__(self, "aux_layer_ids", check_aux_layer_ids(self.aux_layer_ids, self.target_num_layers))
@@ -104,6 +120,12 @@ class DraftConfig:
         """The next drafting step reads `norm(output)`, not the raw output (vLLM's `norm_output`)."""
         return self.variant == "eagle3.1"
 
+    @property
+    def parallel(self) -> bool:
+        """All K drafts of a step in one pass, masked slots after the last committed entry (vLLM's
+        `parallel_drafting`); the head has a learned `mask_hidden`."""
+        return self.variant == "parallel"
+
     @classmethod
     def tiny(cls, vocab_size: int = 256, draft_vocab_size: int = 128) -> "DraftConfig":
         return cls(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -122,6 +144,7 @@ class DraftConfig:
         heads = c.num_attention_heads
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
         rope = _rope_of(c)
+        mask = default_mask_token_id(c) if variant == "parallel" else None
         return cls(hidden_size=c.hidden_size, num_attention_heads=heads,
                    num_key_value_heads=getattr(c, "num_key_value_heads", None) or heads, head_dim=head_dim,
                    intermediate_size=c.intermediate_size, vocab_size=c.vocab_size,
@@ -129,7 +152,8 @@ class DraftConfig:
                    rms_norm_eps=float(getattr(c, "rms_norm_eps", 1e-6)), rope_theta=rope[0], rope_scaling=rope[1],
                    max_position_embeddings=int(getattr(c, "max_position_embeddings", 2048)),
                    hidden_act=getattr(c, "hidden_act", "silu"), aux_layer_ids=tuple(aux_layer_ids),
-                   target_model_type=getattr(c, "model_type", "llama"), target_dtype=dtype_name(c), variant=variant)
+                   target_model_type=getattr(c, "model_type", "llama"), target_dtype=dtype_name(c), variant=variant,
+                   mask_token_id=mask)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -143,6 +167,16 @@ class DraftConfig:
         if unknown:
             raise ValueError(f"unknown DraftConfig keys: {sorted(unknown)}")
         return cls(**{**d, "aux_layer_ids": tuple(d.get("aux_layer_ids", ()))})
+
+
+def default_mask_token_id(c: Any) -> int:
+    """The masked slots' token for a target config: its pad token, else its (first) EOS, else 0."""
+    for name in ("pad_token_id", "eos_token_id"):
+        v = getattr(c, name, None)
+        v = v[0] if isinstance(v, (list, tuple)) and v else v
+        if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < c.vocab_size:
+            return v
+    return 0
 
 
 def dtype_name(target_config: Any) -> str:

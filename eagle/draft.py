@@ -6,6 +6,8 @@ so that training-time test (`eagle.ttt`) can run its own memory-bounded attentio
 Variants (`DraftConfig.variant`, eagle/config.py): "eagle3.1" adds `fc_norm` (an RMSNorm per fused state, in
 `fuse`) and `norm_output` (`carry`: the next step reads `norm(output)`); `forward` returns what the next step
 reads, as vLLM's `LlamaModel.forward` returns its `aux_output`, so drafting and TTT follow the variant alike.
+"parallel" adds `mask_hidden` [1, 3H], the learned fused feature of parallel drafting's masked slots
+(`masked_slots`: their inputs, the embedding of `mask_token_id` and `fuse(mask_hidden)`, as vLLM feeds them).
 Inference (autograd off) takes a leaner route with the same results: q/k/v and gate/up each as one product over
 stacked weights, RoPE from a cos/sin table, one fused RMSNorm kernel, oneDNN for multi-row products on CPU
 (`eagle.fastpath.linear`), and `forward(select_B=...)` computes the output of one new position per row only.
@@ -201,6 +203,8 @@ class Eagle3Draft(nn.Module):
         self.midlayer = Eagle3Layer(cfg)
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
+        if cfg.parallel:  # vLLM: tensor `mask_hidden`, read as [1, fc_input_size]
+            self.mask_hidden = nn.Parameter(torch.empty(1, 3 * H).normal_(std=0.02))
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
         self.set_draft_vocab(torch.arange(cfg.draft_vocab_size))
@@ -260,6 +264,14 @@ class Eagle3Draft(nn.Module):
             aux_BT3H = torch.cat([n(x) for n, x in zip(self.fc_norm, aux_BT3H.chunk(3, dim=-1))], dim=-1)
         return linear(aux_BT3H, self.fc)
 
+    def masked_slots(self, B: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs of T masked slots per row ("parallel"): the token embedding of `mask_token_id` and the hidden
+        state `fuse(mask_hidden)` (vLLM's `parallel_drafting_hidden_state_tensor`), [B, T, H] each (expanded)."""
+        w = self.embed_tokens.weight
+        emb_H = w[self.cfg.mask_token_id]
+        hidden_H = self.fuse(self.mask_hidden[None])[0, 0]
+        return emb_H.to(hidden_H.dtype).expand(B, T, -1), hidden_H.expand(B, T, -1)
+
     def logits(self, hidden_BTH: torch.Tensor) -> torch.Tensor:
         """Draft-vocab logits [B,T,Vd] from the layer's un-normalised output hidden state."""
         return linear(self.norm(hidden_BTH), self.lm_head)
@@ -276,9 +288,9 @@ class Eagle3Draft(nn.Module):
 
         Returns (the hidden state the next step reads [B,T,H] (`carry`), logits [B,T,Vd]). `attn_mask_BTL` is
         boolean, True = may attend; None means causal with every cached key visible. With `select_B` (one new
-        position per row) only those positions' outputs are computed ([B,1,H], [B,1,Vd]); every position's keys and
-        values still go to the cache. `normed_emb_BTH` (rows of `draft_inputs()`) replaces the tokens' embedding and
-        its norm; `input_ids_BT` is then unused.
+        position per row, [B], or K of them, [B, K]) only those positions' outputs are computed ([B,1,H] or
+        [B,K,H], and logits alike); every position's keys and values still go to the cache. `normed_emb_BTH`
+        (rows of `draft_inputs()`) replaces the tokens' embedding and its norm; `input_ids_BT` is then unused.
         """
         layer = self.midlayer
         emb_BTH = self.embed_tokens(input_ids_BT) if normed_emb_BTH is None else normed_emb_BTH
@@ -288,7 +300,7 @@ class Eagle3Draft(nn.Module):
         q_BhTD, k_BgLD, v_BgLD = layer.project_qkv(emb_BTH, hidden_BTH, pos_BT, emb_normed)  # L = T before the cache
         if cache is not None:
             k_BgLD, v_BgLD = cache.update(k_BgLD, v_BgLD)
-        if select_B is not None:  # from here T is 1
+        if select_B is not None:  # from here T is 1 (or K)
             q_BhTD, hidden_BTH, attn_mask_BTL = _select(q_BhTD, hidden_BTH, attn_mask_BTL, k_BgLD.shape[2], select_B)
         attn_BhTD = sdpa(q_BhTD, k_BgLD, v_BgLD, attn_mask_BTL)
         out_BTH = layer.finish(hidden_BTH, attn_BhTD)
@@ -301,18 +313,19 @@ class Eagle3Draft(nn.Module):
 
 def _select(q_BhTD: torch.Tensor, hidden_BTH: torch.Tensor, mask_BTL: torch.Tensor | None, L: int,
             select_B: torch.Tensor):
-    """Row b's query, input feature and mask row at new position `select_B[b]`: [B,h,1,D], [B,1,H], [B,1,L].
-    A missing mask means causal: new position i (of T) sees keys 0..L-T+i."""
+    """Row b's queries, input features and mask rows at new positions `select_B[b]` (one, [B], or K, [B, K]):
+    [B,h,K,D], [B,K,H], [B,K,L]. A missing mask means causal: new position i (of T) sees keys 0..L-T+i."""
     B, h, T, D = q_BhTD.shape
-    i_B1 = select_B[:, None]
-    q_Bh1D = q_BhTD.gather(2, i_B1[:, None, :, None].expand(B, h, 1, D))
-    hidden_B1H = hidden_BTH.gather(1, i_B1[..., None].expand(B, 1, hidden_BTH.shape[-1]))
+    i_BK = select_B if select_B.dim() == 2 else select_B[:, None]
+    K = i_BK.shape[1]
+    q_BhKD = q_BhTD.gather(2, i_BK[:, None, :, None].expand(B, h, K, D))
+    hidden_BKH = hidden_BTH.gather(1, i_BK[..., None].expand(B, K, hidden_BTH.shape[-1]))
     if mask_BTL is None:
-        mask_B1L = (torch.arange(L, device=q_Bh1D.device) <= (L - T) + i_B1)[:, None]
+        mask_BKL = torch.arange(L, device=q_BhKD.device) <= (L - T) + i_BK[..., None]
     else:
         mask_BTL = mask_BTL if mask_BTL.dim() == 3 else mask_BTL[:, 0]
-        mask_B1L = mask_BTL.expand(B, -1, -1).gather(1, i_B1[..., None].expand(B, 1, L))
-    return q_Bh1D, hidden_B1H, mask_B1L
+        mask_BKL = mask_BTL.expand(B, -1, -1).gather(1, i_BK[..., None].expand(B, K, L))
+    return q_BhKD, hidden_BKH, mask_BKL
 
 
 def sdpa(q_BhTD: torch.Tensor, k_BgLD: torch.Tensor, v_BgLD: torch.Tensor,

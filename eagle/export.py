@@ -3,9 +3,11 @@
 Purpose: `export_head(draft, out_dir)` writes
   config.json              LlamaForCausalLMEagle3, one layer, the target's shapes, every norm flag explicit (vLLM
                            0.32's `norm_before_residual`, `norm_before_fc`, and the variant's `fc_norm` and
-                           `norm_output`: eagle/config.py), the fused layer ids for both engines (see below) and
-                           `torch_dtype`;
-  model.safetensors        fc, (fc_norm.{0,1,2} for eagle3.1,) midlayer.*, norm, lm_head, d2t (int64), t2d (bool);
+                           `norm_output`: eagle/config.py), the fused layer ids for both engines (see below),
+                           `torch_dtype`, and for the parallel variant `mask_token_id` (the masked slots' token;
+                           vLLM's proposer reads it when served with `parallel_drafting: true`);
+  model.safetensors        fc, (fc_norm.{0,1,2} for eagle3.1,) midlayer.*, norm, lm_head, d2t (int64), t2d (bool),
+                           (mask_hidden [1, 3H] for parallel: vLLM loads it by that name into its buffer);
                            no embed_tokens (the engine shares the target's). When the draft vocabulary is the
                            target's (Vd == V) d2t and t2d are left out: the mapping is the identity and vLLM has
                            no parameter to load them into;
@@ -65,6 +67,7 @@ class HeadFileError(BadInput):
 def engine_config(cfg: DraftConfig, dtype: torch.dtype) -> dict[str, Any]:
     """The config.json both engines read for an EAGLE-3 Llama-style head."""
     ids = list(cfg.aux_layer_ids)
+    parallel = {"mask_token_id": cfg.mask_token_id} if cfg.parallel else {}  # parallel drafting's masked slots
     return {
         "architectures": ["LlamaForCausalLMEagle3"],
         "model_type": "llama",
@@ -93,6 +96,7 @@ def engine_config(cfg: DraftConfig, dtype: torch.dtype) -> dict[str, Any]:
         "eagle_aux_hidden_state_layer_ids": ids,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in ids], "use_aux_hidden_state": True},
         "torch_dtype": str(dtype).removeprefix("torch."),
+        **parallel,
     }
 
 

@@ -5,8 +5,11 @@ one target pass, keeps what the target agrees with and rolls both KV caches back
 token per target pass with the same cache, mask and sampling helpers, so that timings compare like with like.
 Loop: the target's prefill captures the fused features f_i (inputs of `aux_layer_ids`); the head consumes
 (token x_{i+1}, f_i) at RoPE position i as its committed cache entries; drafting feeds the head its own output
-hidden state with each drafted token, position +1 per depth. After verification the accepted path's target
-features replace the head's speculative entries, and the target keeps only the accepted path's entries.
+hidden state with each drafted token, position +1 per depth. A "parallel" head (eagle/config.py) drafts its chain
+in one head pass instead, as vLLM's `parallel_drafting` does: the pass that commits the verified entries carries
+depth-1 masked slots after each row's last committed entry (`commit_head` with `masked`), and the K drafts are the
+picks at that entry and at the masked slots (`eagle.tree.draft_parallel`). After verification the accepted path's
+target features replace the head's speculative entries, and the target keeps only the accepted path's entries.
 Rows of a batch advance by their own accepted lengths (per-row cache lengths, positions and masks); a row stops at
 EOS or `max_new_tokens` and is then frozen while the others finish.
 How to run: `out = generate_speculative(target, draft, ids, mask, SpecConfig(method="tree"))`; `out.sequences`,
@@ -40,7 +43,7 @@ from eagle.run_config import SpecConfig
 from eagle.stats import SpecStats
 from eagle.kvcache import (CausalMask, SlotCache, additive_mask, causal_region, check_no_sliding_window,
                           visibility_mask)
-from eagle.tree import HeadRunner, Prefix, Tree, draft_chain, draft_tree, draft_tree_sampled
+from eagle.tree import HeadRunner, Prefix, Tree, draft_chain, draft_parallel, draft_tree, draft_tree_sampled
 
 
 @dataclass
@@ -232,14 +235,32 @@ def _plain_loop(runner: TargetRunner, ids_BT: torch.Tensor, n_B: torch.Tensor, c
 
 
 def commit_head(head: HeadRunner, draft: Eagle3Draft, prefix: Prefix, tokens_BA: torch.Tensor,
-                aux_BA3H: torch.Tensor, n_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                aux_BA3H: torch.Tensor, n_B: torch.Tensor,
+                masked: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Commit (token x_{i+1}, target feature f_i) to the head's cache at positions lengths+i; returns the head's
-    (output hidden [B, H], logits [B, Vd]) at each row's n-th new entry (where its next draft starts)."""
-    A = tokens_BA.shape[1]
+    (output hidden [B, H], logits [B, Vd]) at each row's n-th new entry (where its next draft starts).
+
+    With `masked` = M (parallel drafting; M >= 0) the same pass also runs M masked slots (`Eagle3Draft.masked_slots`)
+    right after each row's n-th entry, at the next positions, causal like the rest: vLLM's parallel pass. Returns
+    the outputs at the n-th entry and at the masked slots ([B, 1+M, H], [B, 1+M, Vd]). Entries after a row's
+    n-th are rewritten by the next commit, as drafted ones are."""
+    B, A = tokens_BA.shape
+    hidden_BAH = draft.fuse(aux_BA3H)
+    if masked is not None:
+        T = A + masked
+        _, mask_hidden_BTH = draft.masked_slots(B, T)  # their token goes in as `mask_token_id`
+        slot_BT = torch.arange(T, device=tokens_BA.device)[None] >= n_B[:, None]  # masked from the (n+1)-th on
+        ids_BT = torch.cat([tokens_BA, tokens_BA.new_zeros(B, masked)], 1)
+        ids_BT = ids_BT.masked_fill(slot_BT, draft.cfg.mask_token_id)
+        hidden_BAH = torch.where(slot_BT[..., None], mask_hidden_BTH,
+                                 torch.cat([hidden_BAH, mask_hidden_BTH[:, :masked]], 1))
+        tokens_BA, A = ids_BT, T
     pos_BA = prefix.lengths_B[:, None] + torch.arange(A, device=tokens_BA.device)
-    hidden_B1H, logits_B1Vd = head.extend(prefix, tokens_BA, draft.fuse(aux_BA3H), pos_BA,
-                                          select_B=(n_B - 1).clamp(0, A - 1))
-    return hidden_B1H[:, 0], logits_B1Vd[:, 0]
+    select = (n_B - 1).clamp(0, A - 1)
+    if masked is not None:
+        select = select[:, None] + torch.arange(1 + masked, device=n_B.device)
+    hidden_BKH, logits_BKVd = head.extend(prefix, tokens_BA, hidden_BAH, pos_BA, select_B=select)
+    return (hidden_BKH, logits_BKVd) if masked is not None else (hidden_BKH[:, 0], logits_BKVd[:, 0])
 
 
 @dataclass(frozen=True)
@@ -264,15 +285,20 @@ class Speculator:
                  generator: torch.Generator | None):
         if cfg.method == "tree" and cfg.topk > draft.cfg.draft_vocab_size:
             raise ValueError("topk exceeds the draft vocabulary")
+        if draft.cfg.parallel and cfg.method != "chain":
+            raise ValueError(f"a parallel head drafts chains (vLLM's parallel drafting), not a {cfg.method}: set "
+                             "method chain")
         capacity = prompt_len + cfg.max_new_tokens + max(cfg.verify_width, cfg.depth * cfg.topk) + 2
         self.target = TargetRunner(target, capacity, draft.cfg.aux_layer_ids, cfg.path)
         self.draft, self.cfg, self.generator = draft, cfg, generator
-        self.head = HeadRunner(draft, capacity)
+        self.masked = cfg.depth - 1 if draft.cfg.parallel else None  # masked slots per commit (parallel drafting)
+        self.head = HeadRunner(draft, capacity + (cfg.depth if draft.cfg.parallel else 0))
         self.vocab = self.target.lm_head.weight.shape[0]
 
     def head_extend(self, prefix: Prefix, tokens_BA: torch.Tensor, aux_BA3H: torch.Tensor, n_B: torch.Tensor):
-        """Commit (token x_{i+1}, feature f_i) at positions lengths+i; returns the head's output at the n-th entry."""
-        return commit_head(self.head, self.draft, prefix, tokens_BA, aux_BA3H, n_B)
+        """Commit (token x_{i+1}, feature f_i) at positions lengths+i; returns the head's output at the n-th entry
+        (and, for a parallel head, at the masked slots after it: `commit_head`)."""
+        return commit_head(self.head, self.draft, prefix, tokens_BA, aux_BA3H, n_B, self.masked)
 
     def _draft_probs(self, logits_BTVd: torch.Tensor) -> torch.Tensor:
         return sampling.probs(logits_BTVd, self.cfg.temperature, self.cfg.top_p)
@@ -292,7 +318,8 @@ class Speculator:
         """
         paths = {("chain", True): self.step_chain_greedy, ("chain", False): self.step_chain_sampled,
                  ("tree", True): self.step_tree_greedy, ("tree", False): self.step_tree_sampled}
-        v = paths[self.cfg.method, self.cfg.greedy](prefix, root_B, hidden_BH, logits_BVd)
+        step = paths[self.cfg.method, self.cfg.greedy] if self.masked is None else self.step_parallel
+        v = step(prefix, root_B, hidden_BH, logits_BVd)
         kept_BA = torch.cat([v.tokens_BN.gather(1, v.path_BA[:, 1:]), torch.zeros_like(v.n_B)[:, None]], 1)
         kept_BA.scatter_(1, v.n_B[:, None], v.next_B[:, None])
         aux_BA3H = v.aux_BN3H.gather(1, v.path_BA[..., None].expand(-1, -1, v.aux_BN3H.shape[-1]))
@@ -312,6 +339,15 @@ class Speculator:
         """Chain of drafts sampled from the head, verified by the standard rejection rule."""
         drafts_BK, q_BKVd = draft_chain(self.head, prefix, hidden_BH, logits_BVd, self.cfg.depth, self.draft_pick,
                                         self.cfg.min_draft_prob)
+        tokens_BN, path_BA, logits_BNV, aux_BN3H = self._verify_chain(prefix, root_B, drafts_BK)
+        n_B, next_B = self.accept_chain(logits_BNV, drafts_BK, q_BKVd)
+        return Verified(n_B, path_BA, next_B, tokens_BN, aux_BN3H)
+
+    def step_parallel(self, prefix: Prefix, root_B: torch.Tensor, hidden_BKH: torch.Tensor,
+                      logits_BKVd: torch.Tensor) -> Verified:
+        """Parallel drafting: the drafts are the picks at the head pass's K slots (`draft_parallel`), verified as a
+        chain (greedy: kept while they equal the target's argmax; sampled: the standard rule)."""
+        drafts_BK, q_BKVd = draft_parallel(logits_BKVd, self.draft, self.draft_pick, self.cfg.min_draft_prob)
         tokens_BN, path_BA, logits_BNV, aux_BN3H = self._verify_chain(prefix, root_B, drafts_BK)
         n_B, next_B = self.accept_chain(logits_BNV, drafts_BK, q_BKVd)
         return Verified(n_B, path_BA, next_B, tokens_BN, aux_BN3H)

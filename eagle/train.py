@@ -51,13 +51,18 @@ def head_from_tensors(target_config, token_counts_V: torch.Tensor, embed_VH: tor
     return draft
 
 
-def as_variant(draft: Eagle3Draft, variant: str) -> Eagle3Draft:
+def as_variant(draft: Eagle3Draft, variant: str, mask_token_id: int | None = None) -> Eagle3Draft:
     """`draft` as a head of `variant` (a warm start across variants): every weight both have is copied; eagle3.1's
-    `fc_norm` starts at ones when the source has none, and is dropped when the target variant has none."""
+    `fc_norm` starts at ones and parallel's `mask_hidden` at its initial values when the source has none, and each
+    is dropped when the target variant has none. A parallel head keeps the source's `mask_token_id`, else takes
+    `mask_token_id` (None: the DraftConfig default)."""
     if draft.cfg.variant == variant:
         return draft
-    out = Eagle3Draft(replace(draft.cfg, variant=variant))
-    out.load_state_dict({k: v for k, v in draft.state_dict().items() if not k.startswith("fc_norm")}, strict=False)
+    mask = (draft.cfg.mask_token_id if draft.cfg.parallel else mask_token_id) if variant == "parallel" else None
+    out = Eagle3Draft(replace(draft.cfg, variant=variant, mask_token_id=mask))
+    own = out.state_dict()
+    out.load_state_dict({k: v for k, v in draft.state_dict().items() if k in own and v.shape == own[k].shape},
+                        strict=False)
     return out
 
 

