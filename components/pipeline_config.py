@@ -101,6 +101,10 @@ class PipelineConfig:
             raise ConfigError(f"{where}: register.gate_concurrency {c} needs the load sweep to measure concurrency {c} "
                               f"(evaluate.engine 'vllm', {c} in evaluate.load.concurrency; now engine "
                               f"{self.evaluate.engine!r}, concurrency {list(load.concurrency)}); 0 turns this gate off")
+        variants = set(self.train.variants) | {self.train.variant}
+        if "parallel" in variants and self.evaluate.spec.method != "chain":  # else refused when evaluation starts
+            raise ConfigError(f"{where}: train.variant 'parallel' drafts chains (vLLM's parallel drafting), not a "
+                              f"{self.evaluate.spec.method}: set evaluate.spec.method to 'chain'")
         return self
 
     @classmethod

@@ -57,6 +57,8 @@ def test_presets_and_overrides(tmp_path):
     ({"train": {"eval_every": 0}}, "train.select 'best_tau' needs the held-out evaluation"),
     ({"train": {"variant": "eagle4"}}, "train.variant must be one of 'eagle3', 'eagle3.1'"),
     ({"evaluate": {"position_edges": [0, 128, 64]}}, "evaluate.position_edges must be >= 2 ascending integers"),
+    ({"train": {"variant": "parallel"}, "evaluate": {"spec": {"method": "tree", "topk": 2, "budget": 8}}},
+     "train.variant 'parallel' drafts chains .* set evaluate.spec.method to 'chain'"),
 ])
 def test_bad_config_is_refused_by_name(tmp_path, data, named):
     with pytest.raises(ConfigError, match=named):
