@@ -40,7 +40,8 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from eagle.config import DraftConfig  # noqa: E402
 from eagle.draft import Eagle3Draft  # noqa: E402
 from eagle.speculative import SpecConfig, Speculator, generate_plain  # noqa: E402
-from eagle.tree import Prefix, draft_chain, draft_tree  # noqa: E402
+from eagle.runners import Prefix  # noqa: E402
+from eagle.tree import draft_chain, draft_tree  # noqa: E402
 
 
 def clock(device: str) -> Callable[[], float]:

@@ -144,12 +144,13 @@ def run(setup, args: argparse.Namespace, load0: list[float]) -> None:
     from components.targets import load_target
     from eagle import target_path
     from eagle.export import load_head
+    from eagle.runners import time_paths
 
     head, _ = speed_head(setup, 0, 0)
     target, tok = load_target(setup.target_dir)
     draft = load_head(head.head_dir, target).eval()
     prompts = heldout_prompts(tok, setup.heldout_traffic, args.prompts or setup.preset.eval_prompts)
-    auto = target_path.measure(target)  # what "auto" picks in this process, measured before any decoding
+    auto = target_path.measure(target, time_paths)  # what "auto" picks in this process, measured before any decoding
     with torch.no_grad():
         rows = summarize(interleaved(methods(target, draft, args, setup.preset.max_new_tokens), prompts))
     decode = auto.by_role["decode"]  # plain decoding runs on the "decode" role's pick (1-token passes)

@@ -39,10 +39,10 @@ from torch import nn
 from eagle import sampling
 from eagle.draft import Eagle3Draft
 from eagle.run_config import SpecConfig
-from eagle.speculative import (GenOutput, TargetRunner, _Emitted, _outside_inference_mode, _pick, commit_head,
-                               pack_left)
+from eagle.runners import HeadRunner, Prefix, TargetRunner
+from eagle.speculative import GenOutput, _Emitted, _outside_inference_mode, _pick, commit_head, pack_left
 from eagle.stats import SpecStats
-from eagle.tree import HeadRunner, Prefix, draft_chain
+from eagle.tree import draft_chain
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,8 @@ Rows of a batch advance by their own accepted lengths (per-row cache lengths, po
 EOS or `max_new_tokens` and is then frozen while the others finish.
 How to run: `out = generate_speculative(target, draft, ids, mask, SpecConfig(method="tree"))`; `out.sequences`,
 `out.stats.tau` (`eagle.stats.SpecStats`). Greedy when `temperature == 0`.
-Speed (both functions alike): inference mode; the target runner's session (CPU kernels, feature hooks attached
-once), `eagle.fastpath.LeanDecoder` for Llama-family targets, preallocated caches written by slice for one row,
+Speed (both functions alike): inference mode; the target runner's session (eagle/runners.py: CPU kernels, feature
+hooks attached once), `eagle.fastpath.LeanDecoder` for Llama-family targets, preallocated caches written by slice for one row,
 prebuilt causal masks; the head's lean inference path (`eagle.draft`). At batch 1 on a shared 2-core CPU use 1 torch
 thread.
 Not here: sliding-window targets past their window, flash-attention backends (4-D masks need "sdpa"/"eager"),
@@ -27,23 +27,17 @@ A kept path length (accepted drafts + 1), H hidden, S verification steps.
 
 from __future__ import annotations
 
-import inspect
-from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 from torch import nn
 
-from eagle import fastpath, sampling, target_path
+from eagle import sampling
 from eagle.draft import Eagle3Draft
-from eagle.fastpath import LeanDecoder, packed_linears
-from eagle.features import capture_layer_inputs, decoder_layers
 from eagle.run_config import SpecConfig
 from eagle.stats import SpecStats
-from eagle.kvcache import (CausalMask, SlotCache, additive_mask, causal_region, check_no_sliding_window,
-                          visibility_mask)
-from eagle.tree import HeadRunner, Prefix, Tree, draft_chain, draft_parallel, draft_tree, draft_tree_sampled
+from eagle.runners import HeadRunner, Prefix, TargetRunner
+from eagle.tree import Tree, draft_chain, draft_parallel, draft_tree, draft_tree_sampled
 
 
 @dataclass
@@ -94,97 +88,6 @@ def pack_left(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> t
         raise ValueError("every row needs at least one prompt token")
     order_BT = torch.argsort((~real_BT).to(torch.int8), dim=1, stable=True)
     return input_ids.gather(1, order_BT), n_B
-
-
-class TargetRunner:
-    """The target with its `SlotCache`: one pass over T new tokens placed after each row's committed prefix.
-    `path` (`eagle.target_path`; "auto": the fastest measured on this machine for the runner's `role`, "decode" for
-    one token a pass, "verify" for the speculative step's wider passes) picks the decoder and the kernels:
-    a "lean" path runs Llama-family targets through `LeanDecoder` once it has reproduced HF's forward on a first
-    pass (every other target through HF); inside `with runner.session():` a "packed" path computes linears with
-    the CPU kernels of `eagle.fastpath.linear`, and HF's feature capture hooks stay attached (outside a session
-    they are attached per call). `runner.path` is the path resolved, `runner.decoder` the decoder in use."""
-
-    CAUSAL_ROWS = 64  # passes of up to this many tokens of one row slice a prebuilt causal mask
-
-    def __init__(self, target: nn.Module, capacity: int, layer_ids: tuple[int, ...] = (), path: str = "auto",
-                 role: str = "verify"):
-        check_no_sliding_window(target.config, capacity)
-        self.path = target_path.resolve(target, path, role)
-        self.target, self.layer_ids = target, tuple(layer_ids)
-        self.cache = SlotCache(len(decoder_layers(target)), capacity)
-        self.lm_head = target.get_output_embeddings()
-        self.dtype = next(target.parameters()).dtype
-        self._base = target.get_decoder()
-        params = inspect.signature(self._base.forward).parameters  # transformers >= 5.2x names the cache `cache`
-        self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        self._store: dict[int, torch.Tensor] | None = None
-        self._causal: CausalMask | None = None
-        self.packed = target_path.kernels_of(self.path) == "packed"
-        self._linear = fastpath.linear if self.packed else fastpath.torch_linear
-        self._lean = LeanDecoder.of(target) if target_path.decoder_of(self.path) == "lean" else None
-        if self._lean is not None:
-            self._lean.linear = self._linear
-
-    @property
-    def decoder(self) -> str:
-        return "hf" if self._lean is None else "lean"
-
-    @contextmanager
-    def session(self) -> Iterator[None]:
-        with packed_linears(self.target) if self.packed else nullcontext(), ExitStack() as stack:
-            if self.layer_ids and self._store is None:
-                self._store = stack.enter_context(capture_layer_inputs(self.target, self.layer_ids))
-                stack.callback(setattr, self, "_store", None)
-            yield
-
-    def logits(self, hidden_BTH: torch.Tensor) -> torch.Tensor:
-        return self._linear(hidden_BTH, self.lm_head) if type(self.lm_head) is nn.Linear else self.lm_head(hidden_BTH)
-
-    def __call__(self, prefix: Prefix, ids_BT: torch.Tensor, pos_BT: torch.Tensor, region_BTR: torch.Tensor | None):
-        """Returns (final hidden [B, T, H], fused-layer inputs [B, T, 3H] or None without `layer_ids`).
-        `region_BTR` None means causal over the T new tokens."""
-        T = ids_BT.shape[1]
-        self.cache.plan_after(prefix.lengths_B, prefix.longest, T)
-        mask_B1TL = self._mask(prefix, T, region_BTR)
-        lean = self._lean
-        if lean is not None and lean.trusted:
-            return lean(ids_BT, pos_BT, mask_B1TL, self.cache.layers, self.layer_ids)
-        out = self._hf(ids_BT, pos_BT, mask_B1TL)
-        if lean is not None and not lean.confirm(out, lean(ids_BT, pos_BT, mask_B1TL, self.cache.layers,
-                                                           self.layer_ids)):
-            self._hf(ids_BT, pos_BT, mask_B1TL)  # put HF's own entries back into the cache
-            self._lean = None
-        return out
-
-    def _hf(self, ids_BT: torch.Tensor, pos_BT: torch.Tensor, mask_B1TL: torch.Tensor):
-        kwargs = dict(input_ids=ids_BT, attention_mask=mask_B1TL, position_ids=pos_BT, use_cache=True)
-        kwargs[self._cache_kw] = self.cache
-        if not self.layer_ids:
-            return self._base(**kwargs).last_hidden_state, None
-        with ExitStack() as stack:
-            store = self._store if self._store is not None else \
-                stack.enter_context(capture_layer_inputs(self.target, self.layer_ids))
-            out = self._base(**kwargs)
-        return out.last_hidden_state, torch.cat([store[i] for i in self.layer_ids], dim=-1)
-
-    def _mask(self, prefix: Prefix, T: int, region_BTR: torch.Tensor | None) -> torch.Tensor:
-        """Additive [B, 1, T, span] mask; one row and a causal region slice a prebuilt one."""
-        dev = prefix.lengths_B.device
-        if region_BTR is None and prefix.lengths_B.shape[0] == 1 and T <= self.CAUSAL_ROWS:
-            if self._causal is None or self._causal.mask.device != dev:
-                self._causal = CausalMask(self.cache.capacity, self.CAUSAL_ROWS, self.dtype, dev)
-            return self._causal(prefix.longest, T)
-        region = causal_region(T, dev) if region_BTR is None else region_BTR
-        return additive_mask(visibility_mask(prefix.lengths_B, region, prefix.longest + T), self.dtype)
-
-    def prefill(self, ids_BT: torch.Tensor, n_B: torch.Tensor):
-        """Prompt pass; returns (logits at each row's last prompt token [B, V], fused features or None)."""
-        B, T = ids_BT.shape
-        pos_BT = torch.arange(T, device=ids_BT.device).expand(B, T)
-        hidden_BTH, aux = self(Prefix(torch.zeros_like(n_B), 0), ids_BT, pos_BT, None)
-        last_BH = hidden_BTH[torch.arange(B, device=ids_BT.device), n_B - 1]
-        return self.logits(last_BH), aux
 
 
 def _pick(logits_BV: torch.Tensor, cfg: SpecConfig, generator: torch.Generator | None) -> torch.Tensor:

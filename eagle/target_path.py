@@ -25,7 +25,8 @@ bench/README.md); the kept minima converge to each path's own cost, so every lat
 the same path. A file that cannot be read is started afresh; one that cannot be written leaves this process's pick
 as measured.
 `timing(target)` is the last measurement, `record(target, path)` what result files keep of it.
-How to run: `TargetRunner(target, capacity, path="auto")` resolves its path here; nothing else calls it.
+How to run: `TargetRunner(target, capacity, path="auto")` (eagle/runners.py) resolves its path here, handing in
+its own timing (`eagle.runners.time_paths`: this module times runners it is handed and imports none).
 Not here: the head's kernels (`eagle.draft`, always `fastpath.linear`), GPU kernels, torch.compile.
 """
 
@@ -37,6 +38,7 @@ import platform
 import time
 import weakref
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch import nn
@@ -55,6 +57,8 @@ STORE_VERSION = 1  # bump when the timed passes change (PREFIX, WIDTH, ROLES): o
 MIN_ROUNDS, MAX_ROUNDS, BUDGET_S, WARMUP, PREFIX, WIDTH = 5, 40, 1.0, 2, 48, 8
 ROLES = {"decode": 1, "verify": WIDTH}  # role -> tokens per timed pass
 
+# (target, paths) -> role -> path -> the fastest pass in seconds: `eagle.runners.time_paths` (handed in by the runner)
+Timer = Callable[[nn.Module, list[str]], dict[str, dict[str, float]]]
 _TIMINGS: "weakref.WeakKeyDictionary[nn.Module, dict[tuple, PathTiming]]" = weakref.WeakKeyDictionary()
 
 
@@ -120,14 +124,14 @@ def pinned() -> str | None:
         raise ValueError(f"{ENV}={env!r}: {e}") from None
 
 
-def resolve(target: nn.Module, path: str, role: str = "verify") -> str:
+def resolve(target: nn.Module, path: str, role: str, timer: Timer) -> str:
     """The path a runner of `target` in `role` (`ROLES`) uses: `path` itself unless "auto"; then
-    `EAGLE_TARGET_PATH`, else the one measured fastest for that role."""
+    `EAGLE_TARGET_PATH`, else the one measured fastest for that role (`measure` with `timer`)."""
     if check(path) != AUTO:
         return path
     if role not in ROLES:
         raise ValueError(f"role {role!r}: expected one of {sorted(ROLES)}")
-    return pinned() or measure(target).pick(role)
+    return pinned() or measure(target, timer).pick(role)
 
 
 def timing(target: nn.Module) -> PathTiming | None:
@@ -142,7 +146,9 @@ def record(target: nn.Module, path: str = AUTO) -> dict:
     timed = timing(target)
     if timed is not None and path == AUTO and pinned() is None:
         return timed.as_dict()
-    return {"chosen": resolve(target, path), "reason": "pinned"}
+    if path == AUTO and pinned() is None:
+        return {"chosen": "", "reason": "not measured in this process"}
+    return {"chosen": pinned() if path == AUTO else check(path), "reason": "pinned"}
 
 
 def _key(target: nn.Module) -> tuple:
@@ -150,8 +156,9 @@ def _key(target: nn.Module) -> tuple:
     return (str(p.device), p.dtype, torch.get_num_threads())
 
 
-def measure(target: nn.Module) -> PathTiming:
-    """Time the paths that apply to `target` (cached per target, device, dtype and thread count)."""
+def measure(target: nn.Module, timer: Timer) -> PathTiming:
+    """Time the paths that apply to `target` with `timer` (`eagle.runners.time_paths`; cached per target, device,
+    dtype and thread count), merged into the kept timings when a store is set."""
     from eagle.fastpath import LeanDecoder
 
     key = _key(target)
@@ -159,7 +166,7 @@ def measure(target: nn.Module) -> PathTiming:
     if key in got:
         return got[key]
     lean = LeanDecoder.of(target) is not None
-    timed = _time_paths(target, [p for p in PATHS if lean or decoder_of(p) == "hf"])
+    timed = timer(target, [p for p in PATHS if lean or decoder_of(p) == "hf"])
     kept, n_kept = _keep(target, timed)
     by_role = {}
     for role, measured in timed.items():
@@ -247,47 +254,3 @@ def _keep(target: nn.Module, timed: dict[str, dict[str, float]]) -> tuple[dict[s
                 os.unlink(tmp)
             return kept, n  # unwritable: this process still picks from what it read and measured
     return kept, n
-
-
-def _time_paths(target: nn.Module, paths: list[str]) -> dict[str, dict[str, float]]:
-    """Per role (`ROLES`: a 1-token and a `WIDTH`-token pass after a `PREFIX`-token prefill, each with the last
-    position's logits), each path's fastest pass in seconds; rounds rotate the order of the paths so that each
-    sees the same machine state."""
-    from eagle.speculative import TargetRunner
-    from eagle.tree import Prefix
-
-    p = next(target.parameters())
-    vocab = target.get_input_embeddings().weight.shape[0]
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, vocab, (1, PREFIX + WIDTH), generator=g).to(p.device)
-    n = torch.tensor([PREFIX], device=p.device)
-    prefix = Prefix.of(n)
-    pos = torch.arange(PREFIX, PREFIX + WIDTH, device=p.device)[None]
-    runners = {q: TargetRunner(target, PREFIX + WIDTH + 1, path=q) for q in paths}
-    sync = torch.cuda.synchronize if p.device.type == "cuda" else (lambda: None)
-    times: dict[str, dict[str, list[float]]] = {role: {q: [] for q in paths} for role in ROLES}
-    with torch.inference_mode():
-        for q, r in runners.items():
-            with r.session():
-                r.prefill(ids[:, :PREFIX], n)
-        for q, r in list(runners.items()):  # a lean decoder that failed to reproduce HF is gone: not a lean path
-            if decoder_of(q) == "lean" and r.decoder != "lean":
-                del runners[q]
-                for t in times.values():
-                    del t[q]
-        t_start, i = time.perf_counter(), 0
-        while i < WARMUP + MIN_ROUNDS or (i < WARMUP + MAX_ROUNDS and time.perf_counter() - t_start < BUDGET_S):
-            names = list(runners)
-            for q in names[i % len(names):] + names[:i % len(names)]:
-                r = runners[q]
-                with r.session():
-                    for role, width in ROLES.items():
-                        sync()
-                        t0 = time.perf_counter()
-                        h, _ = r(prefix, ids[:, PREFIX:PREFIX + width], pos[:, :width], None)
-                        r.logits(h[:, -1])
-                        sync()
-                        if i >= WARMUP:
-                            times[role][q].append(time.perf_counter() - t0)
-            i += 1
-    return {role: {q: min(ts) for q, ts in t.items()} for role, t in times.items()}

@@ -1,9 +1,7 @@
 """Drafting with the EAGLE-3 head: one head pass over committed features, chains, and EAGLE-2 dynamic trees.
 
 Purpose: everything the draft side of a speculative step does, with the head's own preallocated `SlotCache`.
-- `HeadRunner`: the head and its cache, one method per kind of pass, each writing T new entries after each row's
-  committed prefix: `extend` (commit verified tokens and features), `chain_step` (one drafted token per row),
-  `tree_step` (a frontier of k drafted nodes per row).
+The head's passes (`HeadRunner` in eagle/runners.py: `extend`, `chain_step`, `tree_step`) are what these drive.
 - `draft_chain`: depth d tokens, each step feeding the head its own previous output hidden state (RoPE +1 per step).
 - `draft_tree`: EAGLE-2: the root's top-k children, then per depth the top-k of each frontier node, scored by
   cumulative draft log-probability; the next frontier is the best k of those k*k; finally the `budget` best of all
@@ -27,19 +25,7 @@ from typing import Callable
 import torch
 
 from eagle.draft import Eagle3Draft
-from eagle.kvcache import SlotCache, causal_region, visibility_mask
-
-
-@dataclass
-class Prefix:
-    """Per-row committed cache lengths (slots [0, length) hold positions 0..length-1) and their maximum."""
-
-    lengths_B: torch.Tensor
-    longest: int
-
-    @classmethod
-    def of(cls, lengths_B: torch.Tensor) -> "Prefix":
-        return cls(lengths_B, int(lengths_B.max()))
+from eagle.runners import HeadRunner, Prefix
 
 
 @dataclass
@@ -50,52 +36,6 @@ class Tree:
     parent_BN: torch.Tensor  # node index of the parent; the root is its own parent
     depth_BN: torch.Tensor
     ancestors_BNN: torch.Tensor  # [b, i, j]: node j is node i or one of its ancestors
-
-
-class HeadRunner:
-    """The head with its own preallocated `SlotCache`; each pass writes T new entries at slots lengths+offset+t
-    (`offset` entries of the current draft already follow the prefix) and returns the head's (output hidden
-    [B, T, H], logits [B, T, Vd])."""
-
-    def __init__(self, draft: Eagle3Draft, capacity: int):
-        self.draft = draft
-        self.cache = SlotCache(1, capacity)
-
-    def _plan(self, prefix: Prefix, T: int, offset: int) -> int:
-        """Plan the write of T entries after `offset` drafted ones; returns the span the queries read."""
-        self.cache.plan_after(prefix.lengths_B, prefix.longest, T, offset)
-        return prefix.longest + offset + T
-
-    def extend(self, prefix: Prefix, tokens_BT: torch.Tensor, hidden_BTH: torch.Tensor, pos_BT: torch.Tensor,
-               select_B: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Commit T entries (token, fused feature) right after each row's prefix, causal among themselves. With
-        `select_B` only new entry `select_B[b]`'s outputs per row ([B, 1, H], [B, 1, Vd])."""
-        B, T = hidden_BTH.shape[0], hidden_BTH.shape[1]
-        span = self._plan(prefix, T, 0)
-        if B == 1:
-            mask_BTL = None  # one row: its prefix is the longest, so the head's default (causal) is the same
-        else:
-            mask_BTL = visibility_mask(prefix.lengths_B, causal_region(T, hidden_BTH.device), span)
-        return self.draft(tokens_BT, hidden_BTH, pos_BT, self.cache.layers[0], mask_BTL, select_B)
-
-    def chain_step(self, prefix: Prefix, normed_emb_B1H: torch.Tensor, hidden_B1H: torch.Tensor,
-                   pos_B1: torch.Tensor, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One drafted entry per row after the `offset` drafted before it; it sees the prefix and all of them.
-        `normed_emb_B1H` (rows of `Eagle3Draft.draft_inputs`) stands for the drafted tokens."""
-        span = self._plan(prefix, 1, offset)
-        if hidden_B1H.shape[0] == 1:
-            mask_B1L = None
-        else:
-            mask_B1L = (self.cache.slot_index(span)[None] < (prefix.lengths_B + offset + 1)[:, None])[:, None]
-        return self.draft(None, hidden_B1H, pos_B1, self.cache.layers[0], mask_B1L, None, normed_emb_B1H)
-
-    def tree_step(self, prefix: Prefix, tokens_BT: torch.Tensor, hidden_BTH: torch.Tensor, pos_BT: torch.Tensor,
-                  seen_BTR: torch.Tensor, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """T frontier entries per row after the `offset` drafted before them; `seen_BTR` (boolean, R = offset + T)
-        says which of the slots after the prefix each one sees (its ancestors and itself)."""
-        span = self._plan(prefix, hidden_BTH.shape[1], offset)
-        mask_BTL = visibility_mask(prefix.lengths_B, seen_BTR, span)
-        return self.draft(tokens_BT, hidden_BTH, pos_BT, self.cache.layers[0], mask_BTL)
 
 
 Pick = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]

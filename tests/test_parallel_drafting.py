@@ -32,7 +32,7 @@ from eagle.export import export_head, load_head
 from eagle.features import target_forward, teacher_targets
 from eagle.run_config import TTTConfig
 from eagle.speculative import SpecConfig, commit_head, generate_plain, generate_speculative
-from eagle.tree import HeadRunner, Prefix
+from eagle.runners import HeadRunner, Prefix
 from eagle.ttt import TTTBatch, ttt_loss
 from eagle.vocab import count_tokens, select_draft_vocab
 

@@ -19,8 +19,9 @@ from eagle.config import DraftConfig
 from eagle.draft import Eagle3Draft
 from eagle.features import target_forward
 from eagle.kvcache import SlotCache, visibility_mask
-from eagle.speculative import SpecConfig, SpecStats, TargetRunner, generate_plain, generate_speculative, pack_left
-from eagle.tree import Prefix, draft_chain, draft_tree
+from eagle.runners import Prefix, TargetRunner
+from eagle.speculative import SpecConfig, SpecStats, generate_plain, generate_speculative, pack_left
+from eagle.tree import draft_chain, draft_tree
 
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=512)

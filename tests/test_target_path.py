@@ -12,7 +12,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from eagle import fastpath, target_path
 from eagle.config_checks import FieldError
 from eagle.drafters import PromptLookupDrafter, generate_drafted
-from eagle.speculative import SpecConfig, TargetRunner, generate_plain, generate_speculative
+from eagle.runners import TargetRunner, time_paths
+from eagle.speculative import SpecConfig, generate_plain, generate_speculative
 from tests.test_speculative import SHAPE, _prompts, _same, llama_pair  # noqa: F401  (the shared fixture)
 
 
@@ -52,7 +53,7 @@ def test_each_role_gets_its_own_fastest_path(monkeypatch):
     fastest for their own pass width, so a process's plain baseline never rides on the verify pass's timing."""
     timed = {"decode": {"lean-packed": 1.0, "lean-torch": 0.8, "hf-packed": 1.2, "hf-torch": 1.1},
              "verify": {"lean-packed": 1.0, "lean-torch": 1.3, "hf-packed": 1.2, "hf-torch": 1.1}}
-    monkeypatch.setattr(target_path, "_time_paths", lambda target, paths: timed)
+    monkeypatch.setattr("eagle.runners.time_paths", lambda target, paths: timed)
     target = _llama(6)
     assert TargetRunner(target, 64, role="decode").path == "lean-torch"
     assert TargetRunner(target, 64).path == "lean-packed"  # "verify" by default
@@ -78,7 +79,7 @@ def test_auto_picks_hf_when_the_lean_decoder_is_slow(monkeypatch):
     slow = fastpath.LeanDecoder.__call__
 
     def sleepy(self, *a, **kw):
-        time.sleep(0.004)
+        time.sleep(0.025)  # well above an HF pass of the tiny target, even on busy cores
         return slow(self, *a, **kw)
 
     monkeypatch.setattr(fastpath.LeanDecoder, "__call__", sleepy)
@@ -103,7 +104,7 @@ def test_auto_picks_torch_kernels_when_packed_ones_are_slow(monkeypatch):
 def test_targets_without_a_lean_decoder_time_only_hf_paths():
     torch.manual_seed(0)
     eager = LlamaForCausalLM(LlamaConfig(**SHAPE, attn_implementation="eager")).eval()  # the lean decoder runs sdpa
-    t = target_path.measure(eager)
+    t = target_path.measure(eager, time_paths)
     assert set(t.seconds) == {"hf-packed", "hf-torch"} and "no lean decoder" in t.reason
     assert TargetRunner(eager, 64).decoder == "hf"
 
@@ -152,12 +153,10 @@ def test_kept_timings_give_every_later_process_the_same_pick(monkeypatch, tmp_pa
              "verify": {"lean-packed": 1.0, "lean-torch": 1.3, "hf-packed": 1.2, "hf-torch": 1.1}}
     loaded = {"decode": {"lean-packed": 0.9, "lean-torch": 1.2, "hf-packed": 1.5, "hf-torch": 1.4},
               "verify": {"lean-packed": 1.4, "lean-torch": 1.3, "hf-packed": 1.6, "hf-torch": 1.5}}
-    monkeypatch.setattr(target_path, "_time_paths", lambda target, paths: quiet)
-    first = target_path.measure(_llama(7))
+    first = target_path.measure(_llama(7), lambda target, paths: quiet)
     assert first.pick("decode") == "lean-torch" and first.kept == 1
     assert target_path.choose(loaded["decode"]) == "lean-packed"  # alone, the loaded process would flip
-    monkeypatch.setattr(target_path, "_time_paths", lambda target, paths: loaded)
-    second = target_path.measure(_llama(7))  # a new module object: what a fresh process sees
+    second = target_path.measure(_llama(7), lambda target, paths: loaded)  # a new module: what a fresh process sees
     assert second.pick("decode") == "lean-torch" and second.pick("verify") == "lean-packed"
     assert second.kept == 2 and second.by_role["decode"].measured == loaded["decode"]
     assert second.by_role["decode"].seconds == {"lean-packed": 0.9, "lean-torch": 0.8, "hf-packed": 1.2,
@@ -169,13 +168,14 @@ def test_kept_timings_give_every_later_process_the_same_pick(monkeypatch, tmp_pa
     assert len(data["entries"]) == 1
     other = _llama(7)
     other.config.hidden_size = 48  # another shape: its own entry, not the kept one
-    assert target_path.measure(other).kept == 1 and len(json.loads(store.read_text())["entries"]) == 2
+    assert target_path.measure(other, lambda target, paths: quiet).kept == 1
+    assert len(json.loads(store.read_text())["entries"]) == 2
     store.write_text("{not json")
-    assert target_path.measure(_llama(7)).kept == 1  # started afresh
+    assert target_path.measure(_llama(7), lambda target, paths: quiet).kept == 1  # started afresh
     assert json.loads(store.read_text())["entries"]
 
 
 def test_without_a_store_nothing_is_written(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
-    t = target_path.measure(_llama(8))
+    t = target_path.measure(_llama(8), time_paths)
     assert t.kept == 0 and t.seconds == t.by_role["verify"].measured and not list(tmp_path.iterdir())
