@@ -19,6 +19,8 @@ Settings come from the environment (infra/settings.py): EAGLE_HOME, MLFLOW_TRACK
 PREFECT_API_URL. Exit codes: 0 success; 2 bad arguments, bad input (`eagle.errors.BadInput`: arguments, files,
 URIs, settings, config values, checked by flows/preflight.py before any work starts) or unreachable services, as one
 line `eagle-heads: error: ...`; 1 a failure of the job, as one line naming the log file that holds its traceback.
+A stage's own refusal met inside a running flow (a `BadInput` only the stage can see) is the same one line, exit 2:
+Prefect's log of the failed task and flow is kept off the terminal (infra/prefect_env.py `hide_bad_input_failures`).
 Not here: any stage logic.
 """
 
@@ -45,8 +47,12 @@ def _check_files(parser: argparse.ArgumentParser, a: argparse.Namespace) -> None
 
 def _setup(a):
     """The settings, checked (state dir, tracking URI), and the command's preflight (its row's function in
-    flows/preflight.py); Prefect's defaults only then, so that a refusal leaves nothing under the state dir. A
-    command that needs no settings (config show) gets None."""
+    flows/preflight.py); Prefect's defaults only then, so that a refusal leaves nothing under the state dir. The
+    libraries' quiet settings come first: they write nothing, and the preflight imports MLflow and transformers,
+    which read them at import. A command that needs no settings (config show) gets None."""
+    from infra.quiet import apply_quiet_defaults
+
+    apply_quiet_defaults()
     import flows.preflight
     from infra.prefect_env import apply_prefect_defaults
     from infra.settings import Settings
@@ -90,10 +96,21 @@ def _run_command(a, settings) -> int:
     """The command, its preflight passed (flows/preflight.py, from `_setup`)."""
     command = COMMANDS[a.command]
     if command.needs_prefect:
-        from infra.prefect_env import start_local_api
+        from infra.prefect_env import hide_bad_input_failures, start_local_api
 
         start_local_api()  # Prefect's own start-up races with another process on a new Prefect home
+        hide_bad_input_failures()  # a stage's refusal is our one line, not Prefect's failure log above it
+        a.prefect_started = True
     return command.run(a, settings)
+
+
+def _quiet_prefect(a) -> None:
+    """Before the last line of a command that ran flows: Prefect's shutdown chatter ("Stopping temporary server")
+    must not follow it."""
+    if getattr(a, "prefect_started", False):
+        import logging
+
+        logging.getLogger("prefect").setLevel(logging.WARNING)
 
 
 def _one_line(e: BaseException) -> str:
@@ -111,9 +128,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except _refusals() as e:
+        _quiet_prefect(a)
         print(f"eagle-heads: error: {_one_line(e)}", file=sys.stderr)
         return 2
     except Exception as e:  # the job failed, or a bug: one line here, the traceback in a log file
+        _quiet_prefect(a)
         print(f"eagle-heads: {a.command} failed: {type(e).__name__}: {_one_line(e)[:500]} (traceback: "
               f"{_log_failure(a, settings)})", file=sys.stderr)
         return 1

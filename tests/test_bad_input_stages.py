@@ -5,7 +5,10 @@ truncated or unreadable feature files, a NaN loss, a history line torn by a kill
 regenerated shard, a feature shard or a checkpoint, a head or target name taken by the other kind of model, an
 unknown registered version; bad input is not retried (an outage is). Each error names the input and what to do;
 nothing half-written remains.
-Run: `python -m pytest tests/test_bad_input_stages.py` (about 20 s once the tiny embedded default is built).
+A stage's refusal met inside a running flow reaches the terminal as the CLI's one line, without Prefect's failure
+log (a filter on its console handler, and the real CLI in a subprocess).
+Run: `python -m pytest tests/test_bad_input_stages.py` (about 20 s once the tiny embedded default is built, plus
+the slow CLI run).
 Not here: kills and outages (tests/test_faults.py).
 """
 
@@ -280,3 +283,79 @@ def test_bad_input_is_not_retried_but_an_outage_is(prefect_harness, monkeypatch,
     with pytest.raises((RegenerateError, ConnectionError)):
         one_stage()
     assert len(calls) == attempts
+
+
+# ---- a stage's refusal met inside a running flow: the CLI's one line, not Prefect's failure log ------------------
+
+
+def test_prefects_log_of_a_bad_input_failure_is_hidden_and_other_failures_stay(prefect_harness):
+    """Real flows, real Prefect records, through a handler on the root logger (where Prefect's console handler is)
+    with `hide_bad_input_failures` installed: a task that fails on bad input leaves no failure record, a task that
+    fails otherwise keeps Prefect's task and flow failure logs with the traceback."""
+    import io
+    import logging
+
+    from prefect import flow, task
+
+    from components.regenerate import RegenerateError
+    from infra.prefect_env import hide_bad_input_failures
+
+    @task
+    def refuse():
+        raise RegenerateError("/x/traffic.jsonl: none of 3 conversations could be regenerated")
+
+    @task
+    def crash():
+        raise RuntimeError("a bug")
+
+    @flow
+    def one_stage(fail):
+        return fail()
+
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    logging.getLogger().addHandler(handler)
+    level = logging.getLogger("prefect").level
+    logging.getLogger("prefect").setLevel(logging.INFO)  # a CLI run in this process may have quieted it
+    try:
+        hide_bad_input_failures()
+        hide_bad_input_failures()  # twice adds nothing
+        assert sum(type(f).__name__ == "_HideBadInputFailures" for f in handler.filters) == 1
+        with pytest.raises(RegenerateError):
+            one_stage(refuse)
+        refused, _ = out.getvalue(), out.truncate(0)
+        with pytest.raises(RuntimeError):
+            one_stage(crash)
+        crashed = out.getvalue()
+    finally:
+        logging.getLogger().removeHandler(handler)
+        logging.getLogger("prefect").setLevel(level)
+    assert "Beginning flow run" in refused  # the run's other lines still show
+    assert "RegenerateError" not in refused and "Traceback" not in refused and "Failed" not in refused, refused
+    assert "Task run encountered an exception RuntimeError: a bug" in crashed and "Traceback" in crashed
+    assert "Flow run encountered an exception: RuntimeError: a bug" in crashed
+
+
+@pytest.mark.slow  # a Prefect start and a target load in a child process: ~40 s quiet, ~100 s on loaded cores
+def test_a_stages_refusal_through_the_cli_is_one_line(tiny_embedded, tmp_path):
+    """The real CLI in a subprocess: prompts longer than the target's context pass the preflight (it does not
+    tokenize), reach the regenerate task and are refused there: exit 2 and the CLI's one line, with no Prefect
+    failure log or traceback above it and nothing after it."""
+    import subprocess
+    import sys
+
+    traffic = _jsonl(tmp_path / "long.jsonl", *[{"id": f"long-{i}", "messages": [
+        {"role": "user", "content": "x = 1\n" * 400}]} for i in range(3)])
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "EAGLE_", "RAY_"))}
+    env.update(EAGLE_HOME=str(tmp_path / "home"), OMP_WAIT_POLICY="PASSIVE")
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", "train", "--preset", "tiny", "--target",
+                           str(tiny_embedded.target_dir), "--traffic", traffic, "--heldout",
+                           str(tiny_embedded.target_traffic.heldout)], capture_output=True, text=True, env=env,
+                          cwd=Path(__file__).resolve().parents[1], timeout=600)
+    out = proc.stdout + proc.stderr
+    errors = [x for x in out.splitlines() if "error" in x.lower() or "exception" in x.lower()]
+    assert proc.returncode == 2, out
+    assert len(errors) == 1 and errors[0].startswith(f"eagle-heads: error: {traffic}: none of 3 conversations"), out
+    assert "exceeds the target's context" in errors[0] and proc.stderr.rstrip().endswith(errors[0]), out
+    for noise in ("Traceback", "Finished in state", "Encountered exception", "| ERROR", "Stopping temporary server"):
+        assert noise not in out, out

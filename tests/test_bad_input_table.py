@@ -8,6 +8,8 @@ row's needle (the offending input), no traceback, and no new file under the stat
 `empty` one (it does not exist and must not be created) and a `registry` one (a local MLflow store holding target
 `t` version 1, which has no alias). If a row's input passed the preflight, the command is not run: the row fails
 with exit 99.
+`EMBEDDED_ROWS` are the embedded build's config (`python -m components.embedded --config F`), refused before the
+build. HARDENING.md's table lists exactly these rows (`test_hardening_lists_every_row`).
 Run: `python -m pytest tests/test_bad_input_table.py` (fast tier, ~20 s once the tiny embedded default is built).
 Not here: bad input met inside a stage (tests/test_bad_input_stages.py), kills and outages (tests/test_faults.py).
 """
@@ -170,7 +172,7 @@ BAD_CONFIGS: dict[str, tuple[dict, str]] = {
     "target-vllm-online": ({"target": {"runtime": "vllm"}, "extract": {"mode": "online"}},
                            "target.runtime 'vllm' runs the extract stage in the engine"),
     "extract-unknown-engine": ({"extract": {"engine": "tpu"}}, "extract.engine must be one of 'local', 'vllm'"),
-    "train-unknown-variant": ({"train": {"variant": "eagle4"}}, "train.variant must be one of 'eagle3', 'eagle3.1'"),
+    "train-unknown-variant": ({"train": {"variant": "eagle4"}}, "train.variant must be one of 'eagle3', 'eagle3.1', 'parallel'"),
     "train-variants-twice": ({"train": {"variants": ["eagle3", "eagle3"]}}, "train.variants names a variant twice"),
     "edges-descending": ({"evaluate": {"position_edges": [128, 0]}}, "evaluate.position_edges must be >= 2 ascending"),
     "edges-one": ({"evaluate": {"position_edges": [0]}}, "evaluate.position_edges must be >= 2 ascending"),
@@ -189,6 +191,39 @@ for _id, (_, _needle) in BAD_CONFIGS.items():
     ROWS[f"train-config-{_id}"] = (EMPTY, _with(TRAIN, config=_file), {}, _needle)
     if _id in CONFIG_ON_EVALUATE:
         ROWS[f"evaluate-config-{_id}"] = (EMPTY, _with(EVAL, config=_file), {}, _needle)
+
+# `python -m components.embedded --config <f>` (the embedded build): row id -> (the file's text, needle). Each is
+# refused before the build starts: exit 2, one line `embedded: error: <f>: ...`, nothing under the cache root.
+EMBEDDED_ROWS: dict[str, tuple[str, str]] = {
+    "embedded-traffic-unknown-kind": ('{"traffic": {"kind": "longer"}}', "traffic.kind: unknown kind 'longer'; "
+                                      "choose one of ['chat', 'long']"),
+    "embedded-long-prompt-lines-zero": ('{"traffic": {"kind": "long", "long_prompt_lines": 0}}',
+                                        "traffic.long_prompt_lines must be an integer >= 1, got 0"),
+    "embedded-long-prompt-lines-fraction": ('{"traffic": {"long_prompt_lines": 2.5}}',
+                                            "EmbeddedConfig.traffic.long_prompt_lines: expected <class 'int'>"),
+    "embedded-long-min-new-tokens-negative": ('{"traffic": {"kind": "long", "long_min_new_tokens": -5}}',
+                                              "traffic.long_min_new_tokens must be an integer >= 1, got -5"),
+    "embedded-long-min-new-tokens-bool": ('{"traffic": {"long_min_new_tokens": true}}',
+                                          "EmbeddedConfig.traffic.long_min_new_tokens: expected <class 'int'>, got a "
+                                          "bool"),
+    "embedded-long-min-new-tokens-above-context": ('{"traffic": {"kind": "long", "long_min_new_tokens": 4000}}',
+                                                   "traffic.long_min_new_tokens 4000 does not fit the target's "
+                                                   "context (target.max_position_embeddings 2048"),
+    "embedded-heldout-fraction-above-one": ('{"corpus": {"heldout_fraction": 1.5}}',
+                                            "corpus.heldout_fraction must be in [0, 1]"),
+    "embedded-train-conversations-zero": ('{"traffic": {"train_conversations": 0}}',
+                                          "traffic.train_conversations must be an integer >= 1, got 0"),
+    "embedded-system-prompt-fraction-above-one": ('{"traffic": {"system_prompt_fraction": 1.5}}',
+                                                  "traffic.system_prompt_fraction must be in [0, 1], got 1.5"),
+    "embedded-target-kv-heads-zero": ('{"target": {"num_kv_heads": 0}}',
+                                      "target.num_kv_heads must be an integer >= 1, got 0"),
+    "embedded-target-heads-not-dividing": ('{"target": {"num_heads": 3}}',
+                                           "target: hidden_size (256) must be a multiple of num_heads (3)"),
+    "embedded-seq-len-above-context": ('{"train": {"seq_len": 4096}}',
+                                       "train.seq_len 4096 is longer than the target's context"),
+    "embedded-unknown-key": ('{"traffic": {"knd": "long"}}', "EmbeddedConfig.traffic: unknown keys ['knd']"),
+    "embedded-config-not-json": ('{"traffic": ', "Expecting value"),
+}
 
 
 def _truncate(path: Path) -> None:
@@ -304,3 +339,28 @@ def test_bad_input_is_refused_in_one_line(row, files, homes, monkeypatch, capsys
     assert "Traceback" not in err and len(lines) == 1 and needle.format(**files) in lines[0], err
     assert err.count("\n") == 1 or err.startswith("usage:"), err  # ours: one line; argparse: usage, then one line
     assert _tree(home) == before, "the refusal wrote under the state dir"
+
+
+@pytest.mark.parametrize("row", list(EMBEDDED_ROWS))
+def test_bad_embedded_config_is_refused_in_one_line(row, tmp_path, capsys):
+    from components.embedded.__main__ import main
+
+    text, needle = EMBEDDED_ROWS[row]
+    (tmp_path / "cfg.json").write_text(text)
+    rc = main(["--config", str(tmp_path / "cfg.json"), "--root", str(tmp_path / "root"), "--quiet"])
+    captured = capsys.readouterr()
+    assert rc == 2 and captured.out == "", captured
+    assert captured.err.startswith(f"embedded: error: {tmp_path / 'cfg.json'}: ") and needle in captured.err, captured
+    assert captured.err.count("\n") == 1 and "Traceback" not in captured.err, captured
+    assert not (tmp_path / "root").exists(), "the refusal started the build"
+
+
+def test_hardening_lists_every_row():
+    """HARDENING.md's table of refusals (its `row` column) names exactly the rows of this module."""
+    import re
+
+    text = (Path(__file__).resolve().parents[1] / "HARDENING.md").read_text()
+    section = text.split("| input | error (excerpt) | row |", 1)[1].split("\n## ", 1)[0]
+    listed = re.findall(r"\| `([a-z0-9-]+)` \|\s*$", section, flags=re.M)
+    assert len(listed) == len(set(listed)), "a row is listed twice"
+    assert set(listed) == set(ROWS) | set(EMBEDDED_ROWS)

@@ -55,7 +55,7 @@ def test_presets_and_overrides(tmp_path):
     ({"evaluate": {"spec": {"depth": 0}}}, "evaluate.spec.depth must be an integer >= 1, got 0"),
     ({"evaluate": {"spec": {"method": "beam"}}}, "evaluate.spec.method must be one of 'chain', 'tree'"),
     ({"train": {"eval_every": 0}}, "train.select 'best_tau' needs the held-out evaluation"),
-    ({"train": {"variant": "eagle4"}}, "train.variant must be one of 'eagle3', 'eagle3.1'"),
+    ({"train": {"variant": "eagle4"}}, "train.variant must be one of 'eagle3', 'eagle3.1', 'parallel'"),
     ({"evaluate": {"position_edges": [0, 128, 64]}}, "evaluate.position_edges must be >= 2 ascending integers"),
     ({"train": {"variant": "parallel"}, "evaluate": {"spec": {"method": "tree", "topk": 2, "budget": 8}}},
      "train.variant 'parallel' drafts chains .* set evaluate.spec.method to 'chain'"),

@@ -3,7 +3,8 @@
 Run: `python -m components.embedded [--preset tiny|default|gpu] [--config FILE.json] [--root DIR] [--force]
 [--quiet]`. `--config` is a JSON object loaded strictly (unknown keys are errors); it replaces the preset, and
 sections or keys it omits take the dataclass defaults (those of `default()`): `{"traffic": {"kind": "long"}}` is the
-default build with long-output traffic files (components/embedded/long_traffic.py).
+default build with long-output traffic files (components/embedded/long_traffic.py). A config that cannot be read
+or holds a bad value is refused before the build with one line `embedded: error: <file>: <key path> ...`, exit 2.
 Not here: anything but argument parsing and printing; the work is `components.embedded.build.build_embedded`.
 """
 
@@ -28,9 +29,14 @@ def main(argv: list[str] | None = None) -> int:
 
     from components.embedded.build import build_embedded  # heavy imports after argument parsing
     from components.embedded.config import EmbeddedConfig
+    from eagle.errors import BadInput
 
-    cfg = EmbeddedConfig.from_dict(json.loads(args.config.read_text())) if args.config \
-        else EmbeddedConfig.preset(args.preset)
+    try:
+        cfg = EmbeddedConfig.from_dict(json.loads(args.config.read_text())) if args.config \
+            else EmbeddedConfig.preset(args.preset)
+    except (BadInput, OSError, UnicodeDecodeError, json.JSONDecodeError) as e:  # one line: the file and why
+        print(f"embedded: error: {args.config}: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
     result = build_embedded(cfg, args.root, force=args.force, progress=not args.quiet)
     m = result.metrics
     print(json.dumps({

@@ -2,7 +2,8 @@
 
 Purpose: one frozen dataclass per concern, grouped in `EmbeddedConfig`, with three presets: `tiny()` (tests, builds
 in seconds), `default()` (the 2-core demo) and `gpu()` (a bigger target for one accelerator).
-`EmbeddedConfig.from_dict` is strict: an unknown key anywhere is an error naming the allowed keys.
+`EmbeddedConfig.from_dict` is strict: an unknown key anywhere, a value of the wrong type or out of its bounds is an
+`EmbeddedConfigError` (a `BadInput`) naming the key path and the allowed values.
 Not here: building anything (see `components.embedded.build`); run-time switches that do not change the artifacts
 (progress bars, the cache root) are arguments of `build_embedded`, not config.
 """
@@ -14,6 +15,12 @@ import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any
+
+from eagle.errors import BadInput
+
+
+class EmbeddedConfigError(BadInput):
+    """A value of the embedded build's config that cannot work; the message names its key path."""
 
 
 @dataclass(frozen=True)
@@ -27,6 +34,11 @@ class CorpusConfig:
     chunk_lines: int = 60  # raw file chunks are cut at a blank line after this many lines
     min_body_lines: int = 2
     max_body_lines: int = 40
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.heldout_fraction <= 1:  # the split keeps at least one file on each side whatever it is
+            raise EmbeddedConfigError(f"corpus.heldout_fraction must be in [0, 1] (the share of each domain's files "
+                                      f"held out), got {self.heldout_fraction!r}")
 
 
 @dataclass(frozen=True)
@@ -47,6 +59,13 @@ class TargetConfig:
     max_position_embeddings: int = 2048
     rope_theta: float = 10000.0
     tie_word_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        for key in ("num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads",
+                    "max_position_embeddings"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise EmbeddedConfigError(f"target.{key} must be an integer >= 1, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -89,10 +108,15 @@ class TrafficConfig:
 
     def __post_init__(self) -> None:
         if self.kind not in TRAFFIC_KINDS:
-            raise ValueError(f"traffic.kind: unknown kind {self.kind!r}; choose one of {list(TRAFFIC_KINDS)}")
-        if self.long_prompt_lines < 1 or self.long_min_new_tokens < 1:
-            raise ValueError(f"traffic: long_prompt_lines ({self.long_prompt_lines}) and long_min_new_tokens "
-                             f"({self.long_min_new_tokens}) must be >= 1")
+            raise EmbeddedConfigError(f"traffic.kind: unknown kind {self.kind!r}; choose one of "
+                                      f"{list(TRAFFIC_KINDS)}")
+        for key in ("train_conversations", "heldout_conversations", "long_prompt_lines", "long_min_new_tokens"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise EmbeddedConfigError(f"traffic.{key} must be an integer >= 1, got {value!r}")
+        if not 0 <= self.system_prompt_fraction <= 1:
+            raise EmbeddedConfigError(f"traffic.system_prompt_fraction must be in [0, 1], got "
+                                      f"{self.system_prompt_fraction!r}")
 
 
 @dataclass(frozen=True)
@@ -113,6 +137,22 @@ class EmbeddedConfig:
                                                                            warmup_steps=8))
     traffic: TrafficConfig = field(default_factory=TrafficConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def __post_init__(self) -> None:
+        t = self.target
+        if t.hidden_size % t.num_heads or t.num_heads % t.num_kv_heads:
+            raise EmbeddedConfigError(f"target: hidden_size ({t.hidden_size}) must be a multiple of num_heads "
+                                      f"({t.num_heads}), and num_heads a multiple of num_kv_heads ({t.num_kv_heads})")
+        for key in ("train", "finetune"):
+            if getattr(self, key).seq_len > t.max_position_embeddings:
+                raise EmbeddedConfigError(f"{key}.seq_len {getattr(self, key).seq_len} is longer than the target's "
+                                          f"context (target.max_position_embeddings {t.max_position_embeddings})")
+        room = self.target.max_position_embeddings - 2  # at least one prompt token and the end-of-turn token
+        if self.traffic.kind == "long" and self.traffic.long_min_new_tokens > room:
+            raise EmbeddedConfigError(
+                f"traffic.long_min_new_tokens {self.traffic.long_min_new_tokens} does not fit the target's context "
+                f"(target.max_position_embeddings {self.target.max_position_embeddings}: at most {room} new tokens "
+                "after a prompt); no long sample could be kept: lower it or raise the context")
 
     @classmethod
     def default(cls) -> "EmbeddedConfig":
@@ -164,7 +204,7 @@ class EmbeddedConfig:
     def preset(cls, name: str) -> "EmbeddedConfig":
         presets = {"tiny": cls.tiny, "default": cls.default, "gpu": cls.gpu}
         if name not in presets:
-            raise ValueError(f"unknown preset {name!r}; choose one of {sorted(presets)}")
+            raise EmbeddedConfigError(f"unknown preset {name!r}; choose one of {sorted(presets)}")
         return presets[name]()
 
     def to_dict(self) -> dict[str, Any]:
@@ -178,11 +218,11 @@ class EmbeddedConfig:
 
 def _strict(cls: type, d: Any, where: str) -> Any:
     if not isinstance(d, dict):
-        raise ValueError(f"{where}: expected a mapping, got {type(d).__name__}")
+        raise EmbeddedConfigError(f"{where}: expected a mapping, got {type(d).__name__}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(d) - set(fields))
     if unknown:
-        raise ValueError(f"{where}: unknown keys {unknown}; allowed: {sorted(fields)}")
+        raise EmbeddedConfigError(f"{where}: unknown keys {unknown}; allowed: {sorted(fields)}")
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for name, value in d.items():
@@ -200,8 +240,8 @@ def _check_scalar(kind: Any, value: Any, where: str) -> None:
     if value is None and type(None) in allowed:
         return
     if isinstance(value, bool) and bool not in allowed:
-        raise ValueError(f"{where}: expected {kind}, got a bool")
+        raise EmbeddedConfigError(f"{where}: expected {kind}, got a bool")
     if float in allowed and isinstance(value, int):
         return
     if not any(t is not type(None) and isinstance(value, t) for t in allowed):
-        raise ValueError(f"{where}: expected {kind}, got {type(value).__name__} {value!r}")
+        raise EmbeddedConfigError(f"{where}: expected {kind}, got {type(value).__name__} {value!r}")
