@@ -78,12 +78,14 @@ class ExtractConfig:
     # where and how fast, not what: the files are the same whatever these are (not part of a run's identity)
     num_workers: int = field(default=0, metadata=NOT_IDENTITY)  # 0: in this process; N: N Ray actors, a shard each
     cpus_per_worker: int = field(default=1, metadata=NOT_IDENTITY)  # of each actor (one GPU each too on CUDA)
+    engine_replicas: int = field(default=1, metadata=NOT_IDENTITY)  # engine 'vllm': N > 1 engines, Ray actors
 
     def __post_init__(self) -> None:
         one_of(self, "mode", ("offline", "online"))
         one_of(self, "dtype", FEATURE_DTYPES)  # of the stored features
         one_of(self, "engine", ENGINES)
-        at_least(self, {"max_len": 2, "batch_size": 1, "seqs_per_shard": 1, "num_workers": 0, "cpus_per_worker": 1})
+        at_least(self, {"max_len": 2, "batch_size": 1, "seqs_per_shard": 1, "num_workers": 0, "cpus_per_worker": 1,
+                        "engine_replicas": 1})
         ids = tuple(self.aux_layer_ids)
         if ids and not (len(ids) == 3 and all(type(i) is int for i in ids) and 1 <= ids[0] < ids[1] < ids[2]):
             raise FieldError(self, "aux_layer_ids", f"{list(ids)} must be three distinct ascending layer ids >= 1, or "
@@ -95,6 +97,9 @@ class ExtractConfig:
         if self.engine == "vllm" and self.num_workers:
             raise FieldError(self, "num_workers", f"must be 0 with engine 'vllm' (one engine computes every shard), "
                              f"got {self.num_workers}")
+        if self.engine_replicas > 1 and self.engine != "vllm":
+            raise FieldError(self, "engine_replicas", f"{self.engine_replicas} needs engine 'vllm' (replicas of the "
+                             "engine; local extraction scales with num_workers)")
 
 
 @dataclass(frozen=True)

@@ -10,22 +10,39 @@ them (`max_tokens` 1, `extract.batch_size` requests in flight), and builds the s
 - last_hidden_state [T, H]: the engine's id N (the residual before the final norm) through the target's final
   RMSNorm, its weight read by tensor name from the target's safetensors (`target_final_norm`), which is what local
   extraction stores (the decoder's output); the teacher is computed from it with `lm_head` as for local shards.
-The engine's files of a shard are deleted once the shard is written, so they take at most one shard's
-`seqs_per_shard x T x 4 x H` values of the engine's dtype on disk; a killed run resumes at the shard it was on
-(the resume rule of components/extract.py) and clears the files it left. Our process never loads the whole target:
-`target_heads` reads the embedding and `lm_head` by name too (the embedding when the weights are tied).
-Measured on the tiny fp32 target (tests/test_extract_engine.py): features equal to local extraction's within 1e-5
-relative.
-Run: `extract(ExtractConfig(engine="vllm"), ...)`, or `{"extract": {"engine": "vllm"}}` in a pipeline config; needs
-vLLM's venv (`make vllm`) or EAGLE_VLLM_PYTHON.
-Not here: the vLLM process (infra/), the shard format and resume rule (components/extract.py), several engine
-replicas, and targets whose final norm is not an RMSNorm (Gemma's (1 + w), LayerNorm with bias: refused).
+On the CPU build each engine's KV cache is sized for the requests in flight (`kv_cache_bytes`: `extract.batch_size`
+sequences of `max_len + 1` tokens, twice over, at least 256 MiB) instead of vLLM's share of host memory (a quarter:
+about 6 GB on a 24 GB machine), so an engine takes about its weights plus 1 GB and several fit one host.
+The engine's files of a shard are deleted once the shard's bytes are built, so they take at most one shard's
+`seqs_per_shard x T x 4 x H` values of the engine's dtype on disk per engine; a killed run resumes at the shard it
+was on (the resume rule of components/extract.py) and clears the files it left. Our process never loads the whole
+target: `target_heads` reads the embedding and `lm_head` by name too (the embedding when the weights are tied).
+Replicas: `extract.engine_replicas` N > 1 starts N engines, one per Ray actor (`EngineReplica`, the actor pool and
+dispatch of components/regen_ray.py: a shard per task, the next to whichever replica returns first, on the Ray of
+RAY_ADDRESS or a local one started here). Each replica starts its engine at its first shard (its own storage
+directory, its own log under the state dir's `vllm/`) and returns each shard's bytes; this process writes them as
+with one engine, so the files, the manifest and resume are the same. A replica whose engine dies mid-shard ends
+itself; Ray restarts it once (a new engine) and retries that shard, so nothing is lost or written twice. Every
+engine runs in its own process group, killed when its actor ends (the leader's parent-death signal) and by
+`stop_engines` here on any exit (the engines of this host; on other nodes of a cluster the parent-death signal
+alone).
+Measured on the tiny fp32 target (tests/test_extract_engine.py, tests/test_extract_replicas.py): features equal to
+local extraction's within 1e-5 relative, with one engine or two replicas.
+Run: `extract(ExtractConfig(engine="vllm"), ...)`, or `{"extract": {"engine": "vllm", "engine_replicas": 2}}` in a
+pipeline config; needs vLLM's venv (`make vllm`) or EAGLE_VLLM_PYTHON.
+Not here: the vLLM process (infra/), the shard format and resume rule (components/extract.py), a replica spanning
+several GPUs (each replica asks Ray for one GPU when `extract.device` is CUDA), and targets whose final norm is not
+an RMSNorm (Gemma's (1 + w), LayerNorm with bias: refused).
 """
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
+import subprocess
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +51,9 @@ from typing import Any, Callable
 from components.targets import TargetError, declared_dtype, read_tensors
 
 STORAGE = "engine-hidden-states"  # under the extraction's out_dir: the engine's per-request files, one shard's worth
+MIN_KV_CACHE = 256 << 20  # bytes: the least KV cache an extraction engine is given on the CPU build
+DEATH_WAIT_S = 20.0  # after a failed request, how long a replica waits to see whether its engine is dying
+PID_FILE = "engine.pid"  # in each engine replica's storage directory: its engine's pid (= process group)
 NORM, EMBED, LM_HEAD = "model.norm.weight", "model.embed_tokens.weight", "lm_head.weight"
 
 
@@ -81,32 +101,197 @@ def engine_features(hidden_TnH, norm: FinalNorm):
     return hidden_TnH[:, :n - 1].reshape(T, (n - 1) * H), norm(hidden_TnH[:, n - 1])
 
 
+def engine_shard(server, norm: FinalNorm, part: list, dtype: str, pool: ThreadPoolExecutor) -> bytes:
+    """One shard's safetensors bytes from a running engine (the sequences' requests in flight on `pool`'s threads);
+    the engine's files of the shard are deleted once its bytes are built."""
+    from components.extract import pack_shard
+    from infra.vllm_extract import load_hidden_states, remove_hidden_states, request_hidden_states
+
+    paths = list(pool.map(lambda s: request_hidden_states(server, s[0]), part))
+    try:
+        hidden = (load_hidden_states(p, s) for p, (s, _) in zip(paths, part))
+        return pack_shard(part, (engine_features(h, norm) for h in hidden), dtype)
+    finally:
+        for p in paths:
+            remove_hidden_states(p)
+
+
+@dataclass(frozen=True)
+class EngineShape:
+    """What every engine of a run is started with: `hidden_states_spec`'s arguments but the storage directory."""
+
+    layer_ids: tuple[int, ...]  # the fused ids, then N
+    max_model_len: int
+    dtype: str
+    context: int | None
+    kv_cache_bytes: int  # on the CPU build (a GPU engine takes vLLM's share of its device)
+
+    def spec(self, target_dir: str, storage: Path):
+        from infra.vllm_extract import hidden_states_spec
+
+        return hidden_states_spec(target_dir, list(self.layer_ids), storage, self.max_model_len, self.dtype,
+                                  context=self.context, kv_cache_bytes=self.kv_cache_bytes)
+
+
+def kv_cache_bytes(config, n_ids: int, max_model_len: int, requests: int, dtype: str) -> int:
+    """The KV cache an extraction engine needs: `requests` sequences of `max_model_len` tokens in flight, each token
+    holding K and V of every decoder layer and the cached hidden states (n_ids x H, as K and V), twice over (block
+    rounding, the scheduler's slack); at least MIN_KV_CACHE. A share of host memory (vLLM's CPU default) is GBs."""
+    hidden, heads = int(config.hidden_size), int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
+    width = 2 * int(config.num_hidden_layers) * kv_heads * head_dim + 2 * n_ids * hidden
+    return max(MIN_KV_CACHE, 2 * width * (4 if dtype == "float32" else 2) * max_model_len * requests)
+
+
 def run_in_engine(cfg, target_dir: str, config, layer_ids: list[int], pending: dict[int, list],
                   finish: Callable[[int, bytes, float], None], out: Path, settings=None,
                   progress: Callable[[str], None] = print) -> None:
-    """Compute every pending shard (index -> sequences (input_ids, loss_mask)) in one vLLM started here;
-    `finish(shard, bytes, seconds)` writes each. `settings`: infra.settings.Settings (None: from the environment)."""
-    from components.extract import pack_shard
+    """Compute every pending shard (index -> sequences (input_ids, loss_mask)) in one vLLM started here, or in
+    `cfg.engine_replicas` engines on Ray (`run_on_replicas`); `finish(shard, bytes, seconds)` writes each.
+    `settings`: infra.settings.Settings (None: from the environment)."""
     from infra.settings import Settings
-    from infra.vllm_extract import hidden_states_spec, load_hidden_states, remove_hidden_states, request_hidden_states
     from infra.vllm_server import VllmServer
 
+    settings = settings or Settings.from_env()
     norm = target_final_norm(target_dir, config)
     storage = out / STORAGE
-    shutil.rmtree(storage, ignore_errors=True)  # files a killed run left
-    storage.mkdir(parents=True)
-    n = int(config.num_hidden_layers)
-    spec = hidden_states_spec(target_dir, [*layer_ids, n], storage, cfg.max_len + 1, declared_dtype(target_dir),
-                              context=getattr(config, "max_position_embeddings", None))
-    progress(f"extract (vLLM): starting the engine for layer ids {[*layer_ids, n]} ({len(pending)} shards)")
-    with VllmServer(spec, settings or Settings.from_env()) as server, \
-            ThreadPoolExecutor(max_workers=cfg.batch_size) as pool:
-        for k, part in pending.items():
-            t0 = time.perf_counter()
-            paths = list(pool.map(lambda s: request_hidden_states(server, s[0]), part))
-            hidden = (load_hidden_states(p, s) for p, (s, _) in zip(paths, part))
-            data = pack_shard(part, (engine_features(h, norm) for h in hidden), cfg.dtype)
-            finish(k, data, time.perf_counter() - t0)
-            for p in paths:
-                remove_hidden_states(p)
+    stop_engines(storage)  # engines and files a killed run left
     shutil.rmtree(storage, ignore_errors=True)
+    storage.mkdir(parents=True)
+    replicas = min(cfg.engine_replicas, len(pending))
+    ids, dtype = (*layer_ids, int(config.num_hidden_layers)), declared_dtype(target_dir)
+    shape = EngineShape(ids, cfg.max_len + 1, dtype, getattr(config, "max_position_embeddings", None),
+                        kv_cache_bytes(config, len(ids), cfg.max_len + 1, cfg.batch_size, dtype))
+    if replicas > 1:
+        progress(f"extract (vLLM): {replicas} engine replicas on Ray for layer ids {list(ids)} ({len(pending)} "
+                 f"shards; their logs under {settings.state_dir / 'vllm'})")
+        try:
+            run_on_replicas(cfg, replicas, target_dir, norm, shape, pending, finish, storage, settings, progress)
+        finally:
+            stop_engines(storage)
+    else:
+        progress(f"extract (vLLM): starting the engine for layer ids {list(ids)} ({len(pending)} shards)")
+        with VllmServer(shape.spec(target_dir, storage), settings) as server, \
+                ThreadPoolExecutor(max_workers=cfg.batch_size) as pool:
+            for k, part in pending.items():
+                t0 = time.perf_counter()
+                finish(k, engine_shard(server, norm, part, cfg.dtype, pool), time.perf_counter() - t0)
+    shutil.rmtree(storage, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class ReplicaPool:
+    """The actors `components.regen_ray.run_actors` starts for engine replicas: how many, the CPUs of each, and
+    `device` (CUDA: one GPU each, the engine's)."""
+
+    num_workers: int
+    cpus_per_worker: int
+    device: str
+
+
+class EngineReplica:
+    """A Ray actor's state: one vLLM of its own, started at its first shard with a storage directory of its own
+    under `storage` (its engine's process group recorded there, `PID_FILE`), and the target's final norm."""
+
+    def __init__(self, pool: ReplicaPool, cfg, target_dir: str, norm: FinalNorm, shape: EngineShape, storage: str,
+                 settings):
+        self.cfg, self.target_dir, self.norm, self.shape, self.settings = cfg, target_dir, norm, shape, settings
+        self.storage = Path(storage) / f"replica-{uuid.uuid4().hex[:12]}"
+        self.requests = ThreadPoolExecutor(max_workers=cfg.batch_size)
+        self.server = None
+
+    def run(self, shard: int, seqs: list) -> bytes:
+        from infra.vllm_server import EngineError
+
+        if self.server is None:  # in the first task, so a start error is that task's error, raised as itself
+            self.storage.mkdir(parents=True, exist_ok=True)
+            spec = self.shape.spec(self.target_dir, self.storage)
+            self.server = _recorded_server(spec, self.settings, self.storage / PID_FILE).start()
+        try:
+            return engine_shard(self.server, self.norm, list(seqs), self.cfg.dtype, self.requests)
+        except EngineError:
+            proc = self.server.proc
+            if proc is not None and _exits(proc, DEATH_WAIT_S):  # its engine died mid-shard: the replica ends too,
+                kill_group(proc.pid)  # and Ray restarts it once (a new engine) and retries this shard
+                os._exit(1)
+            raise
+
+
+def _recorded_server(spec, settings, pid_file: Path):
+    """A VllmServer that writes its engine's pid (= process group) to `pid_file` as soon as the engine is spawned,
+    before waiting for it to be healthy, so that `stop_engines` also finds an engine still starting."""
+    from infra.vllm_server import VllmServer
+
+    class Recorded(VllmServer):
+        def _wait_healthy(self) -> None:  # VllmServer.start calls it right after spawning the engine
+            pid_file.write_text(str(self.proc.pid))
+            super()._wait_healthy()
+
+    return Recorded(spec, settings)
+
+
+def _exits(proc, wait_s: float) -> bool:
+    """Whether the process ends within `wait_s` (a killed engine's connections reset before it has exited)."""
+    try:
+        proc.wait(wait_s)
+        return True
+    except subprocess.TimeoutExpired:
+        return False
+
+
+def run_on_replicas(cfg, replicas: int, target_dir: str, norm: FinalNorm, shape: EngineShape,
+                    pending: dict[int, list], finish: Callable[[int, bytes, float], None], storage: Path, settings,
+                    progress: Callable[[str], None]) -> None:
+    """Every pending shard computed by `replicas` `EngineReplica` actors (`cfg.cpus_per_worker` CPUs each), a shard
+    per task, on the Ray of `settings` (a local one started here when RAY_ADDRESS is unset); `finish` in this process
+    as each shard returns, so the files and the resume rule are those of one engine."""
+    from components.regen_ray import local_cpus, run_actors
+    from infra.ray_cluster import ray_session
+
+    from ray.exceptions import RayTaskError
+
+    pool = ReplicaPool(replicas, cfg.cpus_per_worker, cfg.device)
+    with ray_session(settings, num_cpus=local_cpus(pool, settings)):
+        try:
+            run_actors(pool, EngineReplica, (cfg, target_dir, norm, shape, str(storage), settings), pending, finish,
+                       "extract", progress)
+        except RayTaskError as e:  # an error inside a replica (an engine that cannot start): raised as itself
+            raise (e.cause if isinstance(e.cause, Exception) else e) from None
+
+
+def stop_engines(storage: Path, wait_s: float = 30.0) -> None:
+    """Kill the process group of every replica's engine recorded under `storage` (those of this host), and wait up
+    to `wait_s` for the groups to be gone (reaped), so their memory is free for what runs next."""
+    pids = []
+    for f in storage.glob(f"*/{PID_FILE}"):
+        pids.append(int(f.read_text()))
+        kill_group(pids[-1])
+        f.unlink(missing_ok=True)
+    deadline = time.monotonic() + wait_s
+    while pids and time.monotonic() < deadline:
+        pids = [p for p in pids if _group_exists(p)]
+        time.sleep(0.2)
+
+
+def _group_exists(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def kill_group(pid: int) -> None:
+    """SIGKILL the process group led by the engine `pid`, unless that pid now belongs to another program (a pid is
+    not reused while its group has members, so a missing leader still means our group)."""
+    proc = Path(f"/proc/{pid}")
+    try:
+        if proc.exists() and b"vllm" not in (proc / "cmdline").read_bytes() \
+                and (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+            return
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, FileNotFoundError, PermissionError):
+        pass

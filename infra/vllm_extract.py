@@ -31,24 +31,28 @@ GPU_CONNECTOR = "ExampleHiddenStatesConnector"  # vLLM's own, registered by name
 
 
 def hidden_states_spec(target_dir: str, layer_ids: list[int], storage_dir: Path, max_model_len: int, dtype: str,
-                       context: int | None = None, device: str = "auto") -> EngineSpec:
+                       context: int | None = None, device: str = "auto",
+                       kv_cache_bytes: int | None = None) -> EngineSpec:
     """The engine that writes the hidden states at `layer_ids` of every request under `storage_dir`, running the
     target in `dtype` (state it: vLLM's "auto" runs a float32 target in 16 bits). `context`: the target's
     `max_position_embeddings`; a `max_model_len` one past it (room for the one token a request generates, never an
-    input of a feature) is allowed explicitly."""
+    input of a feature) is allowed explicitly. `kv_cache_bytes`: on the CPU build, the engine's KV cache
+    (`--kv-cache-memory-bytes`) instead of a share of host memory, so that several engines fit one host."""
     spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}}}
     kv = {"kv_role": "kv_producer", "kv_connector_extra_config": {"shared_storage_path": str(storage_dir)}}
     env: list[tuple[str, str]] = []
+    memory: tuple[str, ...] = ()
     if context is not None and max_model_len > context:
         env.append(("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1"))
     if EngineSpec(str(target_dir), method=None, device=device).resolved_device() == "cpu":  # type: ignore[arg-type]
         kv.update(kv_connector=CPU_CONNECTOR[0], kv_connector_module_path=CPU_CONNECTOR[1])
         env.append(("PYTHONPATH", str(PLUGIN_DIR)))
+        memory = ("--kv-cache-memory-bytes", str(kv_cache_bytes)) if kv_cache_bytes else ()
     else:
         kv["kv_connector"] = GPU_CONNECTOR
     args = ("--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv),
-            "--no-enable-chunked-prefill")
+            "--no-enable-chunked-prefill", *memory)
     return EngineSpec(str(target_dir), method=None, dtype=dtype, max_model_len=max_model_len,
                       device=device, extra_args=args, env=tuple(env))  # type: ignore[arg-type]
 

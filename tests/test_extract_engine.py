@@ -13,7 +13,8 @@ local extraction, and:
   (a bad `extract.engine` value fails at config load: tests/test_config.py).
 Run: `python -m pytest tests/test_extract_engine.py` (about 1.5 minutes on 2 cores, most of it the one engine start).
 Needs vLLM's venv (`make vllm`).
-Not here: the engine's serving of heads (tests/test_vllm.py), extraction on Ray (tests/test_extract_scale.py).
+Not here: the engine's serving of heads (tests/test_vllm.py), extraction on Ray (tests/test_extract_scale.py),
+several engine replicas (tests/test_extract_replicas.py).
 """
 
 from __future__ import annotations
