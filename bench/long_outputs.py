@@ -16,7 +16,7 @@ successive lengths (constant: linear in S; doubling per doubling of S: quadratic
 successive lengths (1.0 = proportional, 2.0 = quadratic; below 1 where a fixed part dominates), and the process's
 whole peak (VmHWM, target and head included); writes
 bench/results/long_outputs.json (bench/report.py: metadata, earlier runs kept).
-Not measured here: speed or acceptance on long outputs (issue 25's benchmark), the engine's memory.
+Not measured here: speed or acceptance on long outputs (bench/long_variants.py), the engine's memory.
 """
 
 from __future__ import annotations

@@ -16,6 +16,8 @@ of the pair gets a smaller memory share (`PAIR_MEMORY_SHARE`) so that both fit. 
   requests, with its interval and whether it is reliable (`speedup_lo`, `speedup_hi`, `speedup_reliable`),
 - whether vLLM's speculative output equals vLLM's plain output token for token, and (when `ours` gives this
   project's greedy outputs for the same prompts) whether it equals ours.
+Each request asks for its sample's `max_new_tokens` (else `cfg.spec.max_new_tokens`), as the local evaluation
+decodes it, and with `cfg.ignore_eos` vLLM's `ignore_eos` (both servers: the outputs run to that length).
 Writes `engine_evaluation.json`. A greedy output that differs raises `NotLosslessError` after the report is written.
 vLLM's counters count every accepted draft token, also those past an EOS or the token limit, so the per-position
 counts to compare with are this project's raw `accept_lengths` (what `evaluate.json` stores per sample).
@@ -32,7 +34,7 @@ from pathlib import Path
 from typing import Callable
 
 from components.atomic import atomic_write_text
-from components.evaluate import EvaluateConfig, NotLosslessError, held_out_prompts, position_metrics
+from components.evaluate import EvaluateConfig, HeldOut, NotLosslessError, held_out_samples, position_metrics
 from components.speed import SpeedupEstimate, measure_speedup
 from infra.settings import Settings
 from eagle.stats import acceptance_by_position, raw_steps
@@ -83,9 +85,10 @@ def target_context(target_dir: str | Path) -> int:
     return int(config.get("max_position_embeddings", 2048))
 
 
-def engine_max_len(target_dir: str | Path, cfg: EvaluateConfig) -> int:
-    """What the evaluation needs (prompt + new tokens + one draft), within the target's context."""
-    need = cfg.max_prompt_tokens + cfg.spec.max_new_tokens + cfg.spec.depth + 8
+def engine_max_len(target_dir: str | Path, cfg: EvaluateConfig, max_new_tokens: int | None = None) -> int:
+    """What the evaluation needs (prompt + new tokens + one draft), within the target's context; `max_new_tokens`:
+    the longest sample's limit (None: `cfg.spec.max_new_tokens`)."""
+    need = cfg.max_prompt_tokens + (max_new_tokens or cfg.spec.max_new_tokens) + cfg.spec.depth + 8
     return min(target_context(target_dir), max(need, 256))
 
 
@@ -94,32 +97,43 @@ def our_outputs(report_file: str | Path) -> list[list[int]]:
     return [s["output_ids"] for s in json.loads(Path(report_file).read_text())["samples"]]
 
 
-def time_requests(server: VllmServer, prompts: list[list[int]], max_tokens: int, temperature: float = 0.0,
-                  progress: Callable[[int], None] | None = None) -> tuple[list[list[int]], float]:
-    """Each prompt in turn (batch 1): its output token ids and the summed request seconds. Warm the server up
-    first: every request is timed."""
+def time_requests(server: VllmServer, prompts: list[list[int]], max_tokens: int | list[int], temperature: float = 0.0,
+                  progress: Callable[[int], None] | None = None,
+                  ignore_eos: bool = False) -> tuple[list[list[int]], float]:
+    """Each prompt in turn (batch 1): its output token ids and the summed request seconds. `max_tokens`: one limit
+    for all, or one per prompt. Warm the server up first: every request is timed."""
+    limits = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
     outs, seconds = [], 0.0
     for i, ids in enumerate(prompts):
         t0 = time.perf_counter()
-        outs.append(server.complete(ids, max_tokens, temperature).token_ids)
+        outs.append(server.complete(ids, limits[i], temperature, ignore_eos).token_ids)
         seconds += time.perf_counter() - t0
         if progress:
             progress(i + 1)
     return outs, seconds
 
 
-def engine_prompts(cfg: EvaluateConfig, target_dir: str, traffic_path: str, settings: Settings):
+def engine_samples(cfg: EvaluateConfig, target_dir: str, traffic_path: str, settings: Settings) -> list[HeldOut]:
+    """The held-out prompts of the local evaluation (`components.evaluate.held_out_samples`), with their limits."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(target_dir, trust_remote_code=settings.trust_remote_code)
-    return held_out_prompts(tokenizer, traffic_path, cfg)
+    return held_out_samples(tokenizer, traffic_path, cfg)
 
 
-def eval_spec(cfg: EvaluateConfig, target_dir: str, head_dir: str | None = None, pair: bool = True) -> EngineSpec:
+def engine_prompts(cfg: EvaluateConfig, target_dir: str, traffic_path: str, settings: Settings):
+    """(segment, prompt token ids) of `engine_samples`."""
+    return [(s.segment, s.ids) for s in engine_samples(cfg, target_dir, traffic_path, settings)]
+
+
+def eval_spec(cfg: EvaluateConfig, target_dir: str, head_dir: str | None = None, pair: bool = True,
+              max_new_tokens: int | None = None) -> EngineSpec:
     """The engine the evaluation runs: plain (`head_dir` None) or EAGLE-3 with `head_dir` at `cfg.spec.depth`;
-    `pair`: one of two servers up at once, each with `PAIR_MEMORY_SHARE` of the memory."""
+    `pair`: one of two servers up at once, each with `PAIR_MEMORY_SHARE` of the memory; `max_new_tokens`: the
+    longest sample's limit (None: `cfg.spec.max_new_tokens`)."""
     spec = EngineSpec(str(target_dir), str(head_dir) if head_dir else None, method="eagle3" if head_dir else None,
-                      num_speculative_tokens=cfg.spec.depth, max_model_len=engine_max_len(target_dir, cfg),
+                      num_speculative_tokens=cfg.spec.depth,
+                      max_model_len=engine_max_len(target_dir, cfg, max_new_tokens),
                       extra_args=PER_REQUEST_METRICS if head_dir else ())
     if not pair:
         return spec
@@ -128,10 +142,12 @@ def eval_spec(cfg: EvaluateConfig, target_dir: str, head_dir: str | None = None,
     return replace(spec, extra_args=(*spec.extra_args, "--gpu-memory-utilization", str(PAIR_MEMORY_SHARE["cuda"])))
 
 
-def plain_server(cfg: EvaluateConfig, target_dir: str, settings: Settings) -> VllmServer:
+def plain_server(cfg: EvaluateConfig, target_dir: str, settings: Settings,
+                 max_new_tokens: int | None = None) -> VllmServer:
     """vLLM without speculation for this target and config, not yet started (`with plain_server(...) as srv`); one
-    running server can be handed to several `evaluate_in_vllm` calls of the same target and config."""
-    return VllmServer(eval_spec(cfg, target_dir), settings)
+    running server can be handed to several `evaluate_in_vllm` calls of the same target and config (`max_new_tokens`:
+    the longest sample's limit, when the traffic gives per-sample limits)."""
+    return VllmServer(eval_spec(cfg, target_dir, max_new_tokens=max_new_tokens), settings)
 
 
 def evaluate_in_vllm(cfg: EvaluateConfig, target_dir: str, head_dir: str, traffic_path: str, out_dir: str,
@@ -144,13 +160,16 @@ def evaluate_in_vllm(cfg: EvaluateConfig, target_dir: str, head_dir: str, traffi
     like (`baseline_tau`)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    prompts = engine_prompts(cfg, target_dir, traffic_path, settings)
+    prompts = engine_samples(cfg, target_dir, traffic_path, settings)
+    longest = max(p.max_new_tokens for p in prompts)
+    if plain is not None and plain.spec.max_model_len < engine_max_len(target_dir, cfg, longest):
+        plain = None  # too short a context for these samples' limits: one of the right length is started
     with ExitStack() as stack:
         if plain is None:
             progress("evaluate (vLLM): starting the engine without speculation")
-            plain = stack.enter_context(plain_server(cfg, target_dir, settings))
+            plain = stack.enter_context(plain_server(cfg, target_dir, settings, longest))
         progress(f"evaluate (vLLM): starting the engine with the head ({cfg.spec.depth} speculative tokens)")
-        srv = stack.enter_context(VllmServer(eval_spec(cfg, target_dir, head_dir), settings))
+        srv = stack.enter_context(VllmServer(eval_spec(cfg, target_dir, head_dir, max_new_tokens=longest), settings))
         plain_run, spec_run, counters, speed = _interleaved(cfg, plain, srv, prompts, progress)
     baseline = None
     if baseline_head_dir:
@@ -165,15 +184,15 @@ def evaluate_in_vllm(cfg: EvaluateConfig, target_dir: str, head_dir: str, traffi
 def _interleaved(cfg: EvaluateConfig, plain: VllmServer, srv: VllmServer, prompts, progress):
     """Rounds of plain and speculative requests, interleaved prompt by prompt (components/speed.py): round 0's
     outputs of both, the speculative server's counter deltas over round 0 (the prompts once, as ours), the timing."""
-    n, max_new, temp = len(prompts), cfg.spec.max_new_tokens, cfg.spec.temperature
+    n, temp = len(prompts), cfg.spec.temperature
     for s in (plain, srv):
-        s.complete(prompts[0][1], 4)  # warm-up: first-request costs out of the timing, before the counters
+        s.complete(prompts[0].ids, 4)  # warm-up: first-request costs out of the timing, before the counters
     before = srv.spec_counters()
     outs: dict[str, list] = {"plain": [None] * n, "spec": [None] * n, "steps": [None] * n}
     counters: list[SpecCounters] = []
 
     def run(server: VllmServer, key: str, i: int, r: int) -> int:
-        c = server.complete(prompts[i][1], max_new, temp)
+        c = server.complete(prompts[i].ids, prompts[i].max_new_tokens, temp, cfg.ignore_eos)
         if r == 0:
             outs[key][i] = c.token_ids
             if key == "spec":
@@ -201,11 +220,12 @@ def _run_head(cfg: EvaluateConfig, target_dir: str, head_dir: str, prompts, sett
               progress: Callable[[str], None], what: str) -> tuple[EngineRun, SpecCounters]:
     """vLLM with `head_dir` (EAGLE-3, `cfg.spec.depth` tokens) alone over `prompts`: outputs, seconds, counters."""
     progress(f"evaluate (vLLM): starting the engine with the {what} head ({cfg.spec.depth} speculative tokens)")
-    with VllmServer(eval_spec(cfg, target_dir, head_dir, pair=False), settings) as srv:
-        srv.complete(prompts[0][1], 4)  # warm-up, before the counters are read
+    longest = max(p.max_new_tokens for p in prompts)
+    with VllmServer(eval_spec(cfg, target_dir, head_dir, pair=False, max_new_tokens=longest), settings) as srv:
+        srv.complete(prompts[0].ids, 4)  # warm-up, before the counters are read
         before = srv.spec_counters()
-        outputs, seconds = time_requests(srv, [ids for _, ids in prompts], cfg.spec.max_new_tokens,
-                                         cfg.spec.temperature)
+        outputs, seconds = time_requests(srv, [p.ids for p in prompts], [p.max_new_tokens for p in prompts],
+                                         cfg.spec.temperature, ignore_eos=cfg.ignore_eos)
         return EngineRun(outputs, seconds), srv.spec_counters() - before
 
 
@@ -226,9 +246,10 @@ def _finish(cfg: EvaluateConfig, out: Path, prompts, plain_run: EngineRun, spec_
         n_samples=len(prompts), n_tokens=n_tokens, report_file=str(out / REPORT), baseline_tau=baseline_tau,
         speedup_lo=speed.lo, speedup_hi=speed.hi, speedup_reliable=speed.reliable, speedup_note=speed.reason,
         speedup_rounds=speed.rounds, by_position=by_position)
-    samples = [{"segment": seg, "prompt_len": len(ids), "plain": p, "spec": s, "identical_to_plain": sp,
-                "accept_lengths": steps[i], **({} if same_ours is None else {"identical_to_ours": same_ours[i]})}
-               for i, ((seg, ids), p, s, sp) in enumerate(zip(prompts, plain, spec, same_plain))]
+    samples = [{"segment": h.segment, "prompt_len": len(h.ids), "max_new_tokens": h.max_new_tokens, "plain": p,
+                "spec": s, "identical_to_plain": sp, "accept_lengths": steps[i],
+                **({} if same_ours is None else {"identical_to_ours": same_ours[i]})}
+               for i, (h, p, s, sp) in enumerate(zip(prompts, plain, spec, same_plain))]
     atomic_write_text(out / REPORT, json.dumps({"config": asdict(cfg), "result": asdict(res), "speed": asdict(speed),
                                                 "samples": samples}, indent=2) + "\n")
     if by_position:

@@ -17,6 +17,10 @@ head, interleaved sample by sample so that both see the same machine state, and 
   both on the target path (`eagle.target_path`, `spec.path`) measured fastest here, recorded as `target_path`,
 - at temperature 0, whether every output equals the plain greedy output; any difference raises
   `NotLosslessError` after the report is written (the run fails loudly).
+Each prompt is decoded to its sample's `max_new_tokens` when the traffic gives one (components/traffic_io.py; the
+long traffic does), else to `cfg.spec.max_new_tokens`; with `cfg.ignore_eos` every prompt runs to that limit, past
+the end-of-sequence token (plain and speculative alike, so outputs still compare token for token): what a
+measurement of acceptance at long output positions needs from a target that ends its answers early.
 `baseline_head_dir` (e.g. the current champion) is measured on the same prompts in the same run for the
 promotion gate. Writes `evaluation.json` and PNG plots (acceptance by position; training curves if given).
 Not here: registration and the gate's decision (components/register.py).
@@ -28,7 +32,7 @@ import json
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from components.atomic import atomic_write_text, remove_stale_temps
 from components.load_config import LoadConfig
@@ -56,6 +60,9 @@ class EvaluateConfig:
     speed: SpeedupConfig = field(default_factory=SpeedupConfig)  # how long the speedup is measured, in both engines
     load: LoadConfig = field(default_factory=LoadConfig)  # throughput by concurrency in vLLM (components/load_sweep.py)
     position_edges: tuple[int, ...] = POSITION_EDGES  # output-position buckets of tau/alpha_1 (ascending, >= 0)
+    # decode every prompt to its length limit, past EOS (for measuring acceptance at long output positions; vLLM's
+    # `ignore_eos` in the engine evaluation)
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         one_of(self, "engine", ("local", "vllm"))
@@ -68,6 +75,8 @@ class EvaluateConfig:
             raise FieldError(self, "speed", f"must be a SpeedupConfig, got {self.speed!r}")
         if not isinstance(self.load, LoadConfig):
             raise FieldError(self, "load", f"must be a LoadConfig, got {self.load!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise FieldError(self, "ignore_eos", f"must be true or false, got {self.ignore_eos!r}")
         e = self.position_edges
         if (not isinstance(e, tuple) or len(e) < 2 or any(isinstance(x, bool) or not isinstance(x, int) for x in e)
                 or e[0] < 0 or any(a >= b for a, b in zip(e, e[1:]))):
@@ -78,7 +87,9 @@ class EvaluateConfig:
         return cls(spec=SpecConfig(depth=3, max_new_tokens=12), limit=3, speed=SpeedupConfig.tiny())
 
     def spec_for(self, target) -> SpecConfig:
-        """`spec` with the target's end-of-sequence ids where the config sets none."""
+        """`spec` with the target's end-of-sequence ids where the config sets none; none at all with `ignore_eos`."""
+        if self.ignore_eos:
+            return replace(self.spec, eos_token_id=None)
         if self.spec.eos_token_id is not None:
             return self.spec
         return replace(self.spec, eos_token_id=target.generation_config.eos_token_id)  # a list: SpecConfig makes a tuple
@@ -140,30 +151,45 @@ def position_metrics(buckets: list[dict], engine: str = "") -> dict[str, float]:
     return m
 
 
-def held_out_messages(traffic_path: str):
-    """(segment, messages up to and including the first user turn) of each held-out conversation, in file order."""
+def held_out_messages(traffic_path: str, with_limits: bool = False):
+    """(segment, messages up to and including the first user turn) of each held-out conversation, in file order;
+    `with_limits`: (segment, messages, the sample's `max_new_tokens` or None)."""
     from components.traffic_io import load_traffic
 
     for conv in load_traffic(traffic_path).conversations:
         first_user = next(i for i, m in enumerate(conv.messages) if m.role == "user")
         msgs = [{"role": m.role, "content": m.content} for m in conv.messages[: first_user + 1]]
-        yield conv.segment or "default", msgs
+        yield (conv.segment or "default", msgs) + ((conv.max_new_tokens,) if with_limits else ())
 
 
-def held_out_prompts(tokenizer, traffic_path: str, cfg: EvaluateConfig) -> list[tuple[str, list[int]]]:
-    """(segment, prompt token ids) of the first user turn of each held-out conversation, with the chat template."""
+class HeldOut(NamedTuple):
+    """One held-out prompt: its segment, token ids (chat template) and new tokens to decode (the sample's
+    `max_new_tokens` when the traffic gives one, else `evaluate.spec.max_new_tokens`)."""
+
+    segment: str
+    ids: list[int]
+    max_new_tokens: int
+
+
+def held_out_samples(tokenizer, traffic_path: str, cfg: EvaluateConfig) -> list[HeldOut]:
+    """The first user turn of each held-out conversation that fits in `cfg.max_prompt_tokens`, up to `cfg.limit`."""
     from components.chat import prompt_ids
 
     out = []
-    for segment, msgs in held_out_messages(traffic_path):
+    for segment, msgs, limit in held_out_messages(traffic_path, with_limits=True):
         ids = prompt_ids(tokenizer, msgs)
         if len(ids) <= cfg.max_prompt_tokens:
-            out.append((segment, ids))
+            out.append(HeldOut(segment, ids, limit or cfg.spec.max_new_tokens))
         if cfg.limit and len(out) >= cfg.limit:
             break
     if not out:
         raise ValueError(f"{traffic_path}: no held-out prompt fits in {cfg.max_prompt_tokens} tokens")
     return out
+
+
+def held_out_prompts(tokenizer, traffic_path: str, cfg: EvaluateConfig) -> list[tuple[str, list[int]]]:
+    """(segment, prompt token ids) of `held_out_samples`."""
+    return [(s.segment, s.ids) for s in held_out_samples(tokenizer, traffic_path, cfg)]
 
 
 def evaluate(cfg: EvaluateConfig, target_dir: str, head_dir: str, traffic_path: str, out_dir: str,
@@ -184,34 +210,37 @@ def evaluate(cfg: EvaluateConfig, target_dir: str, head_dir: str, traffic_path: 
     draft = load_head(head_dir, target, device=cfg.device).eval()
     baseline = load_head(baseline_head_dir, target, device=cfg.device).eval() if baseline_head_dir else None
     spec = cfg.spec_for(target)
-    prompts = held_out_prompts(tokenizer, traffic_path, cfg)
+    prompts = held_out_samples(tokenizer, traffic_path, cfg)
+    specs = [replace(spec, max_new_tokens=p.max_new_tokens) for p in prompts]  # each sample's own length limit
     gen = torch.Generator(device=cfg.device).manual_seed(cfg.seed)
-    xs = [torch.tensor([ids], device=cfg.device) for _, ids in prompts]
+    xs = [torch.tensor([p.ids], device=cfg.device) for p in prompts]
     plains: dict[int, object] = {}
     samples: list[dict] = []
     stats: list = []
 
     def plain(i: int, r: int) -> int:
-        out = generate_plain(target, xs[i], None, spec, generator=gen)
+        out = generate_plain(target, xs[i], None, specs[i], generator=gen)
         if r == 0:
             plains[i] = out
         return int(out.lengths.sum())
 
     def speculative(i: int, r: int) -> int:
-        sp = generate_speculative(target, draft, xs[i], None, spec, generator=gen)
+        sp = generate_speculative(target, draft, xs[i], None, specs[i], generator=gen)
         if r == 0:
-            samples.append({"segment": prompts[i][0], **_sample_counts(sp.stats), "tokens": int(sp.lengths.sum()),
+            samples.append({"segment": prompts[i].segment, "max_new_tokens": prompts[i].max_new_tokens,
+                            **_sample_counts(sp.stats), "tokens": int(sp.lengths.sum()),
                             "output_ids": sp.sequences[0, :int(sp.lengths[0])].tolist(), "_seq": sp.sequences})
             stats.append(sp.stats)
-            progress(f"evaluate: {i + 1}/{len(prompts)} [{prompts[i][0]}] tau {sp.stats.tau:.2f}")
+            progress(f"evaluate: {i + 1}/{len(prompts)} [{prompts[i].segment}] tau {sp.stats.tau:.2f}")
         return int(sp.lengths.sum())
 
     with torch.no_grad():
-        generate_plain(target, xs[0], None, spec, generator=gen)  # warm-up: first-call costs out of the timing
-        generate_speculative(target, draft, xs[0], None, spec, generator=gen)
+        warm = replace(spec, max_new_tokens=min(spec.max_new_tokens, specs[0].max_new_tokens))
+        generate_plain(target, xs[0], None, warm, generator=gen)  # warm-up: first-call costs out of the timing
+        generate_speculative(target, draft, xs[0], None, warm, generator=gen)
         speed = measure_speedup(len(prompts), plain, speculative, cfg.speed, progress)
-        base_stats = [generate_speculative(target, baseline, x, None, spec, generator=gen).stats
-                      for x in xs] if baseline is not None else []
+        base_stats = [generate_speculative(target, baseline, x, None, sp, generator=gen).stats
+                      for x, sp in zip(xs, specs)] if baseline is not None else []
     for i, s in enumerate(samples):  # round 0's outputs, in prompt order
         s["identical"] = bool(torch.equal(plains[i].sequences, s.pop("_seq")))
         s["plain_s"], s["spec_s"] = speed.plain_s[0][i], speed.spec_s[0][i]

@@ -4,7 +4,8 @@ Purpose: `endpoint_ask(cfg)` sends one chat-completions request and returns the 
 exception value: a connection error, a timeout, a 5xx (or 408/429) or a malformed answer is retried, a refused request
 (any other 4xx, e.g. vLLM's 400 for a prompt longer than the context) is final at once and its body, which names the
 reason, becomes the failure. `answer_concurrently(convs, ask, concurrency)` answers every conversation turn by turn
-(turn t+1 is asked after turn t was answered: its history holds that answer) with at most `concurrency` requests in
+(turn t+1 is asked after turn t was answered: its history holds that answer; each request asks for at most the
+conversation's own `max_new_tokens` when it has one, else the config's) with at most `concurrency` requests in
 flight (one thread per conversation being answered); records come back in conversation order, and a failed request
 fails its own conversation only. `history_turns` and `conversation_record` are the conversation state that
 components/regenerate.py's batched path shares.
@@ -28,7 +29,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from components.traffic_io import Conversation
 
-Ask = Callable[[list[dict[str, str]]], "str | Exception"]
+Ask = Callable[..., "str | Exception"]  # (messages[, max_new_tokens]) -> the answer's text or the failure
 RETRIED_4XX = (408, 429)  # timeout and rate limit: the only refusals a later attempt may get past
 
 
@@ -54,11 +55,13 @@ def _refusal(url: str, err: urllib.error.HTTPError) -> RuntimeError:
 
 
 def endpoint_ask(cfg: Any, retries: int = 3) -> Ask:
-    """One chat-completions request to `cfg.endpoint_url` (a RegenerateConfig); the text or the failure."""
+    """One chat-completions request to `cfg.endpoint_url` (a RegenerateConfig) for at most `max_new_tokens` new
+    tokens (None: `cfg.max_new_tokens`); the text or the failure."""
     url = cfg.endpoint_url.rstrip("/") + "/v1/chat/completions"
 
-    def ask(msgs: list[dict[str, str]]) -> str | Exception:
-        body = json.dumps({"model": cfg.endpoint_model, "messages": msgs, "max_tokens": cfg.max_new_tokens,
+    def ask(msgs: list[dict[str, str]], max_new_tokens: int | None = None) -> str | Exception:
+        body = json.dumps({"model": cfg.endpoint_model, "messages": msgs,
+                           "max_tokens": max_new_tokens or cfg.max_new_tokens,
                            "temperature": cfg.temperature, "top_p": cfg.top_p}).encode()
         err: Exception = RuntimeError("no attempt")
         for attempt in range(retries):
@@ -103,14 +106,14 @@ def engine_endpoint(cfg: Any, target_dir: str, settings: Any = None,
         yield dataclasses.replace(cfg, endpoint_url=srv.base_url, endpoint_model=spec.served_model_name)
 
 
-def endpoint_answerer(cfg: Any, retries: int = 3) -> Callable[[list[list[dict[str, str]]]], list[str | Exception]]:
+def endpoint_answerer(cfg: Any, retries: int = 3) -> Callable[..., list[str | Exception]]:
     """The batch form (`components.regenerate.Answerer`): a batch's requests sent `cfg.endpoint_concurrency` at a
     time, answers in the batch's order."""
     ask = endpoint_ask(cfg, retries)
 
-    def answer(batch: list[list[dict[str, str]]]) -> list[str | Exception]:
+    def answer(batch: list[list[dict[str, str]]], max_new_tokens: int | None = None) -> list[str | Exception]:
         with ThreadPoolExecutor(max_workers=max(1, min(cfg.endpoint_concurrency, len(batch)))) as pool:
-            return list(pool.map(ask, batch))
+            return list(pool.map(lambda msgs: ask(msgs, max_new_tokens), batch))
 
     return answer
 
@@ -126,7 +129,7 @@ def answer_concurrently(convs: Sequence[Conversation], ask: Ask, concurrency: in
         msgs, error = list(msgs), None
         for t, user in enumerate(users):
             msgs.append({"role": "user", "content": user})
-            reply = ask(msgs)
+            reply = ask(msgs) if conv.max_new_tokens is None else ask(msgs, conv.max_new_tokens)
             if isinstance(reply, Exception):
                 error = f"turn {t + 1}: {reply}"
                 break

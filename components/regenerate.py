@@ -5,6 +5,10 @@ answered turn by turn (each answer becomes the history of the next turn), batche
 target, or through any OpenAI-compatible endpoint (a vLLM or SGLang server) when `cfg.endpoint_url` is set, with up
 to `cfg.endpoint_concurrency` requests in flight (components/regen_endpoint.py); with `cfg.engine` "vllm" and no
 URL, through a vLLM this stage starts for the target (`target.runtime: vllm`: our process never loads it).
+Length: each answer is at most the conversation's own `max_new_tokens` when the traffic gives one (the long
+traffic does: components/traffic_io.py), else `cfg.max_new_tokens`, on every path (local batches, endpoint, vLLM,
+Ray). An `Answerer` is called `answer(batch)` for the global limit and `answer(batch, max_new_tokens=N)` for a
+batch of conversations that ask for N (batches are grouped by limit).
 Resumable: conversations are written in shards of `cfg.shard_size`, each shard atomically (temp file + rename)
 with a sidecar listing its ok and failed ids; a re-run skips every conversation of a finished shard. The
 accounting (`accounting.json`) always satisfies total = ok + failed + skipped.
@@ -87,7 +91,7 @@ class RegenerateResult:
     failures: dict[str, str] = field(default_factory=dict)
 
 
-Answerer = Callable[[list[list[dict[str, str]]]], list[str | Exception]]
+Answerer = Callable[..., list[str | Exception]]  # (batch of message lists[, max_new_tokens=N]) -> texts or failures
 Responder = Callable[[Sequence[Conversation], Callable[[str], None] | None], list[dict[str, Any]]]
 
 
@@ -97,7 +101,8 @@ class RegenerateError(BadInput):
 
 def answer_all(convs: Sequence[Conversation], answer: Answerer, batch_size: int,
                on_batch: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
-    """Regenerate every conversation turn by turn; each record is ok (messages) or failed (reason)."""
+    """Regenerate every conversation turn by turn; each record is ok (messages) or failed (reason). A turn's
+    conversations are batched by their `max_new_tokens` (in order of first appearance; one group without any)."""
     states = []
     for c in convs:
         system, users = history_turns(c)
@@ -107,22 +112,27 @@ def answer_all(convs: Sequence[Conversation], answer: Answerer, batch_size: int,
         live = [s for s in states if s["error"] is None and t < len(s["users"])]
         for s in live:
             s["msgs"].append({"role": "user", "content": s["users"][t]})
-        for b in range(0, len(live), batch_size):
-            chunk = live[b:b + batch_size]
-            t0 = time.perf_counter()
-            for s, reply in zip(chunk, answer([s["msgs"] for s in chunk])):
+        groups = [[s for s in live if s["conv"].max_new_tokens == n]
+                  for n in dict.fromkeys(s["conv"].max_new_tokens for s in live)]
+        for group, b in ((g, b) for g in groups for b in range(0, len(g), batch_size)):
+            chunk = group[b:b + batch_size]
+            t0, limit = time.perf_counter(), chunk[0]["conv"].max_new_tokens
+            msgs = [s["msgs"] for s in chunk]
+            for s, reply in zip(chunk, answer(msgs) if limit is None else answer(msgs, max_new_tokens=limit)):
                 if isinstance(reply, Exception):
                     s["error"] = f"turn {t + 1}: {reply}"
                 else:
                     s["msgs"].append({"role": "assistant", "content": reply})
             if on_batch:
-                on_batch(f"  turn {t + 1}: {min(b + batch_size, len(live))}/{len(live)} conversations "
+                on_batch(f"  turn {t + 1}: {min(b + batch_size, len(group))}/{len(group)} conversations"
+                         f"{'' if limit is None else f' of {limit} new tokens'} "
                          f"({time.perf_counter() - t0:.1f} s for this batch)")
     return [conversation_record(s["conv"], s["msgs"], s["error"]) for s in states]
 
 
 def hf_answerer(target: Any, tokenizer: Any, cfg: RegenerateConfig) -> Answerer:
     """Batched generation by the HF target with left padding; prompts too long for the context fail individually.
+    `answer(batch, max_new_tokens=N)` answers with at most N new tokens (default `cfg.max_new_tokens`).
 
     Decoding uses `eagle.speculative.generate_plain` (the HF model's forward with a preallocated KV cache; greedy
     or temperature/top-p sampling, tested token-for-token against HF greedy), which skips `model.generate`'s
@@ -138,11 +148,13 @@ def hf_answerer(target: Any, tokenizer: Any, cfg: RegenerateConfig) -> Answerer:
 
     path = target_path.pinned() or target_path.DEFAULT
 
-    limit = int(getattr(target.config, "max_position_embeddings", 2048)) - cfg.max_new_tokens
+    context = int(getattr(target.config, "max_position_embeddings", 2048))
     eos = target.generation_config.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if isinstance(eos, list) else eos)
 
-    def answer(batch: list[list[dict[str, str]]]) -> list[str | Exception]:
+    def answer(batch: list[list[dict[str, str]]], max_new_tokens: int | None = None) -> list[str | Exception]:
+        new = max_new_tokens or cfg.max_new_tokens
+        limit = context - new
         ids = [prompt_ids(tokenizer, msgs) for msgs in batch]
         results: list[str | Exception] = [ValueError(f"prompt of {len(x)} tokens exceeds the target's context "
                                                      f"({limit} tokens left for the prompt)") for x in ids]
@@ -155,7 +167,7 @@ def hf_answerer(target: Any, tokenizer: Any, cfg: RegenerateConfig) -> Answerer:
         for r, i in enumerate(keep):
             inp[r, width - len(ids[i]):] = torch.tensor(ids[i])
             att[r, width - len(ids[i]):] = 1
-        spec = SpecConfig(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
+        spec = SpecConfig(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=new,
                           eos_token_id=tuple(eos) if isinstance(eos, list) else eos, pad_token_id=pad, path=path)
         with torch.inference_mode():  # the same model and sampling rule as HF generate, with the lean KV cache
             out = generate_plain(target, inp.to(cfg.device), att.to(cfg.device), spec)

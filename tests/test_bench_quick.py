@@ -281,3 +281,19 @@ def test_features_tau_quick(cache: Path) -> None:
     assert r["engine_over_local"] == pytest.approx(r["summary"]["vllm"]["median"] / r["summary"]["local"]["median"])
     assert r["features_max_rel_diff"] < 1e-2  # bf16 storage of the same features
     check_goals(r["goals"], 0)
+
+
+@pytest.mark.engine
+def test_long_variants_quick(cache: Path) -> None:
+    """bench/long_variants.py: heads of two variants on the long traffic (ignore_eos, each prompt to its own limit),
+    tau by output-position bucket in our loop and in vLLM, the speedup over vLLM plain; 0 mismatches."""
+    r = run_quick("long_variants", cache, 600)
+    check_metadata(r)
+    assert r["target"] == "base+ignore_eos" and r["edges"] == [0, 128, 512, 2048]
+    assert [row["variant"] for row in r["rows"]] == ["eagle3", "eagle3.1"]
+    for row in r["rows"]:
+        assert row["mismatch vLLM"] == 0 and row["mismatch ours"] == 0 and row["x vLLM plain"] > 0, row
+        assert 1.0 <= row["tau ours 0-128"] and 1.0 <= row["tau vLLM 0-128"] and "tau vLLM 128-512" in row, row
+    for rd in r["per_round"]:  # ignore_eos: every request ran to its sample's limit
+        assert all(m["tokens"] == sum(r["limits"]) for m in rd.values()), rd
+    check_goals(r["goals"], 0)
