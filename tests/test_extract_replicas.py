@@ -27,7 +27,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from components.extract import ExtractConfig, extract
 from components.extract_engine import PID_FILE, STORAGE
@@ -35,6 +34,7 @@ from components.pipeline_config import ConfigError, PipelineConfig
 from components.regenerate import RegenerateConfig, regenerate
 from infra.settings import Settings
 from infra.vllm_server import EngineError
+from tests.test_extract_engine import _rel, _shards
 
 QUIET = dict(progress=lambda s: None)
 CFG = ExtractConfig(max_len=192, dtype="float32", seqs_per_shard=4, engine="vllm")  # about 20 sequences: 5 shards
@@ -70,14 +70,6 @@ def runs(tiny_embedded, engine_settings, tmp_path_factory) -> dict:
                       ray_settings=engine_settings)
         out[name] = (res, time.perf_counter() - t0, lines)
     return out
-
-
-def _shards(d: Path) -> list[dict]:
-    return [load_file(str(p)) for p in sorted(d.glob("features-*.safetensors"))]
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).abs().max() / a.float().abs().max())
 
 
 def _alive(pid: int) -> bool:

@@ -35,6 +35,7 @@ from eagle.speculative import SpecConfig, commit_head, generate_plain, generate_
 from eagle.runners import HeadRunner, Prefix
 from eagle.ttt import TTTBatch, ttt_loss
 from eagle.vocab import count_tokens, select_draft_vocab
+from tests.test_speculative import predictable
 
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=512)
@@ -134,9 +135,7 @@ def _trained_pair(seed: int = 1) -> tuple[torch.nn.Module, Eagle3Draft]:
     target = LlamaForCausalLM(LlamaConfig(**SHAPE)).eval()
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for layer in target.model.layers:
-            layer.self_attn.o_proj.weight.mul_(0.3)
-            layer.mlp.down_proj.weight.mul_(0.3)
+        predictable(target)
         prompts = torch.randint(0, 256, (64, 4), generator=g)
         data = torch.cat([prompts, generate_plain(target, prompts, None, SpecConfig(max_new_tokens=28)).sequences], 1)
     mask = torch.ones_like(data)

@@ -27,14 +27,20 @@ SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_att
              num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=512)
 
 
+def predictable(target: torch.nn.Module) -> None:
+    """Scale the target's residual branches down (in place): its argmax then follows its input closely, so a small
+    head can learn it."""
+    for layer in target.model.layers:
+        layer.self_attn.o_proj.weight.mul_(0.3)
+        layer.mlp.down_proj.weight.mul_(0.3)
+
+
 def _train_pair(target: torch.nn.Module, draft_vocab: int, seed: int, variant: str = "eagle3") -> Eagle3Draft:
     """Scale the target's residual branches down, then fit a head to its argmax on its own greedy and sampled
     continuations of random prompts: step 0 on true features, step 1 on the head's own output."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for layer in target.model.layers:
-            layer.self_attn.o_proj.weight.mul_(0.3)
-            layer.mlp.down_proj.weight.mul_(0.3)
+        predictable(target)
         prompts = torch.randint(0, 256, (128, 4), generator=g)
         greedy = generate_plain(target, prompts[:64], None, SpecConfig(max_new_tokens=28)).sequences
         sampled = generate_plain(target, prompts[64:], None, SpecConfig(max_new_tokens=28, temperature=1.0),
