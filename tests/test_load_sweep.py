@@ -2,15 +2,16 @@
 
 Purpose:
 - the schedule rule on given throughputs (no engine): the best K per level, K 0 unless a K beats plain by the
-  margin, ranges from batch size 1 that vLLM accepts, the crossover; bad sweep settings fail at config load with
-  the key's path;
-- the sweep on the tiny engine target (two concurrency levels, one K: plain and K 3, two engine starts; the choice
-  among several K is the schedule rule's, tested above without the engine) with vLLM's own load client: every cell
-  measured, 0 head mismatches, the schedule and the plot written;
+  margin and its spread over rounds lies above plain's, ranges from batch size 1 that vLLM accepts, the crossover;
+  cells as medians over rounds with their spread; the alternating order of a round; bad sweep settings fail at
+  config load with the key's path;
+- the sweep on the tiny engine target (two concurrency levels, two K, two rounds: plain, K 2 and K 3 up at once,
+  one client process) with vLLM's own load client: every cell measured in every round, in the alternating order,
+  each cell's median and spread, 0 head mismatches, the schedule and the plot written;
 - a schedule served by vLLM takes effect: K 3 at batch size 1 and K 0 from 2 on drafts at concurrency 1 and almost
   never at concurrency 4 (only while the batch ramps up or drains), and the engine's log shows the schedule;
 - `eagle-heads serve --print-only` puts a registered schedule in the vLLM command and says what SGLang can express.
-Run: `python -m pytest tests/test_load_sweep.py` (about 4 minutes on 2 cores: three engine starts; the head is
+Run: `python -m pytest tests/test_load_sweep.py` (about 4 minutes on 2 cores: four engine starts; the head is
 the session's `engine_head`).
 Not here: batch-1 speedups (tests/test_vllm.py, tests/test_speed.py).
 """
@@ -23,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from components.evaluate import EvaluateConfig
-from components.load_sweep import LoadConfig, crossover_of, derive_schedule
+from components.load_sweep import LoadConfig, cells_of, crossover_of, derive_schedule, round_order
 from components.pipeline_config import ConfigError, PipelineConfig
 from eagle.run_config import SpecConfig
 
@@ -41,10 +42,46 @@ def test_the_schedule_takes_the_best_k_per_level_and_stops_where_plain_wins():
     assert schedule == [[1, 1024, 3]] and crossover_of(best) is None  # the first range starts at 1, merged
 
 
+def test_a_k_whose_spread_overlaps_plains_does_not_beat_plain():
+    """Medians alone would schedule K 3 at both levels; at 4 its slowest round is slower than plain's fastest."""
+    tput = {0: {1: 100.0, 4: 300.0}, 3: {1: 130.0, 4: 330.0}}
+    spread = {0: {1: (95.0, 105.0), 4: (250.0, 340.0)}, 3: {1: (120.0, 140.0), 4: (320.0, 340.0)}}
+    assert derive_schedule(tput, 0.03)[1] == {1: 3, 4: 3}
+    schedule, best = derive_schedule(tput, 0.03, spread)
+    assert best == {1: 3, 4: 0} and schedule == [[1, 3, 3], [4, 1024, 0]] and crossover_of(best) == 4
+    # the fastest median overlaps plain, a slower K does not: the slower K is scheduled
+    tput[5], spread[5] = {1: 150.0, 4: 200.0}, {1: (90.0, 200.0), 4: (150.0, 250.0)}
+    assert derive_schedule(tput, 0.03, spread)[1] == {1: 3, 4: 0}
+
+
+def test_cells_are_medians_over_rounds_with_their_spread_and_rounds_alternate(tmp_path):
+    from components.plots import plot_load_sweep
+
+    assert [round_order([0, 2, 3], r, i) for r in (0, 1) for i in (0, 1)] == [[0, 2, 3], [3, 2, 0], [3, 2, 0],
+                                                                                [0, 2, 3]]
+    base = dict(concurrency=4, requests=4, median_ttft_ms=5.0, p99_ttft_ms=9.0, median_itl_ms=2.0, p99_itl_ms=3.0,
+                duration_s=1.0, texts=["a", "b"])
+    samples = [{**base, "phase": "sweep", "round": r, "k": k, "output_tokens_per_s": t, "drafts": d,
+                "accepted": a, "acceptance_length": None, "per_position": p}
+               for r, k, t, d, a, p in ((0, 0, 100.0, None, None, None), (1, 0, 120.0, None, None, None),
+                                        (2, 0, 90.0, None, None, None), (0, 3, 150.0, 10, 10, [0.6, 0.4]),
+                                        (1, 3, 130.0, 30, 15, [0.4, 0.1]), (2, 3, 140.0, 0, 0, [0.0, 0.0]))]
+    plain, k3 = cells_of(samples)
+    assert (plain["k"], plain["output_tokens_per_s"], plain["output_tokens_per_s_min"],
+            plain["output_tokens_per_s_max"], plain["repeats"]) == (0, 100.0, 90.0, 120.0, 3)
+    assert plain["output_tokens_per_s_rounds"] == [100.0, 120.0, 90.0] and plain["drafts"] is None
+    assert k3["output_tokens_per_s"] == 140.0 and (k3["drafts"], k3["accepted"]) == (40, 25)
+    assert k3["acceptance_length"] == pytest.approx(1 + 25 / 40)
+    assert k3["per_position"] == pytest.approx([(0.6 * 10 + 0.4 * 30) / 40, (0.4 * 10 + 0.1 * 30) / 40])
+    png = plot_load_sweep([plain, k3], [[1, 1024, 3]], tmp_path / "sweep.png")
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
 @pytest.mark.parametrize("load,key", [({"concurrency": [4, 1]}, "concurrency"), ({"concurrency": [0]}, "concurrency"),
                                       ({"concurrency": [1], "k_values": []}, "k_values"),
                                       ({"k_values": [40]}, "k_values"), ({"margin": 1.5}, "margin"),
-                                      ({"concurrency": [1, 32], "requests": 8}, "requests")])
+                                      ({"concurrency": [1, 32], "requests": 8}, "requests"),
+                                      ({"repeats": 0}, "repeats"), ({"repeats": 1.5}, "repeats")])
 def test_bad_sweep_settings_fail_at_config_load_with_the_key_path(load, key):
     with pytest.raises(ConfigError, match=f"evaluate.load.{key}"):
         PipelineConfig.preset("tiny").override({"evaluate": {"load": load}})
@@ -52,14 +89,15 @@ def test_bad_sweep_settings_fail_at_config_load_with_the_key_path(load, key):
 
 def test_the_default_preset_sweeps_what_two_cores_afford():
     load = PipelineConfig.preset("default").evaluate.load
-    assert load.enabled and load.concurrency == (1, 4, 16) and load.k_values == (5,)
+    assert load.enabled and load.concurrency == (1, 4, 16) and load.k_values == (5,) and load.repeats == 3
     assert not PipelineConfig.preset("tiny").evaluate.load.enabled
 
 
 # ---- with the engine ----------------------------------------------------------------------------------------------
 
 SWEEP = EvaluateConfig(spec=SpecConfig(depth=3, max_new_tokens=16), limit=4,
-                       load=LoadConfig(concurrency=(1, 4), k_values=(3,), requests=4, verify_schedule=False))
+                       load=LoadConfig(concurrency=(1, 4), k_values=(2, 3), requests=4, repeats=2,
+                                       verify_schedule=False))
 
 
 @pytest.fixture(scope="module")
@@ -82,15 +120,26 @@ def test_the_sweep_measures_every_cell_with_vllms_client_and_writes_the_schedule
     res = load_sweep(SWEEP, engine_target.target_dir, head_dir, str(engine_target.target_traffic.heldout),
                      str(tmp_path / "load"), settings, progress=lambda s: None)
     cells = {(c["k"], c["concurrency"]): c for c in res.cells}
-    assert {(k, c) for k in (0, 3) for c in (1, 4)} <= set(cells)
+    assert set(cells) == {(k, c) for k in (0, 2, 3) for c in (1, 4)}
     assert all(c["requests"] == 4 and c["output_tokens_per_s"] > 0 and c["p99_itl_ms"] >= c["median_itl_ms"]
                for c in res.cells)
     assert cells[(0, 1)]["drafts"] is None and cells[(3, 1)]["drafts"] > 0 and cells[(3, 1)]["acceptance_length"] >= 1
     assert res.mismatches == 0
+    # every server up at once when memory allows (else plain beside each K, with the reason, plain's rounds pooled),
+    # the order alternating by level and round
+    report = json.loads(Path(res.report_file).read_text())
+    assert res.mode == report["mode"] and (report["mode"] == "all") == (report["mode_reason"] == "")
+    groups = [[0, 2, 3]] if res.mode == "all" else [[0, 2], [0, 3]]
+    for c in res.cells:
+        n = 2 * (len(groups) if c["k"] == 0 else 1)
+        assert c["repeats"] == n and len(c["output_tokens_per_s_rounds"]) == n
+        assert c["output_tokens_per_s_min"] <= c["output_tokens_per_s"] <= c["output_tokens_per_s_max"]
+    assert report["rounds"] == [{"phase": "sweep", "round": r, "concurrency": c, "order": round_order(g, r, i)}
+                                for g in groups for r in (0, 1) for i, c in enumerate((1, 4))]
+    assert report["repeats"] == 2 and all("output_tokens_per_s_max" in c for c in report["cells"])
     assert res.schedule[0][0] == 1 and res.schedule[-1][1] == 1024 and set(res.best_k) == {1, 4}
     assert res.crossover == crossover_of(res.best_k) and set(res.speedup_at) == {1, 4}
     assert all(c["k"] != -1 for c in res.cells)  # verify_schedule off: the next test serves a schedule
-    report = json.loads(Path(res.report_file).read_text())
     assert report["schedule"] == res.schedule and Path(res.plot_file).read_bytes()[:4] == b"\x89PNG"
     tags = res.tags()
     assert json.loads(tags["k_schedule"]) == res.schedule and "speedup_at_4" in tags
@@ -126,7 +175,8 @@ def test_serve_print_only_puts_the_registered_schedule_in_the_vllm_command(mlflo
                                                                            tiny_embedded, tmp_path, monkeypatch,
                                                                            capsys):
     """A head version whose `k_schedule` tag says [[1, 3, 4], [4, 1024, 0]]: `serve --print-only` (no --k) starts
-    vLLM with it; `--k 2` pins one K instead."""
+    vLLM with it; `--k 2` pins one K instead; `--concurrency C` serves the schedule's K at C (2: K 4) or plain
+    decoding where it says K 0 (8), and refuses to be given with --k."""
     from components.register import RegisterConfig, TargetRef, register_head, register_target
     from components.targets import weights_sha256
     from flows import cli
@@ -150,6 +200,15 @@ def test_serve_print_only_puts_the_registered_schedule_in_the_vllm_command(mlflo
     assert cli.main(["serve", "--head", "models:/tiny-v1-eagle3@champion", "--print-only", "--k", "2"]) == 0
     out = capsys.readouterr().out
     assert "num_speculative_tokens_per_batch_size" not in out and '"num_speculative_tokens": 2' in out
+    # one typical load: the schedule's K there as a fixed K, or plain decoding (no head) where it says K 0
+    assert cli.main(["serve", "--head", "models:/tiny-v1-eagle3@champion", "--print-only", "--concurrency", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "num_speculative_tokens_per_batch_size" not in out and '"num_speculative_tokens": 4' in out
+    assert cli.main(["serve", "--head", "models:/tiny-v1-eagle3@champion", "--print-only", "--concurrency", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "plain decoding, no head" in out and "speculative" not in out.split("\n", 1)[1]
+    assert cli.main(["serve", "--head", "models:/tiny-v1-eagle3@champion", "--print-only", "--concurrency", "8",
+                     "--k", "2"]) == 2
 
 
 def _tiny_head(tiny_embedded, root: Path) -> str:
