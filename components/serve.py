@@ -57,6 +57,12 @@ def servable_head(head_dir: str | Path, target_dir: str | Path, cache_dir: str |
 def launch_commands(spec: EngineSpec, port: int = 8000) -> dict[str, str]:
     """Equivalent launch commands: vLLM (`vllm serve`) and SGLang (`python -m sglang.launch_server`)."""
     head = str(spec.head_dir)
+    if spec.method is None:  # plain decoding (`serve --concurrency` above the crossover): no head in either engine
+        gpu = EngineSpec(spec.target_dir, None, method=None, dtype="auto", max_model_len=spec.max_model_len,
+                         served_model_name=spec.served_model_name, device="cuda")
+        sglang = ["python", "-m", "sglang.launch_server", "--model-path", str(spec.target_dir),
+                  "--served-model-name", spec.served_model_name, "--port", str(port)]
+        return {"vllm": gpu.launch_command(port), "sglang": " ".join(shlex.quote(a) for a in sglang)}
     parallel = spec.drafts_in_parallel()
     gpu = EngineSpec(spec.target_dir, head, method="eagle3", num_speculative_tokens=spec.num_speculative_tokens,
                      dtype="auto", max_model_len=spec.max_model_len, served_model_name=spec.served_model_name,

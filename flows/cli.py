@@ -8,7 +8,7 @@ once a command runs.
   eagle-heads train --target DIR|models:/name/version --traffic FILE --heldout FILE [--name N] [CONFIG]
   eagle-heads evaluate --head DIR|models:/name/version [--target DIR|models:/...] --traffic FILE [--json OUT]
                       [--method chain|tree] [--depth D] [--limit N] [--engine local|vllm] [--load] [CONFIG]
-  eagle-heads serve --head models:/name@alias|DIR [--target ...] [--port P] [--k K] [--print-only]
+  eagle-heads serve --head models:/name@alias|DIR [--target ...] [--port P] [--k K | --concurrency C] [--print-only]
   eagle-heads watch [--once] [--interval S] [--dispatch event|local] [CONFIG]
   eagle-heads monitor --metrics-url URL --target models:/name/version [--once] [--interval S] [--window S]
                       [--ratio R] [--sustain S] [CONFIG]

@@ -206,6 +206,20 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+def _k_at(schedule, concurrency: int, head: str) -> tuple[int, str]:
+    """(K, how it was chosen) for `serve --concurrency`: the registered schedule's K at that batch size (0: plain
+    decoding, served without the head: in a K-0 range vLLM still runs the head's first pass every step to keep its
+    cache in sync, so the schedule's K 0 is slower than plain; bench/README.md "Does the K schedule hold?")."""
+    from eagle.errors import BadInput
+
+    if not schedule:
+        raise BadInput(f"serve --concurrency {concurrency}: {head} has no registered K schedule (evaluate.load); "
+                       "pass --k, or measure one with `eagle-heads evaluate --engine vllm --load`")
+    k = next((r[2] for r in schedule if r[0] <= concurrency <= r[1]), schedule[-1][2])
+    src = f"the registered schedule {json.dumps(schedule)} at concurrency {concurrency}"
+    return k, (f"{k} speculative tokens, {src}" if k else f"plain decoding, no head: {src} says K 0 (plain is faster)")
+
+
 def serve(a, settings) -> int:
     import signal
 
@@ -218,13 +232,18 @@ def serve(a, settings) -> int:
     name = lineage.get("target_name") or Path(target).name
     schedule = None if a.k else _registered_schedule(a.head, settings)
     k = a.k or (max(max(r[2] for r in schedule), 1) if schedule else 5)
-    spec = EngineSpec(target, str(served), method="eagle3", num_speculative_tokens=k,
-                      max_model_len=min(target_context(target), 4096), served_model_name=name,
-                      k_schedule=tuple(tuple(r) for r in schedule) if schedule else None)
+    at = getattr(a, "concurrency", None)
+    if at:  # one fixed K for the stated load: the schedule's, or no head where plain wins
+        k, how = _k_at(schedule, at, a.head)
+        schedule = None
+    spec = EngineSpec(target, str(served) if k else None, method="eagle3" if k else None,
+                      num_speculative_tokens=k or 1, max_model_len=min(target_context(target), 4096),
+                      served_model_name=name, k_schedule=tuple(tuple(r) for r in schedule) if schedule else None)
     if served != Path(head):
         print(f"serve: {head} predates the engine format; serving its lossless re-export {served}")
-    how = (f"the registered K schedule {json.dumps(schedule)} ([first batch size, last, K]; K 0: no drafts)"
-           if schedule else f"{k} speculative tokens" + ("" if a.k else " (no K schedule registered)"))
+    if not at:
+        how = (f"the registered K schedule {json.dumps(schedule)} ([first batch size, last, K]; K 0: no drafts)"
+               if schedule else f"{k} speculative tokens" + ("" if a.k else " (no K schedule registered)"))
     if a.print_only:
         cmds = launch_commands(spec, a.port or 8000)
         print(f"# vLLM with {how} (GPU; copy {served} and {target} to the cluster first)\n{cmds['vllm']}")

@@ -139,6 +139,10 @@ def _serve_args(p):
     p.add_argument("--port", type=_port, help="port on 127.0.0.1 (default: a free one)")
     p.add_argument("--k", type=_k, help="pin K speculative tokens per verification step (at most 16); default: the "
                    "head's registered K schedule (evaluate.load), else 5")
+    p.add_argument("--concurrency", type=_count,
+                   help="the requests you expect at once: serve the registered schedule's K at that batch size as a "
+                        "fixed K, or plain decoding (no head) where the schedule says K 0 (vLLM still runs the head "
+                        "once a step in a K-0 range)")
     p.add_argument("--print-only", action="store_true",
                    help="print the equivalent vLLM and SGLang launch commands for a GPU cluster and exit")
 

@@ -240,6 +240,8 @@ def check_evaluate(a, settings: Settings) -> None:
 
 
 def check_serve(a, settings: Settings) -> None:
+    if getattr(a, "k", None) and getattr(a, "concurrency", None):
+        raise BadInput("serve: --k pins K, --concurrency picks it from the registered schedule: give one of them")
     _check_head_and_target(a, settings)
     if not a.print_only:
         check_port_free(a.port)
