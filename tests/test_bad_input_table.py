@@ -110,6 +110,8 @@ ROWS: dict[str, tuple[str, list[str], dict[str, str], str]] = {
     # serve
     "serve-k-too-large": (EMPTY, _with(SERVE, k="1000"), {}, "'1000': at most 16 speculative tokens"),
     "serve-k-zero": (EMPTY, _with(SERVE, k="0"), {}, "'0': must be >= 1"),
+    "serve-k-and-concurrency": (EMPTY, _with(SERVE, k="2", concurrency="8"), {}, "serve: --k pins K, --concurrency "
+                                "picks it from the registered schedule: give one of them"),
     "serve-port-out-of-range": (EMPTY, _with(SERVE, port="70000"), {}, "'70000': a port is 1..65535"),
     "serve-port-taken": (EMPTY, _with(SERVE, port="{taken_port}"), {}, "--port {taken_port}: 127.0.0.1:{taken_port}"
                          " is taken"),
@@ -181,6 +183,10 @@ BAD_CONFIGS: dict[str, tuple[dict, str]] = {
                                   "integer >= 0"),
     "gate-concurrency-unmeasured": ({"register": {"gate_concurrency": 4}}, "register.gate_concurrency 4 needs the "
                                     "load sweep to measure concurrency 4"),
+    "load-repeats-zero": ({"evaluate": {"load": {"repeats": 0}}}, "evaluate.load.repeats must be an integer >= 1"),
+    "parallel-with-tree": ({"train": {"variant": "parallel"}, "evaluate": {"spec": {"method": "tree", "topk": 2,
+                                                                                    "budget": 8}}},
+                           "train.variant 'parallel' drafts chains"),
     "gate-speedup-zero": ({"register": {"gate_min_speedup": 0}}, "register.gate_min_speedup must be a finite number"),
     "gate-speedup-nan": ({"register": {"gate_min_speedup": float("nan")}}, "register.gate_min_speedup must be a finite "
                          "number > 0, got nan"),
