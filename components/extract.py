@@ -97,9 +97,14 @@ class ExtractConfig:
         if self.engine == "vllm" and self.num_workers:
             raise FieldError(self, "num_workers", f"must be 0 with engine 'vllm' (one engine computes every shard), "
                              f"got {self.num_workers}")
-        if self.engine_replicas > 1 and self.engine != "vllm":
-            raise FieldError(self, "engine_replicas", f"{self.engine_replicas} needs engine 'vllm' (replicas of the "
-                             "engine; local extraction scales with num_workers)")
+
+
+def check_replicas(cfg: "ExtractConfig") -> None:
+    """`engine_replicas` > 1 needs engine 'vllm'. Checked across the whole config (components/pipeline_config.py,
+    after `target.runtime: vllm` has set the engine) and again when the stage starts."""
+    if cfg.engine_replicas > 1 and cfg.engine != "vllm":
+        raise FieldError(cfg, "engine_replicas", f"{cfg.engine_replicas} needs engine 'vllm' (replicas of the "
+                         "engine; local extraction scales with num_workers)")
 
 
 @dataclass(frozen=True)
@@ -221,6 +226,7 @@ def extract(cfg: ExtractConfig, target_dir: str, regen_dir: str, out_dir: str,
     """Extract into `out_dir` (resuming a previous run). `cfg.num_workers` >= 1 computes the shards on Ray,
     `cfg.engine` 'vllm' in a vLLM started here (`ray_settings`: the infra.settings.Settings that say where Ray runs
     and where vLLM's venv is; None: from the environment)."""
+    check_replicas(cfg)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(out)  # left by a run killed mid-write

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Literal, Union
 
 from components.evaluate import EvaluateConfig
-from components.extract import ExtractConfig
+from components.extract import ExtractConfig, check_replicas
 from components.monitor import MonitorConfig
 from components.regenerate import RegenerateConfig
 from components.register import RegisterConfig
@@ -101,6 +101,10 @@ class PipelineConfig:
             raise ConfigError(f"{where}: register.gate_concurrency {c} needs the load sweep to measure concurrency {c} "
                               f"(evaluate.engine 'vllm', {c} in evaluate.load.concurrency; now engine "
                               f"{self.evaluate.engine!r}, concurrency {list(load.concurrency)}); 0 turns this gate off")
+        try:
+            check_replicas(self.extract)  # here, after `target.runtime: vllm` has set extract.engine
+        except FieldError as e:
+            raise ConfigError(f"{where}: extract.{e.field} {e.reason}") from None
         variants = set(self.train.variants) | {self.train.variant}
         if "parallel" in variants and self.evaluate.spec.method != "chain":  # else refused when evaluation starts
             raise ConfigError(f"{where}: train.variant 'parallel' drafts chains (vLLM's parallel drafting), not a "

@@ -134,6 +134,8 @@ def test_engine_replicas_need_the_engine(tmp_path):
     path.write_text(json.dumps({"extract": {"engine_replicas": 2}}))
     with pytest.raises(ConfigError, match="extract.engine_replicas 2 needs engine 'vllm'"):
         PipelineConfig.load(path, preset="tiny")
+    path.write_text(json.dumps({"target": {"runtime": "vllm"}, "extract": {"engine_replicas": 2}}))
+    assert PipelineConfig.load(path, preset="tiny").extract.engine_replicas == 2  # the runtime sets the engine
     path.write_text(json.dumps({"extract": {"engine": "vllm", "engine_replicas": 2}}))
     assert PipelineConfig.load(path, preset="tiny").extract.engine_replicas == 2
 
