@@ -35,7 +35,7 @@ from eagle.speculative import SpecConfig, commit_head, generate_plain, generate_
 from eagle.runners import HeadRunner, Prefix
 from eagle.ttt import TTTBatch, ttt_loss
 from eagle.vocab import count_tokens, select_draft_vocab
-from tests.test_speculative import predictable
+from tests.test_speculative import _prompts, predictable
 
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=512)
@@ -159,15 +159,6 @@ def _trained_pair(seed: int = 1) -> tuple[torch.nn.Module, Eagle3Draft]:
 @pytest.fixture(scope="module")
 def pair():
     return _trained_pair()
-
-
-def _prompts(batch: int, seed: int = 3):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 256, (batch, 9), generator=g)
-    mask = torch.ones_like(ids)
-    for b in range(1, batch):
-        mask[b, :2 * b] = 0
-    return ids * mask, mask
 
 
 def test_one_pass_drafts_are_the_head_run_from_scratch(pair):
