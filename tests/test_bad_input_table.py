@@ -110,6 +110,7 @@ ROWS: dict[str, tuple[str, list[str], dict[str, str], str]] = {
     # serve
     "serve-k-too-large": (EMPTY, _with(SERVE, k="1000"), {}, "'1000': at most 16 speculative tokens"),
     "serve-k-zero": (EMPTY, _with(SERVE, k="0"), {}, "'0': must be >= 1"),
+    "serve-concurrency-zero": (EMPTY, _with(SERVE, concurrency="0"), {}, "'0': must be >= 1"),
     "serve-k-and-concurrency": (EMPTY, _with(SERVE, k="2", concurrency="8"), {}, "serve: --k pins K, --concurrency "
                                 "picks it from the registered schedule: give one of them"),
     "serve-port-out-of-range": (EMPTY, _with(SERVE, port="70000"), {}, "'70000': a port is 1..65535"),
@@ -184,6 +185,9 @@ BAD_CONFIGS: dict[str, tuple[dict, str]] = {
     "gate-concurrency-unmeasured": ({"register": {"gate_concurrency": 4}}, "register.gate_concurrency 4 needs the "
                                     "load sweep to measure concurrency 4"),
     "load-repeats-zero": ({"evaluate": {"load": {"repeats": 0}}}, "evaluate.load.repeats must be an integer >= 1"),
+    "engine-replicas-zero": ({"extract": {"engine": "vllm", "engine_replicas": 0}},
+                             "extract.engine_replicas must be an integer >= 1"),
+    "ignore-eos-not-bool": ({"evaluate": {"ignore_eos": "yes"}}, "evaluate.ignore_eos"),
     "parallel-with-tree": ({"train": {"variant": "parallel"}, "evaluate": {"spec": {"method": "tree", "topk": 2,
                                                                                     "budget": 8}}},
                            "train.variant 'parallel' drafts chains"),

@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from components.extract import ExtractConfig, extract
-from components.extract_engine import PID_FILE, STORAGE
+from components.extract_engine import PID_FILE, STORAGE, _group_exists
 from components.pipeline_config import ConfigError, PipelineConfig
 from components.regenerate import RegenerateConfig, regenerate
 from infra.settings import Settings
@@ -72,14 +72,6 @@ def runs(tiny_embedded, engine_settings, tmp_path_factory) -> dict:
     return out
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.killpg(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-
-
 @pytest.mark.engine
 @pytest.mark.live
 def test_two_replicas_write_one_engines_shards_each_once(runs, engine_settings):
@@ -109,7 +101,7 @@ def test_two_replicas_write_one_engines_shards_each_once(runs, engine_settings):
     assert any("2 engine replicas on Ray" in ln for ln in lines), lines
     assert runs["killed"], "an engine was killed after the first shard"
     assert not (dirs["two"] / STORAGE).exists()  # the engines' hidden-state files are gone
-    assert not [p for p in runs["seen"] if _alive(p)], "every engine of the run is stopped"
+    assert not [p for p in runs["seen"] if _group_exists(p)], "every engine of the run is stopped"
     logs = sorted((engine_settings.state_dir / "vllm").glob("vllm-*.log"))
     started = [p for p in logs if "kv-transfer-config" in p.read_text(errors="replace")[:4000]]
     assert len(started) >= 4, [p.name for p in logs]  # one engine, two replicas and the killed one's successor
