@@ -207,7 +207,14 @@ class EngineReplica:
         if self.server is None:  # in the first task, so a start error is that task's error, raised as itself
             self.storage.mkdir(parents=True, exist_ok=True)
             spec = self.shape.spec(self.target_dir, self.storage)
-            self.server = _recorded_server(spec, self.settings, self.storage / PID_FILE).start()
+            server = _recorded_server(spec, self.settings, self.storage / PID_FILE)
+            try:
+                self.server = server.start()
+            except EngineError:
+                if server.proc is not None and (server.proc.returncode or 0) < 0:  # killed by a signal while starting:
+                    kill_group(server.proc.pid)  # a death, not a bad setup; Ray restarts the replica once, as below
+                    os._exit(1)
+                raise
         try:
             return engine_shard(self.server, self.norm, list(seqs), self.cfg.dtype, self.requests)
         except EngineError:
