@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from components.atomic import atomic_write_text
 from components.targets import TargetError, declared_dtype, read_tensors
 
 STORAGE = "engine-hidden-states"  # under the extraction's out_dir: the engine's per-request files, one shard's worth
@@ -232,7 +233,7 @@ def _recorded_server(spec, settings, pid_file: Path):
 
     class Recorded(VllmServer):
         def _wait_healthy(self) -> None:  # VllmServer.start calls it right after spawning the engine
-            pid_file.write_text(str(self.proc.pid))
+            atomic_write_text(pid_file, str(self.proc.pid))  # `stop_engines` may read it at any moment
             super()._wait_healthy()
 
     return Recorded(spec, settings)
