@@ -83,7 +83,7 @@ def child(args: argparse.Namespace) -> None:
                "spec_s_per_round": statistics.median(sum(r) for r in report["speed"]["spec_s"]),
                "speedup": res.speedup, "lo": res.speedup_lo, "hi": res.speedup_hi, "reliable": res.speedup_reliable,
                "note": res.speedup_note, "rounds": res.speedup_rounds, "tau": res.tau, "mismatches": mismatches,
-               "single_pass": json.loads(Path(res.report_file).read_text())["speed"]["round_ratios"][0]}
+               "single_pass": report["speed"]["round_ratios"][0], "other_load": report["speed"].get("other_load")}
         if args.engine == "vllm":
             from components.engine_eval import evaluate_in_vllm, our_outputs
             from infra.settings import Settings
@@ -95,8 +95,12 @@ def child(args: argparse.Namespace) -> None:
                    "note": v.speedup_note, "rounds": v.speedup_rounds, "tau": v.tau,
                    "mismatches": sum(not s["identical_to_plain"] for s in
                                      json.loads(Path(v.report_file).read_text())["samples"]),
-                   "single_pass": speed["round_ratios"][0]}
+                   "single_pass": speed["round_ratios"][0], "other_load": speed.get("other_load")}
     Path(args.out).write_text(json.dumps(row) + "\n")
+
+
+def _cores(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f} cores"
 
 
 def path_store(timings: str, run_dir: Path) -> str:
@@ -127,7 +131,8 @@ def fresh(argv: list[str], runs: int, load_threads: int, label: str, env: dict[s
             r = rows[-1]
             print(f"  {label} {i + 1}/{runs}: {r['speedup']:.3f}x [{r['lo']:.3f}, {r['hi']:.3f}] "
                   f"{'reliable' if r['reliable'] else 'UNRELIABLE'} in {r['rounds']} rounds; "
-                  f"single pass {r['single_pass']:.3f}x; mismatches {r['mismatches']}; target path "
+                  f"single pass {r['single_pass']:.3f}x; other load {_cores(r.get('other_load'))}; "
+                  f"mismatches {r['mismatches']}; target path "
                   f"{r.get('target_path') or '-'} {r.get('path_ms', {})} (timings kept over "
                   f"{r.get('path_timings_kept', 0)} processes)", flush=True)
     return rows
@@ -200,9 +205,8 @@ def main(argv: list[str] | None = None) -> dict | None:
         rows = fresh(passed, args.runs, 0, "quiet", env) + fresh(passed, args.runs, args.load_threads, "loaded", env)
     v = verdict(rows)
     mism = sum(r["mismatches"] for r in rows)
-    print_table([{k: r[k] for k in ("condition", "speedup", "lo", "hi", "reliable", "rounds", "single_pass", "tau",
-                                    "mismatches")} for r in rows],
-                ["condition", "speedup", "lo", "hi", "reliable", "rounds", "single_pass", "tau", "mismatches"])
+    cols = ["condition", "speedup", "lo", "hi", "reliable", "rounds", "single_pass", "other_load", "tau", "mismatches"]
+    print_table([{k: r.get(k) for k in cols} for r in rows], cols)
     goals = {cond: goal_line(f"{cond}: largest deviation of a reliable figure from the quiet median {v['reference']:.3f}x "
                        f"({c['reliable']}/{c['runs']} reliable, {c['flagged_unreliable']} flagged unreliable; the "
                        f"single pass: {c['single_pass_max_deviation']:.1%})", c["max_deviation"], BAND + 1e-9, mism,

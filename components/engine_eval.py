@@ -202,7 +202,8 @@ def _interleaved(cfg: EvaluateConfig, plain: VllmServer, srv: VllmServer, prompt
         return len(c.token_ids)
 
     speed = measure_speedup(n, lambda i, r: run(plain, "plain", i, r), lambda i, r: run(srv, "spec", i, r),
-                            cfg.speed, progress, what=" (vLLM)")
+                            cfg.speed, progress, what=" (vLLM)",
+                            own_pgids=[s.proc.pid for s in (plain, srv) if s.proc is not None])  # own sessions
     return EngineRun(outs["plain"], sum(speed.plain_s[0])), \
         EngineRun(outs["spec"], sum(speed.spec_s[0]), outs["steps"]), counters[0], speed
 

@@ -211,9 +211,9 @@ def _acceptance_tags(metrics: dict[str, float]) -> dict[str, str]:
 
 
 def speedup_tags(metrics: dict[str, float], key: str) -> dict[str, str]:
-    """`<key>` (the median of the evaluation's rounds, or "unreliable" when its rounds disagreed or too few fitted
-    in the time budget: then `<key>_median` keeps the number for reference), `<key>_lo`/`<key>_hi` (the median's
-    interval) and `<key>_rounds`, from the metrics of components/speed.py."""
+    """`<key>` (the median of the evaluation's rounds, or "unreliable" when its rounds disagreed, the machine was busy,
+    or too few fitted in the time budget: then `<key>_median` keeps the number for reference), `<key>_lo`/`<key>_hi`
+    (the median's interval) and `<key>_rounds`, from the metrics of components/speed.py."""
     tags = {}
     reliable = bool(metrics.get(f"{key}_reliable", 1.0))
     tags[key] = f"{float(metrics[key]):.4f}" if reliable else "unreliable"

@@ -11,9 +11,13 @@ evaluation (components/evaluate.py) and the engine evaluation (components/engine
 - The figure is the **median of the round ratios**; `lo`/`hi` is a distribution-free interval of that median from
   the rounds' order statistics (the widest pair (k, n+1-k) whose coverage is >= 90%; with fewer than 5 rounds no
   such pair exists and lo/hi are the min and max, whose coverage `coverage` states).
-- `reliable` is False, with `reason` saying why, when fewer than `min_rounds` rounds fit in the budget or the
-  interval is wider than `max_spread` (relative half-width, max(hi/median - 1, 1 - lo/median)). An unreliable figure
-  is registered as such, never as a number (components/register.py).
+- `reliable` is False, with `reason` saying why, when fewer than `min_rounds` rounds fit in the budget, the
+  interval is wider than `max_spread` (relative half-width, max(hi/median - 1, 1 - lo/median)), or other processes
+  used more than `max_other_load` CPU cores on average while it was measured (infra/cpu_load.py: the machine's busy
+  time less ours, the servers being measured counting as ours through `own_pgids`; `other_load` records it). A
+  neighbour on the cores moves the ratio itself, not only its noise (on 2 cores one busy thread beside the
+  evaluation raised the median 6%, one process 10%), so a figure measured beside one is that busy machine's, not
+  the head's. An unreliable figure is registered as such, never as a number (components/register.py).
 Run: the evaluation calls it; `python -m components.speed` prints the interval rule's coverages.
 Not here: what is decoded, identity checks, acceptance (the callers do that).
 """
@@ -24,9 +28,10 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from math import comb
-from typing import Callable
+from typing import Callable, Iterable
 
 from eagle.config_checks import FieldError, at_least
+from infra.cpu_load import OtherLoad
 
 COVERAGE = 0.90  # the wanted coverage of the median's interval
 
@@ -34,12 +39,14 @@ COVERAGE = 0.90  # the wanted coverage of the median's interval
 @dataclass(frozen=True)
 class SpeedupConfig:
     """How long to measure: at least `min_rounds` rounds over the prompts, at most `max_rounds`, stopping early once
-    the median's interval is within +-`max_spread`; no new round starts after `budget_s` seconds."""
+    the median's interval is within +-`max_spread`; no new round starts after `budget_s` seconds. A figure measured
+    while other processes used more than `max_other_load` CPU cores on average is unreliable (`inf`: never)."""
 
     min_rounds: int = 5
     max_rounds: int = 9
     max_spread: float = 0.10
     budget_s: float = 300.0
+    max_other_load: float = 0.5
 
     def __post_init__(self) -> None:
         at_least(self, {"min_rounds": 1, "max_rounds": 1})
@@ -49,10 +56,15 @@ class SpeedupConfig:
             raise FieldError(self, "max_spread", f"must be in (0, 1) (a relative half-width), got {self.max_spread}")
         if not 0.0 < self.budget_s < float("inf"):
             raise FieldError(self, "budget_s", f"must be a positive number of seconds, got {self.budget_s}")
+        if isinstance(self.max_other_load, bool) or not self.max_other_load >= 0.0:
+            raise FieldError(self, "max_other_load", f"must be a number of CPU cores >= 0 (inf: no bound), got "
+                                                     f"{self.max_other_load}")
 
     @classmethod
     def tiny(cls) -> "SpeedupConfig":
-        return cls(min_rounds=2, max_rounds=2, budget_s=60.0)
+        """Two rounds, and no bound on other load: the tests' tiny figures mean nothing and must not depend on what
+        else the machine runs (tests/test_speed.py checks the bound itself)."""
+        return cls(min_rounds=2, max_rounds=2, budget_s=60.0, max_other_load=float("inf"))
 
 
 @dataclass(frozen=True)
@@ -66,6 +78,7 @@ class SpeedupEstimate:
     reason: str  # why it is unreliable ("" when reliable)
     plain_tokens_per_s: float  # round 0's tokens over the median round's seconds
     spec_tokens_per_s: float
+    other_load: float | None = None  # mean CPU cores other processes used while it was measured (None: unknown)
     round_ratios: list[float] = field(default_factory=list)
     plain_s: list[list[float]] = field(default_factory=list)  # [round][prompt]
     spec_s: list[list[float]] = field(default_factory=list)
@@ -81,10 +94,14 @@ class SpeedupEstimate:
         return text if self.reliable else f"{text}, unreliable: {self.reason}"
 
     def metrics(self, suffix: str = "") -> dict[str, float]:
-        """`speedup<suffix>` (the median), `_lo`, `_hi`, `_reliable` (1/0), `_rounds` (e.g. suffix "_vllm")."""
+        """`speedup<suffix>` (the median), `_lo`, `_hi`, `_reliable` (1/0), `_rounds`, `_other_load` when known (e.g.
+        suffix "_vllm")."""
         base = f"speedup{suffix}"
-        return {base: self.speedup, f"{base}_lo": self.lo, f"{base}_hi": self.hi,
-                f"{base}_reliable": float(self.reliable), f"{base}_rounds": float(self.rounds)}
+        out = {base: self.speedup, f"{base}_lo": self.lo, f"{base}_hi": self.hi,
+               f"{base}_reliable": float(self.reliable), f"{base}_rounds": float(self.rounds)}
+        if self.other_load is not None:
+            out[f"{base}_other_load"] = self.other_load
+        return out
 
 
 def median_interval(values: list[float], coverage: float = COVERAGE) -> tuple[float, float, float]:
@@ -106,10 +123,13 @@ def median_interval(values: list[float], coverage: float = COVERAGE) -> tuple[fl
 
 def measure_speedup(n_prompts: int, plain: Callable[[int, int], int], spec: Callable[[int, int], int],
                     cfg: SpeedupConfig, progress: Callable[[str], None] | None = None,
-                    what: str = "", clock: Callable[[], float] = time.perf_counter) -> SpeedupEstimate:
+                    what: str = "", clock: Callable[[], float] = time.perf_counter,
+                    own_pgids: Iterable[int] = ()) -> SpeedupEstimate:
     """Rounds of interleaved plain and speculative decoding over `n_prompts`; each callable returns the tokens it
-    produced (for tokens/s). `clock` times them and the budget (seconds). See the module doc."""
+    produced (for tokens/s). `clock` times them and the budget (seconds); `own_pgids` are the process groups of the
+    servers being measured (their CPU time is ours, not other load). See the module doc."""
     t_start = clock()
+    probe = OtherLoad.start(own_pgids)
     plain_s: list[list[float]] = []
     spec_s: list[list[float]] = []
     tokens_plain = tokens_spec = 0
@@ -128,7 +148,7 @@ def measure_speedup(n_prompts: int, plain: Callable[[int, int], int], spec: Call
                     tokens_spec += n_tok if fn is spec else 0
         plain_s.append(row_p)
         spec_s.append(row_s)
-        est = _estimate(plain_s, spec_s, tokens_plain, tokens_spec, cfg, clock() - t_start)
+        est = _estimate(plain_s, spec_s, tokens_plain, tokens_spec, cfg, clock() - t_start, probe.cores())
         if progress:
             progress(f"speedup{what}: round {r + 1}: {sum(row_p) / max(sum(row_s), 1e-9):.2f}x; "
                      f"so far {est.describe()}")
@@ -139,7 +159,7 @@ def measure_speedup(n_prompts: int, plain: Callable[[int, int], int], spec: Call
 
 
 def _estimate(plain_s, spec_s, tokens_plain: int, tokens_spec: int, cfg: SpeedupConfig,
-              elapsed: float) -> SpeedupEstimate:
+              elapsed: float, other_load: float | None = None) -> SpeedupEstimate:
     ratios = [sum(p) / max(sum(s), 1e-9) for p, s in zip(plain_s, spec_s)]
     med = statistics.median(ratios)
     lo, hi, cov = median_interval(ratios)
@@ -152,11 +172,15 @@ def _estimate(plain_s, spec_s, tokens_plain: int, tokens_spec: int, cfg: Speedup
     elif spread > cfg.max_spread:
         reason = (f"the rounds disagree: median {med:.2f}x, interval [{lo:.2f}, {hi:.2f}] is +-{spread:.0%} "
                   f"(bound +-{cfg.max_spread:.0%}); the machine was probably busy")
+    if other_load is not None and other_load > cfg.max_other_load:
+        busy = (f"the machine was busy: other processes used {other_load:.2f} CPU cores on average while it was "
+                f"measured (bound {cfg.max_other_load:g}, speed.max_other_load); re-run on quiet cores")
+        reason = f"{reason}; {busy}" if reason else busy
     return SpeedupEstimate(
         speedup=med, lo=lo, hi=hi, coverage=cov, rounds=n, reliable=not reason, reason=reason,
         plain_tokens_per_s=tokens_plain / max(statistics.median(sum(p) for p in plain_s), 1e-9),
         spec_tokens_per_s=tokens_spec / max(statistics.median(sum(s) for s in spec_s), 1e-9),
-        round_ratios=ratios, plain_s=plain_s, spec_s=spec_s)
+        other_load=other_load, round_ratios=ratios, plain_s=plain_s, spec_s=spec_s)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,8 @@ from infra.settings import Settings
 
 
 def _speedup(value: float | None, reliable: bool = True) -> str:
-    """A speedup cell: "1.52x", "1.52x?" when its rounds disagreed (unreliable), "-" when not measured."""
+    """A speedup cell: "1.52x", "1.52x?" when unreliable (its rounds disagreed or the machine was busy), "-" when not
+    measured."""
     if value is None or value != value:
         return "-"
     return f"{value:.2f}x" + ("" if reliable else "?")
@@ -134,14 +135,15 @@ def demo(preset: str = "default", embedded_preset: str = "default", target_name:
              f"{'speedup':>8} {'sp(vLLM)':>9} {'crossover':>9} {'identical':>9}  alpha_1..k",
              "(features: who computed the hidden states the head was trained on, this process (local) or the serving "
              "engine (vllm); tau_pos: tau in the first..last output-position bucket reached (evaluate.position_edges); "
-             "speedup: median of interleaved rounds, ours and in vLLM, one request at a time; '?' marks "
-             "a figure whose rounds disagreed; crossover: the first concurrency where plain decoding out-serves the "
-             "head in vLLM, where the registered K schedule stops drafting)",
+             "speedup: median of interleaved rounds, ours and in vLLM, one request at a time; '?' marks an "
+             "unreliable figure (its rounds disagreed, or other processes used the cores); crossover: the first "
+             "concurrency where plain decoding out-serves the head in vLLM, where the registered K schedule stops "
+             "drafting)",
              *(_row(label, tags, features_of(tags, configured), r) for label, r, configured, tags in (
                  (f"{target_name} v{base.version} (base)", r1, base_extract, version_tags(store, r1)),
                  (f"{target_name} v{tuned.version} (fine-tune)", r2, finetune_extract, version_tags(store, r2)))),
-             *([] if served_speedup(r2)[1] else ["the served speedup below is unreliable (its rounds disagreed): "
-                                                 "re-run `eagle-heads evaluate` on quiet cores"]),
+             *([] if served_speedup(r2)[1] else ["the served speedup below is unreliable (its rounds disagreed or the "
+                                                 "machine was busy): re-run `eagle-heads evaluate` on quiet cores"]),
              f"demo: tau={r2.tau:.2f} speedup={served_speedup(r2)[0]:.2f}x identical={ident} "
              f"head=models:/{name}@{alias}"]
     return {"base": r1, "finetune": r2, "lines": table}

@@ -1,16 +1,25 @@
 """The speedup estimator (components/speed.py) on a simulated clock: what it measures, in which order, when it
 stops, and when it calls a figure unreliable. No real timing: each decode advances a fake clock by a set cost.
+Beside it, the other-load probe (infra/cpu_load.py) with real processes: a busy neighbour is other load, our own
+work and the process groups we name are not, and a figure measured beside a neighbour is flagged.
 
-Run: `python -m pytest tests/test_speed.py` (well under a second).
+Run: `python -m pytest tests/test_speed.py` (about 10 s: the probe's tests burn real CPU for a second or two each).
 """
 
 from __future__ import annotations
+
+import subprocess
+import sys
+import time
 
 import pytest
 
 from components.evaluate import EvaluateConfig
 from components.pipeline_config import ConfigError, PipelineConfig
 from components.speed import SpeedupConfig, measure_speedup, median_interval
+from infra.cpu_load import MIN_WALL_S, OtherLoad, machine_busy_s
+
+BUSY = "import time\nt = time.time()\nwhile time.time() - t < 30: pass"
 
 
 class FakeClock:
@@ -78,7 +87,8 @@ def test_median_interval_coverage_follows_the_binomial_rule():
 
 
 @pytest.mark.parametrize("key,value", [("min_rounds", 0), ("max_spread", 0), ("max_spread", 1.5),
-                                       ("budget_s", float("inf")), ("max_rounds", 1)])
+                                       ("budget_s", float("inf")), ("max_rounds", 1), ("max_other_load", -1.0),
+                                       ("max_other_load", True)])
 def test_bad_speed_settings_fail_at_config_load_with_the_key_path(key, value):
     with pytest.raises(ConfigError, match=f"evaluate.speed.{key}"):
         PipelineConfig.preset("tiny").override({"evaluate": {"speed": {key: value, "min_rounds": 2}
@@ -87,3 +97,53 @@ def test_bad_speed_settings_fail_at_config_load_with_the_key_path(key, value):
 
 def test_the_tiny_preset_measures_two_rounds():
     assert EvaluateConfig.tiny().speed.min_rounds == 2
+
+
+def test_the_tiny_preset_puts_no_bound_on_other_load_and_the_default_does():
+    assert EvaluateConfig.tiny().speed.max_other_load == float("inf")
+    assert PipelineConfig.preset("default").evaluate.speed.max_other_load == 0.5
+
+
+@pytest.fixture
+def neighbour():
+    """A busy process in its own session (process group = its pid), killed after the test."""
+    proc = subprocess.Popen([sys.executable, "-c", BUSY], start_new_session=True)
+    time.sleep(0.3)  # past its start-up
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def test_a_busy_neighbour_is_other_load_unless_its_process_group_is_ours(neighbour):
+    theirs, ours = OtherLoad.start(), OtherLoad.start([neighbour.pid])
+    time.sleep(1.5)
+    # the same window: the only difference is whose the neighbour's CPU time is (it gets most of a core even on a
+    # busy 2-core machine; whatever else runs is in both)
+    assert theirs.cores() - ours.cores() > 0.3
+
+
+def test_our_own_cpu_time_is_not_other_load():
+    probe, machine0, cpu0, wall0 = OtherLoad.start(), machine_busy_s(), time.process_time(), time.monotonic()
+    while time.monotonic() - wall0 < 1.2:
+        pass
+    other = probe.cores()
+    wall = time.monotonic() - wall0
+    machine, own = (machine_busy_s() - machine0) / wall, (time.process_time() - cpu0) / wall
+    assert own > 0.2 and machine - other == pytest.approx(own, abs=0.15)
+
+
+def test_a_short_window_says_nothing():
+    assert OtherLoad.start().cores() is None and MIN_WALL_S >= 1.0
+
+
+def test_a_figure_measured_beside_a_busy_neighbour_is_unreliable_and_says_so(neighbour):
+    def decode(i, r):
+        time.sleep(0.2)
+        return 10
+
+    est = measure_speedup(2, decode, decode, SpeedupConfig(min_rounds=2, max_rounds=2, max_other_load=0.3))
+    assert est.other_load is not None and est.other_load > 0.3
+    assert not est.reliable and "the machine was busy" in est.reason and "speed.max_other_load" in est.reason
+    assert est.metrics()["speedup_other_load"] == est.other_load
+    calm = measure_speedup(2, decode, decode, SpeedupConfig(min_rounds=2, max_rounds=2, max_other_load=float("inf")))
+    assert calm.reliable and calm.other_load is not None
