@@ -49,7 +49,7 @@ def resolve(args, settings) -> tuple[str, str, str, str]:
 
         target, head = local(args.target), local(args.head)
         served = servable_head(head, target, settings.state_dir / "servable")
-        name = args.head.replace("models:/", "").replace("/", "-").replace("@", "-")
+        name = args.name or args.head.replace("models:/", "").replace("/", "-").replace("@", "-")
         return target, str(served), args.heldout, name
     setup = prepare(args.quick, conversations=args.conversations)
     head, suffix = speed_head(setup, args.head_steps, args.conversations)
@@ -91,6 +91,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--target", default="", help="the head's target (directory or models:/...), with --head")
     p.add_argument("--heldout", default="", help="held-out traffic, with --head")
     p.add_argument("--head-steps", type=int, default=0)
+    p.add_argument("--name", default="", help="suffix of the result file with --head (default: from the head's URI)")
     args = p.parse_args(argv)
     load_before = start(args)
     from dataclasses import replace

@@ -83,7 +83,7 @@ class EngineSpec:
         if self.method == "ngram":
             return {"method": "ngram", "num_speculative_tokens": self.num_speculative_tokens,
                     "prompt_lookup_max": 4, "prompt_lookup_min": 1}
-        spec: dict[str, Any] = {"method": "eagle3", "model": str(self.head_dir),
+        spec: dict[str, Any] = {"method": "eagle3", "model": local_path(self.head_dir),
                                 "num_speculative_tokens": self.num_speculative_tokens}
         if self.drafts_in_parallel():
             spec["parallel_drafting"] = True
@@ -104,7 +104,7 @@ class EngineSpec:
 
     def server_args(self, port: int, host: str | None = BIND_HOST) -> list[str]:
         """Arguments of vLLM's OpenAI server; `host=None` leaves the interface to vLLM (printed commands only)."""
-        args = ["--model", str(self.target_dir), "--served-model-name", self.served_model_name,
+        args = ["--model", local_path(self.target_dir), "--served-model-name", self.served_model_name,
                 "--dtype", self.dtype, "--max-model-len", str(self.max_model_len), "--port", str(port)]
         if host is not None:
             args += ["--host", host]
@@ -119,7 +119,13 @@ class EngineSpec:
         """The shell command a user runs on their cluster (`vllm serve` takes the model as its first argument and
         the same flags; the interface to listen on is theirs to add with --host)."""
         args = self.server_args(port, host=None)[2:]
-        return "vllm serve " + " ".join(shlex.quote(a) for a in [str(self.target_dir), *args])
+        return "vllm serve " + " ".join(shlex.quote(a) for a in [local_path(self.target_dir), *args])
+
+
+def local_path(model: str | Path | None) -> str:
+    """A model or head given as a directory that exists here, made absolute (the engine runs in another working
+    directory, where a relative path would be read as a hub id); anything else as given."""
+    return str(Path(model).resolve()) if model and Path(model).exists() else str(model)
 
 
 def head_drafts_in_parallel(head_dir: str | Path | None) -> bool:

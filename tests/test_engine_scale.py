@@ -102,3 +102,15 @@ def test_an_architecture_vllm_does_not_run_is_one_clear_line(tmp_path):
     assert "\n" not in line and len(line) < 600
     assert "['NopeForCausalLM'] are not supported" in line and "target.runtime 'local'" in line
     assert "Arch1ForCausalLM" not in line
+
+
+def test_a_relative_target_or_head_directory_reaches_the_engine_absolute(tmp_path, monkeypatch):
+    """vLLM runs in its log's directory, where `target` or `heads/h` would be read as a hub id: a directory that
+    exists here goes to the engine as its absolute path; a hub id goes as given."""
+    (tmp_path / "target").mkdir()
+    (tmp_path / "heads" / "h").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    args = EngineSpec("target", head_dir="heads/h").server_args(8000)
+    assert args[args.index("--model") + 1] == str(tmp_path / "target")
+    assert f'"model": "{tmp_path / "heads" / "h"}"' in args[args.index("--speculative-config") + 1]
+    assert EngineSpec("org/model", method=None).server_args(8000)[1] == "org/model"
