@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Callable
 
 from infra.settings import Settings
-from infra.vllm_server import EngineError, VllmServer, vllm_python
+from infra.vllm_server import EngineError, VllmServer, local_path, vllm_python
 
 # one client process, many cells: argv lists from a JSON file, one `main` each, a line on stdout after each cell (the
 # client's own report goes to a log file, which also holds the last words of a failure)
@@ -128,7 +128,7 @@ def bench_serve_many(jobs: list[tuple[VllmServer, LoadRequest]], settings: Setti
 
 def _argv(server: VllmServer, req: LoadRequest, result_dir: str, name: str) -> list[str]:
     args = ["--base-url", server.base_url, "--model", server.spec.served_model_name, "--tokenizer",
-            req.tokenizer_dir, "--dataset-name", "sharegpt", "--dataset-path", req.dataset,
+            local_path(req.tokenizer_dir), "--dataset-name", "sharegpt", "--dataset-path", local_path(req.dataset),
             "--sharegpt-output-len", req.output_len, "--num-prompts", req.num_prompts,
             "--max-concurrency", req.concurrency, "--disable-shuffle", "--seed", req.seed,
             "--temperature", req.temperature, "--ignore-eos", "--num-warmups", "1", "--disable-tqdm",
