@@ -34,7 +34,8 @@ import torch
 from safetensors.torch import load_file
 
 from common import base_args, prepare, print_table, start, write_results
-from components.extract import FEATURES, extract
+from components.extract import extract
+from components.feature_shards import FEATURES
 from infra.settings import Settings
 
 SHARD = re.compile(r"shard (\d+)/\d+, (\d+) tokens \(([\d.]+) s\)")

@@ -18,18 +18,21 @@ Purpose: `extract(cfg, target_dir, regen_dir, out_dir) -> ExtractResult`.
   scale layout.
 - `cfg.dtype == "float8_e4m3fn"`: both hidden states are stored as e4m3 with one float32 scale per row (token
   position), `aux_hidden_states_scale` [T] and `last_hidden_state_scale` [T] (`eagle.fp8`: scale = amax(|row|)/448);
-  the manifest's `scales` says so (`FP8_SCALES`; null for the other dtypes). About half the bytes of bfloat16.
+  the manifest's `scales` says so (components/feature_shards.py `FP8_SCALES`; null for the other dtypes). About half
+  the bytes of bfloat16.
 - `cfg.mode == "online"`: stores no features; training computes the same tensors (rounded to the same dtype, fp8
   included: quantised and dequantised per row).
 - Distributed: `cfg.num_workers` 0 computes the shards in this process; N >= 1 computes the shards that need
-  (re)writing on N Ray actors, one shard per task, each actor loading the target once (components/extract_ray.py).
-  A shard travels back as its safetensors bytes (`shard_bytes`, the same function in both paths) and this process
-  writes every file and the manifest, so they are byte-identical whatever `num_workers` is, and resume is the same.
+  (re)writing on N Ray actors (infra/actor_pool.py), one shard per task, each a `FeatureWorker` loading the target
+  once. A shard travels back as its safetensors bytes (`shard_bytes`, the same function in both paths; bytes, not
+  tensors: Ray's pickling of torch tensors cannot carry float8) and this process writes every file and the manifest,
+  so they are byte-identical whatever `num_workers` is, and resume is the same.
 - `cfg.engine == "vllm"`: the shards' hidden states come from a vLLM started for the run
   (components/extract_engine.py), sent the same token ids; the shards, the manifest (its `engine` says which) and
   resume are the same, and this process never loads the whole target (embedding and lm_head are read by tensor
   name). Shards of the other engine are recomputed, not kept.
-Not here: training (components/train.py) and the dataset readers (components/datasets.py).
+Not here: the shard file's layout (components/feature_shards.py), training (components/train.py) and the dataset
+readers (components/datasets.py).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from typing import TYPE_CHECKING, Callable, Literal
 
 from components.atomic import atomic_path, atomic_write_bytes, atomic_write_text, file_sha256, remove_stale_temps
 from components.chat import tokenize_conversation
+from components.feature_shards import FP8, pack_shard, scale_layout
 from components.regenerate import NOT_IDENTITY, read_regenerated
 from components.targets import declared_dtype, load_target, weights_sha256
 from eagle.config_checks import FieldError, at_least, one_of
@@ -52,17 +56,8 @@ if TYPE_CHECKING:
     from infra.settings import Settings
 
 MANIFEST = "manifest.json"
-FEATURES = ("aux_hidden_states", "last_hidden_state")  # the hidden-state tensors of a shard
-FP8 = "float8_e4m3fn"  # eagle.fp8.DTYPE_NAME (eagle.fp8 imports torch: not at import time here)
 FEATURE_DTYPES = ("bfloat16", "float16", "float32", FP8)
 ENGINES = ("local", "vllm")  # who computes the hidden states (components/extract_engine.py for vLLM)
-FP8_SCALES = {"layout": "per_row", "dtype": "float32", "rule": "amax(|row|) / 448",
-              "tensors": {name: f"{name}_scale" for name in FEATURES}}  # the manifest's `scales` of fp8 features
-
-
-def scale_layout(dtype: str) -> dict | None:
-    """The manifest's `scales` entry for features stored in `dtype` (None: stored as they are, no scales)."""
-    return copy.deepcopy(FP8_SCALES) if dtype == FP8 else None
 
 
 @dataclass(frozen=True)
@@ -166,6 +161,21 @@ def _open_target(cfg: ExtractConfig, target_dir: str, trust_remote_code: bool):
     return target, target.config, tokenizer, heads
 
 
+class FeatureWorker:
+    """A Ray actor's state (infra/actor_pool.py): the config, the fused layer ids and, from its first shard on, the
+    loaded target."""
+
+    def __init__(self, cfg: ExtractConfig, target_dir: str, layer_ids: list[int], trust_remote_code: bool):
+        self.cfg, self.target_dir, self.layer_ids = cfg, target_dir, layer_ids
+        self.trust_remote_code = trust_remote_code
+        self.target = None
+
+    def run(self, shard: int, seqs) -> bytes:
+        if self.target is None:  # in the first task, so a load error is that task's error, raised as itself
+            self.target = load_target(self.target_dir, self.cfg.device, trust_remote_code=self.trust_remote_code)[0]
+        return shard_bytes(self.target, self.layer_ids, list(seqs), self.cfg)
+
+
 def shard_bytes(target, layer_ids, seqs, cfg: ExtractConfig) -> bytes:
     """The safetensors file of the feature shard holding `seqs` (what the driver writes, in- or out-of-process)."""
     return pack_shard(seqs, _local_features(target, layer_ids, seqs, cfg), cfg.dtype)
@@ -189,35 +199,6 @@ def _local_features(target, layer_ids, seqs, cfg: ExtractConfig):
             step = target_forward(target, ids.to(cfg.device), layer_ids, attention_mask=att.to(cfg.device))
         for r, (s, _) in enumerate(chunk):
             yield step.aux_BT3H[r, :len(s)], step.last_hidden_BTH[r, :len(s)]
-
-
-def pack_shard(seqs, features, dtype: str) -> bytes:
-    """The shard file of `seqs` ((input_ids, loss_mask) each) given `features`, an iterable of (aux_hidden_states
-    [T, 3H], last_hidden_state [T, H]) per sequence in the same order, stored in `dtype`: the one shard format,
-    whoever computed the features (this process, a Ray actor, the engine)."""
-    import torch
-    from safetensors.torch import save
-
-    parts = [{**_stored(FEATURES[0], aux_TC, dtype), **_stored(FEATURES[1], last_TH, dtype)}
-             for aux_TC, last_TH in features]
-    tensors = {"input_ids": torch.tensor([i for s, _ in seqs for i in s], dtype=torch.int32),
-               "loss_mask": torch.tensor([m for _, ms in seqs for m in ms], dtype=torch.uint8),
-               "offsets": torch.tensor([0] + [len(s) for s, _ in seqs]).cumsum(0),
-               **{k: torch.cat([p[k] for p in parts]) for k in parts[0]}}
-    del parts
-    return save(tensors)
-
-
-def _stored(name: str, x_TC, dtype: str) -> dict:
-    """The shard tensors holding hidden states `x_TC` as `name`: in `dtype`, or e4m3 plus `name`_scale (per row)."""
-    import torch
-
-    from eagle import fp8
-
-    if dtype != FP8:
-        return {name: x_TC.to(getattr(torch, dtype)).cpu()}
-    q_TC, scale_T = fp8.quantize_rows(x_TC)
-    return {name: q_TC.cpu(), FP8_SCALES["tensors"][name]: scale_T.cpu()}
 
 
 def extract(cfg: ExtractConfig, target_dir: str, regen_dir: str, out_dir: str,
@@ -264,14 +245,15 @@ def extract(cfg: ExtractConfig, target_dir: str, regen_dir: str, out_dir: str,
 
         run_in_engine(cfg, target_dir, config, layer_ids, pending, finish, out, ray_settings, progress)
     elif pending and cfg.num_workers:
-        from components.extract_ray import run_on_ray
+        from infra.actor_pool import run_on_ray
 
         del target  # the workers load their own; on CUDA its memory goes back for the worker on this device
         if str(cfg.device).startswith("cuda"):
             import torch
 
             torch.cuda.empty_cache()
-        run_on_ray(cfg, target_dir, layer_ids, pending, finish, trust_remote_code, ray_settings, progress)
+        run_on_ray(cfg, FeatureWorker, (target_dir, list(layer_ids), trust_remote_code), pending, finish, "extract",
+                   ray_settings, progress)
     else:
         for k, part in pending.items():
             t0 = time.perf_counter()

@@ -5,7 +5,7 @@ local extraction, and hands the shards to `run_in_engine(...)`, which starts vLL
 `extract_hidden_states` at the fused ids plus the last layer id N, a hidden-states KV connector writing one file per
 request under `OUT/engine-hidden-states/`), sends each sequence's token ids exactly as local extraction tokenised
 them (`max_tokens` 1, `extract.batch_size` requests in flight), and builds the same shard as local extraction
-(`components.extract.pack_shard`, the same dtypes, fp8 included):
+(components/feature_shards.py `pack_shard`, the same dtypes, fp8 included):
 - aux_hidden_states [T, 3H]: the engine's ids k (inputs of decoder layers k), concatenated in ascending order;
 - last_hidden_state [T, H]: the engine's id N (the residual before the final norm) through the target's final
   RMSNorm, its weight read by tensor name from the target's safetensors (`target_final_norm`), which is what local
@@ -17,8 +17,8 @@ The engine's files of a shard are deleted once the shard's bytes are built, so t
 `seqs_per_shard x T x 4 x H` values of the engine's dtype on disk per engine; a killed run resumes at the shard it
 was on (the resume rule of components/extract.py) and clears the files it left. Our process never loads the whole
 target: `target_heads` reads the embedding and `lm_head` by name too (the embedding when the weights are tied).
-Replicas: `extract.engine_replicas` N > 1 starts N engines, one per Ray actor (`EngineReplica`, the actor pool and
-dispatch of components/regen_ray.py: a shard per task, the next to whichever replica returns first, on the Ray of
+Replicas: `extract.engine_replicas` N > 1 starts N engines, one per Ray actor (`EngineReplica`, the actor pool of
+infra/actor_pool.py: a shard per task, the next to whichever replica returns first, on the Ray of
 RAY_ADDRESS or a local one started here). Each replica starts its engine at its first shard (its own storage
 directory, its own log under the state dir's `vllm/`) and returns each shard's bytes; this process writes them as
 with one engine, so the files, the manifest and resume are the same. A replica whose engine dies mid-shard ends
@@ -30,7 +30,7 @@ Measured on the tiny fp32 target (tests/test_extract_engine.py, tests/test_extra
 local extraction's within 1e-5 relative, with one engine or two replicas.
 Run: `extract(ExtractConfig(engine="vllm"), ...)`, or `{"extract": {"engine": "vllm", "engine_replicas": 2}}` in a
 pipeline config; needs vLLM's venv (`make vllm`) or EAGLE_VLLM_PYTHON.
-Not here: the vLLM process (infra/), the shard format and resume rule (components/extract.py), a replica spanning
+Not here: the vLLM process (infra/), the shard format (components/feature_shards.py) and resume rule (components/extract.py), a replica spanning
 several GPUs (each replica asks Ray for one GPU when `extract.device` is CUDA), and targets whose final norm is not
 an RMSNorm (Gemma's (1 + w), LayerNorm with bias: refused).
 """
@@ -105,7 +105,7 @@ def engine_features(hidden_TnH, norm: FinalNorm):
 def engine_shard(server, norm: FinalNorm, part: list, dtype: str, pool: ThreadPoolExecutor) -> bytes:
     """One shard's safetensors bytes from a running engine (the sequences' requests in flight on `pool`'s threads);
     the engine's files of the shard are deleted once its bytes are built."""
-    from components.extract import pack_shard
+    from components.feature_shards import pack_shard
     from infra.vllm_extract import load_hidden_states, remove_hidden_states, request_hidden_states
 
     paths = list(pool.map(lambda s: request_hidden_states(server, s[0]), part))
@@ -183,7 +183,7 @@ def run_in_engine(cfg, target_dir: str, config, layer_ids: list[int], pending: d
 
 @dataclass(frozen=True)
 class ReplicaPool:
-    """The actors `components.regen_ray.run_actors` starts for engine replicas: how many, the CPUs of each, and
+    """The actors `infra.actor_pool.run_on_ray` starts for engine replicas: how many, the CPUs of each, and
     `device` (CUDA: one GPU each, the engine's)."""
 
     num_workers: int
@@ -254,18 +254,16 @@ def run_on_replicas(cfg, replicas: int, target_dir: str, norm: FinalNorm, shape:
     """Every pending shard computed by `replicas` `EngineReplica` actors (`cfg.cpus_per_worker` CPUs each), a shard
     per task, on the Ray of `settings` (a local one started here when RAY_ADDRESS is unset); `finish` in this process
     as each shard returns, so the files and the resume rule are those of one engine."""
-    from components.regen_ray import local_cpus, run_actors
-    from infra.ray_cluster import ray_session
+    from infra.actor_pool import run_on_ray
 
     from ray.exceptions import RayTaskError
 
     pool = ReplicaPool(replicas, cfg.cpus_per_worker, cfg.device)
-    with ray_session(settings, num_cpus=local_cpus(pool, settings)):
-        try:
-            run_actors(pool, EngineReplica, (cfg, target_dir, norm, shape, str(storage), settings), pending, finish,
-                       "extract", progress)
-        except RayTaskError as e:  # an error inside a replica (an engine that cannot start): raised as itself
-            raise (e.cause if isinstance(e.cause, Exception) else e) from None
+    try:
+        run_on_ray(pool, EngineReplica, (cfg, target_dir, norm, shape, str(storage), settings), pending, finish,
+                   "extract", settings, progress)
+    except RayTaskError as e:  # an error inside a replica (an engine that cannot start): raised as itself
+        raise (e.cause if isinstance(e.cause, Exception) else e) from None
 
 
 def stop_engines(storage: Path, wait_s: float = 30.0) -> None:

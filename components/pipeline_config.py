@@ -2,8 +2,10 @@
 
 Purpose: `PipelineConfig` groups who runs the target (`target`: this process or vLLM, and vLLM's scale), the stage
 configs (`regenerate`, `extract`, `train`, `evaluate`, `register`) and the acceptance monitor's (`monitor`);
-`PipelineConfig.preset(name)` gives a named preset (all of them live in components/presets.py); `PipelineConfig.load(path)`
-reads a JSON file whose sections override a preset key by key, and refuses an unknown section or key, naming it;
+`PipelineConfig.preset(name)` builds a named preset from its sections (all of them live in components/presets.py,
+which builds sections only and never imports this module); `PipelineConfig.load(path)` reads a JSON file whose
+sections override a preset key by key, and refuses an unknown section or key, naming it; `resolve(name, path,
+assignments)` is the config a command runs with (then the `--set key.path=value` assignments, checked the same way);
 `monitor_config(preset, path, **flags)` adds the monitor's command-line values on top, checked the same way.
 `fingerprint()` is a stable hash of the config but its `monitor` section (part of a run's identity).
 Not here: where things run (infra/ settings) or what to run (flows/).
@@ -18,14 +20,16 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Literal, Sequence, Union
 
+from components import presets
 from components.evaluate import EvaluateConfig
 from components.extract import ExtractConfig, check_replicas
 from components.monitor import MonitorConfig
 from components.regenerate import RegenerateConfig
 from components.register import RegisterConfig
 from components.train import TrainConfig
+from eagle.config import PARALLEL_VARIANTS
 from eagle.config_checks import FieldError, at_least, one_of
 from eagle.errors import BadInput
 
@@ -105,9 +109,9 @@ class PipelineConfig:
             check_replicas(self.extract)  # here, after `target.runtime: vllm` has set extract.engine
         except FieldError as e:
             raise ConfigError(f"{where}: extract.{e.field} {e.reason}") from None
-        variants = set(self.train.variants) | {self.train.variant}
-        if "parallel" in variants and self.evaluate.spec.method != "chain":  # else refused when evaluation starts
-            raise ConfigError(f"{where}: train.variant 'parallel' drafts chains (vLLM's parallel drafting), not a "
+        par = [v for v in PARALLEL_VARIANTS if v in (self.train.variant, *self.train.variants)]
+        if par and self.evaluate.spec.method != "chain":  # else refused when evaluation starts
+            raise ConfigError(f"{where}: train.variant {par[0]!r} drafts chains (vLLM's parallel drafting), not a "
                               f"{self.evaluate.spec.method}: set evaluate.spec.method to 'chain'")
         return self
 
@@ -123,10 +127,10 @@ class PipelineConfig:
 
     @classmethod
     def preset(cls, name: str) -> "PipelineConfig":
-        """The named preset; every preset lives in components/presets.py."""
-        from components.presets import preset
-
-        return preset(name)
+        """The named preset (components/presets.py returns its sections); `ConfigError` naming the known ones."""
+        if name not in presets.PRESETS:
+            raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(presets.PRESETS)}")
+        return cls(**presets.PRESETS[name]())
 
     def override(self, data: dict[str, Any], where: str = "config") -> "PipelineConfig":
         """This config with `data`'s values (sections, keys and nested sections such as `train.ttt`) put in,
@@ -160,6 +164,13 @@ class PipelineConfig:
         the fields marked `metadata={"identity": False}` (how fast a stage runs, e.g. regenerate.num_workers)."""
         made = {k: v for k, v in _identity(self).items() if k != "monitor"}
         return hashlib.sha256(json.dumps(made, sort_keys=True).encode()).hexdigest()
+
+
+def resolve(name: str, config_path: str | None = None,
+            assignments: Sequence[tuple[str, Any]] = ()) -> PipelineConfig:
+    """Preset `name`, then the JSON file's sections, then the `--set` assignments (errors say `--set` and the key)."""
+    cfg = PipelineConfig.load(config_path, name)
+    return cfg.override(presets.assignments_tree(assignments), where="--set") if assignments else cfg
 
 
 def monitor_config(preset: str, config_path: str | None, **overrides: Any) -> PipelineConfig:

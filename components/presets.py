@@ -1,15 +1,17 @@
-"""The named pipeline presets, in one place: each a function returning a whole `PipelineConfig`.
+"""The named pipeline presets, in one place: each a function returning a whole pipeline config as its sections.
 
-Purpose: `preset(name)` is what `--preset NAME` means everywhere (the CLI, the flows, `PipelineConfig.preset`):
+Purpose: `PRESETS[name]()` is what `--preset NAME` means everywhere (the CLI, the flows): a mapping of every section
+of `PipelineConfig` (section name -> that stage's config); `PipelineConfig.preset(name)` (components/pipeline_config.py)
+builds the config from it. The presets build sections only, so this module never imports components/pipeline_config.py
+(which imports it: no cycle).
   tiny     the tests' settings: seconds on CPU, in-process training (no Ray)
   default  the demo on 2 CPU cores on the embedded default (one Ray worker, vLLM measurement)
   gpu      one accelerator, no Ray, MLflow or Prefect: bench/gpu_pipeline.py's run of the components on the
            embedded `gpu` target (in-process training, local evaluation)
 "default" means the `default` preset; the stage configs' own dataclass defaults are building blocks, not a preset.
-`resolve(name, config_path, assignments)` is the config a command runs with: the preset, then a JSON file's
-sections, then `--set key.path=value` assignments, each checked by the same strict override machinery
-(components/pipeline_config.py `override_values`: unknown keys and wrong types are refused, naming the key path).
-`assignment(text)` parses one `key.path=value` (the value as JSON, else as a string) without importing anything heavy.
+`assignment(text)` parses one `key.path=value` (the value as JSON, else as a string) without importing anything heavy,
+`assignments_tree` turns them into nested sections for components/pipeline_config.py `resolve` (the preset, then a
+JSON file's sections, then the `--set` assignments, each checked by its strict override machinery).
 Run: `eagle-heads config show --preset tiny --set train.steps=5` prints a resolved config as JSON.
 Not here: the stage configs' `tiny()` factories (each stage keeps its own, used by these presets and the unit tests)
 or the benchmark settings of bench/common.py (their embedded sizes and prompt counts are the benchmarks' own).
@@ -19,10 +21,9 @@ This module imports no torch, MLflow, Prefect or Ray at import time (the CLI's p
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
-if TYPE_CHECKING:  # each preset imports its sections when called: the CLI's parser imports this module
-    from components.pipeline_config import PipelineConfig
+# each preset imports its sections when called: the CLI's parser imports this module
 
 
 def tiny_stages() -> dict[str, Any]:
@@ -38,14 +39,15 @@ def tiny_stages() -> dict[str, Any]:
                 evaluate=EvaluateConfig.tiny())
 
 
-def tiny() -> PipelineConfig:
+def tiny() -> dict[str, Any]:
     """Seconds on CPU: the unit and flow tests' pipeline."""
-    from components.pipeline_config import MonitorConfig, PipelineConfig, RegisterConfig
+    from components.monitor import MonitorConfig
+    from components.register import RegisterConfig
 
-    return PipelineConfig(**tiny_stages(), register=RegisterConfig(tau_floor=1.0), monitor=MonitorConfig.tiny())
+    return dict(**tiny_stages(), register=RegisterConfig(tau_floor=1.0), monitor=MonitorConfig.tiny())
 
 
-def default() -> PipelineConfig:
+def default() -> dict[str, Any]:
     """The demo on 2 CPU cores, on the embedded default.
 
     One Ray worker with both cores (two torch threads train faster than one); a fine-tune's head, warm-started
@@ -57,12 +59,12 @@ def default() -> PipelineConfig:
     from components.evaluate import EvaluateConfig
     from components.extract import ExtractConfig
     from components.load_sweep import LoadConfig
-    from components.pipeline_config import PipelineConfig, RegisterConfig
     from components.regenerate import RegenerateConfig
+    from components.register import RegisterConfig
     from components.train import RayConfig, TrainConfig
     from eagle.run_config import OptimConfig, SpecConfig, TTTConfig
 
-    return PipelineConfig(
+    return dict(
         regenerate=RegenerateConfig(max_new_tokens=96, batch_size=32, shard_size=64, limit=320),
         extract=ExtractConfig(max_len=320, seqs_per_shard=128),
         train=TrainConfig(steps=120, batch_size=8, draft_vocab_size=2048, checkpoint_every=40, log_every=10,
@@ -75,7 +77,7 @@ def default() -> PipelineConfig:
 
 def gpu_stages() -> dict[str, Any]:
     """The `gpu` preset's stage sections (regenerate, extract, train, evaluate), without the registry's and the
-    monitor's: bench/gpu_pipeline.py runs them where MLflow is not installed (and so `PipelineConfig` is not)."""
+    monitor's: bench/gpu_pipeline.py runs them where MLflow is not installed (and so `RegisterConfig` is not)."""
     from components.evaluate import EvaluateConfig
     from components.extract import ExtractConfig
     from components.regenerate import RegenerateConfig
@@ -92,25 +94,16 @@ def gpu_stages() -> dict[str, Any]:
                                 device="cuda"))
 
 
-def gpu() -> PipelineConfig:
+def gpu() -> dict[str, Any]:
     """One accelerator, in-process (no Ray), evaluated locally: bench/gpu_pipeline.py's run on the embedded `gpu`
     target within a few minutes of device time (its `--quick` runs `tiny`'s sections on CPU)."""
-    from components.pipeline_config import PipelineConfig, RegisterConfig
+    from components.register import RegisterConfig
 
-    return PipelineConfig(**gpu_stages(), register=RegisterConfig(tau_floor=1.5))
+    return dict(**gpu_stages(), register=RegisterConfig(tau_floor=1.5))
 
 
-PRESETS = {"tiny": tiny, "default": default, "gpu": gpu}
+PRESETS = {"tiny": tiny, "default": default, "gpu": gpu}  # name -> the function returning its sections
 NAMES = tuple(PRESETS)
-
-
-def preset(name: str) -> PipelineConfig:
-    """The preset called `name`; `ConfigError` naming the known ones otherwise."""
-    if name not in PRESETS:
-        from components.pipeline_config import ConfigError
-
-        raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
-    return PRESETS[name]()
 
 
 def assignment(text: str) -> tuple[str, Any]:
@@ -140,11 +133,3 @@ def assignments_tree(assignments: Sequence[tuple[str, Any]]) -> dict[str, Any]:
         node[leaf] = value
     return tree
 
-
-def resolve(name: str, config_path: str | None = None,
-            assignments: Sequence[tuple[str, Any]] = ()) -> PipelineConfig:
-    """Preset `name`, then the JSON file's sections, then the `--set` assignments (errors say `--set` and the key)."""
-    from components.pipeline_config import PipelineConfig
-
-    cfg = PipelineConfig.load(config_path, name)
-    return cfg.override(assignments_tree(assignments), where="--set") if assignments else cfg

@@ -13,8 +13,11 @@ Resumable: conversations are written in shards of `cfg.shard_size`, each shard a
 with a sidecar listing its ok and failed ids; a re-run skips every conversation of a finished shard. The
 accounting (`accounting.json`) always satisfies total = ok + failed + skipped.
 Distributed: `cfg.num_workers` 0 answers the shards in this process; N >= 1 answers them on N Ray actors, one shard
-per task, each actor loading the target once (components/regen_ray.py); this process still writes every file, and
-each shard is seeded by its index alone, so the files are byte-identical whatever `num_workers` is.
+per task (infra/actor_pool.py), each actor a `ShardWorker` loading the target (or opening the endpoint, with up to
+`cfg.endpoint_concurrency` requests in flight) once and answering a shard exactly as this process does
+(`answer_shard`); this process still writes every file as each shard returns, and each shard is seeded by its index
+alone, so the files are byte-identical whatever `num_workers` is, resume works the same, and the workers need no
+filesystem shared with the driver (only the target directory).
 Run: through flows/train_head.py or `eagle-heads train`; in tests directly.
 Not here: tokenisation for training (components/extract.py), evaluation prompts (components/evaluate.py).
 """
@@ -212,6 +215,20 @@ def answer_shard(cfg: RegenerateConfig, shard: int, convs: Sequence[Conversation
     return respond(convs, progress)
 
 
+class ShardWorker:
+    """A Ray actor's state (infra/actor_pool.py): the config and, from its first shard on, the loaded target (or
+    the endpoint client)."""
+
+    def __init__(self, cfg: RegenerateConfig, target_dir: str, trust_remote_code: bool):
+        self.cfg, self.target_dir, self.trust_remote_code = cfg, target_dir, trust_remote_code
+        self.respond: Responder | None = None
+
+    def run(self, shard: int, convs: Sequence[Conversation]) -> list[dict[str, Any]]:
+        if self.respond is None:  # in the first task, so a load error is that task's error, raised as itself
+            self.respond = responder(self.cfg, self.target_dir, self.trust_remote_code)
+        return answer_shard(self.cfg, shard, convs, self.respond)
+
+
 def _shard_paths(out: Path, s: int) -> tuple[Path, Path]:
     return out / f"shard-{s:05d}.jsonl", out / f"shard-{s:05d}.json"
 
@@ -267,9 +284,10 @@ def regenerate(cfg: RegenerateConfig, target_dir: str, traffic_path: str, out_di
                  f"({seconds:.1f} s)")
 
     if pending and cfg.num_workers:
-        from components.regen_ray import run_on_ray
+        from infra.actor_pool import run_on_ray
 
-        run_on_ray(cfg, target_dir, pending, finish, trust_remote_code, ray_settings, progress)
+        run_on_ray(cfg, ShardWorker, (target_dir, trust_remote_code), pending, finish, "regenerate", ray_settings,
+                   progress)
     elif pending:  # the target is loaded, or its engine started, only when work is left
         with engine_endpoint(cfg, target_dir, ray_settings, progress) as run_cfg:
             respond = responder(run_cfg, target_dir, trust_remote_code, answer)

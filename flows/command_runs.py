@@ -145,10 +145,10 @@ def evaluate_head(cfg, head: str, target: str, traffic: str, out: Path, settings
                                               ours=our_outputs(res["report_file"])))
     if load:
         from components.load_sweep import load_sweep
-        from components.presets import preset
+        from components.pipeline_config import PipelineConfig
 
         if not cfg.load.enabled:
-            cfg = dataclasses.replace(cfg, load=preset("default").evaluate.load)
+            cfg = dataclasses.replace(cfg, load=PipelineConfig.preset("default").evaluate.load)
         res["load"] = asdict(load_sweep(cfg, target, served, traffic, str(out / "load"), settings))
     return res
 

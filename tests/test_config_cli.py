@@ -34,11 +34,12 @@ def _show(capsys, *args: str) -> tuple[int, dict | None, str]:
 
 def test_every_preset_is_one_function_in_one_place():
     for name in presets.NAMES:
-        assert PipelineConfig.preset(name) == presets.preset(name)
-    assert PipelineConfig.tiny() == presets.tiny() and PipelineConfig.default() == presets.default()
-    assert presets.gpu().train.ray.num_workers == 0  # the device run trains in-process: no Ray there
+        assert PipelineConfig.preset(name) == PipelineConfig(**presets.PRESETS[name]())
+    assert PipelineConfig.tiny() == PipelineConfig.preset("tiny")
+    assert PipelineConfig.default() == PipelineConfig(**presets.default())
+    assert presets.gpu()["train"].ray.num_workers == 0  # the device run trains in-process: no Ray there
     with pytest.raises(ConfigError, match="unknown preset 'huge'"):
-        presets.preset("huge")
+        PipelineConfig.preset("huge")
 
 
 def test_config_show_layers_preset_file_and_set(tmp_path, capsys):

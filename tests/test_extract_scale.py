@@ -75,21 +75,21 @@ def test_the_worker_fields_are_checked_and_not_part_of_the_run():
 def test_workers_finishing_out_of_order_write_what_one_process_writes(tiny_embedded, regen_dir, local_runs,
                                                                       tmp_path, monkeypatch):
     """The driver's side of the Ray path, with `FeatureWorker`s run here, the last shard first."""
-    import components.extract_ray as extract_ray
+    import infra.actor_pool as actor_pool
 
     calls = []
 
-    def run_here(cfg, target_dir, layer_ids, pending, finish, trust_remote_code, settings, progress):
-        worker = extract_ray.FeatureWorker(cfg, target_dir, layer_ids, trust_remote_code)
-        calls.append(sorted(pending))
+    def run_here(cfg, worker_cls, args, pending, finish, stage, settings, progress):
+        worker = worker_cls(cfg, *args)
+        calls.append((worker_cls.__name__, sorted(pending)))
         for k in sorted(pending, reverse=True):
             finish(k, worker.run(k, pending[k]), 0.0)
 
-    monkeypatch.setattr(extract_ray, "run_on_ray", run_here)
+    monkeypatch.setattr(actor_pool, "run_on_ray", run_here)
     out = tmp_path / "ext"
     extract(dataclasses.replace(BASE, dtype="float8_e4m3fn", num_workers=2), tiny_embedded.target_dir, regen_dir,
             str(out), **QUIET)
-    assert len(calls) == 1 and len(calls[0]) >= 3
+    assert len(calls) == 1 and calls[0][0] == "FeatureWorker" and len(calls[0][1]) >= 3
     assert _digests(out) == _digests(local_runs["float8_e4m3fn"])
 
 

@@ -23,7 +23,8 @@ from safetensors.torch import load_file, save_file
 
 from components.atomic import file_sha256
 from components.datasets import FeatureStoreError, TrainingData, ttt_batch
-from components.extract import FP8, FP8_SCALES, ExtractConfig, extract
+from components.extract import ExtractConfig, extract
+from components.feature_shards import FP8, FP8_SCALES
 from components.regenerate import RegenerateConfig, regenerate
 from components.targets import load_target
 from components.train import TrainConfig, train

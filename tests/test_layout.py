@@ -6,6 +6,14 @@ Purpose: keep the layer rules of ARCHITECTURE.md true as the code grows:
     infra/       imports no eagle, components, flows (adapters sit below the pipeline); any package may import
                  the SHARED_MODULES (eagle.errors: the bad-input base class, which imports nothing)
     bench/       imports no tests (tests may import bench's references, e.g. bench/reference_ttt.py)
+    no import cycle among the modules of eagle/, components/, flows/, infra/ (CYCLE_PACKAGES): every import
+                 statement counts, module level, inside a function or under `if TYPE_CHECKING:`, and so does
+                 importlib.import_module('name'); an import names the longest prefix of its dotted name that is
+                 one of our modules (`from a.b import c` names a.b.c when c is a submodule, else a.b). A package's
+                 own submodules: its __init__ importing them is an edge like any other, but a submodule is not
+                 taken to import its package by being inside it (Python runs a/__init__.py before a/b.py; that
+                 implicit import is not counted), so components/embedded/__init__.py re-exporting
+                 components.embedded.build is no cycle; build.py importing a name of that __init__ would be one
     only infra/ touches environment variables (os.environ, os.getenv, ...); exceptions go in ENV_ALLOWLIST
     every non-empty module has a docstring; every file is under MAX_LINES lines
 Run: `python -m pytest tests/test_layout.py` (well under a second; nothing is imported).
@@ -30,6 +38,7 @@ FORBIDDEN_IMPORTS = {
     "infra": {"eagle", "components", "flows"},
     "bench": {"tests"},  # a benchmark runs from a checkout without the suite's helpers; shared references live in bench/
 }
+CYCLE_PACKAGES = ("eagle", "components", "flows", "infra")
 # modules any package may import: they hold no logic and import nothing of ours
 SHARED_MODULES = {"eagle.errors": "BadInput, the one bad-input error type that every layer's errors subclass"}
 # path relative to the repo root -> why that file may touch the environment. Keep it empty if you can.
@@ -100,6 +109,89 @@ def imported_roots(module: Module) -> dict[str, int]:
     return found
 
 
+def _module_name(rel: str) -> str:
+    """'components/embedded/__init__.py' -> 'components.embedded'; 'eagle/x.py' -> 'eagle.x'."""
+    parts = rel[: -len(".py")].split("/")
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(module: Module, ours: set[str]) -> dict[str, int]:
+    """The modules in `ours` that `module` imports (any scope, importlib calls too) -> first line: each import names
+    the longest prefix of its dotted name in `ours` (a submodule imported by `from pkg import sub` included)."""
+    dotted: list[tuple[str, int]] = []
+    for node in ast.walk(module.tree):
+        if isinstance(node, ast.Import):
+            dotted += [(alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = _absolute(module, node)
+            dotted += [(f"{base}.{alias.name}" if base else alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            func = node.func
+            fname = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            if fname in ("import_module", "__import__") and isinstance(node.args[0].value, str):
+                dotted.append((node.args[0].value, node.lineno))
+    found: dict[str, int] = {}
+    for name, line in dotted:
+        parts = name.split(".")
+        target = next((".".join(parts[:i]) for i in range(len(parts), 0, -1) if ".".join(parts[:i]) in ours), None)
+        if target and target != _module_name(module.rel):
+            found.setdefault(target, line)
+    return found
+
+
+def import_cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """One cycle (a path [a, b, ..., a]) per strongly connected group of modules that import each other."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    groups: list[set[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's algorithm; the graphs here are a few hundred modules deep at most
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, {}):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = set()
+            while True:
+                w = stack.pop()
+                group.add(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                groups.append(group)
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return [_path_within(graph, group) for group in groups]
+
+
+def _path_within(graph: dict[str, dict[str, int]], group: set[str]) -> list[str]:
+    """A shortest cycle through the first module of `group` (breadth-first inside the group)."""
+    start = min(group)
+    parent: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for v in frontier:
+            for w in sorted(graph[v]):
+                if w == start:
+                    path = [v]
+                    while path[-1] != start:
+                        path.append(parent[path[-1]])
+                    return [*reversed(path), start]
+                if w in group and w not in parent:
+                    parent[w] = v
+                    nxt.append(w)
+        frontier = nxt
+    raise AssertionError(f"no cycle in {group}")
+
+
 def env_accesses(module: Module) -> list[int]:
     """Lines that touch environment variables through the os module (however it was imported)."""
     os_names = {"os"}
@@ -130,6 +222,33 @@ def test_the_rules_see_what_they_should():
     assert set(imported_roots(sample)) == {"os", "eagle", "infra", "mlflow", "ray"}
     assert env_accesses(sample) == [7]
     assert len(MODULES) > 10 and any(m.package == "infra" for m in MODULES)
+
+
+def test_the_cycle_rule_sees_what_it_should():
+    ours = {"p", "p.a", "p.b", "p.c"}
+    src = {"p/__init__.py": "from p.a import x", "p/a.py": "def f():\n    from p import b",
+           "p/b.py": "import importlib\nimportlib.import_module('p.c.y')", "p/c.py": "from . import a"}
+
+    def graph() -> dict[str, dict[str, int]]:
+        return {_module_name(rel): imported_modules(Module(ROOT / rel, rel, "p", ast.parse(text), 1), ours)
+                for rel, text in src.items()}
+
+    assert graph() == {"p": {"p.a": 1}, "p.a": {"p.b": 2}, "p.b": {"p.c": 2}, "p.c": {"p.a": 1}}
+    assert import_cycles(graph()) == [["p.a", "p.b", "p.c", "p.a"]]  # a function-level import and importlib count
+    src["p/c.py"] = "import json"
+    assert import_cycles(graph()) == []  # p.a's `from p import b` names the submodule, not p's __init__
+    src["p/c.py"] = "from p import x"
+    assert import_cycles(graph()) == [["p", "p.a", "p.b", "p.c", "p"]]  # a name of the package's __init__: a cycle
+
+
+def test_no_import_cycles():
+    mods = [m for m in MODULES if m.package in CYCLE_PACKAGES]
+    ours = {_module_name(m.rel) for m in mods}
+    graph = {_module_name(m.rel): imported_modules(m, ours) for m in mods}
+    cycles = import_cycles(graph)
+    text = [" -> ".join(f"{a} (line {graph[a][b]})" for a, b in zip(c, c[1:])) + f" -> {c[-1]}" for c in cycles]
+    assert not cycles, ("import cycles (move what both sides need into a module both import, or the worker into "
+                        "its stage's module):\n" + "\n".join(text))
 
 
 @pytest.mark.parametrize("package", sorted(FORBIDDEN_IMPORTS))

@@ -1,18 +1,20 @@
-"""Regeneration on Ray: the shards of a run answered by Ray actors, one shard per task, the target loaded once per actor.
+"""A pool of Ray actors answering a stage's shards: one shard per task, the next to whichever actor returns first.
 
-Purpose: `run_on_ray(cfg, target_dir, pending, finish, ...)` opens `infra.ray_cluster.ray_session` (the cluster at
-RAY_ADDRESS, else a local Ray started and stopped here; a Ray this process already runs is used and left running),
-starts `cfg.num_workers` `ShardWorker` actors (`cfg.cpus_per_worker` CPUs each, plus one GPU each when `cfg.device`
-is CUDA: one worker per device), fewer when the cluster has no room for them all, and hands each actor the next
-pending shard whenever it returns one. An actor seeds, answers and returns the shard's records exactly as the
-in-process path does (`components.regenerate.answer_shard`); the driver writes each shard as it arrives (`finish`),
-with the same code as in-process, so the files are byte-identical to a run with `num_workers` 0, resume works the
-same, and the workers need no filesystem shared with the driver (only the target directory, and the endpoint when
-`cfg.endpoint_url` is set: then each worker keeps up to `cfg.endpoint_concurrency` requests in flight).
-An actor that dies (killed, out of memory) is restarted once and its shard retried; an error inside a shard (a
-target that cannot be loaded) is raised in the driver as itself, after the shards finished before it were written.
-Run: through `components.regenerate.regenerate` with `cfg.num_workers` >= 1; tests/test_regenerate_scale.py.
-Not here: the shard files, accounting and seeds (components/regenerate.py).
+Purpose: `run_on_ray(cfg, worker_cls, args, pending, finish, stage, settings, progress)` opens
+`infra.ray_cluster.ray_session` (the cluster at RAY_ADDRESS, else a local Ray started and stopped here; a Ray this
+process already runs is used and left running), starts `cfg.num_workers` actors `worker_cls(cfg, *args)`
+(`cfg.cpus_per_worker` CPUs each, plus one GPU each when `cfg.device` is CUDA: one worker per device, shown to it
+as `cuda`), fewer when the cluster has no room for them all, and hands each actor the next pending shard in shard
+order (`actor.run(shard, pending[shard])`) whenever it returns one; `finish(shard, result, seconds)` runs in this
+process as each returns, so the driver writes every file and the workers need no filesystem shared with it.
+An actor that dies (killed, out of memory) is restarted once and its shard retried; an error inside a shard is raised
+here as itself, after the shards finished before it. The actors are ended afterwards, so their CPUs are free for the
+next stage. `run_actors` is the same inside a session the caller opened.
+`cfg` is any config with `num_workers`, `cpus_per_worker` and `device` (a stage's, or components/extract_engine.py's
+`ReplicaPool`).
+Run: through the stages with `num_workers` >= 1; tests/test_regenerate_scale.py, tests/test_extract_scale.py.
+Not here: what a shard is or what a worker does (the stages' workers: components/regenerate.py `ShardWorker`,
+components/extract.py `FeatureWorker`, components/extract_engine.py `EngineReplica`). Ray imports lazily.
 """
 
 from __future__ import annotations
@@ -20,26 +22,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
-from components.traffic_io import Conversation
-
-Finish = Callable[[int, list[dict[str, Any]], float], None]
-
-
-class ShardWorker:
-    """A Ray actor's state: the config and, from its first shard on, the loaded target (or the endpoint client)."""
-
-    def __init__(self, cfg: Any, target_dir: str, trust_remote_code: bool):
-        self.cfg, self.target_dir, self.trust_remote_code = cfg, target_dir, trust_remote_code
-        self.respond = None
-
-    def run(self, shard: int, convs: Sequence[Conversation]) -> list[dict[str, Any]]:
-        from components.regenerate import answer_shard, responder
-
-        if self.respond is None:  # in the first task, so a load error is that task's error, raised as itself
-            self.respond = responder(self.cfg, self.target_dir, self.trust_remote_code)
-        return answer_shard(self.cfg, shard, convs, self.respond)
+Finish = Callable[[int, Any, float], None]
 
 
 def uses_gpu(cfg: Any) -> bool:
@@ -63,17 +48,15 @@ def local_cpus(cfg: Any, settings: Any) -> int | None:
     return max(LOCAL_NUM_CPUS, cfg.num_workers * cfg.cpus_per_worker)
 
 
-def run_on_ray(cfg: Any, target_dir: str, pending: dict[int, Sequence[Conversation]], finish: Finish,
-               trust_remote_code: bool = False, settings: Any = None,
-               progress: Callable[[str], None] = print) -> None:
-    """Answer every pending shard (index -> conversations) on Ray actors; `finish(shard, records, seconds)` in the
-    driver as each one returns. `settings`: infra.settings.Settings (None: from the environment)."""
+def run_on_ray(cfg: Any, worker_cls: type, args: tuple, pending: dict[int, Any], finish: Finish, stage: str,
+               settings: Any = None, progress: Callable[[str], None] = print) -> None:
+    """`run_actors` in a Ray session of `settings` (infra.settings.Settings; None: from the environment)."""
     from infra.ray_cluster import ray_session
     from infra.settings import Settings
 
     settings = settings or Settings.from_env()
     with ray_session(settings, num_cpus=local_cpus(cfg, settings)):
-        run_actors(cfg, ShardWorker, (target_dir, trust_remote_code), pending, finish, "regenerate", progress)
+        run_actors(cfg, worker_cls, args, pending, finish, stage, progress)
 
 
 def run_actors(cfg: Any, worker_cls: type, args: tuple, pending: dict[int, Any], finish: Finish, stage: str,
@@ -104,7 +87,7 @@ def run_actors(cfg: Any, worker_cls: type, args: tuple, pending: dict[int, Any],
             ray.kill(a)
 
 
-def _dispatch(actors: list, pending: dict[int, Sequence[Conversation]], finish: Finish) -> None:
+def _dispatch(actors: list, pending: dict[int, Any], finish: Finish) -> None:
     """One shard per actor at a time, in shard order; the next goes to whichever actor returns first."""
     import ray
 
