@@ -207,13 +207,14 @@ def engine_spec(setup: Setup, method: str, head: Path | None, depth: int):
     """vLLM for `method` ("plain" or a variant with its head): fp32, eager, the target's context, per-request
     metrics, a small memory share (the servers of a round run side by side)."""
     from components.engine_eval import target_context
+    from eagle.config import PARALLEL_VARIANTS
     from infra.vllm_server import PER_REQUEST_METRICS, EngineSpec
 
     spec = EngineSpec(str(setup.target_dir), str(head) if head else None, method="eagle3" if head else None,
                       num_speculative_tokens=depth, max_model_len=target_context(setup.target_dir),
                       extra_args=PER_REQUEST_METRICS if head else (), cpu_memory_share=MEMORY_SHARE,
                       served_model_name=method)
-    if method == "parallel":
+    if method in PARALLEL_VARIANTS:
         spec = dataclasses.replace(spec, parallel_drafting=True)  # EngineSpec's field for P-EAGLE (issue 25 item 3)
     return spec
 

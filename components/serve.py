@@ -7,8 +7,8 @@ Purpose:
   maybe a repeated layer id) a re-export under `cache_dir`, folded losslessly by `eagle.export.load_head`, made once
   per head (keyed by the weights' hash).
 - `launch_commands(spec, head_dir)`: the vLLM and SGLang command lines for a GPU cluster, with the head's ids; for a
-  head made for parallel drafting (variant "parallel") vLLM's gets `parallel_drafting: true` and SGLang's is a
-  comment saying so (this project knows no SGLang setting for it).
+  head made for parallel drafting (variant "parallel" or "eagle3.1-parallel") vLLM's gets `parallel_drafting: true`
+  and SGLang's is a comment saying so (this project knows no SGLang setting for it).
 Run: `eagle-heads serve --head models:/NAME@champion [--print-only]` (flows/cli.py) uses both.
 Not here: starting the engine (infra/vllm_server.py), measuring it (components/engine_eval.py).
 """

@@ -8,9 +8,10 @@ them). The rule:
 - Each figure comes with the median's interval (`_lo`, `_hi`) and whether it is reliable (`_reliable`;
   components/speed.py). Variant A beats B when A's interval lies wholly above B's (A.lo > B.hi) and A is reliable
   or B is not: an unreliable figure never beats a reliable one. Overlapping intervals are a tie.
-- The chosen variant is the simplest (the order of eagle.config.VARIANTS: eagle3 before eagle3.1) that no other
-  beats; with two, the more complex wins only when its interval lies above the simpler's. The beats relation
-  implies interval order, which has no cycles, so some variant is always unbeaten.
+- The chosen variant is the simplest (the order of eagle.config.VARIANTS: eagle3, eagle3.1, parallel, then
+  eagle3.1-parallel, which has both changes) that no other beats; with two, the more complex wins only when its
+  interval lies above the simpler's. The beats relation implies interval order, which has no cycles, so some
+  variant is always unbeaten.
 `variant_tags(metrics, choice)` are the registry tags that keep every variant's figures on the chosen version
 (`variant_<v>_tau`, `variant_<v>_speedup_vllm`, with `_lo`/`_hi`/`_rounds`, ...) and the reason (`variant_choice`).
 `VariantSink` prefixes one variant's training metrics (`<variant>/loss`) in the run's metrics sink.

@@ -18,8 +18,23 @@ ascending ids in 1..N-1; id k is the hidden state entering target decoder layer 
   (the first of the keys vLLM looks up in the head's config.json) and, as its hidden state, `fc(mask_hidden)`,
   where `mask_hidden` [1, 3H] is a learned fused feature (tensor `mask_hidden`; vLLM's buffer of shape
   [1, fc_input_size], projected once by `combine_hidden_states`). `mask_token_id` defaults to 0 here;
-  `from_target` takes the target's pad token (else its first EOS, else 0). vLLM also allows the eagle3.1 norms
-  with parallel drafting; that combination is not a variant here.
+  `from_target` takes the target's pad token (else its first EOS, else 0).
+- "eagle3.1-parallel": both at once, as vLLM 0.32 composes them (config.json `fc_norm` and `norm_output` true,
+  `mask_token_id`, tensors `fc_norm.{0,1,2}` and `mask_hidden`; served with `parallel_drafting: true`). In vLLM's
+  forward (paths under vllm/):
+  - the masked slots' hidden state is fc(fc_norm(mask_hidden)): at load the proposer projects the flat
+    `mask_hidden` [3H] through `combine_hidden_states` (v1/spec_decode/llm_base_proposer.py:1401-1412), which norms
+    each of its three H-chunks with its own `fc_norm` before `fc` (model_executor/models/llama_eagle3.py:397-417),
+    the same path as the target's fused features of the committed entries (llm_base_proposer.py:550); ours:
+    `Eagle3Draft.masked_slots` = `fuse(mask_hidden)`;
+  - `norm_output` changes nothing served: the layer returns (norm(output), aux_output) with aux_output =
+    norm(output) under `norm_output` (llama_eagle3.py:283-288), but only the first goes anywhere with parallel
+    drafting: it feeds `compute_logits` for all K drafts (llm_base_proposer.py:605-615; 628-636 return after that
+    one pass), and aux_output is read only by the autoregressive loop that parallel drafting skips; the next
+    round's committed entries read the target's features again. Ours alike: TTT's masked steps read nothing of
+    step k-1 (eagle/ttt.py), drafting takes all K picks from the one pass (eagle/speculative.py `commit_head`).
+  The name takes "-", not "+": variant names go into MLflow metric and tag keys (`<variant>/loss`,
+  `variant_<v>_tau`), which allow only letters, digits, "_", "-", ".", " ", ":" and "/".
 vLLM's third key, `norm_before_fc` (one RMSNorm over the 3H concat, weight `input_norm.weight`), belongs to
 no variant and is exported as false.
 Build it from a Hugging Face target config with `DraftConfig.from_target(...)`, or `DraftConfig.tiny()` in tests.
@@ -35,7 +50,9 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 TARGET_DTYPES = ("float32", "bfloat16", "float16")
-VARIANTS = ("eagle3", "eagle3.1", "parallel")  # see the module doc; simplest first
+VARIANTS = ("eagle3", "eagle3.1", "parallel", "eagle3.1-parallel")  # see the module doc; simplest first
+NORMED_VARIANTS = ("eagle3.1", "eagle3.1-parallel")  # EAGLE-3.1's `fc_norm` and `norm_output`
+PARALLEL_VARIANTS = ("parallel", "eagle3.1-parallel")  # parallel drafting: `mask_hidden`, `mask_token_id`
 
 
 def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
@@ -84,7 +101,7 @@ class DraftConfig:
     target_model_type: str = "llama"
     target_dtype: str = "float32"
     variant: str = "eagle3"
-    mask_token_id: int | None = None  # the token of parallel drafting's masked slots ("parallel" only)
+    mask_token_id: int | None = None  # the token of parallel drafting's masked slots (PARALLEL_VARIANTS only)
 
     def __post_init__(self) -> None:
         if self.variant not in VARIANTS:
@@ -93,7 +110,7 @@ class DraftConfig:
             object.__setattr__(self, "mask_token_id", 0)
         m = self.mask_token_id
         if m is not None and not self.parallel:
-            raise ValueError(f"mask_token_id is for the parallel variant only, got {m} for {self.variant!r}")
+            raise ValueError(f"mask_token_id is for the parallel variants only, got {m} for {self.variant!r}")
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or not 0 <= m < self.vocab_size):
             raise ValueError(f"mask_token_id must be a token id in 0..{self.vocab_size - 1}, got {m!r}")
         if not self.aux_layer_ids:
@@ -113,18 +130,18 @@ class DraftConfig:
     @property
     def fc_norm(self) -> bool:
         """One RMSNorm per fused state before `fc` (vLLM's `fc_norm`)."""
-        return self.variant == "eagle3.1"
+        return self.variant in NORMED_VARIANTS
 
     @property
     def norm_output(self) -> bool:
         """The next drafting step reads `norm(output)`, not the raw output (vLLM's `norm_output`)."""
-        return self.variant == "eagle3.1"
+        return self.variant in NORMED_VARIANTS
 
     @property
     def parallel(self) -> bool:
         """All K drafts of a step in one pass, masked slots after the last committed entry (vLLM's
         `parallel_drafting`); the head has a learned `mask_hidden`."""
-        return self.variant == "parallel"
+        return self.variant in PARALLEL_VARIANTS
 
     @classmethod
     def tiny(cls, vocab_size: int = 256, draft_vocab_size: int = 128) -> "DraftConfig":
@@ -144,7 +161,7 @@ class DraftConfig:
         heads = c.num_attention_heads
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
         rope = _rope_of(c)
-        mask = default_mask_token_id(c) if variant == "parallel" else None
+        mask = default_mask_token_id(c) if variant in PARALLEL_VARIANTS else None
         return cls(hidden_size=c.hidden_size, num_attention_heads=heads,
                    num_key_value_heads=getattr(c, "num_key_value_heads", None) or heads, head_dim=head_dim,
                    intermediate_size=c.intermediate_size, vocab_size=c.vocab_size,

@@ -7,7 +7,8 @@ Variants (`DraftConfig.variant`, eagle/config.py): "eagle3.1" adds `fc_norm` (an
 `fuse`) and `norm_output` (`carry`: the next step reads `norm(output)`); `forward` returns what the next step
 reads, as vLLM's `LlamaModel.forward` returns its `aux_output`, so drafting and TTT follow the variant alike.
 "parallel" adds `mask_hidden` [1, 3H], the learned fused feature of parallel drafting's masked slots
-(`masked_slots`: their inputs, the embedding of `mask_token_id` and `fuse(mask_hidden)`, as vLLM feeds them).
+(`masked_slots`: their inputs, the embedding of `mask_token_id` and `fuse(mask_hidden)`, as vLLM feeds them);
+"eagle3.1-parallel" has both, its `mask_hidden` normed by `fc_norm` in `fuse` as vLLM's is.
 Inference (autograd off) takes a leaner route with the same results: q/k/v and gate/up each as one product over
 stacked weights, RoPE from a cos/sin table, one fused RMSNorm kernel, oneDNN for multi-row products on CPU
 (`eagle.fastpath.linear`), and `forward(select_B=...)` computes the output of one new position per row only.

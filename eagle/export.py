@@ -4,10 +4,11 @@ Purpose: `export_head(draft, out_dir)` writes
   config.json              LlamaForCausalLMEagle3, one layer, the target's shapes, every norm flag explicit (vLLM
                            0.32's `norm_before_residual`, `norm_before_fc`, and the variant's `fc_norm` and
                            `norm_output`: eagle/config.py), the fused layer ids for both engines (see below),
-                           `torch_dtype`, and for the parallel variant `mask_token_id` (the masked slots' token;
+                           `torch_dtype`, and for the parallel variants `mask_token_id` (the masked slots' token;
                            vLLM's proposer reads it when served with `parallel_drafting: true`);
-  model.safetensors        fc, (fc_norm.{0,1,2} for eagle3.1,) midlayer.*, norm, lm_head, d2t (int64), t2d (bool),
-                           (mask_hidden [1, 3H] for parallel: vLLM loads it by that name into its buffer);
+  model.safetensors        fc, (fc_norm.{0,1,2} for eagle3.1[-parallel],) midlayer.*, norm, lm_head, d2t (int64),
+                           t2d (bool), (mask_hidden [1, 3H] for [eagle3.1-]parallel: vLLM loads it by that name
+                           into its buffer);
                            no embed_tokens (the engine shares the target's). When the draft vocabulary is the
                            target's (Vd == V) d2t and t2d are left out: the mapping is the identity and vLLM has
                            no parameter to load them into;
@@ -88,8 +89,8 @@ def engine_config(cfg: DraftConfig, dtype: torch.dtype) -> dict[str, Any]:
         "tie_word_embeddings": False,
         "norm_before_residual": False,
         "norm_before_fc": False,
-        "fc_norm": cfg.fc_norm,  # eagle3.1 (eagle/config.py): one RMSNorm per fused state before fc
-        "norm_output": cfg.norm_output,  # eagle3.1: the next draft step reads norm(output)
+        "fc_norm": cfg.fc_norm,  # eagle3.1[-parallel] (eagle/config.py): one RMSNorm per fused state before fc
+        "norm_output": cfg.norm_output,  # eagle3.1[-parallel]: the next draft step reads norm(output)
         "attention_bias": False,
         "mlp_bias": False,
         "num_aux_hidden_states": NUM_AUX,

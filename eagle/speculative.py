@@ -5,11 +5,12 @@ one target pass, keeps what the target agrees with and rolls both KV caches back
 token per target pass with the same cache, mask and sampling helpers, so that timings compare like with like.
 Loop: the target's prefill captures the fused features f_i (inputs of `aux_layer_ids`); the head consumes
 (token x_{i+1}, f_i) at RoPE position i as its committed cache entries; drafting feeds the head its own output
-hidden state with each drafted token, position +1 per depth. A "parallel" head (eagle/config.py) drafts its chain
-in one head pass instead, as vLLM's `parallel_drafting` does: the pass that commits the verified entries carries
-depth-1 masked slots after each row's last committed entry (`commit_head` with `masked`), and the K drafts are the
-picks at that entry and at the masked slots (`eagle.tree.draft_parallel`). After verification the accepted path's
-target features replace the head's speculative entries, and the target keeps only the accepted path's entries.
+hidden state with each drafted token, position +1 per depth. A parallel head (variants "parallel" and
+"eagle3.1-parallel", eagle/config.py) drafts its chain in one head pass instead, as vLLM's `parallel_drafting`
+does: the pass that commits the verified entries carries depth-1 masked slots after each row's last committed
+entry (`commit_head` with `masked`), and the K drafts are the picks at that entry and at the masked slots
+(`eagle.tree.draft_parallel`). After verification the accepted path's target features replace the head's
+speculative entries, and the target keeps only the accepted path's entries.
 Rows of a batch advance by their own accepted lengths (per-row cache lengths, positions and masks); a row stops at
 EOS or `max_new_tokens` and is then frozen while the others finish.
 How to run: `out = generate_speculative(target, draft, ids, mask, SpecConfig(method="tree"))`; `out.sequences`,

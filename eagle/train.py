@@ -20,7 +20,7 @@ from typing import Any, Iterable, Sequence
 import torch
 from torch import nn
 
-from eagle.config import DraftConfig
+from eagle.config import PARALLEL_VARIANTS, DraftConfig
 from eagle.draft import Eagle3Draft
 from eagle.export import head_state_dict
 from eagle.features import target_forward, teacher_targets
@@ -58,7 +58,7 @@ def as_variant(draft: Eagle3Draft, variant: str, mask_token_id: int | None = Non
     `mask_token_id` (None: the DraftConfig default)."""
     if draft.cfg.variant == variant:
         return draft
-    mask = (draft.cfg.mask_token_id if draft.cfg.parallel else mask_token_id) if variant == "parallel" else None
+    mask = (draft.cfg.mask_token_id if draft.cfg.parallel else mask_token_id) if variant in PARALLEL_VARIANTS else None
     out = Eagle3Draft(replace(draft.cfg, variant=variant, mask_token_id=mask))
     own = out.state_dict()
     out.load_state_dict({k: v for k, v in draft.state_dict().items() if k in own and v.shape == own[k].shape},

@@ -18,7 +18,10 @@ pass (v1/spec_decode/llm_base_proposer.py, `set_inputs_first_pass` with `paralle
 entries (token x_{j+1}, feature f_j) at positions j <= i, the last of them the "bonus" slot whose output drafts
 x_{i+2}, followed by K-1 masked slots at positions i+1..i+K-1 in one causal pass; masked slot k (at i+k) sees the
 committed entries up to i (the step-0 keys, causally) and masked slots 1..k (the diagonal) and drafts x_{i+2+k}.
-Every position i of a sequence is trained as such an anchor at once, as TTT trains every position.
+Every position i of a sequence is trained as such an anchor at once, as TTT trains every position. Variant
+"eagle3.1-parallel" trains the same way with eagle3.1's norms: `fuse` norms both the features and `mask_hidden`
+(vLLM projects `mask_hidden` through the same `combine_hidden_states`), and its `norm_output` is inert, since no
+step reads step k-1's output (nor does vLLM's parallel pass: eagle/config.py).
 
 Memory stays bounded: attention runs over chunks of queries under activation checkpointing (no S x (K*S) score
 tensor; peak extra memory O(chunk * S)), and the lm_head + loss run over chunks of rows under checkpointing (no

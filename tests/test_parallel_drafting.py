@@ -1,17 +1,21 @@
-"""Parallel drafting (head variant "parallel", P-EAGLE): trained, decoded and served as vLLM 0.32 does it.
+"""Parallel drafting (head variants "parallel", P-EAGLE, and "eagle3.1-parallel", P-EAGLE with EAGLE-3.1's norms):
+trained, decoded and served as vLLM 0.32 does it. Every test below runs for both variants (`PARALLEL_VARIANTS`).
 
 Fast tier (tiny random Llama targets, CPU, seconds):
 - the TTT loss of a parallel head equals a naive reference that builds vLLM's parallel pass per anchor position
-  (committed entries, then K-1 masked slots: token `mask_token_id`, hidden state fc(mask_hidden), one causal pass),
+  (committed entries, then K-1 masked slots: token `mask_token_id`, hidden state fc(mask_hidden), one causal pass;
+  with eagle3.1's norms fc(fc_norm(.)) for features and mask_hidden alike, as vLLM's `combine_hidden_states`),
   gradients included; and it falls when trained;
 - our decoder's one-pass drafts are that pass (checked against the head run from scratch), greedy output equals
   plain decoding token for token, with drafts accepted, in batches, with sampling and early exit too;
-- export writes `mask_token_id` into config.json and the `mask_hidden` tensor [1, 3H], and loads back bit-identical;
-  the serving spec turns `parallel_drafting` on for such a head only.
-Engine tier (`engine`, real vLLM CPU build, one server pair): a parallel head trained by the pipeline on the tiny
-engine target is loaded unmodified by vLLM with `parallel_drafting: true`; its greedy output equals vLLM's plain
-output and ours, and vLLM's counters (drafts, accepted per position) and per-request steps equal ours.
-Run: `python -m pytest tests/test_parallel_drafting.py -m "not engine"` (~40 s on 2 busy cores); the engine test
+- export writes `mask_token_id` into config.json and the `mask_hidden` tensor [1, 3H] (and eagle3.1's `fc_norm`,
+  `norm_output` and `fc_norm.{0,1,2}`), and loads back bit-identical; the serving spec turns `parallel_drafting` on
+  for such a head only; the variant settings are checked at config load; every variant name is a valid MLflow key.
+Engine tier (`engine`, real vLLM CPU build, one server pair per variant): a head of the variant trained by the
+pipeline on the tiny engine target is loaded unmodified by vLLM with `parallel_drafting: true`; its greedy output
+equals vLLM's plain output and ours, and vLLM's counters (drafts, accepted per position) and per-request steps equal
+ours (with eagle3.1's norms, equal counters show that vLLM norms `mask_hidden` as we do).
+Run: `python -m pytest tests/test_parallel_drafting.py -m "not engine"` (~80 s on 2 busy cores); each engine test
 ~5-9 min with its session fixtures (the engine target and head, ~3 min) and two vLLM servers.
 """
 
@@ -26,7 +30,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from eagle.config import DraftConfig
+from eagle.config import PARALLEL_VARIANTS, VARIANTS, DraftConfig
 from eagle.draft import Eagle3Draft
 from eagle.export import export_head, load_head
 from eagle.features import target_forward, teacher_targets
@@ -41,14 +45,27 @@ SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_att
              num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=512)
 
 
-def _head(target, draft_vocab: int, ids=None, mask=None) -> Eagle3Draft:
-    cfg = DraftConfig.from_target(target.config, draft_vocab, variant="parallel")
+def _head(target, draft_vocab: int, ids=None, mask=None, variant: str = "parallel") -> Eagle3Draft:
+    cfg = DraftConfig.from_target(target.config, draft_vocab, variant=variant)
     draft = Eagle3Draft(cfg)
     if ids is not None:
         draft.set_draft_vocab(select_draft_vocab(count_tokens(torch.zeros(cfg.vocab_size, dtype=torch.long), ids,
                                                               mask), draft_vocab))
     draft.init_from_target(target.get_input_embeddings().weight, target.get_output_embeddings().weight)
+    if cfg.fc_norm:  # away from their initial ones, so that a missing norm shows
+        with torch.no_grad():
+            for n in draft.fc_norm:
+                n.weight.uniform_(0.5, 1.5)
     return draft
+
+
+def _combine(draft: Eagle3Draft, aux: torch.Tensor) -> torch.Tensor:
+    """vLLM's `combine_hidden_states` written out: with `fc_norm`, an RMSNorm per H-chunk, then `fc`."""
+    if draft.cfg.fc_norm:
+        eps = draft.cfg.rms_norm_eps
+        aux = torch.cat([c * torch.rsqrt(c.pow(2).mean(-1, keepdim=True) + eps) * n.weight
+                         for c, n in zip(aux.chunk(3, -1), draft.fc_norm)], -1)
+    return aux @ draft.fc.weight.T
 
 
 def _naive_parallel(draft: Eagle3Draft, ids, aux, mask, teacher, K: int, gamma: float):
@@ -56,9 +73,9 @@ def _naive_parallel(draft: Eagle3Draft, ids, aux, mask, teacher, K: int, gamma: 
     K-1 masked slots at i+1..i+K-1, one causal forward without a cache; slot k drafts x_{i+2+k}."""
     B, S = ids.shape
     nxt = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], 1)
-    fused = draft.fuse(aux)
+    fused = _combine(draft, aux)
     m = draft.cfg.mask_token_id
-    mask_h = draft.fuse(draft.mask_hidden[None])[0]
+    mask_h = _combine(draft, draft.mask_hidden.view(-1))[None]  # vLLM projects the flat [3H] buffer
     loss = 0.0
     argmax = torch.full((K, B, S), -1, dtype=torch.long)
     for k in range(K):
@@ -80,7 +97,7 @@ def _naive_parallel(draft: Eagle3Draft, ids, aux, mask, teacher, K: int, gamma: 
     return loss, argmax
 
 
-def _setup(seed=0, B=2, S=12, vocab=32, draft_vocab=24):
+def _setup(seed=0, B=2, S=12, vocab=32, draft_vocab=24, variant="parallel"):
     torch.manual_seed(seed)
     tc = LlamaConfig(**{**SHAPE, "vocab_size": vocab})
     target = LlamaForCausalLM(tc).eval()
@@ -88,15 +105,16 @@ def _setup(seed=0, B=2, S=12, vocab=32, draft_vocab=24):
     mask = torch.ones(B, S, dtype=torch.long)
     mask[:, :3] = 0
     mask[1, -3:] = 0
-    draft = _head(target, draft_vocab, ids, mask)
+    draft = _head(target, draft_vocab, ids, mask, variant)
     with torch.no_grad():
         step = target_forward(target, ids, draft.cfg.aux_layer_ids)
     teacher = teacher_targets(step.last_hidden_BTH, target.get_output_embeddings().weight.detach(), draft.draft_ids())
     return target, draft, TTTBatch(ids, step.aux_BT3H, mask, teacher)
 
 
-def test_ttt_loss_is_vllms_parallel_pass():
-    _, draft, batch = _setup()
+@pytest.mark.parametrize("variant", PARALLEL_VARIANTS)
+def test_ttt_loss_is_vllms_parallel_pass(variant):
+    _, draft, batch = _setup(variant=variant)
     K = 3
     cfg = TTTConfig(ttt_steps=K, gamma=0.8, attn_chunk=5, loss_chunk=7)
     out = ttt_loss(draft, batch, cfg)
@@ -107,13 +125,16 @@ def test_ttt_loss_is_vllms_parallel_pass():
     ref.backward()
     torch.testing.assert_close(out.loss, ref, atol=1e-5, rtol=1e-5)
     assert "mask_hidden" in ours and float(ours["mask_hidden"].abs().sum()) > 0  # the masked slots train it
+    if draft.cfg.fc_norm:  # eagle3.1-parallel: the norms train too, from the features and from mask_hidden
+        assert all(float(ours[f"fc_norm.{i}.weight"].abs().sum()) > 0 for i in range(3))
     for n, p in draft.named_parameters():
         if p.grad is not None:
             torch.testing.assert_close(ours[n], p.grad, atol=1e-5, rtol=1e-4, msg=lambda msg: f"{n}: {msg}")
 
 
-def test_training_lowers_the_loss_of_every_slot():
-    _, draft, batch = _setup(seed=1, B=4, S=32, vocab=16, draft_vocab=16)
+@pytest.mark.parametrize("variant", PARALLEL_VARIANTS)
+def test_training_lowers_the_loss_of_every_slot(variant):
+    _, draft, batch = _setup(seed=1, B=4, S=32, vocab=16, draft_vocab=16, variant=variant)
     batch = dataclasses.replace(batch, teacher=dataclasses.replace(
         batch.teacher, probs_BTVd=torch.softmax(30 * batch.teacher.probs_BTVd.log(), -1)))  # a confident teacher
     cfg = TTTConfig(ttt_steps=3)
@@ -128,9 +149,9 @@ def test_training_lowers_the_loss_of_every_slot():
     assert all(last[f"loss_{k}"] < first[f"loss_{k}"] for k in range(3))
 
 
-def _trained_pair(seed: int = 1) -> tuple[torch.nn.Module, Eagle3Draft]:
-    """A random Llama with its residual branches scaled down (predictable argmax) and a parallel head fitted by TTT
-    to its own greedy continuations."""
+def _trained_pair(variant: str, seed: int = 1) -> tuple[torch.nn.Module, Eagle3Draft]:
+    """A random Llama with its residual branches scaled down (predictable argmax) and a head of the (parallel)
+    `variant` fitted by TTT to its own greedy continuations."""
     torch.manual_seed(0)
     target = LlamaForCausalLM(LlamaConfig(**SHAPE)).eval()
     g = torch.Generator().manual_seed(seed)
@@ -139,7 +160,7 @@ def _trained_pair(seed: int = 1) -> tuple[torch.nn.Module, Eagle3Draft]:
         prompts = torch.randint(0, 256, (64, 4), generator=g)
         data = torch.cat([prompts, generate_plain(target, prompts, None, SpecConfig(max_new_tokens=28)).sequences], 1)
     mask = torch.ones_like(data)
-    draft = _head(target, 200, data, mask)
+    draft = _head(target, 200, data, mask, variant)
     with torch.no_grad():
         step = target_forward(target, data, draft.cfg.aux_layer_ids)
         teacher = teacher_targets(step.last_hidden_BTH, target.lm_head.weight, draft.draft_ids())
@@ -156,9 +177,9 @@ def _trained_pair(seed: int = 1) -> tuple[torch.nn.Module, Eagle3Draft]:
     return target, draft.eval()
 
 
-@pytest.fixture(scope="module")
-def pair():
-    return _trained_pair()
+@pytest.fixture(scope="module", params=PARALLEL_VARIANTS)
+def pair(request):
+    return _trained_pair(request.param)
 
 
 def test_one_pass_drafts_are_the_head_run_from_scratch(pair):
@@ -175,8 +196,8 @@ def test_one_pass_drafts_are_the_head_run_from_scratch(pair):
         for b in range(3):
             n = int(n_B[b])
             toks = torch.cat([packed[b, :n], torch.full((3,), draft.cfg.mask_token_id)])[None]
-            _, hidden_mask = draft.masked_slots(1, 3)
-            hid = torch.cat([draft.fuse(aux[b:b + 1, :n]), hidden_mask], 1)
+            hidden_mask = _combine(draft, draft.mask_hidden.view(-1)).expand(1, 3, -1)
+            hid = torch.cat([_combine(draft, aux[b:b + 1, :n]), hidden_mask], 1)
             _, ref = draft(toks, hid, torch.arange(n + 3)[None])
             torch.testing.assert_close(logits_BKVd[b], ref[0, n - 1:], atol=1e-5, rtol=1e-5)
 
@@ -213,8 +234,12 @@ def test_export_round_trip_and_engine_keys(tmp_path, pair):
     out = export_head(draft, tmp_path / "head")
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["mask_token_id"] == draft.cfg.mask_token_id == target.config.eos_token_id  # no pad token: EOS
+    normed = draft.cfg.variant == "eagle3.1-parallel"
+    assert cfg["fc_norm"] is cfg["norm_output"] is normed and cfg["norm_before_fc"] is False
     tensors = load_file(str(out / "model.safetensors"))
     assert tensors["mask_hidden"].shape == (1, 3 * draft.cfg.hidden_size)
+    assert {k for k in tensors if k.startswith("fc_norm")} == ({f"fc_norm.{i}.weight" for i in range(3)} if normed
+                                                               else set())
     back = load_head(out, target)
     assert back.cfg == draft.cfg
     for name, t in draft.state_dict().items():
@@ -235,16 +260,27 @@ def test_export_round_trip_and_engine_keys(tmp_path, pair):
     assert '"parallel_drafting": true' in cmds["vllm"] and cmds["sglang"].startswith("#")
 
 
-def test_variant_settings():
+def test_variant_settings(tmp_path):
+    from components.pipeline_config import ConfigError, PipelineConfig
     from components.train import TrainConfig
+    from components.variant_choice import choose_variant, variant_tags
     from eagle.train import as_variant
+    from mlflow.utils.validation import validate_param_and_metric_name
 
     assert TrainConfig(variant="parallel").variant == "parallel"
     assert TrainConfig(variants=("eagle3", "parallel")).variants == ("eagle3", "parallel")
-    with pytest.raises(ValueError, match="TrainConfig.variant 'parallel' needs ttt.ttt_steps >= 2"):
-        TrainConfig(variant="parallel", ttt=TTTConfig(ttt_steps=1))
+    for v in PARALLEL_VARIANTS:
+        with pytest.raises(ValueError, match=f"TrainConfig.variant '{v}' needs ttt.ttt_steps >= 2"):
+            TrainConfig(variant=v, ttt=TTTConfig(ttt_steps=1))
+        path = tmp_path / f"{v}.json"
+        tree = {"method": "tree", "topk": 2, "budget": 8}
+        path.write_text(json.dumps({"train": {"variants": ["eagle3", v]}, "evaluate": {"spec": tree}}))
+        with pytest.raises(ConfigError, match=f"train.variant '{v}' drafts chains .* set evaluate.spec.method"):
+            PipelineConfig.load(path, "tiny")
     base = DraftConfig.tiny()
-    with pytest.raises(ValueError, match="mask_token_id is for the parallel variant only"):
+    both = dataclasses.replace(base, variant="eagle3.1-parallel")
+    assert both.fc_norm and both.norm_output and both.parallel and both.mask_token_id == 0
+    with pytest.raises(ValueError, match="mask_token_id is for the parallel variants only"):
         dataclasses.replace(base, mask_token_id=3)
     with pytest.raises(ValueError, match="mask_token_id must be a token id"):
         dataclasses.replace(base, variant="parallel", mask_token_id=base.vocab_size)
@@ -254,12 +290,24 @@ def test_variant_settings():
     assert as_variant(par, "parallel", mask_token_id=7) is par and as_variant(head, "parallel").cfg.mask_token_id == 0
     back = as_variant(par, "eagle3")
     assert back.cfg.mask_token_id is None and "mask_hidden" not in back.state_dict()
+    normed = as_variant(head, "eagle3.1")
+    with torch.no_grad():
+        normed.fc_norm[0].weight.fill_(2.0)
+    combined = as_variant(normed, "eagle3.1-parallel", mask_token_id=5)  # keeps fc_norm, adds mask_hidden
+    assert combined.cfg.mask_token_id == 5 and torch.equal(combined.fc_norm[0].weight, normed.fc_norm[0].weight)
+    assert torch.equal(as_variant(combined, "parallel").mask_hidden, combined.mask_hidden)
+    # the last in VARIANTS (simplest first): it wins a tie with nothing; names fit MLflow's keys
+    metrics = {v: {"speedup": 1.5, "speedup_lo": 1.4, "speedup_hi": 1.6} for v in VARIANTS}
+    assert VARIANTS[-1] == "eagle3.1-parallel" and choose_variant(metrics).variant == "eagle3"
+    keys = [*variant_tags(metrics, choose_variant(metrics)), *(f"{v}/loss" for v in VARIANTS)]
+    assert all(validate_param_and_metric_name(k) for k in keys), keys
 
 
 @pytest.mark.slow
 @pytest.mark.engine
-def test_vllm_serves_the_parallel_head_losslessly_with_our_acceptance(engine_target, engine_head, engine_settings,
-                                                                     tmp_path):
+@pytest.mark.parametrize("variant", PARALLEL_VARIANTS)
+def test_vllm_serves_the_parallel_head_losslessly_with_our_acceptance(variant, engine_target, engine_head,
+                                                                     engine_settings, tmp_path):
     from components.engine_eval import evaluate_in_vllm, our_outputs
     from components.evaluate import EvaluateConfig, evaluate
     from components.serve import is_servable
@@ -268,9 +316,11 @@ def test_vllm_serves_the_parallel_head_losslessly_with_our_acceptance(engine_tar
     from tests.helpers import our_counts
 
     quiet = dict(progress=lambda s: None)
-    cfg = dataclasses.replace(TrainConfig.tiny(), steps=60, checkpoint_every=60, variant="parallel")
+    cfg = dataclasses.replace(TrainConfig.tiny(), steps=60, checkpoint_every=60, variant=variant)
     head = train(cfg, engine_head.extract_dir, str(tmp_path / "train"), engine_target.target_dir).head_dir
-    assert is_servable(head) and "mask_token_id" in json.loads((Path(head) / "config.json").read_text())
+    head_cfg = json.loads((Path(head) / "config.json").read_text())
+    assert is_servable(head) and "mask_token_id" in head_cfg
+    assert head_cfg["fc_norm"] is head_cfg["norm_output"] is (variant == "eagle3.1-parallel")
     ev = EvaluateConfig(spec=SpecConfig(depth=3, max_new_tokens=24), limit=6, speed=SpeedupConfig.tiny(),
                         position_edges=(0, 8, 16, 64))
     heldout = str(engine_target.target_traffic.heldout)
