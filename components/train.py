@@ -1,10 +1,10 @@
 """Stage 3, train: the draft head with training-time test, distributed with Ray Train (DDP), resumable.
 
 Purpose: `train(cfg, extract_dir, out_dir, ...) -> TrainResult`. A Ray `TorchTrainer` runs `train_loop` on
-`cfg.ray.num_workers` workers (0 = in the driver process, for tiny runs); each worker reads the extract stage's
-output (offline feature shards, or tokens + the target itself in online mode), rank 0 streams per-step TTT
-metrics to a `MetricsSink` (MLflow in the pipeline) and prints progress. AdamW with warm-up and cosine decay,
-gradient clipping, bf16 autocast on GPU.
+`cfg.ray.num_workers` workers (0 = in the driver process, for tiny runs; components/train_ray.py); each worker
+reads the extract stage's output (offline feature shards, or tokens + the target itself in online mode), rank 0
+streams per-step TTT metrics to a `MetricsSink` (MLflow in the pipeline) and prints progress. AdamW with warm-up
+and cosine decay, gradient clipping, bf16 autocast on GPU.
 Checkpoints (`out_dir/checkpoints/step-XXXXXXX/`, components/train_state.py: head, optimiser, scheduler, step,
 RNG, the held-out selection; the data position is the step, since batches are a pure function of (seed, step)) are
 written atomically by rank 0 and reported to Ray; a worker restarted by Ray's FailureConfig, or a re-run of the
@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from components.atomic import remove_stale_temps
-from eagle.config import VARIANTS, default_mask_token_id
+from eagle.config import PARALLEL_VARIANTS, VARIANTS, default_mask_token_id
 from eagle.config_checks import FieldError, at_least, one_of
 from eagle.run_config import OptimConfig, TTTConfig
 from components.train_state import (HISTORY, check_checkpoint, history_rows, latest_checkpoint, load_checkpoint,
@@ -85,8 +85,8 @@ class TrainConfig:
     eval_every: int = 50  # held-out loss and simulated tau every N steps and at the last (0: none, nothing held out)
     holdout_seqs: int = 32  # sequences set aside for it (at most a quarter of the data, at least one)
     select: Literal["best_tau", "last"] = "best_tau"  # the exported weights: best held-out tau, or the last step's
-    # the head's architecture (eagle/config.py): eagle3, eagle3.1 or parallel (P-EAGLE: drafts K tokens in one pass;
-    # TTT's steps 1..K-1 become its masked slots, eagle/ttt.py); TTT trains each
+    # the head's architecture (eagle/config.py): eagle3, eagle3.1, parallel (P-EAGLE: drafts K tokens in one pass;
+    # TTT's steps 1..K-1 become its masked slots, eagle/ttt.py) or eagle3.1-parallel (both); TTT trains each
     variant: str = "eagle3"
     # two or more variants: train each on the same features (in place of `variant`), evaluate each, register the one
     # with the best served speedup (components/variant_choice.py); empty: off
@@ -115,8 +115,8 @@ def _check_config(cfg: TrainConfig) -> None:
     for name, kind in (("ttt", TTTConfig), ("optim", OptimConfig), ("ray", RayConfig)):
         if not isinstance(getattr(cfg, name), kind):
             raise FieldError(cfg, name, f"must be a {kind.__name__}, got {getattr(cfg, name)!r}")
-    if "parallel" in (cfg.variant, *cfg.variants) and cfg.ttt.ttt_steps < 2:
-        raise FieldError(cfg, "variant", "'parallel' needs ttt.ttt_steps >= 2 (its masked slots are TTT's steps "
+    if (par := [v for v in (cfg.variant, *cfg.variants) if v in PARALLEL_VARIANTS]) and cfg.ttt.ttt_steps < 2:
+        raise FieldError(cfg, "variant", f"{par[0]!r} needs ttt.ttt_steps >= 2 (its masked slots are TTT's steps "
                          f"1..K-1), got ttt_steps {cfg.ttt.ttt_steps}")
     if cfg.select == "best_tau" and cfg.eval_every == 0:
         raise FieldError(cfg, "select", "'best_tau' needs the held-out evaluation: set eval_every >= 1, or select "
@@ -396,7 +396,9 @@ def train(cfg: TrainConfig, extract_dir: str, out_dir: str, target_dir: str | No
     if cfg.ray.num_workers == 0:
         train_loop(args)
     else:
-        _fit_with_ray(args, storage_dir or str(out / "ray"))
+        from components.train_ray import fit_with_ray
+
+        fit_with_ray(train_loop, args, storage_dir or str(out / "ray"))
     from eagle.export import read_head_meta
 
     rows = history_rows(history)
@@ -419,29 +421,3 @@ def _check_extract(extract_dir: str, target_dir: str | None, trust_remote_code: 
         return list(check_aux_layer_ids(data.manifest.get("layer_ids") or (), n)), n, data.n_seqs
     except ValueError as e:
         raise ValueError(f"{data.root / 'manifest.json'}: {e}; re-run the extract stage") from None
-
-
-def _ray_run_name(out_dir: str) -> str:
-    """One Ray run per output directory: the flows share one storage path and name every output dir `train`."""
-    return f"{Path(out_dir).name}-{hashlib.sha256(str(Path(out_dir).resolve()).encode()).hexdigest()[:12]}"
-
-
-def _fit_with_ray(args: LoopArgs, storage: str) -> None:
-    from ray.train import FailureConfig, LoggingConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
-
-    from infra.ray_cluster import check_shared_paths
-
-    cfg = args.cfg.ray
-    storage = storage if "://" in storage else str(Path(storage).resolve())  # a URI (s3://, file://) as it is
-    check_shared_paths({"the checkpoint storage": storage, "the output directory": args.out_dir})  # workers span hosts
-    trainer = TorchTrainer(
-        train_loop, train_loop_config=args,
-        scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_gpu,
-                                     resources_per_worker={"CPU": cfg.cpus_per_worker}),
-        run_config=RunConfig(name=_ray_run_name(args.out_dir), storage_path=storage,
-                             failure_config=FailureConfig(max_failures=cfg.max_failures),
-                             logging_config=LoggingConfig(log_level="WARNING")))  # no INFO lines per worker start
-    result = trainer.fit()
-    if result.error:
-        raise RuntimeError(f"training failed after {cfg.max_failures} restarts: {result.error}") from result.error

@@ -20,14 +20,17 @@ import dataclasses
 import json
 import socket
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from components.pipeline_config import PipelineConfig, override_values
-from components.presets import resolve
-from components.traffic_io import TrafficFormatError, load_traffic
+from components.pipeline_config import PipelineConfig, override_values, resolve
+from components.traffic_io import TrafficFormatError, TrafficLoad, load_traffic
 from eagle.errors import BadInput
 from infra.mlflow_health import probe_tracking
 from infra.model_uri import check_model_name, check_registered, parse_model_uri
 from infra.settings import Settings, check_http_url
+
+if TYPE_CHECKING:
+    from components.regenerate import RegenerateConfig
 
 MAX_K = 16  # serve --k: see `_k` in flows/commands.py for why
 HEAD_META = "eagle_head.json"  # eagle.export.META, named here without importing torch
@@ -82,11 +85,13 @@ def check_head(head: str) -> None:
     check_weights(d, recursive=True)
 
 
-def check_target_dir(target: str, settings: Settings) -> None:
+def check_target_dir(target: str, settings: Settings):
+    """A target directory (config, tokenizer, chat template, whole weights); returns its (config, tokenizer)."""
     from components.targets import check_target
 
-    check_target(target, settings.trust_remote_code)
+    config_tokenizer = check_target(target, settings.trust_remote_code)
     check_weights(target)
+    return config_tokenizer
 
 
 def check_model(opt: str, value: str | None, settings: Settings) -> None:
@@ -102,9 +107,9 @@ def check_model(opt: str, value: str | None, settings: Settings) -> None:
         check_target_dir(value, settings)
 
 
-def _check_traffic(path: str, what: str) -> None:
+def _check_traffic(path: str, what: str) -> TrafficLoad:
     try:
-        load_traffic(path)
+        return load_traffic(path)
     except TrafficFormatError as e:
         hint = ("give JSONL, Parquet, Arrow or a datasets save_to_disk directory with at least one conversation"
                 if e.line == 0 else f"fix or remove {e.unit} {e.line} (each {e.unit}: an OpenAI `messages` or "
@@ -113,13 +118,15 @@ def _check_traffic(path: str, what: str) -> None:
 
 
 def check_inputs(target: str, traffic: str, heldout: str, cfg: PipelineConfig, settings: Settings) -> None:
-    """Refuse bad input before anything is written: traffic files, a target directory, a Ray address in use."""
+    """Refuse bad input before anything is written: traffic files, a target directory (and the training traffic's
+    first turns against its context), a Ray address in use."""
     from components.targets import TargetError
 
-    _check_traffic(traffic, "training traffic")
+    load = _check_traffic(traffic, "training traffic")
     _check_traffic(heldout, "held-out traffic")
     if not target.startswith("models:/"):
-        check_target_dir(target, settings)
+        config, tokenizer = check_target_dir(target, settings)
+        check_first_turns_fit(load, config, tokenizer, cfg.regenerate)
     else:
         try:
             parse_model_uri(target)
@@ -129,6 +136,52 @@ def check_inputs(target: str, traffic: str, heldout: str, cfg: PipelineConfig, s
         from infra.ray_cluster import probe_ray
 
         probe_ray(settings)
+
+
+def check_first_turns_fit(load: TrafficLoad, config, tokenizer, cfg: RegenerateConfig) -> None:
+    """Refuse training traffic of which no first turn fits the target's context: regeneration fails each such
+    conversation (components/regenerate.py `hf_answerer`: the prompt rendered with the target's chat template,
+    `components.chat.prompt_ids`, must leave room for the conversation's `max_new_tokens`, else
+    `regenerate.max_new_tokens`) and, with none left, refuses the run after it started. The message names the
+    first conversation's line. Stops at the first turn that fits (one render for usual traffic). Only when this
+    process's target answers (no `endpoint_url`, engine "local"): a server decides for itself. A later turn's
+    prompt holds the target's own answers, known only once regenerated (the flow cleans up after that refusal)."""
+    if cfg.endpoint_url or cfg.engine != "local":
+        return
+    from components.chat import prompt_ids
+    from components.regen_endpoint import history_turns
+
+    context = int(getattr(config, "max_position_embeddings", 2048))
+
+    def first_turn(c) -> tuple[int, int]:  # (its prompt's tokens, the room the context leaves for a prompt)
+        system, users = history_turns(c)
+        return (len(prompt_ids(tokenizer, [*system, {"role": "user", "content": users[0]}])),
+                context - (c.max_new_tokens or cfg.max_new_tokens))
+
+    convs = load.conversations[: cfg.limit]
+    if any(n <= room for n, room in map(first_turn, convs)):  # lazily: stops at the first that fits
+        return
+    (n, room), c = first_turn(convs[0]), convs[0]
+    new = f"its max_new_tokens {c.max_new_tokens}" if c.max_new_tokens else \
+        f"regenerate.max_new_tokens {cfg.max_new_tokens}"
+    unit, number = _record_number(load.path, 0)
+    raise TrafficFormatError(load.path, number, f"the first turn of {c.id!r} is a prompt of {n} tokens (with the "
+                             f"target's chat template), more than the {room} its context leaves "
+                             f"(max_position_embeddings {context} - {new}), and no first turn of the {len(convs)} "
+                             "conversations fits: regeneration would refuse them all (training traffic; shorten the "
+                             "prompts or lower the new tokens)", unit)
+
+
+def _record_number(path: Path, index: int) -> tuple[str, int]:
+    """("line", the 1-based line) of the `index`-th conversation of a JSONL file (blank lines hold none), or
+    ("row", index + 1) of a table."""
+    from components.traffic_sources import traffic_kind
+
+    if traffic_kind(path) != "jsonl":
+        return "row", index + 1
+    with open(path, "rb") as f:
+        lines = [n for n, raw in enumerate(f, 1) if raw.strip()][: index + 1]
+    return "line", lines[index]
 
 
 def check_output_file(path: str | None, opt: str) -> None:

@@ -10,8 +10,11 @@ re-run after a crash resumes there (stages cached by Prefect, shards and checkpo
 and a re-run of a finished run registers nothing new (a run killed mid-registration is finished: its alias is
 set). One run per target at a time (a lock under the state dir); registering a target directory is locked too,
 so two runs started at once for a new target register it once. Inputs (traffic files, target directory, config,
-head model name, Ray address) are checked before anything is written (`check_inputs`). The flow returns a `HeadRun`
-(its `asdict` is the run's `summary.json`).
+head model name, Ray address) are checked before anything is written (`check_inputs`). A stage that refuses its
+input later (`BadInput`, e.g. every second turn too long for the context) before any stage finished takes back
+what this run made (`forget_refused_run`): its run directory, and the target version if this run registered it;
+with a finished stage both stay, for the re-run to resume. The flow returns a `HeadRun` (its `asdict` is the run's
+`summary.json`).
 With `train.variants` (two or more head variants), train -> evaluate runs once per variant on the same features
 (`train-<variant>/`, `evaluate-<variant>/` in the work directory) and the variant with the best served speedup is
 registered (components/variant_choice.py: vLLM's when measured, ties to the simpler), every variant's figures as
@@ -25,12 +28,15 @@ Run: `eagle-heads train --target DIR|models:/name/version --traffic FILE --heldo
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
+import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from prefect import flow, get_run_logger, task
 
@@ -47,6 +53,7 @@ from components.targets import weights_sha256
 from components.train import CHOICE_KEYS, TrainResult
 from components.traffic_io import traffic_sha256
 from components.variant_choice import VariantSink, choose_variant, variant_tags
+from eagle.errors import BadInput
 from flows.preflight import check_inputs
 from flows.tasks import (engine_eval_task, evaluate_task, extract_task, fresh_if_missing, load_sweep_task,
                          regenerate_task, train_task, transient)
@@ -111,20 +118,22 @@ def register_task(settings: Settings, cfg, head: HeadToRegister) -> RegisterResu
 
 
 def resolve_target(store: MlflowStore, target: str, name: str | None = None,
-                   settings: Settings | None = None) -> TargetRef:
-    """A local directory and registry identity for `target` (registering an HF directory if needed)."""
+                   settings: Settings | None = None) -> tuple[TargetRef, bool]:
+    """A local directory and registry identity for `target` (registering an HF directory if needed), and whether
+    this call registered it (a new version)."""
     if target.startswith("models:/"):
         model, version, _alias = parse_model_uri(target)
         path = store.resolve(target)
         if version is None:
             version = store.get_alias(model, _alias).version  # type: ignore[union-attr]
         sha = store.get_version(model, version).tags.get("weights_sha256") or weights_sha256(path)
-        return TargetRef(model, version, sha, str(path))
+        return TargetRef(model, version, sha, str(path)), False
     path = Path(target).resolve()
     sha = weights_sha256(path)
     name = name or path.name
     with target_lock(settings or store.settings, f"register-target-{name}"):  # two runs at once: one version
-        return register_target(store, name, str(path), role="user", base_model="", weights_sha256=sha)
+        known = store.find_versions(name, weights_sha256=sha)
+        return register_target(store, name, str(path), role="user", base_model="", weights_sha256=sha), not known
 
 
 @dataclass(frozen=True)
@@ -188,7 +197,7 @@ def train_head(target: str, traffic: str, heldout: str, preset: str = "default",
     settings = dataclasses.replace(Settings.from_env(), engine_scale=cfg.target.engine_scale())  # for each vLLM
     check_inputs(target, traffic, heldout, cfg, settings)
     store = MlflowStore.connect(settings)
-    tref = resolve_target(store, target, target_name, settings)
+    tref, registered = resolve_target(store, target, target_name, settings)
     check_head_name(store, tref, cfg.register)  # a head name taken by another kind of model: refuse before the work
     parent = parent_head(store, tref, cfg, settings.trust_remote_code)
     if parent is not None:
@@ -197,10 +206,50 @@ def train_head(target: str, traffic: str, heldout: str, preset: str = "default",
             cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=cfg.train.warm_start_steps))
     key = run_key_of(tref, traffic, heldout, cfg, parent)
     work = settings.state_dir / "runs" / f"{tref.name}-v{tref.version}" / key[:12]
+    made_work = not work.exists()
     work.mkdir(parents=True, exist_ok=True)
     log.info(f"target {tref.name} v{tref.version} ({tref.path}); run {key[:12]} in {work}")
     with target_lock(settings, f"{tref.name}-v{tref.version}"):
-        return _run(cfg, settings, store, tref, key, work, traffic, heldout, parent)
+        try:
+            return _run(cfg, settings, store, tref, key, work, traffic, heldout, parent)
+        except BadInput:
+            if not _resumable(work):  # a refusal before any stage finished: take back what this run made
+                try:
+                    forget_refused_run(store, settings, tref if registered else None, work if made_work else None)
+                except Exception as e:  # noqa: BLE001 (the refusal is the error to report)
+                    log.warning(f"could not remove what the refused run made: {type(e).__name__}: {e}")
+            raise
+
+
+def _resumable(work: Path) -> bool:
+    """Whether the run directory holds work a re-run would resume: a regenerated shard marked done (the first
+    stage's; every later stage starts from it)."""
+    return any((work / "regenerate").glob("shard-*.json"))
+
+
+def forget_refused_run(store: MlflowStore, settings: Settings, tref: TargetRef | None, work: Path | None) -> None:
+    """After a stage refused the run's input with nothing to resume: remove the run directory `work` (and its
+    target's folder under `runs/` once empty), and the target version `tref` with its registration run's copy of
+    the target (and the registered model, when that version was its only one). Only what the caller says this run
+    made (None: keep); the refusal itself is the caller's to raise."""
+    if work is not None:
+        shutil.rmtree(work, ignore_errors=True)
+        with contextlib.suppress(OSError):  # not empty: another run's directory is there
+            work.parent.rmdir()
+        print(f"refused: removed this run's directory {work}")
+    if tref is None:
+        return
+    version = store.get_version(tref.name, tref.version)
+    store.client.delete_model_version(tref.name, str(tref.version))
+    if version.run_id:  # the registration run holds a copy of the target's files
+        artifacts = store.client.get_run(version.run_id).info.artifact_uri or ""
+        store.client.delete_run(version.run_id)
+        local = Path(urlsplit(artifacts).path).parent if artifacts.startswith("file:") else None
+        if local is not None and local.name == version.run_id and local.is_relative_to(settings.state_dir):
+            shutil.rmtree(local, ignore_errors=True)
+    if not store.find_versions(tref.name):
+        store.client.delete_registered_model(tref.name)
+    print(f"refused: removed target version {tref.name}/{tref.version}, which this run registered")
 
 
 def _run(cfg: PipelineConfig, settings: Settings, store: MlflowStore, tref: TargetRef, key: str, work: Path,

@@ -3,12 +3,13 @@
 Purpose: one test per row: prompts longer than the target's context, a head for another target, corrupted,
 truncated or unreadable feature files, a NaN loss, a history line torn by a kill, a full disk while writing a
 regenerated shard, a feature shard or a checkpoint, a head or target name taken by the other kind of model, an
-unknown registered version; bad input is not retried (an outage is). Each error names the input and what to do;
-nothing half-written remains.
+unknown registered version; bad input is not retried (an outage is), also when a Ray Train worker finds it. Each
+error names the input and what to do; nothing half-written remains.
 A stage's refusal met inside a running flow reaches the terminal as the CLI's one line, without Prefect's failure
-log (a filter on its console handler, and the real CLI in a subprocess).
-Run: `python -m pytest tests/test_bad_input_stages.py` (about 20 s once the tiny embedded default is built, plus
-the slow CLI run).
+log (a filter on its console handler, and the real CLI in a subprocess), and the flow takes back what the run made
+when no stage finished (its run directory, the target version it registered).
+Run: `python -m pytest tests/test_bad_input_stages.py` (about 45 s once the tiny embedded default is built, plus
+the slow Ray and CLI runs, ~25 s and ~40 s).
 Not here: kills and outages (tests/test_faults.py).
 """
 
@@ -37,6 +38,13 @@ def _jsonl(path: Path, *rows) -> str:
 def _leftovers(root: Path) -> list[str]:
     """Temp or partial files anywhere under `root` (what a write cut short would leave)."""
     return [str(p) for p in root.rglob("*") if p.name.endswith(".tmp") or p.name.startswith((".tmp-", ".head."))]
+
+
+def _later_turns_too_long(path: Path) -> str:
+    """Three conversations whose first turn fits the tiny target's context and whose second does not."""
+    return _jsonl(path, *[{"id": f"long-{i}", "messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "x = 1\n" * 400}]} for i in range(3)])
 
 
 def test_prompts_longer_than_the_targets_context(tiny_embedded, tmp_path):
@@ -338,14 +346,14 @@ def test_prefects_log_of_a_bad_input_failure_is_hidden_and_other_failures_stay(p
 
 @pytest.mark.slow  # a Prefect start and a target load in a child process: ~40 s quiet, ~100 s on loaded cores
 def test_a_stages_refusal_through_the_cli_is_one_line(tiny_embedded, tmp_path):
-    """The real CLI in a subprocess: prompts longer than the target's context pass the preflight (it does not
-    tokenize), reach the regenerate task and are refused there: exit 2 and the CLI's one line, with no Prefect
-    failure log or traceback above it and nothing after it."""
+    """The real CLI in a subprocess: second turns longer than the target's context pass the preflight (it renders
+    first turns only), reach the regenerate task and are refused there: exit 2 and the CLI's one line, with no
+    Prefect failure log or traceback above it and nothing after it; the run directory and the target version the
+    run registered are gone."""
     import subprocess
     import sys
 
-    traffic = _jsonl(tmp_path / "long.jsonl", *[{"id": f"long-{i}", "messages": [
-        {"role": "user", "content": "x = 1\n" * 400}]} for i in range(3)])
+    traffic = _later_turns_too_long(tmp_path / "long.jsonl")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "EAGLE_", "RAY_"))}
     env.update(EAGLE_HOME=str(tmp_path / "home"), OMP_WAIT_POLICY="PASSIVE")
     proc = subprocess.run([sys.executable, "-m", "flows.cli", "train", "--preset", "tiny", "--target",
@@ -356,6 +364,73 @@ def test_a_stages_refusal_through_the_cli_is_one_line(tiny_embedded, tmp_path):
     errors = [x for x in out.splitlines() if "error" in x.lower() or "exception" in x.lower()]
     assert proc.returncode == 2, out
     assert len(errors) == 1 and errors[0].startswith(f"eagle-heads: error: {traffic}: none of 3 conversations"), out
-    assert "exceeds the target's context" in errors[0] and proc.stderr.rstrip().endswith(errors[0]), out
+    assert "turn 2: prompt of" in errors[0] and "exceeds the target's context" in errors[0], out
+    assert proc.stderr.rstrip().endswith(errors[0]), out
     for noise in ("Traceback", "Finished in state", "Encountered exception", "| ERROR", "Stopping temporary server"):
         assert noise not in out, out
+    home = tmp_path / "home"
+    assert not list((home / "runs").glob("*")) and not list((home / "mlartifacts").rglob("*.safetensors"))
+
+
+# ---- a refusal inside a Ray Train worker --------------------------------------------------------------------------
+
+
+@pytest.mark.slow  # a Ray Train worker group: ~15 s on a local Ray
+def test_a_refusal_inside_a_ray_worker_is_bad_input_and_not_retried(tiny_embedded, extracted, ray_local, tmp_path,
+                                                                     capfd):
+    """A warm-start head that fuses other layers than the features is found by the worker (`_new_head`), not the
+    driver: the worker's `HeadMismatchError` reaches the caller as itself (the CLI's one line, exit 2), with the
+    worker's message, and Ray does not restart the worker group for it (`max_failures` 2)."""
+    from components.extract import ExtractConfig, extract
+    from components.train import RayConfig, TrainConfig, train
+    from eagle.export import HeadMismatchError
+
+    cfg = dataclasses.replace(TrainConfig.tiny(), steps=2)
+    head = train(cfg, str(extracted / "ext"), str(tmp_path / "head")).head_dir  # fuses the default layers
+    other = tmp_path / "ext-1-2-4"
+    extract(ExtractConfig(max_len=128, dtype="float32", seqs_per_shard=4, aux_layer_ids=(1, 2, 4)),
+            tiny_embedded.target_dir, str(extracted / "regen"), str(other), **QUIET)
+    ray_cfg = dataclasses.replace(cfg, ray=RayConfig(num_workers=1, cpus_per_worker=1, max_failures=2))
+    capfd.readouterr()
+    with pytest.raises(HeadMismatchError) as err:
+        train(ray_cfg, str(other), str(tmp_path / "train"), init_head_dir=head, storage_dir=str(tmp_path / "ray"))
+    out = "".join(capfd.readouterr())
+    assert str(err.value).startswith(f"warm-start head {head} fuses layers ") and "[1, 2, 4]" in str(err.value)
+    assert type(err.value.__context__).__name__ == "ControllerError"  # ended by the controller at the first error
+    assert "Traceback" not in out and "HeadMismatchError" not in out, out  # Ray printed no traceback of it
+    assert not (tmp_path / "train" / "checkpoints").exists() and not (tmp_path / "train" / "head").exists()
+
+
+# ---- a refusal after the run started: nothing of it is left --------------------------------------------------------
+
+
+def test_a_refusal_after_the_run_started_takes_back_what_the_run_made(prefect_harness, tiny_embedded, tmp_path,
+                                                                      monkeypatch):
+    """The train flow in this process: every second turn is too long (the preflight passes), the regenerate stage
+    refuses after the run registered the target and made its run directory; both are removed. A second refused run
+    on a target an earlier run registered removes its own run directory and keeps that version."""
+    from components.register import register_target
+    from components.regenerate import RegenerateError
+    from components.targets import weights_sha256
+    from flows.train_head import train_head
+    from infra.mlflow_store import MlflowStore
+    from infra.settings import Settings
+
+    home = tmp_path / "home"
+    for key in [k for k in os.environ if k.startswith(("MLFLOW_", "EAGLE_", "RAY_ADDRESS"))]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("EAGLE_HOME", str(home))
+    traffic = _later_turns_too_long(tmp_path / "long.jsonl")
+    target, heldout, name = str(tiny_embedded.target_dir), str(tiny_embedded.target_traffic.heldout), "t"
+    with pytest.raises(RegenerateError, match="turn 2: prompt of .* exceeds the target's context"):
+        train_head(target, traffic, heldout, "tiny", target_name=name)
+    store = MlflowStore.connect(Settings.from_env())
+    assert not list((home / "runs").glob("*")), list((home / "runs").rglob("*"))
+    assert store.list_models() == [] and not list((home / "mlartifacts").rglob("*.safetensors"))
+
+    earlier = register_target(store, name, target, role="user", base_model="", weights_sha256=weights_sha256(target))
+    with pytest.raises(RegenerateError):
+        train_head(target, traffic, heldout, "tiny", target_name=name)
+    assert [v.version for v in store.list_versions(name)] == [earlier.version]  # an earlier run's: kept
+    assert list((home / "mlartifacts").rglob("*.safetensors"))  # with its copy of the target
+    assert not list((home / "runs").glob("*"))

@@ -79,6 +79,8 @@ ROWS: dict[str, tuple[str, list[str], dict[str, str], str]] = {
     "train-traffic-missing": (EMPTY, _with(TRAIN, traffic="/no/such.jsonl"), {}, "--traffic /no/such.jsonl"),
     "train-heldout-empty": (EMPTY, _with(TRAIN, heldout="{empty_jsonl}"), {}, "held-out traffic"),
     "train-traffic-bad-line": (EMPTY, _with(TRAIN, traffic="{bad_jsonl}"), {}, "bad.jsonl:1: malformed JSON"),
+    "train-traffic-first-turn-too-long": (EMPTY, _with(TRAIN, traffic="{long_jsonl}"), {}, "long.jsonl:2: the first "
+                                          "turn of 'long-0' is a prompt of"),
     # settings (the environment), met by every command
     "tracking-uri-unknown-scheme": (EMPTY, TRAIN, {"MLFLOW_TRACKING_URI": "foo://bar"}, "unknown scheme foo://"),
     "tracking-uri-sqlite-dir-missing": (EMPTY, TRAIN, {"MLFLOW_TRACKING_URI": "sqlite:////no/such/dir/x.db"},
@@ -291,7 +293,10 @@ def files(tiny_embedded, tmp_path_factory):
         p[name] = str(root / f"{name}.json")
     (root / "empty.jsonl").touch()
     (root / "bad.jsonl").write_text('{"messages": [\n')
-    p.update(empty_jsonl=str(root / "empty.jsonl"), bad_jsonl=str(root / "bad.jsonl"))
+    (root / "long.jsonl").write_text("\n" + "".join(json.dumps({"id": f"long-{i}", "messages": [
+        {"role": "user", "content": "x = 1\n" * 400}]}) + "\n" for i in range(2)))  # line 1 is blank
+    p.update(empty_jsonl=str(root / "empty.jsonl"), bad_jsonl=str(root / "bad.jsonl"),
+             long_jsonl=str(root / "long.jsonl"))
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
