@@ -151,13 +151,12 @@ def hf_answerer(target: Any, tokenizer: Any, cfg: RegenerateConfig) -> Answerer:
 
     path = target_path.pinned() or target_path.DEFAULT
 
-    context = int(getattr(target.config, "max_position_embeddings", 2048))
     eos = target.generation_config.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if isinstance(eos, list) else eos)
 
     def answer(batch: list[list[dict[str, str]]], max_new_tokens: int | None = None) -> list[str | Exception]:
         new = max_new_tokens or cfg.max_new_tokens
-        limit = context - new
+        limit = prompt_room(target.config, new)[1]
         ids = [prompt_ids(tokenizer, msgs) for msgs in batch]
         results: list[str | Exception] = [ValueError(f"prompt of {len(x)} tokens exceeds the target's context "
                                                      f"({limit} tokens left for the prompt)") for x in ids]
@@ -180,6 +179,13 @@ def hf_answerer(target: Any, tokenizer: Any, cfg: RegenerateConfig) -> Answerer:
         return results
 
     return answer
+
+
+def prompt_room(config: Any, new_tokens: int) -> tuple[int, int]:
+    """(the target's context, the tokens it leaves a prompt when `new_tokens` are to be generated): the rule by which
+    the local answerer refuses a prompt (flows/preflight.py applies it to first turns before a run starts)."""
+    context = int(getattr(config, "max_position_embeddings", 2048))
+    return context, context - new_tokens
 
 
 def _load_local(target_dir: str, cfg: RegenerateConfig, trust_remote_code: bool):

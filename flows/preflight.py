@@ -150,13 +150,12 @@ def check_first_turns_fit(load: TrafficLoad, config, tokenizer, cfg: RegenerateC
         return
     from components.chat import prompt_ids
     from components.regen_endpoint import history_turns
-
-    context = int(getattr(config, "max_position_embeddings", 2048))
+    from components.regenerate import prompt_room
 
     def first_turn(c) -> tuple[int, int]:  # (its prompt's tokens, the room the context leaves for a prompt)
         system, users = history_turns(c)
         return (len(prompt_ids(tokenizer, [*system, {"role": "user", "content": users[0]}])),
-                context - (c.max_new_tokens or cfg.max_new_tokens))
+                prompt_room(config, c.max_new_tokens or cfg.max_new_tokens)[1])
 
     convs = load.conversations[: cfg.limit]
     if any(n <= room for n, room in map(first_turn, convs)):  # lazily: stops at the first that fits
@@ -167,7 +166,7 @@ def check_first_turns_fit(load: TrafficLoad, config, tokenizer, cfg: RegenerateC
     unit, number = _record_number(load.path, 0)
     raise TrafficFormatError(load.path, number, f"the first turn of {c.id!r} is a prompt of {n} tokens (with the "
                              f"target's chat template), more than the {room} its context leaves "
-                             f"(max_position_embeddings {context} - {new}), and no first turn of the {len(convs)} "
+                             f"(max_position_embeddings {prompt_room(config, 0)[0]} - {new}), and no first turn of the {len(convs)} "
                              "conversations fits: regeneration would refuse them all (training traffic; shorten the "
                              "prompts or lower the new tokens)", unit)
 

@@ -161,6 +161,8 @@ BAD_CONFIGS: dict[str, tuple[dict, str]] = {
     "speed-spread-one": ({"evaluate": {"speed": {"max_spread": 1.0}}}, "evaluate.speed.max_spread must be in (0, 1)"),
     "speed-budget-inf": ({"evaluate": {"speed": {"budget_s": float("inf")}}}, "evaluate.speed.budget_s must be a "
                          "positive number of seconds, got inf"),
+    "speed-other-load-negative": ({"evaluate": {"speed": {"max_other_load": -1}}},
+                                  "evaluate.speed.max_other_load must be a number of CPU cores >= 0"),
     "load-descending": ({"evaluate": {"load": {"concurrency": [4, 1]}}}, "evaluate.load.concurrency must be ascending"),
     "load-not-a-list": ({"evaluate": {"load": {"concurrency": "1,4"}}}, "evaluate.load.concurrency: '1,4' is not of"),
     "load-k-above-16": ({"evaluate": {"load": {"k_values": [5, 17]}}}, "evaluate.load.k_values must be <= 16"),
