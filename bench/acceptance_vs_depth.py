@@ -37,7 +37,7 @@ DEPTH = 7
 
 def train_eagle1(setup: Setup, cfg: TrainConfig) -> tuple[Path, float]:
     """Train the EAGLE-1-style head with the same data order, steps, batch, optimiser and lr as the others."""
-    from components.datasets import TrainingData, batches
+    from components.train_data import TrainingData, batches
     from components.targets import load_target
     from eagle.export import head_state_dict
     from eagle.train import make_optimizer

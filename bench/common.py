@@ -40,8 +40,8 @@ import torch  # noqa: E402
 
 import report  # noqa: E402
 from report import cpu_info, goal_line, print_table, run_metadata, spec_figures  # noqa: E402,F401  (re-exported)
-from components.embedded import EmbeddedConfig, build_embedded, load_result  # noqa: E402
-from components.embedded.result import EmbeddedResult  # noqa: E402
+from embedded import EmbeddedConfig, build_embedded, load_result  # noqa: E402
+from embedded.result import EmbeddedResult  # noqa: E402
 from components.extract import ExtractConfig, extract  # noqa: E402
 from components.regenerate import RegenerateConfig, regenerate  # noqa: E402
 from components.train import RayConfig, TrainConfig, train  # noqa: E402
@@ -181,7 +181,7 @@ def prepare(quick: bool, role: str = "target", conversations: int = 0) -> Setup:
 
 def setup_threads():
     """Torch threads for setup work (`--setup-threads`): it is not measured, so it may use every core."""
-    from components.embedded.lm_train import cpu_threads
+    from embedded.lm_train import cpu_threads
 
     return cpu_threads(SETUP_THREADS)
 

@@ -166,7 +166,7 @@ def ensure(setup: Setup, budget_s: float, beside: Beside | None = None) -> tuple
     `ensure(setup, head.seconds)` finds it."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from components.embedded import lm_train
+    from embedded import lm_train
 
     shape = shape_for(setup.emb.config.target)
     out, budget_s = _cache_dir(setup, shape, budget_s)

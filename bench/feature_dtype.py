@@ -50,7 +50,7 @@ def extract_dir(setup: Setup, dtype: str) -> tuple[Path, float | None]:
 def fidelity(dirs: dict[str, Path], max_tokens: int = 4096) -> dict[str, dict]:
     """Per dtype, on the loss-masked tokens of the first sequences: RMS of (aux - aux_bf16) / RMS(aux_bf16), per-row
     max error over the row's amax, and the fraction of tokens whose teacher top-1 equals the bf16 teacher's."""
-    from components.datasets import TrainingData
+    from components.train_data import TrainingData
 
     data = {d: TrainingData.open(p, verify=False) for d, p in dirs.items()}
     ref = data["bfloat16"]

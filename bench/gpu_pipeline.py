@@ -5,7 +5,7 @@ cpu` runs the same stages on the tiny embedded target and the `tiny` preset's se
 (tests/test_bench_gpu_quick.py, with Ray, MLflow, Prefect, matplotlib and datasets unimportable).
 What it does, each stage timed, `gpu_pipeline.json` rewritten after each (a run cut short keeps what it measured,
 `status` "partial"):
-  build       components.embedded: `EmbeddedConfig.gpu()` (--quick: `tiny()`), its training on the device
+  build       embedded: `EmbeddedConfig.gpu()` (--quick: `tiny()`), its training on the device
   regenerate  components.regenerate with the `gpu` preset's section (components/presets.py `gpu_stages`)
   extract     components.extract (fused features, draft vocabulary)
   train       components.train in-process (`train.ray.num_workers` 0: no Ray), on the device (`ray.use_gpu`)
@@ -35,7 +35,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from components.embedded import EmbeddedConfig, build_embedded  # noqa: E402
+from embedded import EmbeddedConfig, build_embedded  # noqa: E402
 from components.evaluate import evaluate  # noqa: E402
 from components.extract import extract  # noqa: E402
 from components.presets import gpu_stages, tiny_stages  # noqa: E402

@@ -2,7 +2,7 @@
 
 Run: `python bench/long_outputs.py [--target DIR] [--lengths 256 512 1024 2048] [--ttt-steps 7]`. The target is a
 HF Llama directory; by default the newest `.eagle/embedded/*/target` (an embedded default build). The tokens are
-the embedded default's `long` traffic (components/embedded/long_traffic.py): held-out stdlib modules and classes
+the embedded default's `long` traffic (embedded/long_traffic.py): held-out stdlib modules and classes
 continued from their first lines, rendered with the chat template and concatenated, the first S tokens taken.
 Each (stage, S) runs in a fresh subprocess: after loading the target (and, for training, computing the features
 and making the head) the kernel's peak-RSS counter is reset (`/proc/self/clear_refs` 5), the stage runs, and the
@@ -52,10 +52,10 @@ def long_tokens(target_dir: Path, n: int) -> list[int]:
     """The first `n` tokens of held-out long conversations of the stdlib, rendered and concatenated."""
     from transformers import AutoTokenizer
 
-    from components.embedded.build import load_domains
-    from components.embedded.config import EmbeddedConfig, TrafficConfig
-    from components.embedded.long_traffic import long_conversations
-    from components.embedded.tokenizer import render_chat
+    from embedded.build import load_domains
+    from embedded.config import EmbeddedConfig, TrafficConfig
+    from embedded.long_traffic import long_conversations
+    from embedded.tokenizer import render_chat
 
     tok = AutoTokenizer.from_pretrained(target_dir)
     base, _ = load_domains(EmbeddedConfig.default())
@@ -124,7 +124,7 @@ def run_one(stage: str, S: int, target_dir: Path, tokens: list[int], ttt_steps: 
 def _default_target() -> Path:
     builds = sorted((ROOT / ".eagle" / "embedded").glob("*/target/config.json"), key=lambda p: p.stat().st_mtime)
     if not builds:
-        raise SystemExit("no embedded build under .eagle/embedded: run `python -m components.embedded` or pass "
+        raise SystemExit("no embedded build under .eagle/embedded: run `python -m embedded` or pass "
                          "--target")
     return builds[-1].parent
 

@@ -5,12 +5,12 @@ Run: `python bench/long_variants.py [--quick] [--variants eagle3 eagle3.1] [--ta
 Target (`--target`): `base` is the embedded default's target as built, decoded with `ignore_eos` (every prompt runs
 to its sample's length past the end-of-turn token: the base target was trained on 256-token windows and ends its
 answers after ~50-100 tokens, so past that the positions are out of its distribution; labelled `base+ignore_eos`);
-`long` first continues that target's training on 2,048-token windows (`components.embedded.lm_train`: raw train
+`long` first continues that target's training on 2,048-token windows (`embedded.lm_train`: raw train
 files and the long train conversations, `--long-steps` steps of `--long-batch`, cached under
 `.eagle/bench/long-target-*/`; its time and held-out loss by position before and after are in the result) and
 decodes it with `ignore_eos` too, so every bucket is filled. `--quick` uses the tiny engine target (head_dim 32,
 context 512) and shorter samples.
-Traffic: the `long` kind (components/embedded/long_traffic.py) of the build's base domain, made for the target's
+Traffic: the `long` kind (embedded/long_traffic.py) of the build's base domain, made for the target's
 context: held-out prompts with their per-sample `max_new_tokens` (1,093-1,894 tokens on the default). Heads: one
 per variant (any of eagle.config.VARIANTS), the same features, steps, batch and seed (`common.train_or_reuse_head`,
 cached); the features are extracted from the long train conversations' reference answers (the real rest of each
@@ -72,9 +72,9 @@ def long_traffic(emb, target_dir: Path, context: int, sizes: Sizes, out: Path) -
     """The long kind's train and held-out files for this target's tokenizer and context (cached in `out`)."""
     from transformers import AutoTokenizer
 
-    from components.embedded.build import load_domains
-    from components.embedded.config import TrafficConfig
-    from components.embedded.long_traffic import long_conversations
+    from embedded.build import load_domains
+    from embedded.config import TrafficConfig
+    from embedded.long_traffic import long_conversations
     from components.traffic_io import write_openai_jsonl
 
     paths = out / "long-train.jsonl", out / "long-heldout.jsonl"
@@ -112,10 +112,10 @@ def long_target(emb, train_traffic: Path, steps: int, batch: int, out: Path) -> 
     """The embedded target trained `steps` more steps on 2,048-token windows (cached): (target dir, report)."""
     from transformers import AutoTokenizer, LlamaForCausalLM
 
-    from components.embedded import lm_train
-    from components.embedded.build import load_domains
-    from components.embedded.config import LMTrainConfig
-    from components.embedded.tokenizer import render_chat
+    from embedded import lm_train
+    from embedded.build import load_domains
+    from embedded.config import LMTrainConfig
+    from embedded.tokenizer import render_chat
     from components.traffic_io import load_traffic
 
     report_file = out / "long_target.json"
@@ -149,7 +149,7 @@ def long_target(emb, train_traffic: Path, steps: int, batch: int, out: Path) -> 
 
 def prepare_long(args, sizes: Sizes) -> tuple[Setup, str, dict]:
     """Target, long traffic and features, cached: (setup for `train_or_reuse_head`, target label, long report)."""
-    from components.engine_eval import target_context
+    from components.evaluate_engine import target_context
     from components.extract import extract
 
     preset = Preset.get(args.quick)
@@ -206,7 +206,7 @@ def ours(setup: Setup, heads: dict[str, Path], n_prompts: int, depth: int) -> di
 def engine_spec(setup: Setup, method: str, head: Path | None, depth: int):
     """vLLM for `method` ("plain" or a variant with its head): fp32, eager, the target's context, per-request
     metrics, a small memory share (the servers of a round run side by side)."""
-    from components.engine_eval import target_context
+    from components.evaluate_engine import target_context
     from eagle.config import PARALLEL_VARIANTS
     from infra.vllm_server import PER_REQUEST_METRICS, EngineSpec
 
@@ -364,7 +364,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     mine = ours(setup, heads, n_prompts, depth)
     phase("our loop")
-    from components.engine_eval import engine_samples
+    from components.evaluate_engine import engine_samples
     from components.evaluate import EvaluateConfig
     from infra.settings import Settings
 

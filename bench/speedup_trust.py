@@ -7,7 +7,7 @@ the median of the quiet processes. Beside it, in the same processes, the figure 
 pass of each (round 0's ratio), so the two estimators are read side by side.
 - `--engine local` (default): this project's decoder, the pipeline's `default` evaluation (16 held-out prompts,
   chain depth 5, 96 new tokens) on the benchmarks' speed head.
-- `--engine vllm`: the same in vLLM (a plain and a speculative server side by side, components/engine_eval.py).
+- `--engine vllm`: the same in vLLM (a plain and a speculative server side by side, components/evaluate_engine.py).
 Goal: every reliable figure within +-10% of the quiet median, quiet and loaded; an unreliable one counts as flagged
 (the registry says "unreliable"), never as a number; 0 mismatches. Writes `speedup_trust[-vllm].json`.
 Run: `python bench/speedup_trust.py [--quick] [--runs 5] [--engine local|vllm] [--head-steps N]
@@ -85,7 +85,7 @@ def child(args: argparse.Namespace) -> None:
                "note": res.speedup_note, "rounds": res.speedup_rounds, "tau": res.tau, "mismatches": mismatches,
                "single_pass": report["speed"]["round_ratios"][0], "other_load": report["speed"].get("other_load")}
         if args.engine == "vllm":
-            from components.engine_eval import evaluate_in_vllm, our_outputs
+            from components.evaluate_engine import evaluate_in_vllm, our_outputs
             from infra.settings import Settings
 
             v = evaluate_in_vllm(cfg, target, head_dir, heldout, str(Path(tmp) / "vllm"), Settings.from_env(),

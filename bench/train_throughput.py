@@ -67,7 +67,7 @@ class WorkerMemory:
 
 def steady_rate(history: Path, extract_dir: Path, cfg: TrainConfig) -> float:
     """Tokens/s between the first and last logged steps, from the cumulative rates the trainer logs."""
-    from components.datasets import TrainingData, batches
+    from components.train_data import TrainingData, batches
 
     rows = [json.loads(x) for x in history.read_text().splitlines() if x.strip()]
     data = TrainingData.open(extract_dir, verify=False)

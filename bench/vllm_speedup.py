@@ -31,7 +31,7 @@ METHODS = ("plain", "eagle3", "ngram")
 
 
 def engine_run(method: str, setup, head_dir: Path, prompts, depth: int, max_new: int, settings) -> dict:
-    from components.engine_eval import target_context, time_requests
+    from components.evaluate_engine import target_context, time_requests
     from infra.vllm_server import EngineSpec, VllmServer
 
     spec = EngineSpec(str(setup.target_dir), str(head_dir) if method == "eagle3" else None,

@@ -56,7 +56,7 @@ class EvaluateConfig:
     max_prompt_tokens: int = 384
     device: str = "cpu"
     seed: int = 0
-    engine: str = "local"  # "vllm": also serve the head in vLLM and measure it there (components/engine_eval.py)
+    engine: str = "local"  # "vllm": also serve the head in vLLM and measure it there (components/evaluate_engine.py)
     speed: SpeedupConfig = field(default_factory=SpeedupConfig)  # how long the speedup is measured, in both engines
     load: LoadConfig = field(default_factory=LoadConfig)  # throughput by concurrency in vLLM (components/load_sweep.py)
     position_edges: tuple[int, ...] = POSITION_EDGES  # output-position buckets of tau/alpha_1 (ascending, >= 0)

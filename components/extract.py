@@ -32,7 +32,7 @@ Purpose: `extract(cfg, target_dir, regen_dir, out_dir) -> ExtractResult`.
   resume are the same, and this process never loads the whole target (embedding and lm_head are read by tensor
   name). Shards of the other engine are recomputed, not kept.
 Not here: the shard file's layout (components/feature_shards.py), training (components/train.py) and the dataset
-readers (components/datasets.py).
+readers (components/train_data.py).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ offsets int64 and the `FEATURES` hidden states in `dtype`, or as e4m3 with one f
 process and its Ray workers) and components/extract_engine.py (vLLM's hidden states); both import it from here, so
 neither imports the other's module for it.
 Run: through `components.extract.extract`; tests/test_extract_train.py, tests/test_fp8_features.py.
-Not here: the manifest, the resume rule (components/extract.py) or reading shards (components/datasets.py).
+Not here: the manifest, the resume rule (components/extract.py) or reading shards (components/train_data.py).
 This module imports torch and safetensors only when a shard is packed.
 """
 

@@ -4,7 +4,7 @@ Purpose: `load_sweep(cfg, target_dir, head_dir, traffic_path, out_dir, settings)
 A production server runs many requests at once, and speculation spends compute a busy server no longer has to
 spare, so one K is not right at every load. For the held-out prompts (the evaluation's, chat template applied) it
 - serves the target plainly (K = 0) and with the head at each K of `cfg.load.k_values`, all these servers up at once
-  (each with the memory share of the evaluation's plain/speculative pair, components/engine_eval.py), and measures
+  (each with the memory share of the evaluation's plain/speculative pair, components/evaluate_engine.py), and measures
   the cells (one server at one concurrency of `cfg.load.concurrency`) with vLLM's own load client
   (infra/vllm_bench.py) in rounds: in each round every level, and at each level every server, the order alternating
   (plain, K... at one level, the reverse at the next and in the next round), `cfg.load.repeats` rounds. A machine
@@ -28,7 +28,7 @@ Writes `load_sweep.json` (cells with their spreads, the order of every round, th
 `load_sweep.png` (output tokens/s against concurrency with the spread as error bars: plain, each K, the schedule).
 Concurrency here is what the client keeps in flight; vLLM's schedule is keyed by the scheduler's batch size, which
 equals it in steady state (ramp-up and drain have smaller batches).
-Not here: batch-1 latency and speedup (components/engine_eval.py), registering (components/register.py).
+Not here: batch-1 latency and speedup (components/evaluate_engine.py), registering (components/register.py).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Callable
 
 from components.atomic import atomic_write_text
-from components.engine_eval import PAIR_MEMORY_SHARE, engine_max_len
+from components.evaluate_engine import PAIR_MEMORY_SHARE, engine_max_len
 from components.evaluate import NotLosslessError, held_out_messages
 from components.load_config import MAX_BATCH, LoadConfig  # noqa: F401  (LoadConfig re-exported)
 from components.plots import plot_load_sweep

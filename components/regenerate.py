@@ -3,7 +3,7 @@
 Purpose: `regenerate(cfg, target_dir, traffic_path, out_dir) -> RegenerateResult`. Multi-turn conversations are
 answered turn by turn (each answer becomes the history of the next turn), batched with HF generation on a local
 target, or through any OpenAI-compatible endpoint (a vLLM or SGLang server) when `cfg.endpoint_url` is set, with up
-to `cfg.endpoint_concurrency` requests in flight (components/regen_endpoint.py); with `cfg.engine` "vllm" and no
+to `cfg.endpoint_concurrency` requests in flight (components/regenerate_endpoint.py); with `cfg.engine` "vllm" and no
 URL, through a vLLM this stage starts for the target (`target.runtime: vllm`: our process never loads it).
 Length: each answer is at most the conversation's own `max_new_tokens` when the traffic gives one (the long
 traffic does: components/traffic_io.py), else `cfg.max_new_tokens`, on every path (local batches, endpoint, vLLM,
@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from components.atomic import atomic_write_text, remove_stale_temps
 from components.chat import prompt_ids
-from components.regen_endpoint import (answer_concurrently, conversation_record, endpoint_answerer, endpoint_ask,
+from components.regenerate_endpoint import (answer_concurrently, conversation_record, endpoint_answerer, endpoint_ask,
                                        engine_endpoint, history_turns)
 from components.traffic_io import Conversation, load_traffic
 from eagle.config_checks import FieldError, at_least, finite, one_of

@@ -1,7 +1,7 @@
 """A speedup figure you can trust: plain and speculative decoding timed side by side, in rounds, until it settles.
 
 Purpose: `measure_speedup(n_prompts, plain, spec, cfg, progress) -> SpeedupEstimate`, used by the local
-evaluation (components/evaluate.py) and the engine evaluation (components/engine_eval.py) alike.
+evaluation (components/evaluate.py) and the engine evaluation (components/evaluate_engine.py) alike.
 - `plain(i, r)` and `spec(i, r)` decode prompt i once (round r); this module only times them. Within a round the two
   run prompt by prompt, interleaved, and which of the two goes first alternates with the prompt and the round, so
   that anything else on the machine lands on both sides alike.

@@ -7,7 +7,7 @@ optional `segment`, `source_file` and `max_new_tokens` metadata). Schemas, one J
 `max_new_tokens` (optional, an integer >= 1) is how many new tokens the sample asks for: the reference answer's
 length in the target's tokens, as the embedded default's long traffic writes it. Regeneration
 (components/regenerate.py), the evaluation (components/evaluate.py) and the engine evaluation
-(components/engine_eval.py) generate at most that many tokens for the sample, the stage's global limit otherwise.
+(components/evaluate_engine.py) generate at most that many tokens for the sample, the stage's global limit otherwise.
 Sources: JSON Lines (`.jsonl`, `.json`, `.ndjson`), Parquet (`.parquet`), Arrow IPC file or stream (`.arrow`), or a
 directory written by `Dataset.save_to_disk` (a `DatasetDict` one when it has a single split; else pass `DIR/<split>`).
 Tables are read a batch of rows at a time (components/traffic_sources.py); a null column counts as an absent key.

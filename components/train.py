@@ -186,7 +186,7 @@ def train_loop(args: LoopArgs) -> None:
     (no collective op in it: the other ranks wait at the next gradient all-reduce)."""
     import torch
 
-    from components.datasets import TrainingData, batches, heldout_split, ttt_batch
+    from components.train_data import TrainingData, batches, heldout_split, ttt_batch
     from eagle.train import TTTModule, make_optimizer, train_step
 
     cfg, out = args.cfg, Path(args.out_dir)
@@ -243,7 +243,7 @@ def _due(done: int, every: int, steps: int) -> bool:
 
 def _heldout(cfg: TrainConfig, data, heldout_ids: list[int], draft, amp, target) -> dict[str, float]:
     """`eagle.train.heldout_metrics` of `draft` on the held-out sequences, `cfg.batch_size` at a time."""
-    from components.datasets import ttt_batch
+    from components.train_data import ttt_batch
     from eagle.train import heldout_metrics
 
     device, b = next(draft.parameters()).device, cfg.batch_size
@@ -410,7 +410,7 @@ def train(cfg: TrainConfig, extract_dir: str, out_dir: str, target_dir: str | No
 def _check_extract(extract_dir: str, target_dir: str | None, trust_remote_code: bool) -> tuple[list[int], int, int]:
     """Shards that match their manifest, the target for online features, layer ids a head can fuse; returns
     (the manifest's layer ids, the target's depth, the number of sequences)."""
-    from components.datasets import TrainingData
+    from components.train_data import TrainingData
     from eagle.config import check_aux_layer_ids
 
     data = TrainingData.open(extract_dir, verify=True)

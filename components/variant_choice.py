@@ -16,7 +16,7 @@ them). The rule:
 (`variant_<v>_tau`, `variant_<v>_speedup_vllm`, with `_lo`/`_hi`/`_rounds`, ...) and the reason (`variant_choice`).
 `VariantSink` prefixes one variant's training metrics (`<variant>/loss`) in the run's metrics sink.
 Run: flows/train_head.py calls it after training and evaluating each listed variant on the same features.
-Not here: training or measuring (components/train.py, evaluate.py, engine_eval.py); the promotion gate, which
+Not here: training or measuring (components/train.py, evaluate.py, evaluate_engine.py); the promotion gate, which
 judges the chosen head alone, as for a run of one variant (components/register.py).
 """
 

@@ -139,7 +139,7 @@ def evaluate_head(cfg, head: str, target: str, traffic: str, out: Path, settings
 
     served = str(servable_head(head, target, settings.state_dir / "servable", settings.trust_remote_code))
     if cfg.engine == "vllm":
-        from components.engine_eval import evaluate_in_vllm, our_outputs
+        from components.evaluate_engine import evaluate_in_vllm, our_outputs
 
         res["vllm"] = asdict(evaluate_in_vllm(cfg, target, served, traffic, str(out / "vllm"), settings,
                                               ours=our_outputs(res["report_file"])))
@@ -223,7 +223,7 @@ def _k_at(schedule, concurrency: int, head: str) -> tuple[int, str]:
 def serve(a, settings) -> int:
     import signal
 
-    from components.engine_eval import target_context
+    from components.evaluate_engine import target_context
     from components.serve import launch_commands, servable_head
     from infra.vllm_server import EngineSpec, VllmServer
 

@@ -95,8 +95,8 @@ def _row(label: str, tags: dict[str, str], features: str, s: HeadRun) -> str:
 @flow(name="demo", log_prints=True)
 def demo(preset: str = "default", embedded_preset: str = "default", target_name: str = "stdlib-llama",
          finetune_extract: str = "vllm") -> dict:
-    from components.embedded.build import build_embedded
-    from components.embedded.config import EmbeddedConfig
+    from embedded.build import build_embedded
+    from embedded.config import EmbeddedConfig
     from components.pipeline_config import PipelineConfig
 
     settings = Settings.from_env()

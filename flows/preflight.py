@@ -149,7 +149,7 @@ def check_first_turns_fit(load: TrafficLoad, config, tokenizer, cfg: RegenerateC
     if cfg.endpoint_url or cfg.engine != "local":
         return
     from components.chat import prompt_ids
-    from components.regen_endpoint import history_turns
+    from components.regenerate_endpoint import history_turns
     from components.regenerate import prompt_room
 
     def first_turn(c) -> tuple[int, int]:  # (its prompt's tokens, the room the context leaves for a prompt)

@@ -17,7 +17,7 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import INPUTS, TASK_SOURCE
 
-from components.engine_eval import EngineEvalResult
+from components.evaluate_engine import EngineEvalResult
 from components.evaluate import EvaluateConfig, EvaluateResult, evaluate
 from components.extract import ExtractConfig, ExtractResult, extract
 from components.regenerate import RegenerateConfig, RegenerateResult, regenerate
@@ -91,7 +91,7 @@ def engine_eval_task(cfg: EvaluateConfig, target_dir: str, head_dir: str, heldou
     """The head served by vLLM on the same prompts; compared with the local evaluation's outputs (`local_report`;
     None when vLLM runs the target: no local evaluation); the champion's head (`baseline_head_dir`) served on them
     too, for a gate on the engine's τ."""
-    from components.engine_eval import evaluate_in_vllm, our_outputs
+    from components.evaluate_engine import evaluate_in_vllm, our_outputs
 
     ours = our_outputs(local_report) if local_report else None
     return evaluate_in_vllm(cfg, target_dir, head_dir, heldout, out_dir, settings, ours=ours,

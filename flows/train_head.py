@@ -41,7 +41,7 @@ from urllib.parse import urlsplit
 from prefect import flow, get_run_logger, task
 
 from components.atomic import atomic_write_text, file_sha256
-from components.engine_eval import EngineEvalResult
+from components.evaluate_engine import EngineEvalResult
 from components.evaluate import EvaluateResult
 from components.extract import ExtractResult
 from components.pipeline_config import PipelineConfig

@@ -89,8 +89,8 @@ def prefect_harness(tmp_path_factory: pytest.TempPathFactory):
 def tiny_embedded(tmp_path_factory: pytest.TempPathFactory):
     """The embedded default at `EmbeddedConfig.tiny()` (a real 6-layer target, its fine-tune, traffic), built once
     per session (~5-10 s): `.target_dir`, `.finetune_dir`, `.target_traffic.train` / `.heldout`."""
-    from components.embedded.build import build_embedded
-    from components.embedded.config import EmbeddedConfig
+    from embedded.build import build_embedded
+    from embedded.config import EmbeddedConfig
 
     return build_embedded(EmbeddedConfig.tiny(), tmp_path_factory.mktemp("embedded"), progress=False)
 
@@ -99,8 +99,8 @@ def tiny_embedded(tmp_path_factory: pytest.TempPathFactory):
 def engine_target(tmp_path_factory: pytest.TempPathFactory):
     """The tiny embedded default (head_dim 32: vLLM's CPU attention takes it) trained 400 steps (~20 s) so that
     greedy outputs vary with the prompt; built once per session for every test that serves it in vLLM."""
-    from components.embedded.build import build_embedded
-    from components.embedded.config import EmbeddedConfig
+    from embedded.build import build_embedded
+    from embedded.config import EmbeddedConfig
 
     c = EmbeddedConfig.tiny()
     c = dataclasses.replace(c, train=dataclasses.replace(c.train, steps=400))

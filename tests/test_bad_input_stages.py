@@ -103,7 +103,7 @@ def _ext_copy(extracted: Path, tmp_path: Path) -> Path:
 
 @pytest.mark.parametrize("damage", ["flip-a-byte", "truncate", "delete", "bad-manifest", "bad-tokens"])
 def test_damaged_feature_files(extracted, tmp_path, damage):
-    from components.datasets import FeatureStoreError
+    from components.train_data import FeatureStoreError
     from components.train import TrainConfig, train
 
     ext = _ext_copy(extracted, tmp_path)

@@ -8,7 +8,7 @@ row's needle (the offending input), no traceback, and no new file under the stat
 `empty` one (it does not exist and must not be created) and a `registry` one (a local MLflow store holding target
 `t` version 1, which has no alias). If a row's input passed the preflight, the command is not run: the row fails
 with exit 99.
-`EMBEDDED_ROWS` are the embedded build's config (`python -m components.embedded --config F`), refused before the
+`EMBEDDED_ROWS` are the embedded build's config (`python -m embedded --config F`), refused before the
 build. HARDENING.md's table lists exactly these rows (`test_hardening_lists_every_row`).
 Run: `python -m pytest tests/test_bad_input_table.py` (fast tier, ~20 s once the tiny embedded default is built).
 Not here: bad input met inside a stage (tests/test_bad_input_stages.py), kills and outages (tests/test_faults.py).
@@ -206,7 +206,7 @@ for _id, (_, _needle) in BAD_CONFIGS.items():
     if _id in CONFIG_ON_EVALUATE:
         ROWS[f"evaluate-config-{_id}"] = (EMPTY, _with(EVAL, config=_file), {}, _needle)
 
-# `python -m components.embedded --config <f>` (the embedded build): row id -> (the file's text, needle). Each is
+# `python -m embedded --config <f>` (the embedded build): row id -> (the file's text, needle). Each is
 # refused before the build starts: exit 2, one line `embedded: error: <f>: ...`, nothing under the cache root.
 EMBEDDED_ROWS: dict[str, tuple[str, str]] = {
     "embedded-traffic-unknown-kind": ('{"traffic": {"kind": "longer"}}', "traffic.kind: unknown kind 'longer'; "
@@ -360,7 +360,7 @@ def test_bad_input_is_refused_in_one_line(row, files, homes, monkeypatch, capsys
 
 @pytest.mark.parametrize("row", list(EMBEDDED_ROWS))
 def test_bad_embedded_config_is_refused_in_one_line(row, tmp_path, capsys):
-    from components.embedded.__main__ import main
+    from embedded.__main__ import main
 
     text, needle = EMBEDDED_ROWS[row]
     (tmp_path / "cfg.json").write_text(text)

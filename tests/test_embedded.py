@@ -10,11 +10,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from components.embedded import EmbeddedConfig, build_embedded, build_hash, load_domains, load_result
-from components.embedded.config import CorpusConfig
-from components.embedded.corpus import SourceFile, function_pairs, raw_chunks, split_domain
-from components.embedded.lm_train import pack_windows
-from components.embedded.tokenizer import render_chat
+from embedded import EmbeddedConfig, build_embedded, build_hash, load_domains, load_result
+from embedded.config import CorpusConfig
+from embedded.corpus import SourceFile, function_pairs, raw_chunks, split_domain
+from embedded.lm_train import pack_windows
+from embedded.tokenizer import render_chat
 from components.traffic_io import load_traffic
 
 
@@ -196,7 +196,7 @@ def test_build_hash_ignores_prose_not_code():
     change of code does not. Every module that shapes what a build writes is hashed."""
     from pathlib import Path
 
-    from components.embedded import build
+    from embedded import build
 
     doc = 'def f():\n    """Doc."""\n    return 1  # why\n'
     assert build.code_digest(doc) == build.code_digest('def f():\n    """Other doc."""\n    # note\n    return 1\n')

@@ -63,7 +63,7 @@ def test_scale_settings_are_checked_and_not_part_of_a_runs_identity():
 
 
 def test_every_engine_a_run_starts_carries_the_scale(tmp_path):
-    from components.engine_eval import eval_spec
+    from components.evaluate_engine import eval_spec
     from components.evaluate import EvaluateConfig
     from infra.vllm_extract import hidden_states_spec
 

@@ -101,7 +101,7 @@ def test_engine_features_equal_local_features(extracted):
 
 
 def test_engine_shards_are_interchangeable_with_local_ones(extracted, tiny_embedded):
-    from components.datasets import TrainingData, ttt_batch
+    from components.train_data import TrainingData, ttt_batch
     from components.train import TrainConfig, train
 
     local, vllm = (TrainingData.open(extracted[e][0].out_dir) for e in ("local", "vllm"))

@@ -25,7 +25,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from components.datasets import FeatureStoreError, TrainingData, heldout_split, ttt_batch
+from components.train_data import FeatureStoreError, TrainingData, heldout_split, ttt_batch
 from components.extract import ExtractConfig, extract
 from components.regenerate import RegenerateConfig, regenerate
 from components.targets import load_target

@@ -135,7 +135,7 @@ def test_local_path_is_lossless_with_acceptance(family, tiny_embedded, tmp_path)
 def serve_and_compare(fams: list[Family], heldout: str, settings, out: Path) -> None:
     """Each head (all on one target) served by vLLM beside one vLLM plain: outputs identical to both, counters equal
     to ours."""
-    from components.engine_eval import evaluate_in_vllm, our_outputs, plain_server
+    from components.evaluate_engine import evaluate_in_vllm, our_outputs, plain_server
 
     ours = [evaluate_locally(fam, out / f"local-{i}", heldout) for i, fam in enumerate(fams)]
     with plain_server(EVAL, str(fams[0].target_dir), settings) as plain:

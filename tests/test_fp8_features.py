@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from components.atomic import file_sha256
-from components.datasets import FeatureStoreError, TrainingData, ttt_batch
+from components.train_data import FeatureStoreError, TrainingData, ttt_batch
 from components.extract import ExtractConfig, extract
 from components.feature_shards import FP8, FP8_SCALES
 from components.regenerate import RegenerateConfig, regenerate

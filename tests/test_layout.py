@@ -2,18 +2,21 @@
 
 Purpose: keep the layer rules of ARCHITECTURE.md true as the code grows:
     eagle/       imports no prefect, mlflow, ray, infra, components, flows (it runs with torch alone)
-    components/  imports no prefect (no decorators there) and no flows
+    components/  imports no prefect (no decorators there), no flows and no embedded (the stages never need the
+                 builder of the embedded default)
+    embedded/    the embedded default's builder: imports no prefect, mlflow, ray, infra, flows (torch, transformers
+                 and tokenizers; components.traffic_io, the traffic format it writes)
     infra/       imports no eagle, components, flows (adapters sit below the pipeline); any package may import
                  the SHARED_MODULES (eagle.errors: the bad-input base class, which imports nothing)
     bench/       imports no tests (tests may import bench's references, e.g. bench/reference_ttt.py)
-    no import cycle among the modules of eagle/, components/, flows/, infra/ (CYCLE_PACKAGES): every import
+    no import cycle among the modules of eagle/, components/, flows/, infra/, embedded/ (CYCLE_PACKAGES): every import
                  statement counts, module level, inside a function or under `if TYPE_CHECKING:`, and so does
                  importlib.import_module('name'); an import names the longest prefix of its dotted name that is
                  one of our modules (`from a.b import c` names a.b.c when c is a submodule, else a.b). A package's
                  own submodules: its __init__ importing them is an edge like any other, but a submodule is not
                  taken to import its package by being inside it (Python runs a/__init__.py before a/b.py; that
-                 implicit import is not counted), so components/embedded/__init__.py re-exporting
-                 components.embedded.build is no cycle; build.py importing a name of that __init__ would be one
+                 implicit import is not counted), so embedded/__init__.py re-exporting
+                 embedded.build is no cycle; build.py importing a name of that __init__ would be one
     only infra/ touches environment variables (os.environ, os.getenv, ...); exceptions go in ENV_ALLOWLIST
     every non-empty module has a docstring; every file is under MAX_LINES lines
 Run: `python -m pytest tests/test_layout.py` (well under a second; nothing is imported).
@@ -34,11 +37,12 @@ MAX_LINES = 450
 
 FORBIDDEN_IMPORTS = {
     "eagle": {"prefect", "mlflow", "ray", "infra", "components", "flows"},
-    "components": {"prefect", "flows"},
+    "components": {"prefect", "flows", "embedded"},
+    "embedded": {"prefect", "mlflow", "ray", "infra", "flows"},
     "infra": {"eagle", "components", "flows"},
     "bench": {"tests"},  # a benchmark runs from a checkout without the suite's helpers; shared references live in bench/
 }
-CYCLE_PACKAGES = ("eagle", "components", "flows", "infra")
+CYCLE_PACKAGES = ("eagle", "components", "flows", "infra", "embedded")
 # modules any package may import: they hold no logic and import nothing of ours
 SHARED_MODULES = {"eagle.errors": "BadInput, the one bad-input error type that every layer's errors subclass"}
 # path relative to the repo root -> why that file may touch the environment. Keep it empty if you can.
@@ -110,7 +114,7 @@ def imported_roots(module: Module) -> dict[str, int]:
 
 
 def _module_name(rel: str) -> str:
-    """'components/embedded/__init__.py' -> 'components.embedded'; 'eagle/x.py' -> 'eagle.x'."""
+    """'embedded/__init__.py' -> 'embedded'; 'eagle/x.py' -> 'eagle.x'."""
     parts = rel[: -len(".py")].split("/")
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 

@@ -20,7 +20,7 @@ import torch
 
 from components.evaluate import EvaluateConfig, evaluate, held_out_samples
 from components.pipeline_config import ConfigError, PipelineConfig
-from components.regen_endpoint import answer_concurrently
+from components.regenerate_endpoint import answer_concurrently
 from components.regenerate import RegenerateConfig, hf_answerer, read_regenerated, regenerate
 from components.targets import load_target
 from components.traffic_io import Conversation, Message, write_openai_jsonl
@@ -166,7 +166,7 @@ def test_vllm_evaluation_runs_each_sample_to_its_limit_past_eos(engine_target, e
                                                                 tmp_path):
     """The engine evaluation asks each sample's limit with vLLM's `ignore_eos`: vLLM's plain and speculative outputs
     are that long, equal to each other and to ours (which went past EOS the same way)."""
-    from components.engine_eval import evaluate_in_vllm, our_outputs
+    from components.evaluate_engine import evaluate_in_vllm, our_outputs
     from components.speed import SpeedupConfig
 
     limits = (40, None, 64)

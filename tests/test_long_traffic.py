@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from components.embedded.config import CorpusConfig, EmbeddedConfig, TokenizerConfig, TrafficConfig
-from components.embedded.corpus import SourceFile, base_files
-from components.embedded.long_traffic import long_conversations
-from components.embedded.tokenizer import render_chat, train_tokenizer
-from components.embedded.traffic import sample_traffic
+from embedded.config import CorpusConfig, EmbeddedConfig, TokenizerConfig, TrafficConfig
+from embedded.corpus import SourceFile, base_files
+from embedded.long_traffic import long_conversations
+from embedded.tokenizer import render_chat, train_tokenizer
+from embedded.traffic import sample_traffic
 from components.traffic_io import Conversation, TrafficFormatError, load_traffic, write_openai_jsonl
 
 CONTEXT = 2048
@@ -127,7 +127,7 @@ def test_kind_is_a_setting_and_chat_stays_the_default():
 
 def test_the_build_writes_long_traffic_when_the_setting_asks(tmp_path: Path):
     """The tiny preset (512 positions) with `traffic.kind: long`: every traffic file holds long conversations."""
-    from components.embedded.build import build_embedded
+    from embedded.build import build_embedded
 
     tiny = EmbeddedConfig.tiny().to_dict()
     tiny["traffic"].update(kind="long", long_prompt_lines=8, long_min_new_tokens=150)

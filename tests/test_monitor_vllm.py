@@ -43,8 +43,8 @@ DRIFT_TEMPERATURE = 1.0
 @pytest.fixture(scope="module")
 def drift_target(tmp_path_factory):
     """The tiny embedded default with 1500 LM steps (its answers vary with the prompt) and 96 train conversations."""
-    from components.embedded.build import build_embedded
-    from components.embedded.config import EmbeddedConfig
+    from embedded.build import build_embedded
+    from embedded.config import EmbeddedConfig
 
     c = EmbeddedConfig.tiny()
     c = dataclasses.replace(c, train=dataclasses.replace(c.train, steps=1500),
@@ -119,7 +119,7 @@ def _scrape(live, monitor: list[str]) -> tuple[str, float, float, str]:
 
 
 def test_a_drop_in_served_acceptance_retrains_the_head(live_prefect, drift_target, drift, tmp_path):
-    from components.engine_eval import engine_prompts
+    from components.evaluate_engine import engine_prompts
     from components.pipeline_config import PipelineConfig
     from components.traffic_io import traffic_sha256
     from infra.mlflow_store import CHAMPION, MlflowStore

@@ -308,7 +308,7 @@ def test_variant_settings(tmp_path):
 @pytest.mark.parametrize("variant", PARALLEL_VARIANTS)
 def test_vllm_serves_the_parallel_head_losslessly_with_our_acceptance(variant, engine_target, engine_head,
                                                                      engine_settings, tmp_path):
-    from components.engine_eval import evaluate_in_vllm, our_outputs
+    from components.evaluate_engine import evaluate_in_vllm, our_outputs
     from components.evaluate import EvaluateConfig, evaluate
     from components.serve import is_servable
     from components.speed import SpeedupConfig

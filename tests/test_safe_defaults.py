@@ -28,9 +28,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("eagle", "components", "flows", "infra")
+PACKAGES = ("eagle", "components", "flows", "infra", "embedded")
 FROM_PRETRAINED_ALLOWLIST = {
-    "components/embedded/build.py": "loads the Llama it has just trained and written itself",
+    "embedded/build.py": "loads the Llama it has just trained and written itself",
     "eagle/selfcheck.py": "loads the random tiny model it has just written itself",
 }
 WRITE_ALLOWLIST = {  # (file, source snippet of the call) -> why it need not be atomic
@@ -119,7 +119,7 @@ def test_the_trust_setting_reaches_every_model_load(monkeypatch, tmp_path):
     """EAGLE_TRUST_REMOTE_CODE -> Settings -> the flow's tasks -> each stage -> load_target / AutoConfig."""
     import components.extract
     import components.targets
-    from components.datasets import TrainingData
+    from components.train_data import TrainingData
     from components.evaluate import EvaluateConfig
     from components.extract import ExtractConfig
     from components.regenerate import RegenerateConfig
@@ -275,7 +275,7 @@ def test_pipeline_code_writes_files_atomically():
     found = []
     for name in ("write_text", "write_bytes", "open", "save_file", "save", "savefig", "save_pretrained"):
         for rel, line, c in _calls(name):
-            if rel.startswith(("eagle/", "components/embedded/")) or rel == "components/atomic.py":
+            if rel.startswith(("eagle/", "embedded/")) or rel == "components/atomic.py":
                 continue  # eagle/ writes only through export.py's temp-dir rename; embedded renames its build dir
             src = ast.unparse(c.func)
             if name == "open":

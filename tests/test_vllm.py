@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 
-from components.engine_eval import evaluate_in_vllm, our_outputs, plain_server
+from components.evaluate_engine import evaluate_in_vllm, our_outputs, plain_server
 from components.evaluate import EvaluateConfig, evaluate
 from components.speed import SpeedupConfig
 from eagle.speculative import SpecConfig

@@ -4,7 +4,7 @@ Purpose: one frozen dataclass per concern, grouped in `EmbeddedConfig`, with thr
 in seconds), `default()` (the 2-core demo) and `gpu()` (a bigger target for one accelerator).
 `EmbeddedConfig.from_dict` is strict: an unknown key anywhere, a value of the wrong type or out of its bounds is an
 `EmbeddedConfigError` (a `BadInput`) naming the key path and the allowed values.
-Not here: building anything (see `components.embedded.build`); run-time switches that do not change the artifacts
+Not here: building anything (see `embedded.build`); run-time switches that do not change the artifacts
 (progress bars, the cache root) are arguments of `build_embedded`, not config.
 """
 

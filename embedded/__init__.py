@@ -2,14 +2,14 @@
 running interpreter's standard library, reproducibly, and cached by content hash.
 
 Purpose: give every machine (no downloads) a real target to train and evaluate EAGLE-3 heads on.
-Run: `python -m components.embedded [--preset tiny|default|gpu]`; from Python, `build_embedded(EmbeddedConfig.default())`.
+Run: `python -m embedded [--preset tiny|default|gpu]`; from Python, `build_embedded(EmbeddedConfig.default())`.
 Not here: heads, registration, orchestration. See `build.py` for the layout of a build directory.
 """
 
-from components.embedded.build import DEFAULT_ROOT, build_embedded, build_hash, load_domains
-from components.embedded.config import (CorpusConfig, EmbeddedConfig, EvalConfig, LMTrainConfig, TargetConfig,
+from embedded.build import DEFAULT_ROOT, build_embedded, build_hash, load_domains
+from embedded.config import (CorpusConfig, EmbeddedConfig, EvalConfig, LMTrainConfig, TargetConfig,
                                         TokenizerConfig, TrafficConfig)
-from components.embedded.result import (Continuation, DomainInfo, EmbeddedResult, Metrics, TrafficFiles,
+from embedded.result import (Continuation, DomainInfo, EmbeddedResult, Metrics, TrafficFiles,
                                         load_result)
 
 __all__ = [

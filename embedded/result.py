@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from components.embedded.config import EmbeddedConfig
-from components.embedded.lm_train import TrainStats
+from embedded.config import EmbeddedConfig
+from embedded.lm_train import TrainStats
 
 REPORT = "report.json"
 

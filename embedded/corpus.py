@@ -18,7 +18,7 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-from components.embedded.config import CorpusConfig
+from embedded.config import CorpusConfig
 
 DROPPED_DIRS = frozenset({"encodings", "pydoc_data", "ensurepip", "site-packages", "test", "tests", "idle_test",
                           "__pycache__", "lib-dynload"})

@@ -17,8 +17,8 @@ import dataclasses
 import random
 from typing import Sequence
 
-from components.embedded.config import CorpusConfig, TrafficConfig
-from components.embedded.corpus import FunctionPair, SourceFile, function_pairs, raw_chunks
+from embedded.config import CorpusConfig, TrafficConfig
+from embedded.corpus import FunctionPair, SourceFile, function_pairs, raw_chunks
 from components.traffic_io import Conversation, Message
 
 SYSTEM_PROMPTS = (

@@ -94,7 +94,7 @@ def engine_endpoint(cfg: Any, target_dir: str, settings: Any = None,
     if cfg.engine != "vllm" or cfg.endpoint_url:
         yield cfg
         return
-    from components.engine_eval import target_context
+    from components.evaluate_engine import target_context
     from components.targets import declared_dtype
     from infra.settings import Settings
     from infra.vllm_server import EngineSpec, VllmServer

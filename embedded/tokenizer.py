@@ -20,7 +20,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerFast
 
-from components.embedded.config import TokenizerConfig
+from embedded.config import TokenizerConfig
 
 BOS, PAD, END = "<|endoftext|>", "<|pad|>", "<|end|>"
 ROLE_TOKENS = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assistant|>"}

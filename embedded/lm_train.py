@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
-from components.embedded.config import LMTrainConfig, TargetConfig
+from embedded.config import LMTrainConfig, TargetConfig
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,11 @@
 """Build the embedded default from the command line and print its report summary as JSON.
 
-Run: `python -m components.embedded [--preset tiny|default|gpu] [--config FILE.json] [--root DIR] [--force]
+Run: `python -m embedded [--preset tiny|default|gpu] [--config FILE.json] [--root DIR] [--force]
 [--quiet]`. `--config` is a JSON object loaded strictly (unknown keys are errors); it replaces the preset, and
 sections or keys it omits take the dataclass defaults (those of `default()`): `{"traffic": {"kind": "long"}}` is the
-default build with long-output traffic files (components/embedded/long_traffic.py). A config that cannot be read
+default build with long-output traffic files (embedded/long_traffic.py). A config that cannot be read
 or holds a bad value is refused before the build with one line `embedded: error: <file>: <key path> ...`, exit 2.
-Not here: anything but argument parsing and printing; the work is `components.embedded.build.build_embedded`.
+Not here: anything but argument parsing and printing; the work is `embedded.build.build_embedded`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m components.embedded", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m embedded", description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="default", choices=["tiny", "default", "gpu"])
     p.add_argument("--config", type=Path, help="JSON config (strict); replaces --preset")
     p.add_argument("--root", type=Path, default=Path(".eagle/embedded"), help="cache root (default: %(default)s)")
@@ -27,8 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
-    from components.embedded.build import build_embedded  # heavy imports after argument parsing
-    from components.embedded.config import EmbeddedConfig
+    from embedded.build import build_embedded  # heavy imports after argument parsing
+    from embedded.config import EmbeddedConfig
     from eagle.errors import BadInput
 
     try:

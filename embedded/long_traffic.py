@@ -8,7 +8,7 @@ conversation carries `max_new_tokens`, the answer's length in the target's token
 has at least `long_min_new_tokens` tokens are kept (1,000 by default: the held-out samples ask for >= 1,000 new
 tokens). Choices (ask, system prompt) are drawn from a generator seeded by (seed, domain, file path), as in
 `traffic.py`, so a file's conversations do not depend on which other files are present.
-Run: chosen by the build (`{"traffic": {"kind": "long"}}` in `python -m components.embedded --config FILE`);
+Run: chosen by the build (`{"traffic": {"kind": "long"}}` in `python -m embedded --config FILE`);
 from Python, `long_conversations(files, domain, tokenizer, traffic, max_positions, seed)`.
 Not here: the chat mix of the default kind (`traffic.py`), the sampling and writing of the files (`build.py`),
 the target's training (its chat samples are the default kind's, whatever the traffic kind).
@@ -22,10 +22,10 @@ from typing import Sequence
 
 from transformers import PreTrainedTokenizerBase
 
-from components.embedded.config import TrafficConfig
-from components.embedded.corpus import SourceFile
-from components.embedded.tokenizer import render_chat
-from components.embedded.traffic import SYSTEM_PROMPTS
+from embedded.config import TrafficConfig
+from embedded.corpus import SourceFile
+from embedded.tokenizer import render_chat
+from embedded.traffic import SYSTEM_PROMPTS
 from components.traffic_io import Conversation, Message
 
 LONG_MODULE_ASKS = (

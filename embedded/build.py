@@ -12,7 +12,7 @@ The hash covers the corpus files (paths, contents, split), the config, the code 
 (`OUTPUT_MODULES`, docstrings and comments left out), the traffic writer's version and the versions of
 torch/transformers/tokenizers; a finished build (its report.json exists) is returned without work. A build is
 written to `<hash>.partial-<pid>` and renamed when complete, so an interrupted build leaves no half directory.
-Run: `python -m components.embedded --preset default` (see `__main__.py`).
+Run: `python -m embedded --preset default` (see `__main__.py`).
 Not here: EAGLE heads, MLflow registration, Prefect; bitwise reproducibility across machines or thread counts
 (the same machine, config and seed give the same data, tokenizer and initial weights; float reductions may vary).
 """
@@ -36,15 +36,15 @@ import torch
 import transformers
 from transformers import LlamaForCausalLM, PreTrainedTokenizerBase
 
-from components.embedded import corpus as corpus_mod
-from components.embedded import lm_train
-from components.embedded.config import EmbeddedConfig, LMTrainConfig
-from components.embedded.corpus import Domain
-from components.embedded.long_traffic import long_conversations
-from components.embedded.result import (REPORT, Continuation, DomainInfo, EmbeddedResult, Metrics, TrafficFiles,
+from embedded import corpus as corpus_mod
+from embedded import lm_train
+from embedded.config import EmbeddedConfig, LMTrainConfig
+from embedded.corpus import Domain
+from embedded.long_traffic import long_conversations
+from embedded.result import (REPORT, Continuation, DomainInfo, EmbeddedResult, Metrics, TrafficFiles,
                                         load_result, write_report)
-from components.embedded.tokenizer import BOS, encode_texts, render_chat, train_tokenizer
-from components.embedded.traffic import domain_conversations, sample_traffic
+from embedded.tokenizer import BOS, encode_texts, render_chat, train_tokenizer
+from embedded.traffic import domain_conversations, sample_traffic
 from components.traffic_io import WRITER_VERSION, Conversation, write_openai_jsonl
 
 log = logging.getLogger(__name__)
