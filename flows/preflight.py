@@ -143,10 +143,12 @@ def check_first_turns_fit(load: TrafficLoad, config, tokenizer, cfg: RegenerateC
     conversation (components/regenerate.py `hf_answerer`: the prompt rendered with the target's chat template,
     `components.chat.prompt_ids`, must leave room for the conversation's `max_new_tokens`, else
     `regenerate.max_new_tokens`) and, with none left, refuses the run after it started. The message names the
-    first conversation's line. Stops at the first turn that fits (one render for usual traffic). Only when this
-    process's target answers (no `endpoint_url`, engine "local"): a server decides for itself. A later turn's
-    prompt holds the target's own answers, known only once regenerated (the flow cleans up after that refusal)."""
-    if cfg.endpoint_url or cfg.engine != "local":
+    first conversation's line. Stops at the first turn that fits (one render for usual traffic). When this process
+    or a vLLM started for the run answers (no `endpoint_url`; the engine's `max_model_len` is the target's context
+    and it renders the same chat template from the same tokenizer files, components/regenerate_endpoint.py
+    `engine_endpoint`); a server given by URL decides for itself. A later turn's prompt holds the target's own
+    answers, known only once regenerated (the flow cleans up after that refusal)."""
+    if cfg.endpoint_url:
         return
     from components.chat import prompt_ids
     from components.regenerate_endpoint import history_turns

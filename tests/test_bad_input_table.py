@@ -81,6 +81,8 @@ ROWS: dict[str, tuple[str, list[str], dict[str, str], str]] = {
     "train-traffic-bad-line": (EMPTY, _with(TRAIN, traffic="{bad_jsonl}"), {}, "bad.jsonl:1: malformed JSON"),
     "train-traffic-first-turn-too-long": (EMPTY, _with(TRAIN, traffic="{long_jsonl}"), {}, "long.jsonl:2: the first "
                                           "turn of 'long-0' is a prompt of"),
+    "train-traffic-first-turn-too-long-engine": (EMPTY, [*_with(TRAIN, traffic="{long_jsonl}"), "--set",
+                                                  "regenerate.engine=vllm"], {}, "long.jsonl:2: the first turn of"),
     # settings (the environment), met by every command
     "tracking-uri-unknown-scheme": (EMPTY, TRAIN, {"MLFLOW_TRACKING_URI": "foo://bar"}, "unknown scheme foo://"),
     "tracking-uri-sqlite-dir-missing": (EMPTY, TRAIN, {"MLFLOW_TRACKING_URI": "sqlite:////no/such/dir/x.db"},
