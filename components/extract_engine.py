@@ -55,6 +55,10 @@ STORAGE = "engine-hidden-states"  # under the extraction's out_dir: the engine's
 MIN_KV_CACHE = 256 << 20  # bytes: the least KV cache an extraction engine is given on the CPU build
 DEATH_WAIT_S = 20.0  # after a failed request, how long a replica waits to see whether its engine is dying
 PID_FILE = "engine.pid"  # in each engine replica's storage directory: its engine's pid (= process group)
+# in the environment of every process of an extraction engine (its children inherit it): its storage directory, so
+# that `stop_engines` also finds an engine's processes that outlived their leader (a replica's actor that died while
+# its engine ran: the leader dies with its parent, vLLM's EngineCore and workers are left behind)
+ENGINE_MARK = "EAGLE_EXTRACT_ENGINE_STORAGE"
 NORM, EMBED, LM_HEAD = "model.norm.weight", "model.embed_tokens.weight", "lm_head.weight"
 
 
@@ -128,10 +132,14 @@ class EngineShape:
     kv_cache_bytes: int  # on the CPU build (a GPU engine takes vLLM's share of its device)
 
     def spec(self, target_dir: str, storage: Path):
+        """The engine writing under `storage`, every process of it marked with that directory (`ENGINE_MARK`)."""
+        import dataclasses
+
         from infra.vllm_extract import hidden_states_spec
 
-        return hidden_states_spec(target_dir, list(self.layer_ids), storage, self.max_model_len, self.dtype,
+        spec = hidden_states_spec(target_dir, list(self.layer_ids), storage, self.max_model_len, self.dtype,
                                   context=self.context, kv_cache_bytes=self.kv_cache_bytes)
+        return dataclasses.replace(spec, env=(*spec.env, (ENGINE_MARK, str(Path(storage).resolve()))))
 
 
 def kv_cache_bytes(config, n_ids: int, max_model_len: int, requests: int, dtype: str) -> int:
@@ -274,10 +282,35 @@ def stop_engines(storage: Path, wait_s: float = 30.0) -> None:
         pids.append(int(f.read_text()))
         kill_group(pids[-1])
         f.unlink(missing_ok=True)
+    for pid in marked_processes(storage):  # what outlived its group's leader (see ENGINE_MARK)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
     deadline = time.monotonic() + wait_s
-    while pids and time.monotonic() < deadline:
+    while (pids or marked_processes(storage)) and time.monotonic() < deadline:
         pids = [p for p in pids if _group_exists(p)]
         time.sleep(0.2)
+
+
+def marked_processes(storage: Path) -> list[int]:
+    """The live processes of this host whose environment marks them as an engine writing under `storage` or a
+    directory below it (`ENGINE_MARK`); [] where /proc is not there."""
+    root = str(Path(storage).resolve()).encode()
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            env = (entry / "environ").read_bytes()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        for var in env.split(b"\0"):
+            if var.startswith(ENGINE_MARK.encode() + b"=") and state != "Z":
+                value = var.split(b"=", 1)[1]
+                if value == root or value.startswith(root + b"/"):
+                    found.append(int(entry.name))
+                break
+    return found
 
 
 def _group_exists(pgid: int) -> bool:

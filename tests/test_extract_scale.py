@@ -16,11 +16,15 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from components.extract import ExtractConfig, extract
+from components.extract_engine import ENGINE_MARK, marked_processes, stop_engines
 from components.regenerate import RegenerateConfig, regenerate
 from eagle.config_checks import FieldError
 from infra.settings import Settings
@@ -132,3 +136,24 @@ def test_ray_workers_write_what_one_process_writes_and_resume(tiny_embedded, reg
         assert {k: v for k, v in _mtimes(out).items() if k != "features-00001.safetensors"} == \
             {k: v for k, v in mtimes.items() if k != "features-00001.safetensors"}
     assert ray.is_initialized() == was_running
+
+
+def test_stopping_the_engines_kills_what_outlived_its_leader_and_nothing_else(tmp_path):
+    """An engine's EngineCore and workers outlive their group's leader when a replica's actor dies mid-run (the
+    leader dies with its parent): `stop_engines` finds them by the storage mark in their environment. A process
+    marked for another run's storage is left alone."""
+    storage = tmp_path / "engine-hidden-states"
+    (storage / "replica-1").mkdir(parents=True)
+    sleep = [sys.executable, "-c", "import time; time.sleep(120)"]
+    ours = subprocess.Popen(sleep, env={**os.environ, ENGINE_MARK: str((storage / "replica-1").resolve())},
+                            start_new_session=True)
+    theirs = subprocess.Popen(sleep, env={**os.environ, ENGINE_MARK: str((tmp_path / "engine-hidden-states-2")
+                                                                        .resolve())}, start_new_session=True)
+    try:
+        assert marked_processes(storage) == [ours.pid]
+        stop_engines(storage, wait_s=10)
+        assert ours.wait(10) < 0 and theirs.poll() is None and marked_processes(storage) == []
+    finally:
+        for p in (ours, theirs):
+            p.kill()
+            p.wait()
