@@ -23,8 +23,6 @@ from __future__ import annotations
 import json
 from typing import Any, Sequence
 
-# each preset imports its sections when called: the CLI's parser imports this module
-
 
 def tiny_stages() -> dict[str, Any]:
     """The `tiny` preset's stage sections (regenerate, extract, train in-process, evaluate): importable where MLflow
