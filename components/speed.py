@@ -11,6 +11,8 @@ evaluation (components/evaluate.py) and the engine evaluation (components/evalua
 - The figure is the **median of the round ratios**; `lo`/`hi` is a distribution-free interval of that median from
   the rounds' order statistics (the widest pair (k, n+1-k) whose coverage is >= 90%; with fewer than 5 rounds no
   such pair exists and lo/hi are the min and max, whose coverage `coverage` states).
+- `settle(kind)`, when given, runs before each timed decode ("plain" or "spec"), untimed and outside the budget:
+  the engine evaluation waits there for the other vLLM server's idle spin to end (components/evaluate_engine.py).
 - `reliable` is False, with `reason` saying why, when fewer than `min_rounds` rounds fit in the budget, the
   interval is wider than `max_spread` (relative half-width, max(hi/median - 1, 1 - lo/median)), or other processes
   used more than `max_other_load` CPU cores on average while it was measured (infra/cpu_load.py: the machine's busy
@@ -124,22 +126,29 @@ def median_interval(values: list[float], coverage: float = COVERAGE) -> tuple[fl
 def measure_speedup(n_prompts: int, plain: Callable[[int, int], int], spec: Callable[[int, int], int],
                     cfg: SpeedupConfig, progress: Callable[[str], None] | None = None,
                     what: str = "", clock: Callable[[], float] = time.perf_counter,
-                    own_pgids: Iterable[int] = ()) -> SpeedupEstimate:
+                    own_pgids: Iterable[int] = (),
+                    settle: Callable[[str], None] | None = None) -> SpeedupEstimate:
     """Rounds of interleaved plain and speculative decoding over `n_prompts`; each callable returns the tokens it
     produced (for tokens/s). `clock` times them and the budget (seconds); `own_pgids` are the process groups of the
-    servers being measured (their CPU time is ours, not other load). See the module doc."""
+    servers being measured (their CPU time is ours, not other load); `settle(kind)` runs before each decode,
+    untimed, its time not counted in the budget. See the module doc."""
     t_start = clock()
+    settled = 0.0  # seconds spent in `settle`, left out of the budget
     probe = OtherLoad.start(own_pgids)
     plain_s: list[list[float]] = []
     spec_s: list[list[float]] = []
     tokens_plain = tokens_spec = 0
     est = None
-    while len(plain_s) < cfg.max_rounds and (not plain_s or clock() - t_start < cfg.budget_s):
+    while len(plain_s) < cfg.max_rounds and (not plain_s or clock() - t_start - settled < cfg.budget_s):
         r = len(plain_s)
         row_p, row_s = [], []
         for i in range(n_prompts):
             order = ((plain, row_p), (spec, row_s)) if (i + r) % 2 == 0 else ((spec, row_s), (plain, row_p))
             for fn, row in order:
+                if settle is not None:
+                    t_settle = clock()
+                    settle("plain" if fn is plain else "spec")
+                    settled += clock() - t_settle
                 t0 = clock()
                 n_tok = fn(i, r)
                 row.append(clock() - t0)
@@ -148,7 +157,7 @@ def measure_speedup(n_prompts: int, plain: Callable[[int, int], int], spec: Call
                     tokens_spec += n_tok if fn is spec else 0
         plain_s.append(row_p)
         spec_s.append(row_s)
-        est = _estimate(plain_s, spec_s, tokens_plain, tokens_spec, cfg, clock() - t_start, probe.cores())
+        est = _estimate(plain_s, spec_s, tokens_plain, tokens_spec, cfg, clock() - t_start - settled, probe.cores())
         if progress:
             progress(f"speedup{what}: round {r + 1}: {sum(row_p) / max(sum(row_s), 1e-9):.2f}x; "
                      f"so far {est.describe()}")

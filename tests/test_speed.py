@@ -60,6 +60,39 @@ def test_plain_and_speculative_alternate_which_goes_first_by_prompt_and_round():
     assert all(calls[k][1:] == calls[k + 1][1:] for k in range(0, len(calls), 2))  # pairs: same prompt, same round
 
 
+def test_settle_runs_before_each_decode_untimed_and_outside_the_budget():
+    clock, seen = FakeClock(), []
+
+    def decode(cost):
+        def fn(i, r):
+            seen.append("decode")
+            clock.t += cost
+            return 10
+        return fn
+
+    def settle(kind):
+        seen.append(kind)
+        clock.t += 100.0  # far past the budget, were it counted
+
+    cfg = SpeedupConfig(min_rounds=3, max_rounds=3, budget_s=50.0)
+    est = measure_speedup(2, decode(2.0), decode(1.0), cfg, clock=clock, settle=settle)
+    assert est.speedup == pytest.approx(2.0) and est.rounds == 3 and est.reliable
+    assert seen[:4] == ["plain", "decode", "spec", "decode"] and len(seen) == 2 * 2 * 2 * 3
+
+
+def test_the_engine_pause_waits_only_when_the_other_server_served_last():
+    from components.evaluate_engine import SwitchPause
+
+    slept: list[float] = []
+    pause = SwitchPause(1.2, last="spec", sleep=slept.append)
+    for kind in ("plain", "spec", "spec", "plain", "plain", "spec"):  # the interleaved order of two rounds' prompts
+        pause(kind)
+    assert slept == [1.2, 1.2, 1.2, 1.2]
+    off = SwitchPause(0.0, last="spec", sleep=slept.append)
+    off("plain")
+    assert len(slept) == 4  # a GPU build: the spin takes a host core, no wait
+
+
 def test_a_burst_of_load_in_one_round_does_not_move_the_median():
     def spec(i, r):
         return 3.0 if r == 1 else 1.0  # another job slowed the speculative side in round 1 only
