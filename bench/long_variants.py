@@ -221,15 +221,20 @@ def engine_spec(setup: Setup, method: str, head: Path | None, depth: int):
 
 def engine_round(setup: Setup, heads: dict[str, Path], order: list[str], prompts, depth: int, settings) -> dict:
     """One round on fresh servers, every method's up at once (started in parallel), each prompt sent to each
-    server in turn (one request at a time, the order rotating by prompt), to its limit with ignore_eos: per method
+    server in turn (one request at a time, the order rotating by prompt; on a CPU build each request first waits out
+    the previous server's idle spin, untimed), to its limit with ignore_eos: per method
     outputs, seconds, tokens, and for heads the counters' tau and the buckets of the per-request metrics."""
     from concurrent.futures import ThreadPoolExecutor
     from contextlib import ExitStack
 
+    from components.evaluate_engine import SETTLE_MARGIN_S, SwitchPause
     from eagle.stats import acceptance_by_position, raw_steps
-    from infra.vllm_server import VllmServer
+    from infra.vllm_server import IDLE_SPIN_S, VllmServer
 
     servers = {m: VllmServer(engine_spec(setup, m, heads.get(m), depth), settings) for m in order}
+    # a request after one on another server waits out that server's 1 s idle spin (bench/engine_spin.py)
+    cpu = next(iter(servers.values())).spec.resolved_device() == "cpu"
+    pause = SwitchPause(IDLE_SPIN_S + SETTLE_MARGIN_S if cpu else 0.0, last=order[-1])
     rows = {m: {"outputs": [], "steps": [], "seconds": 0.0} for m in order}
     with ExitStack() as stack:
         # the threads that start the engines must outlive them: the engine dies with the thread that started it
@@ -243,6 +248,7 @@ def engine_round(setup: Setup, heads: dict[str, Path], order: list[str], prompts
         before = {m: servers[m].spec_counters() for m in order if m in heads}
         for i, p in enumerate(prompts):
             for m in order[i % len(order):] + order[:i % len(order)]:
+                pause(m)
                 t0 = time.perf_counter()
                 c = servers[m].complete(p.ids, p.max_new_tokens, 0.0, ignore_eos=True)
                 rows[m]["seconds"] += time.perf_counter() - t0
