@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ import common  # noqa: F401  (puts the repo root on sys.path)
 
 from components.evaluate_engine import engine_samples, eval_spec
 from components.pipeline_config import PipelineConfig
+from infra.cpu_load import own_busy_s
 from infra.settings import Settings
 from infra.vllm_server import VllmServer
 
@@ -34,16 +34,9 @@ MODES = (("interleaved, no pause", 0.0), ("interleaved, 1.5 s pause", 1.5),
 
 
 def group_cpu_s(pgid: int) -> float:
-    """CPU seconds (user + system) of every live process in process group `pgid`."""
-    ticks = 0
-    for d in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            st = Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(st[2]) == pgid:
-            ticks += int(st[11]) + int(st[12])
-    return ticks / os.sysconf("SC_CLK_TCK")
+    """CPU seconds (user + system) of every live process in process group `pgid` (infra/cpu_load.py's reading,
+    less this process's own)."""
+    return own_busy_s([pgid]) - own_busy_s([])
 
 
 def timed(srv: VllmServer, p) -> float:

@@ -227,14 +227,13 @@ def engine_round(setup: Setup, heads: dict[str, Path], order: list[str], prompts
     from concurrent.futures import ThreadPoolExecutor
     from contextlib import ExitStack
 
-    from components.evaluate_engine import SETTLE_MARGIN_S, SwitchPause
+    from components.evaluate_engine import SwitchPause
     from eagle.stats import acceptance_by_position, raw_steps
-    from infra.vllm_server import IDLE_SPIN_S, VllmServer
+    from infra.vllm_server import VllmServer
 
     servers = {m: VllmServer(engine_spec(setup, m, heads.get(m), depth), settings) for m in order}
     # a request after one on another server waits out that server's 1 s idle spin (bench/engine_spin.py)
-    cpu = next(iter(servers.values())).spec.resolved_device() == "cpu"
-    pause = SwitchPause(IDLE_SPIN_S + SETTLE_MARGIN_S if cpu else 0.0, last=order[-1])
+    pause = SwitchPause.between(servers[order[0]].spec, last=order[-1])
     rows = {m: {"outputs": [], "steps": [], "seconds": 0.0} for m in order}
     with ExitStack() as stack:
         # the threads that start the engines must outlive them: the engine dies with the thread that started it

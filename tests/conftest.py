@@ -177,9 +177,11 @@ HEAVY_MARKERS = ("engine", "live", "slow")
 
 def pytest_collection_modifyitems(config, items):
     """Modules by their number of engine/live/slow tests, most first (stable: collection order otherwise)."""
+    def module(item) -> str:
+        return item.nodeid.split("::")[0]
+
     heavy: dict[str, int] = {}
     for item in items:
-        n = any(item.get_closest_marker(m) for m in HEAVY_MARKERS)
-        heavy[item.nodeid.split("::")[0]] = heavy.get(item.nodeid.split("::")[0], 0) + n
-    modules = {m: i for i, m in enumerate(sorted(heavy, key=lambda m: -heavy[m]))}
-    items.sort(key=lambda item: modules[item.nodeid.split("::")[0]])
+        heavy[module(item)] = heavy.get(module(item), 0) + any(item.get_closest_marker(m) for m in HEAVY_MARKERS)
+    rank = {m: i for i, m in enumerate(sorted(heavy, key=lambda m: -heavy[m]))}
+    items.sort(key=lambda item: rank[module(item)])
