@@ -224,24 +224,15 @@ def engine_round(setup: Setup, heads: dict[str, Path], order: list[str], prompts
     server in turn (one request at a time, the order rotating by prompt; on a CPU build each request first waits out
     the previous server's idle spin, untimed), to its limit with ignore_eos: per method
     outputs, seconds, tokens, and for heads the counters' tau and the buckets of the per-request metrics."""
-    from concurrent.futures import ThreadPoolExecutor
-    from contextlib import ExitStack
-
     from components.evaluate_engine import SwitchPause
     from eagle.stats import acceptance_by_position, raw_steps
-    from infra.vllm_server import VllmServer
+    from infra.vllm_server import VllmServer, running
 
     servers = {m: VllmServer(engine_spec(setup, m, heads.get(m), depth), settings) for m in order}
     # a request after one on another server waits out that server's 1 s idle spin (bench/engine_spin.py)
     pause = SwitchPause.between(servers[order[0]].spec, last=order[-1])
     rows = {m: {"outputs": [], "steps": [], "seconds": 0.0} for m in order}
-    with ExitStack() as stack:
-        # the threads that start the engines must outlive them: the engine dies with the thread that started it
-        # (PR_SET_PDEATHSIG is per thread), so the pool is shut down only after every server was stopped
-        pool = stack.enter_context(ThreadPoolExecutor(len(servers)))
-        for srv in servers.values():
-            stack.callback(srv.stop)
-        list(pool.map(lambda srv: srv.start(), servers.values()))
+    with running(*servers.values()):
         for srv in servers.values():
             srv.complete(prompts[0].ids, 4)  # warm-up, before the counters
         before = {m: servers[m].spec_counters() for m in order if m in heads}

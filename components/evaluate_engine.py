@@ -41,7 +41,7 @@ from components.evaluate import EvaluateConfig, HeldOut, NotLosslessError, held_
 from components.speed import SpeedupEstimate, measure_speedup
 from infra.settings import Settings
 from eagle.stats import acceptance_by_position, raw_steps
-from infra.vllm_server import IDLE_SPIN_S, PER_REQUEST_METRICS, EngineSpec, SpecCounters, VllmServer
+from infra.vllm_server import IDLE_SPIN_S, PER_REQUEST_METRICS, EngineSpec, SpecCounters, VllmServer, running
 
 REPORT = "engine_evaluation.json"
 SETTLE_MARGIN_S = 0.2  # past the idle spin, before the other server is timed
@@ -169,11 +169,14 @@ def evaluate_in_vllm(cfg: EvaluateConfig, target_dir: str, head_dir: str, traffi
     if plain is not None and plain.spec.max_model_len < engine_max_len(target_dir, cfg, longest):
         plain = None  # too short a context for these samples' limits: one of the right length is started
     with ExitStack() as stack:
-        if plain is None:
-            progress("evaluate (vLLM): starting the engine without speculation")
-            plain = stack.enter_context(plain_server(cfg, target_dir, settings, longest))
-        progress(f"evaluate (vLLM): starting the engine with the head ({cfg.spec.depth} speculative tokens)")
-        srv = stack.enter_context(VllmServer(eval_spec(cfg, target_dir, head_dir, max_new_tokens=longest), settings))
+        spec = VllmServer(eval_spec(cfg, target_dir, head_dir, max_new_tokens=longest), settings)
+        if plain is None:  # both started at once: their start-ups overlap
+            progress(f"evaluate (vLLM): starting the engine without speculation and with the head "
+                     f"({cfg.spec.depth} speculative tokens), side by side")
+            plain, srv = stack.enter_context(running(plain_server(cfg, target_dir, settings, longest), spec))
+        else:
+            progress(f"evaluate (vLLM): starting the engine with the head ({cfg.spec.depth} speculative tokens)")
+            srv = stack.enter_context(spec)
         plain_run, spec_run, counters, speed = _interleaved(cfg, plain, srv, prompts, progress)
     baseline = None
     if baseline_head_dir:

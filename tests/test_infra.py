@@ -247,3 +247,50 @@ def test_emitted_event_reaches_the_prefect_api(prefect_harness):
             time.sleep(0.5)
     assert [str(e.id) for e in events] == [event_id]
     assert events[0].payload == {"uri": "models:/tgt/7"}
+
+
+def test_running_starts_servers_at_once_and_stops_all_when_one_fails(tmp_path):
+    """`infra.vllm_server.running`: the starts overlap; a failed start still waits for the others, stops every
+    server and raises its error; a server stopped while starting ends its wait at once."""
+    import threading
+
+    from infra.vllm_server import EngineError, EngineSpec, VllmServer, running
+
+    events: list[tuple[str, str]] = []
+    lock = threading.Lock()
+
+    class Timed(VllmServer):  # the orchestration only: start-up stands in for ~30 s of engine imports
+        def __init__(self, name: str, seconds: float, fails: bool = False):
+            super().__init__(EngineSpec(str(tmp_path), None, method=None), Settings.local(tmp_path / ".eagle"), port=1)
+            self.name, self.seconds, self.fails = name, seconds, fails
+
+        def start(self):
+            time.sleep(self.seconds)
+            with lock:
+                events.append(("started", self.name))
+            if self.fails:
+                raise EngineError(f"{self.name} did not start")
+            return self
+
+        def stop(self):
+            with lock:
+                events.append(("stopped", self.name))
+
+    t0 = time.monotonic()
+    with running(Timed("a", 0.6), Timed("b", 0.6)) as (a, b):
+        assert (a.name, b.name) == ("a", "b") and time.monotonic() - t0 < 1.0  # overlapped, not 1.2 s
+        assert sorted(events) == [("started", "a"), ("started", "b")]
+    assert sorted(events[2:]) == [("stopped", "a"), ("stopped", "b")]
+
+    events.clear()
+    with pytest.raises(EngineError, match="bad did not start"):
+        with running(Timed("bad", 0.05, fails=True), Timed("slow", 0.4)):
+            pytest.fail("the block must not run when a server failed to start")
+    assert events[:2] == [("started", "bad"), ("started", "slow")]  # the slow one was waited for, then stopped
+    assert sorted(events[2:]) == [("stopped", "bad"), ("stopped", "slow")]
+
+    srv = VllmServer(EngineSpec(str(tmp_path), None, method=None), Settings.local(tmp_path / ".eagle"), port=1)
+    t0 = time.monotonic()
+    with pytest.raises(EngineError, match="stopped while starting"):
+        srv._wait_healthy()  # proc is None: stop() already ran
+    assert time.monotonic() - t0 < 1.0
