@@ -81,13 +81,16 @@ class _CountingServer(BaseHTTPRequestHandler):
             cls.requests.append(body)
             last = body["messages"][-1]["content"]
             if "REFUSE" in last:
-                self._send(400, {"error": {"message": "This model's maximum context length is 512 tokens (fake)"}})
+                answer = 400, {"error": {"message": "This model's maximum context length is 512 tokens (fake)"}}
             else:
-                self._send(200, {"choices": [{"message": {"role": "assistant",
-                                                          "content": f"echo{len(body['messages'])}:{last}"}}]})
+                answer = 200, {"choices": [{"message": {"role": "assistant",
+                                                        "content": f"echo{len(body['messages'])}:{last}"}}]}
         finally:
+            # out of flight before the answer is written: once the client has it, it may send its next request
+            # while this thread would still be on its way to the decrement (a false 2 in flight under load)
             with cls.lock:
                 cls.in_flight -= 1
+        self._send(*answer)
 
     def _send(self, code: int, payload: dict) -> None:
         send_json(self, code, payload)
