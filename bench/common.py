@@ -181,7 +181,7 @@ def prepare(quick: bool, role: str = "target", conversations: int = 0) -> Setup:
 
 def setup_threads():
     """Torch threads for setup work (`--setup-threads`): it is not measured, so it may use every core."""
-    from embedded.lm_train import cpu_threads
+    from eagle.target_path import cpu_threads
 
     return cpu_threads(SETUP_THREADS)
 

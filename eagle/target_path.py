@@ -24,7 +24,8 @@ an AMD EPYC under load the decode pick still differed between processes (1.19x v
 bench/README.md); the kept minima converge to each path's own cost, so every later process of the machine takes
 the same path. A file that cannot be read is started afresh; one that cannot be written leaves this process's pick
 as measured.
-`timing(target)` is the last measurement, `record(target, path)` what result files keep of it.
+`timing(target)` is the last measurement, `record(target, path)` what result files keep of it. `cpu_threads(n)`
+runs a block with n torch threads (the thread count is part of every timing's key).
 How to run: `TargetRunner(target, capacity, path="auto")` (eagle/runners.py) resolves its path here, handing in
 its own timing (`eagle.runners.time_paths`: this module times runners it is handed and imports none).
 Not here: the head's kernels (`eagle.draft`, always `fastpath.linear`), GPU kernels, torch.compile.
@@ -32,6 +33,7 @@ Not here: the head's kernels (`eagle.draft`, always `fastpath.linear`), GPU kern
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -254,3 +256,17 @@ def _keep(target: nn.Module, timed: dict[str, dict[str, float]]) -> tuple[dict[s
                 os.unlink(tmp)
             return kept, n  # unwritable: this process still picks from what it read and measured
     return kept, n
+
+
+@contextlib.contextmanager
+def cpu_threads(n: int):
+    """Run the block with `n` torch CPU threads (0: leave the current setting), then restore it."""
+    import torch
+
+    before = torch.get_num_threads()
+    if n:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -12,13 +12,12 @@ Shape legend: N windows, B batch, T sequence length, V vocabulary.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -26,6 +25,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
+from eagle.target_path import cpu_threads  # noqa: F401  (embedded.build runs the evaluation under it too)
 from embedded.config import LMTrainConfig, TargetConfig
 
 
@@ -93,18 +93,6 @@ def _lr_factor(step: int, cfg: LMTrainConfig) -> float:
         return (step + 1) / cfg.warmup_steps
     progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-
-@contextlib.contextmanager
-def cpu_threads(n: int) -> Iterator[None]:
-    """Run the block with `n` torch CPU threads (0: leave the current setting), then restore it."""
-    before = torch.get_num_threads()
-    if n:
-        torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _autocast(cfg: LMTrainConfig):
