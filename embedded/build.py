@@ -36,6 +36,7 @@ import torch
 import transformers
 from transformers import LlamaForCausalLM, PreTrainedTokenizerBase
 
+from eagle.target_path import cpu_threads
 from embedded import corpus as corpus_mod
 from embedded import lm_train
 from embedded.config import EmbeddedConfig, LMTrainConfig
@@ -118,7 +119,7 @@ def build_embedded(config: EmbeddedConfig | None = None, root: Path | str = DEFA
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        with lm_train.cpu_threads(cfg.train.num_threads):  # evaluation too; the fine-tune sets its own
+        with cpu_threads(cfg.train.num_threads):  # evaluation too; the fine-tune sets its own
             _build_into(tmp, cfg, base, finetune, full_hash, start, progress)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
-from eagle.target_path import cpu_threads  # noqa: F401  (embedded.build runs the evaluation under it too)
+from eagle.target_path import cpu_threads
 from embedded.config import LMTrainConfig, TargetConfig
 
 
