@@ -181,13 +181,11 @@ def _engines_on_this_workers_core():
     import os
 
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # gw0, gw1, ... in an xdist worker
-    if not worker.startswith("gw") or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+    with pytest.MonkeyPatch.context() as mp:
+        if worker.startswith("gw") and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            cores = sorted(os.sched_getaffinity(0))
+            mp.setenv("VLLM_CPU_OMP_THREADS_BIND", str(cores[int(worker[2:]) % len(cores)]))
         yield
-        return
-    cores = sorted(os.sched_getaffinity(0))
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(cores[int(worker[2:]) % len(cores)])
-    yield
-    os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -196,16 +194,14 @@ def _engines_in_two_processes():
     and vLLM: most of an engine's 20-60 s start. With `VLLM_ENABLE_V1_MULTIPROCESSING=0` its worker runs inside the
     engine-core process (vLLM's "uni" executor; the API server still runs the engine core apart): one import
     fewer, ~10 s less per start on 2 cores, the same outputs and counters (the engine's thread binding is what goes,
-    which only the benchmarks' timings would feel; they never run under this fixture). Set
-    `VLLM_ENABLE_V1_MULTIPROCESSING=1` to test vLLM's default."""
+    which only timings would feel: the benchmarks run outside the suite, their quick tests here assert no timing).
+    Set `VLLM_ENABLE_V1_MULTIPROCESSING=1` to test vLLM's default."""
     import os
 
-    if "VLLM_ENABLE_V1_MULTIPROCESSING" in os.environ:
+    with pytest.MonkeyPatch.context() as mp:
+        if "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ:
+            mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         yield
-        return
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    yield
-    os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
 
 
 HEAVY_MARKERS = ("engine", "live", "slow")
