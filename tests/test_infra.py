@@ -294,3 +294,26 @@ def test_running_starts_servers_at_once_and_stops_all_when_one_fails(tmp_path):
     with pytest.raises(EngineError, match="stopped while starting"):
         srv._wait_healthy()  # proc is None: stop() already ran
     assert time.monotonic() - t0 < 1.0
+
+
+@pytest.mark.engine
+def test_vllm_warm_fills_the_model_info_cache_as_vllm_does(tmp_path):
+    """infra/vllm_warm.py (run by `make vllm`) writes vLLM's model-info cache for the project's architectures in one
+    process; an unknown architecture is a line, not a failure."""
+    import os
+    import subprocess
+
+    from infra.vllm_server import vllm_python
+    from infra.vllm_warm import ARCHITECTURES
+
+    python = vllm_python(Settings.local(tmp_path / ".eagle"))
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "VLLM_CACHE_ROOT": str(tmp_path / "cache")}
+    env.pop("PYTHONPATH", None)
+    out = subprocess.run([str(python), str(root / "infra" / "vllm_warm.py"), *ARCHITECTURES, "NoSuchArch"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "NoSuchArch: not in this vLLM, skipped" in out.stdout
+    cached = sorted(p.name for p in (tmp_path / "cache" / "modelinfos").glob("*.json"))
+    assert any("llama-LlamaForCausalLM" in n for n in cached) and any("Eagle3LlamaForCausalLM" in n for n in cached)
+    assert len(cached) == len(ARCHITECTURES), cached
