@@ -300,7 +300,6 @@ def test_running_starts_servers_at_once_and_stops_all_when_one_fails(tmp_path):
 def test_vllm_warm_fills_the_model_info_cache_as_vllm_does(tmp_path):
     """infra/vllm_warm.py (run by `make vllm`) writes vLLM's model-info cache for the project's architectures in one
     process; an unknown architecture is a line, not a failure."""
-    import os
     import subprocess
 
     from infra.vllm_server import vllm_python
