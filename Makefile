@@ -50,7 +50,19 @@ test: $(STAMP) $(VLLM_STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not engine and not live and not slow" $(XDIST) $(PYTEST_ARGS)
 
-demo: $(STAMP) $(VLLM_STAMP)
+# vLLM's venv installs (minutes of download and unpacking, little CPU) while the embedded default builds (CPU), then
+# the demo runs; the install's output goes to a log that is shown when it fails
+demo: $(STAMP)
+	@home=$${EAGLE_HOME:-.eagle}; mkdir -p "$$home"; vllm=; \
+	if [ ! -f $(VLLM_STAMP) ]; then \
+	  echo "make demo: installing vLLM into $(VLLM_VENV) while the embedded default builds (log: $$home/make-vllm.log)"; \
+	  $(MAKE) --no-print-directory vllm > "$$home/make-vllm.log" 2>&1 & vllm=$$!; \
+	fi; \
+	$(BIN)/python -m embedded --root "$$home/embedded" > "$$home/embedded-build.json"; rc=$$?; \
+	if [ -n "$$vllm" ] && ! wait $$vllm; then \
+	  tail -n 15 "$$home/make-vllm.log"; echo "make demo: vLLM's install failed (log: $$home/make-vllm.log)"; exit 1; \
+	fi; \
+	[ $$rc -eq 0 ] || exit $$rc; \
 	$(BIN)/eagle-heads demo
 
 bench-ttt-memory: $(STAMP)

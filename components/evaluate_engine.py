@@ -3,10 +3,11 @@
 Purpose: `evaluate_in_vllm(cfg, target_dir, head_dir, traffic_path, out_dir, settings) -> EngineEvalResult`.
 On the same held-out prompts as the local evaluation (their token ids, sent to `/v1/completions`, so both see the
 very same prompt), it runs two vLLM servers side by side, one without speculation and one with EAGLE-3 and the head
-(`num_speculative_tokens` = the evaluation's depth), one request at a time, interleaved prompt by prompt in rounds
-(components/speed.py, `cfg.speed`; on a CPU build each request that follows one on the other server waits out
-that server's idle spin first, `SwitchPause`: a vLLM worker busy-polls a core for 1 s after each request, and timed
-beside it the rounds' ratios ran from 0.61x to 2.37x on quiet cores, against 1.20x-1.35x with the wait), and,
+(`num_speculative_tokens` = the evaluation's depth), one request at a time, interleaved in rounds (components/speed.py,
+`cfg.speed`; on a CPU build each request that follows one on the other server waits out that server's idle spin
+first, `SwitchPause`: a vLLM worker busy-polls a core for 1 s after each request, and timed beside it the rounds'
+ratios ran from 0.61x to 2.37x on quiet cores, against 1.20x-1.35x with the wait; so there the sides take the
+prompts in blocks of `SWITCH_BLOCK`, 4 waits a round of 16 prompts instead of 16), and,
 given the champion's head, a third server with it after them. Each server
 of the pair gets a smaller memory share (`PAIR_MEMORY_SHARE`) so that both fit. It reports
 - tau and alpha_k from the deltas of vLLM's own `/metrics` counters (drafts, accepted tokens per position),
@@ -212,7 +213,7 @@ def _interleaved(cfg: EvaluateConfig, plain: VllmServer, srv: VllmServer, prompt
     speed = measure_speedup(n, lambda i, r: run(plain, "plain", i, r), lambda i, r: run(srv, "spec", i, r),
                             cfg.speed, progress, what=" (vLLM)",
                             own_pgids=[s.proc.pid for s in (plain, srv) if s.proc is not None],  # own sessions
-                            settle=pause)
+                            settle=pause, block=cfg.speed.block_for(switch_costs=pause.seconds > 0))
     return EngineRun(outs["plain"], sum(speed.plain_s[0])), \
         EngineRun(outs["spec"], sum(speed.spec_s[0]), outs["steps"]), counters[0], speed
 

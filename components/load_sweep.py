@@ -3,10 +3,10 @@
 Purpose: `load_sweep(cfg, target_dir, head_dir, traffic_path, out_dir, settings) -> SweepResult`.
 A production server runs many requests at once, and speculation spends compute a busy server no longer has to
 spare, so one K is not right at every load. For the held-out prompts (the evaluation's, chat template applied) it
-- serves the target plainly (K = 0) and with the head at each K of `cfg.load.k_values`, all these servers up at once
-  (each with the memory share of the evaluation's plain/speculative pair, components/evaluate_engine.py), and measures
-  the cells (one server at one concurrency of `cfg.load.concurrency`) with vLLM's own load client
-  (infra/vllm_bench.py) in rounds: in each round every level, and at each level every server, the order alternating
+- serves the target plainly (K = 0) and with the head at each K of `cfg.load.k_values`, all these servers started
+  and up at once (each with the memory share of the evaluation's plain/speculative pair,
+  components/evaluate_engine.py), and measures the cells (one server at one concurrency of `cfg.load.concurrency`)
+  with vLLM's own load client (infra/vllm_bench.py) in rounds: in each round every level, and at each level every server, the order alternating
   (plain, K... at one level, the reverse at the next and in the next round), `cfg.load.repeats` rounds. A machine
   whose load drifts then touches every cell alike. When all servers do not fit in memory (by `memory_fit`'s
   estimate, or one of them fails to start beside the others), plain stays up and the K servers come beside it one
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
@@ -202,7 +203,10 @@ def run_sweep(cfg: LoadConfig, plan: SweepPlan, settings) -> SweepResult:
     plan.progress(f"load sweep: plain and K {', '.join(map(str, cfg.k_values))} "
                   + ("up at once" if mode == "all" else f"in pairs with plain ({why})")
                   + f", {cfg.repeats} rounds at concurrency {', '.join(map(str, cfg.concurrency))}")
-    with VllmServer(spec_of(0, pair=mode == "pairs"), settings) as plain:
+    with ExitStack() as stack:
+        plain = VllmServer(spec_of(0, pair=mode == "pairs"), settings)
+        stack.callback(plain.stop)
+        plain.launch()  # from this thread, so that it lives as long as the sweep; it starts beside the K servers
         mode, why = _sweep_phase(cfg, plan, settings, plain, spec_of, (mode, why), dataset, samples, rounds)
         cells = cells_of([s for s in samples if s["phase"] == "sweep"])
         tput = {c["k"]: {} for c in cells}
@@ -234,6 +238,7 @@ def _sweep_phase(cfg: LoadConfig, plan: SweepPlan, settings, plain, spec_of, how
         started = False
         try:
             with running(*(VllmServer(spec_of(k), settings) for k in cfg.k_values)) as up:  # started at once
+                plain.wait_ready()
                 servers = {0: plain, **dict(zip(cfg.k_values, up))}
                 started = True
                 measure_rounds(cfg, plan, settings, servers, dataset, "sweep", samples, rounds)
@@ -243,6 +248,7 @@ def _sweep_phase(cfg: LoadConfig, plan: SweepPlan, settings, plain, spec_of, how
                 raise
             why = f"a server did not start beside the others: {str(e)[:200]}"
             plan.progress(f"load sweep: {why}; plain beside one K at a time")
+    plain.wait_ready()
     for k in cfg.k_values:
         with VllmServer(spec_of(k, pair=True), settings) as srv:
             measure_rounds(cfg, plan, settings, {0: plain, k: srv}, dataset, "sweep", samples, rounds)

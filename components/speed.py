@@ -3,8 +3,9 @@
 Purpose: `measure_speedup(n_prompts, plain, spec, cfg, progress) -> SpeedupEstimate`, used by the local
 evaluation (components/evaluate.py) and the engine evaluation (components/evaluate_engine.py) alike.
 - `plain(i, r)` and `spec(i, r)` decode prompt i once (round r); this module only times them. Within a round the two
-  run prompt by prompt, interleaved, and which of the two goes first alternates with the prompt and the round, so
-  that anything else on the machine lands on both sides alike.
+  run block by block (`block` prompts each, 1: prompt by prompt), interleaved, and which of the two goes first
+  alternates with the block and the round, so that anything else on the machine lands on both sides alike and a
+  side that ends one block begins the next (fewer switches between them: what `settle` waits for).
 - A round's ratio is its plain seconds over its speculative seconds summed over every prompt (what a user sees over
   that traffic). Rounds repeat until `min_rounds` are done and the median's interval is within `max_spread`, or
   `max_rounds` or `budget_s` is reached.
@@ -36,22 +37,27 @@ from eagle.config_checks import FieldError, at_least
 from infra.cpu_load import OtherLoad
 
 COVERAGE = 0.90  # the wanted coverage of the median's interval
+# prompts per side per turn where each switch between the sides waits (a CPU engine pair): 4 switches a round
+# instead of one per prompt, each side's block of 4 taking a few seconds, so drift still lands on both alike
+SWITCH_BLOCK = 4
 
 
 @dataclass(frozen=True)
 class SpeedupConfig:
     """How long to measure: at least `min_rounds` rounds over the prompts, at most `max_rounds`, stopping early once
     the median's interval is within +-`max_spread`; no new round starts after `budget_s` seconds. A figure measured
-    while other processes used more than `max_other_load` CPU cores on average is unreliable (`inf`: never)."""
+    while other processes used more than `max_other_load` CPU cores on average is unreliable (`inf`: never).
+    `block`: prompts decoded by one side before the other takes them (0: the caller's choice, `block_for`)."""
 
     min_rounds: int = 5
     max_rounds: int = 9
     max_spread: float = 0.10
     budget_s: float = 300.0
     max_other_load: float = 0.5
+    block: int = 0
 
     def __post_init__(self) -> None:
-        at_least(self, {"min_rounds": 1, "max_rounds": 1})
+        at_least(self, {"min_rounds": 1, "max_rounds": 1, "block": 0})
         if self.max_rounds < self.min_rounds:
             raise FieldError(self, "max_rounds", f"must be >= min_rounds ({self.min_rounds}), got {self.max_rounds}")
         if not 0.0 < self.max_spread < 1.0:
@@ -61,6 +67,11 @@ class SpeedupConfig:
         if isinstance(self.max_other_load, bool) or not self.max_other_load >= 0.0:
             raise FieldError(self, "max_other_load", f"must be a number of CPU cores >= 0 (inf: no bound), got "
                                                      f"{self.max_other_load}")
+
+    def block_for(self, switch_costs: bool) -> int:
+        """The block size to run: `block` when set, else 1 (prompt by prompt) where switching sides is free and
+        `SWITCH_BLOCK` where each switch waits (a CPU engine pair's idle spin, components/evaluate_engine.py)."""
+        return self.block or (SWITCH_BLOCK if switch_costs else 1)
 
     @classmethod
     def tiny(cls) -> "SpeedupConfig":
@@ -127,11 +138,13 @@ def measure_speedup(n_prompts: int, plain: Callable[[int, int], int], spec: Call
                     cfg: SpeedupConfig, progress: Callable[[str], None] | None = None,
                     what: str = "", clock: Callable[[], float] = time.perf_counter,
                     own_pgids: Iterable[int] = (),
-                    settle: Callable[[str], None] | None = None) -> SpeedupEstimate:
+                    settle: Callable[[str], None] | None = None, block: int | None = None) -> SpeedupEstimate:
     """Rounds of interleaved plain and speculative decoding over `n_prompts`; each callable returns the tokens it
     produced (for tokens/s). `clock` times them and the budget (seconds); `own_pgids` are the process groups of the
     servers being measured (their CPU time is ours, not other load); `settle(kind)` runs before each decode,
-    untimed, its time not counted in the budget. See the module doc."""
+    untimed, its time not counted in the budget; `block`: prompts per side per turn (None: `cfg.block_for` without
+    a switch cost). See the module doc."""
+    block = block or cfg.block_for(switch_costs=False)
     t_start = clock()
     settled = 0.0  # seconds spent in `settle`, left out of the budget
     probe = OtherLoad.start(own_pgids)
@@ -141,20 +154,23 @@ def measure_speedup(n_prompts: int, plain: Callable[[int, int], int], spec: Call
     est = None
     while len(plain_s) < cfg.max_rounds and (not plain_s or clock() - t_start - settled < cfg.budget_s):
         r = len(plain_s)
-        row_p, row_s = [], []
-        for i in range(n_prompts):
-            order = ((plain, row_p), (spec, row_s)) if (i + r) % 2 == 0 else ((spec, row_s), (plain, row_p))
-            for fn, row in order:
-                if settle is not None:
-                    t_settle = clock()
-                    settle("plain" if fn is plain else "spec")
-                    settled += clock() - t_settle
-                t0 = clock()
-                n_tok = fn(i, r)
-                row.append(clock() - t0)
-                if r == 0:
-                    tokens_plain += n_tok if fn is plain else 0
-                    tokens_spec += n_tok if fn is spec else 0
+        times: dict[str, list[float]] = {"plain": [0.0] * n_prompts, "spec": [0.0] * n_prompts}
+        for b, first in enumerate(range(0, n_prompts, block)):
+            kinds = ("plain", "spec") if (b + r) % 2 == 0 else ("spec", "plain")
+            for kind in kinds:
+                fn = plain if kind == "plain" else spec
+                for i in range(first, min(first + block, n_prompts)):
+                    if settle is not None:
+                        t_settle = clock()
+                        settle(kind)
+                        settled += clock() - t_settle
+                    t0 = clock()
+                    n_tok = fn(i, r)
+                    times[kind][i] = clock() - t0
+                    if r == 0:
+                        tokens_plain += n_tok if kind == "plain" else 0
+                        tokens_spec += n_tok if kind == "spec" else 0
+        row_p, row_s = times["plain"], times["spec"]
         plain_s.append(row_p)
         spec_s.append(row_s)
         est = _estimate(plain_s, spec_s, tokens_plain, tokens_spec, cfg, clock() - t_start - settled, probe.cores())

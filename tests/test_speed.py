@@ -60,6 +60,33 @@ def test_plain_and_speculative_alternate_which_goes_first_by_prompt_and_round():
     assert all(calls[k][1:] == calls[k + 1][1:] for k in range(0, len(calls), 2))  # pairs: same prompt, same round
 
 
+def test_in_blocks_each_side_takes_a_block_and_the_side_that_ends_one_begins_the_next():
+    calls: list = []
+    est = _run(6, SpeedupConfig(min_rounds=2, max_rounds=2, block=4), lambda i, r: 2.0 + i, lambda i, r: 1.0 + i / 2,
+               calls)
+    kinds = [(k, i) for k, i, r in calls if r == 0]
+    assert kinds == [("plain", 0), ("plain", 1), ("plain", 2), ("plain", 3), ("spec", 0), ("spec", 1), ("spec", 2),
+                     ("spec", 3), ("spec", 4), ("spec", 5), ("plain", 4), ("plain", 5)]
+    assert [(k, i) for k, i, r in calls if r == 1][0] == ("spec", 0)  # the next round begins with the other side
+    assert est.plain_s[0] == [2.0 + i for i in range(6)] and est.spec_s[0] == [1.0 + i / 2 for i in range(6)]
+    assert est.speedup == pytest.approx(2.0)
+    from components.evaluate_engine import SwitchPause
+
+    slept: list[float] = []
+    pause = SwitchPause(1.2, last="spec", sleep=slept.append)
+    for k, _, _ in calls:
+        pause(k)
+    assert len(slept) == 6  # one wait per side change: 3 a round of two blocks, against 6 prompt by prompt
+
+
+def test_block_zero_is_prompt_by_prompt_in_our_decoder_and_blocks_of_four_where_switching_waits():
+    from components.speed import SWITCH_BLOCK
+
+    assert SpeedupConfig().block_for(switch_costs=False) == 1
+    assert SpeedupConfig().block_for(switch_costs=True) == SWITCH_BLOCK == 4
+    assert SpeedupConfig(block=2).block_for(switch_costs=True) == 2
+
+
 def test_settle_runs_before_each_decode_untimed_and_outside_the_budget():
     clock, seen = FakeClock(), []
 
@@ -121,7 +148,7 @@ def test_median_interval_coverage_follows_the_binomial_rule():
 
 @pytest.mark.parametrize("key,value", [("min_rounds", 0), ("max_spread", 0), ("max_spread", 1.5),
                                        ("budget_s", float("inf")), ("max_rounds", 1), ("max_other_load", -1.0),
-                                       ("max_other_load", True)])
+                                       ("max_other_load", True), ("block", -1)])
 def test_bad_speed_settings_fail_at_config_load_with_the_key_path(key, value):
     with pytest.raises(ConfigError, match=f"evaluate.speed.{key}"):
         PipelineConfig.preset("tiny").override({"evaluate": {"speed": {key: value, "min_rounds": 2}
