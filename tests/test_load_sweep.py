@@ -151,7 +151,7 @@ def test_the_sweep_measures_every_cell_with_vllms_client_and_writes_the_schedule
 def test_a_schedule_served_by_vllm_stops_drafting_above_its_range(engine_target, head_dir, settings, tmp_path):
     from components.chat import prompt_ids
     from components.evaluate import held_out_messages
-    from infra.vllm_bench import LoadRequest, bench_serve, write_dataset
+    from infra.vllm_bench import LoadRequest, bench_serve_many, write_dataset
     from infra.vllm_server import EngineSpec, VllmServer
     from transformers import AutoTokenizer
 
@@ -163,8 +163,8 @@ def test_a_schedule_served_by_vllm_stops_drafting_above_its_range(engine_target,
     spec = EngineSpec(engine_target.target_dir, head_dir, num_speculative_tokens=3, max_model_len=512,
                       k_schedule=((1, 1, 3), (2, 1024, 0)))
     with VllmServer(spec, settings) as srv:
-        one = bench_serve(srv, settings, LoadRequest(data, engine_target.target_dir, 1, 8, 24))
-        four = bench_serve(srv, settings, LoadRequest(data, engine_target.target_dir, 4, 8, 24))
+        one, four = bench_serve_many([(srv, LoadRequest(data, engine_target.target_dir, c, 8, 24)) for c in (1, 4)],
+                                     settings)  # one client process: it imports vLLM once
         log = srv.log_path.read_text()
     assert one.drafts and one.drafts >= 8 * 24 // 4  # batch size 1: K 3 on every step
     assert (four.drafts or 0) < one.drafts / 3  # batch size >= 2: no drafts but while ramping up and draining

@@ -303,15 +303,31 @@ def test_variant_settings(tmp_path):
     assert all(validate_param_and_metric_name(k) for k in keys), keys
 
 
+def _engine_eval():
+    from components.evaluate import EvaluateConfig
+    from components.speed import SpeedupConfig
+
+    return EvaluateConfig(spec=SpecConfig(depth=3, max_new_tokens=24), limit=6, speed=SpeedupConfig.tiny(),
+                          position_edges=(0, 8, 16, 64))
+
+
+@pytest.fixture(scope="module")
+def plain_vllm(engine_target, engine_settings):
+    """vLLM without speculation for `_engine_eval()`, started once for both variants' head servers."""
+    from components.evaluate_engine import plain_server
+
+    with plain_server(_engine_eval(), engine_target.target_dir, engine_settings) as srv:
+        yield srv
+
+
 @pytest.mark.slow
 @pytest.mark.engine
 @pytest.mark.parametrize("variant", PARALLEL_VARIANTS)
 def test_vllm_serves_the_parallel_head_losslessly_with_our_acceptance(variant, engine_target, engine_head,
-                                                                     engine_settings, tmp_path):
+                                                                     engine_settings, plain_vllm, tmp_path):
     from components.evaluate_engine import evaluate_in_vllm, our_outputs
-    from components.evaluate import EvaluateConfig, evaluate
+    from components.evaluate import evaluate
     from components.serve import is_servable
-    from components.speed import SpeedupConfig
     from components.train import TrainConfig, train
     from tests.helpers import our_counts
 
@@ -321,13 +337,12 @@ def test_vllm_serves_the_parallel_head_losslessly_with_our_acceptance(variant, e
     head_cfg = json.loads((Path(head) / "config.json").read_text())
     assert is_servable(head) and "mask_token_id" in head_cfg
     assert head_cfg["fc_norm"] is head_cfg["norm_output"] is (variant == "eagle3.1-parallel")
-    ev = EvaluateConfig(spec=SpecConfig(depth=3, max_new_tokens=24), limit=6, speed=SpeedupConfig.tiny(),
-                        position_edges=(0, 8, 16, 64))
+    ev = _engine_eval()
     heldout = str(engine_target.target_traffic.heldout)
     ours = evaluate(ev, engine_target.target_dir, head, heldout, str(tmp_path / "local"), **quiet)
     assert ours.identical
     res = evaluate_in_vllm(ev, engine_target.target_dir, head, heldout, str(tmp_path / "vllm"), engine_settings,
-                           ours=our_outputs(ours.report_file), **quiet)
+                           ours=our_outputs(ours.report_file), plain=plain_vllm, **quiet)
     log = "\n".join(p.read_text(errors="replace") for p in (engine_settings.state_dir / "vllm").glob("*.log"))
     assert "parallel_drafting': True" in log or '"parallel_drafting": true' in log
     assert res.identical_to_plain and res.identical_to_ours
