@@ -50,10 +50,12 @@ test: $(STAMP) $(VLLM_STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not engine and not live and not slow" $(XDIST) $(PYTEST_ARGS)
 
-# vLLM's venv installs (minutes of download and unpacking, little CPU) while the embedded default builds (CPU), then
-# the demo runs; the install's output goes to a log that is shown when it fails
+# vLLM's venv installs (minutes of download and unpacking, little CPU) while the embedded default builds (CPU) in the
+# state dir the demo uses, then the demo runs; the install's output goes to a log that is shown when it fails. Bad
+# settings (EAGLE_HOME a file, ...): the demo itself says so in one line.
 demo: $(STAMP)
-	@home=$${EAGLE_HOME:-.eagle}; mkdir -p "$$home"; vllm=; \
+	@home=$$($(BIN)/python -c 'from infra.settings import Settings; print(Settings.from_env().check().state_dir)' \
+	  2>/dev/null) || exec $(BIN)/eagle-heads demo; mkdir -p "$$home"; vllm=; \
 	if [ ! -f $(VLLM_STAMP) ]; then \
 	  echo "make demo: installing vLLM into $(VLLM_VENV) while the embedded default builds (log: $$home/make-vllm.log)"; \
 	  $(MAKE) --no-print-directory vllm > "$$home/make-vllm.log" 2>&1 & vllm=$$!; \
