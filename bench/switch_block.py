@@ -21,7 +21,6 @@ Not here: fresh processes or a loaded machine (bench/speedup_trust.py --engine v
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import statistics
 import time
@@ -42,6 +41,8 @@ def main() -> None:
     p.add_argument("--target", default="")
     p.add_argument("--heldout", default="")
     args = p.parse_args()
+    if args.reps < 1 or args.rounds < 1 or not args.blocks or min(args.blocks) < 1:
+        p.error("--reps, --rounds and every --blocks size must be whole numbers >= 1")
     load = start(args)
 
     import speedup_trust

@@ -6,9 +6,9 @@ spare, so one K is not right at every load. For the held-out prompts (the evalua
 - serves the target plainly (K = 0) and with the head at each K of `cfg.load.k_values`, all these servers started
   and up at once (each with the memory share of the evaluation's plain/speculative pair,
   components/evaluate_engine.py), and measures the cells (one server at one concurrency of `cfg.load.concurrency`)
-  with vLLM's own load client (infra/vllm_bench.py) in rounds: in each round every level, and at each level every server, the order alternating
-  (plain, K... at one level, the reverse at the next and in the next round), `cfg.load.repeats` rounds. A machine
-  whose load drifts then touches every cell alike. When all servers do not fit in memory (by `memory_fit`'s
+  with vLLM's own load client (infra/vllm_bench.py) in rounds: in each round every level, and at each level every
+  server, the order alternating (plain, K... at one level, the reverse at the next and in the next round),
+  `cfg.load.repeats` rounds. A machine whose load drifts then touches every cell alike. When all servers do not fit in memory (by `memory_fit`'s
   estimate, or one of them fails to start beside the others), plain stays up and the K servers come beside it one
   at a time, plain's rounds pooled over the pairs (`mode` "pairs" in the report, with the reason). Per cell:
   output tokens/s, TTFT and inter-token latency (median, p99), each the median over rounds, with the tokens/s spread

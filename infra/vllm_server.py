@@ -185,7 +185,6 @@ class VllmServer:
         self.base_url = f"http://{BIND_HOST}:{self.port}"
         self.log_path = (log_dir or settings.state_dir / "vllm") / f"vllm-{time.strftime('%Y%m%d-%H%M%S')}-{self.port}.log"
         self.proc: subprocess.Popen | None = None
-        self._ready = False
 
     # ---- life cycle -------------------------------------------------------------------------------------------
     def start(self) -> "VllmServer":
@@ -209,8 +208,8 @@ class VllmServer:
         return self
 
     def wait_ready(self) -> "VllmServer":
-        """Wait until the launched engine answers `/health` (at once when it did already)."""
-        self._ready = self._ready or self._wait_healthy() or True
+        """Wait until the launched engine answers `/health` (one request when it does already)."""
+        self._wait_healthy()
         return self
 
     def _wait_healthy(self) -> None:
@@ -255,7 +254,7 @@ class VllmServer:
 
     def stop(self) -> None:
         """Stop the engine and every process it started (its process group); idempotent."""
-        proc, self.proc, self._ready = self.proc, None, False
+        proc, self.proc = self.proc, None
         if proc is None or proc.poll() is not None:
             return
         for sig, wait_s in ((signal.SIGTERM, 30.0), (signal.SIGKILL, 10.0)):
