@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The one command of a lent accelerator: `bash bench/gpu.sh [--quick] [more bench/gpu_pipeline.py options]`.
-# Runs `python -m eagle.selfcheck --device cuda` (skipped with --quick; its report lands in $OUT/selfcheck), then
+# Runs `python -m eagle.selfcheck --device cuda` (skipped with --quick; its report lands in $OUT/selfcheck.json), then
 # bench/gpu_pipeline.py: the real pipeline's components on the device (build the embedded `gpu` target, regenerate,
 # extract, train in-process without Ray, evaluate: tau, acceptance, speedup, identical outputs), under a hard
 # `timeout` (460 s here; --quick 160 s; TERM first: gpu_pipeline.py still writes what it measured). Writes
-# gpu_pipeline.json and gpu.log into $OUT when set (the device tool brings $OUT back), else into bench/results/
-# (--quick: .eagle/bench/results-quick/). Python: $PYTHON, else .venv/bin/python when present, else python3 (the
+# gpu_pipeline.json, gpu.log and the evaluation's PNG plots into $OUT when set (the device tool brings back at most 8
+# files, so the self-check's exported models stay in .eagle/), else into bench/results/ (--quick: .eagle/bench/
+# results-quick/). Python: $PYTHON, else .venv/bin/python when present, else python3 (the
 # device's, with torch, transformers, safetensors, tokenizers; no Ray, MLflow or Prefect needed).
 # Not here: anything gpu_pipeline.py does; this only picks the interpreter, the output directory and the hard limit.
 set -uo pipefail
@@ -28,11 +29,13 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PAR
   "$py" -c 'import torch, transformers; print("gpu.sh: torch", torch.__version__, "cuda", torch.version.cuda,
 "available", torch.cuda.is_available(), "transformers", transformers.__version__)'
   if [ "$quick" = 0 ]; then  # the EAGLE-3 core's self-check on the accelerator (~20 s on 1 CPU thread)
-    timeout --signal=TERM --kill-after=5 60 "$py" -m eagle.selfcheck --device cuda --out "$out/selfcheck"
+    timeout --signal=TERM --kill-after=5 60 "$py" -m eagle.selfcheck --device cuda --out .eagle/gpu-selfcheck
     echo "gpu.sh: selfcheck exit $?"
+    cp .eagle/gpu-selfcheck/report.json "$out/selfcheck.json" 2>/dev/null
   fi
   timeout --signal=TERM --kill-after=15 "$hard" "$py" bench/gpu_pipeline.py --out "$out" "$@"
   rc=$?
+  [ "$quick" = 0 ] && cp .eagle/gpu-pipeline/runs/gpu/evaluate/*.png "$out/" 2>/dev/null
   echo "gpu.sh: exit $rc"
   exit $rc
 } 2>&1 | tee "$out/gpu.log"
