@@ -269,9 +269,10 @@ def _evaluate(cfg: EvaluateConfig, target_dir: str, head_dir: str, traffic_path:
 def _sample_counts(stats) -> dict[str, list[int]]:
     """Per verification step of one prompt (batch 1): drafts the rule accepted (raw, as vLLM counts them), tokens
     that reached the output, and tokens drafted."""
-    live = stats.accept_lengths[:, 0] >= 0
-    return {"accept_lengths": stats.accept_lengths[live, 0].tolist(),
-            "emitted_lengths": stats.emitted_lengths[live, 0].tolist(), "drafted": stats.drafted[live].tolist()}
+    acc, emitted, drafted = (t.cpu() for t in (stats.accept_lengths, stats.emitted_lengths, stats.drafted))
+    live = acc[:, 0] >= 0  # the counts live on the target's device, `drafted` on the CPU
+    return {"accept_lengths": acc[live, 0].tolist(), "emitted_lengths": emitted[live, 0].tolist(),
+            "drafted": drafted[live].tolist()}
 
 
 def _finish(cfg, out: Path, samples, speed: SpeedupEstimate, identical, runs, history_file, path_record: dict):

@@ -157,7 +157,11 @@ class CausalMask:
     def __call__(self, L: int, T: int) -> torch.Tensor:
         """[1, 1, T, L + T]: column C - L + j of row t is visible iff j <= L + t."""
         C = self.capacity
-        return self.mask[:, :, :T, C - L:C + T]
+        m = self.mask[:, :, :T, C - L:C + T]
+        # CUDA's memory-efficient attention reads the mask with aligned vector loads: a slice starting C - L columns
+        # in (not a multiple of 16) faults with "misaligned address" (seen on an H200, torch 2.11). A fresh copy is
+        # aligned; on the CPU the slice is kept (no per-pass allocation).
+        return m if m.device.type == "cpu" or (C - L) % 16 == 0 else m.clone()
 
 
 def check_no_sliding_window(config: Any, total_length: int) -> None:

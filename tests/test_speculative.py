@@ -18,7 +18,7 @@ from eagle import speculative
 from eagle.config import DraftConfig
 from eagle.draft import Eagle3Draft
 from eagle.features import target_forward
-from eagle.kvcache import SlotCache, visibility_mask
+from eagle.kvcache import CausalMask, SlotCache, visibility_mask
 from eagle.runners import Prefix, TargetRunner
 from eagle.speculative import SpecConfig, SpecStats, generate_plain, generate_speculative, pack_left
 from eagle.tree import draft_chain, draft_tree
@@ -299,6 +299,22 @@ def test_slot_cache_move_and_visibility():
     mask = visibility_mask(torch.tensor([2, 1]), region, 4)
     assert mask[0].tolist() == [[True, True, True, False], [True, True, True, True]]
     assert mask[1].tolist() == [[True, True, False, False], [True, True, True, False]]
+
+
+def test_causal_mask_slices_stay_aligned_on_an_accelerator():
+    """CUDA's memory-efficient attention faults ("misaligned address", seen on an H200) on a mask whose first column
+    is not 16-aligned: off the CPU an unaligned slice comes back as a fresh copy, an aligned one and any CPU one as a
+    view of the prebuilt mask (no per-pass allocation)."""
+    for device in ("cpu", "meta"):
+        cm = CausalMask(64, 8, torch.float32, device)
+        for L, T in ((5, 1), (48, 3), (64, 8), (17, 8)):
+            m = cm(L, T)
+            assert m.shape == (1, 1, T, L + T)
+            view = m.untyped_storage().data_ptr() == cm.mask.untyped_storage().data_ptr() if device == "cpu" \
+                else m._base is not None
+            assert view == (device == "cpu" or (64 - L) % 16 == 0), (device, L, T)
+            if device == "cpu":  # column C - L + j of row t visible iff j <= L + t
+                assert (m[0, 0] == 0).tolist() == [[j <= L + t for j in range(L + T)] for t in range(T)]
 
 
 def test_stats():
