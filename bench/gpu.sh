@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# The one command of a lent accelerator: `bash bench/gpu.sh [--quick] [more bench/gpu_pipeline.py options]`.
+# The one command of a lent accelerator: `bash bench/gpu.sh [--quick | --more] [more bench/gpu_pipeline.py options]`.
+# --more (a second call, ideally on the still-warm machine so the stages' outputs are re-used): no self-check, and
+# the pipeline evaluates a tree and sampling instead of the greedy chain.
 # Runs `python -m eagle.selfcheck --device cuda` (skipped with --quick; its report lands in $OUT/selfcheck.json), then
 # bench/gpu_pipeline.py: the real pipeline's components on the device (build the embedded `gpu` target, regenerate,
 # extract, train in-process without Ray, evaluate: tau, acceptance, speedup, identical outputs), under a hard
@@ -12,8 +14,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-quick=0
-for a in "$@"; do [ "$a" = "--quick" ] && quick=1; done
+quick=0 more=0
+for a in "$@"; do [ "$a" = "--quick" ] && quick=1; [ "$a" = "--more" ] && more=1; done
 if [ -n "${OUT:-}" ]; then out="$OUT"; elif [ "$quick" = 1 ]; then out=.eagle/bench/results-quick; else out=bench/results; fi
 mkdir -p "$out"
 if [ -n "${PYTHON:-}" ]; then py="$PYTHON"; elif [ -x .venv/bin/python ]; then py=.venv/bin/python; else py=python3; fi
@@ -28,14 +30,17 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PAR
   command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   "$py" -c 'import torch, transformers; print("gpu.sh: torch", torch.__version__, "cuda", torch.version.cuda,
 "available", torch.cuda.is_available(), "transformers", transformers.__version__)'
-  if [ "$quick" = 0 ]; then  # the EAGLE-3 core's self-check on the accelerator (~20 s on 1 CPU thread)
+  if [ "$quick" = 0 ] && [ "$more" = 0 ]; then  # the EAGLE-3 core's self-check on the accelerator (~20 s on 1 CPU thread)
     timeout --signal=TERM --kill-after=5 60 "$py" -m eagle.selfcheck --device cuda --out .eagle/gpu-selfcheck
     echo "gpu.sh: selfcheck exit $?"
     cp .eagle/gpu-selfcheck/report.json "$out/selfcheck.json" 2>/dev/null
   fi
   timeout --signal=TERM --kill-after=15 "$hard" "$py" bench/gpu_pipeline.py --out "$out" "$@"
   rc=$?
-  [ "$quick" = 0 ] && cp .eagle/gpu-pipeline/runs/gpu/evaluate/*.png "$out/" 2>/dev/null
+  if [ "$more" = 1 ]; then for d in evaluate_tree evaluate_sampled; do
+      for f in .eagle/gpu-pipeline/runs/gpu/$d/acceptance_by_position.png; do [ -f "$f" ] && cp "$f" "$out/${d}_acceptance.png"; done
+    done
+  elif [ "$quick" = 0 ]; then cp .eagle/gpu-pipeline/runs/gpu/evaluate/*.png "$out/" 2>/dev/null; fi
   echo "gpu.sh: exit $rc"
   exit $rc
 } 2>&1 | tee "$out/gpu.log"

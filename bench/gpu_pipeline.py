@@ -3,16 +3,18 @@
 Run: on the device `bash bench/gpu.sh` (bench/README.md, "GPU run"); `python bench/gpu_pipeline.py --quick --device
 cpu` runs the same stages on the tiny embedded target and the `tiny` preset's sections in about a minute
 (tests/test_bench_gpu_quick.py, with Ray, MLflow, Prefect, matplotlib and datasets unimportable).
-What it does, each stage timed, `gpu_pipeline.json` rewritten after each (a run cut short keeps what it measured,
+What it does, each stage timed, `gpu_pipeline.json` (--more: `gpu_pipeline_more.json`) rewritten after each (a run cut short keeps what it measured,
 `status` "partial"):
   build       embedded: `EmbeddedConfig.gpu()` (--quick: `tiny()`), its training on the device
   regenerate  components.regenerate with the `gpu` preset's section (components/presets.py `gpu_stages`)
   extract     components.extract (fused features, draft vocabulary)
   train       components.train in-process (`train.ray.num_workers` 0: no Ray), on the device (`ray.use_gpu`)
   evaluate    components.evaluate: tau, acceptance per position, speedup against plain decoding, outputs identical
+              (--more: `evaluate_tree` and `evaluate_sampled` instead, `more_evaluations`: a second device call that
+              re-uses the first one's stage outputs on a warm machine)
 Imports only torch, transformers, safetensors, tokenizers, eagle/ and components/ (no infra/ or flows/): the device
 has no Ray, MLflow or Prefect. Without matplotlib the evaluation's PNG plots are skipped (`_without_plots`).
-Not here: registration or serving (they need MLflow and vLLM), sampling, MFU (see git history of bench/gpu.py).
+Not here: registration or serving (they need MLflow and vLLM), MFU (see git history of bench/gpu.py).
 """
 
 from __future__ import annotations
@@ -100,11 +102,30 @@ def run(args: argparse.Namespace, cfgs: dict[str, Any], rec: Record) -> None:
     rec.stage("extract", lambda: extract(cfgs["extract"], target, dirs["regenerate"], dirs["extract"]))
     tr = rec.stage("train", lambda: train(cfgs["train"], dirs["extract"], dirs["train"], target,
                                           {"target_name": "embedded-gpu", "bench": "gpu_pipeline"}))
+    if args.more:  # the same head drafting a tree, and sampling (T = 1), instead of the greedy chain
+        summary = {}
+        for name, ev_cfg in more_evaluations(cfgs["evaluate"]).items():
+            ev = rec.stage(name, lambda c=ev_cfg, n=name: evaluate(c, target, tr.head_dir, str(traffic.heldout),
+                                                                   str(run_dir / n)))
+            summary[name] = {"tau": ev.tau, "speedup": ev.speedup, "speedup_lo": ev.speedup_lo,
+                             "speedup_hi": ev.speedup_hi, "identical": ev.identical, "acceptance": ev.acceptance}
+        rec.data["summary"] = summary
+        return
     ev = rec.stage("evaluate", lambda: evaluate(cfgs["evaluate"], target, tr.head_dir, str(traffic.heldout),
                                                 dirs["evaluate"], history_file=tr.history_file))
     rec.data["summary"] = {"tau": ev.tau, "speedup": ev.speedup, "speedup_lo": ev.speedup_lo,
                            "speedup_hi": ev.speedup_hi, "identical": ev.identical, "acceptance": ev.acceptance,
                            "train_tokens_per_s": tr.final_metrics.get("tokens_per_s")}
+
+
+def more_evaluations(ev_cfg: Any) -> dict[str, Any]:
+    """--more: the evaluation's section for a tree (top-4, 16 drafted nodes, the chain's depth; greedy, so outputs
+    are still checked identical) and for sampling at T = 1 (a chain; outputs random, so no identity check), each on
+    half the prompts (at least 2) to fit the device call beside a rebuild."""
+    rep = dataclasses.replace
+    limit = max(2, (ev_cfg.limit or 32) // 2)
+    return {"evaluate_tree": rep(ev_cfg, limit=limit, spec=rep(ev_cfg.spec, method="tree", topk=4, budget=16)),
+            "evaluate_sampled": rep(ev_cfg, limit=limit, spec=rep(ev_cfg.spec, temperature=1.0))}
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
@@ -114,6 +135,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", default="", help="gpu_pipeline.json's directory (bench/results; quick: "
                                              ".eagle/bench/results-quick)")
     p.add_argument("--work", default=str(ROOT / ".eagle" / "gpu-pipeline"), help="builds and stage outputs")
+    p.add_argument("--more", action="store_true", help="after training, evaluate a tree and sampling (T = 1) instead "
+                                                      "of the greedy chain (stage outputs are re-used when present)")
     p.add_argument("--target-steps", type=int, default=0, help="the embedded target's training steps (0: its "
                                                                 "preset's)")
     a = p.parse_args(argv)
@@ -133,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     env = {"device": args.device, "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
            "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
            "date": time.strftime("%Y-%m-%d %H:%M:%S %z")}
-    rec = Record(Path(args.out) / "gpu_pipeline.json",
+    rec = Record(Path(args.out) / ("gpu_pipeline_more.json" if args.more else "gpu_pipeline.json"),
                  {"benchmark": "gpu_pipeline", "preset": "tiny" if args.quick else "gpu", "environment": env,
                   "config": {k: dataclasses.asdict(v) for k, v in cfgs.items()}, "args": vars(args)})
     try:

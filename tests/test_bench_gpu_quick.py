@@ -9,7 +9,8 @@ where every installed package outside the dependency closure of torch, transform
 optional imports such as transformers' of PIL or huggingface_hub's of h2 then fall back as they do there). It checks
 that every stage ran and wrote its result, that greedy speculative outputs equal plain decoding, and that what the
 run imported from site-packages lies within that closure.
-Run: `python -m pytest tests/test_bench_gpu_quick.py` (about 30 s on 2 shared cores).
+Then `--more` in the same work dir (the second device call: the stages re-used, a tree and sampling evaluated).
+Run: `python -m pytest tests/test_bench_gpu_quick.py` (about 40 s on 2 shared cores).
 Not here: the GPU figures themselves (bench/README.md says how to get them on the device).
 """
 
@@ -79,22 +80,28 @@ def not_on_the_device() -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, list[str], str]:
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, list[str], str, dict]:
+    """The quick run, then `--more` in the same work dir (the second device call): (first JSON, first run's
+    third-party imports, log, second JSON)."""
     tmp = tmp_path_factory.mktemp("gpu-quick")
     imports, blocked = tmp / "imports.json", tmp / "blocked.json"
     blocked.write_text(json.dumps(not_on_the_device()))
     runner = RUNNER.format(blocked=str(blocked), imports=str(imports), script=str(ROOT / "bench" / "gpu_pipeline.py"))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run([sys.executable, "-c", runner, "--quick", "--device", "cpu", "--out", str(tmp / "out"),
-                           "--work", str(tmp / "work")], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
-    log = proc.stdout[-3000:] + proc.stderr[-4000:]
-    assert proc.returncode == 0, f"bench/gpu_pipeline.py --quick failed:\n{log}"
-    return json.loads((tmp / "out" / "gpu_pipeline.json").read_text()), json.loads(imports.read_text()), log
+    runs = []
+    for more in ((), ("--more",)):
+        proc = subprocess.run([sys.executable, "-c", runner, "--quick", "--device", "cpu", "--out", str(tmp / "out"),
+                               "--work", str(tmp / "work"), *more], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=300)
+        log = proc.stdout[-3000:] + proc.stderr[-4000:]
+        assert proc.returncode == 0, f"bench/gpu_pipeline.py --quick {' '.join(more)} failed:\n{log}"
+        runs.append((json.loads(imports.read_text()), log))
+    return (json.loads((tmp / "out" / "gpu_pipeline.json").read_text()), runs[0][0], runs[0][1],
+            json.loads((tmp / "out" / "gpu_pipeline_more.json").read_text()))
 
 
-def test_every_stage_ran_through_the_components(quick_run: tuple[dict, list[str], str]) -> None:
-    r, _, log = quick_run
+def test_every_stage_ran_through_the_components(quick_run: tuple[dict, list[str], str, dict]) -> None:
+    r, _, log, _ = quick_run
     assert r["status"] == "complete", log
     assert list(r["stages"]) == ["build", "regenerate", "extract", "train", "evaluate"]
     assert all(s["seconds"] >= 0 for s in r["stages"].values())
@@ -107,7 +114,22 @@ def test_every_stage_ran_through_the_components(quick_run: tuple[dict, list[str]
     assert 1.0 <= s["tau"] <= r["config"]["evaluate"]["spec"]["depth"] + 1 and s["speedup"] > 0
 
 
-def test_imports_stay_within_what_the_device_has(quick_run: tuple[dict, list[str], str]) -> None:
+def test_more_reuses_the_stages_and_evaluates_a_tree_and_sampling(quick_run: tuple[dict, list[str], str, dict]) -> None:
+    """The second device call: build, regeneration, extraction and training come from the first call's outputs;
+    the tree is greedy (outputs identical to plain), sampling is not compared token for token."""
+    first, more = quick_run[0], quick_run[3]
+    assert more["status"] == "complete", quick_run[2]
+    assert list(more["stages"]) == ["build", "regenerate", "extract", "train", "evaluate_tree", "evaluate_sampled"]
+    st = {k: v["result"] for k, v in more["stages"].items()}
+    assert st["build"]["cached"] is True and st["regenerate"]["skipped"] == st["regenerate"]["total"]
+    assert st["train"]["resumed_from_step"] == first["stages"]["train"]["result"]["steps"]
+    limit = max(2, first["config"]["evaluate"]["limit"] // 2)
+    assert st["evaluate_tree"]["identical"] is True and st["evaluate_tree"]["n_samples"] == limit
+    assert st["evaluate_sampled"]["identical"] is None and st["evaluate_sampled"]["n_samples"] == limit
+    assert all(more["summary"][n]["tau"] >= 1.0 for n in ("evaluate_tree", "evaluate_sampled"))
+
+
+def test_imports_stay_within_what_the_device_has(quick_run: tuple[dict, list[str], str, dict]) -> None:
     allowed = dependency_closure(DEVICE_PACKAGES) | {PROJECT}
     owners = metadata.packages_distributions()
     outside = {m: owners.get(m, ["?"]) for m in quick_run[1]
