@@ -386,7 +386,8 @@ def train(cfg: TrainConfig, extract_dir: str, out_dir: str, target_dir: str | No
     if ckpt:
         import torch
 
-        check_checkpoint(ckpt, torch.load(ckpt / "state.pt", weights_only=True), layer_ids, n_layers)
+        state = torch.load(ckpt / "state.pt", map_location="cpu", weights_only=True)  # a GPU run's, read anywhere
+        check_checkpoint(ckpt, state, layer_ids, n_layers)
     resumed = int(ckpt.name.split("-")[1]) if ckpt else 0
     if not ckpt:
         history.unlink(missing_ok=True)

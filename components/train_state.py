@@ -76,7 +76,7 @@ def load_checkpoint(path: Path, draft, opt, sched) -> tuple[int, BestSoFar]:
 
     from eagle.train import BestSoFar, Selection
 
-    state = torch.load(path / "state.pt", weights_only=True)
+    state = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
     check_checkpoint(path, state, draft.cfg.aux_layer_ids, draft.cfg.target_num_layers)
     draft.load_state_dict(load_file(str(path / "head.safetensors")), strict=False)
     opt.load_state_dict(state["opt"])
