@@ -10,8 +10,9 @@ What it does, each stage timed, `gpu_pipeline.json` (--more: `gpu_pipeline_more.
   extract     components.extract (fused features, draft vocabulary)
   train       components.train in-process (`train.ray.num_workers` 0: no Ray), on the device (`ray.use_gpu`)
   evaluate    components.evaluate: tau, acceptance per position, speedup against plain decoding, outputs identical
-              (--more: `evaluate_tree` and `evaluate_sampled` instead, `more_evaluations`: a second device call that
-              re-uses the first one's stage outputs on a warm machine)
+              (--more: `evaluate_tree`, `evaluate_sampled` (`more_evaluations`) and `batch` (`batch_throughput`:
+              tokens/s of the chain against plain at batch 1, 8, 32, 64) instead: a second device call that re-uses
+              the first one's stage outputs on a warm machine)
 Imports only torch, transformers, safetensors, tokenizers, eagle/ and components/ (no infra/ or flows/): the device
 has no Ray, MLflow or Prefect. Without matplotlib the evaluation's PNG plots are skipped (`_without_plots`).
 Not here: registration or serving (they need MLflow and vLLM), MFU (see git history of bench/gpu.py).
@@ -109,6 +110,10 @@ def run(args: argparse.Namespace, cfgs: dict[str, Any], rec: Record) -> None:
                                                                    str(run_dir / n)))
             summary[name] = {"tau": ev.tau, "speedup": ev.speedup, "speedup_lo": ev.speedup_lo,
                              "speedup_hi": ev.speedup_hi, "identical": ev.identical, "acceptance": ev.acceptance}
+        batches = (1, 4) if args.quick else (1, 8, 32, 64)
+        rec.stage("batch", lambda: batch_throughput(cfgs["evaluate"], target, tr.head_dir, str(traffic.heldout),
+                                                    batches))
+        summary["batch"] = rec.data["stages"]["batch"]["result"]
         rec.data["summary"] = summary
         return
     ev = rec.stage("evaluate", lambda: evaluate(cfgs["evaluate"], target, tr.head_dir, str(traffic.heldout),
@@ -126,6 +131,67 @@ def more_evaluations(ev_cfg: Any) -> dict[str, Any]:
     limit = max(2, (ev_cfg.limit or 32) // 2)
     return {"evaluate_tree": rep(ev_cfg, limit=limit, spec=rep(ev_cfg.spec, method="tree", topk=4, budget=16)),
             "evaluate_sampled": rep(ev_cfg, limit=limit, spec=rep(ev_cfg.spec, temperature=1.0))}
+
+
+def batch_throughput(ev_cfg: Any, target_dir: str, head_dir: str, traffic: str, batches: tuple[int, ...],
+                     runs: int = 3) -> dict[str, Any]:
+    """--more: the greedy chain against plain decoding at each batch size B on the device: B held-out prompts
+    (cycled), left-padded, `ev_cfg.spec.max_new_tokens` each; a warm-up pass of each (its outputs compared row by
+    row), then `runs` timed blocks in the order plain, spec, spec, plain. Per B: tokens/s of each (median), their
+    ratio (median, min, max over the blocks), τ, and rows whose output differs from plain."""
+    import statistics
+
+    from components.evaluate import held_out_samples
+    from components.targets import load_target
+    from eagle.export import load_head
+    from eagle.speculative import generate_plain, generate_speculative
+
+    dev = ev_cfg.device
+    target, tokenizer = load_target(target_dir, dev)
+    draft = load_head(head_dir, target, device=dev).eval()
+    spec = ev_cfg.spec_for(target)
+    prompts = [p.ids for p in held_out_samples(tokenizer, traffic, dataclasses.replace(ev_cfg, limit=max(batches)))]
+
+    def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = fn()
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        return out, time.perf_counter() - t
+
+    result: dict[str, Any] = {}
+    for B in batches:
+        rows = [prompts[i % len(prompts)] for i in range(B)]
+        T = max(map(len, rows))
+        ids = torch.full((B, T), spec.pad_token_id, dtype=torch.long)
+        mask = torch.zeros(B, T, dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, T - len(r):], mask[i, T - len(r):] = torch.tensor(r), 1
+        ids, mask = ids.to(dev), mask.to(dev)
+        with torch.no_grad():
+            plain = lambda: generate_plain(target, ids, mask, spec)  # noqa: E731
+            specd = lambda: generate_speculative(target, draft, ids, mask, spec)  # noqa: E731
+            ref, _ = timed(plain)
+            first, _ = timed(specd)
+            mismatch = int((first.sequences != ref.sequences).any(1).sum())
+            p_tps, s_tps, ratios = [], [], []
+            for _ in range(runs):
+                (p1, a), (s1, b), (s2, c), (p2, d) = timed(plain), timed(specd), timed(specd), timed(plain)
+                p_tps.append(int(p1.lengths.sum() + p2.lengths.sum()) / (a + d))
+                s_tps.append(int(s1.lengths.sum() + s2.lengths.sum()) / (b + c))
+                ratios.append(s_tps[-1] / p_tps[-1])
+        result[str(B)] = {"plain_tokens_per_s": round(statistics.median(p_tps), 1),
+                          "spec_tokens_per_s": round(statistics.median(s_tps), 1),
+                          "ratio": round(statistics.median(ratios), 3), "ratio_min": round(min(ratios), 3),
+                          "ratio_max": round(max(ratios), 3), "tau": round(first.stats.tau, 3),
+                          "mismatch_rows": mismatch}
+        print(f"gpu_pipeline: batch {B}: plain {result[str(B)]['plain_tokens_per_s']} tok/s, speculative "
+              f"{result[str(B)]['spec_tokens_per_s']} tok/s, ratio {result[str(B)]['ratio']} "
+              f"[{result[str(B)]['ratio_min']}, {result[str(B)]['ratio_max']}], tau {result[str(B)]['tau']}, "
+              f"{mismatch} rows differ", flush=True)
+    return result
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
@@ -168,8 +234,10 @@ def main(argv: list[str] | None = None) -> int:
         rec.data["traceback"] = traceback.format_exc()[-4000:]
     rec.write()
     s = rec.data.get("summary", {})
-    print(f"gpu_pipeline: {rec.data['status']} in {rec.data['elapsed_s']} s; tau={s.get('tau')} "
-          f"speedup={s.get('speedup')} identical={s.get('identical')}; wrote {rec.path}"
+    runs = {k: v for k, v in s.items() if k.startswith("evaluate")} if args.more else {"evaluate": s}
+    said = "; ".join(f"{k}: tau={v.get('tau')} speedup={v.get('speedup')} identical={v.get('identical')}"
+                     for k, v in runs.items())
+    print(f"gpu_pipeline: {rec.data['status']} in {rec.data['elapsed_s']} s; {said}; wrote {rec.path}"
           + (f"\n{rec.data['error']}" if "error" in rec.data else ""), flush=True)
     return 0 if rec.data["status"] == "complete" else 1
 

@@ -261,7 +261,8 @@ def _evaluate(cfg: EvaluateConfig, target_dir: str, head_dir: str, traffic_path:
         s["identical"] = bool(torch.equal(plains[i].sequences, s.pop("_seq")))
         s["plain_s"], s["spec_s"] = speed.plain_s[0][i], speed.spec_s[0][i]
     identical = all(s["identical"] for s in samples)
-    progress(f"evaluate: speedup {speed.describe()}; outputs {'identical' if identical else 'DIFFERENT'}")
+    said = "identical" if identical else "DIFFERENT" if spec.greedy else "sampled (not compared token for token)"
+    progress(f"evaluate: speedup {speed.describe()}; outputs {said}")
     return _finish(cfg, out, samples, speed, identical, (stats, base_stats), history_file,
                    target_path.record(target, spec.path))
 

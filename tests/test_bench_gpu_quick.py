@@ -9,7 +9,7 @@ where every installed package outside the dependency closure of torch, transform
 optional imports such as transformers' of PIL or huggingface_hub's of h2 then fall back as they do there). It checks
 that every stage ran and wrote its result, that greedy speculative outputs equal plain decoding, and that what the
 run imported from site-packages lies within that closure.
-Then `--more` in the same work dir (the second device call: the stages re-used, a tree and sampling evaluated).
+Then `--more` in the same work dir (the second device call: the stages re-used, a tree, sampling and batches evaluated).
 Run: `python -m pytest tests/test_bench_gpu_quick.py` (about 40 s on 2 shared cores).
 Not here: the GPU figures themselves (bench/README.md says how to get them on the device).
 """
@@ -119,7 +119,8 @@ def test_more_reuses_the_stages_and_evaluates_a_tree_and_sampling(quick_run: tup
     the tree is greedy (outputs identical to plain), sampling is not compared token for token."""
     first, more = quick_run[0], quick_run[3]
     assert more["status"] == "complete", quick_run[2]
-    assert list(more["stages"]) == ["build", "regenerate", "extract", "train", "evaluate_tree", "evaluate_sampled"]
+    assert list(more["stages"]) == ["build", "regenerate", "extract", "train", "evaluate_tree", "evaluate_sampled",
+                                    "batch"]
     st = {k: v["result"] for k, v in more["stages"].items()}
     assert st["build"]["cached"] is True and st["regenerate"]["skipped"] == st["regenerate"]["total"]
     assert st["train"]["resumed_from_step"] == first["stages"]["train"]["result"]["steps"]
@@ -127,6 +128,8 @@ def test_more_reuses_the_stages_and_evaluates_a_tree_and_sampling(quick_run: tup
     assert st["evaluate_tree"]["identical"] is True and st["evaluate_tree"]["n_samples"] == limit
     assert st["evaluate_sampled"]["identical"] is None and st["evaluate_sampled"]["n_samples"] == limit
     assert all(more["summary"][n]["tau"] >= 1.0 for n in ("evaluate_tree", "evaluate_sampled"))
+    batch = st["batch"]  # greedy chains at batch 1 and 4: every row equal to plain decoding's
+    assert list(batch) == ["1", "4"] and all(b["mismatch_rows"] == 0 and b["ratio"] > 0 for b in batch.values())
 
 
 def test_imports_stay_within_what_the_device_has(quick_run: tuple[dict, list[str], str, dict]) -> None:
