@@ -158,20 +158,22 @@ class SweepPlan:
 
 def memory_fit(spec, n: int, target_dir: str) -> tuple[dict, str]:
     """How `n` servers of `spec`'s kind share memory: (EngineSpec changes for each, "" when they fit at once, else
-    why not). CPU: each the pair's share of host memory (its KV cache and weights) plus `FRONTEND_BYTES`, all within
-    what is available now. GPU: the pair's total share split `n` ways, each at least twice the target's weights."""
-    from infra.vllm_bench import host_memory
+    why not). CPU: each its KV cache (infra/vllm_memory.py; else the pair's share of host memory), twice the target's
+    weights (the target's and the head's vocabulary layers) and `FRONTEND_BYTES`, all within what is available now.
+    GPU: the pair's total share split `n` ways, each at least twice the target's weights."""
+    from infra.vllm_memory import cpu_kv_cache_bytes, host_memory
 
     device = spec.resolved_device()
     total, available = host_memory(device)
+    weights = sum(f.stat().st_size for f in Path(target_dir).glob("*.safetensors"))
     if device == "cpu":
         share = PAIR_MEMORY_SHARE["cpu"]
-        need = n * (share * total + FRONTEND_BYTES)
+        kv = cpu_kv_cache_bytes(target_dir, spec.head_dir, spec.dtype, spec.max_model_len, share)
+        need = n * ((kv + 2 * weights if kv else share * total) + FRONTEND_BYTES)
         why = "" if total and need <= available else (f"{n} servers need ~{need / 2**30:.1f} GiB, "
                                                        f"{available / 2**30:.1f} GiB available")
         return {"cpu_memory_share": share}, why
     share = round(2 * PAIR_MEMORY_SHARE["cuda"] / n, 3)
-    weights = sum(f.stat().st_size for f in Path(target_dir).glob("*.safetensors"))
     why = "" if total and share * total >= 2 * weights and available >= 2 * PAIR_MEMORY_SHARE["cuda"] * total else (
         f"{n} servers at {share:.2f} of {total / 2**30:.0f} GiB each leave too little beside "
         f"{weights / 2**30:.1f} GiB of weights ({available / 2**30:.0f} GiB free)")

