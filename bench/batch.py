@@ -43,11 +43,13 @@ def padded(prompts: list[list[int]], B: int, pad: int) -> tuple[torch.Tensor, to
 def measure_batch(target, draft, ids, mask, cfg, runs: int) -> dict:
     """Both paths once untimed at this batch size (warm-up), then `runs` timed blocks in the order plain, spec, spec,
     plain; per block the ratio of speculative to plain tokens/s. Median and min (and max) over the blocks; every
-    speculative output's rows are compared with plain greedy decoding's."""
+    speculative output's rows are compared with plain greedy decoding's. Any device (bench/gpu_pipeline.py --more
+    runs it on the GPU)."""
     from eagle.speculative import generate_plain, generate_speculative
 
     paths = {"plain": lambda: generate_plain(target, ids, mask, cfg),
              "spec": lambda: generate_speculative(target, draft, ids, mask, cfg)}
+    sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)  # an accelerator's kernels finish in the timing
     reference = paths["plain"]()  # warm-up of the plain path; greedy, so every later plain output equals it
     spec = paths["spec"]()  # warm-up of the speculative path
     tok_s: dict[str, list[float]] = {"plain": [], "spec": []}
@@ -55,8 +57,10 @@ def measure_batch(target, draft, ids, mask, cfg, runs: int) -> dict:
     for _ in range(runs):
         t, n = {"plain": 0.0, "spec": 0.0}, {"plain": 0, "spec": 0}
         for name in ("plain", "spec", "spec", "plain"):
+            sync()
             t0 = time.perf_counter()
             out = paths[name]()
+            sync()
             t[name] += time.perf_counter() - t0
             n[name] += int(out.lengths.sum())
             mismatch = max(mismatch, int((out.sequences != reference.sequences).any(1).sum()))

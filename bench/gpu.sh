@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one command of a lent accelerator: `bash bench/gpu.sh [--quick | --more] [more bench/gpu_pipeline.py options]`.
 # --more (a second call, ideally on the still-warm machine so the stages' outputs are re-used): no self-check, and
-# the pipeline evaluates a tree and sampling instead of the greedy chain.
+# the pipeline evaluates a tree, sampling and batch 1-64 instead of the greedy chain.
 # Runs `python -m eagle.selfcheck --device cuda` (skipped with --quick; its report lands in $OUT/selfcheck.json), then
 # bench/gpu_pipeline.py: the real pipeline's components on the device (build the embedded `gpu` target, regenerate,
 # extract, train in-process without Ray, evaluate: tau, acceptance, speedup, identical outputs), under a hard

@@ -3,8 +3,8 @@
 Run: on the device `bash bench/gpu.sh` (bench/README.md, "GPU run"); `python bench/gpu_pipeline.py --quick --device
 cpu` runs the same stages on the tiny embedded target and the `tiny` preset's sections in about a minute
 (tests/test_bench_gpu_quick.py, with Ray, MLflow, Prefect, matplotlib and datasets unimportable).
-What it does, each stage timed, `gpu_pipeline.json` (--more: `gpu_pipeline_more.json`) rewritten after each (a run cut short keeps what it measured,
-`status` "partial"):
+What it does, each stage timed, `gpu_pipeline.json` (--more: `gpu_pipeline_more.json`) rewritten after each (a run
+cut short keeps what it measured, `status` "partial"):
   build       embedded: `EmbeddedConfig.gpu()` (--quick: `tiny()`), its training on the device
   regenerate  components.regenerate with the `gpu` preset's section (components/presets.py `gpu_stages`)
   extract     components.extract (fused features, draft vocabulary)
@@ -33,8 +33,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for path in (ROOT, ROOT / "bench"):  # the project's packages; bench/batch.py's measurement (--more)
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
 
 import torch  # noqa: E402
 
@@ -135,62 +136,26 @@ def more_evaluations(ev_cfg: Any) -> dict[str, Any]:
 
 def batch_throughput(ev_cfg: Any, target_dir: str, head_dir: str, traffic: str, batches: tuple[int, ...],
                      runs: int = 3) -> dict[str, Any]:
-    """--more: the greedy chain against plain decoding at each batch size B on the device: B held-out prompts
-    (cycled), left-padded, `ev_cfg.spec.max_new_tokens` each; a warm-up pass of each (its outputs compared row by
-    row), then `runs` timed blocks in the order plain, spec, spec, plain. Per B: tokens/s of each (median), their
-    ratio (median, min, max over the blocks), τ, and rows whose output differs from plain."""
-    import statistics
-
+    """--more: the greedy chain against plain decoding at each batch size B on the device, as bench/batch.py measures
+    it (`padded`, `measure_batch`: B held-out prompts cycled and left-padded, a warm-up, then `runs` blocks plain,
+    spec, spec, plain): per B tokens/s of each, their ratio (median, min, max), τ, rows differing from plain."""
+    from batch import measure_batch, padded
     from components.evaluate import held_out_samples
     from components.targets import load_target
     from eagle.export import load_head
-    from eagle.speculative import generate_plain, generate_speculative
 
-    dev = ev_cfg.device
-    target, tokenizer = load_target(target_dir, dev)
-    draft = load_head(head_dir, target, device=dev).eval()
+    target, tokenizer = load_target(target_dir, ev_cfg.device)
+    draft = load_head(head_dir, target, device=ev_cfg.device).eval()
     spec = ev_cfg.spec_for(target)
     prompts = [p.ids for p in held_out_samples(tokenizer, traffic, dataclasses.replace(ev_cfg, limit=max(batches)))]
-
-    def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
-        if dev == "cuda":
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        out = fn()
-        if dev == "cuda":
-            torch.cuda.synchronize()
-        return out, time.perf_counter() - t
-
     result: dict[str, Any] = {}
     for B in batches:
-        rows = [prompts[i % len(prompts)] for i in range(B)]
-        T = max(map(len, rows))
-        ids = torch.full((B, T), spec.pad_token_id, dtype=torch.long)
-        mask = torch.zeros(B, T, dtype=torch.long)
-        for i, r in enumerate(rows):
-            ids[i, T - len(r):], mask[i, T - len(r):] = torch.tensor(r), 1
-        ids, mask = ids.to(dev), mask.to(dev)
+        ids, mask = (t.to(ev_cfg.device) for t in padded(prompts, B, spec.pad_token_id))
         with torch.no_grad():
-            plain = lambda: generate_plain(target, ids, mask, spec)  # noqa: E731
-            specd = lambda: generate_speculative(target, draft, ids, mask, spec)  # noqa: E731
-            ref, _ = timed(plain)
-            first, _ = timed(specd)
-            mismatch = int((first.sequences != ref.sequences).any(1).sum())
-            p_tps, s_tps, ratios = [], [], []
-            for _ in range(runs):
-                (p1, a), (s1, b), (s2, c), (p2, d) = timed(plain), timed(specd), timed(specd), timed(plain)
-                p_tps.append(int(p1.lengths.sum() + p2.lengths.sum()) / (a + d))
-                s_tps.append(int(s1.lengths.sum() + s2.lengths.sum()) / (b + c))
-                ratios.append(s_tps[-1] / p_tps[-1])
-        result[str(B)] = {"plain_tokens_per_s": round(statistics.median(p_tps), 1),
-                          "spec_tokens_per_s": round(statistics.median(s_tps), 1),
-                          "ratio": round(statistics.median(ratios), 3), "ratio_min": round(min(ratios), 3),
-                          "ratio_max": round(max(ratios), 3), "tau": round(first.stats.tau, 3),
-                          "mismatch_rows": mismatch}
-        print(f"gpu_pipeline: batch {B}: plain {result[str(B)]['plain_tokens_per_s']} tok/s, speculative "
-              f"{result[str(B)]['spec_tokens_per_s']} tok/s, ratio {result[str(B)]['ratio']} "
-              f"[{result[str(B)]['ratio_min']}, {result[str(B)]['ratio_max']}], tau {result[str(B)]['tau']}, "
-              f"{mismatch} rows differ", flush=True)
+            r = result[str(B)] = measure_batch(target, draft, ids, mask, spec, runs)
+        print(f"gpu_pipeline: batch {B}: plain {r['plain_tok_s']:.0f} tok/s, speculative {r['spec_tok_s']:.0f} "
+              f"tok/s, ratio {r['ratio']:.2f} [{r['ratio_min']:.2f}, {r['ratio_max']:.2f}], tau {r['tau']:.2f}, "
+              f"{r['mismatch_rows']} rows differ", flush=True)
     return result
 
 
@@ -201,8 +166,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", default="", help="gpu_pipeline.json's directory (bench/results; quick: "
                                              ".eagle/bench/results-quick)")
     p.add_argument("--work", default=str(ROOT / ".eagle" / "gpu-pipeline"), help="builds and stage outputs")
-    p.add_argument("--more", action="store_true", help="after training, evaluate a tree and sampling (T = 1) instead "
-                                                      "of the greedy chain (stage outputs are re-used when present)")
+    p.add_argument("--more", action="store_true", help="after training, evaluate a tree, sampling (T = 1) and "
+                                                      "batches instead of the greedy chain (stage outputs re-used)")
     p.add_argument("--target-steps", type=int, default=0, help="the embedded target's training steps (0: its "
                                                                 "preset's)")
     a = p.parse_args(argv)

@@ -67,8 +67,8 @@ def cpu_kv_cache_bytes(target_dir: str, head_dir: str | None, dtype: str, max_mo
     per_token = kv_bytes_per_token(target, dtype) if target else None
     if per_token is None or (head_dir and head is None):
         return None
-    if head is not None:  # the head's layers hold their own cache beside the target's
-        per_token += kv_bytes_per_token({**target, **head}, dtype) or 0
+    if head is not None:  # the head's layers hold their own cache beside the target's (its shape, else the target's)
+        per_token += kv_bytes_per_token({**(target.get("text_config") or target), **head}, dtype) or 0
     need = per_token * max_model_len * KV_SEQS
     total = host_memory("cpu")[0]
     return min(need, int(share * total)) if total else need
