@@ -1,7 +1,8 @@
 """Shared test fixtures: local settings, a SQLite MLflow store, a local Ray, a Prefect test harness.
 
 Purpose: every fixture that starts something is lazy (a test that does not ask for it pays nothing) and
-the expensive ones are made once per session:
+the expensive ones are made once per session; the three builds marked "run" once per run, by whichever worker
+process asks first (`built_once`: the others wait for it and reuse it):
     eagle_settings   Settings under tmp_path/.eagle, ignoring the environment       (function, free)
     mlflow_settings  eagle_settings with an MLflow SQLite DB ready in the state dir (function, ~0.1 s;
                      the tables are made once per session, ~1-6 s, and the file copied)
@@ -9,11 +10,11 @@ the expensive ones are made once per session:
     ray_local        a local Ray (2 CPUs, no dashboard, auth disabled)             (session, ~5-9 s)
     prefect_harness  prefect_test_harness(server_startup_timeout=120), with Prefect's home under a tmp dir
                                                                                     (session, ~15-20 s)
-    tiny_embedded    the embedded default at `EmbeddedConfig.tiny()`                (session, ~5-10 s)
-    engine_target    the same trained 400 steps: what the engine tests serve in vLLM (session, ~20-30 s)
+    tiny_embedded    the embedded default at `EmbeddedConfig.tiny()`                (run, ~5-10 s)
+    engine_target    the same trained 400 steps: what the engine tests serve in vLLM     (run, ~20-30 s)
     engine_head      a head of the tiny preset on engine_target (regenerated 24 chats, extracted, 60 steps):
                      `.regen_dir`, `.extract_dir`, `.head_dir`; shared by the vLLM and load-sweep tests
-                                                                                    (session, ~20-40 s)
+                                                                                    (run, ~20-40 s)
     engine_settings  Settings of a fresh state dir, vLLM's venv checked                 (module, free)
 Order: modules with the most engine, live or slow tests run first (`pytest_collection_modifyitems`), so that under
 `make test`'s worker processes (pytest-xdist, a whole module per worker) the long modules start early and the
@@ -24,9 +25,13 @@ Not here: assertions. Heavy libraries are imported inside the fixtures, never at
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
+import os
 import shutil
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -88,6 +93,20 @@ def prefect_harness(tmp_path_factory: pytest.TempPathFactory):
             yield
 
 
+@contextlib.contextmanager
+def built_once(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[Path]:
+    """A directory `name` shared by every worker process of this run (under `make test`'s pytest-xdist the workers'
+    base temp dirs have one parent), held under a file lock: the first worker to ask builds in it, the others wait
+    and reuse what it built (each build below is keyed or marked complete), instead of each building its own."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / f"shared-{name}"
+    root.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(root) + ".lock"):
+        yield root
+
+
 @pytest.fixture(scope="session")
 def tiny_embedded(tmp_path_factory: pytest.TempPathFactory):
     """The embedded default at `EmbeddedConfig.tiny()` (a real 6-layer target, its fine-tune, traffic), built once
@@ -95,7 +114,8 @@ def tiny_embedded(tmp_path_factory: pytest.TempPathFactory):
     from embedded.build import build_embedded
     from embedded.config import EmbeddedConfig
 
-    return build_embedded(EmbeddedConfig.tiny(), tmp_path_factory.mktemp("embedded"), progress=False)
+    with built_once(tmp_path_factory, "embedded") as root:
+        return build_embedded(EmbeddedConfig.tiny(), root, progress=False)
 
 
 @pytest.fixture(scope="session")
@@ -107,7 +127,8 @@ def engine_target(tmp_path_factory: pytest.TempPathFactory):
 
     c = EmbeddedConfig.tiny()
     c = dataclasses.replace(c, train=dataclasses.replace(c.train, steps=400))
-    return build_embedded(c, tmp_path_factory.mktemp("engine-embedded"), progress=False)
+    with built_once(tmp_path_factory, "engine-embedded") as root:
+        return build_embedded(c, root, progress=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,15 +146,20 @@ def engine_head(engine_target, tmp_path_factory: pytest.TempPathFactory) -> Engi
     from components.regenerate import RegenerateConfig, regenerate
     from components.train import TrainConfig, train
 
-    root = tmp_path_factory.mktemp("engine-head")
-    quiet = dict(progress=lambda s: None)
-    regenerate(RegenerateConfig(max_new_tokens=32, batch_size=8, shard_size=8, limit=24), engine_target.target_dir,
-               str(engine_target.target_traffic.train), str(root / "regen"), **quiet)
-    extract(ExtractConfig(max_len=192, dtype="float32", seqs_per_shard=8), engine_target.target_dir,
-            str(root / "regen"), str(root / "extract"), **quiet)
-    cfg = dataclasses.replace(TrainConfig.tiny(), steps=60, checkpoint_every=60)
-    head = train(cfg, str(root / "extract"), str(root / "train"), engine_target.target_dir).head_dir
-    return EngineHead(str(root / "regen"), str(root / "extract"), head)
+    with built_once(tmp_path_factory, "engine-head") as root:
+        done = root / "engine_head.json"
+        if done.is_file():  # another worker made it
+            return EngineHead(**json.loads(done.read_text()))
+        quiet = dict(progress=lambda s: None)
+        regenerate(RegenerateConfig(max_new_tokens=32, batch_size=8, shard_size=8, limit=24),
+                   engine_target.target_dir, str(engine_target.target_traffic.train), str(root / "regen"), **quiet)
+        extract(ExtractConfig(max_len=192, dtype="float32", seqs_per_shard=8), engine_target.target_dir,
+                str(root / "regen"), str(root / "extract"), **quiet)
+        cfg = dataclasses.replace(TrainConfig.tiny(), steps=60, checkpoint_every=60)
+        head = train(cfg, str(root / "extract"), str(root / "train"), engine_target.target_dir).head_dir
+        made = EngineHead(str(root / "regen"), str(root / "extract"), head)
+        done.write_text(json.dumps(dataclasses.asdict(made)))
+        return made
 
 
 @pytest.fixture(scope="module")

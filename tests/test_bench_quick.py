@@ -257,13 +257,13 @@ def test_call_counter_hooks_the_target_only_while_counting() -> None:
 
 def test_speedup_trust_quick(cache: Path) -> None:
     """bench/speedup_trust.py: fresh processes quiet and under a load job, each figure against the quiet median."""
-    r = run_quick("speedup_trust", cache, 600, "--runs", "2")
+    r = run_quick("speedup_trust", cache, 600, "--runs", "1")
     check_metadata(r)
-    assert [x["condition"] for x in r["runs"]] == ["quiet", "quiet", "loaded", "loaded"]
+    assert [x["condition"] for x in r["runs"]] == ["quiet", "loaded"]
     assert all(x["lo"] <= x["speedup"] <= x["hi"] and x["rounds"] >= 2 for x in r["runs"])
     assert set(r["verdict"]["by_condition"]) == {"quiet", "loaded"}
     # the target-path timings are kept across the run's processes: each fresh process adds one measurement
-    assert r["timings"] == "run" and [x["path_timings_kept"] for x in r["runs"]] == [1, 2, 3, 4]
+    assert r["timings"] == "run" and [x["path_timings_kept"] for x in r["runs"]] == [1, 2]
     check_goals(r["goals"], r["mismatches"])
 
 

@@ -20,13 +20,14 @@ from components.traffic_io import load_traffic
 
 @pytest.fixture(scope="module")
 def built(tiny_embedded):
-    """(cache root, result) of the session's tiny build (`tiny_embedded` in conftest.py builds it once)."""
+    """(cache root, result) of the run's tiny build (`tiny_embedded` in conftest.py builds it once per run: in this
+    process, or found cached when another worker built it)."""
     return tiny_embedded.build_dir.parent, tiny_embedded
 
 
 def test_tiny_build_loads_with_auto_classes(built):
     _, result = built
-    assert not result.cached and (result.build_dir / "report.json").is_file()
+    assert (result.build_dir / "report.json").is_file()
     for model_dir in (result.target_dir, result.finetune_dir):
         tok = AutoTokenizer.from_pretrained(model_dir)
         model = AutoModelForCausalLM.from_pretrained(model_dir)
@@ -44,7 +45,7 @@ def test_tiny_build_loads_with_auto_classes(built):
 
 def test_report_round_trips_and_has_metrics(built):
     _, result = built
-    assert load_result(result.build_dir, cached=False) == result
+    assert load_result(result.build_dir, cached=result.cached) == result
     m = result.metrics
     assert m.heldout_perplexity == pytest.approx(torch.tensor(m.heldout_loss).exp().item(), rel=1e-6)
     assert set(m.top1_agreement) == {"stdlib", "stdlib-tests"}

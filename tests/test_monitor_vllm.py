@@ -6,7 +6,7 @@ monitor --once` scrapes vLLM's `/metrics` after each batch of requests:
 - steady traffic (the very held-out prompts the head was evaluated on): window τ equals the registered τ, verdict
   `ok`, no event;
 - traffic of another kind, asked another way (requests to explain code, answered by sampling at temperature 1:
-  the head was trained and evaluated on greedy code completions): window τ falls below the configured 0.9 x
+  the head was trained and evaluated on greedy code completions): window τ falls below the configured 0.95 x
   registered, the monitor emits `eagle.acceptance.dropped` to the live Prefect server, whose
   `retrain-on-drop` trigger (prefect.yaml) makes the process worker run `retrain` for that target on the newest
   traffic snapshot, which registers a new head version trained on that snapshot;
@@ -35,8 +35,10 @@ CODE = {"complete", "continue", "followup"}
 # The drop threshold this test configures (monitor.ratio). Steady traffic reproduces the registered τ exactly, so any
 # ratio below 1 keeps it quiet. Explain-code prompts alone are not a drop on every CPU kind (the tiny target's
 # weights differ by kind): greedy, they gave 1.35 against 1.70 on an Intel Xeon but 1.68 against 1.51 on an AMD
-# EPYC; served by sampling at temperature 1 they are the drift here.
-RATIO = 0.9
+# EPYC; served by sampling at temperature 1 they are the drift here (each request seeded: the same window every run;
+# unseeded, one AMD EPYC run's window came to 1.37 against 1.51, a hair above 0.9 x). Steady traffic reproduces the
+# registered τ exactly, so the ratio can sit close to 1.
+RATIO = 0.95
 DRIFT_TEMPERATURE = 1.0
 
 
@@ -137,8 +139,8 @@ def test_a_drop_in_served_acceptance_retrains_the_head(live_prefect, drift_targe
                       num_speculative_tokens=cfg.evaluate.spec.depth, max_model_len=512)
 
     def serve(srv, traffic: Path, temperature: float = 0.0) -> None:
-        for _, ids in engine_prompts(cfg.evaluate, emb.target_dir, str(traffic), settings):
-            srv.complete(ids, cfg.evaluate.spec.max_new_tokens, temperature)
+        for i, (_, ids) in enumerate(engine_prompts(cfg.evaluate, emb.target_dir, str(traffic), settings)):
+            srv.complete(ids, cfg.evaluate.spec.max_new_tokens, temperature, seed=i)
 
     with VllmServer(spec, settings) as srv:
         monitor = [str(BIN / "eagle-heads"), "monitor", "--target", f"models:/{TARGET}/1", "--once", "--preset",
