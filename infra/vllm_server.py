@@ -301,10 +301,10 @@ class VllmServer:
                           c["message"]["content"] or "", c.get("finish_reason"))
 
     def complete(self, prompt_ids: list[int], max_tokens: int, temperature: float = 0.0,
-                 ignore_eos: bool = False, seed: int | None = None) -> "Completion":
-        """`ignore_eos`: decode past the end-of-sequence ids; `seed`: the request's sampling seed (vLLM's parameters)."""
+                 ignore_eos: bool = False) -> "Completion":
+        """`ignore_eos`: decode `max_tokens` tokens, past the end-of-sequence ids (vLLM's sampling parameter)."""
         body = {"model": self.spec.served_model_name, "prompt": list(prompt_ids), "max_tokens": max_tokens,
-                "temperature": temperature, "return_token_ids": True, **({} if seed is None else {"seed": seed})}
+                "temperature": temperature, "return_token_ids": True}
         r = self._post("/v1/completions", {**body, "ignore_eos": True} if ignore_eos else body)
         c = r["choices"][0]
         return Completion(list(c.get("prompt_token_ids") or prompt_ids), list(c["token_ids"]), c["text"],

@@ -35,9 +35,10 @@ CODE = {"complete", "continue", "followup"}
 # The drop threshold this test configures (monitor.ratio). Steady traffic reproduces the registered τ exactly, so any
 # ratio below 1 keeps it quiet. Explain-code prompts alone are not a drop on every CPU kind (the tiny target's
 # weights differ by kind): greedy, they gave 1.35 against 1.70 on an Intel Xeon but 1.68 against 1.51 on an AMD
-# EPYC; served by sampling at temperature 1 they are the drift here (each request seeded: the same window every run;
-# unseeded, one AMD EPYC run's window came to 1.37 against 1.51, a hair above 0.9 x). Steady traffic reproduces the
-# registered τ exactly, so the ratio can sit close to 1.
+# EPYC; served by sampling at temperature 1 they are the drift here (one AMD EPYC run's window came to 1.37 against
+# 1.51, a hair above 0.9 x: the sampled window varies run to run). Steady traffic reproduces the registered τ
+# exactly, so the ratio can sit close to 1. The requests are not seeded: vLLM 0.32's CPU build accepted no draft at
+# all for seeded requests at temperature 1 (window τ 1.00, α 0 over 212 drafts), a drop that is not the traffic's.
 RATIO = 0.95
 DRIFT_TEMPERATURE = 1.0
 
@@ -139,8 +140,8 @@ def test_a_drop_in_served_acceptance_retrains_the_head(live_prefect, drift_targe
                       num_speculative_tokens=cfg.evaluate.spec.depth, max_model_len=512)
 
     def serve(srv, traffic: Path, temperature: float = 0.0) -> None:
-        for i, (_, ids) in enumerate(engine_prompts(cfg.evaluate, emb.target_dir, str(traffic), settings)):
-            srv.complete(ids, cfg.evaluate.spec.max_new_tokens, temperature, seed=i)
+        for _, ids in engine_prompts(cfg.evaluate, emb.target_dir, str(traffic), settings):
+            srv.complete(ids, cfg.evaluate.spec.max_new_tokens, temperature)
 
     with VllmServer(spec, settings) as srv:
         monitor = [str(BIN / "eagle-heads"), "monitor", "--target", f"models:/{TARGET}/1", "--once", "--preset",
