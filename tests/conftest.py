@@ -142,6 +142,7 @@ class EngineHead:
 def engine_head(engine_target, tmp_path_factory: pytest.TempPathFactory) -> EngineHead:
     """The head the engine tests serve by default, made once per session (tests/test_vllm.py trains its other
     heads on the same `regen_dir`)."""
+    from components.atomic import atomic_write_text
     from components.extract import ExtractConfig, extract
     from components.regenerate import RegenerateConfig, regenerate
     from components.train import TrainConfig, train
@@ -158,7 +159,7 @@ def engine_head(engine_target, tmp_path_factory: pytest.TempPathFactory) -> Engi
         cfg = dataclasses.replace(TrainConfig.tiny(), steps=60, checkpoint_every=60)
         head = train(cfg, str(root / "extract"), str(root / "train"), engine_target.target_dir).head_dir
         made = EngineHead(str(root / "regen"), str(root / "extract"), head)
-        done.write_text(json.dumps(dataclasses.asdict(made)))
+        atomic_write_text(done, json.dumps(dataclasses.asdict(made)))  # a worker killed mid-write leaves none
         return made
 
 

@@ -36,9 +36,9 @@ CODE = {"complete", "continue", "followup"}
 # ratio below 1 keeps it quiet. Explain-code prompts alone are not a drop on every CPU kind (the tiny target's
 # weights differ by kind): greedy, they gave 1.35 against 1.70 on an Intel Xeon but 1.68 against 1.51 on an AMD
 # EPYC; served by sampling at temperature 1 they are the drift here (one AMD EPYC run's window came to 1.37 against
-# 1.51, a hair above 0.9 x: the sampled window varies run to run). Steady traffic reproduces the registered τ
-# exactly, so the ratio can sit close to 1. The requests are not seeded: vLLM 0.32's CPU build accepted no draft at
-# all for seeded requests at temperature 1 (window τ 1.00, α 0 over 212 drafts), a drop that is not the traffic's.
+# 1.51, a hair above 0.9 x: the sampled window varies run to run, so the ratio sits close to 1). Not seeded: vLLM
+# 0.32's CPU build accepted no draft for seeded requests at temperature 1 (window τ 1.00, α 0 over 212 drafts), a
+# drop that is not the traffic's.
 RATIO = 0.95
 DRIFT_TEMPERATURE = 1.0
 
