@@ -158,11 +158,12 @@ def plain_server(cfg: EvaluateConfig, target_dir: str, settings: Settings,
 def evaluate_in_vllm(cfg: EvaluateConfig, target_dir: str, head_dir: str, traffic_path: str, out_dir: str,
                      settings: Settings, ours: list[list[int]] | None = None, plain: VllmServer | None = None,
                      progress: Callable[[str], None] = print,
-                     baseline_head_dir: str | None = None) -> EngineEvalResult:
+                     baseline_head_dir: str | None = None, engines=None) -> EngineEvalResult:
     """`ours`: this project's greedy outputs on the same prompts (from `evaluate.json`); `plain`: a running
     `plain_server` for this target and config (else one is started beside the head's); `baseline_head_dir`: the
     current champion's head, also served on the same prompts, so that a gate on the engine's τ compares like with
-    like (`baseline_tau`)."""
+    like (`baseline_tau`); `engines`: an `infra.engine_pool.EnginePool` that the plain and speculative servers are
+    taken from when it holds them and left running in for a later stage (the load sweep)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     prompts = engine_samples(cfg, target_dir, traffic_path, settings)
@@ -174,7 +175,9 @@ def evaluate_in_vllm(cfg: EvaluateConfig, target_dir: str, head_dir: str, traffi
         if plain is None:  # both started at once: their start-ups overlap
             progress(f"evaluate (vLLM): starting the engine without speculation and with the head "
                      f"({cfg.spec.depth} speculative tokens), side by side")
-            plain, srv = stack.enter_context(running(plain_server(cfg, target_dir, settings, longest), spec))
+            both = (plain_server(cfg, target_dir, settings, longest), spec)
+            plain, srv = stack.enter_context(engines.running(*both, keep=not baseline_head_dir)  # the champion's
+                                              if engines else running(*both))  # server needs their memory
         else:
             progress(f"evaluate (vLLM): starting the engine with the head ({cfg.spec.depth} speculative tokens)")
             srv = stack.enter_context(spec)

@@ -5,7 +5,8 @@ A production server runs many requests at once, and speculation spends compute a
 spare, so one K is not right at every load. For the held-out prompts (the evaluation's, chat template applied) it
 - serves the target plainly (K = 0) and with the head at each K of `cfg.load.k_values`, all these servers started
   and up at once (each with the memory share of the evaluation's plain/speculative pair,
-  components/evaluate_engine.py), and measures the cells (one server at one concurrency of `cfg.load.concurrency`)
+  components/evaluate_engine.py; those of that pair's very engines are taken running from an `EnginePool` the
+  flow hands on, infra/engine_pool.py, not started again), and measures the cells (one server at one concurrency of `cfg.load.concurrency`)
   with vLLM's own load client (infra/vllm_bench.py) in rounds: in each round every level, and at each level every
   server, the order alternating (plain, K... at one level, the reverse at the next and in the next round),
   `cfg.load.repeats` rounds. A machine whose load drifts then touches every cell alike. When all servers do not fit in memory (by `memory_fit`'s
@@ -114,9 +115,10 @@ def round_order(keys: list[int], round_i: int, level_i: int) -> list[int]:
 
 
 def load_sweep(cfg, target_dir: str, head_dir: str, traffic_path: str, out_dir: str, settings,
-               progress: Callable[[str], None] = print) -> SweepResult:
+               progress: Callable[[str], None] = print, engines=None) -> SweepResult:
     """`cfg` is the EvaluateConfig (its `load`, `spec.max_new_tokens`, `spec.temperature`, `max_prompt_tokens`):
-    the first `load.requests` held-out prompts that fit, as texts with the chat template; see the module doc."""
+    the first `load.requests` held-out prompts that fit, as texts with the chat template; see the module doc.
+    `engines`: see `run_sweep`."""
     from transformers import AutoTokenizer
 
     from components.chat import prompt_ids
@@ -138,7 +140,7 @@ def load_sweep(cfg, target_dir: str, head_dir: str, traffic_path: str, out_dir: 
                          f"{load.requests}")
     plan = SweepPlan(prompts, str(target_dir), str(head_dir), Path(out_dir), output_len, cfg.spec.temperature,
                      max_len, progress)
-    return run_sweep(load, plan, settings)
+    return run_sweep(load, plan, settings, engines)
 
 
 @dataclass(frozen=True)
@@ -180,11 +182,12 @@ def memory_fit(spec, n: int, target_dir: str) -> tuple[dict, str]:
     return {"extra_args": ("--gpu-memory-utilization", str(share))}, why
 
 
-def run_sweep(cfg: LoadConfig, plan: SweepPlan, settings) -> SweepResult:
+def run_sweep(cfg: LoadConfig, plan: SweepPlan, settings, engines=None) -> SweepResult:
     """Plain and every K up at once (else plain beside one K at a time), cells in alternating rounds; then the
-    schedule beside plain; see the module doc."""
+    schedule beside plain; see the module doc. `engines`: an `infra.engine_pool.EnginePool` whose parked servers
+    (the vLLM evaluation's plain and speculative pair) are the sweep's when they are every one it starts at once."""
     from infra.vllm_bench import write_dataset
-    from infra.vllm_server import EngineSpec, VllmServer
+    from infra.vllm_server import PER_REQUEST_METRICS, EngineSpec, VllmServer
 
     plan.out.mkdir(parents=True, exist_ok=True)
     dataset = str(write_dataset(plan.prompts, plan.out / "prompts.sharegpt.json"))
@@ -195,7 +198,8 @@ def run_sweep(cfg: LoadConfig, plan: SweepPlan, settings) -> SweepResult:
 
     def spec_of(k: int, schedule=None, pair: bool = False) -> EngineSpec:
         spec = base if k == 0 else replace(base, head_dir=plan.head_dir, method="eagle3", num_speculative_tokens=k,
-                                           k_schedule=tuple(tuple(r) for r in schedule) if schedule else None)
+                                           k_schedule=tuple(tuple(r) for r in schedule) if schedule else None,
+                                           extra_args=PER_REQUEST_METRICS)  # as the evaluation's: one engine
         fit = pair_changes if pair else changes
         return replace(spec, **{k_: v for k_, v in fit.items() if k_ != "extra_args"},
                        extra_args=(*spec.extra_args, *fit.get("extra_args", ())))
@@ -207,9 +211,19 @@ def run_sweep(cfg: LoadConfig, plan: SweepPlan, settings) -> SweepResult:
                   + f", {cfg.repeats} rounds at concurrency {', '.join(map(str, cfg.concurrency))}")
     with ExitStack() as stack:
         plain = VllmServer(spec_of(0, pair=mode == "pairs"), settings)
+        handed: dict = {}  # K -> a server the evaluation left running (its plain under 0)
+        if engines is not None:  # the parked servers that are this phase's; the others stopped (memory)
+            ks = cfg.k_values if mode == "all" else ()
+            took = engines.take_each([plain, *(VllmServer(spec_of(k), settings) for k in ks)])
+            handed = {k: t for k, t in zip((0, *ks), took) if t is not None}
+            if handed:
+                plan.progress("load sweep: " + ", ".join("plain" if k == 0 else f"K {k}" for k in handed)
+                              + " handed on by the evaluation, running already")
+        plain = handed.pop(0, plain)
         stack.callback(plain.stop)
-        plain.launch()  # from this thread, so that it lives as long as the sweep; it starts beside the K servers
-        mode, why = _sweep_phase(cfg, plan, settings, plain, spec_of, (mode, why), dataset, samples, rounds)
+        if plain.proc is None:
+            plain.launch()  # from this thread, so that it lives as long as the sweep; it starts beside the K servers
+        mode, why = _sweep_phase(cfg, plan, settings, plain, spec_of, (mode, why), dataset, samples, rounds, handed)
         cells = cells_of([s for s in samples if s["phase"] == "sweep"])
         tput = {c["k"]: {} for c in cells}
         spread = {c["k"]: {} for c in cells}
@@ -229,19 +243,24 @@ def run_sweep(cfg: LoadConfig, plan: SweepPlan, settings) -> SweepResult:
 
 
 def _sweep_phase(cfg: LoadConfig, plan: SweepPlan, settings, plain, spec_of, how: tuple[str, str], dataset: str,
-                 samples: list[dict], rounds: list[dict]) -> tuple[str, str]:
-    """The sweep's cells beside the running `plain`: in mode "all" every K server up at once (falling back to pairs
-    when one does not start beside the others), else each K beside plain in turn; returns the mode it ran in and
-    why not "all"."""
+                 samples: list[dict], rounds: list[dict], handed: dict | None = None) -> tuple[str, str]:
+    """The sweep's cells beside the running `plain`: in mode "all" every K server up at once (those in `handed`,
+    K -> server, running already; falling back to pairs when one does not start beside the others), else each K
+    beside plain in turn; returns the mode it ran in and why not "all"."""
+    from infra.engine_pool import stopping
     from infra.vllm_server import EngineError, VllmServer, running
 
     mode, why = how
+    handed = handed or {}
     if mode == "all":
         started = False
+        fresh = [k for k in cfg.k_values if k not in handed]
         try:
-            with running(*(VllmServer(spec_of(k), settings) for k in cfg.k_values)) as up:  # started at once
+            with running(*(VllmServer(spec_of(k), settings) for k in fresh)) as up, \
+                    stopping(*handed.values()):  # started at once
                 plain.wait_ready()
-                servers = {0: plain, **dict(zip(cfg.k_values, up))}
+                by_k = {**dict(zip(fresh, up)), **handed}
+                servers = {0: plain, **{k: by_k[k] for k in cfg.k_values}}
                 started = True
                 measure_rounds(cfg, plan, settings, servers, dataset, "sweep", samples, rounds)
             return mode, why

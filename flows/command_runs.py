@@ -137,19 +137,23 @@ def evaluate_head(cfg, head: str, target: str, traffic: str, out: Path, settings
         return res
     from components.serve import servable_head
 
+    from infra.engine_pool import EnginePool
+
     served = str(servable_head(head, target, settings.state_dir / "servable", settings.trust_remote_code))
-    if cfg.engine == "vllm":
-        from components.evaluate_engine import evaluate_in_vllm, our_outputs
+    with EnginePool() as engines:  # the evaluation's pair goes on running for the sweep
+        if cfg.engine == "vllm":
+            from components.evaluate_engine import evaluate_in_vllm, our_outputs
 
-        res["vllm"] = asdict(evaluate_in_vllm(cfg, target, served, traffic, str(out / "vllm"), settings,
-                                              ours=our_outputs(res["report_file"])))
-    if load:
-        from components.load_sweep import load_sweep
-        from components.pipeline_config import PipelineConfig
+            res["vllm"] = asdict(evaluate_in_vllm(cfg, target, served, traffic, str(out / "vllm"), settings,
+                                                  ours=our_outputs(res["report_file"]), engines=engines))
+        if load:
+            from components.load_sweep import load_sweep
+            from components.pipeline_config import PipelineConfig
 
-        if not cfg.load.enabled:
-            cfg = dataclasses.replace(cfg, load=PipelineConfig.preset("default").evaluate.load)
-        res["load"] = asdict(load_sweep(cfg, target, served, traffic, str(out / "load"), settings))
+            if not cfg.load.enabled:
+                cfg = dataclasses.replace(cfg, load=PipelineConfig.preset("default").evaluate.load)
+            res["load"] = asdict(load_sweep(cfg, target, served, traffic, str(out / "load"), settings,
+                                            engines=engines))
     return res
 
 

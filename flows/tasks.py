@@ -84,24 +84,27 @@ def evaluate_task(cfg: EvaluateConfig, target_dir: str, head_dir: str, heldout: 
                     trust_remote_code=trust_remote_code)
 
 
-@task(name="evaluate-in-vllm", cache_policy=CACHE - "settings", persist_result=True, retries=1, retry_delay_seconds=5,
-      retry_condition_fn=transient)
+@task(name="evaluate-in-vllm", cache_policy=CACHE - "settings" - "engines", persist_result=True, retries=1,
+      retry_delay_seconds=5, retry_condition_fn=transient)
 def engine_eval_task(cfg: EvaluateConfig, target_dir: str, head_dir: str, heldout: str, out_dir: str,
-                     local_report: str | None, settings, baseline_head_dir: str | None = None) -> EngineEvalResult:
+                     local_report: str | None, settings, baseline_head_dir: str | None = None,
+                     engines=None) -> EngineEvalResult:
     """The head served by vLLM on the same prompts; compared with the local evaluation's outputs (`local_report`;
     None when vLLM runs the target: no local evaluation); the champion's head (`baseline_head_dir`) served on them
-    too, for a gate on the engine's τ."""
+    too, for a gate on the engine's τ; `engines` (infra/engine_pool.py) keeps the pair running for the sweep."""
     from components.evaluate_engine import evaluate_in_vllm, our_outputs
 
     ours = our_outputs(local_report) if local_report else None
     return evaluate_in_vllm(cfg, target_dir, head_dir, heldout, out_dir, settings, ours=ours,
-                            baseline_head_dir=baseline_head_dir)
+                            baseline_head_dir=baseline_head_dir, engines=engines)
 
 
-@task(name="load-sweep", cache_policy=CACHE - "settings", persist_result=True, retries=1, retry_delay_seconds=5,
-      retry_condition_fn=transient)
-def load_sweep_task(cfg: EvaluateConfig, target_dir: str, head_dir: str, heldout: str, out_dir: str, settings):
-    """Throughput by concurrency in vLLM (plain, each K, the derived schedule) with vLLM's own load client."""
+@task(name="load-sweep", cache_policy=CACHE - "settings" - "engines", persist_result=True, retries=1,
+      retry_delay_seconds=5, retry_condition_fn=transient)
+def load_sweep_task(cfg: EvaluateConfig, target_dir: str, head_dir: str, heldout: str, out_dir: str, settings,
+                    engines=None):
+    """Throughput by concurrency in vLLM (plain, each K, the derived schedule) with vLLM's own load client; the
+    evaluation's servers taken from `engines` when they are the sweep's."""
     from components.load_sweep import load_sweep
 
-    return load_sweep(cfg, target_dir, head_dir, heldout, out_dir, settings)
+    return load_sweep(cfg, target_dir, head_dir, heldout, out_dir, settings, engines=engines)

@@ -57,6 +57,7 @@ from eagle.errors import BadInput
 from flows.preflight import check_inputs
 from flows.tasks import (engine_eval_task, evaluate_task, extract_task, fresh_if_missing, load_sweep_task,
                          regenerate_task, train_task, transient)
+from infra.engine_pool import EnginePool
 from infra.locks import target_lock
 from infra.metrics_sink import MlflowSink
 from infra.mlflow_health import store_errors
@@ -375,13 +376,15 @@ def _evaluate_head(cfg: PipelineConfig, settings: Settings, tref: TargetRef, hea
             cfg.evaluate, tref.path, head_dir, heldout, eval_dir, champ_dir, history_file,
             settings.trust_remote_code)
         metrics = ev.metrics()
-    if cfg.evaluate.engine == "vllm":  # the head as production serves it: in vLLM, on the same prompts
-        engine = fresh_if_missing(engine_eval_task, Path(eval_dir) / "vllm" / "engine_evaluation.json")(
-            cfg.evaluate, tref.path, head_dir, heldout, str(Path(eval_dir) / "vllm"), ev.report_file if ev else None,
-            settings, champ_dir if cfg.register.gate_tau == "engine" else None)
-        metrics.update(engine.metrics())
-    if cfg.evaluate.engine == "vllm" and cfg.evaluate.load.enabled:  # throughput by load, the K schedule
-        sweep = fresh_if_missing(load_sweep_task, Path(eval_dir) / "load" / "load_sweep.json")(
-            cfg.evaluate, tref.path, head_dir, heldout, str(Path(eval_dir) / "load"), settings)
-        metrics.update(sweep.metrics())
+    with EnginePool() as engines:  # the evaluation's plain/speculative pair goes on running for the sweep
+        if cfg.evaluate.engine == "vllm":  # the head as production serves it: in vLLM, on the same prompts
+            engine = fresh_if_missing(engine_eval_task, Path(eval_dir) / "vllm" / "engine_evaluation.json")(
+                cfg.evaluate, tref.path, head_dir, heldout, str(Path(eval_dir) / "vllm"),
+                ev.report_file if ev else None, settings, champ_dir if cfg.register.gate_tau == "engine" else None,
+                engines)
+            metrics.update(engine.metrics())
+        if cfg.evaluate.engine == "vllm" and cfg.evaluate.load.enabled:  # throughput by load, the K schedule
+            sweep = fresh_if_missing(load_sweep_task, Path(eval_dir) / "load" / "load_sweep.json")(
+                cfg.evaluate, tref.path, head_dir, heldout, str(Path(eval_dir) / "load"), settings, engines)
+            metrics.update(sweep.metrics())
     return Figures(ev, engine, sweep, metrics)

@@ -316,3 +316,47 @@ def test_vllm_warm_fills_the_model_info_cache_as_vllm_does(tmp_path):
     cached = sorted(p.name for p in (tmp_path / "cache" / "modelinfos").glob("*.json"))
     assert any("llama-LlamaForCausalLM" in n for n in cached) and any("Eagle3LlamaForCausalLM" in n for n in cached)
     assert len(cached) == len(ARCHITECTURES), cached
+
+
+def test_an_engine_pool_hands_running_servers_on_by_spec_and_stops_the_rest(tmp_path):
+    """infra/engine_pool.py: servers parked on a clean exit are taken by a later stage that asks for the same engine
+    (a plain engine's K aside), not started again; a stage's `take_each` stops the parked ones it does not take; an
+    error stops the stage's servers instead of parking them; closing stops what is parked. Each server's process is
+    a real `sleep` (the orchestration only: tests/test_load_sweep.py hands real engines on)."""
+    import subprocess
+
+    from infra.engine_pool import EnginePool, same_engine
+    from infra.vllm_server import EngineSpec, VllmServer
+
+    class Sleeper(VllmServer):
+        def __init__(self, **spec):
+            super().__init__(EngineSpec(str(tmp_path), None, method=None, **spec), Settings.local(tmp_path / ".e"))
+
+        def start(self):
+            self.proc = subprocess.Popen(["sleep", "60"], start_new_session=True)  # stop() ends its group
+            return self
+
+        def wait_ready(self):
+            return self
+
+    plain, wider = Sleeper(max_model_len=256), Sleeper(max_model_len=512)
+    assert same_engine(plain, Sleeper(max_model_len=256, num_speculative_tokens=3))  # K means nothing to plain
+    assert not same_engine(plain, wider) and not same_engine(plain, Sleeper(max_model_len=256, cpu_memory_share=0.5))
+    with EnginePool() as pool:
+        with pool.running(plain, wider) as up:
+            assert up == [plain, wider] and pool.started == 2
+        procs = [plain.proc, wider.proc]
+        assert all(p.poll() is None for p in procs), "parked, still running"
+        again = Sleeper(max_model_len=256)
+        with pool.running(again, Sleeper(max_model_len=128)) as (a, b):
+            assert a is plain and b is not again and pool.reused == 1 and pool.started == 3
+        with pytest.raises(RuntimeError), pool.running(Sleeper(max_model_len=96)) as (c,):
+            raise RuntimeError("the stage failed")
+        assert c.proc is None and b.proc is not None  # stopped, not parked
+        took = pool.take_each([Sleeper(max_model_len=512), Sleeper(max_model_len=64)])
+        assert took[0] is wider and took[1] is None and pool.reused == 2
+        assert plain.proc is None and b.proc is None, "the parked ones not taken were stopped"
+        wider.stop()
+        with pool.running(Sleeper(max_model_len=32)) as (d,):
+            pass
+    assert d.proc is None and all(p.poll() is not None for p in procs)

@@ -6,7 +6,8 @@ Purpose:
   cells as medians over rounds with their spread; the alternating order of a round; bad sweep settings fail at
   config load with the key's path;
 - the sweep on the tiny engine target (two concurrency levels, two K, two rounds: plain, K 2 and K 3 up at once,
-  one client process) with vLLM's own load client: every cell measured in every round, in the alternating order,
+  one client process; plain and K 3 the vLLM evaluation's, handed on running in an engine pool as the flow does)
+  with vLLM's own load client: every cell measured in every round, in the alternating order,
   each cell's median and spread, 0 head mismatches, the schedule and the plot written;
 - a schedule served by vLLM takes effect: K 3 at batch size 1 and K 0 from 2 on drafts at concurrency 1 and almost
   never at concurrency 4 (only while the batch ramps up or drains), and the engine's log shows the schedule;
@@ -115,10 +116,21 @@ def head_dir(engine_head) -> str:
 @pytest.mark.timeout(1500)
 def test_the_sweep_measures_every_cell_with_vllms_client_and_writes_the_schedule(engine_target, head_dir, settings,
                                                                                tmp_path):
+    """After the vLLM evaluation in one engine pool, as the flow runs them: the evaluation's plain and K 3 servers
+    are handed on to the sweep (one engine start instead of three), K 2 started beside them."""
+    from components.evaluate_engine import evaluate_in_vllm
     from components.load_sweep import load_sweep
+    from infra.engine_pool import EnginePool
 
-    res = load_sweep(SWEEP, engine_target.target_dir, head_dir, str(engine_target.target_traffic.heldout),
-                     str(tmp_path / "load"), settings, progress=lambda s: None)
+    heldout, lines = str(engine_target.target_traffic.heldout), []
+    with EnginePool() as engines:
+        ev = evaluate_in_vllm(SWEEP, engine_target.target_dir, head_dir, heldout, str(tmp_path / "vllm"), settings,
+                              progress=lambda s: None, engines=engines)
+        assert ev.identical_to_plain and engines.started == 2
+        res = load_sweep(SWEEP, engine_target.target_dir, head_dir, heldout, str(tmp_path / "load"), settings,
+                         progress=lines.append, engines=engines)
+        assert engines.reused == 2 and engines.started == 2, lines
+    assert "load sweep: plain, K 3 handed on by the evaluation, running already" in lines
     cells = {(c["k"], c["concurrency"]): c for c in res.cells}
     assert set(cells) == {(k, c) for k in (0, 2, 3) for c in (1, 4)}
     assert all(c["requests"] == 4 and c["output_tokens_per_s"] > 0 and c["p99_itl_ms"] >= c["median_itl_ms"]
