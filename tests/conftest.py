@@ -235,12 +235,18 @@ HEAVY_MARKERS = ("engine", "live", "slow")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Modules by their number of engine/live/slow tests, most first (stable: collection order otherwise)."""
+    """Modules by the seconds they took in a measured run (tests/module_seconds.py), longest first, so that the
+    xdist workers (`--dist loadfile --no-loadscope-reorder`: whole modules, in this order) finish together; a module
+    not measured yet ranks by whether it has engine/live/slow tests. Stable: collection order otherwise."""
+    from tests.module_seconds import UNKNOWN_HEAVY_S, UNKNOWN_S, load
+
     def module(item) -> str:
         return item.nodeid.split("::")[0]
 
-    heavy: dict[str, int] = {}
+    measured = load()
+    heavy: dict[str, bool] = {}
     for item in items:
-        heavy[module(item)] = heavy.get(module(item), 0) + any(item.get_closest_marker(m) for m in HEAVY_MARKERS)
-    rank = {m: i for i, m in enumerate(sorted(heavy, key=lambda m: -heavy[m]))}
+        heavy[module(item)] = heavy.get(module(item), False) or any(item.get_closest_marker(m) for m in HEAVY_MARKERS)
+    seconds = {m: measured.get(m, UNKNOWN_HEAVY_S if h else UNKNOWN_S) for m, h in heavy.items()}
+    rank = {m: i for i, m in enumerate(sorted(seconds, key=lambda m: -seconds[m]))}
     items.sort(key=lambda item: rank[module(item)])

@@ -17,6 +17,7 @@ Not here: the figures themselves (a tiny target's numbers mean nothing), data_sc
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -297,3 +298,21 @@ def test_long_variants_quick(cache: Path) -> None:
     for rd in r["per_round"]:  # ignore_eos: every request ran to its sample's limit
         assert all(m["tokens"] == sum(r["limits"]) for m in rd.values()), rd
     check_goals(r["goals"], 0)
+
+
+def test_cpu_by_process_counts_a_commands_children_by_kind(tmp_path):
+    """bench/cpu_by_process.py: the CPU-seconds of CMD and of the processes it starts, by kind, from /proc; the
+    processes running before it are not counted; CMD's exit code is its own."""
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < {}: pass\n"
+    child = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {burn.format(1.0)!r}]); {'sys.exit(3)'}"
+    out = tmp_path / "cpu.json"
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "bench" / "cpu_by_process.py"),
+                           "--every", "0.2", "--out", str(out), "--", sys.executable, "-c", child],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3, proc.stderr
+    report = json.loads(out.read_text())
+    rows = report["processes"]
+    assert report["exit_code"] == 3 and len(rows) >= 2 and all(r["pid"] != os.getpid() for r in rows)
+    burner = [r for r in rows if "process_time" in r["cmdline"] and "subprocess" not in r["cmdline"]]
+    assert len(burner) == 1 and burner[0]["cpu_s"] >= 0.6, rows
+    assert "in all, over" in proc.stderr and "CPU-s" in proc.stderr

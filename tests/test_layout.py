@@ -287,3 +287,18 @@ def test_every_module_has_a_docstring():
 def test_files_stay_small():
     big = [f"{m.rel}: {m.n_lines} lines" for m in MODULES if m.n_lines >= MAX_LINES]
     assert not big, f"split files of {MAX_LINES}+ lines:\n" + "\n".join(big)
+
+
+def test_module_seconds_sum_a_junit_run_by_module(tmp_path):
+    """tests/module_seconds.py: setup, call and teardown of every test summed per module (classes folded into their
+    module) from a JUnit XML; the committed figures load as module path -> seconds."""
+    from tests.module_seconds import from_junit, load
+
+    xml = tmp_path / "run.xml"
+    xml.write_text('<testsuites><testsuite name="pytest">'
+                   '<testcase classname="tests.test_a" name="t1" time="1.25"/>'
+                   '<testcase classname="tests.test_a.TestX" name="t2" time="2.5"/>'
+                   '<testcase classname="tests.test_b" name="t3" time="7"/></testsuite></testsuites>')
+    assert from_junit(xml) == {"tests/test_b.py": 7.0, "tests/test_a.py": 3.8}
+    committed = load()
+    assert committed and all(m.startswith("tests/test_") and s >= 0 for m, s in committed.items())
