@@ -321,12 +321,13 @@ def test_vllm_warm_fills_the_model_info_cache_as_vllm_does(tmp_path):
 def test_an_engine_pool_hands_running_servers_on_by_spec_and_stops_the_rest(tmp_path):
     """infra/engine_pool.py: servers parked on a clean exit are taken by a later stage that asks for the same engine
     (a plain engine's K aside), not started again; a stage's `take_each` stops the parked ones it does not take; an
-    error stops the stage's servers instead of parking them; closing stops what is parked. Each server's process is
+    error stops the stage's servers instead of parking them; one that died while parked is not handed on; closing
+    stops what is parked. Each server's process is
     a real `sleep` (the orchestration only: tests/test_load_sweep.py hands real engines on)."""
     import subprocess
 
     from infra.engine_pool import EnginePool, same_engine
-    from infra.vllm_server import EngineSpec, VllmServer
+    from infra.vllm_server import EngineError, EngineSpec, VllmServer
 
     class Sleeper(VllmServer):
         def __init__(self, **spec):
@@ -337,6 +338,8 @@ def test_an_engine_pool_hands_running_servers_on_by_spec_and_stops_the_rest(tmp_
             return self
 
         def wait_ready(self):
+            if self.proc is None or self.proc.poll() is not None:
+                raise EngineError("not running")
             return self
 
     plain, wider = Sleeper(max_model_len=256), Sleeper(max_model_len=512)
@@ -359,4 +362,8 @@ def test_an_engine_pool_hands_running_servers_on_by_spec_and_stops_the_rest(tmp_
         wider.stop()
         with pool.running(Sleeper(max_model_len=32)) as (d,):
             pass
-    assert d.proc is None and all(p.poll() is not None for p in procs)
+        d.proc.kill()
+        d.proc.wait()  # died while parked: not handed on, a new one started
+        with pool.running(Sleeper(max_model_len=32)) as (e,):
+            assert e is not d and e.proc.poll() is None and pool.reused == 2 and pool.started == 6
+    assert e.proc is None and all(p.poll() is not None for p in procs)
