@@ -27,6 +27,7 @@ import pytest
 from components.evaluate import EvaluateConfig
 from components.load_sweep import LoadConfig, cells_of, crossover_of, derive_schedule, round_order
 from components.pipeline_config import ConfigError, PipelineConfig
+from components.speed import SpeedupConfig
 from eagle.run_config import SpecConfig
 
 
@@ -97,6 +98,7 @@ def test_the_default_preset_sweeps_what_two_cores_afford():
 # ---- with the engine ----------------------------------------------------------------------------------------------
 
 SWEEP = EvaluateConfig(spec=SpecConfig(depth=3, max_new_tokens=16), limit=4,
+                       speed=SpeedupConfig(min_rounds=1, max_rounds=1),  # the evaluation before it: one round
                        load=LoadConfig(concurrency=(1, 4), k_values=(2, 3), requests=4, repeats=2,
                                        verify_schedule=False))
 
