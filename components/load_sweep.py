@@ -5,15 +5,16 @@ A production server runs many requests at once, and speculation spends compute a
 spare, so one K is not right at every load. For the held-out prompts (the evaluation's, chat template applied) it
 - serves the target plainly (K = 0) and with the head at each K of `cfg.load.k_values`, all these servers started
   and up at once (each with the memory share of the evaluation's plain/speculative pair,
-  components/evaluate_engine.py; those of that pair's very engines are taken running from an `EnginePool` the
-  flow hands on, infra/engine_pool.py, not started again), and measures the cells (one server at one concurrency of `cfg.load.concurrency`)
-  with vLLM's own load client (infra/vllm_bench.py) in rounds: in each round every level, and at each level every
-  server, the order alternating (plain, K... at one level, the reverse at the next and in the next round),
-  `cfg.load.repeats` rounds. A machine whose load drifts then touches every cell alike. When all servers do not fit in memory (by `memory_fit`'s
-  estimate, or one of them fails to start beside the others), plain stays up and the K servers come beside it one
-  at a time, plain's rounds pooled over the pairs (`mode` "pairs" in the report, with the reason). Per cell:
-  output tokens/s, TTFT and inter-token latency (median, p99), each the median over rounds, with the tokens/s spread
-  (min, max) and every round's figure; tau and alpha_k from the counters summed over rounds;
+  components/evaluate_engine.py; where the flow hands that pair on running in an `EnginePool`,
+  infra/engine_pool.py, the sweep's servers of the same engines are taken from it, not started again), and
+  measures the cells (one server at one concurrency of `cfg.load.concurrency`) with vLLM's own load client
+  (infra/vllm_bench.py) in rounds: in each round every level, and at each level every server, the order
+  alternating (plain, K... at one level, the reverse at the next and in the next round), `cfg.load.repeats`
+  rounds. A machine whose load drifts then touches every cell alike. When all servers do not fit in memory (by
+  `memory_fit`'s estimate, or one of them fails to start beside the others), plain stays up and the K servers
+  come beside it one at a time, plain's rounds pooled over the pairs (`mode` "pairs" in the report, with the
+  reason). Per cell: output tokens/s, TTFT and inter-token latency (median, p99), each the median over rounds,
+  with the tokens/s spread (min, max) and every round's figure; tau and alpha_k from the counters summed over rounds;
 - checks every speculative output equal to the plain output at the same concurrency (T = 0, fp32). Batching can
   change a plain output by itself (floating-point sums in another order); a prompt whose plain output at
   concurrency C differs from its plain output at the lowest level, or between rounds, is counted as `batch_variant`,
@@ -185,7 +186,8 @@ def memory_fit(spec, n: int, target_dir: str) -> tuple[dict, str]:
 def run_sweep(cfg: LoadConfig, plan: SweepPlan, settings, engines=None) -> SweepResult:
     """Plain and every K up at once (else plain beside one K at a time), cells in alternating rounds; then the
     schedule beside plain; see the module doc. `engines`: an `infra.engine_pool.EnginePool` whose parked servers
-    (the vLLM evaluation's plain and speculative pair) are the sweep's when they are every one it starts at once."""
+    (the vLLM evaluation's plain and speculative pair) stand in for the sweep's servers of the same engines; the
+    parked ones it does not take are stopped before it starts any."""
     from infra.vllm_bench import write_dataset
     from infra.vllm_server import PER_REQUEST_METRICS, EngineSpec, VllmServer
 

@@ -136,7 +136,6 @@ def evaluate_head(cfg, head: str, target: str, traffic: str, out: Path, settings
     if cfg.engine != "vllm" and not load:
         return res
     from components.serve import servable_head
-
     from infra.engine_pool import EnginePool
 
     served = str(servable_head(head, target, settings.state_dir / "servable", settings.trust_remote_code))

@@ -2,10 +2,12 @@
 
 Purpose: `with EnginePool() as engines:` spans stages that serve the same target, e.g. the vLLM evaluation and the
 load sweep of one head. `with engines.running(plain, spec) as (p, s):` is `infra.vllm_server.running` except that
-a server whose spec the pool holds idle is taken from the pool instead of started, and that on a clean exit the
-servers are parked in the pool (`keep=False`: stopped) for the next stage; on an error they are stopped. Closing
-the pool stops whatever is parked. Each start the pool saves is the engine's import and load: ~18 s of both cores
-for the tiny CPU targets here, minutes for a large target on GPUs.
+a server of an engine the pool holds idle (`same_engine`) is taken from the pool instead of started, and that on a
+clean exit the servers are parked in the pool (`keep=False`: stopped) for the next stage; on an error they are
+stopped. `take_each(servers)` gives a stage that starts its servers its own way the parked ones of the same engines
+and stops the rest first (their memory is the stage's). Closing the pool stops whatever is parked. Each start the
+pool saves is the engine's import and load: ~18 s of both cores for the tiny CPU targets here, minutes for a large
+target on GPUs.
 Engines are started from the pool's own threads, which live until it closes: an engine dies with the thread that
 started it (`PR_SET_PDEATHSIG` is per thread), so one parked by a stage outlives the stage's threads.
 A parked server keeps its cumulative counters and its prefix cache: every consumer here reads counter deltas, and
