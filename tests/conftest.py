@@ -16,9 +16,10 @@ process asks first (`built_once`: the others wait for it and reuse it):
                      `.regen_dir`, `.extract_dir`, `.head_dir`; shared by the vLLM and load-sweep tests
                                                                                     (run, ~20-40 s)
     engine_settings  Settings of a fresh state dir, vLLM's venv checked                 (module, free)
-Order: modules with the most engine, live or slow tests run first (`pytest_collection_modifyitems`), so that under
-`make test`'s worker processes (pytest-xdist, a whole module per worker) the long modules start early and the
-short ones fill in at the end, instead of one long module running alone at the end.
+Order: the modules that took longest in a measured run go first (`pytest_collection_modifyitems`,
+tests/module_seconds.py), so that under `make test`'s worker processes (pytest-xdist, a whole module per worker,
+xdist's own reordering off) the long modules start early and the short ones fill in at the end, instead of one long
+module running alone at the end.
 Run: `python -m pytest tests/` (the fixtures are found by pytest); `make test` runs it in 2 worker processes.
 Not here: assertions. Heavy libraries are imported inside the fixtures, never at module scope.
 """
