@@ -107,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd
     if not cmd:
         p.error("give the command to profile after --")
+    if not a.every > 0:  # 0 would sample in a busy loop, beside the command it measures
+        p.error(f"--every must be > 0 seconds, got {a.every}")
     if not os.path.isdir("/proc/self"):
         p.error("reads /proc: Linux only")
     rc, wall, rows = profile(cmd, a.every)

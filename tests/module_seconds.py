@@ -45,7 +45,11 @@ def main(argv: list[str]) -> int:
     if len(argv) != 1:
         print("usage: python tests/module_seconds.py RUN.xml  (a whole-suite run's --junitxml)", file=sys.stderr)
         return 2
-    seconds = from_junit(argv[0])
+    try:
+        seconds = from_junit(argv[0])
+    except (OSError, ET.ParseError) as e:
+        print(f"{argv[0]}: not a readable JUnit XML ({e})", file=sys.stderr)
+        return 2
     if not seconds:
         print(f"{argv[0]}: no test cases", file=sys.stderr)
         return 1

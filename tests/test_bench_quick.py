@@ -316,3 +316,11 @@ def test_cpu_by_process_counts_a_commands_children_by_kind(tmp_path):
     burner = [r for r in rows if "process_time" in r["cmdline"] and "subprocess" not in r["cmdline"]]
     assert len(burner) == 1 and burner[0]["cpu_s"] >= 0.6, rows
     assert "in all, over" in proc.stderr and "CPU-s" in proc.stderr
+
+
+@pytest.mark.parametrize("args,line", [(["--every", "0", "--", "true"], "--every must be > 0 seconds, got 0.0"),
+                                       ([], "give the command to profile after --")])
+def test_cpu_by_process_refuses_bad_arguments_in_one_line(args, line):
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "bench" / "cpu_by_process.py"),
+                           *args], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].endswith(line), proc.stderr

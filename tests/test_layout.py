@@ -302,3 +302,16 @@ def test_module_seconds_sum_a_junit_run_by_module(tmp_path):
     assert from_junit(xml) == {"tests/test_b.py": 7.0, "tests/test_a.py": 3.8}
     committed = load()
     assert committed and all(m.startswith("tests/test_") and s >= 0 for m, s in committed.items())
+
+
+def test_module_seconds_refuses_a_file_that_is_not_junit_in_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    bad = tmp_path / "run.xml"
+    bad.write_text("not xml")
+    script = Path(__file__).resolve().parent / "module_seconds.py"
+    for arg in (str(bad), str(tmp_path / "missing.xml")):
+        proc = subprocess.run([sys.executable, str(script), arg], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert proc.stderr.startswith(f"{arg}: not a readable JUnit XML"), proc.stderr
