@@ -11,6 +11,8 @@ entry) and passed down. This is the only module of the project that reads enviro
     PREFECT_API_URL             a Prefect server; default: Prefect's ephemeral mode
     EAGLE_TRUST_REMOTE_CODE     `1` lets transformers run code shipped with a model (default off)
     EAGLE_VLLM_PYTHON           the python of an environment with vLLM (default: the project's `.venv-vllm`)
+    EAGLE_VLLM_ZYGOTE           `0`: every vLLM server on the CPU starts its own interpreter; default `1`: they are
+                                forked from one that imported vLLM already (infra/vllm_zygote.py)
     EAGLE_TARGET_PATH           pins how our loop runs the target (`lean-packed`, `lean-torch`, `hf-packed`,
                                 `hf-torch`; default: timed per process). Read by eagle/target_path.py itself, in
                                 every process that decodes (eagle/ imports no infra), not by Settings.
@@ -149,6 +151,7 @@ class Settings:
     prefect_api_url: str | None = None
     trust_remote_code: bool = False
     vllm_python: str | None = None
+    vllm_zygote: bool = True
     mlflow_tracking_token: str | None = None
     mlflow_tracking_username: str | None = None
     mlflow_tracking_password: str | None = None
@@ -172,6 +175,7 @@ class Settings:
             prefect_api_url=_get(env, "PREFECT_API_URL"),
             trust_remote_code=_flag(env, "EAGLE_TRUST_REMOTE_CODE"),
             vllm_python=_get(env, "EAGLE_VLLM_PYTHON"),
+            vllm_zygote=_flag(env, "EAGLE_VLLM_ZYGOTE") if _get(env, "EAGLE_VLLM_ZYGOTE") else True,
             mlflow_tracking_token=_get(env, "MLFLOW_TRACKING_TOKEN"),
             mlflow_tracking_username=_get(env, "MLFLOW_TRACKING_USERNAME"),
             mlflow_tracking_password=_get(env, "MLFLOW_TRACKING_PASSWORD"),
@@ -246,6 +250,7 @@ class Settings:
             "prefect_api_url": redact_uri(self.prefect_api_url) or "(ephemeral)",
             "trust_remote_code": str(self.trust_remote_code),
             "vllm_python": self.vllm_python or "(the project's .venv-vllm)",
+            "vllm_zygote": str(self.vllm_zygote),
         }
         out.update({name: "set" if getattr(self, name) else "unset" for name in _SECRET_FIELDS})
         return out

@@ -4,7 +4,7 @@ Purpose: `VllmServer(EngineSpec(...), settings)` is a context manager that start
 `python -m vllm.entrypoints.openai.api_server` from vLLM's own virtual environment (vLLM pins other torch and
 transformers versions than this project, so it never shares our venv) on 127.0.0.1 at a free port, waits for
 `/health`, keeps the engine's log under the state dir, and stops it by its own process group (and the engine dies
-with us: PR_SET_PDEATHSIG). While it runs: `chat(...)` and `complete(...)` return token ids (greedy by default)
+with us). On the CPU it is forked from a process that imported vLLM once (infra/vllm_zygote.py). While it runs: `chat(...)` and `complete(...)` return token ids (greedy by default)
 and, from a server started with `PER_REQUEST_METRICS`, the drafts accepted per verification step;
 `spec_counters()` reads the speculative-decoding counters from `/metrics`. `running(a, b, ...)` starts several
 servers at once and stops them all on exit or when one fails to start; `launch()`, `wait_ready()`: a start in two.
@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Literal
 
+from infra import vllm_zygote
 from infra.settings import BIND_HOST, Settings
 from infra.vllm_memory import cpu_kv_cache_bytes
 from infra.vllm_scale import EngineScale
@@ -165,15 +166,6 @@ def free_port(host: str = BIND_HOST) -> int:
         return int(s.getsockname()[1])
 
 
-def _die_with_parent() -> None:
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 class VllmServer:
     """One vLLM OpenAI-compatible server on loopback; `with VllmServer(spec, settings) as srv: srv.chat(...)`."""
 
@@ -199,13 +191,15 @@ class VllmServer:
                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
         env.pop("PYTHONPATH", None)  # our venv's packages must not shadow vLLM's pinned ones
         env.update(dict(self.spec.env))
-        cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", *self.spec.server_args(self.port)]
-        with open(self.log_path, "w") as log:
-            log.write("$ " + " ".join(shlex.quote(c) for c in cmd) + "\n")
-            log.flush()
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                         cwd=str(self.log_path.parent), start_new_session=True,
-                                         preexec_fn=_die_with_parent)
+        cmd = [str(python), "-m", vllm_zygote.SERVER, *self.spec.server_args(self.port)]
+        self.log_path.write_text("$ " + " ".join(shlex.quote(c) for c in cmd) + "\n")
+        if self.settings.vllm_zygote and not self.spec.env and self.spec.resolved_device() == "cpu":
+            self.proc = vllm_zygote.launch(str(python), cmd[3:], env, str(self.log_path.parent), self.log_path)
+        if self.proc is None:  # not forked from a zygote (infra/vllm_zygote.py): an interpreter of its own
+            with open(self.log_path, "a") as log:
+                self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                             env=env, cwd=str(self.log_path.parent), start_new_session=True,
+                                             preexec_fn=vllm_zygote.die_with_parent)
         return self
 
     def wait_ready(self) -> "VllmServer":

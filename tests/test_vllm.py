@@ -13,7 +13,9 @@ unmodified by vLLM and served next to vLLM's plain decoding on the same held-out
   gate decides on vLLM's tau (`register.gate_tau: engine`); a champion head served on the same prompts gives the
   champion's tau in vLLM;
 - `eagle-heads serve` resolves the registered champion, starts vLLM and answers a chat completion with the target's
-  greedy output; `--print-only` prints the vLLM and SGLang commands; a missing vLLM is one clear line.
+  greedy output; `--print-only` prints the vLLM and SGLang commands; a missing vLLM, an engine that dies at start
+  (forked from a zygote, infra/vllm_zygote.py, as every engine here) and one that cannot take its port (started in an
+  interpreter of its own, `EAGLE_VLLM_ZYGOTE=0`) are each one clear line.
 Run: `python -m pytest tests/test_vllm.py` (about 5 minutes on 2 cores: each engine start takes 40-75 s). Needs
 vLLM's venv (`make vllm`; `make test` makes it).
 Not here: SGLang itself (not installable here); its capture rule is checked without it in tests/test_export.py.
@@ -42,6 +44,7 @@ from components.extract import ExtractConfig, extract
 from components.serve import is_servable, servable_head
 from components.train import TrainConfig, train
 from infra.settings import Settings
+from infra.vllm_zygote import ZygoteChild
 from infra.vllm_server import EngineError, EngineSpec, VllmServer
 from tests.helpers import our_counts, state_dir_env
 
@@ -234,9 +237,9 @@ def test_missing_vllm_and_a_dying_engine_are_one_clear_line(engine_target, tmp_p
     shutil.copytree(engine_target.target_dir, broken)
     (broken / "model.safetensors").write_bytes(b"not weights")
     srv = VllmServer(EngineSpec(str(broken), method=None), Settings.local(tmp_path / ".eagle2"))
-    with pytest.raises(EngineError, match="exited with code"):
+    with pytest.raises(EngineError, match="exited with code 1"):
         srv.start()
-    assert srv.proc is None or srv.proc.poll() is not None
+    assert isinstance(srv.proc, ZygoteChild) and srv.proc.poll() == 1  # forked from a zygote (the default)
 
 
 def test_an_engine_that_cannot_take_its_port_is_never_reported_ready(engine_target, tmp_path):
@@ -256,10 +259,11 @@ def test_an_engine_that_cannot_take_its_port_is_never_reported_ready(engine_targ
     other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Healthy)
     threading.Thread(target=other.serve_forever, daemon=True).start()
     try:
-        srv = VllmServer(EngineSpec(engine_target.target_dir, method=None), Settings.local(tmp_path / ".eagle"),
+        srv = VllmServer(EngineSpec(engine_target.target_dir, method=None),
+                         Settings.local(tmp_path / ".eagle", vllm_zygote=False),  # its own interpreter: EAGLE_VLLM_ZYGOTE=0
                          port=other.server_address[1], start_timeout_s=300)
         with pytest.raises(EngineError, match="exited with code") as e:
             srv.start()
-        assert "address already in use" in str(e.value).lower()
+        assert "address already in use" in str(e.value).lower() and isinstance(srv.proc, subprocess.Popen)
     finally:
         other.shutdown()
