@@ -22,8 +22,8 @@ import sys
 import time
 
 KINDS = (  # (kind, regex on the command line), first match wins
-    ("vLLM API server", r"vllm\.entrypoints\.openai\.api_server"),
     ("vLLM API server forked by a zygote, and the zygote", r"vllm_zygote\.py"),  # infra/vllm_zygote.py
+    ("vLLM API server", r"vllm\.entrypoints\.openai\.api_server"),
     ("vLLM engine core (spawned)", r"venv-vllm\S*python\S* .*multiprocessing"),
     ("vLLM load client", r"venv-vllm\S*python\S* -c"),
     ("vLLM, other", r"venv-vllm"),

@@ -42,7 +42,11 @@ WRITE_ALLOWLIST = {  # (file, source snippet of the call) -> why it need not be 
     ("components/train.py", "open(self.path, 'a')"): "appends one history line; a torn last line is dropped on read",
     ("infra/locks.py", "open(path, 'a+')"): "a lock file: its content is never read",
     ("infra/ray_cluster.py", "markers[path].write_text"): "an empty probe marker: only its existence is read",
-    ("infra/vllm_server.py", "open(self.log_path, 'w')"): "the engine's log, written by the engine as it runs",
+    ("infra/vllm_server.py", "self.log_path.write_text"): "the engine's log (a new file per server): its command line",
+    ("infra/vllm_server.py", "open(self.log_path, 'a')"): "the engine's log, written by the engine as it runs",
+    ("infra/vllm_zygote.py", "open(log_path, 'ab')"): "the zygote's own log, read by people only",
+    ("infra/vllm_zygote.py", "open(tmp, 'w')"): "a server's exit code into a temp file, then os.replace'd (the zygote "
+                                                "imports only the standard library, not components.atomic)",
     ("infra/prefect_env.py", "open(home / 'local-api-start.lock', 'a+')"): "a lock file: its content is never read",
     ("infra/vllm_bench.py", "Path(path).write_text"): "the load client's prompts, rewritten whole before each sweep's "
         "first client starts; no other process reads it",
