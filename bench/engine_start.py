@@ -31,7 +31,7 @@ from infra.settings import Settings
 from infra.vllm_server import EngineSpec, VllmServer
 
 MODES = ("zygote", "fresh")
-PROMPT = [1, 5, 17, 42, 99, 7, 12, 3]  # ids any vocabulary here has (the tiny targets: 2,048): outputs are only compared
+PROMPT = [1, 5, 17, 42, 99, 7, 12, 3]  # ids every vocabulary here has (tiny targets: 2,048); outputs only compared
 
 
 def child(mode: str, target: str, starts: int, out: Path) -> None:

@@ -4,8 +4,9 @@ Purpose: `VllmServer(EngineSpec(...), settings)` is a context manager that start
 `python -m vllm.entrypoints.openai.api_server` from vLLM's own virtual environment (vLLM pins other torch and
 transformers versions than this project, so it never shares our venv) on 127.0.0.1 at a free port, waits for
 `/health`, keeps the engine's log under the state dir, and stops it by its own process group (and the engine dies
-with us). On the CPU it is forked from a process that imported vLLM once (infra/vllm_zygote.py). While it runs: `chat(...)` and `complete(...)` return token ids (greedy by default)
-and, from a server started with `PER_REQUEST_METRICS`, the drafts accepted per verification step;
+with us). On the CPU it is forked from a process that imported vLLM once (infra/vllm_zygote.py). While it runs:
+`chat(...)` and `complete(...)` return token ids (greedy by default) and, from a server started with
+`PER_REQUEST_METRICS`, the drafts accepted per verification step;
 `spec_counters()` reads the speculative-decoding counters from `/metrics`. `running(a, b, ...)` starts several
 servers at once and stops them all on exit or when one fails to start; `launch()`, `wait_ready()`: a start in two.
 `EngineSpec.speculative_config()` and `launch_command()` give the exact `--speculative-config` a user passes on
@@ -193,13 +194,14 @@ class VllmServer:
         env.update(dict(self.spec.env))
         cmd = [str(python), "-m", vllm_zygote.SERVER, *self.spec.server_args(self.port)]
         self.log_path.write_text("$ " + " ".join(shlex.quote(c) for c in cmd) + "\n")
-        if self.settings.vllm_zygote and not self.spec.env and self.spec.resolved_device() == "cpu":
-            self.proc = vllm_zygote.launch(str(python), cmd[3:], env, str(self.log_path.parent), self.log_path)
-        if self.proc is None:  # not forked from a zygote (infra/vllm_zygote.py): an interpreter of its own
+        forked = self.settings.vllm_zygote and not self.spec.env and self.spec.resolved_device() == "cpu"
+        cwd = str(self.log_path.parent)
+        proc = vllm_zygote.launch(str(python), cmd[3:], env, cwd, self.log_path) if forked else None
+        if proc is None:  # not forked from a zygote (infra/vllm_zygote.py): an interpreter of its own
             with open(self.log_path, "a") as log:
-                self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                             env=env, cwd=str(self.log_path.parent), start_new_session=True,
-                                             preexec_fn=vllm_zygote.die_with_parent)
+                proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                        cwd=cwd, start_new_session=True, preexec_fn=vllm_zygote.die_with_parent)
+        self.proc = proc
         return self
 
     def wait_ready(self) -> "VllmServer":

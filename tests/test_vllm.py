@@ -259,9 +259,9 @@ def test_an_engine_that_cannot_take_its_port_is_never_reported_ready(engine_targ
     other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Healthy)
     threading.Thread(target=other.serve_forever, daemon=True).start()
     try:
-        srv = VllmServer(EngineSpec(engine_target.target_dir, method=None),
-                         Settings.local(tmp_path / ".eagle", vllm_zygote=False),  # its own interpreter: EAGLE_VLLM_ZYGOTE=0
-                         port=other.server_address[1], start_timeout_s=300)
+        own = Settings.local(tmp_path / ".eagle", vllm_zygote=False)  # an interpreter of its own: EAGLE_VLLM_ZYGOTE=0
+        srv = VllmServer(EngineSpec(engine_target.target_dir, method=None), own, port=other.server_address[1],
+                         start_timeout_s=300)
         with pytest.raises(EngineError, match="exited with code") as e:
             srv.start()
         assert "address already in use" in str(e.value).lower() and isinstance(srv.proc, subprocess.Popen)
