@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import subprocess
@@ -43,9 +44,7 @@ def child(mode: str, target: str, starts: int, out: Path) -> None:
             ready.append(round(time.perf_counter() - t0, 2))
             kinds.append(type(srv.proc).__name__)
             outputs.append(srv.complete(PROMPT, 16).token_ids)
-    for z in vllm_zygote._zygotes.values():
-        if z is not None:
-            z.close()
+    vllm_zygote.close_all()  # its children's CPU reaches our rusage once it has reaped them and exited
     ru = resource.getrusage(resource.RUSAGE_CHILDREN)
     out.write_text(json.dumps({"mode": mode, "ready_s": ready, "cpu_s": round(ru.ru_utime + ru.ru_stime, 2),
                                "outputs": outputs, "kinds": kinds}))
@@ -63,7 +62,9 @@ def main() -> None:
         a.error("--rounds and --starts must be at least 1")
     if args.child:
         return child(args.child, args.target, args.starts, Path(args.out))
-    load_before = list(__import__("os").getloadavg())
+    if args.target and not Path(args.target, "config.json").is_file():
+        a.error(f"--target {args.target}: not a model directory (no config.json)")
+    load_before = list(os.getloadavg())
     target = args.target or str(common.embedded(common.Preset.get(False)).target_dir)
     runs: dict[str, list[dict]] = {m: [] for m in MODES}
     with tempfile.TemporaryDirectory() as tmp:

@@ -22,6 +22,7 @@ A zygote that cannot start (vLLM missing or broken) is not tried again in this p
 the fresh interpreter reports the error as before.
 Off: `EAGLE_VLLM_ZYGOTE=0` (infra/settings.py); infra/vllm_server.py also starts a fresh interpreter for an engine not
 on the CPU or with an environment of its own (`EngineSpec.env`, e.g. the extraction engines' storage mark).
+`close_all()` closes this process's zygotes now (a benchmark that reads its children's CPU time).
 Run: imported by infra/vllm_server.py; `python infra/vllm_zygote.py [MODULE]` is the zygote (vLLM's venv; this file
 imports only the standard library; MODULE, default vLLM's server, lets tests use a module of their own).
 Not here: the server's arguments and its life cycle (infra/vllm_server.py).
@@ -176,6 +177,15 @@ def launch(python: str, argv: list[str], env: dict[str, str], cwd: str, log_path
         return zygote.fork(argv, env, cwd, log_path)
     except (OSError, RuntimeError, ValueError):
         return None
+
+
+def close_all() -> None:
+    """Close every zygote this process started (each stops its children first); the process's exit does the same."""
+    with _registry_lock:
+        zygotes = [z for z in _zygotes.values() if z is not None]
+        _zygotes.clear()
+    for z in zygotes:
+        z.close()
 
 
 # ---- the zygote -------------------------------------------------------------------------------------------------

@@ -94,6 +94,8 @@ ROWS: dict[str, tuple[str, list[str], dict[str, str], str]] = {
     "eagle-home-is-a-file": ("file", TRAIN, {}, "a file, not a directory"),
     "eagle-home-not-writable": ("/proc/eagle-home", TRAIN, {}, "EAGLE_HOME=/proc/eagle-home: /proc is not writable"),
     "trust-remote-code-malformed": (EMPTY, TRAIN, {"EAGLE_TRUST_REMOTE_CODE": "maybe"}, "'maybe' is not a boolean"),
+    "vllm-zygote-malformed": (EMPTY, TRAIN, {"EAGLE_VLLM_ZYGOTE": "sometimes"}, "EAGLE_VLLM_ZYGOTE='sometimes' is not a "
+                              "boolean"),
     # evaluate
     "evaluate-json-is-a-directory": (EMPTY, _with(EVAL, json="{dir}"), {}, "--json {dir}: a directory"),
     "evaluate-json-dir-missing": (EMPTY, _with(EVAL, json="/no/such/dir/r.json"), {}, "/no/such/dir does not exist"),

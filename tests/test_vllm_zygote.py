@@ -127,9 +127,7 @@ def test_launch_keys_zygotes_by_environment_and_gives_up_cleanly(probe_env, tmp_
         assert c.zygote is not a.zygote and c.wait(30) == 0
         assert launch({**probe_env, "OMP_NUM_THREADS": "2"}, "d") is None  # MAX_ZYGOTES running already
     finally:
-        for z in vllm_zygote._zygotes.values():
-            if z is not None:
-                z.close()
+        vllm_zygote.close_all()
 
 
 def test_a_killed_starter_takes_its_zygote_and_its_children_along(probe_env, tmp_path):
