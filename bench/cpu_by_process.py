@@ -22,9 +22,12 @@ import sys
 import time
 
 KINDS = (  # (kind, regex on the command line), first match wins
+    # vLLM titles its engine core and workers (`VLLM::EngineCore`, `VLLM::Worker`) once they run: forked from a
+    # zygote's server (infra/vllm_zygote.py) the core shows the zygote's command line until then, a spawned one
+    # `python -c ... multiprocessing ...`
+    ("vLLM engine core and worker", r"^VLLM::|venv-vllm\S*python\S* .*multiprocessing"),
     ("vLLM API server forked by a zygote, and the zygote", r"vllm_zygote\.py"),  # infra/vllm_zygote.py
     ("vLLM API server", r"vllm\.entrypoints\.openai\.api_server"),
-    ("vLLM engine core (spawned)", r"venv-vllm\S*python\S* .*multiprocessing"),
     ("vLLM load client", r"venv-vllm\S*python\S* -c"),
     ("vLLM, other", r"venv-vllm"),
     ("Ray worker", r"default_worker\.py"),
@@ -77,7 +80,7 @@ def profile(cmd: list[str], every: float = 0.5) -> tuple[int, float, dict[str, d
                 continue
             row = rows.setdefault(key, {"pid": int(key.split(":")[0]), "ppid": ppid, "cmdline": cmdline[:400],
                                         "first_s": round(now, 1)})
-            if cmdline and not row["cmdline"]:  # seen between fork and exec first
+            if cmdline and (not row["cmdline"] or cmdline.startswith("VLLM::")):  # seen before its exec or title
                 row["cmdline"] = cmdline[:400]
             row["cpu_s"], row["last_s"] = cpu, round(now, 1)
         if done:

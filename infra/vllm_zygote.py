@@ -1,8 +1,7 @@
 """vLLM's API server forked from a process that imported it already: an engine start no longer imports vLLM.
 
-Purpose: on vLLM's CPU build an engine start costs ~18 CPU-s, ~7 of them the API server's own `import vllm` (torch's
-dynamo and inductor, transformers, openai's types; vLLM's engine core and worker are spawned fresh by vLLM itself,
-which its CPU platform forces). `launch(python, argv, env, cwd, log_path)` runs
+Purpose: on vLLM's CPU build an engine start cost ~18 CPU-s, most of it importing vLLM (torch's dynamo and inductor,
+transformers, openai's types) in the API server and again in the engine core and worker that it spawns. `launch(python, argv, env, cwd, log_path)` runs
 `python -m vllm.entrypoints.openai.api_server ARGV` as a fork of a *zygote*, `python infra/vllm_zygote.py`, which
 imported that module's dependencies once and forks a child per request. The child runs the module as `python -m`
 does (`runpy.run_module(..., "__main__")`, ending through the interpreter's own exit) in its own session (its pid
@@ -14,6 +13,12 @@ None and the caller starts a fresh interpreter).
 The handle `launch` returns acts as `subprocess.Popen`'s for what infra/vllm_server.py uses: `pid`, `poll()`,
 `wait(timeout)`, `returncode` (negative: killed by that signal). The zygote reaps its children and writes each exit
 code to `<log>.rc`, which the handle reads.
+The engine core too: vLLM's CPU platform has every process it starts spawned (a fresh interpreter importing vLLM
+again, ~5 CPU-s) because its worker reads its OpenMP thread binding from the environment at start-up. The engine core
+binds nothing (under `VLLM_ENABLE_V1_MULTIPROCESSING=0` it runs the model unbound either way), so a zygote's child
+starts it by fork, vLLM's own default method off the CPU, from the server that imported it already (the zygote also
+imported the engine core's and the CPU worker's modules, `PRELOAD`); the worker is still spawned, its binding as
+before. Same outputs (tests/test_vllm.py); an engine start then costs ~2 CPU-s and ~2 s instead of ~7 (bench/README.md).
 Lifetime: a zygote is a session of its own (a terminal's Ctrl-C does not reach it) and lives as long as the process
 that started it: it reads requests on its stdin, and when that pipe closes (the process exited or was killed), it
 stops its children (SIGTERM to each group, SIGKILL after 10 s) and exits. Each child also gets SIGTERM if the zygote
@@ -42,6 +47,11 @@ SERVER = "vllm.entrypoints.openai.api_server"
 MAX_ZYGOTES = 3  # per process: each holds an imported vLLM (~0.6 GB) until the process exits
 # environment that vLLM does not read and that may change between requests: pytest's, ours and other services'
 VOLATILE = ("PYTEST_", "EAGLE_", "MLFLOW_", "PREFECT_")
+# imported by a zygote of vLLM's server after it, for the engine core forked from each child (optional: a module
+# that vLLM does not have is left out, its error in the zygote's log)
+PRELOAD = ("setproctitle", "vllm.v1.engine.core", "vllm.v1.worker.cpu_worker", "vllm.v1.worker.cpu_model_runner",
+           "vllm.model_executor.models.llama", "vllm.model_executor.models.llama_eagle3")
+FORKED_CORE = "vllm_zygote: the engine core is forked from this server"  # the server's log says so
 READY_TIMEOUT_S = 300.0
 STOP_WAIT_S = 10.0
 
@@ -203,6 +213,13 @@ def _serve(module: str) -> None:
         del sys.modules[module]
         if "." in module:
             vars(sys.modules[module.rpartition(".")[0]]).pop(module.rpartition(".")[2], None)
+        for name in PRELOAD if module == SERVER else ():
+            try:
+                __import__(name)
+            except Exception as e:  # noqa: BLE001  (only a cost: the engine core imports it itself)
+                print(f"vllm_zygote: not preloaded: {name}: {type(e).__name__}: {e}", file=sys.stderr)
+        if "setproctitle" in sys.modules:  # it finds the command line's memory now, before a child's environment moves
+            sys.modules["setproctitle"].getproctitle()
     except BaseException as e:  # noqa: BLE001  (any failure is the answer; the caller starts vLLM directly)
         import traceback
 
@@ -294,6 +311,8 @@ def _child(module: str, request: dict, replies) -> None:
     import traceback
 
     try:
+        if module == SERVER:
+            _fork_engine_core()
         runpy.run_module(module, run_name="__main__", alter_sys=True)
         code: object = 0
     except SystemExit as e:
@@ -302,6 +321,26 @@ def _child(module: str, request: dict, replies) -> None:
         traceback.print_exc()
         code = 1
     raise SystemExit(code)
+
+
+def _fork_engine_core() -> None:
+    """In a child about to be vLLM's server: the engine core process it starts is forked, not spawned (module doc).
+    Only the engine core's start (`vllm.v1.engine.utils`); the executor's workers keep vLLM's choice. A vLLM without
+    that hook starts its engine core as it would."""
+    import multiprocessing
+
+    try:
+        from vllm.v1.engine import utils
+    except ImportError:
+        return
+    if not callable(getattr(utils, "get_mp_context", None)):
+        return
+
+    def forked() -> multiprocessing.context.BaseContext:
+        print(FORKED_CORE, file=sys.stderr, flush=True)
+        return multiprocessing.get_context("fork")
+
+    utils.get_mp_context = forked
 
 
 def die_with_parent() -> None:

@@ -14,7 +14,7 @@ unmodified by vLLM and served next to vLLM's plain decoding on the same held-out
   champion's tau in vLLM;
 - `eagle-heads serve` resolves the registered champion, starts vLLM and answers a chat completion with the target's
   greedy output; `--print-only` prints the vLLM and SGLang commands; a missing vLLM, an engine that dies at start
-  (forked from a zygote, infra/vllm_zygote.py, as every engine here) and one that cannot take its port (started in an
+  (forked from a zygote, infra/vllm_zygote.py, as every engine here, its engine core forked from it) and one that cannot take its port (started in an
   interpreter of its own, `EAGLE_VLLM_ZYGOTE=0`) are each one clear line.
 Run: `python -m pytest tests/test_vllm.py` (about 5 minutes on 2 cores: each engine start takes 40-75 s). Needs
 vLLM's venv (`make vllm`; `make test` makes it).
@@ -44,7 +44,7 @@ from components.extract import ExtractConfig, extract
 from components.serve import is_servable, servable_head
 from components.train import TrainConfig, train
 from infra.settings import Settings
-from infra.vllm_zygote import ZygoteChild
+from infra.vllm_zygote import FORKED_CORE, ZygoteChild
 from infra.vllm_server import EngineError, EngineSpec, VllmServer
 from tests.helpers import our_counts, state_dir_env
 
@@ -119,6 +119,8 @@ def test_vllm_serves_the_head_losslessly_with_our_acceptance(kind, heads, engine
     res = evaluate_in_vllm(EVAL, engine_target.target_dir, str(served), heldout, str(tmp_path / "vllm"), settings,
                            ours=our_outputs(ours.report_file), plain=plain_run, baseline_head_dir=champion, **QUIET)
     assert res.identical_to_plain and res.identical_to_ours
+    # its engine core was forked from the server (infra/vllm_zygote.py), and its outputs are the target's, as above
+    assert isinstance(plain_run.proc, ZygoteChild) and FORKED_CORE in plain_run.log_path.read_text()
     assert res.speedup_rounds == EVAL.speed.min_rounds and res.speedup_lo <= res.speedup <= res.speedup_hi
     assert res.baseline_tau == (pytest.approx(res.tau) if champion else None)  # the gate's champion τ in vLLM
     steps, per_pos = our_counts(ours.report_file, EVAL.spec.depth)
