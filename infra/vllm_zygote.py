@@ -1,8 +1,9 @@
-"""vLLM's API server forked from a process that imported it already: an engine start no longer imports vLLM.
+"""vLLM's API server forked from a process that imported it already, and its engine core forked from that server.
 
 Purpose: on vLLM's CPU build an engine start cost ~18 CPU-s, most of it importing vLLM (torch's dynamo and inductor,
-transformers, openai's types) in the API server and again in the engine core and worker that it spawns. `launch(python, argv, env, cwd, log_path)` runs
-`python -m vllm.entrypoints.openai.api_server ARGV` as a fork of a *zygote*, `python infra/vllm_zygote.py`, which
+transformers, openai's types) in the API server and again in each process it spawns (engine core, worker).
+`launch(python, argv, env, cwd, log_path)` runs `python -m vllm.entrypoints.openai.api_server ARGV` as a fork of a
+*zygote*, `python infra/vllm_zygote.py`, which
 imported that module's dependencies once and forks a child per request. The child runs the module as `python -m`
 does (`runpy.run_module(..., "__main__")`, ending through the interpreter's own exit) in its own session (its pid
 leads its process group, as with `start_new_session`), with the request's environment, working directory and log.
@@ -16,9 +17,9 @@ code to `<log>.rc`, which the handle reads.
 The engine core too: vLLM's CPU platform has every process it starts spawned (a fresh interpreter importing vLLM
 again, ~5 CPU-s) because its worker reads its OpenMP thread binding from the environment at start-up. The engine core
 binds nothing (under `VLLM_ENABLE_V1_MULTIPROCESSING=0` it runs the model unbound either way), so a zygote's child
-starts it by fork, vLLM's own default method off the CPU, from the server that imported it already (the zygote also
+starts it by fork, vLLM's default method off the CPU, from the server that imported vLLM already (the zygote also
 imported the engine core's and the CPU worker's modules, `PRELOAD`); the worker is still spawned, its binding as
-before. Same outputs (tests/test_vllm.py); an engine start then costs ~2 CPU-s and ~2 s instead of ~7 (bench/README.md).
+before. The server's log says `FORKED_CORE`. Same outputs (tests/test_vllm.py); what it saves: bench/README.md.
 Lifetime: a zygote is a session of its own (a terminal's Ctrl-C does not reach it) and lives as long as the process
 that started it: it reads requests on its stdin, and when that pipe closes (the process exited or was killed), it
 stops its children (SIGTERM to each group, SIGKILL after 10 s) and exits. Each child also gets SIGTERM if the zygote

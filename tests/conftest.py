@@ -218,11 +218,12 @@ def _engines_on_this_workers_core():
 
 @pytest.fixture(scope="session", autouse=True)
 def _engines_in_two_processes():
-    """vLLM's CPU build starts three processes per engine (API server, engine core, a worker), each importing torch
-    and vLLM: most of an engine's 20-60 s start. With `VLLM_ENABLE_V1_MULTIPROCESSING=0` its worker runs inside the
-    engine-core process (vLLM's "uni" executor; the API server still runs the engine core apart): one import
-    fewer, ~10 s less per start on 2 cores, the same outputs and counters (the engine's thread binding is what goes,
-    which only timings would feel: the benchmarks run outside the suite, their quick tests here assert no timing).
+    """vLLM's CPU build runs three processes per engine (API server, engine core, a worker). The first two are forked
+    from a zygote that imported vLLM once (infra/vllm_zygote.py); the worker is spawned and imports torch and vLLM
+    again. With `VLLM_ENABLE_V1_MULTIPROCESSING=0` the worker runs inside the engine-core process (vLLM's "uni"
+    executor; the API server still runs the engine core apart): no import at all, ~5 s less per start on 2 cores,
+    the same outputs and counters (the engine's thread binding is what goes, which only timings would feel: the
+    benchmarks run outside the suite, their quick tests here assert no timing).
     Set `VLLM_ENABLE_V1_MULTIPROCESSING=1` to test vLLM's default."""
     import os
 

@@ -12,7 +12,7 @@ Purpose:
 - a schedule served by vLLM takes effect: K 3 at batch size 1 and K 0 from 2 on drafts at concurrency 1 and almost
   never at concurrency 4 (only while the batch ramps up or drains), and the engine's log shows the schedule;
 - `eagle-heads serve --print-only` puts a registered schedule in the vLLM command and says what SGLang can express.
-Run: `python -m pytest tests/test_load_sweep.py` (about 4 minutes on 2 cores: four engine starts; the head is
+Run: `python -m pytest tests/test_load_sweep.py` (about 1 minute on 2 cores: four engine starts; the head is
 the session's `engine_head`).
 Not here: batch-1 speedups (tests/test_vllm.py, tests/test_speed.py).
 """

@@ -12,7 +12,7 @@ monitor --once` scrapes vLLM's `/metrics` after each batch of requests:
   traffic snapshot, which registers a new head version trained on that snapshot;
 - more of the same drop before the retrain finished: verdict `announced`, no second event, one retrain run;
 - the server stopped: one line, exit 1, no event.
-Run: `python -m pytest tests/test_monitor_vllm.py` (about 5-7 minutes on 2 cores). Needs vLLM's venv (`make vllm`).
+Run: `python -m pytest tests/test_monitor_vllm.py` (about 2-3 minutes on 2 cores). Needs vLLM's venv (`make vllm`).
 Not here: the window arithmetic and the other error lines (tests/test_monitor.py).
 """
 

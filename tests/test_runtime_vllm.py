@@ -8,7 +8,7 @@ vLLM only; the head trains (draft vocabulary from the regenerated tokens, embedd
 tensor name), registers on vLLM's τ, and the registered figures are the ones vLLM's counters gave
 (`engine_evaluation.json`). Four engine starts: regenerate, extract, the evaluation's plain/speculative pair.
 Also bench/runtime_memory.py --quick: the pipeline process's peak memory with either runtime (one engine start).
-Run: `python -m pytest tests/test_runtime_vllm.py` (about 7 minutes on 2 cores). Needs vLLM's venv (`make vllm`).
+Run: `python -m pytest tests/test_runtime_vllm.py` (about 1-2 minutes on 2 cores). Needs vLLM's venv (`make vllm`).
 Not here: the config rules of `target` (tests/test_engine_scale.py), the engine's features against ours
 (tests/test_extract_engine.py), serving (tests/test_vllm.py).
 """
