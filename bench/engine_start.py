@@ -6,7 +6,8 @@ processes, one per mode, their order alternating by round: `zygote` (servers for
 `fresh` (`EAGLE_VLLM_ZYGOTE=0`: each server its own interpreter). Each process starts `--starts` plain servers of
 the target one after the other (the default preset's evaluation sizes: fp32, eager, a context of 512), sends each
 the same greedy request, stops it, and reports the wall seconds from start to healthy for each and the CPU-seconds of
-everything it started (its children's rusage once all are reaped: a zygote's children count in the zygote's). Prints
+everything it started (its children's rusage once all are reaped: a zygote's children count in the zygote's, and
+orphans are adopted and reaped, so vLLM's worker counts too: before 2026-12-05 06:50 it did not). Prints
 the medians and minima over rounds of CPU-s per start and of seconds to healthy (first start, later starts), and the
 mismatches (a greedy output that differs from the first process's). Writes `bench/results/engine_start.json`.
 Not here: the GPU (a zygote is used on the CPU only), engines with an environment of their own (started directly).
@@ -35,7 +36,28 @@ MODES = ("zygote", "fresh")
 PROMPT = [1, 5, 17, 42, 99, 7, 12, 3]  # ids every vocabulary here has (tiny targets: 2,048); outputs only compared
 
 
+def _adopt_orphans() -> None:
+    """Processes orphaned below us come to us, not to init: vLLM's worker can outlive its engine core by a moment at
+    shutdown, and its CPU time reaches our RUSAGE_CHILDREN only if we reap it (PR_SET_CHILD_SUBREAPER)."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(36, 1)
+
+
+def _reap_all(timeout_s: float = 60.0) -> None:
+    """Reap every child, adopted orphans included, until none is left (or `timeout_s`)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            time.sleep(0.1)
+
+
 def child(mode: str, target: str, starts: int, out: Path) -> None:
+    _adopt_orphans()
     settings = Settings.local(out.parent / f"home-{mode}", vllm_zygote=(mode == "zygote"))
     ready, outputs, kinds = [], [], []
     for _ in range(starts):
@@ -45,6 +67,7 @@ def child(mode: str, target: str, starts: int, out: Path) -> None:
             kinds.append(type(srv.proc).__name__)
             outputs.append(srv.complete(PROMPT, 16).token_ids)
     vllm_zygote.close_all()  # its children's CPU reaches our rusage once it has reaped them and exited
+    _reap_all()
     ru = resource.getrusage(resource.RUSAGE_CHILDREN)
     out.write_text(json.dumps({"mode": mode, "ready_s": ready, "cpu_s": round(ru.ru_utime + ru.ru_stime, 2),
                                "outputs": outputs, "kinds": kinds}))
