@@ -3,10 +3,10 @@
 Purpose: on vLLM's CPU build an engine start cost ~18 CPU-s, most of it importing vLLM (torch's dynamo and inductor,
 transformers, openai's types) in the API server and again in each process it spawns (engine core, worker).
 `launch(python, argv, env, cwd, log_path)` runs `python -m vllm.entrypoints.openai.api_server ARGV` as a fork of a
-*zygote*, `python infra/vllm_zygote.py`, which
-imported that module's dependencies once and forks a child per request. The child runs the module as `python -m`
-does (`runpy.run_module(..., "__main__")`, ending through the interpreter's own exit) in its own session (its pid
-leads its process group, as with `start_new_session`), with the request's environment, working directory and log.
+*zygote*, `python infra/vllm_zygote.py`, which imported that module's dependencies once and forks a child per
+request. The child runs the module as `python -m` does (`runpy.run_module(..., "__main__")`, ending through the
+interpreter's own exit) in its own session (its pid leads its process group, as with `start_new_session`), with
+the request's environment, working directory and log.
 Only the imports differ from a fresh interpreter: they ran before the fork, in the zygote's environment. So a zygote
 takes only requests whose environment equals the one it was started with (but for variables vLLM does not read,
 `VOLATILE`); another environment gets a zygote of its own, at most `MAX_ZYGOTES` per process (then `launch` returns

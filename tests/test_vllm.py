@@ -14,8 +14,8 @@ unmodified by vLLM and served next to vLLM's plain decoding on the same held-out
   champion's tau in vLLM;
 - `eagle-heads serve` resolves the registered champion, starts vLLM and answers a chat completion with the target's
   greedy output; `--print-only` prints the vLLM and SGLang commands; a missing vLLM, an engine that dies at start
-  (forked from a zygote, infra/vllm_zygote.py, as every engine here, its engine core forked from it) and one that cannot take its port (started in an
-  interpreter of its own, `EAGLE_VLLM_ZYGOTE=0`) are each one clear line.
+  (forked from a zygote, infra/vllm_zygote.py, as every engine here, its engine core forked from it) and one that
+  cannot take its port (started in an interpreter of its own, `EAGLE_VLLM_ZYGOTE=0`) are each one clear line.
 Run: `python -m pytest tests/test_vllm.py` (about 3 minutes on 2 cores: an engine start takes 3-10 s). Needs
 vLLM's venv (`make vllm`; `make test` makes it).
 Not here: SGLang itself (not installable here); its capture rule is checked without it in tests/test_export.py.
