@@ -1,6 +1,6 @@
 """What forking vLLM's servers from a zygote saves per engine start (infra/vllm_zygote.py), side by side.
 
-Run: `python bench/engine_start.py [--rounds 5] [--starts 3] [--target DIR]` (~10 min on 2 cores with the defaults;
+Run: `python bench/engine_start.py [--rounds 5] [--starts 3] [--target DIR]` (~8 min on 2 cores with the defaults;
 default target: the embedded default's, built or reused as every benchmark does). Each round runs two fresh
 processes, one per mode, their order alternating by round: `zygote` (servers forked from a zygote, the default) and
 `fresh` (`EAGLE_VLLM_ZYGOTE=0`: each server its own interpreter). Each process starts `--starts` plain servers of
