@@ -133,7 +133,8 @@ def _create_experiment(client: MlflowClient, name: str, settings: Settings):
 @contextmanager
 def _creating_store(uri: str) -> Iterator[None]:
     """Hold `<db>.lock` while MLflow opens a SQLite store: two processes creating its tables at once corrupt
-    the schema migration (alembic: "expected to match one row"); the second waits and finds them made."""
+    the schema migration (alembic: "expected to match one row", or "table ... already exists"); the second
+    waits and finds them made."""
     if not uri.startswith("sqlite:///"):
         yield
         return
@@ -143,6 +144,13 @@ def _creating_store(uri: str) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def open_client(uri: str) -> MlflowClient:
+    """An `MlflowClient` on `uri` for tracking and registry. MLflow opens the tracking store (and creates a new
+    SQLite store's tables) in the constructor, so a SQLite store is opened under `_creating_store`'s lock."""
+    with _creating_store(uri):
+        return MlflowClient(tracking_uri=uri, registry_uri=uri)
 
 
 class MlflowStore:
@@ -164,9 +172,9 @@ class MlflowStore:
         _prepare_local_store(uri)
         mlflow.set_tracking_uri(uri)
         mlflow.set_registry_uri(uri)
-        client = MlflowClient(tracking_uri=uri, registry_uri=uri)
         try:
-            with _creating_store(uri):  # the first call creates the tables of a new SQLite store
+            client = open_client(uri)
+            with _creating_store(uri):  # a new store's first experiment: one process creates it
                 exp = client.get_experiment_by_name(experiment) or _create_experiment(client, experiment, settings)
             exp_id = exp.experiment_id
             if exp.lifecycle_stage == "deleted":

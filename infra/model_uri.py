@@ -114,9 +114,8 @@ def check_registered(settings, uris: list[str]) -> None:
         parse_model_uri(uri)
     if not uris:
         return
-    from mlflow import MlflowClient
-
     from infra.mlflow_health import probe_tracking
+    from infra.mlflow_store import open_client
     from infra.settings import redact_uri
 
     tracking = settings.mlflow_tracking_uri
@@ -125,6 +124,6 @@ def check_registered(settings, uris: list[str]) -> None:
         raise UnknownModel(f"{uris[0]}: no registered model {name!r} in {tracking}: that registry holds no model "
                            "yet (its database does not exist); train or register one first, or fix MLFLOW_TRACKING_URI")
     probe_tracking(settings)
-    client = MlflowClient(tracking_uri=tracking, registry_uri=tracking)
+    client = open_client(tracking)
     for uri in uris:
         lookup(client, uri, redact_uri(tracking) or "")

@@ -367,3 +367,29 @@ def test_an_engine_pool_hands_running_servers_on_by_spec_and_stops_the_rest(tmp_
         with pool.running(Sleeper(max_model_len=32)) as (e,):
             assert e is not d and e.proc.poll() is None and pool.reused == 2 and pool.started == 6
     assert e.proc is None and all(p.poll() is not None for p in procs)
+
+
+_OPEN_AT_ONCE = """
+import sys, time
+from pathlib import Path
+from infra.settings import Settings
+from infra.mlflow_store import MlflowStore
+go = float(sys.argv[2])
+while time.time() < go:
+    time.sleep(0.005)
+MlflowStore.connect(Settings.local(Path(sys.argv[1])))
+print("ok")
+"""
+
+
+def test_processes_opening_a_new_sqlite_store_at_once_all_succeed(tmp_path):
+    """MLflow creates a new SQLite store's tables in `MlflowClient()` itself: processes that open one at the same
+    instant take turns (a CI run lost one of two concurrent trainings to "table ... already exists")."""
+    import subprocess
+    import sys
+
+    home, go = tmp_path / ".eagle", time.time() + 4.0
+    procs = [subprocess.Popen([sys.executable, "-c", _OPEN_AT_ONCE, str(home), str(go)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=Path(__file__).parents[1]) for _ in range(3)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], "\n".join(err[-2000:] for _, err in outs)
