@@ -4,19 +4,23 @@ Purpose: `probe_tracking(settings)` (`probe_http(uri)` underneath; `MlflowStore`
 with `TrackingUnreachable` when MLFLOW_TRACKING_URI names a server that does not answer (the CLI calls it before
 starting a flow); `with store_errors(settings, "registering ..."):` turns the store's transient failures (a locked
 SQLite database, a server that is down or answers 5xx) into `TrackingUnreachable` with the redacted URI and what to
-do, and lets errors about the request itself (a missing model) through.
+do, and lets errors about the request itself (a missing model) through. `open_client(uri)` opens an `MlflowClient`
+safely when processes create a new SQLite store at once (MLflow creates its tables in the client's constructor).
 Run: `python -m infra.mlflow_health` probes the store named by the environment.
 Not here: the store's operations (infra/mlflow_store.py).
 """
 
 from __future__ import annotations
 
+import fcntl
 import urllib.error
 import urllib.request
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Iterator
 from urllib.parse import urlsplit, urlunsplit
 
+from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
 from infra.settings import Settings, redact_uri
@@ -83,3 +87,26 @@ _RETRY_HINT = ("Bring the store back and re-run the same command: finished stage
 if __name__ == "__main__":
     probe_tracking(Settings.from_env())
     print(f"MLflow store {redact_uri(Settings.from_env().mlflow_tracking_uri)}: reachable")
+
+
+@contextmanager
+def creating_store(uri: str) -> Iterator[None]:
+    """Hold `<db>.lock` while MLflow opens a SQLite store: two processes creating its tables at once corrupt
+    the schema migration (alembic: "expected to match one row", or "table ... already exists"); the second
+    waits and finds them made."""
+    if not uri.startswith("sqlite:///"):
+        yield
+        return
+    with open(Path(uri[len("sqlite:///") :]).expanduser().with_suffix(".lock"), "a+") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def open_client(uri: str) -> MlflowClient:
+    """An `MlflowClient` on `uri` for tracking and registry. MLflow opens the tracking store (and creates a new
+    SQLite store's tables) in the constructor, so a SQLite store is opened under `creating_store`'s lock."""
+    with creating_store(uri):
+        return MlflowClient(tracking_uri=uri, registry_uri=uri)

@@ -6,7 +6,8 @@ record a training run and register its head: log the head's safetensors director
 aliases, and `resolve` a `models:/name/version` or `models:/name@alias` URI to a local directory.
 Registered models that hold heads carry the tag `kind=eagle3-head`; registering a head into a model without
 it is refused, so a head never lands among a target's versions (`check_kind` checks a name without writing).
-Two processes opening a new SQLite store at once take turns creating its tables (a lock beside the file).
+Two processes opening a new SQLite store at once take turns creating its tables (`open_client`, a lock beside
+the file, in infra/mlflow_health.py).
 A failed run body ends its MLflow run FAILED without hiding the body's error if the store is down too.
 
 Run: `python -m infra.mlflow_store` connects with `Settings.from_env()` and lists registered models.
@@ -24,7 +25,6 @@ create); the flows run one registration per key.
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import hashlib
 import logging
 import re
@@ -44,7 +44,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.utils.validation import MAX_METRICS_PER_BATCH, MAX_PARAMS_TAGS_PER_BATCH
 
 from eagle.errors import BadInput
-from infra.mlflow_health import TrackingUnreachable, probe_http  # noqa: F401  (callers import them from here)
+from infra.mlflow_health import TrackingUnreachable, creating_store, open_client, probe_http  # noqa: F401
 from infra.model_uri import lookup, parse_model_uri  # noqa: F401  (callers import parse_model_uri from here)
 from infra.settings import Settings, redact_uri
 
@@ -130,29 +130,6 @@ def _create_experiment(client: MlflowClient, name: str, settings: Settings):
     return client.get_experiment_by_name(name)
 
 
-@contextmanager
-def _creating_store(uri: str) -> Iterator[None]:
-    """Hold `<db>.lock` while MLflow opens a SQLite store: two processes creating its tables at once corrupt
-    the schema migration (alembic: "expected to match one row", or "table ... already exists"); the second
-    waits and finds them made."""
-    if not uri.startswith("sqlite:///"):
-        yield
-        return
-    with open(Path(uri[len("sqlite:///") :]).expanduser().with_suffix(".lock"), "a+") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
-
-
-def open_client(uri: str) -> MlflowClient:
-    """An `MlflowClient` on `uri` for tracking and registry. MLflow opens the tracking store (and creates a new
-    SQLite store's tables) in the constructor, so a SQLite store is opened under `_creating_store`'s lock."""
-    with _creating_store(uri):
-        return MlflowClient(tracking_uri=uri, registry_uri=uri)
-
-
 class MlflowStore:
     """Tracking and registry operations for heads, over one `MlflowClient`. Build it with `connect`."""
 
@@ -174,7 +151,7 @@ class MlflowStore:
         mlflow.set_registry_uri(uri)
         try:
             client = open_client(uri)
-            with _creating_store(uri):  # a new store's first experiment: one process creates it
+            with creating_store(uri):  # a new store's first experiment: one process creates it
                 exp = client.get_experiment_by_name(experiment) or _create_experiment(client, experiment, settings)
             exp_id = exp.experiment_id
             if exp.lifecycle_stage == "deleted":

@@ -114,8 +114,7 @@ def check_registered(settings, uris: list[str]) -> None:
         parse_model_uri(uri)
     if not uris:
         return
-    from infra.mlflow_health import probe_tracking
-    from infra.mlflow_store import open_client
+    from infra.mlflow_health import open_client, probe_tracking
     from infra.settings import redact_uri
 
     tracking = settings.mlflow_tracking_uri
