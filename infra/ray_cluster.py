@@ -17,7 +17,8 @@ Run: `python -m infra.ray_cluster` starts a local session, prints its resources 
 Not here: training loops (components), choosing hardware. Ray imports lazily: importing this module is cheap.
 A local Ray's core services listen on all interfaces (Ray 2.60 has no loopback-only switch); its dashboard is
 off, and its token auth stays on unless `RAY_AUTH_MODE` says otherwise (the tests set it to `disabled`); Ray's note
-that it turned token auth on, and how to opt out, is not shown (AUTH_LOGGER).
+that it turned token auth on, and how to opt out, is not shown (AUTH_LOGGER). Before each local Ray the process's
+Ray reads the mode and its token again (`_reread_auth_mode`): Ray alone reads them once per process.
 """
 
 from __future__ import annotations
@@ -249,6 +250,19 @@ def _logger_level(name: str, level: int) -> Iterator[None]:
         logger.setLevel(before)
 
 
+def _reread_auth_mode() -> None:
+    """Make this process's Ray read RAY_AUTH_MODE (and its token) again before a local Ray starts. Ray reads them
+    once, at import, and again only when it turns token auth on by itself (the variable unset), setting the variable
+    for good. So a process whose earlier local Ray ran with token auth would keep demanding a token of a later Ray
+    started with `disabled`: that GCS sends none, this driver turns its calls away, and the GCS takes the driver for
+    dead and drops every actor it creates (Ray Train's controller: "The actor never ran - it was cancelled before
+    it started running"); the other way round, the driver sends no token to a GCS that wants one."""
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
+
+
 @contextmanager
 def _env_var(name: str, value: str | None) -> Iterator[None]:
     """Set `name` for the duration of the block (None: leave it alone), then restore it."""
@@ -296,6 +310,7 @@ def ray_session(
         return
     auth = settings.ray_auth_mode
     with _env_var("RAY_AUTH_MODE", auth), _logger_level(AUTH_LOGGER, logging.ERROR):  # workers agree with the GCS
+        _reread_auth_mode()
         # address "local": a new Ray of this process's own, even where `ray start` left a cluster on the machine
         # (ray.init would otherwise join that one)
         ray.init(address="local", num_cpus=num_cpus or LOCAL_NUM_CPUS, include_dashboard=False,

@@ -38,6 +38,10 @@ import pytest
 
 from infra.settings import Settings
 
+# Local Rays in tests run without token auth unless the caller says otherwise (`.ci/run` exports it too): a plain
+# `make test` would otherwise write a token under the user's ~/.ray for every Ray whose settings name no mode.
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
 
 @pytest.fixture
 def eagle_settings(tmp_path: Path) -> Settings:

@@ -54,7 +54,7 @@ WRITE_ALLOWLIST = {  # (file, source snippet of the call) -> why it need not be 
         "the client process started after it is written",
     ("infra/vllm_bench.py", "open(log, 'a')"): "the load client's stderr log inside its own temp dir, read by people only",
     ("flows/cli.py", "path.write_text"): "a failed command's traceback log, a new file each time, read by people only",
-    ("infra/mlflow_store.py", "open(Path(uri[len('sqlite:///'):]).expanduser().with_suffix('.lock'), 'a+')"):
+    ("infra/mlflow_health.py", "open(Path(uri[len('sqlite:///'):]).expanduser().with_suffix('.lock'), 'a+')"):
         "a lock file: its content is never read",
 }
 
@@ -296,3 +296,37 @@ def test_pipeline_code_writes_files_atomically():
     bad = [f"{rel}:{line}: {src}" for rel, line, src in found
            if not any(rel == f and src.startswith(snippet) for f, snippet in WRITE_ALLOWLIST)]
     assert not bad, "write through components.atomic (atomic_path / atomic_write_text):\n" + "\n".join(bad)
+
+
+_AUTH_MODES_IN_TURN = """
+import sys, tempfile
+from pathlib import Path
+import ray
+from infra.ray_cluster import ray_session
+from infra.settings import Settings
+
+@ray.remote(num_cpus=0)
+class Echo:
+    def ping(self):
+        return "pong"
+
+for mode in sys.argv[1:]:
+    settings = Settings.local(Path(tempfile.mkdtemp()), ray_auth_mode=None if mode == "default" else mode)
+    with ray_session(settings, num_cpus=1):
+        print(mode, ray.get(Echo.remote().ping.remote(), timeout=60), flush=True)
+"""
+
+
+@pytest.mark.live
+def test_local_rays_with_and_without_token_auth_in_one_process(tmp_path):
+    """One process, local Rays in turn: Ray's default (token auth), then `disabled`, then the default again. Ray
+    reads the mode once; without `ray_session` making it read again, the second Ray dropped every actor the driver
+    created ("The actor never ran") and the third refused the driver's token-less calls."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"} | {"HOME": str(tmp_path)}  # the token: here
+    run = subprocess.run([sys.executable, "-c", _AUTH_MODES_IN_TURN, "default", "disabled", "default"], env=env,
+                         cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=300)
+    assert run.stdout.split() == ["default", "pong", "disabled", "pong", "default", "pong"], run.stderr[-3000:]
+    assert (tmp_path / ".ray" / "auth_token").is_file()  # the default really was token auth
