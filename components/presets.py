@@ -48,6 +48,8 @@ def tiny() -> dict[str, Any]:
 def default() -> dict[str, Any]:
     """The demo on 2 CPU cores, on the embedded default.
 
+    The target answers the traffic in vLLM (`regenerate.engine: vllm`, 16 requests in flight: about 2.6x our local
+    batches of 32 on 2 cores, bench/README.md), as it is served.
     One Ray worker with both cores (two torch threads train faster than one); a fine-tune's head, warm-started
     from its base's head, gets half the steps of a fresh one (`train.warm_start_steps`), since it starts close.
     Each head is also served by vLLM and measured there (`evaluate.engine: vllm`), as production will run it,
@@ -63,7 +65,8 @@ def default() -> dict[str, Any]:
     from eagle.run_config import OptimConfig, SpecConfig, TTTConfig
 
     return dict(
-        regenerate=RegenerateConfig(max_new_tokens=96, batch_size=32, shard_size=64, limit=320),
+        regenerate=RegenerateConfig(max_new_tokens=96, batch_size=32, shard_size=64, limit=320, engine="vllm",
+                                    endpoint_concurrency=16),
         extract=ExtractConfig(max_len=320, seqs_per_shard=128),
         train=TrainConfig(steps=120, batch_size=8, draft_vocab_size=2048, checkpoint_every=40, log_every=10,
                           warm_start_steps=60, eval_every=20, holdout_seqs=32, ttt=TTTConfig(ttt_steps=5),
