@@ -84,11 +84,6 @@ _RETRY_HINT = ("Bring the store back and re-run the same command: finished stage
                "registered exactly once.")
 
 
-if __name__ == "__main__":
-    probe_tracking(Settings.from_env())
-    print(f"MLflow store {redact_uri(Settings.from_env().mlflow_tracking_uri)}: reachable")
-
-
 @contextmanager
 def creating_store(uri: str) -> Iterator[None]:
     """Hold `<db>.lock` while MLflow opens a SQLite store: two processes creating its tables at once corrupt
@@ -110,3 +105,8 @@ def open_client(uri: str) -> MlflowClient:
     SQLite store's tables) in the constructor, so a SQLite store is opened under `creating_store`'s lock."""
     with creating_store(uri):
         return MlflowClient(tracking_uri=uri, registry_uri=uri)
+
+
+if __name__ == "__main__":
+    probe_tracking(Settings.from_env())
+    print(f"MLflow store {redact_uri(Settings.from_env().mlflow_tracking_uri)}: reachable")

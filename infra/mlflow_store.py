@@ -44,7 +44,8 @@ from mlflow.exceptions import MlflowException
 from mlflow.utils.validation import MAX_METRICS_PER_BATCH, MAX_PARAMS_TAGS_PER_BATCH
 
 from eagle.errors import BadInput
-from infra.mlflow_health import TrackingUnreachable, creating_store, open_client, probe_http  # noqa: F401
+from infra.mlflow_health import creating_store, open_client
+from infra.mlflow_health import TrackingUnreachable, probe_http  # noqa: F401  (callers import them from here)
 from infra.model_uri import lookup, parse_model_uri  # noqa: F401  (callers import parse_model_uri from here)
 from infra.settings import Settings, redact_uri
 
