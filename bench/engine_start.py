@@ -33,6 +33,7 @@ from infra.settings import Settings
 from infra.vllm_server import EngineSpec, VllmServer
 
 MODES = ("zygote", "fresh")
+PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
 PROMPT = [1, 5, 17, 42, 99, 7, 12, 3]  # ids every vocabulary here has (tiny targets: 2,048); outputs only compared
 
 
@@ -41,7 +42,7 @@ def _adopt_orphans() -> None:
     shutdown, and its CPU time reaches our RUSAGE_CHILDREN only if we reap it (PR_SET_CHILD_SUBREAPER)."""
     import ctypes
 
-    ctypes.CDLL(None, use_errno=True).prctl(36, 1)
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1)
 
 
 def _reap_all(timeout_s: float = 60.0) -> None:

@@ -6,7 +6,7 @@ record a training run and register its head: log the head's safetensors director
 aliases, and `resolve` a `models:/name/version` or `models:/name@alias` URI to a local directory.
 Registered models that hold heads carry the tag `kind=eagle3-head`; registering a head into a model without
 it is refused, so a head never lands among a target's versions (`check_kind` checks a name without writing).
-Two processes opening a new SQLite store at once take turns creating its tables (`open_client`, a lock beside
+Two processes opening a new SQLite store at once take turns creating its tables (`creating_store`, a lock beside
 the file, in infra/mlflow_health.py).
 A failed run body ends its MLflow run FAILED without hiding the body's error if the store is down too.
 
@@ -44,7 +44,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.utils.validation import MAX_METRICS_PER_BATCH, MAX_PARAMS_TAGS_PER_BATCH
 
 from eagle.errors import BadInput
-from infra.mlflow_health import creating_store, open_client
+from infra.mlflow_health import creating_store
 from infra.mlflow_health import TrackingUnreachable, probe_http  # noqa: F401  (callers import them from here)
 from infra.model_uri import lookup, parse_model_uri  # noqa: F401  (callers import parse_model_uri from here)
 from infra.settings import Settings, redact_uri
@@ -151,8 +151,8 @@ class MlflowStore:
         mlflow.set_tracking_uri(uri)
         mlflow.set_registry_uri(uri)
         try:
-            client = open_client(uri)
-            with creating_store(uri):  # a new store's first experiment: one process creates it
+            with creating_store(uri):  # MLflow creates a new store's tables in the client; one process at a time
+                client = MlflowClient(tracking_uri=uri, registry_uri=uri)
                 exp = client.get_experiment_by_name(experiment) or _create_experiment(client, experiment, settings)
             exp_id = exp.experiment_id
             if exp.lifecycle_stage == "deleted":
