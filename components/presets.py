@@ -48,8 +48,8 @@ def tiny() -> dict[str, Any]:
 def default() -> dict[str, Any]:
     """The demo on 2 CPU cores, on the embedded default.
 
-    The target answers the traffic in vLLM (`regenerate.engine: vllm`, 16 requests in flight: about 2.6x our local
-    batches of 32 on 2 cores, bench/README.md), as it is served.
+    The target answers the traffic in vLLM (`regenerate.engine: vllm`, 16 requests in flight: 2.6x our local
+    batches of 32 on 2 cores in one run each, bench/README.md), as it is served.
     One Ray worker with both cores (two torch threads train faster than one); a fine-tune's head, warm-started
     from its base's head, gets half the steps of a fresh one (`train.warm_start_steps`), since it starts close.
     Each head is also served by vLLM and measured there (`evaluate.engine: vllm`), as production will run it,
