@@ -8,13 +8,21 @@ spare, so one K is not right at every load. For the held-out prompts (the evalua
   components/evaluate_engine.py; where the flow hands that pair on running in an `EnginePool`,
   infra/engine_pool.py, the sweep's servers of the same engines are taken from it, not started again), and
   measures the cells (one server at one concurrency of `cfg.load.concurrency`) with vLLM's own load client
-  (infra/vllm_bench.py) in rounds: in each round every level, and at each level every server, the order
+  (infra/vllm_bench.py) in rounds, each request stopping at its end-of-sequence token as the evaluation's do
+  (`evaluate.ignore_eos`: both run every request to its limit; timed past EOS, a head drafts text no production
+  request asks for, and in the demo of 2026-12-05 the sweep read 1.03x at concurrency 1 where the evaluation of the
+  same servers read 1.22x): in each round every level, and at each level every server, the order
   alternating (plain, K... at one level, the reverse at the next and in the next round), `cfg.load.repeats`
   rounds. A machine whose load drifts then touches every cell alike. When all servers do not fit in memory (by
   `memory_fit`'s estimate, or one of them fails to start beside the others), plain stays up and the K servers
   come beside it one at a time, plain's rounds pooled over the pairs (`mode` "pairs" in the report, with the
   reason). Per cell: output tokens/s, TTFT and inter-token latency (median, p99), each the median over rounds,
   with the tokens/s spread (min, max) and every round's figure; tau and alpha_k from the counters summed over rounds;
+- takes concurrency 1 from the engine evaluation when it timed the very servers of the sweep (plain and its head at
+  the sweep's only K, handed on running) greedily (`evaluation_cells`: each round's tokens over its seconds, one
+  request at a time, the other server's idle spin waited out): the same measurement again would cost a minute a head
+  on 2 cores. Such cells say `"source": "evaluation"` (no TTFT or ITL: the evaluation does not stream), the others
+  `"sweep"`; the served schedule's cell at 1 is then the cell of the K it drafts there;
 - checks every speculative output equal to the plain output at the same concurrency (T = 0, fp32). Batching can
   change a plain output by itself (floating-point sums in another order); a prompt whose plain output at
   concurrency C differs from its plain output at the lowest level, or between rounds, is counted as `batch_variant`,
@@ -116,10 +124,11 @@ def round_order(keys: list[int], round_i: int, level_i: int) -> list[int]:
 
 
 def load_sweep(cfg, target_dir: str, head_dir: str, traffic_path: str, out_dir: str, settings,
-               progress: Callable[[str], None] = print, engines=None) -> SweepResult:
-    """`cfg` is the EvaluateConfig (its `load`, `spec.max_new_tokens`, `spec.temperature`, `max_prompt_tokens`):
-    the first `load.requests` held-out prompts that fit, as texts with the chat template; see the module doc.
-    `engines`: see `run_sweep`."""
+               progress: Callable[[str], None] = print, engines=None, evaluation: str | None = None) -> SweepResult:
+    """`cfg` is the EvaluateConfig (its `load`, `spec.max_new_tokens`, `spec.temperature`, `max_prompt_tokens`,
+    `ignore_eos`): the first `load.requests` held-out prompts that fit, as texts with the chat template; see the module
+    doc. `engines`: see `run_sweep`; `evaluation`: the engine evaluation's report (`engine_evaluation.json`) of the
+    servers in `engines`, whose rounds stand for concurrency 1 (`evaluation_cells`)."""
     from transformers import AutoTokenizer
 
     from components.chat import prompt_ids
@@ -140,8 +149,36 @@ def load_sweep(cfg, target_dir: str, head_dir: str, traffic_path: str, out_dir: 
                          f"tokens, {output_len} new, context {max_len}); evaluate.load.requests asks for "
                          f"{load.requests}")
     plan = SweepPlan(prompts, str(target_dir), str(head_dir), Path(out_dir), output_len, cfg.spec.temperature,
-                     max_len, progress)
-    return run_sweep(load, plan, settings, engines)
+                     max_len, progress, ignore_eos=cfg.ignore_eos)
+    batch1 = evaluation_cells(evaluation, load.k_values[0]) \
+        if evaluation and len(load.k_values) == 1 and 1 in load.concurrency and cfg.spec.temperature == 0.0 else None
+    return run_sweep(load, plan, settings, engines, batch1)
+
+
+def evaluation_cells(report_file: str | Path, k: int) -> list[dict] | None:
+    """Concurrency 1 as the engine evaluation timed it (components/evaluate_engine.py, `engine_evaluation.json`):
+    a cell for plain (K 0) and one for the head at K `k`, shaped as `cells_of` makes them, each round's output
+    tokens/s that side's tokens over its seconds in the round (greedy: every round decodes the same tokens), the
+    head's counters those of the evaluation; None when the evaluation drafted another K than `k`."""
+    report = json.loads(Path(report_file).read_text())
+    if report["config"]["spec"]["depth"] != k:
+        return None
+    res, speed, samples = report["result"], report["speed"], report["samples"]
+    cells = []
+    for kk, key in ((0, "plain"), (k, "spec")):
+        tokens = sum(len(s[key]) for s in samples)
+        tps = [tokens / sum(secs) for secs in speed[f"{key}_s"]]
+        drafts = res["drafts"] if kk else None
+        cells.append({"k": kk, "concurrency": 1, "requests": len(samples), "repeats": len(tps),
+                      "output_tokens_per_s": statistics.median(tps), "output_tokens_per_s_min": min(tps),
+                      "output_tokens_per_s_max": max(tps), "output_tokens_per_s_rounds": tps,
+                      **{m: None for m in ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms")},
+                      "duration_s": statistics.median(sum(secs) for secs in speed[f"{key}_s"]),
+                      "drafts": drafts, "accepted": sum(res["accepted_per_pos"]) if kk else None,
+                      "acceptance_length": res["tau"] if kk else None,
+                      "per_position": [a / drafts for a in res["accepted_per_pos"]] if kk and drafts else None,
+                      "identical_to_plain": sum(s["identical_to_plain"] for s in samples), "source": "evaluation"})
+    return cells
 
 
 @dataclass(frozen=True)
@@ -157,6 +194,7 @@ class SweepPlan:
     max_model_len: int
     progress: Callable[[str], None] = print
     extra: dict = field(default_factory=dict)
+    ignore_eos: bool = False  # every request runs to `output_len` (else it stops at its end-of-sequence token)
 
 
 def memory_fit(spec, n: int, target_dir: str) -> tuple[dict, str]:
@@ -183,11 +221,13 @@ def memory_fit(spec, n: int, target_dir: str) -> tuple[dict, str]:
     return {"extra_args": ("--gpu-memory-utilization", str(share))}, why
 
 
-def run_sweep(cfg: LoadConfig, plan: SweepPlan, settings, engines=None) -> SweepResult:
+def run_sweep(cfg: LoadConfig, plan: SweepPlan, settings, engines=None, batch1: list[dict] | None = None
+              ) -> SweepResult:
     """Plain and every K up at once (else plain beside one K at a time), cells in alternating rounds; then the
     schedule beside plain; see the module doc. `engines`: an `infra.engine_pool.EnginePool` whose parked servers
     (the vLLM evaluation's plain and speculative pair) stand in for the sweep's servers of the same engines; the
-    parked ones it does not take are stopped before it starts any."""
+    parked ones it does not take are stopped before it starts any. `batch1`: `evaluation_cells` of those servers,
+    taken for concurrency 1 when plain and every K were handed on (else concurrency 1 is measured)."""
     from infra.vllm_bench import write_dataset
     from infra.vllm_server import PER_REQUEST_METRICS, EngineSpec, VllmServer
 
@@ -221,12 +261,20 @@ def run_sweep(cfg: LoadConfig, plan: SweepPlan, settings, engines=None) -> Sweep
             if handed:
                 plan.progress("load sweep: " + ", ".join("plain" if k == 0 else f"K {k}" for k in handed)
                               + " handed on by the evaluation, running already")
+        from_eval = batch1 is not None and mode == "all" and {0, *cfg.k_values} <= set(handed)
         plain = handed.pop(0, plain)
         stack.callback(plain.stop)
         if plain.proc is None:
             plain.launch()  # from this thread, so that it lives as long as the sweep; it starts beside the K servers
-        mode, why = _sweep_phase(cfg, plan, settings, plain, spec_of, (mode, why), dataset, samples, rounds, handed)
-        cells = cells_of([s for s in samples if s["phase"] == "sweep"])
+        measured = replace(cfg, concurrency=tuple(c for c in cfg.concurrency if c != 1)) if from_eval else cfg
+        if from_eval:
+            plan.progress("load sweep: concurrency 1 from the evaluation of these servers ("
+                          + ", ".join(f"{'plain' if c['k'] == 0 else 'K ' + str(c['k'])} "
+                                      f"{c['output_tokens_per_s']:.0f} tok/s" for c in batch1)
+                          + f", {batch1[0]['repeats']} rounds)")
+        mode, why = _sweep_phase(measured, plan, settings, plain, spec_of, (mode, why), dataset, samples, rounds,
+                                 handed)
+        cells = (list(batch1) if from_eval else []) + cells_of([s for s in samples if s["phase"] == "sweep"])
         tput = {c["k"]: {} for c in cells}
         spread = {c["k"]: {} for c in cells}
         for c in cells:
@@ -237,8 +285,13 @@ def run_sweep(cfg: LoadConfig, plan: SweepPlan, settings, engines=None) -> Sweep
         if cfg.verify_schedule and top_k > 0:
             plan.progress(f"load sweep: the schedule {schedule} beside plain")
             with VllmServer(spec_of(top_k, schedule, pair=True), settings) as srv:
-                measure_rounds(cfg, plan, settings, {0: plain, SCHEDULE: srv}, dataset, "schedule", samples, rounds)
+                measure_rounds(measured, plan, settings, {0: plain, SCHEDULE: srv}, dataset, "schedule", samples,
+                               rounds)
             phase = cells_of([s for s in samples if s["phase"] == "schedule"])
+            if from_eval:  # at batch size 1 the schedule drafts best[1] tokens: that server's cell is the schedule's
+                at1 = next(c for c in batch1 if c["k"] == best[1])
+                phase += [next(c for c in batch1 if c["k"] == 0),
+                          {**at1, "k": SCHEDULE, "source": f"evaluation (the schedule drafts K {best[1]} there)"}]
             plain_then = {c["concurrency"]: c["output_tokens_per_s"] for c in phase if c["k"] == 0}
             cells += [{**c, "plain_tokens_per_s": plain_then[c["concurrency"]]} for c in phase if c["k"] == SCHEDULE]
     return _finish(cfg, plan, cells, samples, schedule, best, {"mode": mode, "mode_reason": why, "rounds": rounds})
@@ -291,7 +344,7 @@ def measure_rounds(cfg: LoadConfig, plan: SweepPlan, settings, servers: dict, da
             order = round_order(list(servers), r, i)
             rounds.append({"phase": phase, "round": r, "concurrency": c, "order": order})
             jobs += [(k, r, LoadRequest(dataset, plan.target_dir, c, len(plan.prompts), plan.output_len,
-                                        plan.temperature)) for k in order]
+                                        plan.temperature, ignore_eos=plan.ignore_eos)) for k in order]
 
     def done(i: int, cell) -> None:
         k, r, _ = jobs[i]
@@ -300,6 +353,8 @@ def measure_rounds(cfg: LoadConfig, plan: SweepPlan, settings, servers: dict, da
                       f"{cell.output_tokens_per_s:.0f} tok/s"
                       + (f", tau {cell.acceptance_length:.2f}" if cell.acceptance_length else ""))
 
+    if not jobs:
+        return
     cells = bench_serve_many([(servers[k], req) for k, _, req in jobs], settings, on_cell=done)
     samples += [{"phase": phase, "round": r, "k": k, **asdict(cell)} for (k, r, _), cell in zip(jobs, cells)]
 
@@ -324,7 +379,7 @@ def cells_of(samples: list[dict]) -> list[dict]:
                    for j in range(min(len(s["per_position"] or []) for s in drafts))] if drafts else None
         cell.update(drafts=n if drafts else None, accepted=acc if drafts else None,
                     acceptance_length=1.0 + acc / n if drafts else None, per_position=per_pos,
-                    texts=rows[0]["texts"], texts_by_round=[s["texts"] for s in rows])
+                    texts=rows[0]["texts"], texts_by_round=[s["texts"] for s in rows], source="sweep")
         cells.append(cell)
     return cells
 
@@ -336,17 +391,19 @@ def _finish(cfg: LoadConfig, plan: SweepPlan, cells: list[dict], samples: list[d
         if s["k"] == 0:
             for i, t in enumerate(s["texts"]):
                 plain_seen.setdefault((s["concurrency"], i), set()).add(t)
-    plain = {c["concurrency"]: c["texts"] for c in cells if c["k"] == 0}
-    low = min(plain)
+    plain = {c["concurrency"]: c["texts"] for c in cells if c["k"] == 0 and c["source"] == "sweep"}
+    low = min(plain, default=None)  # the lowest level measured here (concurrency 1 may be the evaluation's)
     variant = {key for key, seen in plain_seen.items() if seen != {plain[low][key[1]]}}
     mismatched = {(s["k"], s["concurrency"], i) for s in samples if s["k"] != 0 for i, t in enumerate(s["texts"])
                   if t not in plain_seen[(s["concurrency"], i)] and (s["concurrency"], i) not in variant}
     for c in cells:
+        if c["source"] != "sweep":  # the evaluation's: its own identity count
+            continue
         c["identical_to_plain"] = sum(all(t[i] == plain[c["concurrency"]][i] for t in c["texts_by_round"])
                                       for i in range(len(plain[c["concurrency"]])))
     by = {(c["k"], c["concurrency"]): c for c in cells}
     speedup_at = {}
-    for lvl in sorted(plain):
+    for lvl in sorted({c["concurrency"] for c in cells if c["k"] == 0}):
         sched = by.get((SCHEDULE, lvl))
         speedup_at[lvl] = (sched["output_tokens_per_s"] / sched["plain_tokens_per_s"] if sched else
                            by[(best[lvl], lvl)]["output_tokens_per_s"] / by[(0, lvl)]["output_tokens_per_s"])

@@ -152,7 +152,8 @@ def evaluate_head(cfg, head: str, target: str, traffic: str, out: Path, settings
             if not cfg.load.enabled:
                 cfg = dataclasses.replace(cfg, load=PipelineConfig.preset("default").evaluate.load)
             res["load"] = asdict(load_sweep(cfg, target, served, traffic, str(out / "load"), settings,
-                                            engines=engines))
+                                            engines=engines,
+                                            evaluation=res["vllm"]["report_file"] if "vllm" in res else None))
     return res
 
 

@@ -102,9 +102,10 @@ def engine_eval_task(cfg: EvaluateConfig, target_dir: str, head_dir: str, heldou
 @task(name="load-sweep", cache_policy=CACHE - "settings" - "engines", persist_result=True, retries=1,
       retry_delay_seconds=5, retry_condition_fn=transient)
 def load_sweep_task(cfg: EvaluateConfig, target_dir: str, head_dir: str, heldout: str, out_dir: str, settings,
-                    engines=None):
+                    engines=None, evaluation: str | None = None):
     """Throughput by concurrency in vLLM (plain, each K, the derived schedule) with vLLM's own load client; the
-    evaluation's servers taken from `engines` when they are the sweep's."""
+    evaluation's servers taken from `engines` when they are the sweep's, and its rounds (`evaluation`, its report)
+    for concurrency 1."""
     from components.load_sweep import load_sweep
 
-    return load_sweep(cfg, target_dir, head_dir, heldout, out_dir, settings, engines=engines)
+    return load_sweep(cfg, target_dir, head_dir, heldout, out_dir, settings, engines=engines, evaluation=evaluation)

@@ -385,6 +385,7 @@ def _evaluate_head(cfg: PipelineConfig, settings: Settings, tref: TargetRef, hea
             metrics.update(engine.metrics())
         if cfg.evaluate.engine == "vllm" and cfg.evaluate.load.enabled:  # throughput by load, the K schedule
             sweep = fresh_if_missing(load_sweep_task, Path(eval_dir) / "load" / "load_sweep.json")(
-                cfg.evaluate, tref.path, head_dir, heldout, str(Path(eval_dir) / "load"), settings, engines)
+                cfg.evaluate, tref.path, head_dir, heldout, str(Path(eval_dir) / "load"), settings, engines,
+                engine.report_file if engine else None)
             metrics.update(sweep.metrics())
     return Figures(ev, engine, sweep, metrics)

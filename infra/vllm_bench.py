@@ -4,7 +4,9 @@ Purpose: `bench_serve_many([(server, LoadRequest(...)), ...], settings) -> [Load
 `vllm.benchmarks.serve` (what `vllm bench serve` runs) from vLLM's venv: one client process imports it once and calls
 its `main` for each cell in the order given (importing it takes ~18 s on 2 loaded cores, longer than a cell), each
 against its own server, with the ShareGPT-format dataset `write_dataset` made of the exact prompt texts (the chat
-template already applied, so the client sends them as they are to `/v1/completions`), a fixed output length,
+template already applied, so the client sends them as they are to `/v1/completions`), an output length (fixed with
+`ignore_eos`, else a ceiling that the end-of-sequence token stops short of, as in production; tokens/s counts the
+tokens actually generated),
 `--max-concurrency` C, no shuffling, and `--save-detailed`. Each cell is what users read in the client's report:
 output tokens/s, TTFT and inter-token latency (median and p99), the speculative counters' deltas (drafts, accepted
 tokens, acceptance length, per-position rates; None without speculation) and each request's generated text, in the
@@ -56,6 +58,7 @@ class LoadRequest:
     output_len: int
     temperature: float = 0.0
     seed: int = 0
+    ignore_eos: bool = True  # every request runs to `output_len` (False: it stops at its end-of-sequence token)
 
 
 @dataclass(frozen=True)
@@ -125,7 +128,8 @@ def _argv(server: VllmServer, req: LoadRequest, result_dir: str, name: str) -> l
             local_path(req.tokenizer_dir), "--dataset-name", "sharegpt", "--dataset-path", local_path(req.dataset),
             "--sharegpt-output-len", req.output_len, "--num-prompts", req.num_prompts,
             "--max-concurrency", req.concurrency, "--disable-shuffle", "--seed", req.seed,
-            "--temperature", req.temperature, "--ignore-eos", "--num-warmups", "1", "--disable-tqdm",
+            "--temperature", req.temperature, *(["--ignore-eos"] if req.ignore_eos else []),
+            "--num-warmups", "1", "--disable-tqdm",
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99", "--save-result",
             "--save-detailed", "--result-dir", result_dir, "--result-filename", name]
     return [str(a) for a in args]  # paths given as Path objects too

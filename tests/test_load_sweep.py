@@ -9,26 +9,32 @@ Purpose:
   one client process; plain and K 3 the vLLM evaluation's, handed on running in an engine pool as the flow does)
   with vLLM's own load client: every cell measured in every round, in the alternating order,
   each cell's median and spread, 0 head mismatches, the schedule and the plot written;
+- with the evaluation's depth as the only K, concurrency 1 is the evaluation's own rounds of the handed-on pair
+  (`evaluation_cells`, also on a made-up report), the client measuring the other levels only; the client runs past
+  EOS only when told to (`ignore_eos`);
 - a schedule served by vLLM takes effect: K 3 at batch size 1 and K 0 from 2 on drafts at concurrency 1 and almost
   never at concurrency 4 (only while the batch ramps up or drains), and the engine's log shows the schedule;
 - `eagle-heads serve --print-only` puts a registered schedule in the vLLM command and says what SGLang can express.
-Run: `python -m pytest tests/test_load_sweep.py` (about 1 minute on 2 cores: four engine starts; the head is
+Run: `python -m pytest tests/test_load_sweep.py` (about 2 minutes on 2 cores: six engine starts; the head is
 the session's `engine_head`).
 Not here: batch-1 speedups (tests/test_vllm.py, tests/test_speed.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 
 from components.evaluate import EvaluateConfig
+from infra.engine_pool import EnginePool
 from components.load_sweep import LoadConfig, cells_of, crossover_of, derive_schedule, round_order
 from components.pipeline_config import ConfigError, PipelineConfig
 from components.speed import SpeedupConfig
 from eagle.run_config import SpecConfig
+from infra.settings import Settings
 
 
 def test_the_schedule_takes_the_best_k_per_level_and_stops_where_plain_wins():
@@ -77,6 +83,40 @@ def test_cells_are_medians_over_rounds_with_their_spread_and_rounds_alternate(tm
     assert k3["per_position"] == pytest.approx([(0.6 * 10 + 0.4 * 30) / 40, (0.4 * 10 + 0.1 * 30) / 40])
     png = plot_load_sweep([plain, k3], [[1, 1024, 3]], tmp_path / "sweep.png")
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_evaluation_cells_are_each_rounds_tokens_over_its_seconds(tmp_path):
+    """Concurrency 1 from an engine evaluation's report: per side, the tokens of its outputs over each round's
+    seconds; medians and spreads as the sweep's cells; the head's counters; None for another K."""
+    from components.load_sweep import evaluation_cells
+
+    report = {"config": {"spec": {"depth": 3}},
+              "result": {"drafts": 10, "accepted_per_pos": [8, 6, 4], "tau": 2.8},
+              "speed": {"plain_s": [[1.0, 1.0], [2.0, 2.0], [1.0, 3.0]], "spec_s": [[0.5, 0.5], [1.0, 1.0], [1.0, 1.0]]},
+              "samples": [{"plain": [1] * 30, "spec": [1] * 30, "identical_to_plain": True},
+                          {"plain": [2] * 10, "spec": [2] * 10, "identical_to_plain": True}]}
+    path = tmp_path / "engine_evaluation.json"
+    path.write_text(json.dumps(report))
+    assert evaluation_cells(path, 5) is None
+    plain, head = evaluation_cells(path, 3)
+    assert (plain["k"], head["k"], plain["concurrency"], plain["requests"]) == (0, 3, 1, 2)
+    assert plain["output_tokens_per_s_rounds"] == [20.0, 10.0, 10.0] and plain["output_tokens_per_s"] == 10.0
+    assert (head["output_tokens_per_s_min"], head["output_tokens_per_s"], head["output_tokens_per_s_max"]) == \
+           (20.0, 20.0, 40.0)
+    assert (head["drafts"], head["accepted"], head["acceptance_length"]) == (10, 18, 2.8)
+    assert head["per_position"] == [0.8, 0.6, 0.4] and plain["drafts"] is None
+    assert plain["source"] == head["source"] == "evaluation" and head["identical_to_plain"] == 2
+    assert plain["median_ttft_ms"] is None  # the evaluation does not stream
+
+
+def test_the_load_client_stops_at_eos_unless_told_to_run_past_it():
+    from infra.vllm_bench import LoadRequest, _argv
+    from infra.vllm_server import EngineSpec, VllmServer
+
+    srv = VllmServer(EngineSpec("/nonexistent/target", method=None), Settings.local(Path("/nonexistent/.eagle")))
+    req = LoadRequest("d.json", "/nonexistent/target", 4, 8, 24, ignore_eos=False)
+    assert "--ignore-eos" not in _argv(srv, req, "/tmp", "c.json")
+    assert "--ignore-eos" in _argv(srv, dataclasses.replace(req, ignore_eos=True), "/tmp", "c.json")
 
 
 @pytest.mark.parametrize("load,key", [({"concurrency": [4, 1]}, "concurrency"), ({"concurrency": [0]}, "concurrency"),
@@ -157,6 +197,38 @@ def test_the_sweep_measures_every_cell_with_vllms_client_and_writes_the_schedule
     assert report["schedule"] == res.schedule and Path(res.plot_file).read_bytes()[:4] == b"\x89PNG"
     tags = res.tags()
     assert json.loads(tags["k_schedule"]) == res.schedule and "speedup_at_4" in tags
+
+
+@pytest.mark.slow
+@pytest.mark.engine
+@pytest.mark.timeout(900)
+def test_with_one_k_concurrency_1_is_the_evaluations_own_rounds(engine_target, head_dir, settings, tmp_path):
+    """The sweep's only K is the evaluation's depth and both servers are handed on: concurrency 1 is not measured
+    again, its cells are the evaluation's rounds (the same servers); the client measures the other levels only."""
+    from components.evaluate_engine import evaluate_in_vllm
+    from components.load_sweep import load_sweep
+
+    cfg = dataclasses.replace(SWEEP, speed=SpeedupConfig(min_rounds=2, max_rounds=2),
+                              load=LoadConfig(concurrency=(1, 4), k_values=(3,), requests=4, repeats=1,
+                                              verify_schedule=False))
+    heldout, lines = str(engine_target.target_traffic.heldout), []
+    with EnginePool() as engines:
+        ev = evaluate_in_vllm(cfg, engine_target.target_dir, head_dir, heldout, str(tmp_path / "vllm"), settings,
+                              progress=lambda s: None, engines=engines)
+        res = load_sweep(cfg, engine_target.target_dir, head_dir, heldout, str(tmp_path / "load"), settings,
+                         progress=lines.append, engines=engines, evaluation=ev.report_file)
+        assert engines.reused == 2 and engines.started == 2, lines
+    assert any(line.startswith("load sweep: concurrency 1 from the evaluation of these servers") for line in lines)
+    assert not any(" at 1: " in line for line in lines), lines  # the client never ran concurrency 1
+    cells = {(c["k"], c["concurrency"]): c for c in res.cells}
+    assert set(cells) == {(0, 1), (3, 1), (0, 4), (3, 4)}
+    assert cells[(0, 1)]["source"] == cells[(3, 1)]["source"] == "evaluation"
+    assert cells[(0, 4)]["source"] == cells[(3, 4)]["source"] == "sweep" and res.mismatches == 0
+    assert cells[(3, 1)]["repeats"] == ev.speedup_rounds == 2 and cells[(3, 1)]["drafts"] == ev.drafts
+    assert cells[(res.best_k[1], 1)]["output_tokens_per_s"] / cells[(0, 1)]["output_tokens_per_s"] == \
+           pytest.approx(res.speedup_at[1]) and set(res.speedup_at) == {1, 4}
+    report = json.loads(Path(res.report_file).read_text())
+    assert {r["concurrency"] for r in report["rounds"]} == {4}
 
 
 @pytest.mark.slow
