@@ -3,10 +3,7 @@
 Purpose: `endpoint_ask(cfg)` sends one chat-completions request and returns the answer's text or the failure as an
 exception value: a connection error, a timeout, a 5xx (or 408/429) or a malformed answer is retried, a refused request
 (any other 4xx, e.g. vLLM's 400 for a prompt longer than the context) is final at once and its body, which names the
-reason, becomes the failure. Each request carries a sampling seed, `request_seed(cfg.seed, messages)`, so that a
-rerun draws the same answers (the local path seeds each shard; unseeded, the embedded default's 16 regenerated
-conversations came out different in every run, and the tiny head trained on them read vLLM tau 1.0 to 3.6).
-`answer_concurrently(convs, ask, concurrency)` answers every conversation turn by turn
+reason, becomes the failure. `answer_concurrently(convs, ask, concurrency)` answers every conversation turn by turn
 (turn t+1 is asked after turn t was answered: its history holds that answer; each request asks for at most the
 conversation's own `max_new_tokens` when it has one, else the config's) with at most `concurrency` requests in
 flight (one thread per conversation being answered); records come back in conversation order, and a failed request
@@ -21,7 +18,6 @@ Not here: shards, seeds, accounting and resume (components/regenerate.py), the s
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import threading
 import time
@@ -58,13 +54,6 @@ def _refusal(url: str, err: urllib.error.HTTPError) -> RuntimeError:
     return RuntimeError(f"{url}: HTTP {err.code}: {detail or err.reason}")
 
 
-def request_seed(seed: int, msgs: list[dict[str, str]]) -> int:
-    """A request's sampling seed: from the config's seed and the messages asked about (each turn's history differs,
-    so each turn draws its own), below 2**63 as the OpenAI API takes it."""
-    digest = hashlib.sha256(json.dumps([seed, msgs], sort_keys=True).encode()).digest()
-    return int.from_bytes(digest[:8], "big") >> 1
-
-
 def endpoint_ask(cfg: Any, retries: int = 3) -> Ask:
     """One chat-completions request to `cfg.endpoint_url` (a RegenerateConfig) for at most `max_new_tokens` new
     tokens (None: `cfg.max_new_tokens`); the text or the failure."""
@@ -73,8 +62,7 @@ def endpoint_ask(cfg: Any, retries: int = 3) -> Ask:
     def ask(msgs: list[dict[str, str]], max_new_tokens: int | None = None) -> str | Exception:
         body = json.dumps({"model": cfg.endpoint_model, "messages": msgs,
                            "max_tokens": max_new_tokens or cfg.max_new_tokens,
-                           "temperature": cfg.temperature, "top_p": cfg.top_p,
-                           "seed": request_seed(cfg.seed, msgs)}).encode()
+                           "temperature": cfg.temperature, "top_p": cfg.top_p}).encode()
         err: Exception = RuntimeError("no attempt")
         for attempt in range(retries):
             try:

@@ -3,14 +3,13 @@
 Purpose:
 - endpoint concurrency: against a real HTTP server on loopback that counts requests in flight, `regenerate` keeps
   exactly `endpoint_concurrency` in flight at most (and reaches it), answers multi-turn conversations turn by turn,
-  fails a refused request (HTTP 400) at once with the server's body and that conversation only, writes the same
-  bytes as with one request at a time, and sends each request a seed of `regenerate.seed` and its messages;
+  fails a refused request (HTTP 400) at once with the server's body and that conversation only, and writes the same
+  bytes as with one request at a time;
 - Ray: `num_workers` 2 (a local Ray that regenerate starts and stops through infra.ray_cluster.ray_session) writes
   shard files byte-identical (sha256) to the in-process run, with the same accounting, and resumes by shard;
 - vLLM (slow): regeneration through a real vLLM server (plain decoding, fp32, greedy) answers every conversation
   with vLLM's own chat-completions output for the same messages, records an over-long prompt as failed with vLLM's
-  400 body in accounting.json, keeps total = ok + failed + skipped, and a re-run skips every finished shard;
-  sampled (temperature 0.7, 4 in flight), two fresh runs write the same bytes (each request's seed).
+  400 body in accounting.json, keeps total = ok + failed + skipped, and a re-run skips every finished shard.
 Run: `python -m pytest tests/test_regenerate_scale.py` (about 1 minute without vLLM; the vLLM test adds 1-2 minutes
 for the tiny target's training and the engine start; it needs vLLM's venv, `make vllm`).
 Not here: the single-process behaviour (tests/test_regenerate.py), heads served by vLLM (tests/test_vllm.py).
@@ -145,10 +144,6 @@ def test_endpoint_requests_run_concurrently_within_the_bound(counting_server, tm
     assert [m.content for m in convs_out["multi-a"].messages if m.role == "assistant"] == \
            ["echo2:def add(a, b):", "echo4:And sub?", "echo6:And mul?"]
     assert [c.id for c in read_regenerated(res.out_dir)] == [c["id"] for c in convs if c["id"] != "refused"]
-    # every request carries a seed from regenerate.seed and its messages: the same in both runs, one per history
-    by_history = {json.dumps(r["messages"]): r["seed"] for r in seen}
-    assert by_history == {json.dumps(r["messages"]): r["seed"] for r in runs[1][3]}
-    assert len(set(by_history.values())) == len(by_history) and all(0 <= s < 2**63 for s in by_history.values())
 
 
 def test_the_concurrency_bound_is_checked():
@@ -247,9 +242,3 @@ def test_regenerate_through_vllm_gives_vllms_own_answers(engine_target, vllm_pla
     before = _digests(out)
     again = regenerate(cfg, "no-local-target", traffic, str(out), **QUIET)
     assert _counts(again) == (len(convs), 0, 0, len(convs)) and _digests(out) == before
-
-    # sampled (temperature 0.7, 4 in flight): each request's seed makes two fresh runs draw the same answers
-    hot = dataclasses.replace(cfg, temperature=0.7)
-    runs = [_digests(Path(regenerate(hot, "no-local-target", traffic, str(tmp_path / f"hot{i}"), **QUIET).out_dir))
-            for i in range(2)]
-    assert runs[0] == runs[1] and runs[0] != before
