@@ -50,7 +50,8 @@ def default() -> dict[str, Any]:
 
     The target answers the traffic in vLLM (`regenerate.engine: vllm`, 16 requests in flight: 2.6x our local
     batches of 32 on 2 cores in one run each, bench/README.md), as it is served.
-    One Ray worker with both cores (two torch threads train faster than one); a fine-tune's head, warm-started
+    One Ray worker with both cores (two torch threads train faster than one), in bf16 where the CPU has AMX units
+    (`train.autocast: auto`: 1.3x a step, bench/cpu_autocast.py); a fine-tune's head, warm-started
     from its base's head, gets half the steps of a fresh one (`train.warm_start_steps`), since it starts close.
     Each head is also served by vLLM and measured there (`evaluate.engine: vllm`), as production will run it,
     one request at a time and under load (`evaluate.load`: concurrency 1, 4 and 16, K 5 against plain, which
@@ -69,8 +70,9 @@ def default() -> dict[str, Any]:
                                     endpoint_concurrency=16),
         extract=ExtractConfig(max_len=320, seqs_per_shard=128),
         train=TrainConfig(steps=120, batch_size=8, draft_vocab_size=2048, checkpoint_every=40, log_every=10,
-                          warm_start_steps=60, eval_every=20, holdout_seqs=32, ttt=TTTConfig(ttt_steps=5),
-                          optim=OptimConfig(lr=3e-3, warmup_steps=10), ray=RayConfig(num_workers=1, cpus_per_worker=2)),
+                          warm_start_steps=60, eval_every=20, holdout_seqs=32, autocast="auto",
+                          ttt=TTTConfig(ttt_steps=5), optim=OptimConfig(lr=3e-3, warmup_steps=10),
+                          ray=RayConfig(num_workers=1, cpus_per_worker=2)),
         evaluate=EvaluateConfig(spec=SpecConfig(method="chain", depth=5, max_new_tokens=96), limit=16, engine="vllm",
                                 load=LoadConfig(concurrency=(1, 4, 16), k_values=(5,), requests=16)),
         register=RegisterConfig(tau_floor=1.5, gate_tau="engine"))

@@ -117,10 +117,26 @@ def test_an_engine_gate_needs_the_engine(tmp_path):
         _load(tmp_path, {"register": {"gate_tau": "both"}})
 
 
+def test_autocast_is_bf16_on_a_gpu_and_on_a_cpu_only_where_auto_finds_amx(monkeypatch):
+    import torch
+
+    import components.train as train
+
+    for amx in (False, True):
+        monkeypatch.setattr(train, "cpu_has_bf16_units", lambda amx=amx: amx)
+        assert train.autocast_dtype("gpu", "cuda") is torch.bfloat16 and train.autocast_dtype("gpu", "cpu") is None
+        assert train.autocast_dtype("auto", "cuda") is torch.bfloat16
+        assert train.autocast_dtype("auto", "cpu") is (torch.bfloat16 if amx else None)
+        assert train.autocast_dtype("off", "cuda") is None and train.autocast_dtype("off", "cpu") is None
+    assert TrainConfig().autocast == "gpu" and PipelineConfig.preset("tiny").train.autocast == "gpu"
+    assert PipelineConfig.preset("default").train.autocast == "auto"
+
+
 @pytest.mark.parametrize("path,value", [("steps", 0), ("ttt.ttt_steps", 0), ("eval_every", -1), ("ttt.gamma", 0.0),
                                         ("ttt.gamma", 1.5), ("optim.lr", float("nan")), ("holdout_seqs", 0),
-                                        ("select", "x"), ("batch_size", 0), ("keep_checkpoints", 0),
-                                        ("eval_every", 0), ("optim.grad_clip", 0.0), ("ray.cpus_per_worker", 0)])
+                                        ("select", "x"), ("autocast", "bf16"), ("batch_size", 0),
+                                        ("keep_checkpoints", 0), ("eval_every", 0), ("optim.grad_clip", 0.0),
+                                        ("ray.cpus_per_worker", 0)])
 def test_bad_train_config_values_name_the_field(path, value, tmp_path):
     *sub, field = path.split(".")
     named = "select" if field == "eval_every" and not value else field  # eval_every 0 with select 'best_tau'
