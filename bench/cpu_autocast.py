@@ -10,8 +10,10 @@ worker has both cores). Per repetition: the median seconds of a step (the first 
 TTT loss of the last step, each side. Reports the ratio fp32 / bf16 of the step medians (its median and minimum over
 repetitions) and the loss difference; whether the CPU has AMX (`cpu_has_bf16_units`) is in the result.
 Goal (on a CPU with AMX): ratio >= 1.2 with the last losses within 1% of each other.
-Run: `python bench/cpu_autocast.py [--quick] [--extract DIR] [--reps 5] [--steps 25] [--warmup 5] [--threads 2]`
-(about 2 minutes on 2 cores with the defaults). Writes `cpu_autocast.json`.
+`--whole-run` also trains one head each way for the preset's whole run (`components.train.train` in this process,
+`train.autocast` gpu against auto, the same seed) and reports the held-out simulated tau at every evaluation.
+Run: `python bench/cpu_autocast.py [--quick] [--extract DIR] [--reps 5] [--steps 25] [--warmup 5] [--threads 2]
+[--whole-run]` (about 2 minutes on 2 cores with the defaults, 4 more with `--whole-run`). Writes `cpu_autocast.json`.
 Not here: GPUs (there bf16 is the default), the head's tau after a whole run (a demo's table shows it).
 """
 
@@ -59,6 +61,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--steps", type=int, default=25)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--whole-run", action="store_true", help="also the preset's whole run each way: held-out tau")
     p.set_defaults(threads=2)
     args = p.parse_args()
     load_before = start(args)
@@ -94,7 +97,29 @@ def main() -> None:
                      GOAL_RATIO, 0 if loss_gap <= LOSS_BAND else 1,
                      method=f"min {summary['ratio_min']:.2f}x; last losses within {100 * loss_gap:.2f}% (a loss "
                             f"gap over {100 * LOSS_BAND:.0f}% counts as a mismatch)")
-    write_results("cpu_autocast", args.quick, {"summary": summary, "goal": goal, "rows": rows}, load_before)
+    runs = whole_runs(cfg, extract_dir) if args.whole_run else {}
+    write_results("cpu_autocast", args.quick, {"summary": summary, "goal": goal, "rows": rows, "whole_runs": runs},
+                  load_before)
+
+
+def whole_runs(cfg, extract_dir: str) -> dict[str, list]:
+    """The preset's whole training run in this process, `train.autocast` gpu (fp32 here) and auto: each held-out
+    evaluation's (step, simulated tau)."""
+    import dataclasses
+    import json
+    import tempfile
+
+    from components.train import RayConfig, train
+
+    out = {}
+    for mode in ("gpu", "auto"):
+        with tempfile.TemporaryDirectory() as tmp:
+            train(dataclasses.replace(cfg, autocast=mode, ray=RayConfig(num_workers=0)), extract_dir, tmp, None)
+            rows = [json.loads(line) for line in Path(tmp, "history.jsonl").read_text().splitlines()]
+        out[mode] = [(r["step"], r["heldout_tau"]) for r in rows if "heldout_tau" in r]
+        print(f"cpu_autocast: whole run, autocast {mode}: held-out tau "
+              + ", ".join(f"{t:.3f} at {s}" for s, t in out[mode]), flush=True)
+    return out
 
 
 if __name__ == "__main__":
