@@ -1,6 +1,6 @@
 """Does bf16 autocast train a head faster on this CPU? fp32 against bf16 steps, side by side, same data and seed.
 
-Purpose: `train.autocast: auto` (components/train.py `autocast_dtype`) trains in bf16 on a CPU with Intel AMX units;
+Purpose: `train.autocast: auto` (eagle/train.py `autocast_dtype`) trains in bf16 on a CPU with Intel AMX units;
 this measures whether that pays and what it does to the loss. On the features of one extract run (`--extract DIR`,
 e.g. a demo head's `runs/<name>/<run>/extract`; default: the benchmarks' cached setup, bench/common.py `prepare`),
 with the `default` preset's head config (TTT depth 5, batch 8, draft vocabulary 2,048), `--reps` repetitions of two
@@ -68,7 +68,7 @@ def main() -> None:
     import torch
 
     from components.pipeline_config import PipelineConfig
-    from components.train import cpu_has_bf16_units
+    from eagle.train import cpu_has_bf16_units
 
     if args.quick:
         args.reps, args.steps, args.warmup = 2, 4, 1

@@ -5,7 +5,8 @@ Purpose: `train(cfg, extract_dir, out_dir, ...) -> TrainResult`. A Ray `TorchTra
 reads the extract stage's output (offline feature shards, or tokens + the target itself in online mode), rank 0
 streams per-step TTT metrics to a `MetricsSink` (MLflow in the pipeline) and prints progress. AdamW with warm-up
 and cosine decay, gradient clipping, bf16 autocast on a GPU, and with `autocast: auto` on a CPU with bf16 matrix
-units too (Intel AMX; `autocast_dtype`): the demo's head trained 1.3x faster a step there (bench/cpu_autocast.py).
+units too (Intel AMX; eagle/train.py `autocast_dtype`): the demo's head 1.34-1.45x a step there, its held-out tau
+that of fp32 (bench/cpu_autocast.py).
 Checkpoints (`out_dir/checkpoints/step-XXXXXXX/`, components/train_state.py: head, optimiser, scheduler, step,
 RNG, the held-out selection; the data position is the step, since batches are a pure function of (seed, step)) are
 written atomically by rank 0 and reported to Ray; a worker restarted by Ray's FailureConfig, or a re-run of the
@@ -109,25 +110,6 @@ class TrainConfig:
                    ray=RayConfig(num_workers=0))
 
 
-def cpu_has_bf16_units() -> bool:
-    """Whether this CPU has Intel AMX tiles (Sapphire Rapids and later), where bf16 matrix products outrun fp32."""
-    import torch
-
-    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return bool(probe and probe())
-
-
-def autocast_dtype(mode: str, device_type: str):
-    """The autocast dtype of `train.autocast` `mode` on a device of `device_type` (None: fp32)."""
-    import torch
-
-    if mode == "off" or device_type not in ("cuda", "cpu"):
-        return None
-    if device_type == "cuda" or (mode == "auto" and cpu_has_bf16_units()):
-        return torch.bfloat16
-    return None
-
-
 def _check_config(cfg: TrainConfig) -> None:
     """Refuse out-of-range values, naming the field (a pipeline config file then fails at load)."""
     at_least(cfg, {"steps": 1, "batch_size": 1, "draft_vocab_size": 1, "seed": 0, "checkpoint_every": 1,
@@ -212,7 +194,7 @@ def train_loop(args: LoopArgs) -> None:
 
     from components.train_data import TrainingData, batches, heldout_split, ttt_batch
     from eagle.heap import kept_heap
-    from eagle.train import TTTModule, make_optimizer, train_step
+    from eagle.train import TTTModule, autocast_dtype, make_optimizer, train_step
 
     cfg, out = args.cfg, Path(args.out_dir)
     rank, world, device = _dist_context(cfg)

@@ -75,6 +75,22 @@ def online_batch(target: nn.Module, draft: Eagle3Draft, input_ids_BS: torch.Tens
     return TTTBatch(input_ids_BS, step.aux_BT3H, loss_mask_BS, teacher)
 
 
+def cpu_has_bf16_units() -> bool:
+    """Whether this CPU has Intel AMX tiles (Sapphire Rapids and later), where bf16 matrix products outrun fp32."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(probe and probe())
+
+
+def autocast_dtype(mode: str, device_type: str) -> torch.dtype | None:
+    """The autocast dtype of a `train.autocast` `mode` ("gpu", "auto", "off") on a device of `device_type` (None:
+    fp32): bf16 on a GPU unless "off", on a CPU only with "auto" where it has AMX tiles."""
+    if mode == "off" or device_type not in ("cuda", "cpu"):
+        return None
+    if device_type == "cuda" or (mode == "auto" and cpu_has_bf16_units()):
+        return torch.bfloat16
+    return None
+
+
 def make_optimizer(params, cfg: OptimConfig, total_steps: int):
     """AdamW with linear warm-up to `lr`, then cosine decay to `lr * min_lr_ratio` at `total_steps`."""
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)

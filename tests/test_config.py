@@ -120,7 +120,7 @@ def test_an_engine_gate_needs_the_engine(tmp_path):
 def test_autocast_is_bf16_on_a_gpu_and_on_a_cpu_only_where_auto_finds_amx(monkeypatch):
     import torch
 
-    import components.train as train
+    import eagle.train as train
 
     for amx in (False, True):
         monkeypatch.setattr(train, "cpu_has_bf16_units", lambda amx=amx: amx)

@@ -92,7 +92,8 @@ def test_evaluation_cells_are_each_rounds_tokens_over_its_seconds(tmp_path):
 
     report = {"config": {"spec": {"depth": 3}},
               "result": {"drafts": 10, "accepted_per_pos": [8, 6, 4], "tau": 2.8},
-              "speed": {"plain_s": [[1.0, 1.0], [2.0, 2.0], [1.0, 3.0]], "spec_s": [[0.5, 0.5], [1.0, 1.0], [1.0, 1.0]]},
+              "speed": {"plain_s": [[1.0, 1.0], [2.0, 2.0], [1.0, 3.0]],
+                        "spec_s": [[0.5, 0.5], [1.0, 1.0], [1.0, 1.0]]},
               "samples": [{"plain": [1] * 30, "spec": [1] * 30, "identical_to_plain": True},
                           {"plain": [2] * 10, "spec": [2] * 10, "identical_to_plain": True}]}
     path = tmp_path / "engine_evaluation.json"
