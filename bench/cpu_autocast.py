@@ -64,6 +64,11 @@ def main() -> None:
     p.add_argument("--whole-run", action="store_true", help="also the preset's whole run each way: held-out tau")
     p.set_defaults(threads=2)
     args = p.parse_args()
+    if args.reps < 1 or args.steps < 1 or not 0 <= args.warmup < args.steps:
+        p.error(f"--reps and --steps must be >= 1 and --warmup in [0, --steps), got --reps {args.reps} --steps "
+                f"{args.steps} --warmup {args.warmup}")
+    if args.extract and not (Path(args.extract) / "manifest.json").is_file():
+        p.error(f"--extract {args.extract}: not an extract stage's output (no manifest.json in it)")
     load_before = start(args)
     import torch
 

@@ -169,9 +169,7 @@ def evaluation_cells(report_file: str | Path, k: int) -> list[dict] | None:
         tokens = sum(len(s[key]) for s in samples)
         tps = [tokens / sum(secs) for secs in speed[f"{key}_s"]]
         drafts = res["drafts"] if kk else None
-        cells.append({"k": kk, "concurrency": 1, "requests": len(samples), "repeats": len(tps),
-                      "output_tokens_per_s": statistics.median(tps), "output_tokens_per_s_min": min(tps),
-                      "output_tokens_per_s_max": max(tps), "output_tokens_per_s_rounds": tps,
+        cells.append({"k": kk, "concurrency": 1, "requests": len(samples), **_rounds_tps(tps),
                       **{m: None for m in ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms")},
                       "duration_s": statistics.median(sum(secs) for secs in speed[f"{key}_s"]),
                       "drafts": drafts, "accepted": sum(res["accepted_per_pos"]) if kk else None,
@@ -359,6 +357,12 @@ def measure_rounds(cfg: LoadConfig, plan: SweepPlan, settings, servers: dict, da
     samples += [{"phase": phase, "round": r, "k": k, **asdict(cell)} for (k, r, _), cell in zip(jobs, cells)]
 
 
+def _rounds_tps(tps: list[float]) -> dict:
+    """A cell's tokens/s fields from its rounds' figures: the median, the spread and every round, and how many."""
+    return {"repeats": len(tps), "output_tokens_per_s": statistics.median(tps), "output_tokens_per_s_min": min(tps),
+            "output_tokens_per_s_max": max(tps), "output_tokens_per_s_rounds": tps}
+
+
 def cells_of(samples: list[dict]) -> list[dict]:
     """One cell per (k, concurrency) of `samples`: latencies and tokens/s the medians over rounds, tokens/s also
     min, max and per round; the speculative counters summed; `texts` of each round in `texts_by_round`."""
@@ -366,10 +370,8 @@ def cells_of(samples: list[dict]) -> list[dict]:
     cells = []
     for k, c in keys:
         rows = [s for s in samples if (s["k"], s["concurrency"]) == (k, c)]
-        tps = [s["output_tokens_per_s"] for s in rows]
-        cell = {"k": k, "concurrency": c, "requests": rows[0]["requests"], "repeats": len(rows),
-                "output_tokens_per_s": statistics.median(tps), "output_tokens_per_s_min": min(tps),
-                "output_tokens_per_s_max": max(tps), "output_tokens_per_s_rounds": tps,
+        cell = {"k": k, "concurrency": c, "requests": rows[0]["requests"],
+                **_rounds_tps([s["output_tokens_per_s"] for s in rows]),
                 **{m: statistics.median(s[m] for s in rows)
                    for m in ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "duration_s")}}
         drafts = [s for s in rows if s["drafts"]]

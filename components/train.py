@@ -95,7 +95,7 @@ class TrainConfig:
     variants: tuple[str, ...] = ()
     # bf16 autocast (weights and optimiser stay fp32): "gpu" on a GPU only, "auto" also on a CPU with bf16 matrix
     # units (Intel AMX; elsewhere a CPU's bf16 is slower than fp32), "off" never
-    autocast: Literal["gpu", "auto", "off"] = "gpu"
+    autocast: str = "gpu"
     ttt: TTTConfig = field(default_factory=TTTConfig)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3, warmup_steps=20))
     ray: RayConfig = field(default_factory=RayConfig)

@@ -185,6 +185,7 @@ BAD_CONFIGS: dict[str, tuple[dict, str]] = {
     "extract-unknown-engine": ({"extract": {"engine": "tpu"}}, "extract.engine must be one of 'local', 'vllm'"),
     "train-unknown-variant": ({"train": {"variant": "eagle4"}}, "train.variant must be one of 'eagle3', 'eagle3.1', 'parallel'"),
     "train-variants-twice": ({"train": {"variants": ["eagle3", "eagle3"]}}, "train.variants names a variant twice"),
+    "train-unknown-autocast": ({"train": {"autocast": "bf16"}}, "train.autocast must be one of 'gpu', 'auto', 'off'"),
     "edges-descending": ({"evaluate": {"position_edges": [128, 0]}}, "evaluate.position_edges must be >= 2 ascending"),
     "edges-one": ({"evaluate": {"position_edges": [0]}}, "evaluate.position_edges must be >= 2 ascending"),
     "edges-fraction": ({"evaluate": {"position_edges": [0, 1.5]}}, "evaluate.position_edges: [0, 1.5] is not of"),
