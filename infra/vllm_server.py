@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import http.client
 import json
 import os
 import shlex
@@ -283,7 +284,7 @@ class VllmServer:
         except urllib.error.HTTPError as e:
             detail = e.read().decode(errors="replace")[:500]
             raise EngineError(f"vLLM refused {path} (HTTP {e.code}): {detail}") from None
-        except (urllib.error.URLError, OSError) as e:
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as e:  # IncompleteRead: died mid-answer
             dead = self.proc is None or self.proc.poll() is not None
             raise EngineError(f"vLLM at {self.base_url} {'has died' if dead else 'did not answer'} ({e}); "
                               f"{self.last_error()} (log: {self.log_path})") from None
