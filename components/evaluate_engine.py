@@ -212,7 +212,8 @@ def _interleaved(cfg: EvaluateConfig, plain: VllmServer, srv: VllmServer, prompt
                     counters.append(srv.spec_counters() - before)
         return len(c.token_ids)
 
-    pause = SwitchPause.between(plain.spec, last="spec")  # the warm-up's last request went to the head's server
+    pause = SwitchPause.between(plain.spec, last="spec",  # the warm-up's last request went to the head's server
+                                seconds=cfg.speed.switch_pause_s)
     speed = measure_speedup(n, lambda i, r: run(plain, "plain", i, r), lambda i, r: run(srv, "spec", i, r),
                             cfg.speed, progress, what=" (vLLM)",
                             own_pgids=[s.proc.pid for s in (plain, srv) if s.proc is not None],  # own sessions
@@ -231,9 +232,12 @@ class SwitchPause:
         self.seconds, self.last, self.sleep = seconds, last, sleep
 
     @classmethod
-    def between(cls, spec: EngineSpec, last: str | None = None) -> "SwitchPause":
-        """The pause between servers of `spec`'s device: past the idle spin on a CPU build, none on a GPU."""
-        return cls(IDLE_SPIN_S + SETTLE_MARGIN_S if spec.resolved_device() == "cpu" else 0.0, last)
+    def between(cls, spec: EngineSpec, last: str | None = None, seconds: float | None = None) -> "SwitchPause":
+        """The pause between servers of `spec`'s device: `seconds` when given (`evaluate.speed.switch_pause_s`),
+        else past the idle spin on a CPU build, none on a GPU."""
+        if seconds is None:
+            seconds = IDLE_SPIN_S + SETTLE_MARGIN_S if spec.resolved_device() == "cpu" else 0.0
+        return cls(seconds, last)
 
     def __call__(self, kind: str) -> None:
         if self.seconds > 0 and self.last is not None and kind != self.last:

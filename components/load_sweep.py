@@ -26,7 +26,9 @@ spare, so one K is not right at every load. For the held-out prompts (the evalua
 - checks every speculative output equal to the plain output at the same concurrency (T = 0, fp32). Batching can
   change a plain output by itself (floating-point sums in another order); a prompt whose plain output at
   concurrency C differs from its plain output at the lowest level, or between rounds, is counted as `batch_variant`,
-  not as a head mismatch, and only the other differences raise `NotLosslessError`;
+  not as a head mismatch, and only the other differences raise `NotLosslessError` (`judge`). When concurrency 1
+  came from the evaluation (token ids, no texts) and a difference is found, plain is run once at concurrency 1
+  (phase "baseline" in `rounds`) so that batching alone is told from the head before anything is raised;
 - derives the schedule (`derive_schedule`) from the medians: at each measured level a K beats plain only when its
   median exceeds plain's by more than `cfg.load.margin` AND its spread lies wholly above plain's (its slowest round
   faster than plain's fastest); the best of those K, else K = 0. Levels between two measured ones take the lower
@@ -292,6 +294,13 @@ def run_sweep(cfg: LoadConfig, plan: SweepPlan, settings, engines=None, batch1: 
                           {**at1, "k": SCHEDULE, "source": f"evaluation (the schedule drafts K {best[1]} there)"}]
             plain_then = {c["concurrency"]: c["output_tokens_per_s"] for c in phase if c["k"] == 0}
             cells += [{**c, "plain_tokens_per_s": plain_then[c["concurrency"]]} for c in phase if c["k"] == SCHEDULE]
+        if from_eval and plan.temperature == 0.0 and judge(samples)[1]:
+            # the evaluation keeps token ids, not the client's texts: without plain's texts at batch 1, a plain output
+            # that batching alone changed at the lowest level measured here would read as the head's mismatch
+            plan.progress("load sweep: speculative outputs differ from plain's under load; plain at concurrency 1 "
+                          "once, as the batching baseline")
+            measure_rounds(replace(measured, concurrency=(1,), repeats=1), plan, settings, {0: plain}, dataset,
+                           "baseline", samples, rounds)
     return _finish(cfg, plan, cells, samples, schedule, best, {"mode": mode, "mode_reason": why, "rounds": rounds})
 
 
@@ -386,18 +395,29 @@ def cells_of(samples: list[dict]) -> list[dict]:
     return cells
 
 
-def _finish(cfg: LoadConfig, plan: SweepPlan, cells: list[dict], samples: list[dict], schedule, best,
-            how: dict) -> SweepResult:
+def judge(samples: list[dict]) -> tuple[set, set]:
+    """(batch-variant (concurrency, prompt) keys, mismatched (k, concurrency, prompt) keys) of the measured samples.
+    The baseline is each prompt's plain output at the lowest concurrency where plain was measured by the load
+    client (any phase: a "baseline" one included); a plain output that differs from it, or between rounds, is batch
+    variance; a speculative output that is none of the plain outputs at its concurrency, where plain did not vary, a
+    mismatch."""
     plain_seen: dict[tuple[int, int], set[str]] = {}  # (concurrency, prompt) -> every plain output there
     for s in samples:
         if s["k"] == 0:
             for i, t in enumerate(s["texts"]):
                 plain_seen.setdefault((s["concurrency"], i), set()).add(t)
-    plain = {c["concurrency"]: c["texts"] for c in cells if c["k"] == 0 and c["source"] == "sweep"}
-    low = min(plain, default=None)  # the lowest level measured here (concurrency 1 may be the evaluation's)
-    variant = {key for key, seen in plain_seen.items() if seen != {plain[low][key[1]]}}
+    low = min((s["concurrency"] for s in samples if s["k"] == 0), default=None)
+    base = next((s["texts"] for s in samples if s["k"] == 0 and s["concurrency"] == low), [])
+    variant = {key for key, seen in plain_seen.items() if seen != {base[key[1]]}}
     mismatched = {(s["k"], s["concurrency"], i) for s in samples if s["k"] != 0 for i, t in enumerate(s["texts"])
                   if t not in plain_seen[(s["concurrency"], i)] and (s["concurrency"], i) not in variant}
+    return variant, mismatched
+
+
+def _finish(cfg: LoadConfig, plan: SweepPlan, cells: list[dict], samples: list[dict], schedule, best,
+            how: dict) -> SweepResult:
+    variant, mismatched = judge(samples)
+    plain = {c["concurrency"]: c["texts"] for c in cells if c["k"] == 0 and c["source"] == "sweep"}
     for c in cells:
         if c["source"] != "sweep":  # the evaluation's: its own identity count
             continue

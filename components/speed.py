@@ -47,7 +47,10 @@ class SpeedupConfig:
     """How long to measure: at least `min_rounds` rounds over the prompts, at most `max_rounds`, stopping early once
     the median's interval is within +-`max_spread`; no new round starts after `budget_s` seconds. A figure measured
     while other processes used more than `max_other_load` CPU cores on average is unreliable (`inf`: never).
-    `block`: prompts decoded by one side before the other takes them (0: the caller's choice, `block_for`)."""
+    `block`: prompts decoded by one side before the other takes them (0: the caller's choice, `block_for`).
+    `switch_pause_s`: seconds a timed vLLM request waits when the one before went to the other server (None: the
+    device's own, vLLM's idle spin and a margin on a CPU build, 0 on a GPU, components/evaluate_engine.py
+    `SwitchPause`); 0 where the cores are many, so that one spinning core does not move the figure."""
 
     min_rounds: int = 5
     max_rounds: int = 9
@@ -55,9 +58,14 @@ class SpeedupConfig:
     budget_s: float = 300.0
     max_other_load: float = 0.5
     block: int = 0
+    switch_pause_s: float | None = None
 
     def __post_init__(self) -> None:
         at_least(self, {"min_rounds": 1, "max_rounds": 1, "block": 0})
+        if self.switch_pause_s is not None and (isinstance(self.switch_pause_s, bool) or
+                                                not 0.0 <= self.switch_pause_s < float("inf")):
+            raise FieldError(self, "switch_pause_s", f"must be a number of seconds >= 0 (null: the device's own), "
+                                                     f"got {self.switch_pause_s}")
         if self.max_rounds < self.min_rounds:
             raise FieldError(self, "max_rounds", f"must be >= min_rounds ({self.min_rounds}), got {self.max_rounds}")
         if not 0.0 < self.max_spread < 1.0:
@@ -75,9 +83,9 @@ class SpeedupConfig:
 
     @classmethod
     def tiny(cls) -> "SpeedupConfig":
-        """Two rounds, and no bound on other load: the tests' tiny figures mean nothing and must not depend on what
-        else the machine runs (tests/test_speed.py checks the bound itself)."""
-        return cls(min_rounds=2, max_rounds=2, budget_s=60.0, max_other_load=float("inf"))
+        """Two rounds, no bound on other load, no pause between vLLM servers: the tests' tiny figures mean nothing
+        and must not depend on what else the machine runs (tests/test_speed.py checks the bound and the pause)."""
+        return cls(min_rounds=2, max_rounds=2, budget_s=60.0, max_other_load=float("inf"), switch_pause_s=0.0)
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,9 @@ Purpose:
   with vLLM's own load client: every cell measured in every round, in the alternating order,
   each cell's median and spread, 0 head mismatches, the schedule and the plot written;
 - with the evaluation's depth as the only K, concurrency 1 is the evaluation's own rounds of the handed-on pair
-  (`evaluation_cells`, also on a made-up report), the client measuring the other levels only; the client runs past
-  EOS only when told to (`ignore_eos`);
+  (`evaluation_cells`, also on a made-up report), the client measuring the other levels only, and plain at 1 once
+  more only when outputs under load seem to differ (the batching baseline, `judge`: batch variance told from a
+  head mismatch, also on made-up texts); the client runs past EOS only when told to (`ignore_eos`);
 - a schedule served by vLLM takes effect: K 3 at batch size 1 and K 0 from 2 on drafts at concurrency 1 and almost
   never at concurrency 4 (only while the batch ramps up or drains), and the engine's log shows the schedule;
 - `eagle-heads serve --print-only` puts a registered schedule in the vLLM command and says what SGLang can express.
@@ -110,6 +111,23 @@ def test_evaluation_cells_are_each_rounds_tokens_over_its_seconds(tmp_path):
     assert plain["median_ttft_ms"] is None  # the evaluation does not stream
 
 
+def test_batching_alone_is_told_from_the_head_by_plains_texts_at_the_lowest_level():
+    """Plain's output of prompt 0 changes from batch 1 to batch 4 (batching alone) and the head's at 4 is plain's at
+    1: batch variance, not a mismatch, once plain at 1 is among the samples (the "baseline" phase when concurrency 1
+    came from the evaluation); without it the lowest level measured (4) is the baseline and the same outputs read
+    as the head's mismatch. A head output that is no plain output, where plain did not vary, is a mismatch."""
+    from components.load_sweep import judge
+
+    def sample(phase, k, c, texts):
+        return {"phase": phase, "k": k, "concurrency": c, "texts": texts}
+
+    at4 = [sample("sweep", 0, 4, ["a4", "b"]), sample("sweep", 5, 4, ["a", "b"]),
+           sample("sweep", 0, 16, ["a4", "b"]), sample("sweep", 5, 16, ["a4", "x"])]
+    assert judge(at4) == (set(), {(5, 4, 0), (5, 16, 1)})
+    variant, mismatched = judge(at4 + [sample("baseline", 0, 1, ["a", "b"])])
+    assert variant == {(4, 0), (16, 0)} and mismatched == {(5, 16, 1)}
+
+
 def test_the_load_client_stops_at_eos_unless_told_to_run_past_it():
     from infra.vllm_bench import LoadRequest, _argv
     from infra.vllm_server import EngineSpec, VllmServer
@@ -203,11 +221,24 @@ def test_the_sweep_measures_every_cell_with_vllms_client_and_writes_the_schedule
 @pytest.mark.slow
 @pytest.mark.engine
 @pytest.mark.timeout(900)
-def test_with_one_k_concurrency_1_is_the_evaluations_own_rounds(engine_target, head_dir, settings, tmp_path):
+def test_with_one_k_concurrency_1_is_the_evaluations_own_rounds(engine_target, head_dir, settings, tmp_path,
+                                                                 monkeypatch):
     """The sweep's only K is the evaluation's depth and both servers are handed on: concurrency 1 is not measured
-    again, its cells are the evaluation's rounds (the same servers); the client measures the other levels only."""
+    again, its cells are the evaluation's rounds (the same servers); the client measures the other levels only.
+    When the outputs under load seem to differ (made to here: the first judgement reports a mismatch), plain runs
+    once at concurrency 1 as the batching baseline, and the final judgement, on the real texts, finds none."""
+    from components import load_sweep as sweep_mod
     from components.evaluate_engine import evaluate_in_vllm
     from components.load_sweep import load_sweep
+
+    real_judge, calls = sweep_mod.judge, []
+
+    def judge_once_mismatched(samples):
+        calls.append(sorted({(s["phase"], s["concurrency"]) for s in samples}))
+        variant, mismatched = real_judge(samples)
+        return (variant, {(3, 4, 0)}) if len(calls) == 1 else (variant, mismatched)
+
+    monkeypatch.setattr(sweep_mod, "judge", judge_once_mismatched)
 
     cfg = dataclasses.replace(SWEEP, speed=SpeedupConfig(min_rounds=2, max_rounds=2),
                               load=LoadConfig(concurrency=(1, 4), k_values=(3,), requests=4, repeats=1,
@@ -220,7 +251,9 @@ def test_with_one_k_concurrency_1_is_the_evaluations_own_rounds(engine_target, h
                          progress=lines.append, engines=engines, evaluation=ev.report_file)
         assert engines.reused == 2 and engines.started == 2, lines
     assert any(line.startswith("load sweep: concurrency 1 from the evaluation of these servers") for line in lines)
-    assert not any(" at 1: " in line for line in lines), lines  # the client never ran concurrency 1
+    assert sum(" at 1: " in line for line in lines) == 1, lines  # the client ran concurrency 1 once: the baseline
+    assert calls == [[("sweep", 4)], [("baseline", 1), ("sweep", 4)]]
+    assert any("plain at concurrency 1 once, as the batching baseline" in line for line in lines)
     cells = {(c["k"], c["concurrency"]): c for c in res.cells}
     assert set(cells) == {(0, 1), (3, 1), (0, 4), (3, 4)}
     assert cells[(0, 1)]["source"] == cells[(3, 1)]["source"] == "evaluation"
@@ -229,7 +262,7 @@ def test_with_one_k_concurrency_1_is_the_evaluations_own_rounds(engine_target, h
     assert cells[(res.best_k[1], 1)]["output_tokens_per_s"] / cells[(0, 1)]["output_tokens_per_s"] == \
            pytest.approx(res.speedup_at[1]) and set(res.speedup_at) == {1, 4}
     report = json.loads(Path(res.report_file).read_text())
-    assert {r["concurrency"] for r in report["rounds"]} == {4}
+    assert [(r["phase"], r["concurrency"]) for r in report["rounds"]] == [("sweep", 4), ("baseline", 1)]
 
 
 @pytest.mark.slow

@@ -120,6 +120,21 @@ def test_the_engine_pause_waits_only_when_the_other_server_served_last():
     assert len(slept) == 4  # a GPU build: the spin takes a host core, no wait
 
 
+def test_the_pause_between_servers_is_the_devices_unless_the_config_sets_one():
+    """`evaluate.speed.switch_pause_s`: None waits out a CPU engine's idle spin (and nothing on a GPU); a number is
+    taken as given (0 where the cores are many, and in the tests' tiny config); a negative one is refused."""
+    from components.evaluate_engine import SETTLE_MARGIN_S, SwitchPause
+    from infra.vllm_server import IDLE_SPIN_S, EngineSpec
+
+    cpu, gpu = EngineSpec("/t", method=None, device="cpu"), EngineSpec("/t", method=None, device="cuda")
+    assert SwitchPause.between(cpu).seconds == IDLE_SPIN_S + SETTLE_MARGIN_S == pytest.approx(1.2)
+    assert SwitchPause.between(gpu).seconds == 0.0
+    assert SwitchPause.between(cpu, seconds=0.0).seconds == 0.0 and SwitchPause.between(gpu, seconds=0.5).seconds == 0.5
+    assert SpeedupConfig().switch_pause_s is None and SpeedupConfig.tiny().switch_pause_s == 0.0
+    with pytest.raises(ValueError, match="switch_pause_s"):
+        SpeedupConfig(switch_pause_s=-1.0)
+
+
 def test_a_burst_of_load_in_one_round_does_not_move_the_median():
     def spec(i, r):
         return 3.0 if r == 1 else 1.0  # another job slowed the speculative side in round 1 only
