@@ -167,6 +167,8 @@ BAD_CONFIGS: dict[str, tuple[dict, str]] = {
                          "positive number of seconds, got inf"),
     "speed-other-load-negative": ({"evaluate": {"speed": {"max_other_load": -1}}},
                                   "evaluate.speed.max_other_load must be a number of CPU cores >= 0"),
+    "speed-switch-pause-negative": ({"evaluate": {"speed": {"switch_pause_s": -1}}},
+                                    "evaluate.speed.switch_pause_s must be a number of seconds >= 0"),
     "load-descending": ({"evaluate": {"load": {"concurrency": [4, 1]}}}, "evaluate.load.concurrency must be ascending"),
     "load-not-a-list": ({"evaluate": {"load": {"concurrency": "1,4"}}}, "evaluate.load.concurrency: '1,4' is not of"),
     "load-k-above-16": ({"evaluate": {"load": {"k_values": [5, 17]}}}, "evaluate.load.k_values must be <= 16"),
