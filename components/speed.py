@@ -50,7 +50,7 @@ class SpeedupConfig:
     `block`: prompts decoded by one side before the other takes them (0: the caller's choice, `block_for`).
     `switch_pause_s`: seconds a timed vLLM request waits when the one before went to the other server (None: the
     device's own, vLLM's idle spin and a margin on a CPU build, 0 on a GPU, components/evaluate_engine.py
-    `SwitchPause`); 0 where the cores are many, so that one spinning core does not move the figure."""
+    `SwitchPause`); 0 suits a machine with many cores, where one spinning core does not move the figure."""
 
     min_rounds: int = 5
     max_rounds: int = 9
