@@ -14,7 +14,9 @@ head, interleaved sample by sample so that both see the same machine state, and 
 - wall-clock speedup (plain seconds / speculative seconds over the same prompts) measured in rounds, plain and
   speculative interleaved prompt by prompt (components/speed.py, `cfg.speed`): the median of the rounds' ratios,
   its interval `speedup_lo`..`speedup_hi`, and whether it is reliable (with the reason when not); tokens/s of each,
-  both on the target path (`eagle.target_path`, `spec.path`) measured fastest here, recorded as `target_path`,
+  both on the target path (`eagle.target_path`, `spec.path`) measured fastest here, recorded as `target_path`;
+  with `cfg.time_local` false each prompt is decoded once each way, untimed, and the speedup fields are nan (where
+  vLLM measures the head, `engine: vllm`, its figure is the one that counts),
 - at temperature 0, whether every output equals the plain greedy output; any difference raises
   `NotLosslessError` after the report is written (the run fails loudly).
 Each prompt is decoded to its sample's `max_new_tokens` when the traffic gives one (components/traffic_io.py; the
@@ -68,9 +70,15 @@ class EvaluateConfig:
     # 2 threads 0.97x (169 / 167): batch-1 passes of a small target lose more to the threads' synchronisation than
     # they gain, the speculative step's many small ones most. vLLM's CPU worker there decodes on one core as well.
     threads: int = 1
+    # time our own decoder against plain (`speed`'s rounds); false: each prompt is decoded once each way, untimed (tau,
+    # acceptance and identity as before) and our speedup is not measured: where vLLM measures the head
+    # (`engine: vllm`), its figure is the one registered and served, and our rounds cost the demo ~1 min
+    time_local: bool = True
 
     def __post_init__(self) -> None:
         one_of(self, "engine", ("local", "vllm"))
+        if not isinstance(self.time_local, bool):
+            raise FieldError(self, "time_local", f"must be true or false, got {self.time_local!r}")
         at_least(self, {"max_prompt_tokens": 1, "seed": 0, "threads": 0})
         if self.limit is not None:
             at_least(self, {"limit": 1})
@@ -127,12 +135,19 @@ class EvaluateResult:
     speedup_rounds: int = 1
     by_position: list[dict] = field(default_factory=list)  # eagle.stats.acceptance_by_position, emitted counts
 
+    @property
+    def timed(self) -> bool:
+        """Whether our speedup was measured (`EvaluateConfig.time_local`); nan fields when it was not."""
+        return self.speedup == self.speedup
+
     def metrics(self) -> dict[str, float]:
-        m = {"tau": self.tau, "speedup": self.speedup, "plain_tokens_per_s": self.plain_tokens_per_s,
-             "spec_tokens_per_s": self.spec_tokens_per_s, "speedup_reliable": float(self.speedup_reliable),
-             "speedup_rounds": float(self.speedup_rounds)}
-        m.update({k: v for k, v in (("speedup_lo", self.speedup_lo), ("speedup_hi", self.speedup_hi))
-                  if v is not None})
+        m = {"tau": self.tau}
+        if self.timed:
+            m.update({"speedup": self.speedup, "plain_tokens_per_s": self.plain_tokens_per_s,
+                      "spec_tokens_per_s": self.spec_tokens_per_s, "speedup_reliable": float(self.speedup_reliable),
+                      "speedup_rounds": float(self.speedup_rounds)})
+            m.update({k: v for k, v in (("speedup_lo", self.speedup_lo), ("speedup_hi", self.speedup_hi))
+                      if v is not None})
         if self.tau_raw is not None:
             m["tau_raw"] = self.tau_raw
         if self.identical is not None:  # sampled runs are not comparable token for token
@@ -254,15 +269,23 @@ def _evaluate(cfg: EvaluateConfig, target_dir: str, head_dir: str, traffic_path:
         warm = replace(spec, max_new_tokens=min(spec.max_new_tokens, specs[0].max_new_tokens))
         generate_plain(target, xs[0], None, warm, generator=gen)  # warm-up: first-call costs out of the timing
         generate_speculative(target, draft, xs[0], None, warm, generator=gen)
-        speed = measure_speedup(len(prompts), plain, speculative, cfg.speed, progress)
+        if cfg.time_local:
+            speed = measure_speedup(len(prompts), plain, speculative, cfg.speed, progress)
+        else:  # once each way, untimed: what the figures below need
+            speed = None
+            for i in range(len(prompts)):
+                plain(i, 0)
+                speculative(i, 0)
         base_stats = [generate_speculative(target, baseline, x, None, sp, generator=gen).stats
                       for x, sp in zip(xs, specs)] if baseline is not None else []
     for i, s in enumerate(samples):  # round 0's outputs, in prompt order
         s["identical"] = bool(torch.equal(plains[i].sequences, s.pop("_seq")))
-        s["plain_s"], s["spec_s"] = speed.plain_s[0][i], speed.spec_s[0][i]
+        if speed is not None:
+            s["plain_s"], s["spec_s"] = speed.plain_s[0][i], speed.spec_s[0][i]
     identical = all(s["identical"] for s in samples)
     said = "identical" if identical else "DIFFERENT" if spec.greedy else "sampled (not compared token for token)"
-    progress(f"evaluate: speedup {speed.describe()}; outputs {said}")
+    timed = f"speedup {speed.describe()}" if speed is not None else "speedup not timed (evaluate.time_local false)"
+    progress(f"evaluate: {timed}; outputs {said}")
     return _finish(cfg, out, samples, speed, identical, (stats, base_stats), history_file,
                    target_path.record(target, spec.path))
 
@@ -276,7 +299,8 @@ def _sample_counts(stats) -> dict[str, list[int]]:
             "drafted": drafted[live].tolist()}
 
 
-def _finish(cfg, out: Path, samples, speed: SpeedupEstimate, identical, runs, history_file, path_record: dict):
+def _finish(cfg, out: Path, samples, speed: SpeedupEstimate | None, identical, runs, history_file,
+            path_record: dict):
     """The report over all prompts: emitted tau and alpha_k (the raw ones beside them), per segment, the baseline
     head's tau on the same prompts, plots; writes `evaluation.json`."""
     from components.plots import plot_acceptance, plot_by_output_position, plot_training
@@ -300,17 +324,22 @@ def _finish(cfg, out: Path, samples, speed: SpeedupEstimate, identical, runs, hi
     if history_file and Path(history_file).is_file():
         plots.append(str(plot_training(history_file, out / "training_curves.png")))
     greedy = cfg.spec.greedy
-    res = EvaluateResult(tau=tau, speedup=speed.speedup, identical=identical if greedy else None,
+    nan = float("nan")
+    timing = (dict(speedup=speed.speedup, plain_tokens_per_s=speed.plain_tokens_per_s,
+                   spec_tokens_per_s=speed.spec_tokens_per_s, speedup_lo=speed.lo, speedup_hi=speed.hi,
+                   speedup_reliable=speed.reliable, speedup_note=speed.reason, speedup_rounds=speed.rounds)
+              if speed is not None else dict(speedup=nan, plain_tokens_per_s=nan, spec_tokens_per_s=nan,
+                                             speedup_rounds=0, speedup_reliable=False,
+                                             speedup_note="not timed (evaluate.time_local false)"))
+    res = EvaluateResult(tau=tau, identical=identical if greedy else None,
                          acceptance=cond, acceptance_cumulative=cum, per_segment=per_segment,
-                         plain_tokens_per_s=speed.plain_tokens_per_s, spec_tokens_per_s=speed.spec_tokens_per_s,
                          n_samples=len(samples), n_tokens=n_tokens, baseline_tau=baseline_tau,
                          report_file=str(out / "evaluation.json"), plots=tuple(plots), tau_raw=every.tau_raw,
-                         acceptance_raw=every.per_position_acceptance_raw, speedup_lo=speed.lo, speedup_hi=speed.hi,
-                         speedup_reliable=speed.reliable, speedup_note=speed.reason, speedup_rounds=speed.rounds,
-                         by_position=by_position)
+                         acceptance_raw=every.per_position_acceptance_raw, by_position=by_position, **timing)
     atomic_write_text(out / "evaluation.json", json.dumps({"config": asdict(cfg), "result": asdict(res),
                                                            "by_position_raw": by_position_raw,
-                                                           "speed": asdict(speed), "target_path": path_record,
+                                                           "speed": asdict(speed) if speed else None,
+                                                           "target_path": path_record,
                                                            "samples": samples}, indent=2) + "\n")
     if greedy and not identical:
         bad = sum(not s["identical"] for s in samples)

@@ -55,7 +55,8 @@ def default() -> dict[str, Any]:
     from its base's head, gets half the steps of a fresh one (`train.warm_start_steps`), since it starts close.
     Each head is also served by vLLM and measured there (`evaluate.engine: vllm`), as production will run it,
     one request at a time and under load (`evaluate.load`: concurrency 1, 4 and 16, K 5 against plain, which
-    gives the K schedule the engine is served with).
+    gives the K schedule the engine is served with). Our own decoder still measures τ, acceptance and identity, once
+    each way and untimed (`evaluate.time_local: false`): its speedup, of a decoder nobody serves, cost ~1 min.
     """
     from components.evaluate import EvaluateConfig
     from components.extract import ExtractConfig
@@ -74,7 +75,7 @@ def default() -> dict[str, Any]:
                           ttt=TTTConfig(ttt_steps=5), optim=OptimConfig(lr=3e-3, warmup_steps=10),
                           ray=RayConfig(num_workers=1, cpus_per_worker=2)),
         evaluate=EvaluateConfig(spec=SpecConfig(method="chain", depth=5, max_new_tokens=96), limit=16, engine="vllm",
-                                load=LoadConfig(concurrency=(1, 4, 16), k_values=(5,), requests=16)),
+                                load=LoadConfig(concurrency=(1, 4, 16), k_values=(5,), requests=16), time_local=False),
         register=RegisterConfig(tau_floor=1.5, gate_tau="engine"))
 
 

@@ -63,8 +63,12 @@ def train(a, settings) -> int:
     s = train_head(a.target, a.traffic, a.heldout, a.preset, config_file(a, settings), a.name)
     _quiet_prefect()
     served = s.tau != s.tau and s.tau_vllm is not None  # target.runtime vllm: only the engine measured the head
-    tau, speedup = (s.tau_vllm, s.speedup_vllm) if served else (s.tau, s.speedup)
-    print(f"train: head={s.head_uri} tau{'(vLLM)' if served else ''}={tau:.2f} speedup={speedup or float('nan'):.2f}x "
+    tau = s.tau_vllm if served else s.tau
+    # ours unless it was not timed (target.runtime vllm, evaluate.time_local false): then the engine's
+    ours = s.speedup == s.speedup
+    speedup = s.speedup if ours else s.speedup_vllm
+    print(f"train: head={s.head_uri} tau{'(vLLM)' if served else ''}={tau:.2f} "
+          f"speedup{'' if ours else '(vLLM)'}={speedup or float('nan'):.2f}x "
           f"identical={'yes' if s.identical or (served and s.vllm and s.vllm.identical_to_plain) else 'no'}")
     return 0
 
@@ -158,7 +162,10 @@ def evaluate_head(cfg, head: str, target: str, traffic: str, out: Path, settings
 
 
 def _speed_text(res: dict) -> str:
-    """"1.52x [1.47, 1.58]" from an evaluation result's speedup fields; "(unreliable: why)" when it is."""
+    """"1.52x [1.47, 1.58]" from an evaluation result's speedup fields; "(unreliable: why)" when it is; "-
+    (why)" when it was not timed."""
+    if res["speedup"] != res["speedup"]:
+        return f"- ({res['speedup_note']})"
     text = f"{res['speedup']:.2f}x [{res['speedup_lo']:.2f}, {res['speedup_hi']:.2f}]"
     return text if res["speedup_reliable"] else f"{text} (unreliable: {res['speedup_note']})"
 

@@ -135,7 +135,8 @@ def demo(preset: str = "default", embedded_preset: str = "default", target_name:
              f"{'speedup':>8} {'sp(vLLM)':>9} {'crossover':>9} {'identical':>9}  alpha_1..k",
              "(features: who computed the hidden states the head was trained on, this process (local) or the serving "
              "engine (vllm); tau_pos: tau in the first..last output-position bucket reached (evaluate.position_edges); "
-             "speedup: median of interleaved rounds, ours and in vLLM, one request at a time; '?' marks an "
+             "speedup: median of interleaved rounds, ours ('-': not timed, evaluate.time_local) and in vLLM, one "
+             "request at a time; '?' marks an "
              "unreliable figure (its rounds disagreed, or other processes used the cores); crossover: the first "
              "concurrency where plain decoding out-serves the head in vLLM, where the registered K schedule stops "
              "drafting)",

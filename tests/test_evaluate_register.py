@@ -77,6 +77,29 @@ def test_evaluate_reports_acceptance_and_identical_outputs(tiny_embedded, head, 
     assert report["by_position_raw"][0]["tau"] == pytest.approx(res.tau_raw)
 
 
+def test_untimed_our_evaluation_decodes_once_each_way_and_reports_no_speedup(tiny_embedded, head, tmp_path):
+    """`time_local: false` (the demo, where vLLM times the head): the same outputs, τ and acceptance as a timed
+    evaluation, each prompt decoded once each way, and no speedup of ours anywhere (nan fields, no metric)."""
+    heldout = str(tiny_embedded.target_traffic.heldout)
+    timed = evaluate(EvaluateConfig.tiny(), tiny_embedded.target_dir, head.head_dir, heldout,
+                     str(tmp_path / "timed"), **QUIET)
+    cfg = dataclasses.replace(EvaluateConfig.tiny(), time_local=False)
+    lines: list[str] = []
+    res = evaluate(cfg, tiny_embedded.target_dir, head.head_dir, heldout, str(tmp_path / "untimed"),
+                   progress=lines.append)
+    assert (res.identical, res.tau, res.acceptance, res.n_tokens) == (True, timed.tau, timed.acceptance,
+                                                                      timed.n_tokens)
+    assert res.speedup != res.speedup and not res.timed and timed.timed and res.speedup_rounds == 0
+    assert not res.speedup_reliable and "time_local" in res.speedup_note
+    assert not any(k.startswith(("speedup", "plain_tokens", "spec_tokens")) for k in res.metrics())
+    assert not any(line.startswith("speedup") for line in lines), lines  # no timed round ran
+    assert lines[-1] == "evaluate: speedup not timed (evaluate.time_local false); outputs identical"
+    report = json.loads(Path(res.report_file).read_text())
+    assert report["speed"] is None and not any("plain_s" in s for s in report["samples"])
+    with pytest.raises(ValueError, match="time_local must be true or false"):
+        dataclasses.replace(cfg, time_local="no")
+
+
 def test_cli_evaluate_takes_method_depth_and_limit(tiny_embedded, head, tmp_path, monkeypatch, capsys):
     """`eagle-heads evaluate --depth/--method/--limit` override the preset's evaluation; a bad count exits 2."""
     from flows import cli
