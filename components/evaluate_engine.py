@@ -155,6 +155,15 @@ def plain_server(cfg: EvaluateConfig, target_dir: str, settings: Settings,
     return VllmServer(eval_spec(cfg, target_dir, max_new_tokens=max_new_tokens), settings)
 
 
+def eval_pair(cfg: EvaluateConfig, target_dir: str, head_dir: str, traffic_path: str,
+              settings: Settings) -> tuple[VllmServer, VllmServer]:
+    """The plain and speculative servers `evaluate_in_vllm` runs for these held-out prompts, not started (to be
+    started early, `EnginePool.launch`)."""
+    longest = max(p.max_new_tokens for p in engine_samples(cfg, target_dir, traffic_path, settings))
+    return (plain_server(cfg, target_dir, settings, longest),
+            VllmServer(eval_spec(cfg, target_dir, head_dir, max_new_tokens=longest), settings))
+
+
 def evaluate_in_vllm(cfg: EvaluateConfig, target_dir: str, head_dir: str, traffic_path: str, out_dir: str,
                      settings: Settings, ours: list[list[int]] | None = None, plain: VllmServer | None = None,
                      progress: Callable[[str], None] = print,

@@ -8,6 +8,8 @@ stopped. `take_each(servers)` gives a stage that starts its servers its own way 
 and stops the rest first (their memory is the stage's). Closing the pool stops whatever is parked. Each start the
 pool saves is the engine's import and load: ~18 s of both cores for the tiny CPU targets here, minutes for a large
 target on GPUs.
+`launch(*servers)` starts servers early, parked before they are up (the evaluation's pair while this process decodes
+untimed, flows/train_head.py).
 Engines are started from the pool's own threads, which live until it closes: an engine dies with the thread that
 started it (`PR_SET_PDEATHSIG` is per thread), so one parked by a stage outlives the stage's threads.
 A parked server keeps its cumulative counters and its prefix cache: every consumer here reads counter deltas, and
@@ -64,6 +66,15 @@ class EnginePool:
                 idle.stop()  # died while parked: the caller starts a new one
                 return None
         return None
+
+    def launch(self, *servers: VllmServer) -> None:
+        """Start `servers` now, from the pool's threads, without waiting for them, and park them: a later `running`
+        (or `take`) of the same engine takes each and waits until it is up, so that its start overlaps whatever this
+        process does meanwhile. One that fails to start is stopped there and started anew by the taker."""
+        for f in [self._threads.submit(s.launch) for s in servers]:
+            f.result()
+        self.started += len(servers)
+        self.park(*servers)
 
     def park(self, *servers: VllmServer) -> None:
         self._idle += [s for s in servers if s.proc is not None and s.proc.poll() is None]

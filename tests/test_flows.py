@@ -129,3 +129,27 @@ def test_changed_traffic_makes_the_head_stale(demo_run, tmp_path):
     finally:
         open(path, "wb").write(original)
     assert head_status(store, "stdlib-llama", 1) == "fresh"
+
+
+def test_the_engines_pair_starts_beside_our_evaluation_only_when_ours_is_untimed(tmp_path, monkeypatch):
+    """flows/train_head.py `_start_pair_early`: vLLM's pair starts before our evaluation where nothing of ours is
+    timed beside it, on a CPU engine, and only when the engine's evaluation is still to run."""
+    import dataclasses
+
+    from components.pipeline_config import PipelineConfig
+    from flows.train_head import _start_pair_early
+    from infra.vllm_server import EngineSpec
+
+    monkeypatch.setattr(EngineSpec, "resolved_device", lambda self: "cpu")
+    demo = PipelineConfig.preset("default")
+    assert demo.evaluate.engine == "vllm" and not demo.evaluate.time_local
+    assert _start_pair_early(demo, str(tmp_path))
+    timed = dataclasses.replace(demo, evaluate=dataclasses.replace(demo.evaluate, time_local=True))
+    local = dataclasses.replace(demo, evaluate=dataclasses.replace(demo.evaluate, engine="local"))
+    assert not _start_pair_early(timed, str(tmp_path)) and not _start_pair_early(local, str(tmp_path))
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "engine_evaluation.json").write_text("{}")  # measured already: its task is cached
+    assert not _start_pair_early(demo, str(tmp_path))
+    monkeypatch.setattr(EngineSpec, "resolved_device", lambda self: "cuda")
+    assert not _start_pair_early(demo, str(tmp_path / "fresh"))
+

@@ -321,8 +321,9 @@ def test_vllm_warm_fills_the_model_info_cache_as_vllm_does(tmp_path):
 def test_an_engine_pool_hands_running_servers_on_by_spec_and_stops_the_rest(tmp_path):
     """infra/engine_pool.py: servers parked on a clean exit are taken by a later stage that asks for the same engine
     (a plain engine's K aside), not started again; a stage's `take_each` stops the parked ones it does not take; an
-    error stops the stage's servers instead of parking them; one that died while parked is not handed on; closing
-    stops what is parked. Each server's process is
+    error stops the stage's servers instead of parking them; one that died while parked is not handed on; one
+    launched early (`launch`) is taken by the stage that asks for its engine; closing stops what is parked. Each
+    server's process is
     a real `sleep` (the orchestration only: tests/test_load_sweep.py hands real engines on)."""
     import subprocess
 
@@ -333,9 +334,12 @@ def test_an_engine_pool_hands_running_servers_on_by_spec_and_stops_the_rest(tmp_
         def __init__(self, **spec):
             super().__init__(EngineSpec(str(tmp_path), None, method=None, **spec), Settings.local(tmp_path / ".e"))
 
-        def start(self):
+        def launch(self):
             self.proc = subprocess.Popen(["sleep", "60"], start_new_session=True)  # stop() ends its group
             return self
+
+        def start(self):
+            return self.launch()
 
         def wait_ready(self):
             if self.proc is None or self.proc.poll() is not None:
@@ -366,7 +370,12 @@ def test_an_engine_pool_hands_running_servers_on_by_spec_and_stops_the_rest(tmp_
         d.proc.wait()  # died while parked: not handed on, a new one started
         with pool.running(Sleeper(max_model_len=32)) as (e,):
             assert e is not d and e.proc.poll() is None and pool.reused == 2 and pool.started == 6
-    assert e.proc is None and all(p.poll() is not None for p in procs)
+        early = Sleeper(max_model_len=48)
+        pool.launch(early)  # started before a stage asks for it, not waited for: the stage takes it
+        assert early.proc.poll() is None and pool.started == 7
+        with pool.running(Sleeper(max_model_len=48)) as (f,):
+            assert f is early and pool.reused == 3 and pool.started == 7
+    assert e.proc is None and f.proc is None and all(p.poll() is not None for p in procs)
 
 
 _OPEN_AT_ONCE = """

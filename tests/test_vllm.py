@@ -141,10 +141,11 @@ def test_vllm_serves_the_head_losslessly_with_our_acceptance(kind, heads, engine
 @pytest.fixture(scope="module")
 def flow_run(engine_target, settings, prefect_harness, tmp_path_factory):
     """The `train-head` flow (tiny preset) with `evaluate.engine: vllm`: the head is measured in vLLM too and both
-    engines' figures land in the registry."""
+    engines' figures land in the registry. Our decoder untimed (`time_local: false`, as the demo runs it): vLLM's
+    pair starts beside our evaluation (flows/train_head.py `_start_pair_early`)."""
     cfg = tmp_path_factory.mktemp("engine-flow") / "pipeline.json"
     cfg.write_text(json.dumps({"train": {"steps": 60}, "register": {"gate_tau": "engine"}, "evaluate": {
-        "engine": "vllm", "limit": EVAL.limit,
+        "engine": "vllm", "limit": EVAL.limit, "time_local": False,
         "spec": {"depth": EVAL.spec.depth, "max_new_tokens": EVAL.spec.max_new_tokens}}}))
     with state_dir_env(settings.state_dir):
         from flows.train_head import train_head
@@ -168,6 +169,8 @@ def test_pipeline_with_engine_vllm_registers_both_engines_figures(flow_run, sett
     assert tags["tau_by_position"] == f"0-128:{tags['tau']}"
     assert tags["tau_by_position_vllm"] == f"0-128:{tags['tau_vllm']}"
     assert tags["gate_tau"] == "engine" and tags["gate"].startswith("vLLM tau")  # the engine's τ decided
+    # our decoder untimed: no speedup of ours registered, the reason said; vLLM's is the figure
+    assert "speedup" not in tags and "time_local" in tags["speedup_note"] and "speedup_vllm" in tags
 
 
 def _cli_env(settings: Settings) -> dict[str, str]:
