@@ -266,10 +266,10 @@ def _evaluate(cfg: EvaluateConfig, target_dir: str, head_dir: str, traffic_path:
         return int(sp.lengths.sum())
 
     with torch.no_grad():
-        warm = replace(spec, max_new_tokens=min(spec.max_new_tokens, specs[0].max_new_tokens))
-        generate_plain(target, xs[0], None, warm, generator=gen)  # warm-up: first-call costs out of the timing
-        generate_speculative(target, draft, xs[0], None, warm, generator=gen)
         if cfg.time_local:
+            warm = replace(spec, max_new_tokens=min(spec.max_new_tokens, specs[0].max_new_tokens))
+            generate_plain(target, xs[0], None, warm, generator=gen)  # warm-up: first-call costs out of the timing
+            generate_speculative(target, draft, xs[0], None, warm, generator=gen)
             speed = measure_speedup(len(prompts), plain, speculative, cfg.speed, progress)
         else:  # once each way, untimed: what the figures below need
             speed = None
