@@ -40,3 +40,17 @@ def test_unreachable_tracking_server_is_a_clear_error(tmp_path):
     r = _cli("watch", "--once", env=env)
     assert r.returncode == 2, r.stderr[-2000:]
     assert "127.0.0.1:9" in r.stderr and "error" in r.stderr.lower()
+
+
+def test_an_untimed_speedup_prints_as_a_dash_with_its_reason():
+    """flows/command_runs.py `_speed_text`: `eagle-heads evaluate` prints an untimed speedup (`evaluate.time_local`
+    false) as "-" and why, a timed one with its interval, an unreliable one with its reason."""
+    from flows.command_runs import _speed_text
+
+    timed = {"speedup": 1.5, "speedup_lo": 1.4, "speedup_hi": 1.6, "speedup_reliable": True, "speedup_note": ""}
+    assert _speed_text(timed) == "1.50x [1.40, 1.60]"
+    assert _speed_text({**timed, "speedup_reliable": False, "speedup_note": "busy"}) == (
+        "1.50x [1.40, 1.60] (unreliable: busy)")
+    untimed = {"speedup": float("nan"), "speedup_lo": None, "speedup_hi": None, "speedup_reliable": False,
+               "speedup_note": "not timed (evaluate.time_local false)"}
+    assert _speed_text(untimed) == "- (not timed (evaluate.time_local false))"
