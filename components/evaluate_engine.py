@@ -155,11 +155,13 @@ def plain_server(cfg: EvaluateConfig, target_dir: str, settings: Settings,
     return VllmServer(eval_spec(cfg, target_dir, max_new_tokens=max_new_tokens), settings)
 
 
-def eval_pair(cfg: EvaluateConfig, target_dir: str, head_dir: str, traffic_path: str,
-              settings: Settings) -> tuple[VllmServer, VllmServer]:
-    """The plain and speculative servers `evaluate_in_vllm` runs for these held-out prompts, not started (to be
-    started early, `EnginePool.launch`)."""
-    longest = max(p.max_new_tokens for p in engine_samples(cfg, target_dir, traffic_path, settings))
+def eval_pair(cfg: EvaluateConfig, target_dir: str, head_dir: str, traffic_path: str, settings: Settings,
+              longest: int | None = None) -> tuple[VllmServer, VllmServer]:
+    """The plain and speculative servers `evaluate_in_vllm` runs for these held-out prompts, not started (also to be
+    started early, `EnginePool.launch`: built here alike, the evaluation takes them); `longest`: the samples'
+    longest length limit (None: read from the traffic)."""
+    if longest is None:
+        longest = max(p.max_new_tokens for p in engine_samples(cfg, target_dir, traffic_path, settings))
     return (plain_server(cfg, target_dir, settings, longest),
             VllmServer(eval_spec(cfg, target_dir, head_dir, max_new_tokens=longest), settings))
 
@@ -180,16 +182,16 @@ def evaluate_in_vllm(cfg: EvaluateConfig, target_dir: str, head_dir: str, traffi
     if plain is not None and plain.spec.max_model_len < engine_max_len(target_dir, cfg, longest):
         plain = None  # too short a context for these samples' limits: one of the right length is started
     with ExitStack() as stack:
-        spec = VllmServer(eval_spec(cfg, target_dir, head_dir, max_new_tokens=longest), settings)
         if plain is None:  # both started at once: their start-ups overlap
             progress(f"evaluate (vLLM): starting the engine without speculation and with the head "
                      f"({cfg.spec.depth} speculative tokens), side by side")
-            both = (plain_server(cfg, target_dir, settings, longest), spec)
+            both = eval_pair(cfg, target_dir, head_dir, traffic_path, settings, longest)
             plain, srv = stack.enter_context(engines.running(*both, keep=not baseline_head_dir)  # the champion's
                                               if engines else running(*both))  # server needs their memory
         else:
             progress(f"evaluate (vLLM): starting the engine with the head ({cfg.spec.depth} speculative tokens)")
-            srv = stack.enter_context(spec)
+            srv = stack.enter_context(VllmServer(eval_spec(cfg, target_dir, head_dir, max_new_tokens=longest),
+                                                 settings))
         plain_run, spec_run, counters, speed = _interleaved(cfg, plain, srv, prompts, progress)
     baseline = None
     if baseline_head_dir:
