@@ -84,7 +84,8 @@ def _window(out: str) -> tuple[float, float, str]:
 @pytest.fixture
 def drift(drift_target, tmp_path):
     """Traffic by kind (code to train and evaluate the champion on, explain-code as the drift), the newest
-    production snapshot (every kind) under a traffic directory, and the pipeline config naming it."""
+    production snapshot (every kind) under a traffic directory, the pipeline config naming it, and a cheaper one
+    for the retrain the trigger runs (30 steps on 16 conversations: the test asks that it registers a head)."""
     emb = drift_target
     snapshot = tmp_path / "traffic" / "2026-12-02"
     snapshot.mkdir(parents=True)
@@ -95,10 +96,15 @@ def drift(drift_target, tmp_path):
         "regenerate": {"max_new_tokens": 48, "limit": 64}, "train": {"steps": 300, "checkpoint_every": 300},
         "evaluate": {"spec": {"max_new_tokens": 48}, "limit": None},
         "monitor": {"traffic_dir": str(tmp_path / "traffic"), "ratio": RATIO}}))
+    retrain = tmp_path / "retrain.json"  # what the trigger runs: that a head is registered is tested, not its τ
+    retrain.write_text(json.dumps({
+        "regenerate": {"max_new_tokens": 24, "limit": 16}, "train": {"steps": 30, "checkpoint_every": 30},
+        "evaluate": {"spec": {"max_new_tokens": 24}, "limit": 4},
+        "monitor": {"traffic_dir": str(tmp_path / "traffic"), "ratio": RATIO}}))
     return {"train": _kind(emb.target_traffic.train, CODE, tmp_path / "code-train.jsonl"),
             "heldout": _kind(emb.target_traffic.heldout, CODE, tmp_path / "code-heldout.jsonl"),
             "explain": _kind(emb.target_traffic.train, {"explain"}, tmp_path / "explain.jsonl"),
-            "snapshot": snapshot, "config": config}
+            "snapshot": snapshot, "config": config, "retrain_config": retrain}
 
 
 def _champion_and_trigger(live, emb, drift, tmp_path) -> dict:
@@ -109,7 +115,7 @@ def _champion_and_trigger(live, emb, drift, tmp_path) -> dict:
     assert f"head=models:/{TARGET}-v1-eagle3/1" in out, out
     prefect = str(BIN / "prefect")
     live.cli(prefect, "work-pool", "create", "eagle-local", "--type", "process")
-    live.cli(prefect, "deploy", "--all", "--prefect-file", str(_retrain_on_drop_yaml(tmp_path, drift["config"])),
+    live.cli(prefect, "deploy", "--all", "--prefect-file", str(_retrain_on_drop_yaml(tmp_path, drift["retrain_config"])),
              timeout=180)
     live.start("worker", prefect, "worker", "start", "--pool", "eagle-local")
     return live.deployment("retrain", "retrain-on-drop")
