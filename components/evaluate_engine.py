@@ -23,6 +23,8 @@ of the pair gets a smaller memory share (`PAIR_MEMORY_SHARE`) so that both fit. 
 Each request asks for its sample's `max_new_tokens` (else `cfg.spec.max_new_tokens`), as the local evaluation
 decodes it, and with `cfg.ignore_eos` vLLM's `ignore_eos` (both servers: the outputs run to that length).
 Writes `engine_evaluation.json`. A greedy output that differs raises `NotLosslessError` after the report is written.
+Sampled (`cfg.spec.temperature` > 0) on a vLLM CPU build whose sampled verification is wrong is refused before any
+server starts (`refuse_sampled`, infra/vllm_sampling.py: vLLM 0.32's CPU build is one).
 vLLM's counters count every accepted draft token, also those past an EOS or the token limit, so the per-position
 counts to compare with are this project's raw `accept_lengths` (what `evaluate.json` stores per sample).
 Not here: starting/stopping vLLM (infra/vllm_server.py), the local evaluation (components/evaluate.py).
@@ -42,6 +44,7 @@ from components.evaluate import EvaluateConfig, HeldOut, NotLosslessError, held_
 from components.speed import SpeedupEstimate, measure_speedup
 from infra.settings import Settings
 from eagle.stats import acceptance_by_position, raw_steps
+from infra.vllm_sampling import refuse_sampled_drafts
 from infra.vllm_server import IDLE_SPIN_S, PER_REQUEST_METRICS, EngineSpec, SpecCounters, VllmServer, running
 
 REPORT = "engine_evaluation.json"
@@ -147,6 +150,13 @@ def eval_spec(cfg: EvaluateConfig, target_dir: str, head_dir: str | None = None,
     return replace(spec, extra_args=(*spec.extra_args, "--gpu-memory-utilization", str(PAIR_MEMORY_SHARE["cuda"])))
 
 
+def refuse_sampled(cfg: EvaluateConfig, target_dir: str, head_dir: str, settings: Settings) -> None:
+    """Sampled evaluation (`evaluate.spec.temperature` > 0) refused before any server starts where this vLLM's
+    CPU build verifies sampled drafts wrongly (infra/vllm_sampling.py): its figures would be the defect's."""
+    device = eval_spec(cfg, target_dir, head_dir, pair=False).resolved_device()
+    refuse_sampled_drafts(device, cfg.spec.temperature, settings, "evaluate.spec.temperature")
+
+
 def plain_server(cfg: EvaluateConfig, target_dir: str, settings: Settings,
                  max_new_tokens: int | None = None) -> VllmServer:
     """vLLM without speculation for this target and config, not yet started (`with plain_server(...) as srv`); one
@@ -160,6 +170,7 @@ def eval_pair(cfg: EvaluateConfig, target_dir: str, head_dir: str, traffic_path:
     """The plain and speculative servers `evaluate_in_vllm` runs for these held-out prompts, not started (also to be
     started early, `EnginePool.launch`: built here alike, the evaluation takes them); `longest`: the samples'
     longest length limit (None: read from the traffic)."""
+    refuse_sampled(cfg, target_dir, head_dir, settings)
     if longest is None:
         longest = max(p.max_new_tokens for p in engine_samples(cfg, target_dir, traffic_path, settings))
     return (plain_server(cfg, target_dir, settings, longest),
@@ -175,6 +186,7 @@ def evaluate_in_vllm(cfg: EvaluateConfig, target_dir: str, head_dir: str, traffi
     current champion's head, also served on the same prompts, so that a gate on the engine's τ compares like with
     like (`baseline_tau`); `engines`: an `infra.engine_pool.EnginePool` that the plain and speculative servers are
     taken from when it holds them and left running in for a later stage (the load sweep)."""
+    refuse_sampled(cfg, target_dir, head_dir, settings)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     prompts = engine_samples(cfg, target_dir, traffic_path, settings)

@@ -236,6 +236,7 @@ def serve(a, settings) -> int:
 
     from components.evaluate_engine import target_context
     from components.serve import launch_commands, servable_head
+    from infra.vllm_sampling import sampled_drafts_ok
     from infra.vllm_server import EngineSpec, VllmServer
 
     head, target, lineage = resolve_head(a, settings)
@@ -263,11 +264,15 @@ def serve(a, settings) -> int:
         print(f"# SGLang{sglang_note}\n{cmds['sglang']}")
         return 0
     signal.signal(signal.SIGTERM, _interrupt)  # `kill PID` stops the engine as Ctrl-C does
+    if k and spec.resolved_device() == "cpu" and not sampled_drafts_ok(settings):
+        print("serve: note: this vLLM's CPU build verifies sampled drafts wrongly (infra/vllm_sampling.py): send "
+              "greedy requests (temperature 0); sampled ones accept almost no draft and are not distributed as the "
+              "target's", flush=True)
     print(f"serve: starting vLLM with {a.head} ({how}); log under {settings.state_dir / 'vllm'}", flush=True)
     with VllmServer(spec, settings, port=a.port) as srv:
         print(f"serve: ready at {srv.base_url}/v1 (model {name!r}); try\n  curl {srv.base_url}/v1/chat/completions "
               f"-H 'Content-Type: application/json' -d '{{\"model\": \"{name}\", \"messages\": "
-              f"[{{\"role\": \"user\", \"content\": \"def add(a, b):\"}}], \"max_tokens\": 32}}'\n"
+              f"[{{\"role\": \"user\", \"content\": \"def add(a, b):\"}}], \"max_tokens\": 32, \"temperature\": 0}}'\n"
               f"  acceptance: curl -s {srv.base_url}/metrics | grep spec_decode; Ctrl-C stops the server", flush=True)
         while srv.proc is not None and srv.proc.poll() is None:
             time.sleep(1.0)

@@ -6,7 +6,8 @@ monitor --once` scrapes vLLM's `/metrics` after each batch of requests:
 - steady traffic (the very held-out prompts the head was evaluated on): window τ equals the registered τ, verdict
   `ok`, no event;
 - traffic of another kind, asked another way (requests to explain code, answered by sampling at temperature 1:
-  the head was trained and evaluated on greedy code completions): window τ falls below the configured 0.95 x
+  the head was trained and evaluated on greedy code completions; on vLLM's CPU build most of the fall is the
+  engine's own sampled verification, see `RATIO`): window τ falls below the configured 0.95 x
   registered, the monitor emits `eagle.acceptance.dropped` to the live Prefect server, whose
   `retrain-on-drop` trigger (prefect.yaml) makes the process worker run `retrain` for that target on the newest
   traffic snapshot, which registers a new head version trained on that snapshot;
@@ -33,12 +34,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.engine, pytest.mark.live, pytest.mar
 TARGET = "drift-llama"
 CODE = {"complete", "continue", "followup"}
 # The drop threshold this test configures (monitor.ratio). Steady traffic reproduces the registered τ exactly, so any
-# ratio below 1 keeps it quiet. Explain-code prompts alone are not a drop on every CPU kind (the tiny target's
-# weights differ by kind): greedy, they gave 1.35 against 1.70 on an Intel Xeon but 1.68 against 1.51 on an AMD
-# EPYC; served by sampling at temperature 1 they are the drift here (one AMD EPYC run's window came to 1.37 against
-# 1.51, a hair above 0.9 x: the sampled window varies run to run, so the ratio sits close to 1). Not seeded: vLLM
-# 0.32's CPU build accepted no draft for seeded requests at temperature 1 (window τ 1.00, α 0 over 212 drafts), a
-# drop that is not the traffic's.
+# ratio below 1 keeps it quiet. The drift is explain-code prompts sampled at temperature 1. Explain-code alone is not
+# a drop on every CPU kind (the tiny target's weights differ by kind): greedy, it gave 1.35 against 1.70 on an Intel
+# Xeon but 1.68 against 1.51 on an AMD EPYC. Sampling lowers acceptance where drafts are verified correctly (our loop,
+# the demo's base head: α 0.71 greedy, 0.31 at T = 1, bench/vllm_sampled.py), but on vLLM's CPU build most of this
+# drop is the engine's: it verifies sampled drafts against an unset per-token temperature (infra/vllm_sampling.py),
+# so this window reads 1.00 on an Intel Xeon (α 0.00 over 235 drafts, 2026-12-05; 1.37 against 1.51 in an AMD EPYC
+# run). The monitor reads counters, not temperatures (HARDENING.md): what is tested here is the loop from a drop in
+# the served acceptance to a retrain, whatever made the drop.
 RATIO = 0.95
 DRIFT_TEMPERATURE = 1.0
 
@@ -115,8 +118,8 @@ def _champion_and_trigger(live, emb, drift, tmp_path) -> dict:
     assert f"head=models:/{TARGET}-v1-eagle3/1" in out, out
     prefect = str(BIN / "prefect")
     live.cli(prefect, "work-pool", "create", "eagle-local", "--type", "process")
-    live.cli(prefect, "deploy", "--all", "--prefect-file", str(_retrain_on_drop_yaml(tmp_path, drift["retrain_config"])),
-             timeout=180)
+    deployments = _retrain_on_drop_yaml(tmp_path, drift["retrain_config"])
+    live.cli(prefect, "deploy", "--all", "--prefect-file", str(deployments), timeout=180)
     live.start("worker", prefect, "worker", "start", "--pool", "eagle-local")
     return live.deployment("retrain", "retrain-on-drop")
 

@@ -188,8 +188,9 @@ def test_serve_command_starts_vllm_with_the_champion(flow_run, engine_target, se
     assert "vllm serve" in printed.stdout and '"method": "eagle3"' in printed.stdout
     assert "--speculative-algorithm EAGLE3" in printed.stdout and "--speculative-draft-model-path" in printed.stdout
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen: list[str] = []
     try:
-        url = _wait_for_url(proc)
+        url = _wait_for_url(proc, seen)
         msgs = [{"role": "user", "content": "def add(a, b):"}]
         body = {"model": "engine-tiny", "messages": msgs, "max_tokens": 16, "temperature": 0, "return_token_ids": True}
         req = urllib.request.Request(url + "/chat/completions", data=json.dumps(body).encode(),
@@ -200,6 +201,8 @@ def test_serve_command_starts_vllm_with_the_champion(flow_run, engine_target, se
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(90)
     assert rc in (0, 130)
+    # this vLLM's CPU build verifies sampled drafts wrongly (infra/vllm_sampling.py): serve says to send greedy requests
+    assert any("serve: note: this vLLM's CPU build verifies sampled drafts wrongly" in ln for ln in seen), seen
     from components.chat import prompt_ids
     from components.targets import load_target
     from eagle.speculative import generate_plain
@@ -216,8 +219,9 @@ def test_serve_command_starts_vllm_with_the_champion(flow_run, engine_target, se
     assert not _engine_processes(port), "the serve command left vLLM processes behind"
 
 
-def _wait_for_url(proc: subprocess.Popen, timeout_s: float = 300.0) -> str:
-    deadline, seen = time.monotonic() + timeout_s, []
+def _wait_for_url(proc: subprocess.Popen, seen: list[str], timeout_s: float = 300.0) -> str:
+    """The URL `serve` reports ready at; every line it printed until then is appended to `seen`."""
+    deadline = time.monotonic() + timeout_s
     assert proc.stdout is not None
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
