@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Callable
 
 from components.atomic import atomic_write_text
-from components.evaluate_engine import PAIR_MEMORY_SHARE, engine_max_len
+from components.evaluate_engine import PAIR_MEMORY_SHARE, engine_max_len, refuse_sampled
 from components.evaluate import NotLosslessError, held_out_messages
 from components.load_config import MAX_BATCH, LoadConfig  # noqa: F401  (LoadConfig re-exported)
 from components.plots import plot_load_sweep
@@ -135,6 +135,7 @@ def load_sweep(cfg, target_dir: str, head_dir: str, traffic_path: str, out_dir: 
 
     from components.chat import prompt_ids
 
+    refuse_sampled(cfg, target_dir, head_dir, settings)  # a CPU build's sampled verification is wrong
     load = cfg.load
     tokenizer = AutoTokenizer.from_pretrained(target_dir, trust_remote_code=settings.trust_remote_code)
     output_len = load.output_len or cfg.spec.max_new_tokens

