@@ -45,6 +45,8 @@ WRITE_ALLOWLIST = {  # (file, source snippet of the call) -> why it need not be 
     ("infra/vllm_server.py", "self.log_path.write_text"): "the engine's log (a new file per server): its command line",
     ("infra/vllm_server.py", "open(self.log_path, 'a')"): "the engine's log, written by the engine as it runs",
     ("infra/vllm_zygote.py", "open(log_path, 'ab')"): "the zygote's own log, read by people only",
+    ("infra/vllm_sampling.py", "cache.write_text"): "a cache of the probe's answer: a torn or unreadable one is probed "
+                                                    "again",
     ("infra/vllm_zygote.py", "open(tmp, 'w')"): "a server's exit code into a temp file, then os.replace'd (the zygote "
                                                 "imports only the standard library, not components.atomic)",
     ("infra/prefect_env.py", "open(home / 'local-api-start.lock', 'a+')"): "a lock file: its content is never read",
