@@ -92,7 +92,19 @@ def main() -> None:
     a.add_argument("--depth", type=int, default=3)
     a.add_argument("--max-new", type=int, default=48)
     args = a.parse_args()
-    temps = [float(x) for x in args.temperatures.split(",")]
+    if min(args.prompts, args.repeats, args.depth, args.max_new) < 1:
+        a.error("--prompts, --repeats, --depth and --max-new must be at least 1")
+    try:
+        temps = [float(x) for x in args.temperatures.split(",")]
+    except ValueError:
+        a.error(f"--temperatures {args.temperatures!r}: comma-separated numbers, e.g. 0,0.7,1")
+    if any(not 0 <= t < float("inf") for t in temps):
+        a.error(f"--temperatures {args.temperatures!r}: each must be >= 0")
+    for opt, d in (("--target", args.target), ("--head", args.head)):
+        if not Path(d, "config.json").is_file():
+            a.error(f"{opt} {d}: not a model directory (no config.json)")
+    if not Path(args.heldout).is_file():
+        a.error(f"--heldout {args.heldout}: no such file")
     settings = Settings.from_env()
     cfg = EvaluateConfig(spec=SpecConfig(method="chain", depth=args.depth, max_new_tokens=args.max_new))
     prompts = engine_samples(cfg, args.target, args.heldout, settings)[:args.prompts]

@@ -45,7 +45,8 @@ from components.speed import SpeedupEstimate, measure_speedup
 from infra.settings import Settings
 from eagle.stats import acceptance_by_position, raw_steps
 from infra.vllm_sampling import refuse_sampled_drafts
-from infra.vllm_server import IDLE_SPIN_S, PER_REQUEST_METRICS, EngineSpec, SpecCounters, VllmServer, running
+from infra.vllm_server import (IDLE_SPIN_S, PER_REQUEST_METRICS, EngineSpec, SpecCounters, VllmServer, host_device,
+                               running)
 
 REPORT = "engine_evaluation.json"
 SETTLE_MARGIN_S = 0.2  # past the idle spin, before the other server is timed
@@ -150,11 +151,12 @@ def eval_spec(cfg: EvaluateConfig, target_dir: str, head_dir: str | None = None,
     return replace(spec, extra_args=(*spec.extra_args, "--gpu-memory-utilization", str(PAIR_MEMORY_SHARE["cuda"])))
 
 
-def refuse_sampled(cfg: EvaluateConfig, target_dir: str, head_dir: str, settings: Settings) -> None:
+def refuse_sampled(cfg: EvaluateConfig, settings: Settings) -> None:
     """Sampled evaluation (`evaluate.spec.temperature` > 0) refused before any server starts where this vLLM's
-    CPU build verifies sampled drafts wrongly (infra/vllm_sampling.py): its figures would be the defect's."""
-    device = eval_spec(cfg, target_dir, head_dir, pair=False).resolved_device()
-    refuse_sampled_drafts(device, cfg.spec.temperature, settings, "evaluate.spec.temperature")
+    CPU build verifies sampled drafts wrongly (infra/vllm_sampling.py): its figures would be the defect's. The
+    commands' preflight refuses it before any work (flows/preflight.py); this is for callers without one.
+    The evaluation's servers run on the host's device (`eval_spec` leaves it "auto")."""
+    refuse_sampled_drafts(host_device(), cfg.spec.temperature, settings, "evaluate.spec.temperature")
 
 
 def plain_server(cfg: EvaluateConfig, target_dir: str, settings: Settings,
@@ -170,7 +172,7 @@ def eval_pair(cfg: EvaluateConfig, target_dir: str, head_dir: str, traffic_path:
     """The plain and speculative servers `evaluate_in_vllm` runs for these held-out prompts, not started (also to be
     started early, `EnginePool.launch`: built here alike, the evaluation takes them); `longest`: the samples'
     longest length limit (None: read from the traffic)."""
-    refuse_sampled(cfg, target_dir, head_dir, settings)
+    refuse_sampled(cfg, settings)
     if longest is None:
         longest = max(p.max_new_tokens for p in engine_samples(cfg, target_dir, traffic_path, settings))
     return (plain_server(cfg, target_dir, settings, longest),
@@ -186,7 +188,7 @@ def evaluate_in_vllm(cfg: EvaluateConfig, target_dir: str, head_dir: str, traffi
     current champion's head, also served on the same prompts, so that a gate on the engine's τ compares like with
     like (`baseline_tau`); `engines`: an `infra.engine_pool.EnginePool` that the plain and speculative servers are
     taken from when it holds them and left running in for a later stage (the load sweep)."""
-    refuse_sampled(cfg, target_dir, head_dir, settings)
+    refuse_sampled(cfg, settings)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     prompts = engine_samples(cfg, target_dir, traffic_path, settings)

@@ -135,7 +135,7 @@ def load_sweep(cfg, target_dir: str, head_dir: str, traffic_path: str, out_dir: 
 
     from components.chat import prompt_ids
 
-    refuse_sampled(cfg, target_dir, head_dir, settings)  # a CPU build's sampled verification is wrong
+    refuse_sampled(cfg, settings)  # a CPU build's sampled verification is wrong
     load = cfg.load
     tokenizer = AutoTokenizer.from_pretrained(target_dir, trust_remote_code=settings.trust_remote_code)
     output_len = load.output_len or cfg.spec.max_new_tokens

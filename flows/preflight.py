@@ -136,6 +136,20 @@ def check_inputs(target: str, traffic: str, heldout: str, cfg: PipelineConfig, s
         from infra.ray_cluster import probe_ray
 
         probe_ray(settings)
+    check_engine_sampling(cfg, settings)
+
+
+def check_engine_sampling(cfg: PipelineConfig, settings: Settings) -> None:
+    """A sampled evaluation in vLLM (`evaluate.engine` vllm, `evaluate.spec.temperature` > 0) refused before any work
+    where this vLLM's CPU build verifies sampled drafts wrongly (infra/vllm_sampling.py: probed once per
+    installation, its answer not cached here: a preflight writes nothing); the engine evaluation refuses it again for
+    callers without a preflight."""
+    if cfg.evaluate.engine == "vllm":
+        from infra.vllm_sampling import refuse_sampled_drafts
+        from infra.vllm_server import host_device
+
+        refuse_sampled_drafts(host_device(), cfg.evaluate.spec.temperature, settings, "evaluate.spec.temperature",
+                              write_cache=False)
 
 
 def check_first_turns_fit(load: TrafficLoad, config, tokenizer, cfg: RegenerateConfig) -> None:
@@ -289,7 +303,7 @@ def check_evaluate(a, settings: Settings) -> None:
     _check_head_and_target(a, settings)
     check_output_file(a.json, "json")
     _check_traffic(a.traffic, "held-out traffic")
-    command_config(a)
+    check_engine_sampling(command_config(a), settings)
     check_registered(settings, [a.head, a.target or ""])
 
 

@@ -64,9 +64,10 @@ def _kernel_file(python: Path) -> Path | None:
     return found[0] if found else None
 
 
-def sampled_drafts_ok(settings: Settings) -> bool:
+def sampled_drafts_ok(settings: Settings, write_cache: bool = True) -> bool:
     """Whether vLLM's CPU build of `settings` expands the per-token temperature (module doc); a build without that
-    file has no CPU kernel override (True). Probed once per installation, the answer cached."""
+    file has no CPU kernel override (True). Probed once per installation, the answer cached (`write_cache` False:
+    a cached answer is read, a new one not written, as a command's preflight writes nothing)."""
     from infra.vllm_server import vllm_python
 
     python = vllm_python(settings)
@@ -90,16 +91,19 @@ def sampled_drafts_ok(settings: Settings) -> bool:
         return True  # the probe could not run: nothing to say (the engine's own start reports a broken install)
     if not isinstance(answer.get("ok"), bool):
         return True
+    if not write_cache:
+        return answer["ok"]
     cache.parent.mkdir(parents=True, exist_ok=True)
     cache.write_text(json.dumps({"key": key, **answer}) + "\n")
     return answer["ok"]
 
 
-def refuse_sampled_drafts(device: str, temperature: float, settings: Settings, key: str) -> None:
+def refuse_sampled_drafts(device: str, temperature: float, settings: Settings, key: str,
+                          write_cache: bool = True) -> None:
     """Raise `SampledDraftsBroken` when a speculative vLLM on `device` ('cpu' / 'cuda', resolved) would serve
     requests sampled at `temperature` > 0 and this installation's sampled verification is wrong; `key` names the
-    setting (e.g. 'evaluate.spec.temperature')."""
-    if temperature <= 0 or device != "cpu" or sampled_drafts_ok(settings):
+    setting (e.g. 'evaluate.spec.temperature'); `write_cache`: as in `sampled_drafts_ok`."""
+    if temperature <= 0 or device != "cpu" or sampled_drafts_ok(settings, write_cache):
         return
     raise SampledDraftsBroken(
         f"{key} {temperature:g} with vLLM on the CPU: this vLLM's CPU build verifies sampled drafts against an "

@@ -57,6 +57,11 @@ class EngineError(RuntimeError):
     """The serving engine is missing, did not start, died, or refused a request; the message says what to do."""
 
 
+def host_device() -> str:
+    """The device vLLM runs on here when a spec says "auto": 'cuda' with an NVIDIA driver, else 'cpu'."""
+    return "cuda" if Path("/dev/nvidia0").exists() or Path("/proc/driver/nvidia").exists() else "cpu"
+
+
 @dataclass(frozen=True)
 class EngineSpec:
     """What to serve. `method`: "eagle3" (with `head_dir`), "ngram" (prompt lookup), or None (plain decoding)."""
@@ -108,9 +113,7 @@ class EngineSpec:
         return self.method == "eagle3" and head_drafts_in_parallel(self.head_dir)
 
     def resolved_device(self) -> str:
-        if self.device != "auto":
-            return self.device
-        return "cuda" if Path("/dev/nvidia0").exists() or Path("/proc/driver/nvidia").exists() else "cpu"
+        return self.device if self.device != "auto" else host_device()
 
     def server_args(self, port: int, host: str | None = BIND_HOST) -> list[str]:
         """Arguments of vLLM's OpenAI server; `host=None` leaves the interface to vLLM (printed commands only)."""

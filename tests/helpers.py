@@ -69,3 +69,20 @@ def our_counts(report_file: str, depth: int) -> tuple[int, list[int]]:
     what vLLM's counters count (drafts, accepted per position) for the same prompts."""
     steps = [a for s in json.loads(Path(report_file).read_text())["samples"] for a in s["accept_lengths"]]
     return len(steps), [sum(a > k for a in steps) for k in range(depth)]
+
+
+def fake_head(root: Path, name: str, damage=None) -> str:
+    """A head directory with what the preflight reads (eagle_head.json, config.json, weights), damaged by `damage`
+    (not a head that runs)."""
+    from safetensors.torch import save_file
+    import torch
+
+    d = root / name
+    (d / "probe").mkdir(parents=True)
+    (d / "eagle_head.json").write_text(json.dumps({"format_version": 1, "lineage": {}}))
+    (d / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"]}))
+    save_file({"fc.weight": torch.zeros(8, 24)}, str(d / "model.safetensors"))
+    save_file({"probe": torch.zeros(4)}, str(d / "probe" / "probe.safetensors"))
+    if damage:
+        damage(d)
+    return str(d)

