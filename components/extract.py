@@ -140,10 +140,14 @@ def _save_tokens(out: Path, seqs, vocab_size: int) -> int:
 
 
 def _save_target_heads(out: Path, heads: dict) -> None:
+    """The embedding and `lm_head`; a tied `lm_head` (the embedding itself: `tie_word_embeddings`) is stored once,
+    as `embed_tokens` alone, and read back as both (train_data.TrainingData.open)."""
     from safetensors.torch import save_file
 
+    embed, lm_head = heads["embed_tokens"], heads["lm_head"]
+    tied = lm_head is embed or (lm_head.shape == embed.shape and lm_head.data_ptr() == embed.data_ptr())
     with atomic_path(out / "target_heads.safetensors") as tmp:
-        save_file(heads, str(tmp))
+        save_file({"embed_tokens": embed} if tied else heads, str(tmp), metadata={"tied": str(tied).lower()})
 
 
 def _open_target(cfg: ExtractConfig, target_dir: str, trust_remote_code: bool):

@@ -60,7 +60,47 @@ def check_target(path: str | Path, trust_remote_code: bool = False):
     if not getattr(tokenizer, "chat_template", None):
         raise TargetError(f"{path}: the tokenizer has no chat template; add one (tokenizer.chat_template, saved "
                           "in tokenizer_config.json or chat_template.jinja)")
+    _check_output_layer(path, config)
     return config, tokenizer
+
+
+def weight_names(path: str | Path) -> set[str]:
+    """The tensor names in the target's safetensors, from the index when sharded (each shard it names must exist)
+    or from each file's header: no tensor is read."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map", {})
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+            raise TargetError(f"{index}: not a readable safetensors index ({e})") from None
+        missing = sorted({f for f in weight_map.values() if not (path / str(f)).is_file()})
+        if missing:
+            raise TargetError(f"{path}: the index names shard(s) {', '.join(missing[:3])} that are not there; "
+                              "copy every shard of the checkpoint")
+        return set(weight_map)
+    names: set[str] = set()
+    for f in sorted(path.glob("*.safetensors")):
+        try:
+            with safe_open(str(f), "pt") as st:
+                names.update(st.keys())
+        except Exception as e:  # safetensors raises several types for a truncated or foreign file
+            raise TargetError(f"{f}: not a readable safetensors file ({str(e)[:200]}); copy it again") from None
+    return names
+
+
+def _check_output_layer(path: Path, config) -> None:
+    """A head needs the target's output layer: `lm_head.weight`, or the embedding when the weights are tied."""
+    names = weight_names(path)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    if "lm_head.weight" in names or (tied and any(n.endswith("embed_tokens.weight") for n in names)):
+        return
+    raise TargetError(f"{path}: the weights hold no lm_head.weight" + (
+        " and no embed_tokens.weight to tie it to" if tied else
+        " and config.json does not tie it to the embedding (tie_word_embeddings is false)")
+        + "; the checkpoint is incomplete")
 
 
 def load_target(path: str | Path, device: str = "cpu", trust_remote_code: bool = False, dtype: Any = None):

@@ -67,7 +67,7 @@ class TrainingData:
         except Exception as e:  # safetensors raises several types for truncated files
             raise FeatureStoreError(f"{root}: unreadable tokens/target_heads file ({e}); re-run extract") from None
         data = cls(root, manifest, tok["input_ids"], tok["loss_mask"], tok["offsets"], tok["token_counts"],
-                   heads["embed_tokens"], heads["lm_head"])
+                   heads["embed_tokens"], heads.get("lm_head", heads["embed_tokens"]))  # tied: stored once
         if manifest["mode"] == "offline":
             data._shards = data._open_shards(verify)
         return data

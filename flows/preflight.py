@@ -89,9 +89,8 @@ def check_target_dir(target: str, settings: Settings):
     """A target directory (config, tokenizer, chat template, whole weights); returns its (config, tokenizer)."""
     from components.targets import check_target
 
-    config_tokenizer = check_target(target, settings.trust_remote_code)
-    check_weights(target)
-    return config_tokenizer
+    check_weights(target)  # a damaged file is named as such before check_target reads the tensor names
+    return check_target(target, settings.trust_remote_code)
 
 
 def check_model(opt: str, value: str | None, settings: Settings) -> None:

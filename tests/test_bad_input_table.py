@@ -52,6 +52,10 @@ ROWS: dict[str, tuple[str, list[str], dict[str, str], str]] = {
     "train-target-weights-truncated": (EMPTY, _with(TRAIN, target="{t_trunc}"), {}, "model.safetensors: truncated"),
     "train-target-weights-garbage": (EMPTY, _with(TRAIN, target="{t_garbage}"), {}, "not a readable safetensors"),
     "train-target-config-broken": (EMPTY, _with(TRAIN, target="{t_badcfg}"), {}, "config.json: cannot be read"),
+    "train-target-no-lm-head": (EMPTY, _with(TRAIN, target="{t_nohead}"), {}, "no lm_head.weight and config.json "
+                                "does not tie it"),
+    "train-target-shard-missing": (EMPTY, _with(TRAIN, target="{t_shard}"), {}, "the index names shard(s) "
+                                   "model-00002-of-00002.safetensors that are not there"),
     "train-target-is-a-file": (EMPTY, _with(TRAIN, target="{traffic}"), {}, "not a Hugging Face model directory"),
     "train-name-with-slash": (EMPTY, _with(TRAIN, name="a/b"), {}, "--name 'a/b' is not valid for the MLflow"),
     "train-name-with-colon": (EMPTY, _with(TRAIN, name="a:b"), {}, "--name 'a:b' is not valid"),
@@ -254,6 +258,30 @@ def _truncate(path: Path) -> None:
     path.write_bytes(raw[: len(raw) - 16])
 
 
+def _drop_lm_head(d: Path) -> None:
+    """The tiny target (untied) without its output layer."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(d / "model.safetensors"))
+    del tensors["lm_head.weight"]
+    save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _lose_a_shard(d: Path) -> None:
+    """The tiny target saved in two shards with an index, the second shard then lost."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(d / "model.safetensors"))
+    (d / "model.safetensors").unlink()
+    names = sorted(tensors)
+    halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for f, part in halves.items():
+        save_file({n: tensors[n] for n in part}, str(d / f), metadata={"format": "pt"})
+    (d / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {n: f for f, part in halves.items() for n in part}}))
+    (d / "model-00002-of-00002.safetensors").unlink()
+
+
 @pytest.fixture(scope="module")
 def files(tiny_embedded, tmp_path_factory):
     """The paths the rows' argv templates name: good inputs, damaged copies, config files, a taken port."""
@@ -263,6 +291,7 @@ def files(tiny_embedded, tmp_path_factory):
     for name, damage in {"t_trunc": lambda d: _truncate(d / "model.safetensors"),
                          "t_garbage": lambda d: (d / "model.safetensors").write_bytes(b"\xff" * 64),
                          "t_badcfg": lambda d: (d / "config.json").write_text('{"architectures": ['),
+                         "t_nohead": _drop_lm_head, "t_shard": _lose_a_shard,
                          "t_colon": None}.items():
         d = target_copy(tiny_embedded, root / name)
         if damage:

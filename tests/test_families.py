@@ -1,9 +1,11 @@
-"""Families beyond Llama: tiny Mistral, Qwen2, Qwen3 and Qwen3-MoE targets go through the whole pipeline.
+"""Families: tiny Mistral, Qwen2, Qwen3, Qwen3-MoE and tied Llama targets go through the whole pipeline.
 
 Purpose: each family's target is built from its transformers config (hidden 64, 2 heads so head_dim 32 as vLLM's
 CPU attention needs, 8 layers so the fused ids (2, 4, 5) are distinct, the tiny embedded default's tokenizer and
-chat template, fp32 safetensors), its residual branches scaled down and its `lm_head` up so that a head trained
-for a few steps on the target's greedy answers gets mixed acceptance (some drafts accepted, some not). Then
+chat template, fp32 safetensors; Qwen3 and Llama with tied embeddings, as most small real chat models: no
+`lm_head.weight` in their safetensors), its residual branches scaled down and its `lm_head` up (tied: branches up,
+final norm up) so that a head trained for a few steps on the target's greedy answers gets mixed acceptance (some
+drafts accepted, some not). Then
 - local path (fast): regenerate a few conversations, extract, train a few TTT steps, export, and check that our
   greedy speculative decoding equals plain greedy (`evaluate(...).identical`) with some drafts accepted;
 - engine path (`engine`, `slow`): the same head served by vLLM (its CPU build) next to vLLM's plain decoding:
@@ -12,10 +14,10 @@ for a few steps on the target's greedy answers gets mixed acceptance (some draft
   extracted (`ExtractConfig(engine="vllm")`) equal local extraction's within 1e-5 relative, and a head trained on
   them is served by vLLM the same way, beside the same plain engine as the local-features Qwen3 head.
 Run: `python -m pytest tests/test_families.py -m "not engine"` (local path, about 30 s on 2 cores);
-`python -m pytest tests/test_families.py` for all (ten vLLM starts: each family's evaluation starts a plain and a
+`python -m pytest tests/test_families.py` for all (twelve vLLM starts: each family's evaluation starts a plain and a
 head server, Qwen3 a second head server, engine extraction one more). Needs vLLM's venv for the engine tests
 (`make vllm`).
-Not here: Llama itself (tests/test_vllm.py, tests/test_extract_engine.py), sampling, trees, registration.
+Not here: untied Llama (tests/test_vllm.py, tests/test_extract_engine.py), sampling, trees, registration.
 """
 
 from __future__ import annotations
@@ -33,11 +35,12 @@ from components.train import TrainConfig, train
 from tests.helpers import our_counts
 
 QUIET = dict(progress=lambda s: None)
-FAMILIES = ("mistral", "qwen2", "qwen3", "qwen3_moe")
+FAMILIES = ("mistral", "qwen2", "qwen3", "qwen3_moe", "llama")
+TIED = {"qwen3", "llama"}  # lm_head is the embedding (tie_word_embeddings), as in Qwen3-0.6B or SmolLM2
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=2,
              num_key_value_heads=1, head_dim=32, max_position_embeddings=512, tie_word_embeddings=False)
 FAMILY_ARGS = {"mistral": dict(sliding_window=None), "qwen2": dict(use_sliding_window=False), "qwen3": {},
-               "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)}
+               "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64), "llama": {}}
 # greedy answers: what the evaluation's (greedy) prompts will see, so few training steps give some acceptance
 REGENERATE = RegenerateConfig(max_new_tokens=32, temperature=0.0, batch_size=8, shard_size=8, limit=16)
 EVAL = dataclasses.replace(EvaluateConfig.tiny(), limit=4)
@@ -54,18 +57,28 @@ def build_target(family: str, tokenizer_dir: Path, out: Path, seed: int = 0) -> 
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     special = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    config = AutoConfig.for_model(family, vocab_size=len(tok), **SHAPE, **FAMILY_ARGS[family], **special)
+    shape = {**SHAPE, "tie_word_embeddings": family in TIED}
+    config = AutoConfig.for_model(family, vocab_size=len(tok), **shape, **FAMILY_ARGS[family], **special)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("o_proj.weight") or "down_proj" in name:  # MoE experts: one fused down_proj tensor
-                p.mul_(0.3)
-        model.lm_head.weight.mul_(30.0)
+        if family in TIED:  # lm_head is the embedding: scaling it scales the input too, and a random tied model
+            for name, p in model.named_parameters():  # repeats its last token: strong branches move it on
+                if "mlp" in name or "v_proj" in name or "o_proj" in name:
+                    p.mul_(5.0)
+            model.model.norm.weight.mul_(10.0)  # the peaked distribution, through the final norm
+        else:
+            for name, p in model.named_parameters():
+                if name.endswith("o_proj.weight") or "down_proj" in name:  # MoE experts: one fused down_proj
+                    p.mul_(0.3)
+            model.lm_head.weight.mul_(30.0)
     model.generation_config = GenerationConfig(**special)
     model.save_pretrained(out)
     tok.save_pretrained(out)
     assert json.loads((out / "config.json").read_text())["model_type"] == family
+    from components.targets import weight_names
+
+    assert ("lm_head.weight" in weight_names(out)) is (family not in TIED), family
     return out
 
 
