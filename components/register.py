@@ -15,6 +15,10 @@ Purpose:
   run (`head.champion_tau`); otherwise the version becomes `challenger`. Which τ decides is `cfg.gate_tau`:
   "local" (this project's decoding) or "engine" (vLLM's counters, the champion served on the same prompts:
   `head.champion_tau_engine`); both are tagged either way (`tau`, `tau_vllm`), and `gate_tau` says which decided.
+  Then the served-speedup gate (`cfg.gate_speedup`, "served" by default): a head whose speedup at batch 1 is
+  not surely above 1 (the low end of its interval, vLLM's figure where measured, else ours, is <= 1) is not made
+  champion, the first head of a target included: the head a user would serve must pay. Where no speedup was
+  measured the reason says so and the τ gate alone decides ("off": never judged on speed).
   The training step exported (best held-out τ, or the last) is tagged too: `checkpoint_step`, `checkpoint_rule`,
   `heldout_tau`, `heldout_tau_last`.
 - `check_head_name(store, target)`: refuses, before any work, a head name taken by a model that is not a head.
@@ -44,9 +48,12 @@ class RegisterConfig:
     # head (with its K schedule) must give at least `gate_min_speedup` x plain's output tokens/s (evaluate.load)
     gate_concurrency: int = 0
     gate_min_speedup: float = 1.0
+    # "served": promote only a head whose batch-1 speedup interval lies wholly above 1 (vLLM's figure, else ours)
+    gate_speedup: str = "served"
 
     def __post_init__(self) -> None:
         one_of(self, "gate_tau", ("local", "engine"))
+        one_of(self, "gate_speedup", ("served", "off"))
         finite(self, "tau_floor", lambda x: x >= 0, ">= 0")
         at_least(self, {"gate_concurrency": 0})
         finite(self, "gate_min_speedup", lambda x: x > 0, "> 0")
@@ -140,6 +147,21 @@ def _load_gate(cfg: RegisterConfig, metrics: dict[str, float], promoted: bool, r
     if x < cfg.gate_min_speedup:
         return False, f"{reason}; but at concurrency {c} it serves {x:.2f}x plain < {cfg.gate_min_speedup}"
     return promoted, f"{reason}; at concurrency {c} it serves {x:.2f}x plain >= {cfg.gate_min_speedup}"
+
+
+def _speedup_gate(metrics: dict[str, float], promoted: bool, reason: str) -> tuple[bool, str]:
+    """The τ gate's verdict, and whether the head pays at batch 1: the low end of its speedup interval above 1
+    (vLLM's `speedup_vllm_lo` where served, else ours `speedup_lo`; a figure without interval stands for both ends)."""
+    for key, who in (("speedup_vllm", "served in vLLM"), ("speedup", "in our decoder")):
+        x = metrics.get(key)
+        if x is None or x != x:  # not measured, or untimed (nan)
+            continue
+        lo, hi = metrics.get(f"{key}_lo", x), metrics.get(f"{key}_hi", x)
+        figure = f"{who} {x:.2f}x plain at batch 1 [{lo:.2f}, {hi:.2f}]"
+        if lo <= 1.0:
+            return False, f"{reason}; but {figure} is not surely above 1: a user serving it would not gain"
+        return promoted, f"{reason}; {figure}"
+    return promoted, f"{reason}; speedup not measured (the served-speedup gate could not judge)"
 
 
 def _gate_inputs(cfg: RegisterConfig, head: HeadToRegister) -> tuple[float, float | None]:
@@ -299,6 +321,8 @@ def register_head(store: MlflowStore, cfg: RegisterConfig, head: HeadToRegister)
         reason = f"vLLM {reason}" + (f" (local tau {tau:.3f})" if tau is not None else " (no local evaluation)")
     if cfg.gate_concurrency:
         promoted, reason = _load_gate(cfg, head.metrics, promoted, reason)
+    if cfg.gate_speedup == "served":
+        promoted, reason = _speedup_gate(head.metrics, promoted, reason)
     tags = {"target_name": head.target.name, "target_version": str(head.target.version),
             "target_weights_sha256": head.target.weights_sha256, "traffic_sha256": head.traffic_sha256,
             "gate": reason, "gate_tau": cfg.gate_tau, PROMOTED_TAG: str(promoted).lower(),

@@ -200,17 +200,31 @@ def evaluate(a, settings) -> int:
     return 0
 
 
-def _registered_schedule(uri: str, settings) -> list[list[int]] | None:
-    """The `k_schedule` tag of a registered head version (None: a directory, or no load sweep registered)."""
+def _registered_tags(uri: str, settings) -> dict[str, str]:
+    """The tags of a registered head version ({} for a directory)."""
     if not uri.startswith("models:/"):
-        return None
+        return {}
     from infra.mlflow_store import MlflowStore, parse_model_uri
 
     store = MlflowStore.connect(settings)
     name, version, alias = parse_model_uri(uri)
     ref = store.get_version(name, version) if version is not None else store.get_alias(name, alias or "")
-    text = ref.tags.get("k_schedule") if ref else None
+    return dict(ref.tags) if ref else {}
+
+
+def _registered_schedule(uri: str, settings) -> list[list[int]] | None:
+    """The `k_schedule` tag of a registered head version (None: a directory, or no load sweep registered)."""
+    text = _registered_tags(uri, settings).get("k_schedule")
     return json.loads(text) if text else None
+
+
+def gate_note(uri: str, settings) -> str | None:
+    """What `serve` says of a registered head its gate did not make champion (None: champion, or a directory)."""
+    tags = _registered_tags(uri, settings)
+    if tags.get("promoted") != "false":
+        return None
+    return (f"serve: note: {uri} is not champion: its gate refused it ({tags.get('gate', 'no reason recorded')}); "
+            "serving it anyway")
 
 
 def _interrupt(signum, frame) -> None:
@@ -253,6 +267,8 @@ def serve(a, settings) -> int:
                       served_model_name=name, k_schedule=tuple(tuple(r) for r in schedule) if schedule else None)
     if served != Path(head):
         print(f"serve: {head} predates the engine format; serving its lossless re-export {served}")
+    if (note := gate_note(a.head, settings)) is not None:
+        print(note, flush=True)
     if not at:
         how = (f"the registered K schedule {json.dumps(schedule)} ([first batch size, last, K]; K 0: no drafts)"
                if schedule else f"{k} speculative tokens" + ("" if a.k else " (no K schedule registered)"))

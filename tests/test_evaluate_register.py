@@ -303,3 +303,30 @@ def test_the_gate_can_require_throughput_at_the_users_concurrency(mlflow_store, 
     assert not slow.promoted and "0.80x plain < 1.0" in slow.reason  # a better tau, but slower under the load
     with pytest.raises(ValueError, match="did not measure concurrency 8"):
         register_head(mlflow_store, cfg, _head(mlflow_store, target_ref, head.head_dir, "k3", 3.5, 3.0))
+
+
+def test_the_served_speedup_gate_keeps_a_head_that_does_not_pay_from_champion(mlflow_store, target_ref, head):
+    """By default a head is champion only where its batch-1 speedup interval lies above 1 (vLLM's figure where
+    served, else ours), the first head of a target included; it is registered as challenger with the reason."""
+    cfg = RegisterConfig(tau_floor=1.5)
+    assert cfg.gate_speedup == "served"
+    name = "tiny-v1-eagle3"
+    across = register_head(mlflow_store, cfg, _head(mlflow_store, target_ref, head.head_dir, "k1", 1.6, None,
+                                                    speedup_vllm=0.96, speedup_vllm_lo=0.90, speedup_vllm_hi=1.01))
+    assert (across.alias, across.promoted) == (CHALLENGER, False)  # the first head, and still not champion
+    assert "served in vLLM 0.96x plain at batch 1 [0.90, 1.01] is not surely above 1" in across.reason
+    assert mlflow_store.get_alias(name, CHAMPION) is None
+    assert mlflow_store.get_version(name, 1).tags["gate"] == across.reason
+    # ours decides where vLLM did not measure: 1.1 (no interval) is surely above 1
+    ours = register_head(mlflow_store, cfg, _head(mlflow_store, target_ref, head.head_dir, "k2", 2.0, None))
+    assert ours.promoted and "in our decoder 1.10x plain at batch 1 [1.10, 1.10]" in ours.reason
+    pays = register_head(mlflow_store, cfg, _head(mlflow_store, target_ref, head.head_dir, "k3", 2.5, 2.0,
+                                                  speedup_vllm=1.4, speedup_vllm_lo=1.3, speedup_vllm_hi=1.5,
+                                                  speedup=0.8))  # vLLM's figure, the served one, decides
+    assert pays.promoted and pays.alias == CHAMPION and "served in vLLM 1.40x" in pays.reason
+    untimed = register_head(mlflow_store, cfg, _head(mlflow_store, target_ref, head.head_dir, "k4", 2.6, 2.5,
+                                                     speedup=float("nan")))
+    assert untimed.promoted and "speedup not measured" in untimed.reason
+    off = register_head(mlflow_store, RegisterConfig(tau_floor=1.5, gate_speedup="off"),
+                        _head(mlflow_store, target_ref, head.head_dir, "k5", 2.7, 2.6, speedup_vllm=0.5))
+    assert off.promoted and "speedup" not in off.reason

@@ -329,6 +329,17 @@ def test_serve_print_only_puts_the_registered_schedule_in_the_vllm_command(mlflo
     assert "plain decoding, no head" in out and "speculative" not in out.split("\n", 1)[1]
     assert cli.main(["serve", "--head", "models:/tiny-v1-eagle3@champion", "--print-only", "--concurrency", "8",
                      "--k", "2"]) == 2
+    capsys.readouterr()
+    # a head its gate refused (it does not pay when served): serve says so, and serves it as asked
+    slow = dataclasses.replace(_head(mlflow_store, ref, head, "k2", 3.0, 3.0, speedup_vllm=0.9, speedup_vllm_lo=0.8,
+                                     speedup_vllm_hi=1.0))
+    assert register_head(mlflow_store, RegisterConfig(tau_floor=1.0), slow).alias == "challenger"
+    assert cli.main(["serve", "--head", "models:/tiny-v1-eagle3@challenger", "--print-only"]) == 0
+    out = capsys.readouterr().out
+    assert "serve: note: models:/tiny-v1-eagle3@challenger is not champion: its gate refused it" in out
+    assert "0.90x plain at batch 1 [0.80, 1.00] is not surely above 1" in out
+    assert cli.main(["serve", "--head", "models:/tiny-v1-eagle3@champion", "--print-only"]) == 0
+    assert "is not champion" not in capsys.readouterr().out
 
 
 def _tiny_head(tiny_embedded, root: Path) -> str:
