@@ -114,7 +114,9 @@ def resolve_head(a, settings) -> tuple[str, str, dict]:
         tags = ref.tags if ref else {}
         if "target_name" in tags:
             lineage.update(target_name=tags["target_name"], target_version=tags["target_version"])
-    target = a.target
+    from components.gguf_target import materialize_target
+
+    target = None if a.target is None else materialize_target(a.target, settings.state_dir)  # GGUF: converted once
     if target is None:
         if "target_name" not in lineage:
             from eagle.errors import BadInput

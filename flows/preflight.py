@@ -86,8 +86,17 @@ def check_head(head: str) -> None:
 
 
 def check_target_dir(target: str, settings: Settings):
-    """A target directory (config, tokenizer, chat template, whole weights); returns its (config, tokenizer)."""
+    """A target directory (config, tokenizer, chat template, whole weights); returns its (config, tokenizer). A GGUF
+    file is checked as one (`check_gguf`: header, architecture, chat template) and, once converted (by the run,
+    cached under the state dir: components/gguf_target.py), as the directory it becomes: its (config, tokenizer) then,
+    else None."""
+    from components.gguf_target import check_gguf, converted_dir, is_gguf_target
     from components.targets import check_target
+
+    if is_gguf_target(target):
+        check_gguf(target)
+        done = converted_dir(target, settings.state_dir)
+        return None if done is None else check_target(done, settings.trust_remote_code)
 
     check_weights(target)  # a damaged file is named as such before check_target reads the tensor names
     return check_target(target, settings.trust_remote_code)
@@ -124,8 +133,9 @@ def check_inputs(target: str, traffic: str, heldout: str, cfg: PipelineConfig, s
     load = _check_traffic(traffic, "training traffic")
     _check_traffic(heldout, "held-out traffic")
     if not target.startswith("models:/"):
-        config, tokenizer = check_target_dir(target, settings)
-        check_first_turns_fit(load, config, tokenizer, cfg.regenerate)
+        checked = check_target_dir(target, settings)
+        if checked is not None:  # None: a GGUF file not converted yet (its directory is checked once it is)
+            check_first_turns_fit(load, *checked, cfg.regenerate)
     else:
         try:
             parse_model_uri(target)
@@ -230,7 +240,9 @@ def check_registry_name(a, cfg: PipelineConfig) -> None:
     """The names `train` registers under (the target's, and its head's `<name>-v<N><suffix>`) are valid in MLflow."""
     if a.target.startswith("models:/"):
         return
-    name = a.name if a.name is not None else Path(a.target).resolve().name
+    from components.gguf_target import default_target_name
+
+    name = a.name if a.name is not None else default_target_name(a.target)
     check_model_name(name, "--name" if a.name is not None else "--target's folder name (the default --name)")
     check_model_name(f"{name}-v1{cfg.register.experiment_suffix}", "head name (register.experiment_suffix)")
 

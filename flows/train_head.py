@@ -44,6 +44,7 @@ from components.atomic import atomic_write_text, file_sha256
 from components.evaluate_engine import EngineEvalResult
 from components.evaluate import EvaluateResult
 from components.extract import ExtractResult
+from components.gguf_target import default_target_name, gguf_lineage, materialize_target
 from components.pipeline_config import PipelineConfig
 from components.regenerate import RegenerateResult
 from components.register import (HeadToRegister, RegisteredRun, RegisterResult, TargetRef, check_head_name,
@@ -134,7 +135,8 @@ def resolve_target(store: MlflowStore, target: str, name: str | None = None,
     name = name or path.name
     with target_lock(settings or store.settings, f"register-target-{name}"):  # two runs at once: one version
         known = store.find_versions(name, weights_sha256=sha)
-        return register_target(store, name, str(path), role="user", base_model="", weights_sha256=sha), not known
+        return register_target(store, name, str(path), role="user", base_model="", weights_sha256=sha,
+                               extra_tags=gguf_lineage(path)), not known  # converted from GGUF: which file
 
 
 @dataclass(frozen=True)
@@ -197,6 +199,10 @@ def train_head(target: str, traffic: str, heldout: str, preset: str = "default",
     cfg = PipelineConfig.load(config_path, preset)
     settings = dataclasses.replace(Settings.from_env(), engine_scale=cfg.target.engine_scale())  # for each vLLM
     check_inputs(target, traffic, heldout, cfg, settings)
+    gguf, target = target, materialize_target(target, settings.state_dir, log.info)  # a GGUF file: converted once
+    if gguf != target:
+        check_inputs(target, traffic, heldout, cfg, settings)  # the directory it became
+        target_name = target_name or default_target_name(gguf)
     store = MlflowStore.connect(settings)
     tref, registered = resolve_target(store, target, target_name, settings)
     check_head_name(store, tref, cfg.register)  # a head name taken by another kind of model: refuse before the work

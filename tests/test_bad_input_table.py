@@ -54,6 +54,9 @@ ROWS: dict[str, tuple[str, list[str], dict[str, str], str]] = {
     "train-target-config-broken": (EMPTY, _with(TRAIN, target="{t_badcfg}"), {}, "config.json: cannot be read"),
     "train-target-no-lm-head": (EMPTY, _with(TRAIN, target="{t_nohead}"), {}, "no lm_head.weight and config.json "
                                 "does not tie it"),
+    "train-target-gguf-truncated": (EMPTY, _with(TRAIN, target="{g_trunc}"), {}, "truncated or corrupt GGUF file"),
+    "train-target-gguf-not-gguf": (EMPTY, _with(TRAIN, target="{g_text}"), {}, "not a GGUF file"),
+    "train-target-gguf-architecture": (EMPTY, _with(TRAIN, target="{g_arch}"), {}, "architecture 'mamba2'"),
     "train-target-shard-missing": (EMPTY, _with(TRAIN, target="{t_shard}"), {}, "the index names shard(s) "
                                    "model-00002-of-00002.safetensors that are not there"),
     "train-target-is-a-file": (EMPTY, _with(TRAIN, target="{traffic}"), {}, "not a Hugging Face model directory"),
@@ -282,6 +285,19 @@ def _lose_a_shard(d: Path) -> None:
     (d / "model-00002-of-00002.safetensors").unlink()
 
 
+def _gguf_files(root: Path) -> dict[str, str]:
+    """A tiny GGUF cut to half its length, a text file named .gguf, one of an architecture transformers lacks."""
+    from tests.helpers_gguf import tiny_llama, tiny_tokenizer, write_tiny_gguf
+
+    tokenizer = tiny_tokenizer()
+    model = tiny_llama(tokenizer)
+    whole = write_tiny_gguf(model, tokenizer, root / "whole.gguf").read_bytes()
+    (root / "trunc.gguf").write_bytes(whole[: len(whole) // 2])
+    (root / "text.gguf").write_text("not a model\n")
+    write_tiny_gguf(model, tokenizer, root / "arch.gguf", architecture="mamba2")
+    return {"g_trunc": str(root / "trunc.gguf"), "g_text": str(root / "text.gguf"), "g_arch": str(root / "arch.gguf")}
+
+
 @pytest.fixture(scope="module")
 def files(tiny_embedded, tmp_path_factory):
     """The paths the rows' argv templates name: good inputs, damaged copies, config files, a taken port."""
@@ -297,6 +313,7 @@ def files(tiny_embedded, tmp_path_factory):
         if damage:
             damage(d)
         p[name] = str(d if name != "t_colon" else d.rename(d.parent / "x:y"))
+    p.update(_gguf_files(root))
     p["head"] = fake_head(root, "head")
     for name, damage in {"h_meta": lambda d: (d / "eagle_head.json").write_text('{"format_version": '),
                          "h_cfg": lambda d: (d / "config.json").write_text('{"architectures": '),
