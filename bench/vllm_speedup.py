@@ -1,6 +1,8 @@
 """vLLM as the yardstick: our head inside the engine users run, next to vLLM plain and vLLM prompt lookup.
 
-Run: `python bench/vllm_speedup.py [--quick] [--depth K] [--runs N] [--head-steps N] [--conversations N]`
+Run: `python bench/vllm_speedup.py [--quick] [--depth K] [--runs N] [--head-steps N] [--conversations N]`, or on any
+target and head (the real model's: `--target DIR --head DIR --heldout FILE [--prompts N] [--max-new N]`, for
+instance the registered ones under `.eagle/runs/<target>-v1/<run>/`)
 Each run starts a fresh vLLM server per method on the embedded default's target (fp32, eager, CPU build here) and
 sends the same held-out prompts one at a time (batch 1, greedy, the same token budget): `plain` (no speculation),
 `eagle3` (our head, `bench/speedup.py`'s cached one, K speculative tokens) and `ngram` (vLLM's prompt lookup, K
@@ -115,12 +117,27 @@ def main() -> None:
     p.add_argument("--depth", type=int, default=5, help="speculative tokens per step (K)")
     p.add_argument("--runs", type=int, default=1, help="repeat with fresh servers (median and minimum reported)")
     p.add_argument("--head-steps", type=int, default=0, help="steps of the head (0: the preset's)")
+    p.add_argument("--target", help="a target directory (with --head, --heldout): measure that head, not the toy's")
+    p.add_argument("--head", help="an exported head directory of --target")
+    p.add_argument("--heldout", help="held-out traffic of --target (its first user turns are the prompts)")
+    p.add_argument("--prompts", type=int, default=16, help="with --head: held-out prompts (default 16)")
+    p.add_argument("--max-new", type=int, default=96, help="with --head: new tokens per prompt (default 96)")
     args = p.parse_args()
+    given = [args.target, args.head, args.heldout]
+    if any(given) and not all(given):
+        p.error("--target, --head and --heldout go together")
     load = start(args)
     from infra.settings import Settings
 
-    setup = prepare(args.quick, conversations=args.conversations)
-    head, suffix = speed_head(setup, args.head_steps, args.conversations)
+    if args.head:
+        from types import SimpleNamespace
+
+        setup = SimpleNamespace(target_dir=Path(args.target), heldout_traffic=Path(args.heldout),
+                                preset=SimpleNamespace(eval_prompts=args.prompts, max_new_tokens=args.max_new))
+        head, suffix = SimpleNamespace(head_dir=Path(args.head)), f"-{Path(args.target).name}"
+    else:
+        setup = prepare(args.quick, conversations=args.conversations)
+        head, suffix = speed_head(setup, args.head_steps, args.conversations)
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(setup.target_dir)

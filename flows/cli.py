@@ -4,7 +4,7 @@ Purpose: argument parsing with clear errors, the command's preflight, then one c
 commands are rows of one table (flows/commands.py: name, arguments, preflight, run, needs Prefect); what each does
 is in flows/command_runs.py. `--help` and argument errors import nothing heavy; Prefect, MLflow and torch load only
 once a command runs.
-  eagle-heads demo [--preset default|tiny|gpu] [--embedded-preset default|tiny|gpu]
+  eagle-heads demo [--preset default|tiny|gpu] [--embedded-preset smollm2|toy|tiny|gpu]
   eagle-heads train --target DIR|models:/name/version --traffic FILE --heldout FILE [--name N] [CONFIG]
   eagle-heads evaluate --head DIR|models:/name/version [--target DIR|models:/...] --traffic FILE [--json OUT]
                       [--method chain|tree] [--depth D] [--limit N] [--engine local|vllm] [--load] [CONFIG]

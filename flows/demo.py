@@ -92,11 +92,26 @@ def _row(label: str, tags: dict[str, str], features: str, s: HeadRun) -> str:
             f"{_speedup(s.speedup, not s.speedup_note):>8} {vllm:>9} {cross:>9} {ident:>9}  {alpha}")
 
 
-@flow(name="demo", log_prints=True)
-def demo(preset: str = "default", embedded_preset: str = "default", target_name: str = "stdlib-llama",
-         finetune_extract: str = "vllm") -> dict:
+EMBEDDED = ("smollm2", "toy", "tiny", "gpu")  # smollm2: the real default; the others: the toy stdlib Llama's sizes
+TARGET_NAMES = {"smollm2": "smollm2-135m"}  # the toy's: stdlib-llama
+
+
+def build_default(embedded_preset: str, root: Path):
+    """The embedded default of `embedded_preset`, built or found in the cache under `root`: the real model
+    (embedded/real.py) or the toy stdlib Llama (embedded/build.py; "toy" is its `default` config)."""
+    if embedded_preset == "smollm2":
+        from embedded.real import build_real
+
+        return build_real(root=root)
     from embedded.build import build_embedded
     from embedded.config import EmbeddedConfig
+
+    return build_embedded(EmbeddedConfig.preset("default" if embedded_preset == "toy" else embedded_preset), root)
+
+
+@flow(name="demo", log_prints=True)
+def demo(preset: str = "default", embedded_preset: str = "toy", target_name: str | None = None,
+         finetune_extract: str = "vllm") -> dict:
     from components.pipeline_config import PipelineConfig
 
     settings = Settings.from_env()
@@ -107,7 +122,8 @@ def demo(preset: str = "default", embedded_preset: str = "default", target_name:
 
         vllm_python(settings)  # no vLLM venv: its one line now, not after the base head is trained
     print(f"[1/4] embedded default ({embedded_preset}): build or reuse under {settings.state_dir / 'embedded'}")
-    emb = build_embedded(EmbeddedConfig.preset(embedded_preset), settings.state_dir / "embedded")
+    emb = build_default(embedded_preset, settings.state_dir / "embedded")
+    target_name = target_name or TARGET_NAMES.get(embedded_preset, "stdlib-llama")
     store = MlflowStore.connect(settings)
     t, f = emb.target_traffic, emb.finetune_traffic
     base = register_target(store, target_name, str(emb.target_dir), role="base", base_model="",

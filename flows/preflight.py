@@ -253,7 +253,7 @@ def check_cuda(preset: str) -> None:
 
         if not torch.cuda.is_available():
             raise BadInput("--embedded-preset gpu: no CUDA device here (torch.cuda.is_available() is False); use "
-                           "--embedded-preset default or tiny on a CPU machine")
+                           "--embedded-preset smollm2, toy or tiny on a CPU machine")
 
 
 def _flag_values(a) -> dict:
@@ -288,6 +288,10 @@ def check_config(a, settings: Settings | None) -> None:
 
 def check_demo(a, settings: Settings) -> None:
     check_cuda(a.embedded_preset)
+    if a.embedded_preset == "smollm2":
+        from embedded.real import real_gguf
+
+        real_gguf()  # the package that ships the model: its one line now
     resolve(a.preset)
     probe_tracking(settings)
 
