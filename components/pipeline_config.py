@@ -3,8 +3,9 @@
 Purpose: `PipelineConfig` groups who runs the target (`target`: this process or vLLM, and vLLM's scale), the stage
 configs (`regenerate`, `extract`, `train`, `evaluate`, `register`) and the acceptance monitor's (`monitor`);
 `PipelineConfig.preset(name)` builds a named preset from its sections (all of them live in components/presets.py,
-which builds sections only and never imports this module); `PipelineConfig.load(path)` reads a JSON file whose
-sections override a preset key by key, and refuses an unknown section or key, naming it; `resolve(name, path,
+which builds sections only and never imports this module); `PipelineConfig.load(path)` reads a JSON file (a regular
+UTF-8 file, a byte-order mark allowed, of sane size and depth: components/safe_read.py) whose sections override a
+preset key by key, and refuses an unknown section or key, naming it; `resolve(name, path,
 assignments)` is the config a command runs with (then the `--set key.path=value` assignments, checked the same way);
 `monitor_config(preset, path, **flags)` adds the monitor's command-line values on top, checked the same way.
 `fingerprint()` is a stable hash of the config but its `monitor` section (part of a run's identity).
@@ -27,6 +28,7 @@ from components.evaluate import EvaluateConfig
 from components.extract import ExtractConfig, check_replicas
 from components.monitor import MonitorConfig
 from components.regenerate import RegenerateConfig
+from components.safe_read import UnreadableFile, read_json
 from components.register import RegisterConfig
 from components.train import TrainConfig
 from eagle.config import PARALLEL_VARIANTS
@@ -148,10 +150,10 @@ class PipelineConfig:
         base = cls.preset(preset)
         if path is None:
             return base
-        try:
-            data = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ConfigError(f"{path}: cannot read the config: {e}") from None
+        try:  # a regular UTF-8 file (a byte-order mark allowed), of sane size and depth: components/safe_read.py
+            data = read_json(path)
+        except UnreadableFile as e:
+            raise ConfigError(f"{path}: cannot read the config: {e.reason}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: the config must be a JSON object of sections")
         return base.override(data, where=str(path))

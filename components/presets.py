@@ -9,9 +9,10 @@ builds the config from it. The presets build sections only, so this module never
   gpu      one accelerator, no Ray, MLflow or Prefect: bench/gpu_pipeline.py's run of the components on the
            embedded `gpu` target (in-process training, local evaluation)
 "default" means the `default` preset; the stage configs' own dataclass defaults are building blocks, not a preset.
-`assignment(text)` parses one `key.path=value` (the value as JSON, else as a string) without importing anything heavy,
-`assignments_tree` turns them into nested sections for components/pipeline_config.py `resolve` (the preset, then a
-JSON file's sections, then the `--set` assignments, each checked by its strict override machinery).
+`assignment(text)` parses one `key.path=value` (the value as JSON, at most 64 deep, else as a string) without
+importing anything heavy, `assignments_tree` turns them into nested sections for components/pipeline_config.py
+`resolve` (the preset, then a JSON file's sections, then the `--set` assignments, each checked by its strict override
+machinery).
 Run: `eagle-heads config show --preset tiny --set train.steps=5` prints a resolved config as JSON.
 Not here: the stage configs' `tiny()` factories (each stage keeps its own, used by these presets and the unit tests)
 or the benchmark settings of bench/common.py (their embedded sizes and prompt counts are the benchmarks' own).
@@ -22,6 +23,8 @@ from __future__ import annotations
 
 import json
 from typing import Any, Sequence
+
+from components.safe_read import loads_json
 
 
 def tiny_stages() -> dict[str, Any]:
@@ -118,9 +121,11 @@ def assignment(text: str) -> tuple[str, Any]:
     if not sep or not key.strip() or any(not part for part in key.strip().split(".")):
         raise ValueError(f"{text!r}: expected KEY.PATH=VALUE, e.g. train.steps=50")
     try:
-        value = json.loads(raw)
+        value = loads_json(raw)
     except json.JSONDecodeError:
         value = raw
+    except ValueError as e:  # nested deeper than any config value (json.loads alone would recurse out)
+        raise ValueError(f"{key.strip()}: {e}") from None
     return key.strip(), value
 
 

@@ -12,11 +12,13 @@ Sources: JSON Lines (`.jsonl`, `.json`, `.ndjson`), Parquet (`.parquet`), Arrow 
 directory written by `Dataset.save_to_disk` (a `DatasetDict` one when it has a single split; else pass `DIR/<split>`).
 Tables are read a batch of rows at a time (components/traffic_sources.py); a null column counts as an absent key.
 `format="auto"` decides per row by the key present. Rules: at most one system message, and only first; at least
-one user turn; contents are strings; lines are UTF-8 (a leading byte-order mark is allowed). Blank lines are
-ignored; a line without an id gets `line-<n>`, a table row `row-<n>`.
+one user turn; contents are strings; lines are UTF-8 (a leading byte-order mark is allowed: RFC 8259 lets JSON
+parsers ignore it), each under 64 MiB and nested at most 64 deep (components/safe_read.py); a UTF-16 or UTF-32 file
+is refused as a whole. Blank lines are ignored; a line without an id gets `line-<n>`, a table row `row-<n>`.
 A bad line or row raises `TrafficFormatError` naming the file, the line or row (1-based) and the reason; with
 `skip_bad=True` bad ones are skipped and counted in `TrafficLoad.skipped`. An empty source (or one with nothing
-valid) always raises, and so does any other path (one error listing the accepted forms).
+valid) always raises, and so does any other path (one error listing the accepted forms), a path that is not a regular
+file (a named pipe, a device, a socket) or one that cannot be read (checked before it is opened).
 `traffic_sha256` hashes a file's bytes (a dataset directory: its data files); `conversations_sha256` hashes the
 normalised content (independent of schema and source form).
 Run: `python -m components.traffic_io PATH...` prints counts per segment and the hashes.
@@ -35,6 +37,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Literal
 
 from components.atomic import atomic_path, file_sha256
+from components.safe_read import MAX_LINE_BYTES, encoding_problem, loads_json
 from components.traffic_sources import SourceError, dataset_data_files, table_records, traffic_kind
 from eagle.errors import BadInput
 
@@ -111,6 +114,7 @@ def load_traffic(path: Path | str, format: Format = "auto", skip_bad: bool = Fal
     except SourceError as e:
         raise TrafficFormatError(path, 0, e.reason, "row") from None
     if kind == "jsonl":
+        _check_encoding(path)
         unit, records = "line", _jsonl_lines(path)
         parse: Callable[[Any, int], Conversation] = lambda raw, n: parse_line(_decode(raw, n), n, format)
     else:
@@ -140,10 +144,24 @@ def load_traffic(path: Path | str, format: Format = "auto", skip_bad: bool = Fal
     return TrafficLoad(path, tuple(convs), tuple(skipped))
 
 
-def _jsonl_lines(path: Path) -> Iterator[tuple[int, bytes]]:
+def _check_encoding(path: Path) -> None:
+    """A JSON Lines file in UTF-16 or UTF-32 is refused as a whole (each of its lines would be a bad line)."""
+    with path.open("rb") as fh:
+        problem = encoding_problem(fh.read(4))
+    if problem:
+        raise TrafficFormatError(path, 0, problem)
+
+
+def _jsonl_lines(path: Path) -> Iterator[tuple[int, bytes | None]]:
+    """(1-based line number, bytes) of each non-blank line; None for a line over `MAX_LINE_BYTES`, which is
+    skipped a block at a time (never held whole)."""
     with path.open("rb") as fh:  # bytes: a line that is not UTF-8 is one bad line, not a crash of the whole read
-        for lineno, raw_bytes in enumerate(fh, start=1):
-            if raw_bytes.strip():
+        for lineno, raw_bytes in enumerate(iter(lambda: fh.readline(MAX_LINE_BYTES + 1), b""), start=1):
+            if len(raw_bytes) > MAX_LINE_BYTES and not raw_bytes.endswith(b"\n"):
+                while (rest := fh.readline(1 << 20)) and not rest.endswith(b"\n"):
+                    pass
+                yield lineno, None
+            elif raw_bytes.strip():
                 yield lineno, raw_bytes
 
 
@@ -151,21 +169,28 @@ class _LineError(Exception):
     pass
 
 
-def _decode(raw: bytes, lineno: int) -> str:
+def _decode(raw: bytes | None, lineno: int) -> str:
+    if raw is None:
+        raise _LineError(f"line too long: over {MAX_LINE_BYTES >> 20} MiB (one conversation per line; a line this "
+                         "long is not one)")
     if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte-order mark, as some editors write
         raw = raw[3:]
+    if b"\x00" in raw:  # valid UTF-8, but never in JSON text: UTF-16 without a byte-order mark
+        raise _LineError("not UTF-8 text: NUL bytes (UTF-16 without a byte-order mark?); re-save the file as UTF-8")
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise _LineError(f"not UTF-8 text: byte 0x{raw[e.start]:02x} at column {e.start + 1} (re-encode the file "
-                         "as UTF-8)") from None
+        raise _LineError(f"not UTF-8 text: byte 0x{raw[e.start]:02x} at column {e.start + 1} (Latin-1 or another "
+                         "8-bit encoding?); re-save the file as UTF-8") from None
 
 
 def parse_line(raw: str, lineno: int, format: Format = "auto") -> Conversation:
     try:
-        obj = json.loads(raw)
+        obj = loads_json(raw)
     except json.JSONDecodeError as e:
         raise _LineError(f"malformed JSON: {e.msg} at column {e.colno}") from None
+    except ValueError as e:  # nested too deep
+        raise _LineError(str(e)) from None
     return parse_record(obj, lineno, format)
 
 

@@ -1,10 +1,11 @@
 """Tabular traffic sources: Parquet, Arrow IPC and `datasets` save_to_disk directories, read batch by batch.
 
 Purpose: `traffic_kind(path)` names the form of a traffic path ("jsonl", "parquet", "arrow" or "dataset") or raises
-`SourceError` listing the accepted forms; `table_records(path, kind)` yields (row number, record) for the tabular
-forms, one batch of rows at a time (Parquet row groups, memory-mapped Arrow record batches), reading only the
-columns the traffic schemas use; `dataset_data_files(path)` lists the files that hold a saved dataset's rows (what
-its hash covers).
+`SourceError` listing the accepted forms, or saying why a path is no regular file that can be read (a named pipe, a
+device, a socket, a link loop: components/safe_read.py, decided before anything opens it); `table_records(path,
+kind)` yields (row number, record) for the tabular forms, one batch of rows at a time (Parquet row groups,
+memory-mapped Arrow record batches), reading only the columns the traffic schemas use; `dataset_data_files(path)`
+lists the files that hold a saved dataset's rows (what its hash covers), each a regular file that can be read.
 Forms: `.jsonl`/`.json`/`.ndjson` (JSON Lines, read by components/traffic_io.py); `.parquet`; `.arrow`, either the
 IPC stream format (what `datasets` writes: save_to_disk shards, cache files) or the IPC file format
 (`pyarrow.ipc.new_file`); a directory written by `Dataset.save_to_disk`, or by `DatasetDict.save_to_disk` when it
@@ -18,10 +19,11 @@ Not here: the per-row rules and the errors naming file and row (components/traff
 from __future__ import annotations
 
 import errno
-import json
 import os
 from pathlib import Path
 from typing import Any, Iterator
+
+from components.safe_read import UnreadableFile, file_problem, read_json
 
 ACCEPTED = ("JSON Lines (.jsonl, .json, .ndjson), Parquet (.parquet), Arrow IPC file or stream (.arrow), or a "
             "directory written by datasets' save_to_disk")
@@ -40,13 +42,16 @@ class SourceError(Exception):
 
 
 def traffic_kind(path: Path) -> str:
-    if not path.exists():
+    if not path.exists() and not path.is_symlink():  # a link loop or a dangling link: file_problem says which
         raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(path))
     if path.is_dir():
         if (path / "state.json").is_file() or (path / "dataset_dict.json").is_file():
             return "dataset"
         raise SourceError("a directory that is not a saved dataset (no state.json or dataset_dict.json, as "
                           f"Dataset.save_to_disk writes); accepted: {ACCEPTED}")
+    problem = file_problem(path)  # before any open: a named pipe would block it for ever
+    if problem:
+        raise SourceError(problem)
     suffix = path.suffix.lower()
     if suffix in JSONL_SUFFIXES:
         return "jsonl"
@@ -92,17 +97,21 @@ def dataset_data_files(path: Path) -> list[Path]:
     files = [split / e["filename"] for e in entries if isinstance(e, dict) and isinstance(e.get("filename"), str)]
     if len(files) != len(entries):
         raise SourceError(f"{split / 'state.json'} has a data file entry without a filename")
-    missing = [str(f) for f in files if not f.is_file()]
+    missing = [str(f) for f in files if not os.path.lexists(f)]
     if missing:
         raise SourceError(f"data files listed in {split / 'state.json'} are missing: {missing}")
+    for f in files:
+        problem = file_problem(f)
+        if problem:
+            raise SourceError(f"data file {f} listed in {split / 'state.json'}: {problem}")
     return files
 
 
 def _read_json(path: Path) -> dict[str, Any]:
     try:
-        obj = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise SourceError(f"unreadable {path.name} ({type(e).__name__}: {e})") from None
+        obj = read_json(path)
+    except UnreadableFile as e:
+        raise SourceError(f"{path}: {e.reason}") from None
     if not isinstance(obj, dict):
         raise SourceError(f"{path.name} is not a JSON object")
     return obj
@@ -145,6 +154,7 @@ def _arrow_batches(path: Path) -> Iterator[Any]:
 
 def _dataset_batches(path: Path) -> Iterator[Any]:
     split = dataset_split_dir(path)
+    dataset_data_files(path)  # each a regular file that can be read, before datasets maps them
     import datasets
 
     try:

@@ -87,6 +87,10 @@ class TrainConfig:
     eval_every: int = 50  # held-out loss and simulated tau every N steps and at the last (0: none, nothing held out)
     holdout_seqs: int = 32  # sequences set aside for it (at most a quarter of the data, at least one)
     select: Literal["best_tau", "last"] = "best_tau"  # the exported weights: best held-out tau, or the last step's
+    # which tokens the loss scores: the answers ("assistant"), or every token ("all": the prompts' positions too,
+    # where the teacher is the target's distribution as well; more signal from the same features, no extra compute).
+    # The held-out figures score the answers either way.
+    loss_on: Literal["assistant", "all"] = "assistant"
     # the head's architecture (eagle/config.py): eagle3, eagle3.1, parallel (P-EAGLE: drafts K tokens in one pass;
     # TTT's steps 1..K-1 become its masked slots, eagle/ttt.py) or eagle3.1-parallel (both); TTT trains each
     variant: str = "eagle3"
@@ -115,6 +119,7 @@ def _check_config(cfg: TrainConfig) -> None:
     at_least(cfg, {"steps": 1, "batch_size": 1, "draft_vocab_size": 1, "seed": 0, "checkpoint_every": 1,
                    "keep_checkpoints": 1, "log_every": 1, "warm_start_steps": 0, "eval_every": 0, "holdout_seqs": 0})
     one_of(cfg, "select", ("best_tau", "last"))
+    one_of(cfg, "loss_on", ("assistant", "all"))
     one_of(cfg, "autocast", ("gpu", "auto", "off"))
     one_of(cfg, "variant", VARIANTS)
     _check_variants(cfg)
@@ -222,7 +227,8 @@ def train_loop(args: LoopArgs) -> None:
         for step, pos in batches(len(train_ids), cfg.batch_size, cfg.seed, start, rank, world):
             if step >= cfg.steps:
                 break
-            batch = ttt_batch(data, [train_ids[i] for i in pos], draft.draft_ids(), device, target)
+            batch = ttt_batch(data, [train_ids[i] for i in pos], draft.draft_ids(), device, target,
+                              every_token=cfg.loss_on == "all")
             try:
                 res = train_step(model, draft, batch, cfg.ttt, opt, sched, cfg.optim.grad_clip, amp)
             except FloatingPointError as e:  # before the optimiser step: the checkpoints stay clean

@@ -192,8 +192,11 @@ def batches(n_seqs: int, batch_size: int, seed: int, start_step: int = 0, rank: 
 
 
 def ttt_batch(data: TrainingData, idx: list[int], draft_ids: torch.Tensor, device: str | torch.device,
-              target: torch.nn.Module | None = None) -> TTTBatch:
-    """Right-padded TTT batch of sequences `idx`: stored features (offline) or the target's (online)."""
+              target: torch.nn.Module | None = None, every_token: bool = False) -> TTTBatch:
+    """Right-padded TTT batch of sequences `idx`: stored features (offline) or the target's (online). Its loss mask
+    marks the assistant tokens, or with `every_token` every token of the sequences (prompts too: the teacher is the
+    target's distribution wherever it reads, so the prompt's positions are training signal the features already
+    hold)."""
     stored = data.manifest["dtype"]
     dtype = torch.float32 if stored == fp8.DTYPE_NAME else getattr(torch, stored)  # what `features` returns
     seqs = [data.sequence(i) for i in idx]
@@ -201,7 +204,7 @@ def ttt_batch(data: TrainingData, idx: list[int], draft_ids: torch.Tensor, devic
     ids = torch.zeros(len(idx), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for r, (s, m) in enumerate(seqs):
-        ids[r, :len(s)], mask[r, :len(s)] = s, m
+        ids[r, :len(s)], mask[r, :len(s)] = s, (1 if every_token else m)
     if target is None:
         H = data.embed_tokens.shape[1]
         aux = torch.zeros(len(idx), width, 3 * H, dtype=dtype)

@@ -22,6 +22,7 @@ import socket
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from components import safe_read
 from components.pipeline_config import PipelineConfig, override_values, resolve
 from components.traffic_io import TrafficFormatError, TrafficLoad, load_traffic
 from eagle.errors import BadInput
@@ -46,7 +47,7 @@ def check_safetensors(path: Path) -> None:
                 raise ValueError(f"header of {n} bytes in a file of {size}")
             header = json.loads(f.read(n))
         end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
-    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError, RecursionError) as e:
         raise BadInput(f"{path}: not a readable safetensors file ({e}); copy or export it again") from None
     if 8 + n + end > size:
         raise BadInput(f"{path}: truncated: its tensors need {8 + n + end} bytes, the file has {size}; copy or "
@@ -61,13 +62,9 @@ def check_weights(directory: str | Path, recursive: bool = False) -> None:
 
 
 def read_json(path: Path) -> dict:
-    """A JSON object from `path`; `BadInput` naming the file when it is missing, unreadable or not an object."""
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise BadInput(f"{path}: missing") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise BadInput(f"{path}: not readable JSON ({e})") from None
+    """A JSON object from `path`; `BadInput` naming the file when it is missing, unreadable (components/safe_read.py:
+    not a regular UTF-8 file without a byte-order mark, too large or too deep) or not an object."""
+    data = safe_read.read_json(path, bom_ok=False)
     if not isinstance(data, dict):
         raise BadInput(f"{path}: a JSON object was expected, got {type(data).__name__}")
     return data
@@ -78,6 +75,7 @@ def check_head(head: str) -> None:
     d = Path(head)
     if not d.is_dir():
         raise BadInput(f"--head {head}: not a directory; pass an exported head directory or models:/NAME@ALIAS")
+    safe_read.check_model_files(d, recursive=True)  # no named pipe, device or link loop among them (a read would hang)
     read_json(d / HEAD_META)
     read_json(d / "config.json")
     if not (d / "model.safetensors").is_file():
@@ -98,6 +96,7 @@ def check_target_dir(target: str, settings: Settings):
         done = converted_dir(target, settings.state_dir)
         return None if done is None else check_target(done, settings.trust_remote_code)
 
+    safe_read.check_model_files(target)  # before transformers opens them: a named pipe would hang it
     check_weights(target)  # a damaged file is named as such before check_target reads the tensor names
     return check_target(target, settings.trust_remote_code)
 

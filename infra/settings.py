@@ -11,6 +11,7 @@ entry) and passed down. This is the only module of the project that reads enviro
     PREFECT_API_URL             a Prefect server; default: Prefect's ephemeral mode
     EAGLE_TRUST_REMOTE_CODE     `1` lets transformers run code shipped with a model (default off)
     EAGLE_VLLM_PYTHON           the python of an environment with vLLM (default: the project's `.venv-vllm`)
+    TMPDIR                      temporary space (default: the system's, `tempfile.gettempdir()`); read for the check
     EAGLE_VLLM_ZYGOTE           `0`: every vLLM server on the CPU starts its own interpreter; default `1`: they are
                                 forked from one that imported vLLM already (infra/vllm_zygote.py)
     EAGLE_TARGET_PATH           pins how our loop runs the target (`lean-packed`, `lean-torch`, `hf-packed`,
@@ -23,9 +24,12 @@ entry) and passed down. This is the only module of the project that reads enviro
                                 read so that `describe()` can say they are set; never printed (`repr` redacts)
 
 Run: `python -m infra.settings` prints the resolved settings (credentials redacted).
-`Settings.check()` refuses a state dir that is a file or cannot be written, and a tracking URI of a scheme MLflow
-does not know or a SQLite file in a directory that does not exist (`BadSetting`, one line); `check_http_url` is the
-one rule for the URLs we connect to (http or https, with a host and a valid port).
+`Settings.check()` refuses a state dir that is a file or cannot be written, a state subfolder (`STATE_DIRS`) that is
+a file or cannot be written, a state dir or temporary space with less than `MIN_FREE_MIB` free, a TMPDIR that is
+missing, a file or read-only, an EAGLE_VLLM_PYTHON that is missing, not a file or not executable (`program_problem`,
+also used by infra/vllm_server.py for the default `.venv-vllm`), and a tracking URI of a scheme MLflow does not know
+or a SQLite file in a directory that does not exist (`BadSetting`, one line each, writing nothing); `check_http_url`
+is the one rule for the URLs we connect to (http or https, with a host and a valid port).
 Not here: starting anything, creating directories (the adapters do that when they connect).
 MLflow and Prefect read their own credential variables themselves; these fields do not feed them.
 """
@@ -33,7 +37,9 @@ MLflow and Prefect read their own credential variables themselves; these fields 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
+import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +56,14 @@ _SECRET_FIELDS = ("mlflow_tracking_token", "mlflow_tracking_username", "mlflow_t
 # MLflow's tracking stores: a directory (file), SQLAlchemy databases (`dialect+driver://`), a server, Databricks
 _TRACKING_SCHEMES = {"", "file", "sqlite", "postgresql", "mysql", "mssql", "http", "https", "databricks",
                      "databricks-uc", "uc"}
+# the folders the project makes under the state dir (each made on first use); one that is a file, or read-only, would
+# fail the stage that first writes there, after the work before it
+STATE_DIRS = ("configs", "demo", "embedded", "evaluations", "gguf", "locks", "logs", "mlartifacts", "models",
+              "monitor", "prefect", "ray_results", "runs", "servable", "vllm", "watcher")
+# a state dir or temporary space with less free than this is full: a run writes shards, checkpoints and copies of
+# the target there, and a full disk would fail it in the middle (the stages leave nothing half-written, but the work
+# is lost)
+MIN_FREE_MIB = 100
 
 
 class BadSetting(BadInput):
@@ -104,6 +118,42 @@ def _not_writable(folder: Path) -> str | None:
     return None
 
 
+def _folder_problem(folder: Path) -> str | None:
+    """Why `folder` (it exists, or is a link) cannot take a run's files: not a directory, not writable, or full."""
+    if not folder.exists():
+        return "a symbolic link to no directory (dangling, or a loop)"
+    if not folder.is_dir():
+        return "a file, not a directory"
+    why = _not_writable(folder)
+    if why:
+        return f"not writable ({why})"
+    fs = os.statvfs(folder)
+    free = fs.f_bavail * fs.f_frsize
+    if fs.f_blocks and free < MIN_FREE_MIB << 20:  # f_blocks 0: a pseudo file system, refused as not writable
+        return f"full: {free >> 20} MiB free, less than the {MIN_FREE_MIB} MiB a run needs at least; free space"
+    return None
+
+
+def program_problem(path: Path) -> str | None:
+    """Why the program at `path` cannot be run (missing, a dangling link or a link loop, a directory, not
+    executable), or None. 'no such file' exactly when nothing is there."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        if e.errno == errno.ENOENT and os.path.islink(path):
+            return f"a symbolic link to {os.readlink(path)}, which does not exist (was its python removed?)"
+        if e.errno == errno.ENOENT:
+            return "no such file"
+        return "a symbolic link loop" if e.errno == errno.ELOOP else f"cannot be read ({e.strerror})"
+    if stat.S_ISDIR(st.st_mode):
+        return "a directory, not a program"
+    if not stat.S_ISREG(st.st_mode):
+        return "not a regular file"
+    if not os.access(path, os.X_OK):
+        return f"not executable, mode {stat.S_IMODE(st.st_mode):o}"
+    return None
+
+
 def is_local_tracking_uri(uri: str) -> bool:
     """True for URIs whose store is a file on this machine (sqlite, file, a bare path)."""
     scheme = urlsplit(uri).scheme
@@ -152,6 +202,7 @@ class Settings:
     trust_remote_code: bool = False
     vllm_python: str | None = None
     vllm_zygote: bool = True
+    temp_dir: str | None = None  # TMPDIR as set (None: the system's); read for `check` only
     mlflow_tracking_token: str | None = None
     mlflow_tracking_username: str | None = None
     mlflow_tracking_password: str | None = None
@@ -176,6 +227,7 @@ class Settings:
             trust_remote_code=_flag(env, "EAGLE_TRUST_REMOTE_CODE"),
             vllm_python=_get(env, "EAGLE_VLLM_PYTHON"),
             vllm_zygote=_flag(env, "EAGLE_VLLM_ZYGOTE") if _get(env, "EAGLE_VLLM_ZYGOTE") else True,
+            temp_dir=_get(env, "TMPDIR"),
             mlflow_tracking_token=_get(env, "MLFLOW_TRACKING_TOKEN"),
             mlflow_tracking_username=_get(env, "MLFLOW_TRACKING_USERNAME"),
             mlflow_tracking_password=_get(env, "MLFLOW_TRACKING_PASSWORD"),
@@ -215,17 +267,15 @@ class Settings:
         return self.state_dir / "models"
 
     def check(self) -> Settings:
-        """Self, when the state dir can be written and the tracking URI names a store MLflow knows; else
-        `BadSetting` naming the variable. Writes nothing."""
-        home, probe = self.state_dir, self.state_dir
-        if home.exists() and not home.is_dir():
-            raise BadSetting(f"EAGLE_HOME={home}: a file, not a directory; point EAGLE_HOME at a directory")
-        while not probe.exists():
-            probe = probe.parent
-        why = _not_writable(probe) if probe.is_dir() else "not a directory"
-        if why:
-            raise BadSetting(f"EAGLE_HOME={home}: {probe} is not writable ({why}); point EAGLE_HOME at a writable "
-                             "directory")
+        """Self, when the state dir, its folders and the temporary space can be written and have room, an
+        EAGLE_VLLM_PYTHON can be run and the tracking URI names a store MLflow knows; else `BadSetting` naming the
+        variable. Writes nothing."""
+        self._check_state_dir()
+        self._check_temp_dir()
+        problem = program_problem(Path(self.vllm_python)) if self.vllm_python else None
+        if problem:
+            raise BadSetting(f"EAGLE_VLLM_PYTHON={self.vllm_python}: {problem}; point it at the python of an "
+                             "environment with vLLM (its venv's bin/python) or unset it for the project's .venv-vllm")
         uri = self.mlflow_tracking_uri
         scheme = uri.partition("://")[0].split("+")[0].lower() if "://" in uri else urlsplit(uri).scheme
         problem = http_url_problem(uri) if scheme in ("http", "https") else None
@@ -236,8 +286,42 @@ class Settings:
         if problem:
             shown = redact_uri(uri) if "@" not in uri or not problem.startswith("not a URL") else "(credentials)@..."
             raise BadSetting(f"MLFLOW_TRACKING_URI={shown!r}: {problem}")
-        _check_sqlite_dir(uri, f"sqlite:///{home / 'mlflow.db'}")
+        _check_sqlite_dir(uri, f"sqlite:///{self.state_dir / 'mlflow.db'}")
         return self
+
+    def _check_state_dir(self) -> None:
+        """EAGLE_HOME (or the folder it will be made in) and the state folders already there: writable, with room."""
+        home, probe = self.state_dir, self.state_dir
+        if home.exists() and not home.is_dir():
+            raise BadSetting(f"EAGLE_HOME={home}: a file, not a directory; point EAGLE_HOME at a directory")
+        while not probe.exists():
+            probe = probe.parent
+        problem = _folder_problem(probe)
+        if problem:
+            raise BadSetting(f"EAGLE_HOME={home}: {probe} is {problem}; point EAGLE_HOME at a writable directory with "
+                             "room")
+        for name in STATE_DIRS if probe == home else ():
+            sub = home / name
+            problem = _folder_problem(sub) if sub.exists() or sub.is_symlink() else None
+            if problem:
+                raise BadSetting(f"EAGLE_HOME={home}: its folder {name}/ is {problem}; make {sub} a writable directory "
+                                 "(or move it away: the project makes it on first use)")
+
+    def _check_temp_dir(self) -> None:
+        """TMPDIR when set (Python would quietly use another, the libraries that read it would fail), else the
+        system's temporary directory: a writable directory with room."""
+        if self.temp_dir:
+            tmp = Path(self.temp_dir)
+            problem = _folder_problem(tmp) if tmp.exists() or tmp.is_symlink() else "no such directory"
+            if problem:
+                raise BadSetting(f"TMPDIR={self.temp_dir}: {problem}; point TMPDIR at a writable directory with room "
+                                 "or unset it")
+            return
+        tmp = Path(tempfile.gettempdir())
+        problem = _folder_problem(tmp)
+        if problem:
+            raise BadSetting(f"the temporary directory {tmp} is {problem}; set TMPDIR to a writable directory with "
+                             "room")
 
     def describe(self) -> dict[str, str]:
         """Printable summary: URIs with credentials redacted, secrets only as 'set'/'unset'."""
@@ -251,6 +335,7 @@ class Settings:
             "trust_remote_code": str(self.trust_remote_code),
             "vllm_python": self.vllm_python or "(the project's .venv-vllm)",
             "vllm_zygote": str(self.vllm_zygote),
+            "temp_dir": self.temp_dir or tempfile.gettempdir(),
         }
         out.update({name: "set" if getattr(self, name) else "unset" for name in _SECRET_FIELDS})
         return out

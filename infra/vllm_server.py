@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, Iterator, Literal
 
 from infra import vllm_zygote
-from infra.settings import BIND_HOST, Settings
+from infra.settings import BIND_HOST, Settings, program_problem
 from infra.vllm_memory import cpu_kv_cache_bytes
 from infra.vllm_scale import EngineScale
 
@@ -158,10 +158,10 @@ def head_drafts_in_parallel(head_dir: str | Path | None) -> bool:
 
 def vllm_python(settings: Settings) -> Path:
     """The interpreter of vLLM's environment: EAGLE_VLLM_PYTHON, else `.venv-vllm/bin/python` in the project."""
-    path = Path(settings.vllm_python) if settings.vllm_python else Path(__file__).resolve().parents[1] / ".venv-vllm/bin/python"
-    if not path.is_file():
-        raise EngineError(f"vLLM is not installed at {path}: run `make vllm` (its own venv, ~3 min, 3.5 GB) or set "
-                          "EAGLE_VLLM_PYTHON to a python that has vllm (the `vllm` package on a GPU machine)")
+    path = Path(settings.vllm_python or Path(__file__).resolve().parents[1] / ".venv-vllm/bin/python")
+    if problem := program_problem(path):  # missing, a directory, a dangling link, not executable: not an OSError later
+        raise EngineError(f"vLLM is not installed at {path} ({problem}): run `make vllm` (its own venv, ~3 min, "
+                          "3.5 GB) or set EAGLE_VLLM_PYTHON to a python that has vllm (the `vllm` package on a GPU)")
     return path
 
 

@@ -2,21 +2,26 @@
 
 Purpose: issue 28's table (HARDENING.md lists every row by its id): arguments, files (truncated weights, broken JSON,
 directories where files belong), registry URIs and names, URLs, settings, and config values (`BAD_CONFIGS`: bad
-values of the config sections, each in its own `--config` file). Each row runs
+values of the config sections, each in its own `--config` file); issue 49's files that are not what they seem (other
+encodings, deep or huge JSON, named pipes, devices, sockets, link loops, unreadable files: tests/helpers_bad_input.py) and the
+programs and folders the project runs or writes (EAGLE_VLLM_PYTHON, EAGLE_HOME's folders, TMPDIR; a full disk in
+`test_a_full_disk_is_refused_before_any_work`). Each row runs
 `flows.cli.main(argv)` in this process and asserts exit code 2, exactly one `error:` line on stderr that contains the
-row's needle (the offending input), no traceback, and no new file under the state dir. Rows share two state dirs: an
+row's needle (the offending input), no traceback, and no new file under the state dir, within `ROW_LIMIT_S` (a read
+that blocks fails the row instead of hanging the suite). Rows share two state dirs: an
 `empty` one (it does not exist and must not be created) and a `registry` one (a local MLflow store holding target
 `t` version 1, which has no alias). If a row's input passed the preflight, the command is not run: the row fails
 with exit 99.
 `EMBEDDED_ROWS` are the embedded build's config (`python -m embedded --config F`), refused before the
 build. HARDENING.md's table lists exactly these rows (`test_hardening_lists_every_row`).
-Run: `python -m pytest tests/test_bad_input_table.py` (fast tier, ~20 s once the tiny embedded default is built).
+Run: `python -m pytest tests/test_bad_input_table.py` (fast tier, ~30 s once the tiny embedded default is built).
 Not here: bad input met inside a stage (tests/test_bad_input_stages.py), kills and outages (tests/test_faults.py).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import socket
 from pathlib import Path
 
@@ -24,24 +29,8 @@ import pytest
 
 from tests.helpers import fake_head, target_copy
 
-EMPTY, REGISTRY = "empty", "registry"
-TRAIN = ["train", "--target", "{target}", "--traffic", "{traffic}", "--heldout", "{heldout}", "--preset", "tiny"]
-EVAL = ["evaluate", "--head", "{head}", "--target", "{target}", "--traffic", "{heldout}", "--preset", "tiny"]
-SERVE = ["serve", "--head", "{head}", "--target", "{target}"]
-MON = ["monitor", "--metrics-url", "http://127.0.0.1:9/metrics", "--target", "models:/t/1", "--preset", "tiny"]
-
-
-def _with(base: list[str], **opts: str) -> list[str]:
-    """`base` with `--key value` replaced or added for each of `opts` (underscores become dashes)."""
-    out = list(base)
-    for key, value in opts.items():
-        flag = "--" + key.replace("_", "-")
-        if flag in out:
-            out[out.index(flag) + 1] = value
-        else:
-            out += [flag, value]
-    return out
-
+from tests.helpers_bad_input import (EMPTY, EVAL, FILE_ROWS, HEAD_DAMAGE, MON, REGISTRY, ROW_LIMIT_S, SERVE,
+                                     TARGET_DAMAGE, TRAIN, argv_with as _with, odd_files, odd_homes, time_limit)
 
 # id -> (state dir, argv (templated with the paths of `files`), environment, needle the one error line must contain)
 ROWS: dict[str, tuple[str, list[str], dict[str, str], str]] = {
@@ -160,6 +149,7 @@ ROWS: dict[str, tuple[str, list[str], dict[str, str], str]] = {
     "demo-gpu-without-cuda": (EMPTY, ["demo", "--embedded-preset", "gpu"], {}, "--embedded-preset gpu: no CUDA"),
     "demo-unknown-preset": (EMPTY, ["demo", "--preset", "huge"], {}, "'huge'"),
     "unknown-command": (EMPTY, ["frobnicate"], {}, "'frobnicate'"),
+    **FILE_ROWS,  # issue 49: files that are not what they seem, programs and folders (tests/helpers_bad_input.py)
 }
 
 
@@ -308,7 +298,7 @@ def files(tiny_embedded, tmp_path_factory):
                          "t_garbage": lambda d: (d / "model.safetensors").write_bytes(b"\xff" * 64),
                          "t_badcfg": lambda d: (d / "config.json").write_text('{"architectures": ['),
                          "t_nohead": _drop_lm_head, "t_shard": _lose_a_shard,
-                         "t_colon": None}.items():
+                         **TARGET_DAMAGE, "t_colon": None}.items():
         d = target_copy(tiny_embedded, root / name)
         if damage:
             damage(d)
@@ -319,8 +309,9 @@ def files(tiny_embedded, tmp_path_factory):
                          "h_cfg": lambda d: (d / "config.json").write_text('{"architectures": '),
                          "h_trunc": lambda d: _truncate(d / "model.safetensors"),
                          "h_noweights": lambda d: (d / "model.safetensors").unlink(),
-                         "h_probe": lambda d: _truncate(d / "probe" / "probe.safetensors")}.items():
+                         "h_probe": lambda d: _truncate(d / "probe" / "probe.safetensors"), **HEAD_DAMAGE}.items():
         p[name] = fake_head(root, name, damage)
+    p.update(odd_files(root))
     for name, cfg in {"c_list": [], "c_suffix": {"register": {"experiment_suffix": "/eagle3"}},
                       "c_interval0": {"monitor": {"interval_s": 0}}, "c_window": {"monitor": {"window_s": -1}},
                       "c_ftp": {"regenerate": {"endpoint_url": "ftp://h:21/"}},
@@ -347,7 +338,8 @@ def files(tiny_embedded, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def homes(tiny_embedded, tmp_path_factory):
-    """State dirs by kind: `empty` (not created), `registry` (target `t` v1 registered), `file` (a file)."""
+    """State dirs by kind: `empty` (not created), `registry` (target `t` v1 registered), `file` (a file), and
+    `odd_homes`'s (tests/helpers_bad_input.py)."""
     from components.register import register_target
     from infra.mlflow_store import MlflowStore
     from infra.settings import Settings
@@ -357,7 +349,7 @@ def homes(tiny_embedded, tmp_path_factory):
     register_target(MlflowStore.connect(Settings.local(registry)), "t", str(tiny_embedded.target_dir), role="base",
                     base_model="", weights_sha256="a" * 64)
     (root / "file").write_text("not a directory\n")
-    return {EMPTY: root / "empty", REGISTRY: registry, "file": root / "file"}
+    return {EMPTY: root / "empty", REGISTRY: registry, "file": root / "file", **odd_homes(root)}
 
 
 def _tree(home: Path) -> list[str]:
@@ -367,6 +359,7 @@ def _tree(home: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("row", list(ROWS))
+@pytest.mark.timeout(2 * ROW_LIMIT_S, method="thread", func_only=True)  # a read blocked in C, which no signal ends
 def test_bad_input_is_refused_in_one_line(row, files, homes, monkeypatch, capsys):
     from flows import cli
 
@@ -377,16 +370,17 @@ def test_bad_input_is_refused_in_one_line(row, files, homes, monkeypatch, capsys
         if torch.cuda.is_available():
             pytest.skip("this machine has CUDA")
     home = homes.get(kind, Path(kind))
-    for key in [k for k in __import__("os").environ if k.startswith(("MLFLOW_", "EAGLE_", "RAY_ADDRESS"))]:
+    for key in [k for k in os.environ if k.startswith(("MLFLOW_", "EAGLE_", "RAY_ADDRESS"))]:
         monkeypatch.delenv(key)
     monkeypatch.setenv("EAGLE_HOME", str(home))
     for key, value in env.items():
-        monkeypatch.setenv(key, value)
+        monkeypatch.setenv(key, value.format(**files))
     monkeypatch.setattr("infra.prefect_env.apply_prefect_defaults", lambda settings: {})
     monkeypatch.setattr(cli, "_run_command", lambda a, settings: 99)  # passed the preflight: the row fails
     before = _tree(home)
     try:
-        rc = cli.main([a.format(**files) for a in argv])
+        with time_limit(ROW_LIMIT_S):  # a read that blocks (a named pipe) fails the row instead of hanging the suite
+            rc = cli.main([a.format(**files) for a in argv])
     except SystemExit as e:  # argparse
         rc = e.code
     err = capsys.readouterr().err
@@ -395,6 +389,37 @@ def test_bad_input_is_refused_in_one_line(row, files, homes, monkeypatch, capsys
     assert "Traceback" not in err and len(lines) == 1 and needle.format(**files) in lines[0], err
     assert err.count("\n") == 1 or err.startswith("usage:"), err  # ours: one line; argparse: usage, then one line
     assert _tree(home) == before, "the refusal wrote under the state dir"
+
+
+@pytest.mark.parametrize("where", ["state-dir", "tmpdir"])
+def test_a_full_disk_is_refused_before_any_work(where, files, homes, monkeypatch, capsys):
+    """A state dir (here: the folder it will be made in) or TMPDIR on a disk with less than `MIN_FREE_MIB` free:
+    one line, exit 2. A full disk cannot be made in a test, so `os.statvfs` reports 10 blocks free for that folder."""
+    from flows import cli
+    from infra.settings import MIN_FREE_MIB
+
+    home = homes[EMPTY]
+    full = home.parent if where == "state-dir" else Path(files["dir"])
+    real = os.statvfs
+
+    def statvfs(path):
+        st = real(path)
+        if Path(path) != full:
+            return st
+        return os.statvfs_result((st.f_bsize, st.f_frsize, st.f_blocks, 10, 10, *tuple(st)[5:]))
+
+    for key in [k for k in os.environ if k.startswith(("MLFLOW_", "EAGLE_", "RAY_ADDRESS"))]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("EAGLE_HOME", str(home))
+    if where == "tmpdir":
+        monkeypatch.setenv("TMPDIR", str(full))
+    monkeypatch.setattr(os, "statvfs", statvfs)
+    monkeypatch.setattr(cli, "_run_command", lambda a, settings: 99)
+    rc = cli.main([a.format(**files) for a in TRAIN])
+    err = capsys.readouterr().err
+    what = f"EAGLE_HOME={home}: {full} is full" if where == "state-dir" else f"TMPDIR={full}: full"
+    assert rc == 2 and err.count("\n") == 1 and what in err and f"less than the {MIN_FREE_MIB} MiB" in err, err
+    assert not home.exists()
 
 
 @pytest.mark.parametrize("row", list(EMBEDDED_ROWS))

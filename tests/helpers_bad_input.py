@@ -1,0 +1,231 @@
+"""The bad-input table's argv templates, and the files and folders that are not what they seem.
+
+Purpose: pieces of tests/test_bad_input_table.py, kept here so that the table module stays small: `TRAIN`, `EVAL`,
+`SERVE`, `MON` (argv templates over the paths of its `files` fixture) and `argv_with`; issue 49's rows (`FILE_ROWS`:
+other encodings, deep or huge JSON, named pipes, devices, sockets, link loops, unreadable files, the vLLM python,
+EAGLE_HOME's folders, TMPDIR) with what makes their inputs (`odd_files`, `TARGET_DAMAGE`, `HEAD_DAMAGE`,
+`odd_homes`); `time_limit`, which fails a row whose read blocks instead of hanging the suite.
+Run: imported by tests/test_bad_input_table.py; nothing runs at import.
+Not here: the table's other rows and its test functions (tests/test_bad_input_table.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import threading
+from pathlib import Path
+
+EMPTY, REGISTRY = "empty", "registry"
+ROW_LIMIT_S = 30  # each row's refusal takes well under a second; a loaded 2-core machine gets slack
+TRAIN = ["train", "--target", "{target}", "--traffic", "{traffic}", "--heldout", "{heldout}", "--preset", "tiny"]
+EVAL = ["evaluate", "--head", "{head}", "--target", "{target}", "--traffic", "{heldout}", "--preset", "tiny"]
+SERVE = ["serve", "--head", "{head}", "--target", "{target}"]
+MON = ["monitor", "--metrics-url", "http://127.0.0.1:9/metrics", "--target", "models:/t/1", "--preset", "tiny"]
+
+
+def argv_with(base: list[str], **opts: str) -> list[str]:
+    """`base` with `--key value` replaced or added for each of `opts` (underscores become dashes)."""
+    out = list(base)
+    for key, value in opts.items():
+        flag = "--" + key.replace("_", "-")
+        if flag in out:
+            out[out.index(flag) + 1] = value
+        else:
+            out += [flag, value]
+    return out
+
+
+_with = argv_with  # short, for the rows
+
+# id -> (state dir, argv, environment, needle), as the table's ROWS
+FILE_ROWS: dict[str, tuple[str, list[str], dict[str, str], str]] = {
+    # files that are not what they seem (components/safe_read.py): encodings, structure, kinds of file, permissions
+    "train-config-utf16": (EMPTY, _with(TRAIN, config="{c_utf16}"), {}, "c_utf16.json: cannot read the config: not "
+                           "UTF-8 text: it starts with a UTF-16 (little-endian) byte-order mark; re-save it as UTF-8"),
+    "train-config-latin1": (EMPTY, _with(TRAIN, config="{c_latin1}"), {}, "c_latin1.json: cannot read the config: "
+                            "not UTF-8 text: byte 0xe9 at offset"),
+    "train-config-utf8-bom-is-read": (EMPTY, _with(TRAIN, config="{c_bom}"), {}, "c_bom.json: train.ttt.ttt_steps "
+                                      "must be"),  # the mark is skipped: the value behind it is what is refused
+    "train-config-nested-too-deep": (EMPTY, _with(TRAIN, config="{c_deep}"), {}, "c_deep.json: cannot read the "
+                                     "config: JSON nested deeper than 64 levels"),
+    "train-config-a-million-keys": (EMPTY, _with(TRAIN, config="{c_keys}"), {}, "c_keys.json: unknown section 'k0'"),
+    "train-config-unreadable": (EMPTY, _with(TRAIN, config="{c_unreadable}"), {}, "c_unreadable.json: cannot read "
+                                "the config: cannot be read ("),
+    "train-config-is-a-fifo": (EMPTY, _with(TRAIN, config="{c_fifo}"), {}, "--config {c_fifo}: not a file"),
+    "train-set-value-nested-too-deep": (EMPTY, [*TRAIN, "--set", "train.steps=" + "[" * 5000 + "]" * 5000], {},
+                                        "train.steps: JSON nested deeper than 64 levels"),
+    "train-traffic-is-a-fifo": (EMPTY, _with(TRAIN, traffic="{fifo_jsonl}"), {}, "fifo.jsonl: a named pipe (FIFO), "
+                                "not a regular file: reading it would wait for a writer"),
+    "train-heldout-is-a-fifo": (EMPTY, _with(TRAIN, heldout="{fifo_parquet}"), {}, "fifo.parquet: a named pipe "
+                                "(FIFO), not a regular file"),
+    "train-traffic-is-a-device": (EMPTY, _with(TRAIN, traffic="{zero_jsonl}"), {}, "zero.jsonl: a device, not a "
+                                  "regular file"),
+    "train-traffic-is-a-socket": (EMPTY, _with(TRAIN, traffic="{sock_jsonl}"), {}, "sock.jsonl: a socket, not a "
+                                  "regular file"),
+    "train-traffic-unreadable": (EMPTY, _with(TRAIN, traffic="{unreadable_jsonl}"), {}, "unreadable.jsonl: cannot "
+                                 "be read ("),
+    "train-traffic-utf16": (EMPTY, _with(TRAIN, traffic="{u16_jsonl}"), {}, "u16.jsonl:0: not UTF-8 text: it starts "
+                            "with a UTF-16 (little-endian) byte-order mark; re-save it as UTF-8"),
+    "train-traffic-utf16-no-bom": (EMPTY, _with(TRAIN, traffic="{u16nobom_jsonl}"), {}, "u16nobom.jsonl:0: not "
+                                   "UTF-8 text: it holds NUL bytes"),
+    "train-traffic-nested-too-deep": (EMPTY, _with(TRAIN, traffic="{deep_jsonl}"), {}, "deep.jsonl:1: JSON nested "
+                                      "deeper than 64 levels"),
+    "train-traffic-line-too-long": (EMPTY, _with(TRAIN, traffic="{huge_jsonl}"), {}, "huge.jsonl:1: line too long: "
+                                    "over 64 MiB"),
+    "train-traffic-dataset-state-utf16": (EMPTY, _with(TRAIN, traffic="{ds_u16}"), {}, "state.json: not UTF-8 text: "
+                                          "it starts with a UTF-16"),
+    "train-traffic-dataset-data-file-fifo": (EMPTY, _with(TRAIN, traffic="{ds_fifo}"), {}, "data-00000-of-00001.arrow "
+                                             "listed in {ds_fifo}/state.json: a named pipe (FIFO)"),
+    "evaluate-traffic-is-a-fifo": (EMPTY, _with(EVAL, traffic="{fifo_jsonl}"), {}, "fifo.jsonl: a named pipe"),
+    "train-target-config-utf16": (EMPTY, _with(TRAIN, target="{t_u16}"), {}, "config.json: not UTF-8 text: it "
+                                  "starts with a UTF-16 (little-endian) byte-order mark"),
+    "train-target-config-utf8-bom": (EMPTY, _with(TRAIN, target="{t_bom}"), {}, "config.json: starts with a UTF-8 "
+                                     "byte-order mark, which transformers, vLLM and the head loader refuse"),
+    "train-target-config-nested-too-deep": (EMPTY, _with(TRAIN, target="{t_deep}"), {}, "config.json: JSON nested "
+                                            "deeper than 64 levels"),
+    "train-target-tokenizer-latin1": (EMPTY, _with(TRAIN, target="{t_toklatin1}"), {}, "tokenizer.json: not UTF-8 "
+                                      "text: byte 0xe9"),
+    "train-target-tokenizer-config-fifo": (EMPTY, _with(TRAIN, target="{t_fifo}"), {}, "tokenizer_config.json: a "
+                                           "named pipe (FIFO)"),
+    "evaluate-head-config-utf16": (EMPTY, _with(EVAL, head="{h_u16}"), {}, "config.json: not UTF-8 text: it starts "
+                                   "with a UTF-16"),
+    "evaluate-head-meta-nested-too-deep": (EMPTY, _with(EVAL, head="{h_deep}"), {}, "eagle_head.json: JSON nested "
+                                           "deeper than 64 levels"),
+    "evaluate-head-weights-fifo": (EMPTY, _with(EVAL, head="{h_fifo}"), {}, "model.safetensors: a named pipe (FIFO)"),
+    "evaluate-head-config-link-loop": (EMPTY, _with(EVAL, head="{h_loop}"), {}, "config.json: a symbolic link loop"),
+    "serve-head-meta-utf8-bom": (EMPTY, [*_with(SERVE, head="{h_bom}"), "--print-only"], {}, "eagle_head.json: starts "
+                                 "with a UTF-8 byte-order mark"),
+    # programs and directories the project runs or writes (infra/settings.py `Settings.check`)
+    "vllm-python-missing": (EMPTY, TRAIN, {"EAGLE_VLLM_PYTHON": "/no/such/python"}, "EAGLE_VLLM_PYTHON=/no/such/python:"
+                            " no such file"),
+    "vllm-python-not-executable": (EMPTY, TRAIN, {"EAGLE_VLLM_PYTHON": "{noexec}"}, "EAGLE_VLLM_PYTHON={noexec}: not "
+                                   "executable, mode 644"),
+    "vllm-python-is-a-directory": (EMPTY, TRAIN, {"EAGLE_VLLM_PYTHON": "{dir}"}, "a directory, not a program"),
+    "eagle-home-parent-is-a-file": ("parent-file", TRAIN, {}, "/a-file is a file, not a directory"),
+    "eagle-home-folder-is-a-file": ("folder-file", TRAIN, {}, "its folder runs/ is a file, not a directory"),
+    "eagle-home-folder-not-writable": ("folder-ro", TRAIN, {}, "its folder mlartifacts/ is not writable"),
+    "tmpdir-missing": (EMPTY, TRAIN, {"TMPDIR": "/no/such/tmp"}, "TMPDIR=/no/such/tmp: no such directory"),
+    "tmpdir-is-a-file": (EMPTY, TRAIN, {"TMPDIR": "{traffic}"}, "TMPDIR={traffic}: a file, not a directory"),
+    "tmpdir-not-writable": (EMPTY, TRAIN, {"TMPDIR": "/proc"}, "TMPDIR=/proc: not writable"),
+}
+
+
+def _resave(path: Path, encoding: str) -> None:
+    path.write_bytes(path.read_text(encoding="utf-8").encode(encoding))
+
+
+def _fifo(path: Path) -> None:
+    path.unlink(missing_ok=True)
+    os.mkfifo(path)
+
+
+def _unreadable(path: Path) -> None:
+    """A file whose first read fails: mode 000, or for root (whom 000 does not stop) a link to /proc/self/mem, which
+    stat calls a regular file and whose read at offset 0 fails with EIO."""
+    path.unlink(missing_ok=True)
+    if os.geteuid() == 0:
+        path.symlink_to("/proc/self/mem")
+    else:
+        path.write_text("{}")
+        path.chmod(0)
+
+
+def _deep(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+def _key(name: str) -> str:
+    """The `files` key of a file: c_deep.json -> c_deep, u16.jsonl -> u16_jsonl."""
+    return name.removesuffix(".json").replace(".", "_")
+
+
+def odd_files(root: Path) -> dict[str, str]:
+    """Files that are not what they seem: other encodings, deep or huge JSON, pipes, devices, sockets, unreadable."""
+    p: dict[str, str] = {}
+    texts = {"c_utf16.json": ('{"train": {"steps": 3}}', "utf-16"),
+             "c_latin1.json": ('{"register": {"experiment_suffix": "-caf\u00e9"}}', "latin-1"),
+             "c_bom.json": ('\ufeff{"train": {"ttt": {"ttt_steps": 0}}}', "utf-8"),
+             "c_deep.json": ('{"train": ' + _deep(10000) + "}", "utf-8"),  # past Python's own recursion limit
+             "c_keys.json": (json.dumps({f"k{i}": 0 for i in range(1_000_000)}), "utf-8"),
+             "u16.jsonl": (json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n", "utf-16"),
+             "u16nobom.jsonl": (json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n", "utf-16-le"),
+             "deep.jsonl": (json.dumps({"messages": "@"}).replace('"@"', _deep(100)) + "\n", "utf-8"),
+             "noexec": ("#!/bin/sh\n", "utf-8")}
+    for name, (text, encoding) in texts.items():
+        (root / name).write_bytes(text.encode(encoding))
+        p[_key(name)] = str(root / name)
+    (root / "noexec").chmod(0o644)
+    with open(root / "huge.jsonl", "wb") as f:  # one line of over 64 MiB, mostly a hole: no disk is used
+        f.write(b'{"messages": "')
+        f.truncate((64 << 20) + 1024)
+    for name in ("c_unreadable.json", "unreadable.jsonl"):
+        _unreadable(root / name)
+    for name in ("c_fifo.json", "fifo.jsonl", "fifo.parquet"):
+        _fifo(root / name)
+    (root / "zero.jsonl").symlink_to("/dev/zero")
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(root / "sock.jsonl"))
+    data = "data-00000-of-00001.arrow"  # a saved dataset's state.json and the one data file it lists
+    for name, damage in {"ds_u16": lambda d: _resave(d / "state.json", "utf-16"),
+                         "ds_fifo": lambda d: _fifo(d / data)}.items():
+        (root / name).mkdir()
+        (root / name / "state.json").write_text(json.dumps({"_data_files": [{"filename": data}]}))
+        damage(root / name)
+        p[name] = str(root / name)
+    for name in ("c_unreadable.json", "c_fifo.json", "fifo.jsonl", "fifo.parquet", "zero.jsonl", "sock.jsonl",
+                 "unreadable.jsonl", "huge.jsonl"):
+        p[_key(name)] = str(root / name)
+    return p
+
+
+def _head_link_loop(d: Path) -> None:
+    (d / "config.json").unlink()
+    (d / "config.json").symlink_to(d / "config.json")
+
+
+TARGET_DAMAGE = {"t_u16": lambda d: _resave(d / "config.json", "utf-16"),
+                 "t_bom": lambda d: _resave(d / "config.json", "utf-8-sig"),
+                 "t_deep": lambda d: (d / "config.json").write_text(_deep(100)),
+                 "t_toklatin1": lambda d: (d / "tokenizer.json").write_bytes(b'{"x": "caf\xe9"}'),
+                 "t_fifo": lambda d: _fifo(d / "tokenizer_config.json")}
+HEAD_DAMAGE = {"h_u16": lambda d: _resave(d / "config.json", "utf-16"),
+               "h_bom": lambda d: _resave(d / "eagle_head.json", "utf-8-sig"),
+               "h_deep": lambda d: (d / "eagle_head.json").write_text(_deep(100)),
+               "h_fifo": lambda d: _fifo(d / "model.safetensors"),
+               "h_loop": _head_link_loop}
+
+
+def odd_homes(root: Path) -> dict[str, Path]:
+    """State dirs `parent-file` (in a folder that is a file), `folder-file` (its `runs` a file), `folder-ro` (its
+    `mlartifacts` a link to /proc, which no one can write, root included)."""
+    (root / "a-file").write_text("not a directory\n")
+    for kind in ("folder-file", "folder-ro"):
+        (root / kind).mkdir()
+    (root / "folder-file" / "runs").write_text("not a directory\n")
+    (root / "folder-ro" / "mlartifacts").symlink_to("/proc")
+    return {"parent-file": root / "a-file" / "home", **{kind: root / kind for kind in ("folder-file", "folder-ro")}}
+
+
+class RowTimedOut(BaseException):
+    """Not an Exception: the CLI's catch-all must not turn it into an exit code."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float):
+    """Raise `RowTimedOut` in this (the main) thread after `seconds`. The signal is sent to this thread itself: one
+    sent to the process may land in another of its threads and leave a blocked open() of a named pipe blocked."""
+    def expire(signum, frame):
+        raise RowTimedOut(f"no answer in {seconds} s: the refusal must come within seconds, before any read blocks")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    timer = threading.Timer(seconds, signal.pthread_kill, (threading.get_ident(), signal.SIGALRM))
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGALRM, previous)
