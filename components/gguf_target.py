@@ -224,8 +224,9 @@ def _write_hf_dir(info: GgufInfo, out: Path) -> None:
 
     where, name = info.path.parent, info.path.name
     try:
-        loaded = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name)
+        loaded = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32,
+                                                      trust_remote_code=False)  # a GGUF ships no code
+        tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name, trust_remote_code=False)
     except ImportError as e:
         raise GgufError(f"{info.path}: loading a GGUF target needs more packages ({_one_line(e)}): "
                         f"{PIP_HINT}") from None

@@ -115,18 +115,27 @@ def build_embedded(config: EmbeddedConfig | None = None, root: Path | str = DEFA
     if not force and (out / REPORT).is_file():
         log.info("embedded build %s found in %s; skipping", full_hash[:HASH_CHARS], out)
         return load_result(out, cached=True)
-    tmp = Path(root) / f"{full_hash[:HASH_CHARS]}.partial-{os.getpid()}"
+    def build(tmp: Path) -> None:
+        with cpu_threads(cfg.train.num_threads):  # evaluation too; the fine-tune sets its own
+            _build_into(tmp, cfg, base, finetune, full_hash, start, progress)
+
+    build_whole(out, build)
+    return load_result(out, cached=False)
+
+
+def build_whole(out: Path, build) -> None:
+    """`build(tmp)` into `<out>.partial-<pid>`, renamed to `out` once complete: an interrupted build leaves no half
+    directory (the partial one is removed on any exception, Ctrl-C included)."""
+    tmp = out.parent / f"{out.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        with cpu_threads(cfg.train.num_threads):  # evaluation too; the fine-tune sets its own
-            _build_into(tmp, cfg, base, finetune, full_hash, start, progress)
+        build(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
-    return load_result(out, cached=False)
 
 
 def _build_into(tmp: Path, cfg: EmbeddedConfig, base: Domain, finetune: Domain, full_hash: str, start: float,

