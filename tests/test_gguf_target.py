@@ -236,14 +236,15 @@ def _smollm2_file() -> Path:
 
 
 @pytest.mark.slow
-def test_real_q4_1_file_converts_and_answers(tmp_path):
+def test_real_q4_1_file_converts_and_answers(real_state):
     import torch
     from safetensors import safe_open
 
     path = _smollm2_file()
     info = check_gguf(path)
     assert (info.architecture, info.quantization) == ("llama", "Q4_1")
-    out = Path(materialize_target(str(path), tmp_path))
+    out = Path(materialize_target(str(path), real_state))  # converted by conftest's `real_state`: the cache
+    assert out.parent == real_state / "gguf"
     config, tok = check_target(out)
     assert (config.num_hidden_layers, config.hidden_size, config.tie_word_embeddings) == (30, 576, True)
     assert "<|im_start|>" in tok.chat_template
