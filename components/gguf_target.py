@@ -17,6 +17,7 @@ the GGUF's own quantization approximates), architectures transformers cannot rea
 from __future__ import annotations
 
 import fcntl
+import functools
 import importlib.util
 import json
 import os
@@ -157,8 +158,16 @@ def _quantization(reader) -> str:
 
 def _cache_dir(path: Path, state_dir: str | Path) -> tuple[str, Path]:
     """(the file's sha256, the directory its conversion is cached in)."""
-    sha = file_sha256(path)
+    st = path.stat()
+    sha = _sha256_of(str(path.resolve()), st.st_size, st.st_mtime_ns)
     return sha, Path(state_dir) / "gguf" / sha[:16]
+
+
+@functools.lru_cache(maxsize=8)
+def _sha256_of(path: str, size: int, mtime_ns: int) -> str:
+    """The file's sha256, once per process while its size and mtime stay (the preflight, the flow's check and the
+    conversion each ask; a multi-GB GGUF takes seconds to hash)."""
+    return file_sha256(path)
 
 
 def converted_dir(path: str | Path, state_dir: str | Path) -> Path | None:

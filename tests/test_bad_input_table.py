@@ -157,6 +157,8 @@ ROWS: dict[str, tuple[str, list[str], dict[str, str], str]] = {
 # ids in CONFIG_ON_EVALUATE are also rows `evaluate-config-<id>` (the same file given to `evaluate`).
 BAD_CONFIGS: dict[str, tuple[dict, str]] = {
     "speed-min-rounds-zero": ({"evaluate": {"speed": {"min_rounds": 0}}}, "evaluate.speed.min_rounds must be"),
+    "train-loss-on-unknown": ({"train": {"loss_on": "prompts"}}, "train.loss_on"),
+    "register-gate-speedup-unknown": ({"register": {"gate_speedup": "on"}}, "register.gate_speedup"),
     "speed-max-below-min": ({"evaluate": {"speed": {"min_rounds": 5, "max_rounds": 3}}},
                             "evaluate.speed.max_rounds must be >= min_rounds (5)"),
     "speed-spread-one": ({"evaluate": {"speed": {"max_spread": 1.0}}}, "evaluate.speed.max_spread must be in (0, 1)"),
