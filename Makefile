@@ -63,7 +63,7 @@ demo: $(STAMP)
 	  echo "make demo: installing vLLM into $(VLLM_VENV) while the embedded default builds (log: $$home/make-vllm.log)"; \
 	  $(MAKE) --no-print-directory vllm > "$$home/make-vllm.log" 2>&1 & vllm=$$!; \
 	fi; \
-	$(BIN)/python -m embedded --root "$$home/embedded" > "$$home/embedded-build.json"; rc=$$?; \
+	$(BIN)/python -m embedded --preset smollm2 --root "$$home/embedded" > "$$home/embedded-build.json"; rc=$$?; \
 	if [ -n "$$vllm" ] && ! wait $$vllm; then \
 	  tail -n 15 "$$home/make-vllm.log"; echo "make demo: vLLM's install failed (log: $$home/make-vllm.log)"; exit 1; \
 	fi; \

@@ -39,6 +39,7 @@ from typing import Callable, NamedTuple
 from components.atomic import atomic_write_text, remove_stale_temps
 from components.load_config import LoadConfig
 from components.speed import SpeedupConfig, SpeedupEstimate, measure_speedup
+from components.target_runtime import STAGE_ENGINES
 from eagle.config_checks import FieldError, at_least, one_of
 from eagle.run_config import SpecConfig
 from eagle.stats import POSITION_EDGES
@@ -76,7 +77,7 @@ class EvaluateConfig:
     time_local: bool = True
 
     def __post_init__(self) -> None:
-        one_of(self, "engine", ("local", "vllm"))
+        one_of(self, "engine", STAGE_ENGINES)
         if not isinstance(self.time_local, bool):
             raise FieldError(self, "time_local", f"must be true or false, got {self.time_local!r}")
         at_least(self, {"max_prompt_tokens": 1, "seed": 0, "threads": 0})
@@ -94,6 +95,11 @@ class EvaluateConfig:
         if (not isinstance(e, tuple) or len(e) < 2 or any(isinstance(x, bool) or not isinstance(x, int) for x in e)
                 or e[0] < 0 or any(a >= b for a, b in zip(e, e[1:]))):
             raise FieldError(self, "position_edges", f"must be >= 2 ascending integers >= 0, got {e!r}")
+
+    def engine_conflict(self, in_engine: bool) -> tuple[str, str] | None:
+        """Nothing of this section depends on where the target runs (components/target_runtime.py asks every
+        stage that runs it): the engine serves the head, this process measures it when it loads the target."""
+        return None
 
     @classmethod
     def tiny(cls) -> "EvaluateConfig":

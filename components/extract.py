@@ -27,10 +27,10 @@ Purpose: `extract(cfg, target_dir, regen_dir, out_dir) -> ExtractResult`.
   once. A shard travels back as its safetensors bytes (`shard_bytes`, the same function in both paths; bytes, not
   tensors: Ray's pickling of torch tensors cannot carry float8) and this process writes every file and the manifest,
   so they are byte-identical whatever `num_workers` is, and resume is the same.
-- `cfg.engine == "vllm"`: the shards' hidden states come from a vLLM started for the run
-  (components/extract_engine.py), sent the same token ids; the shards, the manifest (its `engine` says which) and
-  resume are the same, and this process never loads the whole target (embedding and lm_head are read by tensor
-  name). Shards of the other engine are recomputed, not kept.
+- in the engine (the run's `TargetRuntime` says so: `extract.engine: vllm`, or `target.runtime: vllm`): the shards'
+  hidden states come from a vLLM started for the run (components/extract_engine.py), sent the same token ids; the
+  shards, the manifest (its `engine` says which) and resume are the same, and this process never loads the whole
+  target (embedding and lm_head are read by tensor name). Shards of the other engine are recomputed, not kept.
 Not here: the shard file's layout (components/feature_shards.py), training (components/train.py) and the dataset
 readers (components/train_data.py).
 """
@@ -49,6 +49,7 @@ from components.atomic import atomic_path, atomic_write_bytes, atomic_write_text
 from components.chat import tokenize_conversation
 from components.feature_shards import FP8, pack_shard, scale_layout
 from components.regenerate import NOT_IDENTITY, read_regenerated
+from components.target_runtime import STAGE_ENGINES, TargetRuntime
 from components.targets import declared_dtype, load_target, weights_sha256
 from eagle.config_checks import FieldError, at_least, one_of
 
@@ -57,7 +58,6 @@ if TYPE_CHECKING:
 
 MANIFEST = "manifest.json"
 FEATURE_DTYPES = ("bfloat16", "float16", "float32", FP8)
-ENGINES = ("local", "vllm")  # who computes the hidden states (components/extract_engine.py for vLLM)
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,7 @@ class ExtractConfig:
     def __post_init__(self) -> None:
         one_of(self, "mode", ("offline", "online"))
         one_of(self, "dtype", FEATURE_DTYPES)  # of the stored features
-        one_of(self, "engine", ENGINES)
+        one_of(self, "engine", STAGE_ENGINES)  # who computes the hidden states (components/extract_engine.py: vLLM)
         at_least(self, {"max_len": 2, "batch_size": 1, "seqs_per_shard": 1, "num_workers": 0, "cpus_per_worker": 1,
                         "engine_replicas": 1})
         ids = tuple(self.aux_layer_ids)
@@ -86,20 +86,21 @@ class ExtractConfig:
             raise FieldError(self, "aux_layer_ids", f"{list(ids)} must be three distinct ascending layer ids >= 1, or "
                              "empty for the default rule of the target's depth")
         object.__setattr__(self, "aux_layer_ids", ids)
-        if self.engine == "vllm" and self.mode == "online":
-            raise FieldError(self, "engine", "'vllm' needs mode 'offline': online features are computed inside "
-                             "training by this process")
-        if self.engine == "vllm" and self.num_workers:
-            raise FieldError(self, "num_workers", f"must be 0 with engine 'vllm' (one engine computes every shard), "
-                             f"got {self.num_workers}")
 
-
-def check_replicas(cfg: "ExtractConfig") -> None:
-    """`engine_replicas` > 1 needs engine 'vllm'. Checked across the whole config (components/pipeline_config.py,
-    after `target.runtime: vllm` has set the engine) and again when the stage starts."""
-    if cfg.engine_replicas > 1 and cfg.engine != "vllm":
-        raise FieldError(cfg, "engine_replicas", f"{cfg.engine_replicas} needs engine 'vllm' (replicas of the "
-                         "engine; local extraction scales with num_workers)")
+    def engine_conflict(self, in_engine: bool) -> tuple[str, str] | None:
+        """(key, why) when this section cannot run where the runtime puts it (components/target_runtime.py asks,
+        for the whole config at load and again when the stage starts): online features or Ray actors beside the
+        engine, or engine replicas without one."""
+        if in_engine and self.mode == "online":
+            return "engine", ("'vllm' needs mode 'offline': online features are computed inside training by this "
+                              "process")
+        if in_engine and self.num_workers:
+            return "num_workers", ("must be 0 with engine 'vllm' (one engine computes every shard), "
+                                   f"got {self.num_workers}")
+        if not in_engine and self.engine_replicas > 1:
+            return "engine_replicas", (f"{self.engine_replicas} needs engine 'vllm' (replicas of the engine; local "
+                                       "extraction scales with num_workers)")
+        return None
 
 
 @dataclass(frozen=True)
@@ -150,10 +151,11 @@ def _save_target_heads(out: Path, heads: dict) -> None:
         save_file({"embed_tokens": embed} if tied else heads, str(tmp), metadata={"tied": str(tied).lower()})
 
 
-def _open_target(cfg: ExtractConfig, target_dir: str, trust_remote_code: bool):
-    """(loaded target or None, its config, tokenizer, {"embed_tokens", "lm_head"} float32): with engine 'vllm' the
-    target is never loaded here (its embedding and lm_head are read by tensor name)."""
-    if cfg.engine == "vllm":
+def _open_target(cfg: ExtractConfig, target_dir: str, trust_remote_code: bool, in_engine: bool):
+    """(loaded target or None, its config, tokenizer, {"embed_tokens", "lm_head"} float32): `in_engine` (the
+    features come from the engine) the target is never loaded here (its embedding and lm_head are read by tensor
+    name)."""
+    if in_engine:
         from components.extract_engine import target_heads
         from components.targets import check_target
 
@@ -207,15 +209,17 @@ def _local_features(target, layer_ids, seqs, cfg: ExtractConfig):
 
 def extract(cfg: ExtractConfig, target_dir: str, regen_dir: str, out_dir: str,
             progress: Callable[[str], None] = print, trust_remote_code: bool = False,
-            ray_settings: Settings | None = None) -> ExtractResult:
-    """Extract into `out_dir` (resuming a previous run). `cfg.num_workers` >= 1 computes the shards on Ray,
-    `cfg.engine` 'vllm' in a vLLM started here (`ray_settings`: the infra.settings.Settings that say where Ray runs
-    and where vLLM's venv is; None: from the environment)."""
-    check_replicas(cfg)
+            ray_settings: Settings | None = None, runtime: TargetRuntime | None = None) -> ExtractResult:
+    """Extract into `out_dir` (resuming a previous run). `cfg.num_workers` >= 1 computes the shards on Ray; where
+    `runtime` (components/target_runtime.py; None: the one `cfg` alone says) extracts in the engine, a vLLM started
+    here does (`ray_settings`: the infra.settings.Settings that say where Ray runs and where vLLM's venv is; None:
+    from the environment)."""
+    runtime = runtime or TargetRuntime.from_sections(extract=cfg)  # refuses what the engine cannot run
+    engine = runtime.engine_of("extract")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(out)  # left by a run killed mid-write
-    target, config, tokenizer, heads = _open_target(cfg, target_dir, trust_remote_code)
+    target, config, tokenizer, heads = _open_target(cfg, target_dir, trust_remote_code, runtime.extracts_in_engine)
     layer_ids = fused_layer_ids(cfg, config.num_hidden_layers, target_dir)
     seqs, truncated = tokenize_all(tokenizer, regen_dir, cfg.max_len)
     n_trained = _save_tokens(out, seqs, config.vocab_size)
@@ -225,14 +229,14 @@ def extract(cfg: ExtractConfig, target_dir: str, regen_dir: str, out_dir: str,
     previous = _previous_manifest(out / MANIFEST)
     same_source = (previous.get("dtype"), previous.get("scales"), previous.get("layer_ids"),
                    previous.get("target", {}).get("weights_sha256"), previous.get("engine", "local")) \
-        == (cfg.dtype, scale_layout(cfg.dtype), layer_ids, target_sha, cfg.engine)  # else other features
+        == (cfg.dtype, scale_layout(cfg.dtype), layer_ids, target_sha, engine)  # else other features
     known = {s["file"]: (s["sha256"], s.get("tokens_sha256")) for s in previous.get("shards", []) if same_source}
     parts = [seqs[i:i + cfg.seqs_per_shard] for i in range(0, len(seqs), cfg.seqs_per_shard)] \
         if cfg.mode == "offline" else []
     shards, pending = _kept_shards(out, parts, known)  # shard index -> manifest entry; index -> sequences to write
 
     def save_manifest() -> dict:
-        manifest = _manifest(cfg, target_dir, target_sha, layer_ids, seqs, n_trained, truncated,
+        manifest = _manifest(cfg, engine, target_dir, target_sha, layer_ids, (seqs, n_trained, truncated),
                              [shards[k] for k in sorted(shards)])
         atomic_write_text(out / MANIFEST, json.dumps(manifest, indent=2) + "\n")
         return manifest
@@ -244,7 +248,7 @@ def extract(cfg: ExtractConfig, target_dir: str, regen_dir: str, out_dir: str,
         progress(f"extract: shard {k + 1}/{len(parts)}, {shards[k]['n_tokens']} tokens ({seconds:.2f} s)")
         save_manifest()  # after each shard: a killed run keeps what it finished
 
-    if pending and cfg.engine == "vllm":
+    if pending and runtime.extracts_in_engine:
         from components.extract_engine import run_in_engine
 
         run_in_engine(cfg, target_dir, config, layer_ids, pending, finish, out, ray_settings, progress)
@@ -323,11 +327,14 @@ def _previous_manifest(path: Path) -> dict:
     return previous if isinstance(previous, dict) else {}
 
 
-def _manifest(cfg: ExtractConfig, target_dir: str, target_sha: str, layer_ids, seqs, n_trained: int, truncated: int,
-              shards):
+def _manifest(cfg: ExtractConfig, engine: str, target_dir: str, target_sha: str, layer_ids,
+              counts: tuple[list, int, int], shards):
+    """The manifest; `engine` who computed the features ("local" or the engine's name), `counts` (the tokenised
+    sequences, trained tokens, truncated sequences)."""
+    seqs, n_trained, truncated = counts
     n_tokens = sum(len(s) for s, _ in seqs)
     total = sum(s["bytes"] for s in shards)
-    return {"format_version": 1, "mode": cfg.mode, "engine": cfg.engine,
+    return {"format_version": 1, "mode": cfg.mode, "engine": engine,
             "target": {"path": str(target_dir), "weights_sha256": target_sha},
             "layer_ids": layer_ids, "dtype": cfg.dtype, "scales": scale_layout(cfg.dtype), "max_len": cfg.max_len,
             "n_seqs": len(seqs), "n_tokens": n_tokens, "n_trained_tokens": n_trained, "n_truncated": truncated,

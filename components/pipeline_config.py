@@ -1,6 +1,7 @@
 """One config for a whole pipeline run: a section per stage, presets, strict loading from JSON.
 
-Purpose: `PipelineConfig` groups who runs the target (`target`: this process or vLLM, and vLLM's scale), the stage
+Purpose: `PipelineConfig` groups who runs the target (`target`: this process or vLLM, and vLLM's scale; its
+`runtime`, components/target_runtime.py, is where each stage runs the target, built once per config), the stage
 configs (`regenerate`, `extract`, `train`, `evaluate`, `register`) and the acceptance monitor's (`monitor`);
 `PipelineConfig.preset(name)` builds a named preset from its sections (all of them live in components/presets.py,
 which builds sections only and never imports this module); `PipelineConfig.load(path)` reads a JSON file (a regular
@@ -15,6 +16,7 @@ Not here: where things run (infra/ settings) or what to run (flows/).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import types
@@ -25,51 +27,20 @@ from typing import Any, Literal, Sequence, Union
 
 from components import presets
 from components.evaluate import EvaluateConfig
-from components.extract import ExtractConfig, check_replicas
+from components.extract import ExtractConfig
 from components.monitor import MonitorConfig
 from components.regenerate import RegenerateConfig
 from components.safe_read import UnreadableFile, read_json
 from components.register import RegisterConfig
+from components.target_runtime import TargetConfig, TargetRuntime, with_resolved
 from components.train import TrainConfig
 from eagle.config import PARALLEL_VARIANTS
-from eagle.config_checks import FieldError, at_least, one_of
+from eagle.config_checks import FieldError
 from eagle.errors import BadInput
 
 
 class ConfigError(BadInput):
     """A config file or override that names an unknown section or key, or has a value of the wrong type."""
-
-
-RUNTIMES = ("local", "vllm")
-NOT_IDENTITY = {"identity": False}  # how the engine spreads the target does not change the head
-
-
-@dataclass(frozen=True)
-class TargetConfig:
-    """Who runs the target. `runtime` "local": this process (or Ray actors) loads it with transformers; "vllm": the
-    serving engine runs it in every stage (regenerate, extract, evaluate: the stages' `engine` become "vllm", the
-    gate decides on vLLM's τ) and this process reads only the embedding, final norm and lm_head by tensor name.
-    The scale fields are vLLM's own (infra/vllm_scale.py `EngineScale`) and reach every vLLM the run starts."""
-
-    runtime: str = "local"
-    tensor_parallel_size: int = field(default=1, metadata=NOT_IDENTITY)
-    pipeline_parallel_size: int = field(default=1, metadata=NOT_IDENTITY)
-    data_parallel_size: int = field(default=1, metadata=NOT_IDENTITY)
-    distributed_executor_backend: str | None = field(default=None, metadata=NOT_IDENTITY)  # mp, ray, uni, ...
-
-    def __post_init__(self) -> None:
-        from infra.vllm_scale import EXECUTOR_BACKENDS
-
-        one_of(self, "runtime", RUNTIMES)
-        at_least(self, {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "data_parallel_size": 1})
-        one_of(self, "distributed_executor_backend", EXECUTOR_BACKENDS)
-
-    def engine_scale(self):
-        """The scale as infra.vllm_scale.EngineScale."""
-        from infra.vllm_scale import EngineScale
-
-        return EngineScale(self.tensor_parallel_size, self.pipeline_parallel_size, self.data_parallel_size,
-                           self.distributed_executor_backend)
 
 
 @dataclass(frozen=True)
@@ -83,34 +54,26 @@ class PipelineConfig:
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
 
     def __post_init__(self) -> None:
-        if self.target.runtime == "vllm":  # one setting: every stage that runs the target runs it in the engine
-            for name, changes in self.engine_stages().items():
-                try:
-                    object.__setattr__(self, name, dataclasses.replace(getattr(self, name), **changes))
-                except FieldError as e:  # e.g. extract.mode 'online': features computed by this process
-                    raise FieldError(self, "target.runtime", f"'vllm' runs the {name} stage in the engine: "
-                                     f"{name}.{e.field} {e.reason}") from None
+        _ = self.runtime  # built now: a stage its runtime cannot run is refused at load, naming the key
 
-    @staticmethod
-    def engine_stages() -> dict[str, dict[str, str]]:
-        """What `target.runtime: vllm` sets in the stage sections."""
-        return {"regenerate": {"engine": "vllm"}, "extract": {"engine": "vllm"}, "evaluate": {"engine": "vllm"},
-                "register": {"gate_tau": "engine"}}
+    @functools.cached_property
+    def runtime(self) -> TargetRuntime:
+        """Where the target runs in each stage (components/target_runtime.py), built once per config: the stages
+        ask it; the sections keep the values as written."""
+        return TargetRuntime.from_config(self)
 
     def check(self, where: str = "config") -> "PipelineConfig":
         """Rules across sections (each section checks its own values when built); returns self."""
-        if self.register.gate_tau == "engine" and self.evaluate.engine != "vllm":
+        rt = self.runtime
+        if rt.gate_on_engine and not rt.evaluates_in_engine:
             raise ConfigError(f"{where}: register.gate_tau 'engine' needs evaluate.engine 'vllm' (the gate's τ is "
                               "vLLM's); set register.gate_tau to 'local' to gate on this project's τ")
         c, load = self.register.gate_concurrency, self.evaluate.load
-        if c and (self.evaluate.engine != "vllm" or c not in load.concurrency):  # else registration fails, at the end
+        if c and (not rt.evaluates_in_engine or c not in load.concurrency):  # else registration fails, at the end
             raise ConfigError(f"{where}: register.gate_concurrency {c} needs the load sweep to measure concurrency {c} "
                               f"(evaluate.engine 'vllm', {c} in evaluate.load.concurrency; now engine "
-                              f"{self.evaluate.engine!r}, concurrency {list(load.concurrency)}); 0 turns this gate off")
-        try:
-            check_replicas(self.extract)  # here, after `target.runtime: vllm` has set extract.engine
-        except FieldError as e:
-            raise ConfigError(f"{where}: extract.{e.field} {e.reason}") from None
+                              f"{rt.engine_of('evaluate')!r}, concurrency {list(load.concurrency)}); 0 turns this gate "
+                              "off")
         par = [v for v in PARALLEL_VARIANTS if v in (self.train.variant, *self.train.variants)]
         if par and self.evaluate.spec.method != "chain":  # else refused when evaluation starts
             raise ConfigError(f"{where}: train.variant {par[0]!r} drafts chains (vLLM's parallel drafting), not a "
@@ -159,12 +122,17 @@ class PipelineConfig:
         return base.override(data, where=str(path))
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Every section's values, with the four knobs the runtime decides stated as it decides them
+        (`target.runtime: vllm` shows `regenerate.engine: vllm`, ...): what `config show` prints and a flow's config
+        file holds, which loads back to the same runtime and fingerprint."""
+        return with_resolved(dataclasses.asdict(self), self.runtime)
 
     def fingerprint(self) -> str:
         """The hash of what makes a head: every section but `monitor` (watching a head does not change it), less
-        the fields marked `metadata={"identity": False}` (how fast a stage runs, e.g. regenerate.num_workers)."""
-        made = {k: v for k, v in _identity(self).items() if k != "monitor"}
+        the fields marked `metadata={"identity": False}` (how fast a stage runs, e.g. regenerate.num_workers); the
+        knobs the runtime decides count as it decides them (`target.runtime: vllm` and each stage's `engine: vllm`
+        written out make the same head)."""
+        made = {k: v for k, v in with_resolved(_identity(self), self.runtime).items() if k != "monitor"}
         return hashlib.sha256(json.dumps(made, sort_keys=True).encode()).hexdigest()
 
 

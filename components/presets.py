@@ -5,7 +5,7 @@ of `PipelineConfig` (section name -> that stage's config); `PipelineConfig.prese
 builds the config from it. The presets build sections only, so this module never imports components/pipeline_config.py
 (which imports it: no cycle).
   tiny     the tests' settings: seconds on CPU, in-process training (no Ray)
-  default  the demo on 2 CPU cores on the embedded default (one Ray worker, vLLM measurement)
+  default  the demo on 2 CPU cores on the embedded default, the real SmolLM2 (one Ray worker, vLLM measurement)
   gpu      one accelerator, no Ray, MLflow or Prefect: bench/gpu_pipeline.py's run of the components on the
            embedded `gpu` target (in-process training, local evaluation)
 "default" means the `default` preset; the stage configs' own dataclass defaults are building blocks, not a preset.
@@ -50,36 +50,46 @@ def tiny() -> dict[str, Any]:
 
 
 def default() -> dict[str, Any]:
-    """The demo on 2 CPU cores, on the embedded default.
+    """The demo on 2 CPU cores, on the embedded default: SmolLM2-135M-Instruct (30 layers, hidden 576, vocabulary
+    49,152, tied embeddings) and its LoRA fine-tune (embedded/real.py).
 
-    The target answers the traffic in vLLM (`regenerate.engine: vllm`, 16 requests in flight: 2.6x our local
-    batches of 32 on 2 cores in one run each, bench/README.md), as it is served.
-    One Ray worker with both cores (two torch threads train faster than one), in bf16 where the CPU has AMX units
-    (`train.autocast: auto`: 1.3x a step, bench/cpu_autocast.py); a fine-tune's head, warm-started
-    from its base's head, gets half the steps of a fresh one (`train.warm_start_steps`), since it starts close.
-    Each head is also served by vLLM and measured there (`evaluate.engine: vllm`), as production will run it,
-    one request at a time and under load (`evaluate.load`: concurrency 1, 4 and 16, K 5 against plain, which
-    gives the K schedule the engine is served with). Our own decoder still measures τ, acceptance and identity, once
-    each way and untimed (`evaluate.time_local: false`): its speedup, of a decoder nobody serves, cost ~1 min.
+    The target answers 320 conversations in vLLM (`regenerate.engine: vllm`, 32 requests in flight), as it is served;
+    extraction keeps 512 tokens of each, and the loss scores every token (`train.loss_on: all`): the prompts'
+    positions are the target's distribution too, so the same regenerated answers teach twice as many positions.
+    One Ray worker with both cores, a step made cheap three ways (bench/README.md, "A training step on the real
+    model"): bf16 where the CPU has bf16 units (`train.autocast: auto`: AMX 1.3x a step, AVX512-BF16 1.68x,
+    bench/cpu_autocast.py), batches of like length (`bucket_by_length`: 4% padding instead of 39%), and each
+    sequence's teacher (the target's 49k-vocabulary lm_head) computed once and kept (`teacher_cache_mib`).
+    A fine-tune's head, warm-started from its base's head, gets half the steps of a fresh one
+    (`train.warm_start_steps`), since it starts close.
+    Each head is also served by vLLM and measured there (`evaluate.engine: vllm`), as production will run it, one
+    request at a time (3-5 interleaved rounds over 8 held-out prompts) and at 4 concurrent requests (`evaluate.load`,
+    K 5 against plain, which gives the K schedule the engine is served with). Our own decoder still measures τ,
+    acceptance and identity, once each way and untimed (`evaluate.time_local: false`). The promotion gate judges
+    the served speedup (`register.gate_speedup: served`).
     """
     from components.evaluate import EvaluateConfig
     from components.extract import ExtractConfig
     from components.load_sweep import LoadConfig
     from components.regenerate import RegenerateConfig
     from components.register import RegisterConfig
+    from components.speed import SpeedupConfig
     from components.train import RayConfig, TrainConfig
     from eagle.run_config import OptimConfig, SpecConfig, TTTConfig
 
     return dict(
         regenerate=RegenerateConfig(max_new_tokens=96, batch_size=32, shard_size=64, limit=320, engine="vllm",
-                                    endpoint_concurrency=16),
-        extract=ExtractConfig(max_len=320, seqs_per_shard=128),
-        train=TrainConfig(steps=120, batch_size=8, draft_vocab_size=2048, checkpoint_every=40, log_every=10,
-                          warm_start_steps=60, eval_every=20, holdout_seqs=32, autocast="auto",
+                                    endpoint_concurrency=32),
+        extract=ExtractConfig(max_len=512, seqs_per_shard=128),
+        train=TrainConfig(steps=200, batch_size=8, draft_vocab_size=2048, checkpoint_every=50, log_every=10,
+                          warm_start_steps=100, eval_every=50, holdout_seqs=32, autocast="auto", loss_on="all",
+                          bucket_by_length=True, teacher_cache_mib=2048,
                           ttt=TTTConfig(ttt_steps=5), optim=OptimConfig(lr=3e-3, warmup_steps=10),
                           ray=RayConfig(num_workers=1, cpus_per_worker=2)),
-        evaluate=EvaluateConfig(spec=SpecConfig(method="chain", depth=5, max_new_tokens=96), limit=16, engine="vllm",
-                                load=LoadConfig(concurrency=(1, 4, 16), k_values=(5,), requests=16), time_local=False),
+        evaluate=EvaluateConfig(spec=SpecConfig(method="chain", depth=5, max_new_tokens=96), limit=8, engine="vllm",
+                                speed=SpeedupConfig(min_rounds=3, max_rounds=5, budget_s=150.0),
+                                load=LoadConfig(concurrency=(1, 4), k_values=(5,), requests=8, repeats=1),
+                                time_local=False),
         register=RegisterConfig(tau_floor=1.5, gate_tau="engine"))
 
 

@@ -3,8 +3,9 @@
 Purpose: `regenerate(cfg, target_dir, traffic_path, out_dir) -> RegenerateResult`. Multi-turn conversations are
 answered turn by turn (each answer becomes the history of the next turn), batched with HF generation on a local
 target, or through any OpenAI-compatible endpoint (a vLLM or SGLang server) when `cfg.endpoint_url` is set, with up
-to `cfg.endpoint_concurrency` requests in flight (components/regenerate_endpoint.py); with `cfg.engine` "vllm" and no
-URL, through a vLLM this stage starts for the target (`target.runtime: vllm`: our process never loads it).
+to `cfg.endpoint_concurrency` requests in flight (components/regenerate_endpoint.py); where the run's `TargetRuntime`
+regenerates in the engine (`regenerate.engine: vllm`, or `target.runtime: vllm`: our process never loads the target)
+and no URL is given, through a vLLM this stage starts for the target.
 Length: each answer is at most the conversation's own `max_new_tokens` when the traffic gives one (the long
 traffic does: components/traffic_io.py), else `cfg.max_new_tokens`, on every path (local batches, endpoint, vLLM,
 Ray). An `Answerer` is called `answer(batch)` for the global limit and `answer(batch, max_new_tokens=N)` for a
@@ -34,6 +35,7 @@ from components.atomic import atomic_write_text, remove_stale_temps
 from components.chat import prompt_ids
 from components.regenerate_endpoint import (answer_concurrently, conversation_record, endpoint_answerer, endpoint_ask,
                                        engine_endpoint, history_turns)
+from components.target_runtime import STAGE_ENGINES, TargetRuntime
 from components.traffic_io import Conversation, load_traffic
 from eagle.config_checks import FieldError, at_least, finite, one_of
 from eagle.errors import BadInput
@@ -61,7 +63,7 @@ class RegenerateConfig:
     endpoint_url: str | None = None  # OpenAI-compatible server, e.g. http://127.0.0.1:8000
     endpoint_model: str | None = None
     endpoint_timeout_s: float = 120.0
-    engine: str = "local"  # "vllm": without endpoint_url, a vLLM started here for the run answers (target.runtime)
+    engine: str = "local"  # "vllm": without endpoint_url, a vLLM started here answers (so does target.runtime vllm)
     # where and how fast, not what: the files are the same whatever these are (not part of a run's identity)
     endpoint_concurrency: int = field(default=4, metadata=NOT_IDENTITY)  # requests in flight at most, per worker
     num_workers: int = field(default=0, metadata=NOT_IDENTITY)  # 0: in this process; N: N Ray actors, a shard each
@@ -77,10 +79,15 @@ class RegenerateConfig:
         finite(self, "endpoint_timeout_s", lambda x: x > 0, "> 0")
         if self.endpoint_url is not None and (problem := http_url_problem(self.endpoint_url)):
             raise FieldError(self, "endpoint_url", f"{self.endpoint_url!r}: {problem}")
-        one_of(self, "engine", ("local", "vllm"))
-        if self.engine == "vllm" and self.num_workers and not self.endpoint_url:
-            raise FieldError(self, "num_workers", f"must be 0 with engine 'vllm' (one engine answers every shard), "
-                             f"got {self.num_workers}")
+        one_of(self, "engine", STAGE_ENGINES)
+
+    def engine_conflict(self, in_engine: bool) -> tuple[str, str] | None:
+        """(key, why) when this section cannot run where the runtime puts it (components/target_runtime.py asks):
+        Ray actors, each loading the target, beside the one engine started for the run."""
+        if in_engine and self.num_workers and not self.endpoint_url:
+            return "num_workers", ("must be 0 with engine 'vllm' (one engine answers every shard), "
+                                   f"got {self.num_workers}")
+        return None
 
 
 @dataclass(frozen=True)
@@ -264,15 +271,18 @@ def _write_shard(out: Path, s: int, chunk: Sequence[Conversation],
 
 def regenerate(cfg: RegenerateConfig, target_dir: str, traffic_path: str, out_dir: str,
                answer: Answerer | None = None, progress: Callable[[str], None] = print,
-               trust_remote_code: bool = False, ray_settings: Settings | None = None) -> RegenerateResult:
+               trust_remote_code: bool = False, ray_settings: Settings | None = None,
+               runtime: TargetRuntime | None = None) -> RegenerateResult:
     """Regenerate the traffic's answers into `out_dir` (resuming a previous run) and return the accounting.
 
     A shard whose every conversation failed is not marked done, so a re-run tries it again (an endpoint that was
     down); when no conversation at all could be regenerated, `RegenerateError` says why (accounting.json is written).
-    `cfg.num_workers` >= 1 answers the shards on Ray, `cfg.engine` "vllm" in a vLLM started here (`ray_settings`:
-    the infra.settings.Settings that say where Ray runs and where vLLM's venv is; None: from the environment);
+    `cfg.num_workers` >= 1 answers the shards on Ray; where `runtime` (components/target_runtime.py; None: the one
+    `cfg` alone says) regenerates in the engine, a vLLM started here answers (`ray_settings`: the
+    infra.settings.Settings that say where Ray runs and where vLLM's venv is; None: from the environment);
     `answer` (a batch Answerer, for tests) runs in this process only.
     """
+    runtime = runtime or TargetRuntime.from_sections(regenerate=cfg)
     if answer is not None and cfg.num_workers:
         raise ValueError("regenerate: `answer` runs in this process only; use num_workers 0 with it")
     convs = list(load_traffic(traffic_path).conversations)[: cfg.limit]
@@ -295,7 +305,7 @@ def regenerate(cfg: RegenerateConfig, target_dir: str, traffic_path: str, out_di
         run_on_ray(cfg, ShardWorker, (target_dir, trust_remote_code), pending, finish, "regenerate", ray_settings,
                    progress)
     elif pending:  # the target is loaded, or its engine started, only when work is left
-        with engine_endpoint(cfg, target_dir, ray_settings, progress) as run_cfg:
+        with engine_endpoint(cfg, target_dir, ray_settings, progress, runtime) as run_cfg:
             respond = responder(run_cfg, target_dir, trust_remote_code, answer)
             for s, chunk in pending.items():
                 t0 = time.perf_counter()

@@ -9,8 +9,9 @@ conversation's own `max_new_tokens` when it has one, else the config's) with at 
 flight (one thread per conversation being answered); records come back in conversation order, and a failed request
 fails its own conversation only. `history_turns` and `conversation_record` are the conversation state that
 components/regenerate.py's batched path shares.
-`engine_endpoint(cfg, target_dir, settings)` starts the endpoint itself when `cfg.engine` is "vllm" and no
-`endpoint_url` is given (`target.runtime: vllm`): a plain vLLM for the target, stopped when the block ends.
+`engine_endpoint(cfg, target_dir, settings, runtime=...)` starts the endpoint itself where the run's `TargetRuntime`
+regenerates in the engine (`regenerate.engine: vllm`, or `target.runtime: vllm`) and no `endpoint_url` is given: a
+plain vLLM for the target, stopped when the block ends.
 Run: through `components.regenerate.regenerate` with `cfg.endpoint_url` set; tests/test_regenerate_scale.py.
 Not here: shards, seeds, accounting and resume (components/regenerate.py), the server process (infra/vllm_server.py).
 """
@@ -27,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Sequence
 
+from components.target_runtime import TargetRuntime
 from components.traffic_io import Conversation
 
 Ask = Callable[..., "str | Exception"]  # (messages[, max_new_tokens]) -> the answer's text or the failure
@@ -86,12 +88,14 @@ def endpoint_ask(cfg: Any, retries: int = 3) -> Ask:
 
 
 @contextmanager
-def engine_endpoint(cfg: Any, target_dir: str, settings: Any = None,
-                    progress: Callable[[str], None] = print) -> Iterator[Any]:
-    """`cfg` (a RegenerateConfig) as it is, unless its engine is "vllm" with no `endpoint_url`: then a plain vLLM
-    started here for `target_dir` (the dtype its config.json states, its whole context), and `cfg` pointed at it
-    while it runs. `settings`: infra.settings.Settings (None: from the environment)."""
-    if cfg.engine != "vllm" or cfg.endpoint_url:
+def engine_endpoint(cfg: Any, target_dir: str, settings: Any = None, progress: Callable[[str], None] = print,
+                    runtime: TargetRuntime | None = None) -> Iterator[Any]:
+    """`cfg` (a RegenerateConfig) as it is, unless `runtime` (None: the one `cfg` alone says) regenerates in the
+    engine and `cfg` names no `endpoint_url`: then a plain vLLM started here for `target_dir` (the dtype its
+    config.json states, its whole context), and `cfg` pointed at it while it runs. `settings`:
+    infra.settings.Settings (None: from the environment)."""
+    runtime = runtime or TargetRuntime.from_sections(regenerate=cfg)
+    if not runtime.regenerates_in_engine or cfg.endpoint_url:
         yield cfg
         return
     from components.evaluate_engine import target_context

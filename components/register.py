@@ -12,9 +12,10 @@ Purpose:
   never did: `finish_registration`); `registered_run(store, name, run_key)` is that one check, also made by the
   flow before any work. Promotion gate: alias `champion` moves to the new version only if
   tau >= `cfg.tau_floor` and tau >= the current champion's tau measured on the same held-out traffic in the same
-  run (`head.champion_tau`); otherwise the version becomes `challenger`. Which τ decides is `cfg.gate_tau`:
-  "local" (this project's decoding) or "engine" (vLLM's counters, the champion served on the same prompts:
-  `head.champion_tau_engine`); both are tagged either way (`tau`, `tau_vllm`), and `gate_tau` says which decided.
+  run (`head.champion_tau`); otherwise the version becomes `challenger`. Which τ decides is the run's `TargetRuntime`
+  (`cfg.gate_tau`, or `target.runtime: vllm`): "local" (this project's decoding) or "engine" (vLLM's counters, the
+  champion served on the same prompts: `head.champion_tau_engine`); both are tagged either way (`tau`,
+  `tau_vllm`), and `gate_tau` says which decided.
   Then the served-speedup gate (`cfg.gate_speedup`, "served" by default): a head whose speedup at batch 1 is
   not surely above 1 (the low end of its interval, vLLM's figure where measured, else ours, is <= 1) is not made
   champion, the first head of a target included: the head a user would serve must pay. Where no speedup was
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from components.target_runtime import GATE_TAUS, TargetRuntime
 from eagle.config_checks import at_least, finite, one_of
 from infra.mlflow_store import CHALLENGER, CHAMPION, MlflowStore, ModelVersionRef
 
@@ -52,7 +54,7 @@ class RegisterConfig:
     gate_speedup: str = "served"
 
     def __post_init__(self) -> None:
-        one_of(self, "gate_tau", ("local", "engine"))
+        one_of(self, "gate_tau", GATE_TAUS)
         one_of(self, "gate_speedup", ("served", "off"))
         finite(self, "tau_floor", lambda x: x >= 0, ">= 0")
         at_least(self, {"gate_concurrency": 0})
@@ -164,9 +166,9 @@ def _speedup_gate(metrics: dict[str, float], promoted: bool, reason: str) -> tup
     return promoted, f"{reason}; speedup not measured (the served-speedup gate could not judge)"
 
 
-def _gate_inputs(cfg: RegisterConfig, head: HeadToRegister) -> tuple[float, float | None]:
+def _gate_inputs(runtime: TargetRuntime, head: HeadToRegister) -> tuple[float, float | None]:
     """(the head's τ, the champion's τ) the gate compares: ours, or vLLM's on the same prompts."""
-    if cfg.gate_tau == "local":
+    if not runtime.gate_on_engine:
         return float(head.metrics["tau"]), head.champion_tau
     if "tau_vllm" not in head.metrics:
         raise ValueError("register.gate_tau is 'engine' but the head was not measured in vLLM: set "
@@ -259,13 +261,15 @@ def tag_float(tags: dict[str, str], key: str) -> float | None:
 
 def _checkpoint_tags(choice: dict[str, Any]) -> dict[str, str]:
     """The exported checkpoint: `checkpoint_step`, `checkpoint_rule` (the reason, e.g. "best held-out tau at step
-    80 of 120 (3.12 vs last 3.05)"), `heldout_tau` (selected) and `heldout_tau_last`, when training chose one."""
+    80 of 120 (3.12 vs last 3.05)"), `heldout_tau` (selected) and `heldout_tau_last`, when training chose one, and
+    `heldout_tau_warm_start` (a warm-started head before its first step: the base head on its fine-tune's features)."""
     tags = {}
     if choice.get("selected_step"):
         tags["checkpoint_step"] = str(choice["selected_step"])
     if choice.get("selection_rule"):
         tags["checkpoint_rule"] = str(choice["selection_rule"])
-    for tag, key in (("heldout_tau", "selected_heldout_tau"), ("heldout_tau_last", "last_heldout_tau")):
+    for tag, key in (("heldout_tau", "selected_heldout_tau"), ("heldout_tau_last", "last_heldout_tau"),
+                     ("heldout_tau_warm_start", "warm_start_heldout_tau")):
         if choice.get(key) is not None:
             tags[tag] = f"{float(choice[key]):.4f}"
     return tags
@@ -305,19 +309,23 @@ def registered_run(store: MlflowStore, name: str, run_key: str) -> RegisteredRun
     return RegisteredRun(v, alias)
 
 
-def register_head(store: MlflowStore, cfg: RegisterConfig, head: HeadToRegister) -> RegisterResult:
+def register_head(store: MlflowStore, cfg: RegisterConfig, head: HeadToRegister,
+                  runtime: TargetRuntime | None = None) -> RegisterResult:
+    """Register the head (once per run key) and move the alias its gate decides; the gate's τ is the engine's where
+    `runtime` (components/target_runtime.py; None: the one `cfg` alone says) gates on it."""
+    runtime = runtime or TargetRuntime.from_sections(register=cfg)
     name = head_model_name(head.target, cfg.experiment_suffix)
     store.ensure_model(name)
     if (done := registered_run(store, name, head.run_key)) is not None:
         return done.result()
     tau = head.metrics.get("tau")  # ours; None when only the engine measured the head (target.runtime vllm)
-    gate_tau, champion_tau = _gate_inputs(cfg, head)
+    gate_tau, champion_tau = _gate_inputs(runtime, head)
     champion = store.get_alias(name, CHAMPION)
     if champion_tau is None and champion is not None:
         raise ValueError(f"{name} has a champion (version {champion.version}) but no champion τ was given for the "
-                         f"{cfg.gate_tau} gate: evaluate the champion on the same held-out traffic")
+                         f"{runtime.gate_tau} gate: evaluate the champion on the same held-out traffic")
     promoted, reason = _gate(cfg, gate_tau, champion_tau)
-    if cfg.gate_tau == "engine":
+    if runtime.gate_on_engine:
         reason = f"vLLM {reason}" + (f" (local tau {tau:.3f})" if tau is not None else " (no local evaluation)")
     if cfg.gate_concurrency:
         promoted, reason = _load_gate(cfg, head.metrics, promoted, reason)
@@ -325,7 +333,7 @@ def register_head(store: MlflowStore, cfg: RegisterConfig, head: HeadToRegister)
         promoted, reason = _speedup_gate(head.metrics, promoted, reason)
     tags = {"target_name": head.target.name, "target_version": str(head.target.version),
             "target_weights_sha256": head.target.weights_sha256, "traffic_sha256": head.traffic_sha256,
-            "gate": reason, "gate_tau": cfg.gate_tau, PROMOTED_TAG: str(promoted).lower(),
+            "gate": reason, "gate_tau": runtime.gate_tau, PROMOTED_TAG: str(promoted).lower(),
             **({"tau": f"{tau:.4f}"} if tau is not None else {})}
     if head.init_from:
         tags["init_from"] = head.init_from

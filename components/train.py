@@ -5,8 +5,8 @@ Purpose: `train(cfg, extract_dir, out_dir, ...) -> TrainResult`. A Ray `TorchTra
 reads the extract stage's output (offline feature shards, or tokens + the target itself in online mode), rank 0
 streams per-step TTT metrics to a `MetricsSink` (MLflow in the pipeline) and prints progress. AdamW with warm-up
 and cosine decay, gradient clipping, bf16 autocast on a GPU, and with `autocast: auto` on a CPU with bf16 matrix
-units too (Intel AMX; eagle/train.py `autocast_dtype`): the demo's head 1.34-1.45x a step there, its held-out tau
-that of fp32 (bench/cpu_autocast.py).
+units too (Intel AMX or AVX512-BF16; eagle/train.py `autocast_dtype`): a head's step 1.34-1.45x with AMX and
+1.68x on a Zen 4, its held-out tau that of fp32 (bench/cpu_autocast.py).
 Checkpoints (`out_dir/checkpoints/step-XXXXXXX/`, components/train_state.py: head, optimiser, scheduler, step,
 RNG, the held-out selection; the data position is the step, since batches are a pure function of (seed, step)) are
 written atomically by rank 0 and reported to Ray; a worker restarted by Ray's FailureConfig, or a re-run of the
@@ -35,117 +35,24 @@ import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from components.atomic import remove_stale_temps
-from eagle.config import PARALLEL_VARIANTS, VARIANTS, default_mask_token_id
-from eagle.config_checks import FieldError, at_least, one_of
-from eagle.run_config import OptimConfig, TTTConfig
+from components.train_config import RayConfig, TrainConfig
+from eagle.config import default_mask_token_id
 from components.train_state import (HISTORY, check_checkpoint, history_rows, latest_checkpoint, load_checkpoint,
                                     save_checkpoint, sync_best, trim_history, write_best)
 
 # what the exported head's lineage and the TrainResult say of the selection (eagle.train.Selection.lineage)
 CHOICE_KEYS = ("selected_step", "selection_rule", "selected_heldout_tau", "last_heldout_tau", "best_step",
-               "best_heldout_tau", "heldout_seqs")
+               "best_heldout_tau", "heldout_seqs", "warm_start_heldout_tau")
+WARM_START_FILE = "warm_start.json"  # the warm-start head's held-out figures before any step (kept across a resume)
 
 if TYPE_CHECKING:
     from eagle.train import BestSoFar
 
 __all__ = ["LoopArgs", "RayConfig", "TrainConfig", "TrainResult", "holdout_size", "latest_checkpoint", "train",
            "train_loop", "warm_start_head"]
-
-
-@dataclass(frozen=True)
-class RayConfig:
-    """Where training runs: Ray Train workers (DDP), their resources, and how often Ray restarts a failed one."""
-
-    num_workers: int = 1  # 0: run in the driver process
-    use_gpu: bool = False
-    cpus_per_worker: int = 1
-    max_failures: int = 2  # worker restarts before the run fails (-1: no limit)
-
-    def __post_init__(self) -> None:
-        at_least(self, {"num_workers": 0, "cpus_per_worker": 1, "max_failures": -1})
-        if not isinstance(self.use_gpu, bool):
-            raise FieldError(self, "use_gpu", f"must be true or false, got {self.use_gpu!r}")
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """The head's training run: its length, data and checkpoints here; the TTT loss (`ttt`), the optimiser
-    (`optim`) and the workers (`ray`) in their own sections (`train.ttt.ttt_steps` in a pipeline config)."""
-
-    steps: int = 400
-    batch_size: int = 8
-    draft_vocab_size: int = 2048
-    seed: int = 0
-    checkpoint_every: int = 100
-    keep_checkpoints: int = 2
-    log_every: int = 10
-    warm_start: bool = True  # a fine-tune's head starts from its base target's champion head when there is one
-    warm_start_steps: int = 0  # steps of a warm-started run (0: `steps`)
-    eval_every: int = 50  # held-out loss and simulated tau every N steps and at the last (0: none, nothing held out)
-    holdout_seqs: int = 32  # sequences set aside for it (at most a quarter of the data, at least one)
-    select: Literal["best_tau", "last"] = "best_tau"  # the exported weights: best held-out tau, or the last step's
-    # which tokens the loss scores: the answers ("assistant"), or every token ("all": the prompts' positions too,
-    # where the teacher is the target's distribution as well; more signal from the same features, no extra compute).
-    # The held-out figures score the answers either way.
-    loss_on: Literal["assistant", "all"] = "assistant"
-    # the head's architecture (eagle/config.py): eagle3, eagle3.1, parallel (P-EAGLE: drafts K tokens in one pass;
-    # TTT's steps 1..K-1 become its masked slots, eagle/ttt.py) or eagle3.1-parallel (both); TTT trains each
-    variant: str = "eagle3"
-    # two or more variants: train each on the same features (in place of `variant`), evaluate each, register the one
-    # with the best served speedup (components/variant_choice.py); empty: off
-    variants: tuple[str, ...] = ()
-    # bf16 autocast (weights and optimiser stay fp32): "gpu" on a GPU only, "auto" also on a CPU with bf16 matrix
-    # units (Intel AMX; elsewhere a CPU's bf16 is slower than fp32), "off" never
-    autocast: str = "gpu"
-    ttt: TTTConfig = field(default_factory=TTTConfig)
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3, warmup_steps=20))
-    ray: RayConfig = field(default_factory=RayConfig)
-
-    def __post_init__(self) -> None:
-        _check_config(self)
-
-    @classmethod
-    def tiny(cls) -> "TrainConfig":
-        return cls(steps=12, batch_size=4, draft_vocab_size=128, checkpoint_every=5, log_every=2, warm_start_steps=6,
-                   eval_every=4, holdout_seqs=2, ttt=TTTConfig(ttt_steps=3), optim=OptimConfig(lr=3e-3, warmup_steps=2),
-                   ray=RayConfig(num_workers=0))
-
-
-def _check_config(cfg: TrainConfig) -> None:
-    """Refuse out-of-range values, naming the field (a pipeline config file then fails at load)."""
-    at_least(cfg, {"steps": 1, "batch_size": 1, "draft_vocab_size": 1, "seed": 0, "checkpoint_every": 1,
-                   "keep_checkpoints": 1, "log_every": 1, "warm_start_steps": 0, "eval_every": 0, "holdout_seqs": 0})
-    one_of(cfg, "select", ("best_tau", "last"))
-    one_of(cfg, "loss_on", ("assistant", "all"))
-    one_of(cfg, "autocast", ("gpu", "auto", "off"))
-    one_of(cfg, "variant", VARIANTS)
-    _check_variants(cfg)
-    for name, kind in (("ttt", TTTConfig), ("optim", OptimConfig), ("ray", RayConfig)):
-        if not isinstance(getattr(cfg, name), kind):
-            raise FieldError(cfg, name, f"must be a {kind.__name__}, got {getattr(cfg, name)!r}")
-    if (par := [v for v in (cfg.variant, *cfg.variants) if v in PARALLEL_VARIANTS]) and cfg.ttt.ttt_steps < 2:
-        raise FieldError(cfg, "variant", f"{par[0]!r} needs ttt.ttt_steps >= 2 (its masked slots are TTT's steps "
-                         f"1..K-1), got ttt_steps {cfg.ttt.ttt_steps}")
-    if cfg.select == "best_tau" and cfg.eval_every == 0:
-        raise FieldError(cfg, "select", "'best_tau' needs the held-out evaluation: set eval_every >= 1, or select "
-                         "'last'")
-    if cfg.eval_every and cfg.holdout_seqs == 0:
-        raise FieldError(cfg, "holdout_seqs", "must be >= 1 when eval_every >= 1 (eval_every 0 turns the held-out "
-                         "evaluation off)")
-
-
-def _check_variants(cfg: TrainConfig) -> None:
-    """`variants`: empty, or two or more distinct names of eagle.config.VARIANTS."""
-    vs = cfg.variants
-    bad = ("must be a list of variant names" if not isinstance(vs, tuple) or not all(isinstance(v, str) for v in vs)
-           else f"names an unknown variant; known: {', '.join(VARIANTS)}" if set(vs) - set(VARIANTS)
-           else "names a variant twice" if len(set(vs)) < len(vs)
-           else "must list two or more variants (for one, set train.variant), or none" if len(vs) == 1 else "")
-    if bad:
-        raise FieldError(cfg, "variants", f"{bad}, got {list(vs) if isinstance(vs, tuple) else vs!r}")
 
 
 @dataclass(frozen=True)
@@ -163,6 +70,9 @@ class TrainResult:
     best_step: int = 0  # the step of the best held-out tau (0: none), whichever rule
     best_heldout_tau: float | None = None
     heldout_seqs: int = 0
+    # a warm-started run: the starting head's held-out tau on these features before any step (how far the target
+    # it was trained for is from this one: the base head on its fine-tune); None otherwise
+    warm_start_heldout_tau: float | None = None
 
 
 class MetricsSink(Protocol):
@@ -197,7 +107,7 @@ def train_loop(args: LoopArgs) -> None:
     (no collective op in it: the other ranks wait at the next gradient all-reduce)."""
     import torch
 
-    from components.train_data import TrainingData, batches, heldout_split, ttt_batch
+    from components.train_data import TeacherCache, TrainingData, batches, heldout_split, ttt_batch
     from eagle.heap import kept_heap
     from eagle.train import TTTModule, autocast_dtype, make_optimizer, train_step
 
@@ -221,30 +131,38 @@ def train_loop(args: LoopArgs) -> None:
     model = _ddp(TTTModule(draft, cfg.ttt), world, device)
     amp = autocast_dtype(cfg.autocast, device.type)
     if rank == 0 and amp is not None and device.type == "cpu":
-        print("train: bf16 autocast on this CPU's AMX units (train.autocast auto)", flush=True)
-    t0, seen = time.perf_counter(), 0
+        print("train: bf16 autocast on this CPU's bf16 units (train.autocast auto)", flush=True)
+    if rank == 0 and start == 0 and args.init_head_dir and cfg.eval_every:
+        _warm_start_figures(out, _heldout(cfg, data, heldout_ids, draft, amp, target))
+    t0, seen, real = time.perf_counter(), 0, 0
+    sizes = (data.offsets[1:] - data.offsets[:-1]).tolist()
+    lengths = [sizes[i] for i in train_ids] if cfg.bucket_by_length else None
+    cache = TeacherCache(cfg.teacher_cache_mib << 20) if cfg.teacher_cache_mib and target is None else None
     with kept_heap(device.type == "cpu"):  # eagle/heap.py: no page faults for each step's freed tensors
-        for step, pos in batches(len(train_ids), cfg.batch_size, cfg.seed, start, rank, world):
+        for step, pos in batches(len(train_ids), cfg.batch_size, cfg.seed, start, rank, world, lengths):
             if step >= cfg.steps:
                 break
-            batch = ttt_batch(data, [train_ids[i] for i in pos], draft.draft_ids(), device, target,
-                              every_token=cfg.loss_on == "all")
+            ids = [train_ids[i] for i in pos]
+            batch = ttt_batch(data, ids, draft.draft_ids(), device, target, every_token=cfg.loss_on == "all",
+                              teacher_cache=cache)
             try:
                 res = train_step(model, draft, batch, cfg.ttt, opt, sched, cfg.optim.grad_clip, amp)
             except FloatingPointError as e:  # before the optimiser step: the checkpoints stay clean
                 raise FloatingPointError(f"{args.extract_dir}, step {step + 1}: {e}") from None
             seen += int(batch.input_ids_BS.numel())
+            real += sum(sizes[i] for i in ids)
             done = step + 1
             if rank == 0:
                 t = time.perf_counter()
-                held = _heldout(cfg, data, heldout_ids, draft, amp, target) \
+                held = _heldout(cfg, data, heldout_ids, draft, amp, target, cache) \
                     if cfg.eval_every and _due(done, cfg.eval_every, cfg.steps) else {}
                 t0 += time.perf_counter() - t  # tokens/s counts training time only
                 if held and best.record(done, held["heldout_tau"], held["heldout_loss"], draft):
                     write_best(out, best)
                 if held or _due(done, cfg.log_every, cfg.steps):
                     _log(args, done, {**res.metrics(), "lr": sched.get_last_lr()[0],
-                                      "tokens_per_s": seen * world / max(time.perf_counter() - t0, 1e-9), **held})
+                                      "tokens_per_s": seen * world / max(time.perf_counter() - t0, 1e-9),
+                                      "seq_tokens_per_s": real * world / max(time.perf_counter() - t0, 1e-9), **held})
             if done % cfg.checkpoint_every == 0 or done == cfg.steps:
                 path = save_checkpoint(out, done, draft, opt, sched, cfg.keep_checkpoints, best) if rank == 0 else None
                 if cfg.ray.num_workers:  # in the driver (0 workers) there is no Ray to report to, nor imported
@@ -253,18 +171,29 @@ def train_loop(args: LoopArgs) -> None:
         _export(args, draft, best, start, len(heldout_ids))
 
 
+def _warm_start_figures(out: Path, held: dict[str, float]) -> None:
+    """The warm-start head's held-out figures before any step: printed and kept for the lineage."""
+    from components.atomic import atomic_write_text
+
+    print(f"train: the warm-start head on these features, before any step: held-out tau {held['heldout_tau']:.2f} "
+          f"loss {held['heldout_loss']:.3f}", flush=True)
+    atomic_write_text(out / WARM_START_FILE, json.dumps({"heldout_tau": held["heldout_tau"],
+                                                          "heldout_loss": held["heldout_loss"]}) + "\n")
+
+
 def _due(done: int, every: int, steps: int) -> bool:
     return done % every == 0 or done == steps
 
 
-def _heldout(cfg: TrainConfig, data, heldout_ids: list[int], draft, amp, target) -> dict[str, float]:
+def _heldout(cfg: TrainConfig, data, heldout_ids: list[int], draft, amp, target, cache=None) -> dict[str, float]:
     """`eagle.train.heldout_metrics` of `draft` on the held-out sequences, `cfg.batch_size` at a time."""
     from components.train_data import ttt_batch
     from eagle.train import heldout_metrics
 
     device, b = next(draft.parameters()).device, cfg.batch_size
     chunks = (heldout_ids[i:i + b] for i in range(0, len(heldout_ids), b))
-    return heldout_metrics(draft, (ttt_batch(data, c, draft.draft_ids(), device, target) for c in chunks),
+    return heldout_metrics(draft, (ttt_batch(data, c, draft.draft_ids(), device, target, teacher_cache=cache)
+                                   for c in chunks),
                            cfg.ttt, amp)
 
 
@@ -302,9 +231,12 @@ def _export(args: LoopArgs, draft, best: BestSoFar, start: int, n_heldout: int) 
     choice = best.selection.lineage(cfg.select, cfg.steps)
     if best.weights is not None and choice["selected_step"] == best.selection.best_step:
         draft.load_state_dict(best.weights, strict=False)
+    warm = Path(args.out_dir) / WARM_START_FILE
+    warm_tau = json.loads(warm.read_text())["heldout_tau"] if args.init_head_dir and warm.is_file() else None
     export_head(draft, Path(args.out_dir) / "head", lineage={**args.lineage, "train_config": asdict(cfg),
                                                             "resumed_from_step": start, **choice,
-                                                            "heldout_seqs": n_heldout})
+                                                            "heldout_seqs": n_heldout,
+                                                            "warm_start_heldout_tau": warm_tau})
 
 
 def holdout_size(cfg: TrainConfig, n_seqs: int) -> int:
@@ -405,6 +337,7 @@ def train(cfg: TrainConfig, extract_dir: str, out_dir: str, target_dir: str | No
     resumed = int(ckpt.name.split("-")[1]) if ckpt else 0
     if not ckpt:
         history.unlink(missing_ok=True)
+        (out / WARM_START_FILE).unlink(missing_ok=True)
     if init_head_dir:
         init_head_dir = str(Path(init_head_dir).resolve())
     args = LoopArgs(cfg, extract_dir, str(out), target_dir, dict(lineage or {}),
@@ -421,7 +354,7 @@ def train(cfg: TrainConfig, extract_dir: str, out_dir: str, target_dir: str | No
     rows = history_rows(history)
     lineage = read_head_meta(out / "head")["lineage"]
     return TrainResult(str(out / "head"), cfg.steps, resumed, rows[-1] if rows else {}, str(history),
-                       time.perf_counter() - t0, **{k: lineage[k] for k in CHOICE_KEYS})
+                       time.perf_counter() - t0, **{k: lineage.get(k) for k in CHOICE_KEYS})
 
 
 def _check_extract(extract_dir: str, target_dir: str | None, trust_remote_code: bool) -> tuple[list[int], int, int]:

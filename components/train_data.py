@@ -28,7 +28,7 @@ from safetensors.torch import load_file
 from components.atomic import file_sha256
 from eagle import fp8
 from eagle.errors import BadInput
-from eagle.features import teacher_targets
+from eagle.features import Teacher, teacher_targets
 from eagle.ttt import TTTBatch
 
 
@@ -175,9 +175,18 @@ def heldout_split(n_seqs: int, n_heldout: int, seed: int) -> tuple[list[int], li
     return [i for i in range(n_seqs) if i not in heldout], sorted(heldout)
 
 
+BUCKET_STEPS = 16  # steps whose sequences are sorted by length together when `lengths` are given
+
+
 def batches(n_seqs: int, batch_size: int, seed: int, start_step: int = 0, rank: int = 0,
-            world: int = 1) -> Iterator[tuple[int, list[int]]]:
-    """Endless (step, sequence indices) for this rank, in a seeded order, starting at `start_step`."""
+            world: int = 1, lengths: list[int] | None = None) -> Iterator[tuple[int, list[int]]]:
+    """Endless (step, sequence indices) for this rank, in a seeded order, starting at `start_step`.
+
+    With `lengths` (each sequence's token count), every run of `BUCKET_STEPS` steps of an epoch's order is sorted by
+    length, cut into its steps, and those steps are shuffled again: sequences of like length train together, so a
+    right-padded batch is mostly tokens, not padding (the real model's chats of 60-320 tokens padded to the longest of
+    8 were 44% padding). Every sequence still trains once an epoch; the order is still a function of the seed, the
+    epoch and the step alone, so a resumed run continues exactly."""
     per_step = batch_size * world
     steps_per_epoch = max(1, n_seqs // per_step)
     step = start_step
@@ -186,17 +195,68 @@ def batches(n_seqs: int, batch_size: int, seed: int, start_step: int = 0, rank: 
         order = epoch_order(n_seqs, epoch, seed)
         if n_seqs < per_step:
             order = (order * (per_step // max(n_seqs, 1) + 1))[:per_step]
+        if lengths is not None:
+            order = _bucketed(order, lengths, per_step, steps_per_epoch, seed * 100003 + epoch)
         chunk = order[k * per_step:(k + 1) * per_step]
         yield step, chunk[rank::world]
         step += 1
 
 
+def _bucketed(order: list[int], lengths: list[int], per_step: int, steps: int, seed: int) -> list[int]:
+    """`order`'s first `steps` steps, each window of `BUCKET_STEPS` of them sorted by length (ties by position) and
+    its steps put in a seeded order."""
+    out: list[int] = []
+    g = torch.Generator().manual_seed(seed)
+    for w in range(0, steps, BUCKET_STEPS):
+        n = min(BUCKET_STEPS, steps - w)
+        window = sorted(order[w * per_step:(w + n) * per_step], key=lambda i: lengths[i])
+        for j in torch.randperm(n, generator=g).tolist():
+            out.extend(window[j * per_step:(j + 1) * per_step])
+    return out
+
+
+class TeacherCache:
+    """The teacher signal of each sequence, computed once and kept (up to `max_bytes`) for the epochs after.
+
+    The teacher is the target's full-vocabulary `lm_head` over each position's stored final hidden state: a
+    quarter of a training step's arithmetic on a 49k-vocabulary target (bench/README.md), the same in every epoch.
+    Kept in float32, as computed, so a cached batch is the batch recomputed; past `max_bytes`, the sequences that do
+    not fit are recomputed each time. One cache per draft vocabulary (the signal is restricted to it)."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes, self.bytes, self.hits, self.misses = max_bytes, 0, 0, 0
+        self._kept: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._vocab: torch.Tensor | None = None
+
+    def get(self, data: "TrainingData", idx: list[int], draft_ids: torch.Tensor, device) -> list[tuple]:
+        """(probs [T, Vd], in_vocab [T], argmax [T]) of each sequence of `idx`, computed for those not kept."""
+        if self._vocab is None or not torch.equal(self._vocab, draft_ids.cpu()):
+            self._kept, self.bytes, self._vocab = {}, 0, draft_ids.cpu().clone()
+        missing = [i for i in dict.fromkeys(idx) if i not in self._kept]
+        self.hits += len(idx) - len(missing)
+        self.misses += len(missing)
+        fresh = {}
+        if missing:
+            last = torch.cat([data.features(i)[1] for i in missing]).to(device).float()
+            t = teacher_targets(last[None], data.lm_head.to(device), draft_ids.to(device))
+            at = 0
+            for i in missing:
+                n = int(data.offsets[i + 1] - data.offsets[i])
+                fresh[i] = tuple(x[0, at:at + n].cpu() for x in (t.probs_BTVd, t.in_vocab_BT, t.argmax_BT))
+                at += n
+                size = sum(x.numel() * x.element_size() for x in fresh[i])
+                if self.bytes + size <= self.max_bytes:
+                    self._kept[i], self.bytes = fresh[i], self.bytes + size
+        return [self._kept.get(i) or fresh[i] for i in idx]
+
+
 def ttt_batch(data: TrainingData, idx: list[int], draft_ids: torch.Tensor, device: str | torch.device,
-              target: torch.nn.Module | None = None, every_token: bool = False) -> TTTBatch:
+              target: torch.nn.Module | None = None, every_token: bool = False,
+              teacher_cache: TeacherCache | None = None) -> TTTBatch:
     """Right-padded TTT batch of sequences `idx`: stored features (offline) or the target's (online). Its loss mask
     marks the assistant tokens, or with `every_token` every token of the sequences (prompts too: the teacher is the
     target's distribution wherever it reads, so the prompt's positions are training signal the features already
-    hold)."""
+    hold). Offline, a `teacher_cache` computes each sequence's teacher once (over its tokens, not the padding)."""
     stored = data.manifest["dtype"]
     dtype = torch.float32 if stored == fp8.DTYPE_NAME else getattr(torch, stored)  # what `features` returns
     seqs = [data.sequence(i) for i in idx]
@@ -220,9 +280,23 @@ def ttt_batch(data: TrainingData, idx: list[int], draft_ids: torch.Tensor, devic
         with torch.no_grad():
             step = target_forward(target, ids.to(device), layer_ids, attention_mask=att.to(device))
         aux, last = _as_stored(step.aux_BT3H, stored), _as_stored(step.last_hidden_BTH, stored)
+    if target is None and teacher_cache is not None:
+        return TTTBatch(ids.to(device), aux.to(device).float(), mask.to(device),
+                        _padded_teacher(teacher_cache.get(data, idx, draft_ids, device), width, device))
     aux, last = aux.to(device).float(), last.to(device).float()
     teacher = teacher_targets(last, data.lm_head.to(device), draft_ids.to(device))
     return TTTBatch(ids.to(device), aux, mask.to(device), teacher)
+
+
+def _padded_teacher(rows: list[tuple], width: int, device) -> Teacher:
+    """Per-sequence teacher rows right-padded to `width` (padding: zero probabilities, out of vocabulary; its loss
+    mask is 0)."""
+    probs = torch.zeros(len(rows), width, rows[0][0].shape[-1])
+    in_vocab = torch.zeros(len(rows), width, dtype=torch.bool)
+    argmax = torch.zeros(len(rows), width, dtype=torch.long)
+    for r, (p, v, a) in enumerate(rows):
+        probs[r, :len(p)], in_vocab[r, :len(v)], argmax[r, :len(a)] = p, v, a
+    return Teacher(probs.to(device), in_vocab.to(device), argmax.to(device))
 
 
 def _as_stored(x: torch.Tensor, stored: str) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Build the embedded default from the command line and print its report summary as JSON.
 
-Run: `python -m embedded [--preset tiny|default|gpu|smollm2] [--config FILE.json] [--root DIR] [--force]
+Run: `python -m embedded [--preset smollm2|tiny|default|gpu] [--config FILE.json] [--root DIR] [--force]
 [--quiet]`. `--config` is a JSON object loaded strictly (unknown keys are errors); it replaces the preset, and
 sections or keys it omits take the dataclass defaults (those of `default()`): `{"traffic": {"kind": "long"}}` is the
 default build with long-output traffic files (embedded/long_traffic.py). A config that cannot be read
@@ -19,9 +19,9 @@ from pathlib import Path
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m embedded", description=__doc__.splitlines()[0])
-    p.add_argument("--preset", default="default", choices=["tiny", "default", "gpu", "smollm2"],
-                   help="smollm2: the real pretrained chat model and its LoRA fine-tune (embedded/real.py); the "
-                   "others: the toy stdlib Llama's sizes")
+    p.add_argument("--preset", default="smollm2", choices=["tiny", "default", "gpu", "smollm2"],
+                   help="smollm2 (default): the real pretrained chat model and its LoRA fine-tune (embedded/real.py); "
+                   "the others: the toy stdlib Llama's sizes")
     p.add_argument("--config", type=Path, help="JSON config (strict); replaces --preset")
     p.add_argument("--root", type=Path, default=Path(".eagle/embedded"), help="cache root (default: %(default)s)")
     p.add_argument("--force", action="store_true", help="rebuild even when the build is cached")

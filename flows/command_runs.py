@@ -129,24 +129,27 @@ def resolve_head(a, settings) -> tuple[str, str, dict]:
     return head, target, lineage
 
 
-def evaluate_head(cfg, head: str, target: str, traffic: str, out: Path, settings, load: bool = False) -> dict:
-    """The evaluate-a-head path: this project's measurement (components/evaluate.py), then, with `cfg.engine`
-    "vllm", the head served by vLLM on the same prompts, and with `load` the load sweep (the default preset's
-    levels when `cfg.load` has none). Returns the local result as a dict, with `vllm` and `load` when measured."""
+def evaluate_head(config, head: str, target: str, traffic: str, out: Path, settings, load: bool = False) -> dict:
+    """The evaluate-a-head path for a PipelineConfig `config`: this project's measurement (components/evaluate.py),
+    then, where its runtime evaluates in the engine (`evaluate.engine` or `target.runtime` vllm), the head served by
+    vLLM on the same prompts (with the target's scale), and with `load` the load sweep (the default preset's levels
+    when `evaluate.load` has none). Returns the local result as a dict, with `vllm` and `load` when measured."""
     import dataclasses
     from dataclasses import asdict
 
     from components.evaluate import evaluate
 
+    cfg, in_engine = config.evaluate, config.runtime.evaluates_in_engine
+    settings = config.runtime.engine_settings(settings)  # the target's scale reaches the engine
     res = asdict(evaluate(cfg, target, head, traffic, str(out), trust_remote_code=settings.trust_remote_code))
-    if cfg.engine != "vllm" and not load:
+    if not in_engine and not load:
         return res
     from components.serve import servable_head
     from infra.engine_pool import EnginePool
 
     served = str(servable_head(head, target, settings.state_dir / "servable", settings.trust_remote_code))
     with EnginePool() as engines:  # the evaluation's pair goes on running for the sweep
-        if cfg.engine == "vllm":
+        if in_engine:
             from components.evaluate_engine import evaluate_in_vllm, our_outputs
 
             res["vllm"] = asdict(evaluate_in_vllm(cfg, target, served, traffic, str(out / "vllm"), settings,
@@ -178,7 +181,7 @@ def evaluate(a, settings) -> int:
     head, target, _ = resolve_head(a, settings)
     out = settings.state_dir / "evaluations" / time.strftime("%Y%m%d-%H%M%S")
     try:
-        res = evaluate_head(command_config(a).evaluate, head, target, a.traffic, out, settings, a.load)
+        res = evaluate_head(command_config(a), head, target, a.traffic, out, settings, a.load)
     except BaseException:
         for folder in (out, out.parent):  # a refusal leaves no empty evaluation folder behind
             with contextlib.suppress(OSError):

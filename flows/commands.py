@@ -101,8 +101,9 @@ def _config_args(p: argparse.ArgumentParser, config_help: str = "JSON file overr
 
 def _demo_args(p):
     p.add_argument("--preset", default="default", choices=PRESETS, help="pipeline preset")
-    p.add_argument("--embedded-preset", default="toy", choices=["smollm2", "toy", "tiny", "gpu"],
-                   help="smollm2: the real pretrained chat model; toy (default), tiny, gpu: the stdlib Llama built here")
+    p.add_argument("--embedded-preset", default="smollm2", choices=["smollm2", "toy", "tiny", "gpu"],
+                   help="smollm2 (default): the real pretrained chat model and its LoRA fine-tune; toy, tiny, gpu: the "
+                   "stdlib Llama built here")
 
 
 def _train_args(p):

@@ -1,7 +1,8 @@
 """Flow `demo`: the whole job on the embedded default, as a new user sees it with `make demo`.
 
-Purpose: build (or reuse) the embedded default (tokenizer, base target, its fine-tune, traffic), register the
-base target as version 1 of `stdlib-llama`, train/evaluate/register its head through `train-head`, then register
+Purpose: build (or reuse) the embedded default (the real SmolLM2-135M-Instruct, its LoRA fine-tune, traffic;
+`--embedded-preset toy`: the stdlib Llama built here), register the base target as version 1 of `smollm2-135m` (the
+toy's: `stdlib-llama`), train/evaluate/register its head through `train-head`, then register
 the fine-tune as version 2 and let the trigger path (registry watcher -> `on-new-finetune`) train its head.
 The two heads show both extraction paths side by side: the base's features are extracted as the preset says (local
 in `default` and `tiny`), the fine-tune's by the serving engine (`extract.engine: vllm`, production's path, through
@@ -110,14 +111,14 @@ def build_default(embedded_preset: str, root: Path):
 
 
 @flow(name="demo", log_prints=True)
-def demo(preset: str = "default", embedded_preset: str = "toy", target_name: str | None = None,
+def demo(preset: str = "default", embedded_preset: str = "smollm2", target_name: str | None = None,
          finetune_extract: str = "vllm") -> dict:
     from components.pipeline_config import PipelineConfig
 
     settings = Settings.from_env()
-    base_extract = PipelineConfig.load(None, preset).extract.engine
+    base_extract = PipelineConfig.load(None, preset).runtime.engine_of("extract")
     tuned_cfg = extract_config(settings.state_dir, finetune_extract)  # checked (strictly) before any work
-    if PipelineConfig.load(tuned_cfg, preset).extract.engine == "vllm":
+    if PipelineConfig.load(tuned_cfg, preset).runtime.extracts_in_engine:
         from infra.vllm_server import vllm_python
 
         vllm_python(settings)  # no vLLM venv: its one line now, not after the base head is trained

@@ -148,11 +148,12 @@ def check_inputs(target: str, traffic: str, heldout: str, cfg: PipelineConfig, s
 
 
 def check_engine_sampling(cfg: PipelineConfig, settings: Settings) -> None:
-    """A sampled evaluation in vLLM (`evaluate.engine` vllm, `evaluate.spec.temperature` > 0) refused before any work
-    where this vLLM's CPU build verifies sampled drafts wrongly (infra/vllm_sampling.py: probed once per
+    """A sampled evaluation in vLLM (`cfg.runtime` evaluates in the engine: `evaluate.engine` or `target.runtime`
+    vllm; `evaluate.spec.temperature` > 0) refused before any work where this vLLM's CPU build verifies sampled
+    drafts wrongly (infra/vllm_sampling.py: probed once per
     installation, its answer not cached here: a preflight writes nothing); the engine evaluation refuses it again for
     callers without a preflight."""
-    if cfg.evaluate.engine == "vllm":
+    if cfg.runtime.evaluates_in_engine:
         from infra.vllm_sampling import refuse_sampled_drafts
         from infra.vllm_server import host_device
 

@@ -21,6 +21,7 @@ from components.evaluate_engine import EngineEvalResult
 from components.evaluate import EvaluateConfig, EvaluateResult, evaluate
 from components.extract import ExtractConfig, ExtractResult, extract
 from components.regenerate import RegenerateConfig, RegenerateResult, regenerate
+from components.target_runtime import TargetRuntime
 from components.train import TrainConfig, TrainResult, train
 from eagle.errors import BadInput
 
@@ -45,20 +46,25 @@ def fresh_if_missing(task_obj, *paths: str | Path):
     return task_obj.with_options(refresh_cache=missing) if missing else task_obj
 
 
-@task(name="regenerate", cache_policy=CACHE - "ray_settings", persist_result=True, retries=2, retry_delay_seconds=5,
-      retry_condition_fn=transient)
+@task(name="regenerate", cache_policy=CACHE - "ray_settings" - "runtime", persist_result=True, retries=2,
+      retry_delay_seconds=5, retry_condition_fn=transient)
 def regenerate_task(cfg: RegenerateConfig, target_dir: str, traffic: str, out_dir: str,
-                    trust_remote_code: bool = False, ray_settings=None) -> RegenerateResult:
-    """`ray_settings` (the flow's Settings) say where Ray workers run when `cfg.num_workers` >= 1."""
+                    trust_remote_code: bool = False, ray_settings=None,
+                    runtime: TargetRuntime | None = None) -> RegenerateResult:
+    """`ray_settings` (the flow's Settings) say where Ray workers run when `cfg.num_workers` >= 1; `runtime` (the
+    run's) whether an engine answers. Neither is in the cache key: the run's directory, `out_dir`, already names what
+    the runtime decides (components/pipeline_config.py `fingerprint`), and the engine's scale changes no answer."""
     return regenerate(cfg, target_dir, traffic, out_dir, trust_remote_code=trust_remote_code,
-                      ray_settings=ray_settings)
+                      ray_settings=ray_settings, runtime=runtime)
 
 
-@task(name="extract", cache_policy=CACHE - "ray_settings", persist_result=True)
+@task(name="extract", cache_policy=CACHE - "ray_settings" - "runtime", persist_result=True)
 def extract_task(cfg: ExtractConfig, target_dir: str, regen_dir: str, out_dir: str,
-                 trust_remote_code: bool = False, ray_settings=None) -> ExtractResult:
+                 trust_remote_code: bool = False, ray_settings=None,
+                 runtime: TargetRuntime | None = None) -> ExtractResult:
+    """As `regenerate_task`: `runtime` says whether the engine computes the features (its manifest says which did)."""
     return extract(cfg, target_dir, regen_dir, out_dir, trust_remote_code=trust_remote_code,
-                   ray_settings=ray_settings)
+                   ray_settings=ray_settings, runtime=runtime)
 
 
 @task(name="train", cache_policy=CACHE - "sinks", persist_result=True)

@@ -19,9 +19,11 @@ With `train.variants` (two or more head variants), train -> evaluate runs once p
 (`train-<variant>/`, `evaluate-<variant>/` in the work directory) and the variant with the best served speedup is
 registered (components/variant_choice.py: vLLM's when measured, ties to the simpler), every variant's figures as
 tags on that version (`variant_<v>_...`, `variant_choice`); the gate judges the chosen head as it would a lone one.
+Where each stage runs the target is the config's `runtime` (components/target_runtime.py), handed to the stages.
 With `target.runtime: vllm` the target is never loaded here: regeneration, extraction and evaluation are vLLMs the
-stages start (every one with `target`'s scale settings, through `Settings.engine_scale`), the local evaluation is
-skipped and the gate decides on vLLM's τ (the HeadRun's own `tau`/`speedup` are nan, its `vllm` holds the figures).
+stages start (every one with `target`'s scale settings, which `runtime.engine_settings` puts in
+`Settings.engine_scale`), the local evaluation is skipped and the gate decides on vLLM's τ (the HeadRun's own
+`tau`/`speedup` are nan, its `vllm` holds the figures).
 Run: `eagle-heads train --target DIR|models:/name/version --traffic FILE --heldout FILE`, or as a deployment
 (prefect.yaml). Not here: any algorithm; see components/.
 """
@@ -50,6 +52,7 @@ from components.regenerate import RegenerateResult
 from components.register import (HeadToRegister, RegisteredRun, RegisterResult, TargetRef, check_head_name,
                                  head_model_name, identical_of, register_head, register_target, registered_run,
                                  tag_float)
+from components.target_runtime import TargetRuntime
 from components.targets import weights_sha256
 from components.train import CHOICE_KEYS, TrainResult
 from components.traffic_io import traffic_sha256
@@ -114,9 +117,11 @@ class HeadRun:
 
 
 @task(name="register", retries=2, retry_delay_seconds=3, retry_condition_fn=transient)
-def register_task(settings: Settings, cfg, head: HeadToRegister) -> RegisterResult:
+def register_task(settings: Settings, cfg, head: HeadToRegister,
+                  runtime: TargetRuntime | None = None) -> RegisterResult:
+    """`runtime` (the run's components.target_runtime.TargetRuntime) says whose τ the gate decides on."""
     with store_errors(settings, f"registering the head of run {head.run_key[:12]}"):
-        return register_head(MlflowStore.connect(settings), cfg, head)
+        return register_head(MlflowStore.connect(settings), cfg, head, runtime)
 
 
 def resolve_target(store: MlflowStore, target: str, name: str | None = None,
@@ -197,7 +202,7 @@ def train_head(target: str, traffic: str, heldout: str, preset: str = "default",
                target_name: str | None = None) -> HeadRun:
     log = get_run_logger()
     cfg = PipelineConfig.load(config_path, preset)
-    settings = dataclasses.replace(Settings.from_env(), engine_scale=cfg.target.engine_scale())  # for each vLLM
+    settings = cfg.runtime.engine_settings(Settings.from_env())  # the target's scale, for each vLLM of the run
     check_inputs(target, traffic, heldout, cfg, settings)
     gguf, target = target, materialize_target(target, settings.state_dir, log.info)  # a GGUF file: converted once
     if gguf != target:
@@ -268,10 +273,11 @@ def _run(cfg: PipelineConfig, settings: Settings, store: MlflowStore, tref: Targ
     regen_dir, ext_dir = str(work / "regenerate"), str(work / "extract")
     trust = settings.trust_remote_code
     regen = fresh_if_missing(regenerate_task, regen_dir)(cfg.regenerate, tref.path, traffic, regen_dir, trust,
-                                                         ray_settings=settings)
+                                                         ray_settings=settings, runtime=cfg.runtime)
     print(f"regenerate: {regen.ok} ok, {regen.failed} failed, {regen.skipped} skipped of {regen.total}")
     ext = fresh_if_missing(extract_task, Path(ext_dir) / "manifest.json")(cfg.extract, tref.path, regen_dir, ext_dir,
-                                                                           trust, ray_settings=settings)
+                                                                           trust, ray_settings=settings,
+                                                                           runtime=cfg.runtime)
     with store.run(f"{name}-{key[:12]}", tags={"run_key": key, "target": f"{tref.name}/{tref.version}"}) as run_id:
         lineage = {"target_name": tref.name, "target_version": tref.version,
                    "target_weights_sha256": tref.weights_sha256, "traffic_sha256": traffic_sha256(traffic),
@@ -291,10 +297,10 @@ def _run(cfg: PipelineConfig, settings: Settings, store: MlflowStore, tref: Targ
                               checkpoint={k: getattr(tr, k, None) for k in CHOICE_KEYS},
                               notes={"speedup_note": ev.speedup_note if ev else "",
                                      "speedup_vllm_note": engine.speedup_note if engine else "",
-                                     "target_runtime": cfg.target.runtime if cfg.target.runtime != "local" else "",
-                                     "extract_engine": cfg.extract.engine,  # who computed the features
+                                     "target_runtime": cfg.runtime.tag(),
+                                     "extract_engine": cfg.runtime.engine_of("extract"),  # who computed the features
                                      **(sweep.tags() if sweep else {}), **choice_tags})
-        reg = register_task(settings, cfg.register, head)
+        reg = register_task(settings, cfg.register, head, cfg.runtime)
     nan = float("nan")  # a figure of this project's decoding, not measured when vLLM runs the target
     summary = HeadRun(head_uri=reg.uri, alias=reg.alias, promoted=reg.promoted, gate=reg.reason,
                       tau=ev.tau if ev else nan, tau_raw=ev.tau_raw if ev else None,
@@ -374,26 +380,27 @@ class Figures:
 
 def _evaluate_head(cfg: PipelineConfig, settings: Settings, tref: TargetRef, head_dir: str, heldout: str,
                    eval_dir: str, champ_dir: str | None, history_file: str | None) -> Figures:
-    """The head against the champion on the held-out traffic: in this process (unless `target.runtime` is "vllm":
-    then the engine's figures alone), in vLLM (`evaluate.engine`), and under load (`evaluate.load`)."""
-    ev, engine, sweep, metrics = None, None, None, {}
+    """The head against the champion on the held-out traffic: in this process (where it loads the target; with
+    `target.runtime: vllm` the engine's figures alone), in vLLM (where the runtime evaluates in the engine), and
+    under load (`evaluate.load`)."""
+    ev, engine, sweep, metrics, rt = None, None, None, {}, cfg.runtime
     with EnginePool() as engines:  # the evaluation's plain/speculative pair goes on running for the sweep
         if _start_pair_early(cfg, eval_dir):
             from components.evaluate_engine import eval_pair
 
             engines.launch(*eval_pair(cfg.evaluate, tref.path, head_dir, heldout, settings))
-        if cfg.target.runtime == "local":
+        if rt.loads_target:
             ev = fresh_if_missing(evaluate_task, Path(eval_dir) / "evaluation.json")(
                 cfg.evaluate, tref.path, head_dir, heldout, eval_dir, champ_dir, history_file,
                 settings.trust_remote_code)
             metrics = ev.metrics()
-        if cfg.evaluate.engine == "vllm":  # the head as production serves it: in vLLM, on the same prompts
+        if rt.evaluates_in_engine:  # the head as production serves it: in vLLM, on the same prompts
             engine = fresh_if_missing(engine_eval_task, Path(eval_dir) / "vllm" / "engine_evaluation.json")(
                 cfg.evaluate, tref.path, head_dir, heldout, str(Path(eval_dir) / "vllm"),
-                ev.report_file if ev else None, settings, champ_dir if cfg.register.gate_tau == "engine" else None,
+                ev.report_file if ev else None, settings, champ_dir if rt.gate_on_engine else None,
                 engines)
             metrics.update(engine.metrics())
-        if cfg.evaluate.engine == "vllm" and cfg.evaluate.load.enabled:  # throughput by load, the K schedule
+        if rt.evaluates_in_engine and cfg.evaluate.load.enabled:  # throughput by load, the K schedule
             sweep = fresh_if_missing(load_sweep_task, Path(eval_dir) / "load" / "load_sweep.json")(
                 cfg.evaluate, tref.path, head_dir, heldout, str(Path(eval_dir) / "load"), settings, engines,
                 engine.report_file if engine else None)
@@ -409,6 +416,6 @@ def _start_pair_early(cfg: PipelineConfig, eval_dir: str) -> bool:
     from components.evaluate_engine import REPORT
     from infra.vllm_server import EngineSpec
 
-    e = cfg.evaluate
-    return (e.engine == "vllm" and not e.time_local and EngineSpec("", None, method=None).resolved_device() == "cpu"
+    return (cfg.runtime.evaluates_in_engine and not cfg.evaluate.time_local
+            and EngineSpec("", None, method=None).resolved_device() == "cpu"
             and not (Path(eval_dir) / "vllm" / REPORT).exists())

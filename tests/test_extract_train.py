@@ -330,11 +330,12 @@ def test_warm_start_begins_at_the_given_head_and_learns_faster(offline_dir, trai
     assert set(child) == set(parent)
     for k in parent:  # lr 0: the exported head is the head it started from, draft vocabulary included
         torch.testing.assert_close(child[k], parent[k], atol=0, rtol=0, msg=k)
+    assert res.warm_start_heldout_tau == pytest.approx(res.last_heldout_tau)  # before any step; lr 0 keeps it
     cfg = dataclasses.replace(TrainConfig.tiny(), steps=2, log_every=1)
     warm = train(cfg, str(offline_dir), str(tmp_path / "warm"), init_head_dir=trained.head_dir)
     cold = train(cfg, str(offline_dir), str(tmp_path / "cold"))
     first = [json.loads(Path(r.history_file).read_text().splitlines()[0])["loss"] for r in (warm, cold)]
-    assert first[0] < first[1], first  # same batches: the trained head starts lower
+    assert first[0] < first[1] and cold.warm_start_heldout_tau is None, first  # same batches: the trained starts lower
 
 
 def test_variant_eagle3_1_trains_and_warm_starts_across_variants(offline_dir, trained, tmp_path):
