@@ -68,7 +68,7 @@ class TrainConfig:
     bucket_by_length: bool = False
     # each sequence's teacher signal (the target's lm_head over its final hidden states) computed once and kept in
     # memory for the next epochs, up to this many MiB (0: recomputed every step); offline features only
-    teacher_cache_mib: int = 0
+    teacher_cache_mib: int = field(default=0, metadata={"identity": False})  # the same batches either way
     ttt: TTTConfig = field(default_factory=TTTConfig)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3, warmup_steps=20))
     ray: RayConfig = field(default_factory=RayConfig)

@@ -150,7 +150,7 @@ def test_bad_sweep_settings_fail_at_config_load_with_the_key_path(load, key):
 
 def test_the_default_preset_sweeps_what_two_cores_afford():
     load = PipelineConfig.preset("default").evaluate.load
-    assert load.enabled and load.concurrency == (1, 4, 16) and load.k_values == (5,) and load.repeats == 3
+    assert load.enabled and load.concurrency == (1, 4) and load.k_values == (5,) and load.repeats == 1  # ~1.6 min
     assert not PipelineConfig.preset("tiny").evaluate.load.enabled
 
 
