@@ -56,8 +56,8 @@ def default() -> dict[str, Any]:
     The target answers 320 conversations in vLLM (`regenerate.engine: vllm`, 32 requests in flight), as it is served;
     extraction keeps 512 tokens of each, and the loss scores every token (`train.loss_on: all`): the prompts'
     positions are the target's distribution too, so the same regenerated answers teach twice as many positions.
-    One Ray worker with both cores, a step made cheap three ways (bench/README.md, "A training step on the real
-    model"): bf16 where the CPU has bf16 units (`train.autocast: auto`: AMX 1.3x a step, AVX512-BF16 1.68x,
+    One Ray worker with both cores, a step made cheap three ways (4.2x fp32's sequence tokens/s together,
+    bench/train_step.py): bf16 where the CPU has bf16 units (`train.autocast: auto`: AMX 1.3x a step, AVX512-BF16 1.68x,
     bench/cpu_autocast.py), batches of like length (`bucket_by_length`: 4% padding instead of 39%), and each
     sequence's teacher (the target's 49k-vocabulary lm_head) computed once and kept (`teacher_cache_mib`).
     A fine-tune's head, warm-started from its base's head, gets half the steps of a fresh one

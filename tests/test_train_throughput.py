@@ -5,7 +5,7 @@ exactly, and pads far less than the random order; `TeacherCache` (train.teacher_
 uncached path gives (the same probabilities, argmax and in-vocabulary flags on every real position), computes each
 sequence once, keeps nothing past its budget and starts over for another draft vocabulary; a run with both trains.
 Run: `python -m pytest tests/test_train_throughput.py` (seconds: the tiny embedded default's features).
-Not here: what they buy on the real model (bench/README.md, "A training step on the real model").
+Not here: what they buy on the real model (bench/train_step.py; bench/README.md, "The demo on the real model").
 """
 
 from __future__ import annotations
