@@ -3,7 +3,10 @@
 Purpose: `load_target(path, device)` returns (model, tokenizer) in eval mode, weights through safetensors only,
 `trust_remote_code` off unless the caller turns it on, and a clear error for a directory that is not a causal LM
 with enough layers for an EAGLE-3 head, or whose tokenizer does not fit the model or has no chat template;
-`check_target(path)` makes the same checks without loading the weights (flows check their inputs up front).
+`check_target(path)` makes the same checks without loading the weights (flows check their inputs up front), and
+refuses what a real checkpoint can carry that the pipeline does not support yet: a family outside `PROVEN_FAMILIES`
+(`check_family`), a config.json dtype the engine does not run, and quantized weights (`check_dtypes`: every
+tensor's dtype, from the safetensors headers).
 `weights_sha256` hashes the weight files for lineage; `declared_dtype` is the dtype the target's config.json
 states (targets are loaded in float32 here, which rewrites the loaded config's dtype; engines use the stated one).
 `read_tensors(path, names)` reads single tensors by name from the target's safetensors (through
@@ -26,6 +29,33 @@ class TargetError(BadInput):
     """A target directory that cannot serve as an EAGLE-3 target."""
 
 
+# model_type -> architecture of the families the pipeline is proven on: tests/test_families.py runs each through
+# regenerate, extract, train, export and our verification, and through vLLM's EAGLE-3 (each has its aux hidden state
+# hook in vLLM 0.32: SupportsEagle3 in models/llama.py (Mistral too), qwen2.py, qwen3.py, qwen3_moe.py); the
+# embedded default and SmolLM2 are Llama. Another family may load and still draft wrongly (its own norms, attention,
+# tied layouts): it joins this table with its row in tests/test_families.py.
+PROVEN_FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                   "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+# the dtypes a target runs in: vLLM's `--dtype` choices (the config's dtype is passed as the engine's --dtype, and
+# a head is exported in it) and the float tensors its CPU build runs (platforms/cpu.py `supported_dtypes`);
+# integer or 8-bit float tensors are a quantized checkpoint (GPTQ/AWQ packs int32, fp8 scales), not supported yet
+ENGINE_DTYPES = ("float32", "bfloat16", "float16")
+TENSOR_DTYPES = ("F32", "BF16", "F16")  # the same three, as safetensors headers name them
+
+
+def check_family(model_type: str, architectures: list[str], where: str) -> None:
+    """`TargetError` naming `where` unless `model_type` is a proven family (and, when given, some architecture is
+    that family's own: vLLM picks its model class by the architecture, transformers by the model_type)."""
+    proven = ", ".join(PROVEN_FAMILIES)
+    if model_type in PROVEN_FAMILIES and (not architectures or set(architectures) & set(PROVEN_FAMILIES.values())):
+        return
+    archs = f" (architectures {architectures})" if architectures else ""
+    raise TargetError(f"{where}: model_type {model_type!r}{archs} is not a family this pipeline is proven on "
+                      f"({proven}: tests/test_families.py runs each through training and vLLM's EAGLE-3); use a "
+                      "target of one of them, or prove the family there first and add it to PROVEN_FAMILIES "
+                      "(components/targets.py)")
+
+
 def check_target(path: str | Path, trust_remote_code: bool = False):
     """(config, tokenizer) of a target directory, checked without loading its weights; `TargetError` says why not."""
     from transformers import AutoConfig, AutoTokenizer
@@ -45,6 +75,8 @@ def check_target(path: str | Path, trust_remote_code: bool = False):
     archs = getattr(config, "architectures", None) or []
     if not any(a.endswith("ForCausalLM") for a in archs):
         raise TargetError(f"{path}: architectures {archs} is not a causal LM (need e.g. LlamaForCausalLM)")
+    check_family(str(getattr(config, "model_type", "")), list(archs), f"{path}/config.json")
+    _check_config_dtype(path, config)
     try:
         default_aux_layer_ids(int(getattr(config, "num_hidden_layers", 0)))
     except ValueError as e:
@@ -61,7 +93,42 @@ def check_target(path: str | Path, trust_remote_code: bool = False):
         raise TargetError(f"{path}: the tokenizer has no chat template; add one (tokenizer.chat_template, saved "
                           "in tokenizer_config.json or chat_template.jinja)")
     _check_output_layer(path, config)
+    check_dtypes(path)
     return config, tokenizer
+
+
+def _check_config_dtype(path: Path, config) -> None:
+    from eagle.config import dtype_name
+
+    dtype = dtype_name(config)
+    if dtype not in ENGINE_DTYPES:
+        raise TargetError(f"{path}/config.json: dtype {dtype!r} is not one the engine runs a target in "
+                          f"({', '.join(ENGINE_DTYPES)}: vLLM's --dtype, and the head is exported in it); save the "
+                          "target in bfloat16 or float32 (model.to(torch.bfloat16).save_pretrained(...))")
+
+
+def _header(f: Path) -> dict:
+    """The safetensors header of `f` (the tensors' names, dtypes, shapes, offsets): no tensor is read."""
+    try:
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(min(n, 100 << 20)))
+        return {k: v for k, v in header.items() if k != "__metadata__"}
+    except (OSError, ValueError, AttributeError) as e:
+        raise TargetError(f"{f}: not a readable safetensors file ({str(e)[:200]}); copy it again") from None
+
+
+def check_dtypes(path: str | Path) -> None:
+    """Every tensor of the target's safetensors (each shard, by its header) is float32, bfloat16 or float16: an
+    integer or 8-bit tensor is a quantized checkpoint, which neither vLLM's `--dtype` nor our float32 load runs."""
+    for f in sorted(Path(path).glob("*.safetensors")):
+        odd = {k: v.get("dtype") for k, v in _header(f).items()
+               if isinstance(v, dict) and v.get("dtype") not in TENSOR_DTYPES}
+        if odd:
+            name, dtype = next(iter(sorted(odd.items())))
+            raise TargetError(f"{f}: tensor {name} is stored as {dtype} ({len(odd)} tensor(s) not float32, bfloat16 "
+                              "or float16): a quantized checkpoint (GPTQ, AWQ, int8, fp8), which the pipeline does "
+                              "not run yet; give the unquantized checkpoint (bfloat16 or float32 safetensors)")
 
 
 def weight_names(path: str | Path) -> set[str]:

@@ -5,7 +5,9 @@ Purpose: `check_<command>(args, settings)` (named by the command's row in flows/
 names the file); safetensors headers of every weights file of a target or head are read (the header and the
 file's size only: a truncated file is caught in milliseconds); registry names are valid for MLflow; `models:/`
 URIs parse and the model, version or alias they name exists (infra/model_uri.py); a port to serve on is free;
-URLs are http(s) with a host; output paths are writable; a GPU preset finds CUDA. Every refusal is `BadInput`
+URLs are http(s) with a host; output paths are writable; a GPU preset finds CUDA; a target fits what the settings
+ask of its context (`check_context`) and is of a proven family (a GGUF file too, by its header); a command that
+starts vLLM finds its python (`check_engine_python`). Every refusal is `BadInput`
 (eagle/errors.py) or an unreachable service (`ConnectionError`), which the CLI prints as one line with exit 2.
 `command_config(args)` is the config a command runs with (preset, `--config`, `--set`, its own flags).
 `check_inputs` is the train flow's own check (flows/train_head.py calls it too, so deployments get it).
@@ -24,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from components import safe_read
 from components.pipeline_config import PipelineConfig, override_values, resolve
+from components.target_runtime import TARGET_STAGES
 from components.traffic_io import TrafficFormatError, TrafficLoad, load_traffic
 from eagle.errors import BadInput
 from infra.mlflow_health import probe_tracking
@@ -92,7 +95,10 @@ def check_target_dir(target: str, settings: Settings):
     from components.targets import check_target
 
     if is_gguf_target(target):
-        check_gguf(target)
+        from components.targets import check_family
+
+        arch = check_gguf(target).architecture  # llama.cpp spells MoE families without the underscore (qwen3moe)
+        check_family(arch[:-3] + "_moe" if arch.endswith("moe") else arch, [], f"{target} (general.architecture)")
         done = converted_dir(target, settings.state_dir)
         return None if done is None else check_target(done, settings.trust_remote_code)
 
@@ -134,6 +140,7 @@ def check_inputs(target: str, traffic: str, heldout: str, cfg: PipelineConfig, s
     if not target.startswith("models:/"):
         checked = check_target_dir(target, settings)
         if checked is not None:  # None: a GGUF file not converted yet (its directory is checked once it is)
+            check_context(target, *checked, heldout, cfg, TARGET_STAGES)
             check_first_turns_fit(load, *checked, cfg.regenerate)
     else:
         try:
@@ -144,7 +151,83 @@ def check_inputs(target: str, traffic: str, heldout: str, cfg: PipelineConfig, s
         from infra.ray_cluster import probe_ray
 
         probe_ray(settings)
+    check_engine_python(cfg, settings)
     check_engine_sampling(cfg, settings)
+
+
+def _engine_user(cfg: PipelineConfig, stages: tuple[str, ...]) -> str | None:
+    """The setting that makes the `stages` (of TARGET_STAGES) of a run start vLLM here (None: none of them does;
+    regeneration by `endpoint_url` asks a server the user runs)."""
+    rt = cfg.runtime
+    used = [s for s in stages if s in rt.engine_stages and not (s == "regenerate" and cfg.regenerate.endpoint_url)]
+    if not used:
+        return None
+    return f"target.runtime {rt.name!r}" if rt.name != "local" else f"{used[0]}.engine 'vllm'"
+
+
+def check_engine_python(cfg: PipelineConfig | None, settings: Settings, stages: tuple[str, ...] = TARGET_STAGES,
+                        who: str | None = None) -> None:
+    """vLLM's python (EAGLE_VLLM_PYTHON, checked with the settings, else the project's `.venv-vllm`, checked here)
+    exists and can be run, where `cfg` puts one of `stages` in an engine started here or `who` (`serve`) starts one;
+    else the stage's `EngineError` would come after the work before it (a target registered, a head trained)."""
+    who = who or (_engine_user(cfg, stages) if cfg is not None else None)
+    if who is None:
+        return
+    from infra.vllm_server import EngineError, vllm_python
+
+    try:
+        vllm_python(settings)
+    except EngineError as e:
+        raise BadInput(f"{who} starts vLLM here, but {e}") from None
+
+
+def context_of(config) -> int:
+    """The target's context (`max_position_embeddings`), with the default the stages take when a config has none."""
+    from components.regenerate import prompt_room
+
+    return prompt_room(config, 0)[0]
+
+
+def check_context(target: str, config, tokenizer, heldout: str, cfg: PipelineConfig, stages: tuple[str, ...]) -> None:
+    """Refuse a target whose context is shorter than what the `stages` (of TARGET_STAGES) of `cfg` ask of it:
+    `extract.max_len` positions per sequence (past the context the features are of positions the target never
+    served); room for a prompt beside `regenerate.max_new_tokens` (a server by URL decides for itself) and beside
+    `evaluate.spec.max_new_tokens`; and each held-out prompt the evaluation takes (components/evaluate.py
+    `held_out_samples`: first user turns within `evaluate.max_prompt_tokens`) with its new tokens (vLLM refuses
+    such a request with HTTP 400, mid-evaluation; our decoder would run past the context). `max_prompt_tokens` is
+    a filter, not a demand: a target with less context passes when the prompts it is given fit."""
+    ctx = context_of(config)
+    where = f"{target}{'' if target.lower().endswith('.gguf') else '/config.json'}: max_position_embeddings {ctx}"
+    if "extract" in stages and cfg.extract.max_len > ctx:
+        raise BadInput(f"{where} is shorter than extract.max_len {cfg.extract.max_len}: extraction would keep "
+                       f"positions the target never served; set extract.max_len to at most {ctx}")
+    news = {"regenerate.max_new_tokens": cfg.regenerate.max_new_tokens if "regenerate" in stages and
+            not cfg.regenerate.endpoint_url else 0,
+            "evaluate.spec.max_new_tokens": cfg.evaluate.spec.max_new_tokens if "evaluate" in stages else 0}
+    for key, n in news.items():
+        if n >= ctx:
+            raise BadInput(f"{where} leaves no room for a prompt beside {key} {n}; lower {key} below {ctx}")
+    if "evaluate" in stages:
+        _check_held_out_fits(target, ctx, tokenizer, heldout, cfg)
+
+
+def _check_held_out_fits(target: str, ctx: int, tokenizer, heldout: str, cfg: PipelineConfig) -> None:
+    from components.evaluate import held_out_samples
+
+    try:
+        samples = held_out_samples(tokenizer, heldout, cfg.evaluate)
+    except ValueError as e:  # none within evaluate.max_prompt_tokens: the evaluation would refuse it after training
+        raise BadInput(f"{e} (held-out traffic; raise evaluate.max_prompt_tokens or give shorter prompts)") from None
+    over = [s for s in samples if len(s.ids) + s.max_new_tokens > ctx]
+    if not over:
+        return
+    worst = max(over, key=lambda s: len(s.ids) + s.max_new_tokens)
+    room = max(ctx - max(s.max_new_tokens for s in samples), 1)
+    raise BadInput(f"{heldout}: {len(over)} of the {len(samples)} held-out prompts the evaluation takes (first user "
+                   f"turns within evaluate.max_prompt_tokens {cfg.evaluate.max_prompt_tokens}) do not fit the "
+                   f"target's context with their new tokens: the longest needs {len(worst.ids)} + "
+                   f"{worst.max_new_tokens} positions, more than its max_position_embeddings {ctx} ({target}); set "
+                   f"evaluate.max_prompt_tokens to at most {room} or lower evaluate.spec.max_new_tokens")
 
 
 def check_engine_sampling(cfg: PipelineConfig, settings: Settings) -> None:
@@ -292,7 +375,7 @@ def check_demo(a, settings: Settings) -> None:
         from embedded.real import real_gguf
 
         real_gguf()  # the package that ships the model: its one line now
-    resolve(a.preset)
+    check_engine_python(resolve(a.preset), settings)
     probe_tracking(settings)
 
 
@@ -315,10 +398,19 @@ def _check_head_and_target(a, settings: Settings) -> None:
 
 
 def check_evaluate(a, settings: Settings) -> None:
-    _check_head_and_target(a, settings)
+    check_model("head", a.head, settings)
+    checked = None
+    if a.target and not a.target.startswith("models:/"):
+        checked = check_target_dir(a.target, settings)
+    else:
+        check_model("target", a.target, settings)
     check_output_file(a.json, "json")
     _check_traffic(a.traffic, "held-out traffic")
-    check_engine_sampling(command_config(a), settings)
+    cfg = command_config(a)
+    if checked is not None:  # a registered target (or the head's own) is known only once resolved by the run
+        check_context(a.target, *checked, a.traffic, cfg, ("evaluate",))
+    check_engine_python(cfg, settings, ("evaluate",))
+    check_engine_sampling(cfg, settings)
     check_registered(settings, [a.head, a.target or ""])
 
 
@@ -328,6 +420,7 @@ def check_serve(a, settings: Settings) -> None:
     _check_head_and_target(a, settings)
     if not a.print_only:
         check_port_free(a.port)
+        check_engine_python(None, settings, who="serve")
     check_registered(settings, [a.head, a.target or ""])
 
 

@@ -3,8 +3,10 @@
 Purpose: pieces of tests/test_bad_input_table.py, kept here so that the table module stays small: `TRAIN`, `EVAL`,
 `SERVE`, `MON` (argv templates over the paths of its `files` fixture) and `argv_with`; issue 49's rows (`FILE_ROWS`:
 other encodings, deep or huge JSON, named pipes, devices, sockets, link loops, unreadable files, the vLLM python,
-EAGLE_HOME's folders, TMPDIR) with what makes their inputs (`odd_files`, `TARGET_DAMAGE`, `HEAD_DAMAGE`,
-`odd_homes`); `time_limit`, which fails a row whose read blocks instead of hanging the suite.
+EAGLE_HOME's folders, TMPDIR; `MODEL_ROWS`: real checkpoints the pipeline does not support yet, a family it is not
+proven on, no chat template, a context shorter than the settings ask for, quantized weights) with what makes their
+inputs (`odd_files`, `TARGET_DAMAGE`, `HEAD_DAMAGE`, `odd_homes`); `time_limit`, which fails a row whose read blocks
+instead of hanging the suite.
 Run: imported by tests/test_bad_input_table.py; nothing runs at import.
 Not here: the table's other rows and its test functions (tests/test_bad_input_table.py).
 """
@@ -40,6 +42,28 @@ def argv_with(base: list[str], **opts: str) -> list[str]:
 
 
 _with = argv_with  # short, for the rows
+
+# real checkpoints the pipeline does not support yet (components/targets.py `check_target`, flows/preflight.py
+# `check_context`): id -> (state dir, argv, environment, needle), as the table's ROWS
+MODEL_ROWS: dict[str, tuple[str, list[str], dict[str, str], str]] = {
+    "train-target-family-unproven": (EMPTY, _with(TRAIN, target="{t_phi3}"), {}, "config.json: model_type 'phi3' "
+                                     "(architectures ['Phi3ForCausalLM']) is not a family this pipeline is proven on "
+                                     "(llama, mistral, qwen2, qwen3, qwen3_moe"),
+    "train-target-no-chat-template": (EMPTY, _with(TRAIN, target="{t_nochat}"), {}, "{t_nochat}: the tokenizer has "
+                                      "no chat template; add one"),
+    "train-target-context-below-extract-max-len": (EMPTY, _with(TRAIN, target="{t_short}"), {}, "{t_short}/config."
+                                                   "json: max_position_embeddings 128 is shorter than extract.max_len "
+                                                   "192"),
+    "train-evaluate-new-tokens-fill-context": (EMPTY, [*TRAIN, "--set", "evaluate.spec.max_new_tokens=512"], {},
+                                               "max_position_embeddings 512 leaves no room for a prompt beside "
+                                               "evaluate.spec.max_new_tokens 512"),
+    "evaluate-heldout-prompt-beyond-context": (EMPTY, _with(EVAL, target="{t_short}", traffic="{heldlong_jsonl}"), {},
+                                               "heldlong.jsonl: 1 of the 1 held-out prompts the evaluation takes"),
+    "train-target-dtype-float8": (EMPTY, _with(TRAIN, target="{t_fp8}"), {}, "config.json: dtype 'float8_e4m3fn' is "
+                                  "not one the engine runs a target in (float32, bfloat16, float16"),
+    "train-target-weights-int32": (EMPTY, _with(TRAIN, target="{t_int32}"), {}, "model.safetensors: tensor "
+                                   "model.layers.0.mlp.down_proj.weight is stored as I32"),
+}
 
 # id -> (state dir, argv, environment, needle), as the table's ROWS
 FILE_ROWS: dict[str, tuple[str, list[str], dict[str, str], str]] = {
@@ -113,6 +137,7 @@ FILE_ROWS: dict[str, tuple[str, list[str], dict[str, str], str]] = {
     "tmpdir-missing": (EMPTY, TRAIN, {"TMPDIR": "/no/such/tmp"}, "TMPDIR=/no/such/tmp: no such directory"),
     "tmpdir-is-a-file": (EMPTY, TRAIN, {"TMPDIR": "{traffic}"}, "TMPDIR={traffic}: a file, not a directory"),
     "tmpdir-not-writable": (EMPTY, TRAIN, {"TMPDIR": "/proc"}, "TMPDIR=/proc: not writable"),
+    **MODEL_ROWS,
 }
 
 
@@ -156,7 +181,9 @@ def odd_files(root: Path) -> dict[str, str]:
              "u16.jsonl": (json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n", "utf-16"),
              "u16nobom.jsonl": (json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n", "utf-16-le"),
              "deep.jsonl": (json.dumps({"messages": "@"}).replace('"@"', _deep(100)) + "\n", "utf-8"),
-             "noexec": ("#!/bin/sh\n", "utf-8")}
+             "noexec": ("#!/bin/sh\n", "utf-8"),  # a held-out first turn of ~200 tokens: within 384, past 128
+             "heldlong.jsonl": (json.dumps({"id": "long-prompt", "messages": [{"role": "user", "content": "x = 1\n"
+                                                                               * 40}]}) + "\n", "utf-8")}
     for name, (text, encoding) in texts.items():
         (root / name).write_bytes(text.encode(encoding))
         p[_key(name)] = str(root / name)
@@ -190,7 +217,30 @@ def _head_link_loop(d: Path) -> None:
     (d / "config.json").symlink_to(d / "config.json")
 
 
-TARGET_DAMAGE = {"t_u16": lambda d: _resave(d / "config.json", "utf-16"),
+def _edit_config(d: Path, **values) -> None:
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, **values}))
+
+
+def _int32_tensor(d: Path, name: str = "model.layers.0.mlp.down_proj.weight") -> None:
+    """One F32 tensor of the weights relabelled I32 in the header (4 bytes each: the offsets stay valid), as a
+    GPTQ or AWQ checkpoint packs its weights."""
+    f = d / "model.safetensors"
+    raw = f.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    header[name]["dtype"] = "I32"
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    f.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n:])
+
+
+TARGET_DAMAGE = {"t_phi3": lambda d: _edit_config(d, model_type="phi3", architectures=["Phi3ForCausalLM"]),
+                 "t_nochat": lambda d: (d / "chat_template.jinja").unlink(),
+                 "t_short": lambda d: _edit_config(d, max_position_embeddings=128),
+                 "t_fp8": lambda d: _edit_config(d, dtype="float8_e4m3fn"),
+                 "t_int32": _int32_tensor,
+                 "t_u16": lambda d: _resave(d / "config.json", "utf-16"),
                  "t_bom": lambda d: _resave(d / "config.json", "utf-8-sig"),
                  "t_deep": lambda d: (d / "config.json").write_text(_deep(100)),
                  "t_toklatin1": lambda d: (d / "tokenizer.json").write_bytes(b'{"x": "caf\xe9"}'),
