@@ -10,7 +10,8 @@ Purpose:
   head made for parallel drafting (variant "parallel" or "eagle3.1-parallel") vLLM's gets `parallel_drafting: true`
   and SGLang's is a comment saying so (this project knows no SGLang setting for it).
 Run: `eagle-heads serve --head models:/NAME@champion [--print-only]` (flows/cli.py) uses both.
-Not here: starting the engine (infra/vllm_server.py), measuring it (components/evaluate_engine.py).
+Not here: starting the engine (infra/vllm_server.py), measuring it (components/evaluate_engine.py), serving behind our
+proxy with capture and swaps (`serve --capture`, `--follow-alias`: components/serve_live.py).
 """
 
 from __future__ import annotations

@@ -250,36 +250,113 @@ def _k_at(schedule, concurrency: int, head: str) -> tuple[int, str]:
     return k, (f"{k} speculative tokens, {src}" if k else f"plain decoding, no head: {src} says K 0 (plain is faster)")
 
 
-def serve(a, settings) -> int:
-    import signal
+def _serve_spec(a, settings, uri: str, name: str | None = None):
+    """What `serve` runs for head `uri` with `a`'s K choice: (EngineSpec, head dir served, lineage, how K was chosen).
+    `name`: the served model name (a swap keeps the first one, so that clients' requests keep working)."""
+    import argparse
 
     from components.evaluate_engine import target_context
-    from components.serve import launch_commands, servable_head
-    from infra.vllm_sampling import sampled_drafts_ok
-    from infra.vllm_server import EngineSpec, VllmServer
+    from components.serve import servable_head
+    from infra.vllm_server import EngineSpec
 
-    head, target, lineage = resolve_head(a, settings)
+    head, target, lineage = resolve_head(argparse.Namespace(**{**vars(a), "head": uri}), settings)
     served = servable_head(head, target, settings.state_dir / "servable", settings.trust_remote_code)
-    name = lineage.get("target_name") or Path(target).name
-    schedule = None if a.k else _registered_schedule(a.head, settings)
+    lineage["target_name"] = lineage.get("target_name") or Path(target).name
+    schedule = None if a.k else _registered_schedule(uri, settings)
     k = a.k or (max(max(r[2] for r in schedule), 1) if schedule else 5)
     at = getattr(a, "concurrency", None)
     if at:  # one fixed K for the stated load: the schedule's, or no head where plain wins
-        k, how = _k_at(schedule, at, a.head)
+        k, how = _k_at(schedule, at, uri)
         schedule = None
-    spec = EngineSpec(target, str(served) if k else None, method="eagle3" if k else None,
-                      num_speculative_tokens=k or 1, max_model_len=min(target_context(target), 4096),
-                      served_model_name=name, k_schedule=tuple(tuple(r) for r in schedule) if schedule else None)
-    if served != Path(head):
-        print(f"serve: {head} predates the engine format; serving its lossless re-export {served}")
-    if (note := gate_note(a.head, settings)) is not None:
-        print(note, flush=True)
-    if not at:
+    else:
         how = (f"the registered K schedule {json.dumps(schedule)} ([first batch size, last, K]; K 0: no drafts)"
                if schedule else f"{k} speculative tokens" + ("" if a.k else " (no K schedule registered)"))
+    spec = EngineSpec(target, str(served) if k else None, method="eagle3" if k else None,
+                      num_speculative_tokens=k or 1, max_model_len=min(target_context(target), 4096),
+                      served_model_name=name or lineage["target_name"],
+                      k_schedule=tuple(tuple(r) for r in schedule) if schedule else None)
+    if served != Path(head):
+        print(f"serve: {uri} predates the engine format; serving its lossless re-export {served}")
+    return spec, served, lineage, how
+
+
+def _followed(a, settings):
+    """`--follow-alias`: (the version `--head models:/NAME@ALIAS` names now, a reader of the version it names)."""
+    from eagle.errors import BadInput
+    from infra.mlflow_store import MlflowStore, parse_model_uri
+
+    name, _, alias = parse_model_uri(a.head) if a.head.startswith("models:/") else (None, None, None)
+    if alias is None:
+        raise BadInput(f"serve --follow-alias: --head {a.head} names no alias; give models:/NAME@ALIAS")
+    store = MlflowStore.connect(settings)
+
+    def alias_version() -> int | None:
+        ref = store.get_alias(name, alias)
+        return int(ref.version) if ref else None
+
+    version = alias_version()
+    if version is None:
+        raise BadInput(f"serve --follow-alias: {a.head}: no version holds alias {alias!r}")
+    return name, version, alias_version
+
+
+def _serve_live(a, settings, spec, lineage, uri: str, how: str, followed) -> int:
+    """`serve --capture` / `--follow-alias`: vLLM behind our proxy, capture, swaps (components/serve_live.py)."""
+    from components.capture import CaptureConfig
+    from components.serve_live import Follow, LiveConfig, LiveServer, Served, follow
+
+    def say(line: str) -> None:
+        print(line, flush=True)
+
+    def served_as(uri: str, spec, lineage) -> "Served":
+        return Served(spec, uri if spec.method else "", lineage["target_name"], str(lineage.get("target_version", "")))
+
+    following = None
+    if followed is not None:
+        name, version, alias_version = followed
+
+        def prepare(v: int) -> "Served":
+            new_uri = f"models:/{name}/{v}"
+            new_spec, _, new_lineage, new_how = _serve_spec(a, settings, new_uri, spec.served_model_name)
+            say(f"serve: version {v} with {new_how}")
+            return served_as(new_uri, new_spec, new_lineage)
+
+        following = Follow(alias_version, prepare, version, a.follow_interval)
+    capture = (CaptureConfig(rate=a.capture_rate, max_bytes=a.capture_max_mb << 20) if a.capture else None)
+    say(f"serve: starting vLLM with {uri} ({how}) behind our proxy; log under {settings.state_dir / 'vllm'}")
+    with LiveServer(LiveConfig(port=a.port, capture=capture), served_as(uri, spec, lineage), settings, say) as live:
+        if capture is not None:
+            say(f"serve: capturing {capture.rate:.0%} of requests to {live.capture.root}/{lineage['target_name']} "
+                f"(Parquet, at most {a.capture_max_mb} MiB, oldest dropped first)")
+        if following is not None:
+            say(f"serve: following {a.head} (every {a.follow_interval:g} s): a new version is swapped in without "
+                "failing a request")
+        say(f"serve: vLLM at {live.engine.base_url}; proxy status: {live.base_url}/eagle/status")
+        say(f"serve: ready at {live.base_url}/v1 (model {spec.served_model_name!r}); Ctrl-C stops the server")
+        follow(live, following, say)
+        print(f"eagle-heads: error: vLLM stopped: {live.engine.last_error()} (log: {live.engine.log_path})",
+              file=sys.stderr)
+        return 1
+
+
+def serve(a, settings) -> int:
+    import signal
+
+    from components.serve import launch_commands
+    from infra.vllm_sampling import sampled_drafts_ok
+    from infra.vllm_server import VllmServer
+
+    uri, followed = a.head, None
+    if getattr(a, "follow_alias", False):  # the version the alias names now, pinned: a move is a swap, later
+        followed = _followed(a, settings)
+        uri = f"models:/{followed[0]}/{followed[1]}"
+    spec, served, lineage, how = _serve_spec(a, settings, uri)
+    name, k, schedule = spec.served_model_name, spec.num_speculative_tokens if spec.method else 0, spec.k_schedule
+    if (note := gate_note(uri, settings)) is not None:
+        print(note, flush=True)
     if a.print_only:
         cmds = launch_commands(spec, a.port or 8000)
-        print(f"# vLLM with {how} (GPU; copy {served} and {target} to the cluster first)\n{cmds['vllm']}")
+        print(f"# vLLM with {how} (GPU; copy {served} and {spec.target_dir} to the cluster first)\n{cmds['vllm']}")
         sglang_note = (f"; SGLang has no per-batch-size K: it runs K {k} at every load (pass --k for the K of "
                        "your typical concurrency)" if schedule else "")
         print(f"# SGLang{sglang_note}\n{cmds['sglang']}")
@@ -289,6 +366,8 @@ def serve(a, settings) -> int:
         print("serve: note: this vLLM's CPU build verifies sampled drafts wrongly (infra/vllm_sampling.py): send "
               "greedy requests (temperature 0); sampled ones accept almost no draft and are not distributed as the "
               "target's", flush=True)
+    if getattr(a, "capture", False) or getattr(a, "follow_alias", False):
+        return _serve_live(a, settings, spec, lineage, uri, how, followed)
     print(f"serve: starting vLLM with {a.head} ({how}); log under {settings.state_dir / 'vllm'}", flush=True)
     with VllmServer(spec, settings, port=a.port) as srv:
         print(f"serve: ready at {srv.base_url}/v1 (model {name!r}); try\n  curl {srv.base_url}/v1/chat/completions "

@@ -147,6 +147,16 @@ def _serve_args(p):
                         "once a step in a K-0 range)")
     p.add_argument("--print-only", action="store_true",
                    help="print the equivalent vLLM and SGLang launch commands for a GPU cluster and exit")
+    p.add_argument("--capture", action="store_true",
+                   help="put our proxy in front of vLLM and record sampled requests (messages, completion, settings) "
+                        "to <state>/capture/<target>/*.parquet (docs/operations.md)")
+    p.add_argument("--capture-rate", type=_ratio, default=1.0, help="share of requests recorded, in (0, 1]")
+    p.add_argument("--capture-max-mb", type=_count, default=1024,
+                   help="size cap of the capture files in MiB; the oldest file is deleted first")
+    p.add_argument("--follow-alias", action="store_true",
+                   help="--head models:/NAME@ALIAS: poll the registry and, when the alias moves, start the new "
+                        "version's vLLM beside the old one and switch to it without failing a request (proxy in front)")
+    p.add_argument("--follow-interval", type=_positive, default=30.0, help="seconds between polls of the alias")
 
 
 def _watch_args(p):
