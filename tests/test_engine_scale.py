@@ -36,8 +36,11 @@ def _flags(args: list[str]) -> list[str]:
 
 def test_runtime_vllm_is_one_setting_for_every_stage():
     cfg = PipelineConfig.tiny().override({"target": {"runtime": "vllm"}})
-    assert (cfg.regenerate.engine, cfg.extract.engine, cfg.evaluate.engine, cfg.register.gate_tau) \
-        == ("vllm", "vllm", "vllm", "engine")
+    rt = cfg.runtime  # the stages ask it; the sections keep what was written
+    assert (rt.regenerates_in_engine, rt.extracts_in_engine, rt.evaluates_in_engine, rt.gate_on_engine) == (True,) * 4
+    shown = cfg.to_dict()  # what `config show` prints: the knobs as the runtime decides them
+    assert (shown["regenerate"]["engine"], shown["extract"]["engine"], shown["evaluate"]["engine"],
+            shown["register"]["gate_tau"]) == ("vllm", "vllm", "vllm", "engine")
     assert cfg.fingerprint() != PipelineConfig.tiny().fingerprint()
     local = PipelineConfig.tiny()
     assert (local.target.runtime, local.regenerate.engine, local.extract.engine) == ("local", "local", "local")
