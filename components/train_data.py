@@ -228,8 +228,10 @@ class TeacherCache:
         self._kept: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._vocab: torch.Tensor | None = None
 
-    def get(self, data: "TrainingData", idx: list[int], draft_ids: torch.Tensor, device) -> list[tuple]:
-        """(probs [T, Vd], in_vocab [T], argmax [T]) of each sequence of `idx`, computed for those not kept."""
+    def get(self, lm_head: torch.Tensor, idx: list[int], last: dict[int, torch.Tensor], draft_ids: torch.Tensor,
+            device) -> list[tuple]:
+        """(probs [T, Vd], in_vocab [T], argmax [T]) of each sequence of `idx`, computed for those not kept from
+        `last[i]`, its final hidden states as the batch read them."""
         if self._vocab is None or not torch.equal(self._vocab, draft_ids.cpu()):
             self._kept, self.bytes, self._vocab = {}, 0, draft_ids.cpu().clone()
         missing = [i for i in dict.fromkeys(idx) if i not in self._kept]
@@ -237,11 +239,11 @@ class TeacherCache:
         self.misses += len(missing)
         fresh = {}
         if missing:
-            last = torch.cat([data.features(i)[1] for i in missing]).to(device).float()
-            t = teacher_targets(last[None], data.lm_head.to(device), draft_ids.to(device))
+            t = teacher_targets(torch.cat([last[i] for i in missing]).to(device).float()[None], lm_head.to(device),
+                                draft_ids.to(device))
             at = 0
             for i in missing:
-                n = int(data.offsets[i + 1] - data.offsets[i])
+                n = last[i].shape[0]
                 fresh[i] = tuple(x[0, at:at + n].cpu() for x in (t.probs_BTVd, t.in_vocab_BT, t.argmax_BT))
                 at += n
                 size = sum(x.numel() * x.element_size() for x in fresh[i])
@@ -281,8 +283,9 @@ def ttt_batch(data: TrainingData, idx: list[int], draft_ids: torch.Tensor, devic
             step = target_forward(target, ids.to(device), layer_ids, attention_mask=att.to(device))
         aux, last = _as_stored(step.aux_BT3H, stored), _as_stored(step.last_hidden_BTH, stored)
     if target is None and teacher_cache is not None:
+        rows = {i: last[r, :len(seqs[r][0])] for r, i in enumerate(idx)}  # read once above, not again
         return TTTBatch(ids.to(device), aux.to(device).float(), mask.to(device),
-                        _padded_teacher(teacher_cache.get(data, idx, draft_ids, device), width, device))
+                        _padded_teacher(teacher_cache.get(data.lm_head, idx, rows, draft_ids, device), width, device))
     aux, last = aux.to(device).float(), last.to(device).float()
     teacher = teacher_targets(last, data.lm_head.to(device), draft_ids.to(device))
     return TTTBatch(ids.to(device), aux, mask.to(device), teacher)
