@@ -43,6 +43,13 @@ def argv_with(base: list[str], **opts: str) -> list[str]:
 
 _with = argv_with  # short, for the rows
 
+# settings in a `--config` file, as the table's BAD_CONFIGS (row `train-config-<id>`): id -> (sections, needle)
+CONFIG_ROWS: dict[str, tuple[dict, str]] = {
+    "train-bucket-not-bool": ({"train": {"bucket_by_length": "yes"}},
+                              "train.bucket_by_length: 'yes' is not of type bool"),
+    "train-teacher-cache-negative": ({"train": {"teacher_cache_mib": -1}}, "train.teacher_cache_mib must be"),
+}
+
 # real checkpoints the pipeline does not support yet (components/targets.py `check_target`, flows/preflight.py
 # `check_context`): id -> (state dir, argv, environment, needle), as the table's ROWS
 MODEL_ROWS: dict[str, tuple[str, list[str], dict[str, str], str]] = {

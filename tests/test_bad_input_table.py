@@ -29,8 +29,8 @@ import pytest
 
 from tests.helpers import fake_head, target_copy
 
-from tests.helpers_bad_input import (EMPTY, EVAL, FILE_ROWS, HEAD_DAMAGE, MON, REGISTRY, ROW_LIMIT_S, SERVE,
-                                     TARGET_DAMAGE, TRAIN, argv_with as _with, odd_files, odd_homes, time_limit)
+from tests.helpers_bad_input import (CONFIG_ROWS, EMPTY, EVAL, FILE_ROWS, HEAD_DAMAGE, MON, REGISTRY, ROW_LIMIT_S,
+                                     SERVE, TARGET_DAMAGE, TRAIN, argv_with as _with, odd_files, odd_homes, time_limit)
 
 # id -> (state dir, argv (templated with the paths of `files`), environment, needle the one error line must contain)
 ROWS: dict[str, tuple[str, list[str], dict[str, str], str]] = {
@@ -205,8 +205,7 @@ BAD_CONFIGS: dict[str, tuple[dict, str]] = {
                            "train.variant 'parallel' drafts chains"),
     "gate-speedup-zero": ({"register": {"gate_min_speedup": 0}}, "register.gate_min_speedup must be a finite number"),
     "gate-speedup-nan": ({"register": {"gate_min_speedup": float("nan")}}, "register.gate_min_speedup must be a finite "
-                         "number > 0, got nan"),
-}
+                         "number > 0, got nan"), **CONFIG_ROWS}
 CONFIG_ON_EVALUATE = ("speed-budget-inf", "load-k-above-16", "edges-descending")
 for _id, (_, _needle) in BAD_CONFIGS.items():
     _file = "{bad_config_" + _id.replace("-", "_") + "}"
