@@ -34,13 +34,13 @@ def steps_of(extract_dir: str, cfg, amp, steps: int, warmup: int) -> tuple[float
     past the warm-up, the last step's loss)."""
     import torch
 
-    from components.train import LoopArgs, _new_head
+    from components.train import LoopArgs, new_head
     from components.train_data import TrainingData, batches, ttt_batch
     from eagle.train import TTTModule, make_optimizer, train_step
 
     data = TrainingData.open(extract_dir)
     torch.manual_seed(cfg.seed)
-    draft = _new_head(LoopArgs(cfg, extract_dir, "", None), data)
+    draft = new_head(LoopArgs(cfg, extract_dir, "", None), data)
     opt, sched = make_optimizer(draft.trainable_parameters(), cfg.optim, cfg.steps)
     model = TTTModule(draft, cfg.ttt)
     times, loss = [], float("nan")

@@ -30,7 +30,7 @@ def curve(extract_dir: str, fraction: float, steps: int, eval_every: int) -> tup
     import torch
 
     from components.pipeline_config import PipelineConfig
-    from components.train import LoopArgs, _new_head, holdout_size
+    from components.train import LoopArgs, new_head, holdout_size
     from components.train_data import TeacherCache, TrainingData, batches, heldout_split, ttt_batch
     from eagle.train import TTTModule, autocast_dtype, heldout_metrics, make_optimizer, train_step
 
@@ -40,7 +40,7 @@ def curve(extract_dir: str, fraction: float, steps: int, eval_every: int) -> tup
     train_ids = train_ids[:max(cfg.batch_size, round(len(train_ids) * fraction))]
     sizes = (data.offsets[1:] - data.offsets[:-1]).tolist()
     torch.manual_seed(cfg.seed)
-    draft = _new_head(LoopArgs(cfg, extract_dir, "", None), data)
+    draft = new_head(LoopArgs(cfg, extract_dir, "", None), data)
     opt, sched = make_optimizer(draft.trainable_parameters(), cfg.optim, cfg.steps)
     model, amp = TTTModule(draft, cfg.ttt), autocast_dtype(cfg.autocast, "cpu")
     cache = TeacherCache(cfg.teacher_cache_mib << 20)

@@ -25,6 +25,7 @@ Not measured here: acceptance, end-to-end wall time of a trained pair, GPU timin
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -39,9 +40,11 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from eagle.config import DraftConfig  # noqa: E402
 from eagle.draft import Eagle3Draft  # noqa: E402
-from eagle.speculative import SpecConfig, Speculator, generate_plain  # noqa: E402
-from eagle.runners import Prefix  # noqa: E402
+from eagle.drafters import HeadDrafter, commit_head  # noqa: E402
+from eagle.speculative import SpecConfig, generate_plain  # noqa: E402
+from eagle.runners import Prefix, TargetRunner  # noqa: E402
 from eagle.tree import draft_chain, draft_tree  # noqa: E402
+from eagle.verify import DraftSetup, Proposal, Verifier  # noqa: E402
 
 
 def clock(device: str) -> Callable[[], float]:
@@ -73,7 +76,26 @@ def build(device: str) -> tuple[torch.nn.Module, Eagle3Draft]:
     return target, draft
 
 
-def rows_of(args: argparse.Namespace, target, draft, spec: Speculator, ids: torch.Tensor):
+class Spec:
+    """One generation's pieces as `generate_speculative` builds them: the verifier (target runner) and the head's
+    drafter; `use(cfg)` switches the config both see."""
+
+    def __init__(self, target, draft, cfg: SpecConfig, prompt_len: int):
+        self.drafter = HeadDrafter(draft)
+        capacity = prompt_len + cfg.max_new_tokens + self.drafter.reach(cfg) + 2
+        self.target = TargetRunner(target, capacity, draft.cfg.aux_layer_ids, cfg.path)
+        self.verify = Verifier(self.target, DraftSetup(capacity, self.target.lm_head.weight.shape[0], cfg, None))
+        self.drafter.session(self.verify.setup)
+        self.head, self.draft = self.drafter.head, draft
+
+    def use(self, cfg: SpecConfig) -> None:
+        self.verify.setup = self.drafter.setup = dataclasses.replace(self.verify.setup, cfg=cfg)
+
+    def head_extend(self, prefix: Prefix, tokens_BA, aux_BA3H, n_B):
+        return commit_head(self.head, self.draft, prefix, tokens_BA, aux_BA3H, n_B)
+
+
+def rows_of(args: argparse.Namespace, target, draft, spec: Spec, ids: torch.Tensor):
     """The measured rows: name -> (function, timed calls per round)."""
     dev, B = args.device, args.batch
     chain = SpecConfig(method="chain", depth=args.depth, max_new_tokens=args.new)
@@ -96,7 +118,7 @@ def rows_of(args: argparse.Namespace, target, draft, spec: Speculator, ids: torc
                                                        prefix.lengths_B[:, None]), 10)
     r["head extend (3 tok)"] = (lambda: spec.head_extend(prefix, ids[:, :3], aux[:, :3], torch.full_like(n_B, 3)), 5)
     r[f"draft chain d={args.depth}"] = (lambda: draft_chain(spec.head, prefix, hidden, dlogits, args.depth,
-                                                            spec.draft_pick), 5)
+                                                            spec.drafter.pick), 5)
     shape = (args.depth, args.topk, args.budget)
     r[f"draft tree {shape}"] = (lambda: draft_tree(spec.head, prefix, root, hidden, dlogits, shape), 3)
     for name, cfg in (("chain", chain), ("tree", tree)):
@@ -104,9 +126,10 @@ def rows_of(args: argparse.Namespace, target, draft, spec: Speculator, ids: torc
     return r
 
 
-def _whole_step(spec: Speculator, cfg: SpecConfig, prefix: Prefix, root, hidden, dlogits) -> None:
-    spec.cfg = cfg
-    n_B, kept_BA, aux_BA3H = spec.step(prefix, root, hidden, dlogits)
+def _whole_step(spec: Spec, cfg: SpecConfig, prefix: Prefix, root, hidden, dlogits) -> None:
+    spec.use(cfg)
+    spec.drafter.hidden_BH, spec.drafter.logits_BVd = hidden, dlogits
+    n_B, kept_BA, aux_BA3H = spec.verify(prefix, root, spec.drafter.propose(prefix, root, None))
     A = int(n_B.max()) + 1
     spec.head_extend(prefix, kept_BA[:, :A], aux_BA3H[:, :A], n_B + 1)
 
@@ -114,17 +137,17 @@ def _whole_step(spec: Speculator, cfg: SpecConfig, prefix: Prefix, root, hidden,
 PHASES = ("draft chain", "target pass", "target lm_head", "accept", "keep path", "head extend")
 
 
-def cycle_breakdown(spec: Speculator, cfg: SpecConfig, prefix: Prefix, root, hidden, dlogits, n: int,
+def cycle_breakdown(spec: Spec, cfg: SpecConfig, prefix: Prefix, root, hidden, dlogits, n: int,
                     device: str) -> dict[str, float]:
     """Median milliseconds of each phase of `n` whole chain cycles, timed inside the cycle (the same calls as
-    `Speculator.step` + `head_extend`): unlike the isolated rows, each phase here starts with the caches as the
+    `Verifier` + the head's commit): unlike the isolated rows, each phase here starts with the caches as the
     previous phase left them (the target's 28 MB of weights and the head's 7 MB evict each other from L3)."""
     now, dev = clock(device), root.device
-    spec.cfg = cfg
+    spec.use(cfg)
     times: dict[str, list[float]] = {k: [] for k in PHASES}
     for _ in range(n):
         t = [now()]
-        drafts_BK, q = draft_chain(spec.head, prefix, hidden, dlogits, cfg.depth, spec.draft_pick)
+        drafts_BK, q = draft_chain(spec.head, prefix, hidden, dlogits, cfg.depth, spec.drafter.pick)
         tokens_BN = torch.cat([root[:, None], drafts_BK], 1)
         pos_BN = prefix.lengths_B[:, None] + torch.arange(cfg.depth + 1, device=dev)
         t.append(now())
@@ -132,7 +155,7 @@ def cycle_breakdown(spec: Speculator, cfg: SpecConfig, prefix: Prefix, root, hid
         t.append(now())
         logits_BNV = spec.target.logits(hidden_BNH)
         t.append(now())
-        n_B, nxt_B = spec.accept_chain(logits_BNV, drafts_BK, q)
+        n_B, nxt_B = spec.verify.accept_chain(logits_BNV, drafts_BK, Proposal(drafts_BK, q=q))
         t.append(now())
         path_BA = torch.arange(cfg.depth + 1, device=dev).expand(len(n_B), -1)
         kept_BA = torch.cat([tokens_BN.gather(1, path_BA[:, 1:]), torch.zeros_like(n_B)[:, None]], 1)
@@ -154,7 +177,7 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
     ids = torch.randint(0, 8192, (args.batch, args.prompt), device=args.device)
     tree = SpecConfig(method="tree", depth=args.depth, topk=args.topk, budget=args.budget, max_new_tokens=args.new)
     with torch.inference_mode():
-        spec = Speculator(target, draft, tree, args.prompt, None)  # the larger cache; `spec.cfg` switches per row
+        spec = Spec(target, draft, tree, args.prompt)  # the larger cache; `spec.use` switches the config per row
         with spec.target.session():
             r = interleaved(rows_of(args, target, draft, spec, ids), args.rounds, args.device)
             n_B = torch.full((args.batch,), args.prompt, device=args.device)

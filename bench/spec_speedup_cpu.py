@@ -3,7 +3,7 @@
 Run: `python bench/spec_speedup_cpu.py [--threads 1] [--depths 3 4 5 6 7 8] [--alphas 0.6 0.7 0.8 0.9] [--rounds 3]`
 Target and head have the embedded default's shapes (Llama, 6 layers, hidden 256, vocab 8192; head with a 2048-token
 draft vocabulary), randomly initialised: costs do not depend on the weights, acceptance does, so the head's choice
-is replaced by an oracle (`OracleSpeculator`): after the head has computed its logits in full, each drafted token is
+is replaced by an oracle (`OracleDrafter`): after the head has computed its logits in full, each drafted token is
 the target's own next greedy token with probability alpha, another draft-vocabulary token otherwise. Every drafting
 and verification cost is paid as in `generate_speculative`; only the argmax is overridden. Expected tokens per
 verification: tau(d) = (1 - alpha^(d+1)) / (1 - alpha); every round repeats the same draws (`--seed`), so rounds
@@ -33,11 +33,12 @@ sys.path.insert(0, str(ROOT / "bench"))
 import torch  # noqa: E402
 
 from eagle import speculative  # noqa: E402
+from eagle.drafters import HeadDrafter  # noqa: E402
 from eagle.speculative import SpecConfig, generate_plain, generate_speculative  # noqa: E402
 from spec_profile import build, clock  # noqa: E402
 
 
-class OracleSpeculator(speculative.Speculator):
+class OracleDrafter(HeadDrafter):
     """Drafts the reference continuation's tokens with probability `alpha` each, a wrong draft token otherwise
     (plain Python bookkeeping, so that the oracle adds next to nothing to the measured cost)."""
 
@@ -49,12 +50,12 @@ class OracleSpeculator(speculative.Speculator):
         super().__init__(*args, **kwargs)
         self.rng = random.Random(self.seed)  # every generation draws the same acceptance pattern
 
-    def step(self, prefix, root_B, hidden_BH, logits_BVd):
+    def propose(self, prefix, root_B, history):
         self._next = int(prefix.lengths_B[0]) + 1  # sequence index of the first draft
-        return super().step(prefix, root_B, hidden_BH, logits_BVd)
+        return super().propose(prefix, root_B, history)
 
-    def draft_pick(self, logits_BVd):
-        head_idx, q = super().draft_pick(logits_BVd)  # the head's own pick, computed and discarded
+    def pick(self, logits_BVd):
+        head_idx, q = super().pick(logits_BVd)  # the head's own pick, computed and discarded
         ref = self.reference_draft_idx
         idx = ref[min(self._next, len(ref) - 1)]
         self._next += 1
@@ -86,9 +87,9 @@ def run(args: argparse.Namespace) -> dict:
     taus: dict[str, float] = {}
     steps: dict[str, int] = {}
     identical = True
-    speculative.Speculator = OracleSpeculator
+    speculative.HeadDrafter = OracleDrafter
     to_draft = torch.cumsum(draft.t2d.long(), 0) - 1  # target id -> draft index (for ids in the draft vocabulary)
-    OracleSpeculator.reference_draft_idx = to_draft[seq[0]].tolist()
+    OracleDrafter.reference_draft_idx = to_draft[seq[0]].tolist()
     try:
         for _ in range(args.rounds):
             for key, fn in _configs(args, target, draft, ids):
@@ -100,7 +101,7 @@ def run(args: argparse.Namespace) -> dict:
                 if out.stats is not None:
                     taus[key], steps[key] = out.stats.tau, out.stats.n_verify_steps  # the draws repeat each round
     finally:
-        speculative.Speculator = OracleSpeculator.__mro__[1]
+        speculative.HeadDrafter = HeadDrafter
     return {"ms": best, "tau": taus, "verify_steps": steps, "identical": identical}
 
 
@@ -116,7 +117,7 @@ def _configs(args, target, draft, ids):
         cfg = SpecConfig(method="chain", depth=depth, max_new_tokens=args.new)
 
         def spec(cfg=cfg, alpha=alpha, seed=seed):
-            OracleSpeculator.alpha, OracleSpeculator.seed = alpha, seed
+            OracleDrafter.alpha, OracleDrafter.seed = alpha, seed
             return generate_speculative(target, draft, ids, None, cfg)
         yield f"alpha {alpha} depth {depth} seed {seed}", spec
 

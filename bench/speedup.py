@@ -74,8 +74,9 @@ class CallCounter:
 
 
 def methods(target, draft, assistant, temperature: float, args, max_new: int, counter: CallCounter):
-    from eagle.drafters import ModelDrafter, PromptLookupDrafter, generate_drafted
+    from eagle.drafters import ModelDrafter, PromptLookupDrafter
     from eagle.speculative import SpecConfig, generate_plain, generate_speculative
+    from eagle.verify import generate_drafted
 
     eos, greedy = eos_of(target), temperature == 0
     depth, topk, budget = (int(x) for x in args.tree.split(","))

@@ -32,7 +32,7 @@ def iterations(extract_dir: str, way: str, steps: int, warmup: int) -> dict[str,
     import torch
 
     from components.pipeline_config import PipelineConfig
-    from components.train import LoopArgs, _new_head
+    from components.train import LoopArgs, new_head
     from components.train_data import TeacherCache, TrainingData, batches, ttt_batch
     from eagle.train import TTTModule, make_optimizer, train_step
 
@@ -40,7 +40,7 @@ def iterations(extract_dir: str, way: str, steps: int, warmup: int) -> dict[str,
     data = TrainingData.open(extract_dir)
     sizes = (data.offsets[1:] - data.offsets[:-1]).tolist()
     torch.manual_seed(cfg.seed)
-    draft = _new_head(LoopArgs(cfg, extract_dir, "", None), data)
+    draft = new_head(LoopArgs(cfg, extract_dir, "", None), data)
     opt, sched = make_optimizer(draft.trainable_parameters(), cfg.optim, cfg.steps)
     model = TTTModule(draft, cfg.ttt)
     amp = None if way == "fp32" else torch.bfloat16

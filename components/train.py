@@ -120,7 +120,7 @@ def train_loop(args: LoopArgs) -> None:
         from components.targets import load_target
 
         target = load_target(args.target_dir, str(device), trust_remote_code=args.trust_remote_code)[0]
-    draft = _new_head(args, data).to(device)
+    draft = new_head(args, data).to(device)
     opt, sched = make_optimizer(draft.trainable_parameters(), cfg.optim, cfg.steps)
     ckpt = latest_checkpoint(out)
     start, best = load_checkpoint(ckpt, draft, opt, sched) if ckpt else (0, _empty_best())
@@ -250,7 +250,7 @@ def holdout_size(cfg: TrainConfig, n_seqs: int) -> int:
     return min(cfg.holdout_seqs, max(1, n_seqs // 4))
 
 
-def _new_head(args: LoopArgs, data):
+def new_head(args: LoopArgs, data):
     """A fresh head of `cfg.variant` for the features' target and layers, or the warm-start head as that variant."""
     from eagle.train import as_variant, head_from_tensors
 

@@ -32,7 +32,7 @@ ascending ids in 1..N-1; id k is the hidden state entering target decoder layer 
     drafting: it feeds `compute_logits` for all K drafts (llm_base_proposer.py:605-615; 628-636 return after that
     one pass), and aux_output is read only by the autoregressive loop that parallel drafting skips; the next
     round's committed entries read the target's features again. Ours alike: TTT's masked steps read nothing of
-    step k-1 (eagle/ttt.py), drafting takes all K picks from the one pass (eagle/speculative.py `commit_head`).
+    step k-1 (eagle/ttt.py), drafting takes all K picks from the one pass (eagle/drafters.py `commit_head`).
   The name takes "-", not "+": variant names go into MLflow metric and tag keys (`<variant>/loss`,
   `variant_<v>_tau`), which allow only letters, digits, "_", "-", ".", " ", ":" and "/".
 vLLM's third key, `norm_before_fc` (one RMSNorm over the 3H concat, weight `input_norm.weight`), belongs to

@@ -4,9 +4,10 @@ Purpose: `TargetRunner` (the target with its `SlotCache`, on the path `eagle.tar
 head with its own cache, one method per kind of pass) and `Prefix` (each row's committed cache length, which both
 place their new entries after). `time_paths(target, paths)` times a `TargetRunner` of each path: the measurement
 `eagle.target_path` is handed (it imports no runner).
-How to run: built by `eagle.speculative` (`generate_speculative`, `generate_plain`), `eagle.drafters` and the
+How to run: built by `eagle.verify` (the speculative loop), `eagle.speculative.generate_plain`, `eagle.drafters` and the
 timing above; `with runner.session(): runner.prefill(ids, n)`, then `runner(prefix, ids, pos, region)`.
-Not here: drafting (eagle/tree.py), verification and acceptance (eagle/speculative.py), the caches (eagle/kvcache.py).
+Not here: drafting (eagle/tree.py, eagle/drafters.py), verification and acceptance (eagle/verify.py), the caches
+(eagle/kvcache.py).
 
 Shape legend: B batch, T new positions, L slots visible (span), H hidden, Vd draft vocabulary, R slots after the
 prefix a query may see.

@@ -1,7 +1,8 @@
 """Token selection and the lossless acceptance rules of speculative decoding.
 
 Purpose: the distribution both models sample from (`probs`: temperature, then top-p, applied the same way to
-target and draft logits), and the rules that decide how many drafted tokens a verification pass keeps:
+target and draft logits), the one way either model picks a token (`pick`: argmax at temperature 0, else a draw
+from `probs`), and the rules that decide how many drafted tokens a verification pass keeps:
 - `accept_chain_greedy`: drafts kept while they equal the target's argmax, then the target's argmax (bonus).
 - `accept_chain`: the standard rule for drafts x ~ q: keep x with probability min(1, p(x)/q(x)); at the first
   rejection draw from norm(max(0, p - q)) (`residual`); when all are kept, draw the bonus from p.
@@ -11,7 +12,8 @@ target and draft logits), and the rules that decide how many drafted tokens a ve
   recursive rejection (SpecInfer's multi-draft rule): try the children in draw order, keep x with probability
   min(1, r(x)/q(x)), after each rejection r <- norm(max(0, r - q)); emit a draw from r where no child is kept.
   Exact, and it accepts at least what a chain's single draft does at every node.
-How to run: pure tensor functions, used by `eagle.speculative`; tested statistically in tests/test_sampling.py.
+How to run: pure tensor functions, used by `eagle.verify` (the loop), `eagle.drafters` and `eagle.speculative`;
+tested statistically in tests/test_sampling.py.
 Not here: models, caches, the drafting policy.
 
 Shape legend: B batch, K drafted positions, V vocabulary, N tree nodes (root at index 0).
@@ -38,6 +40,16 @@ def sample(p: torch.Tensor, generator: torch.Generator | None = None) -> torch.T
     """One draw per row of a [..., V] probability tensor; returns [...] token ids."""
     flat = p.reshape(-1, p.shape[-1])
     return torch.multinomial(flat, 1, generator=generator).view(p.shape[:-1])
+
+
+def pick(logits_BV: torch.Tensor, temperature: float, top_p: float,
+         generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(token [B], the distribution it was drawn from [B, V] or None): the argmax at temperature 0, else a draw
+    from `probs`. The target's picks and every drafter's own picks go through here."""
+    if temperature == 0:
+        return logits_BV.argmax(-1), None
+    p_BV = probs(logits_BV, temperature, top_p)
+    return sample(p_BV, generator), p_BV
 
 
 def residual(p_BV: torch.Tensor, q_BV: torch.Tensor) -> torch.Tensor:

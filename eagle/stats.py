@@ -1,6 +1,6 @@
 """Acceptance statistics of speculative generation: what the rules accepted and what reached the output.
 
-Purpose: `SpecStats`, filled by `eagle.speculative`'s loop, holds per verification step and row the drafted tokens
+Purpose: `SpecStats`, filled by `eagle.verify`'s loop, holds per verification step and row the drafted tokens
 the acceptance rule accepted (raw, as an engine's spec-decode counters count them) and the tokens that reached the
 output (after EOS and `max_new_tokens` truncation), and gives the figures of both: `tau` / `tau_raw` and
 `per_position_acceptance` / `per_position_acceptance_raw` (alpha_k per draft depth). This project reports the

@@ -10,7 +10,7 @@ The head's passes (`HeadRunner` in eagle/runners.py: `extend`, `chain_step`, `tr
 - `draft_parallel`: parallel drafting ("parallel" heads, vLLM's `parallel_drafting`): the K drafts are the picks
   at the last committed entry and at the K-1 masked slots that followed it in the same head pass.
 - `draft_tree_sampled`: the same frontier loop (`_grow`) with children drawn from the head instead of its top-k.
-How to run: called by `eagle.speculative.generate_speculative`.
+How to run: called by `eagle.drafters.HeadDrafter` (the head's drafter of the loop in `eagle.verify`).
 Not here: verification, acceptance rules, the target's cache.
 
 Shape legend: B batch, T new entries, L slots visible (span), H hidden, Vd draft vocabulary, k top-k, R slots after

@@ -378,7 +378,7 @@ def test_a_stages_refusal_through_the_cli_is_one_line(tiny_embedded, tmp_path):
 @pytest.mark.slow  # a Ray Train worker group: ~15 s on a local Ray
 def test_a_refusal_inside_a_ray_worker_is_bad_input_and_not_retried(tiny_embedded, extracted, ray_local, tmp_path,
                                                                      capfd):
-    """A warm-start head that fuses other layers than the features is found by the worker (`_new_head`), not the
+    """A warm-start head that fuses other layers than the features is found by the worker (`new_head`), not the
     driver: the worker's `HeadMismatchError` reaches the caller as itself (the CLI's one line, exit 2), with the
     worker's message, and Ray does not restart the worker group for it (`max_failures` 2)."""
     from components.extract import ExtractConfig, extract

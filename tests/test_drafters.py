@@ -1,4 +1,4 @@
-"""Drafters in our own loop (`eagle.drafters.generate_drafted`): the head, prompt lookup and a small draft model.
+"""Drafters in our own loop (`eagle.verify.generate_drafted`): the head, prompt lookup and a small draft model.
 
 Greedy: every drafter's output is plain greedy decoding token for token, in batches of left-padded prompts of
 different lengths, at EOS and length limits. The head through the drafter interface gives exactly what
@@ -16,8 +16,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from eagle.drafters import HeadDrafter, ModelDrafter, PromptLookupDrafter, generate_drafted
+from eagle.drafters import HeadDrafter, ModelDrafter, PromptLookupDrafter
 from eagle.speculative import SpecConfig, generate_plain, generate_speculative
+from eagle.verify import generate_drafted
 from tests.test_sampling import E2E_VOCAB, PROMPTS, _exact_tokens_2_3, tiny_pair, tv, tv_bound  # noqa: F401
 from tests.test_speculative import SHAPE, _prompts, _same, llama_pair  # noqa: F401  (the shared pair)
 

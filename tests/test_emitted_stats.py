@@ -14,7 +14,8 @@ import dataclasses
 import pytest
 import torch
 
-from eagle.speculative import GenOutput, SpecConfig, SpecStats, generate_plain, generate_speculative
+from eagle.speculative import GenOutput, SpecConfig, generate_plain, generate_speculative
+from eagle.stats import SpecStats
 from tests.test_speculative import _prompts, _same, llama_pair  # noqa: F401  (llama_pair is a fixture)
 
 MODES = [("chain", 0.0), ("tree", 0.0), ("chain", 1.0), ("tree", 1.0)]

@@ -18,6 +18,9 @@ Purpose: keep the layer rules of ARCHITECTURE.md true as the code grows:
                  implicit import is not counted), so embedded/__init__.py re-exporting
                  embedded.build is no cycle; build.py importing a name of that __init__ would be one
     only infra/ touches environment variables (os.environ, os.getenv, ...); exceptions go in ENV_ALLOWLIST
+    no `from X import _name` of another of our modules in PRIVATE_RULE_PACKAGES (bench/'s scripts importing each
+                 other count): a name another module needs is public where it is defined; tests/ is exempt
+                 (a test may reach a module's internals to test them, and test modules share helpers)
     every non-empty module has a docstring; every file is under MAX_LINES lines
 Run: `python -m pytest tests/test_layout.py` (well under a second; nothing is imported).
 Not here: style or naming checks, anything that needs importing the code.
@@ -53,6 +56,7 @@ ENV_ALLOWLIST: dict[str, str] = {
                             "EAGLE_TARGET_PATH_TIMINGS, the file its timings are kept in across processes",
 }
 _ENV_ATTRS = {"environ", "environb", "getenv", "getenvb", "putenv", "unsetenv"}
+PRIVATE_RULE_PACKAGES = (*CYCLE_PACKAGES, "bench")  # tests/ is exempt: it tests internals
 
 
 @dataclass(frozen=True)
@@ -216,6 +220,20 @@ def env_accesses(module: Module) -> list[int]:
     return sorted(lines)
 
 
+def private_imports(module: Module, ours: set[str]) -> list[str]:
+    """`line: from X import _name` for every private name `module` imports from another module whose top-level
+    name is in `ours` (any scope; dunder names are not private)."""
+    found = []
+    for node in ast.walk(module.tree):
+        if isinstance(node, ast.ImportFrom):
+            source = _absolute(module, node)
+            if source.split(".")[0] not in ours or source == _module_name(module.rel):
+                continue
+            found += [f"{node.lineno}: from {source} import {alias.name}" for alias in node.names
+                      if alias.name.startswith("_") and not alias.name.endswith("__")]
+    return sorted(found, key=lambda f: int(f.split(":")[0]))
+
+
 def test_the_rules_see_what_they_should():
     sample = Module(
         ROOT / "eagle/x.py", "eagle/x.py", "eagle",
@@ -277,6 +295,25 @@ def test_only_infra_touches_the_environment():
     assert not bad, "read settings through infra.settings.Settings.from_env(), not os.environ:\n" + "\n".join(bad)
     stale = [rel for rel in ENV_ALLOWLIST if not (ROOT / rel).exists()]
     assert not stale, f"ENV_ALLOWLIST names files that are gone: {stale}"
+
+
+def test_the_private_import_rule_sees_what_it_should():
+    src = ("from eagle.speculative import GenOutput, _Emitted\nfrom . import _helper\nfrom mlflow.x import _y\n"
+           "from eagle.x import __version__\ndef f():\n    from common import _say as say\n")
+    sample = Module(ROOT / "eagle/x.py", "eagle/x.py", "eagle", ast.parse(src), 6)
+    assert private_imports(sample, {"eagle", "common"}) == [
+        "1: from eagle.speculative import _Emitted", "2: from eagle import _helper", "6: from common import _say"]
+    own = Module(ROOT / "eagle/x.py", "eagle/x.py", "eagle", ast.parse("from eagle.x import _self"), 1)
+    assert private_imports(own, {"eagle"}) == []  # a module importing from itself crosses nothing
+
+
+def test_no_private_names_cross_modules():
+    ours = {*CYCLE_PACKAGES, "bench", "tests"}
+    scripts = {p.stem for p in (ROOT / "bench").glob("*.py")}  # bench/'s scripts import each other by bare name
+    bad = [f"{m.rel}:{hit}" for m in MODULES if m.package in PRIVATE_RULE_PACKAGES
+           for hit in private_imports(m, ours | scripts if m.package == "bench" else ours)]
+    assert not bad, ("private names imported across modules (make the name public where it is defined, or move it "
+                     "to a module both import):\n" + "\n".join(bad))
 
 
 def test_every_module_has_a_docstring():

@@ -32,10 +32,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from eagle.config import PARALLEL_VARIANTS, VARIANTS, DraftConfig
 from eagle.draft import Eagle3Draft
+from eagle.drafters import commit_head
 from eagle.export import export_head, load_head
 from eagle.features import target_forward, teacher_targets
 from eagle.run_config import TTTConfig
-from eagle.speculative import SpecConfig, commit_head, generate_plain, generate_speculative
+from eagle.speculative import SpecConfig, generate_plain, generate_speculative
 from eagle.runners import HeadRunner, Prefix
 from eagle.ttt import TTTBatch, ttt_loss
 from eagle.vocab import count_tokens, select_draft_vocab

@@ -14,14 +14,17 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from eagle import speculative
+from eagle import speculative, verify
 from eagle.config import DraftConfig
 from eagle.draft import Eagle3Draft
 from eagle.features import target_forward
 from eagle.kvcache import CausalMask, SlotCache, visibility_mask
 from eagle.runners import Prefix, TargetRunner
-from eagle.speculative import SpecConfig, SpecStats, generate_plain, generate_speculative, pack_left
+from eagle.drafters import HeadDrafter
+from eagle.speculative import SpecConfig, generate_plain, generate_speculative, pack_left
+from eagle.stats import SpecStats
 from eagle.tree import draft_chain, draft_tree
+from eagle.verify import DraftSetup, History
 
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=512)
@@ -197,35 +200,38 @@ def test_qwen3_target(qwen3_pair, method):
     assert spec.stats.tau > 1.2
 
 
-class _Recording(speculative.Speculator):
-    last: "_Recording | None" = None
+def _recording(cls: type) -> type:
+    """`cls` with its last instance kept in `.last`."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        _Recording.last = self
+    class Recording(cls):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            type(self).last = self
+    return Recording
 
 
 @pytest.mark.parametrize("method", ["chain", "tree"])
 def test_caches_hold_exactly_the_accepted_sequence(llama_pair, method, monkeypatch):
     """After generation, both caches' committed entries equal a fresh pass over prompt + output."""
     target, draft = llama_pair
-    monkeypatch.setattr(speculative, "Speculator", _Recording)
+    monkeypatch.setattr(verify, "TargetRunner", _recording(TargetRunner))
+    monkeypatch.setattr(speculative, "HeadDrafter", _recording(HeadDrafter))
     ids, mask = _prompts(2)
     out = generate_speculative(target, draft, ids, mask, SpecConfig(method=method, depth=4, topk=3, budget=10,
                                                                      max_new_tokens=17))
-    spec = _Recording.last
+    target_cache, drafter = verify.TargetRunner.last.cache, speculative.HeadDrafter.last
     for b in range(2):
         full = torch.cat([ids[b][mask[b].bool()], out.sequences[b]])[None]
         n = full.shape[1] - 1  # the last token is emitted, never verified
         fresh = TargetRunner(target, n + 4, draft.cfg.aux_layer_ids)
         _, aux = fresh.prefill(full[:, :n], torch.tensor([n]))
-        for got, want in zip(spec.target.cache.layers, fresh.cache.layers):
+        for got, want in zip(target_cache.layers, fresh.cache.layers):
             torch.testing.assert_close(got.keys[b, :, :n], want.keys[0, :, :n], atol=1e-5, rtol=1e-4)
             torch.testing.assert_close(got.values[b, :, :n], want.values[0, :, :n], atol=1e-5, rtol=1e-4)
         head = SlotCache(1, n + 4)
         head.plan(torch.arange(n)[None], n)
         draft(full[:, 1:n + 1], draft.fuse(aux), torch.arange(n)[None], head.layers[0])
-        torch.testing.assert_close(spec.head.cache.layers[0].keys[b, :, :n], head.layers[0].keys[0, :, :n],
+        torch.testing.assert_close(drafter.head.cache.layers[0].keys[b, :, :n], head.layers[0].keys[0, :, :n],
                                    atol=1e-5, rtol=1e-4)
 
 
@@ -241,21 +247,26 @@ def _uncached_head_logits(draft, tokens_T, feats_TH, path):
 
 
 def _committed_head(target, draft, cfg: SpecConfig):
-    """A Speculator after prefill of three padded prompts: (spec, packed ids, lengths, root, shifted, aux, hidden,
-    draft logits)."""
+    """A head drafter after the target's prefill of three padded prompts and the head's prompt commit: (drafter,
+    lengths, root, shifted prompt, aux, hidden, draft logits)."""
     ids, n = pack_left(*_prompts(3))
-    spec = speculative.Speculator(target, draft, cfg, ids.shape[1], None)
-    logits, aux = spec.target.prefill(ids, n)
+    drafter = HeadDrafter(draft)
+    capacity = ids.shape[1] + cfg.max_new_tokens + drafter.reach(cfg) + 2
+    runner = TargetRunner(target, capacity, draft.cfg.aux_layer_ids)
+    drafter.session(DraftSetup(capacity, runner.lm_head.weight.shape[0], cfg, None))
+    logits, aux = runner.prefill(ids, n)
     root = logits.argmax(-1)
-    shifted = torch.cat([ids[:, 1:], ids[:, :1]], 1).scatter(1, (n - 1)[:, None], root[:, None])
-    hidden, dlogits = spec.head_extend(Prefix.of(torch.zeros_like(n)), shifted, aux, n)
-    return spec, n, root, shifted, aux, hidden, dlogits
+    history = History(ids, n, capacity)
+    history.append(root[:, None], torch.ones_like(n))
+    drafter.begin(history, aux)
+    shifted = history.tokens_BC[:, 1:ids.shape[1] + 1]
+    return drafter, n, root, shifted, aux, drafter.hidden_BH, drafter.logits_BVd
 
 
 def test_chain_drafting_against_uncached_reference(llama_pair):
     target, draft = llama_pair
-    spec, n, _, shifted, aux, hidden, dlogits = _committed_head(target, draft, SpecConfig(depth=4))
-    drafts, q = draft_chain(spec.head, Prefix.of(n), hidden, dlogits, 4, spec.draft_pick)
+    drafter, n, _, shifted, aux, hidden, dlogits = _committed_head(target, draft, SpecConfig(depth=4))
+    drafts, q = draft_chain(drafter.head, Prefix.of(n), hidden, dlogits, 4, drafter.pick)
     assert q is None and drafts.shape == (3, 4)
     with torch.no_grad():
         for b in range(3):
@@ -270,8 +281,8 @@ def test_tree_drafting_against_uncached_reference(llama_pair):
     target, draft = llama_pair
     depth, k, budget = 4, 3, 11
     cfg = SpecConfig(method="tree", depth=depth, topk=k, budget=budget)
-    spec, n, root, shifted, aux, hidden, dlogits = _committed_head(target, draft, cfg)
-    tree = draft_tree(spec.head, Prefix.of(n), root, hidden, dlogits, (depth, k, budget))
+    drafter, n, root, shifted, aux, hidden, dlogits = _committed_head(target, draft, cfg)
+    tree = draft_tree(drafter.head, Prefix.of(n), root, hidden, dlogits, (depth, k, budget))
     assert tree.tokens_BN.shape == (3, budget + 1)
     assert (tree.parent_BN[:, 1:] < torch.arange(1, budget + 1)).all(), "parents come before children"
     assert torch.equal(tree.depth_BN[:, 1:], tree.depth_BN.gather(1, tree.parent_BN)[:, 1:] + 1)

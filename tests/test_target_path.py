@@ -11,9 +11,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from eagle import fastpath, target_path
 from eagle.config_checks import FieldError
-from eagle.drafters import PromptLookupDrafter, generate_drafted
+from eagle.drafters import PromptLookupDrafter
 from eagle.runners import TargetRunner, time_paths
 from eagle.speculative import SpecConfig, generate_plain, generate_speculative
+from eagle.verify import generate_drafted
 from tests.test_speculative import SHAPE, _prompts, _same, llama_pair  # noqa: F401  (the shared fixture)
 
 
