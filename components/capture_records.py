@@ -22,8 +22,13 @@ components/traffic_io.py `load_traffic(file.parquet)` reads it):
     params             every other request setting as a JSON object (stop, penalties, ...)
     prompt_tokens, completion_tokens   the answer's usage when reported (a stream reports it only when asked)
     latency_s          seconds from the request's arrival to the answer's last byte, through the proxy
-Run: imported by components/capture.py.
-Not here: writing files (components/capture.py), the proxy (infra/serve_proxy.py).
+Read side: `capture_files(root)` lists the finished capture files under a capture root (or one target's folder),
+oldest first; `file_target(path)` reads the target (name, version) and row count a file's metadata names without
+reading its rows; `read_rows(path)` reads its rows as dicts (what a retrain on captured traffic starts from:
+components/captured_traffic.py).
+Run: imported by components/capture.py and components/captured_traffic.py.
+Not here: writing files (components/capture.py), the proxy (infra/serve_proxy.py), turning rows into training
+conversations (components/captured_traffic.py).
 """
 
 from __future__ import annotations
@@ -31,11 +36,14 @@ from __future__ import annotations
 import datetime as dt
 import json
 import uuid
+from pathlib import Path
 from typing import Any
 
 from infra.serve_proxy import Exchange
 
 SCHEMA_VERSION = "1"
+FILE_PATTERN = "capture-*.parquet"  # a finished file (components/capture.py writes `.tmp` names until complete)
+META_KEY = b"eagle.capture"  # the file metadata naming the schema version and the target of its rows
 # request keys that have columns of their own; the rest go to `params`
 _OWN_KEYS = {"messages", "prompt", "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
              "stream"}
@@ -152,3 +160,31 @@ def _int(v: Any) -> int | None:
 
 def _float(v: Any) -> float | None:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def capture_files(root: str | Path) -> list[Path]:
+    """Every finished capture file under `root` (a capture root `<state>/capture` or one target's folder), oldest
+    first by the UTC time in its name (the writer names files `capture-<time>-<n>.parquet`)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted([*root.glob(FILE_PATTERN), *root.glob(f"*/{FILE_PATTERN}")], key=lambda p: (p.name, str(p)))
+
+
+def file_target(path: str | Path) -> tuple[str, str, int]:
+    """(target name, target version, rows) that a capture file's metadata names; every row of a file has the same
+    target (the writer starts a new file when it changes). ValueError for a file without that metadata."""
+    import pyarrow.parquet as pq
+
+    meta = (pq.read_schema(str(path)).metadata or {}).get(META_KEY)
+    if meta is None:
+        raise ValueError(f"{path}: not a capture file (no {META_KEY.decode()} metadata)")
+    m = json.loads(meta)
+    return str(m.get("target_name", "")), str(m.get("target_version", "")), int(m.get("rows", 0))
+
+
+def read_rows(path: str | Path) -> list[dict[str, Any]]:
+    """The rows of one capture file, in the order they were written, as dicts of `schema()`'s columns."""
+    import pyarrow.parquet as pq
+
+    return pq.read_table(str(path)).to_pylist()

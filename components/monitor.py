@@ -16,8 +16,10 @@ new reading from zero. `baseline_of(store, target)` reads the champion head of a
 τ: `tau_vllm` when the evaluation measured it in vLLM (the same counters the monitor reads), else `tau`.
 `newest_snapshot(traffic_dir)` picks the traffic a drop retrains on: the last `<snapshot>/train.jsonl` +
 `heldout.jsonl` in name order (name snapshots by date, e.g. `2026-12-02`).
+`window_start` / `window_counts` are the window arithmetic the rollback's judge shares (components/rollback.py);
+`RollbackConfig` (`monitor.rollback`) says when `eagle-heads serve --follow-alias` swaps a collapsed head back.
 Run: `eagle-heads monitor --metrics-url URL --target models:/NAME/VERSION` or the `watch-acceptance` flow.
-Not here: the HTTP scrape (`infra.vllm_server.read_metrics`), the event (flows/watch_acceptance.py).
+Not here: the HTTP scrape (`infra.vllm_server.read_metrics`), the event (flows/watch_acceptance.py), the rollback.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from typing import Literal
 
 from components.atomic import atomic_write_text
 from components.register import TargetRef, head_model_name
-from eagle.config_checks import at_least, finite
+from eagle.config_checks import FieldError, at_least, finite
 from eagle.errors import BadInput
 from infra.mlflow_store import CHAMPION, MlflowStore, parse_model_uri
 from infra.model_uri import lookup
@@ -45,6 +47,24 @@ class MonitorError(BadInput):
 
 
 @dataclass(frozen=True)
+class RollbackConfig:
+    """When `eagle-heads serve --follow-alias` swaps a served head back (components/rollback.py)."""
+
+    enabled: bool = True  # judge the served head's live acceptance and roll back on a collapse
+    window_s: float = 60.0  # the engine's counters are read once a window; each window is judged
+    floor_tau: float = 1.1  # window tau below this is a collapse: drafts almost never accepted, slower than plain
+    min_drafts: int = 50  # fewer drafts in a window: it reaches back over earlier windows before judging
+    sustain_windows: int = 2  # window tau below monitor.ratio x the previous champion's this many windows in a row
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enabled, bool):
+            raise FieldError(self, "enabled", f"must be true or false, got {self.enabled!r}")
+        finite(self, "window_s", lambda x: x > 0, "> 0")  # 0 would read the counters in a busy loop
+        finite(self, "floor_tau", lambda x: x >= 1, ">= 1 (tau counts the bonus token: 1 is no draft accepted)")
+        at_least(self, {"min_drafts": 1, "sustain_windows": 1})
+
+
+@dataclass(frozen=True)
 class MonitorConfig:
     interval_s: float = 60.0  # between scrapes
     window_s: float = 900.0  # the sliding window τ is computed over
@@ -52,6 +72,7 @@ class MonitorConfig:
     sustain_s: float = 300.0  # ... for at least this long
     min_drafts: int = 200  # fewer drafts in the window: no judgement
     traffic_dir: str = ""  # snapshots `<dir>/<name>/{train,heldout}.jsonl`; a drop retrains on the newest
+    rollback: RollbackConfig = field(default_factory=RollbackConfig)
 
     def __post_init__(self) -> None:
         finite(self, "interval_s", lambda x: x > 0, "> 0")  # 0 would scrape in a busy loop
@@ -126,11 +147,23 @@ def baseline_of(store: MlflowStore, target: str, suffix: str = "-eagle3") -> Bas
     if champion is None:
         raise MonitorError(f"models:/{name}/{version} has no champion head (no model {head} with alias champion): "
                            "train and register one first (eagle-heads train)")
-    # vLLM's counters count what the rule accepted: compare with vLLM's own figure, else with ours counted alike
-    source = next(k for k in ("tau_vllm", "tau_raw", "tau") if k in champion.tags or k == "tau")
-    depth = len(champion.tags.get("acceptance_vllm" if source == "tau_vllm" else "acceptance", "").split())
-    return Baseline(f"models:/{name}/{version}", f"models:/{head}/{champion.version}",
-                    float(champion.tags[source]), source, depth)
+    tau, source, depth = registered_tau(champion.tags)
+    if tau is None:
+        raise MonitorError(f"models:/{head}/{champion.version} has no registered tau tag: register it with its "
+                           "evaluation (eagle-heads train)")
+    return Baseline(f"models:/{name}/{version}", f"models:/{head}/{champion.version}", tau, source, depth)
+
+
+def registered_tau(tags: dict[str, str]) -> tuple[float | None, str, int]:
+    """(τ, the tag it came from, drafted tokens per step in that evaluation (0: unknown)) of a head version's tags;
+    τ None when none is registered. vLLM's counters count what the rule accepted: vLLM's own figure first, else ours
+    counted alike (`tau_raw`), else `tau`."""
+    source = next((k for k in ("tau_vllm", "tau_raw", "tau") if k in tags), "tau")
+    depth = len(tags.get("acceptance_vllm" if source == "tau_vllm" else "acceptance", "").split())
+    try:
+        return float(tags[source]), source, depth
+    except (KeyError, ValueError):
+        return None, source, depth
 
 
 class Monitor:
@@ -162,9 +195,9 @@ class Monitor:
                                f"at {self.baseline.depth}: τ is not comparable; serve it with "
                                f"num_speculative_tokens {self.baseline.depth}")
         self.state.readings.append((now, {**asdict(counters), "running": running}))
-        start = self._window_start(now)
+        start = window_start([t for t, _ in self.state.readings], now, self.cfg.window_s)
         self.state.readings = self.state.readings[start:]
-        window = _window_counts([SpecCounters(**{k: v for k, v in c.items() if k != "running"}
+        window = window_counts([SpecCounters(**{k: v for k, v in c.items() if k != "running"}
                                               | {"accepted_per_pos": tuple(c["accepted_per_pos"])})
                                  for _, c in self.state.readings])
         report = self._judge(window, now, now - self.state.readings[0][0])
@@ -172,14 +205,6 @@ class Monitor:
         report = replace(report, mean_running=sum(loads) / len(loads) if loads else None)
         self._save()
         return report
-
-    def _window_start(self, now: float) -> int:
-        """Index of the reading the window starts at: the newest one at least `window_s` old, else the oldest."""
-        start = 0
-        for i, (t, _) in enumerate(self.state.readings[:-1]):
-            if t <= now - self.cfg.window_s:
-                start = i
-        return start
 
     def _judge(self, window: SpecCounters, now: float, span_s: float) -> WindowReport:
         cfg, st = self.cfg, self.state
@@ -203,7 +228,17 @@ class Monitor:
         self._save()
 
 
-def _window_counts(readings: list[SpecCounters]) -> SpecCounters:
+def window_start(times: list[float], now: float, window_s: float) -> int:
+    """Index of the reading a window ending `now` starts at: the newest one (but the last) at least `window_s` old,
+    else the oldest. Shared by the monitor and the rollback's judge (components/rollback.py)."""
+    start = 0
+    for i, t in enumerate(times[:-1]):
+        if t <= now - window_s:
+            start = i
+    return start
+
+
+def window_counts(readings: list[SpecCounters]) -> SpecCounters:
     """The counts between the first and last reading; an interval across a restart counts from zero."""
     total = SpecCounters(0, 0, 0, ())
     for before, after in zip(readings, readings[1:]):

@@ -2,7 +2,8 @@
 
 Purpose: `PipelineConfig` groups who runs the target (`target`: this process or vLLM, and vLLM's scale; its
 `runtime`, components/target_runtime.py, is where each stage runs the target, built once per config), the stage
-configs (`regenerate`, `extract`, `train`, `evaluate`, `register`) and the acceptance monitor's (`monitor`);
+configs (`regenerate`, `extract`, `train`, `evaluate`, `register`), the acceptance monitor's (`monitor`) and how a
+retrain on served traffic uses it (`capture`: components/captured_traffic.py);
 `PipelineConfig.preset(name)` builds a named preset from its sections (all of them live in components/presets.py,
 which builds sections only and never imports this module); `PipelineConfig.load(path)` reads a JSON file (a regular
 UTF-8 file, a byte-order mark allowed, of sane size and depth: components/safe_read.py) whose sections override a
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any, Literal, Sequence, Union
 
 from components import presets
+from components.captured_traffic import CapturedTrafficConfig
 from components.evaluate import EvaluateConfig
 from components.extract import ExtractConfig
 from components.monitor import MonitorConfig
@@ -52,6 +54,7 @@ class PipelineConfig:
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
     register: RegisterConfig = field(default_factory=RegisterConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    capture: CapturedTrafficConfig = field(default_factory=CapturedTrafficConfig)
 
     def __post_init__(self) -> None:
         _ = self.runtime  # built now: a stage its runtime cannot run is refused at load, naming the key

@@ -42,20 +42,24 @@ def tiny_stages() -> dict[str, Any]:
 
 def tiny() -> dict[str, Any]:
     """Seconds on CPU: the unit and flow tests' pipeline."""
+    from components.captured_traffic import CapturedTrafficConfig
     from components.monitor import MonitorConfig
     from components.register import RegisterConfig
 
     return dict(**tiny_stages(), register=RegisterConfig(tau_floor=1.0, gate_speedup="off"),  # random heads
-                monitor=MonitorConfig.tiny())
+                monitor=MonitorConfig.tiny(), capture=CapturedTrafficConfig.tiny())
 
 
 def default() -> dict[str, Any]:
     """The demo on 2 CPU cores, on the embedded default: SmolLM2-135M-Instruct (30 layers, hidden 576, vocabulary
     49,152, tied embeddings) and its LoRA fine-tune (embedded/real.py).
 
-    The target answers 320 conversations in vLLM (`regenerate.engine: vllm`, 32 requests in flight), as it is served;
-    extraction keeps 512 tokens of each, and the loss scores every token (`train.loss_on: all`): the prompts'
-    positions are the target's distribution too, so the same regenerated answers teach twice as many positions.
+    Sized so that `make demo` stays near 30 minutes on 2 cores: the target answers 160 conversations in vLLM
+    (`regenerate.engine: vllm`, 32 requests in flight), as it is served, and vLLM computes their hidden states
+    (`extract.engine: vllm`, production's path); bench/data_curve.py showed the head step-limited at this budget
+    (4x the conversations buys +0.13 held-out tau), so steps, not conversations, get the time. Extraction keeps 512
+    tokens of each, and the loss scores every token (`train.loss_on: all`): the prompts' positions are the target's
+    distribution too, so the same regenerated answers teach twice as many positions.
     One Ray worker with both cores, a step made cheap three ways (4.2x fp32's sequence tokens/s together,
     bench/train_step.py): bf16 where the CPU has bf16 units (`train.autocast: auto`: AMX 1.3x a step, AVX512-BF16 1.68x,
     bench/cpu_autocast.py), batches of like length (`bucket_by_length`: 4% padding instead of 39%), and each
@@ -63,10 +67,11 @@ def default() -> dict[str, Any]:
     A fine-tune's head, warm-started from its base's head, gets half the steps of a fresh one
     (`train.warm_start_steps`), since it starts close.
     Each head is also served by vLLM and measured there (`evaluate.engine: vllm`), as production will run it, one
-    request at a time (3-5 interleaved rounds over 8 held-out prompts) and at 4 concurrent requests (`evaluate.load`,
-    K 5 against plain, which gives the K schedule the engine is served with). Our own decoder still measures τ,
-    acceptance and identity, once each way and untimed (`evaluate.time_local: false`). The promotion gate judges
-    the served speedup (`register.gate_speedup: served`).
+    request at a time (3-4 interleaved rounds over 6 held-out prompts of up to 64 new tokens) and at 4 concurrent
+    requests (`evaluate.load`, K 5 against plain, which gives the K schedule the engine is served with; the schedule
+    is derived, not served again: `verify_schedule: false`). Our own decoder still measures τ, acceptance and
+    identity, once each way and untimed (`evaluate.time_local: false`). The promotion gate judges the served speedup
+    (`register.gate_speedup: served`).
     """
     from components.evaluate import EvaluateConfig
     from components.extract import ExtractConfig
@@ -78,17 +83,18 @@ def default() -> dict[str, Any]:
     from eagle.run_config import OptimConfig, SpecConfig, TTTConfig
 
     return dict(
-        regenerate=RegenerateConfig(max_new_tokens=96, batch_size=32, shard_size=64, limit=320, engine="vllm",
+        regenerate=RegenerateConfig(max_new_tokens=96, batch_size=32, shard_size=80, limit=160, engine="vllm",
                                     endpoint_concurrency=32),
-        extract=ExtractConfig(max_len=512, seqs_per_shard=128),
-        train=TrainConfig(steps=200, batch_size=8, draft_vocab_size=2048, checkpoint_every=50, log_every=10,
-                          warm_start_steps=100, eval_every=50, holdout_seqs=32, autocast="auto", loss_on="all",
+        extract=ExtractConfig(max_len=512, seqs_per_shard=128, engine="vllm"),
+        train=TrainConfig(steps=160, batch_size=8, draft_vocab_size=2048, checkpoint_every=40, log_every=10,
+                          warm_start_steps=80, eval_every=40, holdout_seqs=32, autocast="auto", loss_on="all",
                           bucket_by_length=True, teacher_cache_mib=2048,
                           ttt=TTTConfig(ttt_steps=5), optim=OptimConfig(lr=3e-3, warmup_steps=10),
                           ray=RayConfig(num_workers=1, cpus_per_worker=2)),
-        evaluate=EvaluateConfig(spec=SpecConfig(method="chain", depth=5, max_new_tokens=96), limit=8, engine="vllm",
-                                speed=SpeedupConfig(min_rounds=3, max_rounds=5, budget_s=150.0),
-                                load=LoadConfig(concurrency=(1, 4), k_values=(5,), requests=8, repeats=1),
+        evaluate=EvaluateConfig(spec=SpecConfig(method="chain", depth=5, max_new_tokens=64), limit=6, engine="vllm",
+                                speed=SpeedupConfig(min_rounds=3, max_rounds=4, budget_s=150.0),
+                                load=LoadConfig(concurrency=(1, 4), k_values=(5,), requests=8, repeats=1,
+                                                verify_schedule=False),
                                 time_local=False),
         register=RegisterConfig(tau_floor=1.5, gate_tau="engine"))
 

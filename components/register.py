@@ -22,6 +22,8 @@ Purpose:
   measured the reason says so and the τ gate alone decides ("off": never judged on speed).
   The training step exported (best held-out τ, or the last) is tagged too: `checkpoint_step`, `checkpoint_rule`,
   `heldout_tau`, `heldout_tau_last`.
+  Last, a gate decided before registration (`head.extra_gate`: the shadow test of a retrain on served traffic,
+  components/shadow.py) can keep the alias where it is; its reason joins the gate's, its figures come as `notes`.
 - `check_head_name(store, target)`: refuses, before any work, a head name taken by a model that is not a head.
 Not here: measuring tau (components/evaluate.py); connecting to MLflow (infra/mlflow_store.py).
 """
@@ -84,6 +86,7 @@ class HeadToRegister:
     champion_tau_engine: float | None = None  # the champion's τ in vLLM on the same prompts (gate_tau "engine")
     checkpoint: dict[str, Any] | None = None  # which training step was exported and why (TrainResult's choice)
     notes: dict[str, str] | None = None  # free-text tags, e.g. `speedup_note`: why a speedup is unreliable
+    extra_gate: tuple[bool, str] | None = None  # a gate decided before registration (components/shadow.py): (ok, why)
 
 
 @dataclass(frozen=True)
@@ -331,6 +334,8 @@ def register_head(store: MlflowStore, cfg: RegisterConfig, head: HeadToRegister,
         promoted, reason = _load_gate(cfg, head.metrics, promoted, reason)
     if cfg.gate_speedup == "served":
         promoted, reason = _speedup_gate(head.metrics, promoted, reason)
+    if head.extra_gate is not None:
+        promoted, reason = promoted and head.extra_gate[0], f"{reason}; {head.extra_gate[1]}"
     tags = {"target_name": head.target.name, "target_version": str(head.target.version),
             "target_weights_sha256": head.target.weights_sha256, "traffic_sha256": head.traffic_sha256,
             "gate": reason, "gate_tau": runtime.gate_tau, PROMOTED_TAG: str(promoted).lower(),

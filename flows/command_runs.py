@@ -300,6 +300,41 @@ def _followed(a, settings):
     return name, version, alias_version
 
 
+def _rollback_hooks(a, settings, say) -> dict:
+    """`Follow`'s rollback fields for `serve --follow-alias`: the monitor's settings, the registered τ of a version,
+    and what a rollback does beyond the swap: the alias moved back with the reason, the event announced."""
+    from components.monitor import registered_tau
+    from components.rollback import EVENT, move_alias_back
+    from flows.preflight import command_config
+    from infra.mlflow_store import MlflowStore, parse_model_uri
+    from infra.prefect_env import emit_event
+
+    m, store = command_config(a).monitor, MlflowStore.connect(settings)
+    name, _, alias = parse_model_uri(a.head)
+
+    def rolled_back(r) -> None:
+        reason = r.judgement.reason
+        if r.from_version is not None:
+            try:
+                move_alias_back(store, name, alias, r.from_version, r.to_version, reason)
+                say(f"serve: alias {alias} of {name} " + (f"back on version {r.to_version}" if r.to_version else
+                    "removed (plain decoding serves)") + f"; version {r.from_version} tagged rollback_reason")
+            except Exception as e:  # the swap is done; the registry is told at no later time, so say it plainly
+                say(f"serve: warning: the alias could not be moved back ({type(e).__name__}: {e})")
+        payload = {"name": name, "from_version": r.from_version, "to_version": r.to_version, "from_head": r.from_head,
+                   "to_head": r.to_head or "plain", "reason": reason, "window_tau": round(r.judgement.window_tau, 4),
+                   "drafts": r.judgement.drafts, "windows": r.judgement.windows}
+        try:
+            sent = emit_event(EVENT, f"mlflow.model_version.{name}.{r.from_version}", payload=payload)
+        except Exception as e:  # an API that does not answer must not stop serving
+            sent, payload["error"] = None, f"{type(e).__name__}: {e}"
+        why = payload.get("error", "no Prefect API")
+        say(f"serve: announced {EVENT}" if sent else f"serve: {EVENT} not sent ({why})")
+
+    return dict(rollback=m.rollback, ratio=m.ratio, rolled_back=rolled_back,
+                registered_tau=lambda v: registered_tau(store.get_version(name, v).tags)[0])
+
+
 def _serve_live(a, settings, spec, lineage, uri: str, how: str, followed) -> int:
     """`serve --capture` / `--follow-alias`: vLLM behind our proxy, capture, swaps (components/serve_live.py)."""
     from components.capture import CaptureConfig
@@ -321,7 +356,7 @@ def _serve_live(a, settings, spec, lineage, uri: str, how: str, followed) -> int
             say(f"serve: version {v} with {new_how}")
             return served_as(new_uri, new_spec, new_lineage)
 
-        following = Follow(alias_version, prepare, version, a.follow_interval)
+        following = Follow(alias_version, prepare, version, a.follow_interval, **_rollback_hooks(a, settings, say))
     capture = (CaptureConfig(rate=a.capture_rate, max_bytes=a.capture_max_mb << 20) if a.capture else None)
     say(f"serve: starting vLLM with {uri} ({how}) behind our proxy; log under {settings.state_dir / 'vllm'}")
     with LiveServer(LiveConfig(port=a.port, capture=capture), served_as(uri, spec, lineage), settings, say) as live:
@@ -329,8 +364,11 @@ def _serve_live(a, settings, spec, lineage, uri: str, how: str, followed) -> int
             say(f"serve: capturing {capture.rate:.0%} of requests to {live.capture.root}/{lineage['target_name']} "
                 f"(Parquet, at most {a.capture_max_mb} MiB, oldest dropped first)")
         if following is not None:
+            rb = following.rollback
             say(f"serve: following {a.head} (every {a.follow_interval:g} s): a new version is swapped in without "
-                "failing a request")
+                "failing a request" + (f"; rolled back when its live tau over a {rb.window_s:g} s window is below "
+                                       f"{rb.floor_tau:g} or {following.ratio:g} x the previous champion's for "
+                                       f"{rb.sustain_windows} windows" if rb.enabled else "; no rollback"))
         say(f"serve: vLLM at {live.engine.base_url}; proxy status: {live.base_url}/eagle/status")
         say(f"serve: ready at {live.base_url}/v1 (model {spec.served_model_name!r}); Ctrl-C stops the server")
         follow(live, following, say)

@@ -157,6 +157,15 @@ def _serve_args(p):
                    help="--head models:/NAME@ALIAS: poll the registry and, when the alias moves, start the new "
                         "version's vLLM beside the old one and switch to it without failing a request (proxy in front)")
     p.add_argument("--follow-interval", type=_positive, default=30.0, help="seconds between polls of the alias")
+    p.add_argument("--rollback", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --follow-alias: swap a head whose live tau collapses (below monitor.rollback.floor_tau, "
+                        "or monitor.ratio x the previous champion's) back to the previous champion (plain decoding "
+                        "when none) and move the alias back (default: monitor.rollback.enabled, on)")
+    p.add_argument("--rollback-window", type=_positive, help="seconds per judged window of live acceptance (default: "
+                   "monitor.rollback.window_s)")
+    p.add_argument("--rollback-floor", type=float, help="window tau below this is a collapse (default: "
+                   "monitor.rollback.floor_tau)")
+    _config_args(p, "JSON file overriding the preset (its `monitor` section is used: ratio and rollback)")
 
 
 def _watch_args(p):

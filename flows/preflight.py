@@ -347,6 +347,10 @@ def _flag_values(a) -> dict:
     if a.command == "monitor":
         return {k: v for k, v in (("interval_s", a.interval), ("window_s", a.window), ("ratio", a.ratio),
                                   ("sustain_s", a.sustain)) if v is not None}
+    if a.command == "serve":
+        rollback = {k: v for k, v in (("enabled", a.rollback), ("window_s", a.rollback_window),
+                                      ("floor_tau", a.rollback_floor)) if v is not None}
+        return {"rollback": rollback} if rollback else {}
     return {}
 
 
@@ -360,8 +364,9 @@ def command_config(a) -> PipelineConfig:
     flags = _flag_values(a)
     if not flags:
         return cfg
-    return dataclasses.replace(cfg, **{a.command: override_values(getattr(cfg, a.command), flags, "command line",
-                                                                  a.command)})
+    section = "monitor" if a.command == "serve" else a.command  # serve's flags are the monitor's rollback
+    return dataclasses.replace(cfg, **{section: override_values(getattr(cfg, section), flags, "command line",
+                                                                section)})
 
 
 def check_config(a, settings: Settings | None) -> None:
@@ -418,6 +423,7 @@ def check_serve(a, settings: Settings) -> None:
     if getattr(a, "k", None) and getattr(a, "concurrency", None):
         raise BadInput("serve: --k pins K, --concurrency picks it from the registered schedule: give one of them")
     _check_head_and_target(a, settings)
+    command_config(a)  # the monitor's ratio and rollback settings, checked before an engine starts
     if not a.print_only:
         check_port_free(a.port)
         check_engine_python(None, settings, who="serve")

@@ -24,6 +24,10 @@ With `target.runtime: vllm` the target is never loaded here: regeneration, extra
 stages start (every one with `target`'s scale settings, which `runtime.engine_settings` puts in
 `Settings.engine_scale`), the local evaluation is skipped and the gate decides on vLLM's τ (the HeadRun's own
 `tau`/`speedup` are nan, its `vllm` holds the figures).
+With `capture_plan` (a retrain on served traffic, flows/retrain_capture.py: components/captured_traffic.py) the run
+trains on the captured conversations as they were served beside the registered traffic's share it regenerates,
+warm-starts from the target's own champion, tags the plan's lineage, and, when a champion exists, runs the shadow
+test (components/shadow.py) before registering: an extra gate on the alias.
 Run: `eagle-heads train --target DIR|models:/name/version --traffic FILE --heldout FILE`, or as a deployment
 (prefect.yaml). Not here: any algorithm; see components/.
 """
@@ -41,8 +45,10 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NO_CACHE
 
 from components.atomic import atomic_write_text, file_sha256
+from components.captured_traffic import CapturePlan
 from components.evaluate_engine import EngineEvalResult
 from components.evaluate import EvaluateResult
 from components.extract import ExtractResult
@@ -52,6 +58,7 @@ from components.regenerate import RegenerateResult
 from components.register import (HeadToRegister, RegisteredRun, RegisterResult, TargetRef, check_head_name,
                                  head_model_name, identical_of, register_head, register_target, registered_run,
                                  tag_float)
+from components.shadow import shadow_test
 from components.target_runtime import TargetRuntime
 from components.targets import weights_sha256
 from components.train import CHOICE_KEYS, TrainResult
@@ -124,6 +131,9 @@ def register_task(settings: Settings, cfg, head: HeadToRegister,
         return register_head(MlflowStore.connect(settings), cfg, head, runtime)
 
 
+shadow_task = task(name="shadow", cache_policy=NO_CACHE, retries=1, retry_condition_fn=transient)(shadow_test)
+
+
 def resolve_target(store: MlflowStore, target: str, name: str | None = None,
                    settings: Settings | None = None) -> tuple[TargetRef, bool]:
     """A local directory and registry identity for `target` (registering an HF directory if needed), and whether
@@ -154,12 +164,13 @@ class ParentHead:
 
 
 def parent_head(store: MlflowStore, tref: TargetRef, cfg: PipelineConfig,
-                trust_remote_code: bool = False) -> ParentHead | None:
-    """The champion head of the target this version was fine-tuned from (its `base_model` tag, "name/version"),
-    when warm start is on and that head fits this target's shapes; else None (a fresh head)."""
+                trust_remote_code: bool = False, own: bool = False) -> ParentHead | None:
+    """The champion head of the target this version was fine-tuned from (its `base_model` tag, "name/version"; `own`:
+    of this very version), when warm start is on and that head fits this target's shapes; else None (a fresh head)."""
     if not cfg.train.warm_start:
         return None
-    base = store.get_version(tref.name, tref.version).tags.get("base_model", "")  # `resolve_target` registered it
+    base = (f"{tref.name}/{tref.version}" if own  # `resolve_target` registered the version and its base_model tag
+            else store.get_version(tref.name, tref.version).tags.get("base_model", ""))
     if not base or "/" not in base:
         return None
     base_name, base_version = base.rsplit("/", 1)
@@ -190,18 +201,21 @@ def parent_head(store: MlflowStore, tref: TargetRef, cfg: PipelineConfig,
 
 
 def run_key_of(target: TargetRef, traffic: str, heldout: str, cfg: PipelineConfig,
-               parent: ParentHead | None = None) -> str:
+               parent: ParentHead | None = None, plan: CapturePlan | None = None) -> str:
     parts = [target.weights_sha256, traffic_sha256(traffic), traffic_sha256(heldout), cfg.fingerprint()]
     if parent is not None:  # a warm-started head depends on the head it started from
         parts.append(parent.weights_sha256)
+    if plan is not None:  # and a head trained on captured traffic on what was captured
+        parts.append(plan.sha256)
     return hashlib.sha256("|".join(parts).encode()).hexdigest()
 
 
 @flow(name="train-head", log_prints=True)
 def train_head(target: str, traffic: str, heldout: str, preset: str = "default", config_path: str | None = None,
-               target_name: str | None = None) -> HeadRun:
+               target_name: str | None = None, capture_plan: str | None = None) -> HeadRun:
     log = get_run_logger()
-    cfg = PipelineConfig.load(config_path, preset)
+    plan = CapturePlan.read(capture_plan) if capture_plan else None
+    cfg = plan.applied(PipelineConfig.load(config_path, preset)) if plan else PipelineConfig.load(config_path, preset)
     settings = cfg.runtime.engine_settings(Settings.from_env())  # the target's scale, for each vLLM of the run
     check_inputs(target, traffic, heldout, cfg, settings)
     gguf, target = target, materialize_target(target, settings.state_dir, log.info)  # a GGUF file: converted once
@@ -211,19 +225,19 @@ def train_head(target: str, traffic: str, heldout: str, preset: str = "default",
     store = MlflowStore.connect(settings)
     tref, registered = resolve_target(store, target, target_name, settings)
     check_head_name(store, tref, cfg.register)  # a head name taken by another kind of model: refuse before the work
-    parent = parent_head(store, tref, cfg, settings.trust_remote_code)
+    parent = parent_head(store, tref, cfg, settings.trust_remote_code, own=plan is not None)
     if parent is not None:
         log.info(f"warm start from {parent.uri} (the base target's champion head)")
         if cfg.train.warm_start_steps:
             cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=cfg.train.warm_start_steps))
-    key = run_key_of(tref, traffic, heldout, cfg, parent)
+    key = run_key_of(tref, traffic, heldout, cfg, parent, plan)
     work = settings.state_dir / "runs" / f"{tref.name}-v{tref.version}" / key[:12]
     made_work = not work.exists()
     work.mkdir(parents=True, exist_ok=True)
     log.info(f"target {tref.name} v{tref.version} ({tref.path}); run {key[:12]} in {work}")
     with target_lock(settings, f"{tref.name}-v{tref.version}"):
         try:
-            return _run(cfg, settings, store, tref, key, work, traffic, heldout, parent)
+            return _run(cfg, settings, store, tref, key, work, traffic, heldout, parent, plan)
         except BadInput:
             if not _resumable(work):  # a refusal before any stage finished: take back what this run made
                 try:
@@ -265,7 +279,7 @@ def forget_refused_run(store: MlflowStore, settings: Settings, tref: TargetRef |
 
 
 def _run(cfg: PipelineConfig, settings: Settings, store: MlflowStore, tref: TargetRef, key: str, work: Path,
-         traffic: str, heldout: str, parent: ParentHead | None = None) -> HeadRun:
+         traffic: str, heldout: str, parent: ParentHead | None = None, plan: CapturePlan | None = None) -> HeadRun:
     name = head_model_name(tref, cfg.register.experiment_suffix)
     if (done := registered_run(store, name, key)) is not None:
         print(f"run {key[:12]} already registered as {done.uri}; nothing to do")
@@ -275,13 +289,15 @@ def _run(cfg: PipelineConfig, settings: Settings, store: MlflowStore, tref: Targ
     regen = fresh_if_missing(regenerate_task, regen_dir)(cfg.regenerate, tref.path, traffic, regen_dir, trust,
                                                          ray_settings=settings, runtime=cfg.runtime)
     print(f"regenerate: {regen.ok} ok, {regen.failed} failed, {regen.skipped} skipped of {regen.total}")
+    if plan is not None:  # the target's own served answers, beside the regenerated ones: nothing to regenerate
+        print(f"capture: {plan.add_to(regen_dir)} captured conversations as served ({plan.greedy} greedy)")
     ext = fresh_if_missing(extract_task, Path(ext_dir) / "manifest.json")(cfg.extract, tref.path, regen_dir, ext_dir,
                                                                            trust, ray_settings=settings,
                                                                            runtime=cfg.runtime)
     with store.run(f"{name}-{key[:12]}", tags={"run_key": key, "target": f"{tref.name}/{tref.version}"}) as run_id:
         lineage = {"target_name": tref.name, "target_version": tref.version,
                    "target_weights_sha256": tref.weights_sha256, "traffic_sha256": traffic_sha256(traffic),
-                   "run_key": key, **({"init_from": parent.uri} if parent else {})}
+                   "run_key": key, **({"init_from": parent.uri} if parent else {}), **(plan.tags() if plan else {})}
         champion = store.get_alias(name, CHAMPION)
         job = HeadJob(cfg, settings, tref, work, heldout, lineage, MlflowSink(store.tracking_uri, run_id), parent,
                       str(store.resolve(champion.uri)) if champion else None)
@@ -299,7 +315,12 @@ def _run(cfg: PipelineConfig, settings: Settings, store: MlflowStore, tref: Targ
                                      "speedup_vllm_note": engine.speedup_note if engine else "",
                                      "target_runtime": cfg.runtime.tag(),
                                      "extract_engine": cfg.runtime.engine_of("extract"),  # who computed the features
-                                     **(sweep.tags() if sweep else {}), **choice_tags})
+                                     **(sweep.tags() if sweep else {}), **choice_tags,
+                                     **(plan.tags() if plan else {})})
+        if plan is not None and champion is not None:  # the shadow test: an extra gate before the alias moves
+            shadow = shadow_task(cfg.evaluate, tref.path, tr.head_dir, job.champ_dir, plan.heldout_file,
+                                 str(work / "shadow"), settings, champion.uri)
+            head = dataclasses.replace(head, extra_gate=shadow.gate(), notes={**head.notes, **shadow.tags()})
         reg = register_task(settings, cfg.register, head, cfg.runtime)
     nan = float("nan")  # a figure of this project's decoding, not measured when vLLM runs the target
     summary = HeadRun(head_uri=reg.uri, alias=reg.alias, promoted=reg.promoted, gate=reg.reason,

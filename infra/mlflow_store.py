@@ -331,6 +331,12 @@ class MlflowStore:
     def set_alias(self, name: str, alias: str, version: int) -> None:
         self.client.set_registered_model_alias(name, alias, str(version))
 
+    def delete_alias(self, name: str, alias: str) -> None:
+        self.client.delete_registered_model_alias(name, alias)
+
+    def set_version_tag(self, name: str, version: int, key: str, value: str) -> None:
+        self.client.set_model_version_tag(name, str(version), key, value)
+
     def get_alias(self, name: str, alias: str) -> ModelVersionRef | None:
         """The version `alias` points to, or None when the alias is not set."""
         try:

@@ -11,7 +11,8 @@ and `/metrics` of vLLM are reachable through it. It runs on its own thread with 
   it); nothing is parsed here, and a failing `record` never reaches the client.
 - Swap: `route_to(backend)` sends new requests to another backend (on the loop's thread, so a request is counted
   in flight on the backend it went to before the switch returns); `drain(old, timeout_s)` waits until the old one
-  has no request in flight. A client that hangs up closes its upstream request (vLLM aborts it).
+  has no request in flight; `cut(old)` closes the connections of the requests it still has (a drain that timed
+  out). A client that hangs up closes its upstream request (vLLM aborts it).
 - `GET /eagle/status`: the current backend, requests in flight per backend, and `status_extra()` (capture counts).
   `backend.url + "/metrics"` is where the live acceptance of what is served now is read (infra/vllm_server.py
   `SpecCounters`).
@@ -47,6 +48,8 @@ class Backend:
     url: str
     meta: Mapping[str, str] = field(default_factory=dict)
     in_flight: int = 0  # touched on the proxy's loop thread only
+    # its requests in flight by id (aiohttp's requests are not hashable); the loop's thread only
+    requests: dict = field(default_factory=dict, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -115,6 +118,23 @@ class ServeProxy:
             time.sleep(0.2)
         self._call(lambda: backend in self._known and self._known.remove(backend))
         return True
+
+    def cut(self, backend: Backend) -> int:
+        """Close the client connections of `backend`'s requests in flight (a drain that timed out): each client sees
+        its connection cut before the answer's end (a stream without `[DONE]`), never a short answer that looks
+        complete, and nothing of them is captured. Returns how many were cut; `backend` is forgotten."""
+
+        def run() -> int:
+            n = 0
+            for request in list(backend.requests.values()):
+                if request.transport is not None:
+                    request.transport.abort()
+                    n += 1
+            if backend in self._known:
+                self._known.remove(backend)
+            return n
+
+        return self._call(run)
 
     def status(self) -> dict[str, Any]:
         return self._call(self._status)
@@ -191,6 +211,7 @@ class ServeProxy:
 
         backend = self._backend  # picked and counted with no await between: route_to() sees it in flight
         backend.in_flight += 1
+        backend.requests[id(request)] = request
         t0, wall = time.perf_counter(), time.time()
         kept: list[bytes] | None = None
         try:
@@ -233,6 +254,7 @@ class ServeProxy:
                 return resp
         finally:
             backend.in_flight -= 1
+            backend.requests.pop(id(request), None)
 
     async def _status_page(self, request):
         from aiohttp import web

@@ -48,6 +48,10 @@ CONFIG_ROWS: dict[str, tuple[dict, str]] = {
     "train-bucket-not-bool": ({"train": {"bucket_by_length": "yes"}},
                               "train.bucket_by_length: 'yes' is not of type bool"),
     "train-teacher-cache-negative": ({"train": {"teacher_cache_mib": -1}}, "train.teacher_cache_mib must be"),
+    "capture-mix-one": ({"capture": {"mix": 1}}, "capture.mix must be a number in (0, 1)"),
+    "capture-heldout-zero": ({"capture": {"heldout": 0}}, "capture.heldout must be an integer >= 1, got 0"),
+    "capture-trigger-not-int": ({"capture": {"trigger_new": 2.5}}, "capture.trigger_new: 2.5 is not of type int"),
+    "capture-unknown-key": ({"capture": {"ratio": 0.5}}, "unknown key capture.ratio"),
 }
 
 # real checkpoints the pipeline does not support yet (components/targets.py `check_target`, flows/preflight.py

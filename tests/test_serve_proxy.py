@@ -9,14 +9,19 @@ Purpose:
 - swap: `eagle-heads serve --follow-alias --capture` on a registered head; under a bounded streaming load (4 clients)
   the alias moves to another version (served with another K): serve starts it beside the running engine, switches
   and drains; 0 failed or truncated requests, every greedy output equal to this project's plain decoding, the
-  captured rows name both versions.
-Run: `python -m pytest tests/test_serve_proxy.py` (about 2-3 minutes on 2 cores: three engine starts). Needs vLLM's
+  captured rows name both versions;
+- swap faults: a new engine that fails to start (its head's config is broken) leaves the running one serving, with
+  0 failed requests under load meanwhile; a drain that times out (the old engine hangs, its processes stopped, with
+  a request in flight) cuts that request (its client's connection closes with no answer: an error, never a short
+  answer that looks complete), says so, stops the old engine, and the new one serves.
+Run: `python -m pytest tests/test_serve_proxy.py` (about 4 minutes on 2 cores: five engine starts). Needs vLLM's
 venv (`make vllm`).
 Not here: the dataset writer's rotation, cap and atomic files (tests/test_capture.py, no vLLM).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -195,10 +200,10 @@ def test_a_swap_under_streaming_load_fails_no_request(engine_target, engine_head
 
 
 def _client(url: str, model: str, prompts, seed: int, stop: threading.Event, results: list) -> None:
-    """Streams greedy requests one after another (prompt by prompt, from `seed`) until `stop`."""
+    """Streams greedy requests one after another (prompt by prompt, from `seed`) until `stop` (at least one)."""
     i = seed
     with httpx.Client(timeout=300) as client:
-        while not stop.is_set():
+        while not (stop.is_set() and i > seed):
             p = i % len(prompts)
             i += 1
             r = {"prompt": p, "error": None, "done": False, "finish_reason": None, "token_ids": []}
@@ -233,3 +238,78 @@ def _until(cond, timeout_s: float = 60.0) -> None:
     while not cond():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.1)
+
+
+def test_a_swap_that_does_not_start_or_drain_in_time_fails_no_request_it_need_not(engine_target, engine_head,
+                                                                                   engine_settings, prompts, tmp_path):
+    said: list[str] = []
+    spec = EngineSpec(engine_target.target_dir, engine_head.head_dir, num_speculative_tokens=2,
+                      served_model_name=NAME)
+    broken = tmp_path / "broken-head"
+    shutil.copytree(engine_head.head_dir, broken)
+    (broken / "config.json").write_text("{ not json")
+    plain = _plain(engine_target, prompts)
+    cfg = LiveConfig(drain_timeout_s=1.0)
+    with LiveServer(cfg, Served(spec, engine_head.head_dir, NAME), engine_settings, said.append) as live:
+        first = live.engine.base_url
+        results, stop = [], threading.Event()
+        clients = [threading.Thread(target=_client, args=(live.base_url, NAME, prompts, i, stop, results))
+                   for i in range(3)]
+        for c in clients:
+            c.start()
+        try:
+            _until(lambda: len(results) >= 3, 120)
+            assert not live.swap_to(Served(dataclasses.replace(spec, head_dir=str(broken)), str(broken), NAME))
+            after = len(results)
+            _until(lambda: len(results) >= after + 3, 120)  # still served by the first engine
+        finally:
+            stop.set()
+            for c in clients:
+                c.join(120)
+        assert any("did not start" in s and "still serving" in s for s in said), said
+        assert live.engine.base_url == first and live.proxy.status()["backend"] == first
+        failed = [r for r in results if r["error"] or not r["done"] or r["finish_reason"] is None]
+        assert not failed and all(r["token_ids"] == plain[r["prompt"]] for r in results), failed
+
+        # the drain: the old engine hangs (stopped) with a request in flight past drain_timeout_s
+        old_pid, hung = live.engine.proc.pid, []
+        os.killpg(old_pid, signal.SIGSTOP)
+        try:
+            waiter = threading.Thread(target=_client, args=(live.base_url, NAME, prompts, 0, _set(), hung))
+            waiter.start()
+            _until(lambda: sum(live.proxy.status()["in_flight"].values()) == 1, 30)
+            swapped: list[bool] = []
+            swapper = threading.Thread(target=lambda: swapped.append(live.swap_to(
+                Served(dataclasses.replace(spec, num_speculative_tokens=3), engine_head.head_dir, NAME))))
+            swapper.start()
+            _until(lambda: bool(hung), 300)  # the cut comes once the new engine is up and the drain timed out
+        finally:
+            os.killpg(old_pid, signal.SIGCONT)  # the stop's SIGTERM then ends it at once
+        swapper.join(120)
+        waiter.join(30)
+        assert swapped == [True]
+        [r] = hung
+        assert r["error"] and not r["done"] and not r["token_ids"], r  # cut: an error, no answer, no [DONE]
+        line = next(s for s in said if "serve: swapped" in s and "drain timed out" in s)
+        assert "after 1 s: 1 request(s) still running were cut" in line, said
+        assert live.engine.base_url != first and live.proxy.status()["in_flight"] == {live.engine.base_url: 0}
+        with httpx.Client(timeout=120) as client:
+            raw = _stream(client, live.base_url, prompts[1])
+        ids = [t for e in _events(raw) for c in e["choices"] for t in c.get("token_ids") or []]
+        assert raw.endswith(b"data: [DONE]\n\n") and ids == plain[1]
+    _until(lambda: not _alive(old_pid), 30)
+
+
+def _set() -> threading.Event:
+    """A stop event already set: `_client` sends exactly one request."""
+    e = threading.Event()
+    e.set()
+    return e
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/status").read_text().find("State:\tZ") < 0
