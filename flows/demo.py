@@ -4,9 +4,9 @@ Purpose: build (or reuse) the embedded default (the real SmolLM2-135M-Instruct, 
 `--embedded-preset toy`: the stdlib Llama built here), register the base target as version 1 of `smollm2-135m` (the
 toy's: `stdlib-llama`), train/evaluate/register its head through `train-head`, then register
 the fine-tune as version 2 and let the trigger path (registry watcher -> `on-new-finetune`) train its head.
-The two heads show both extraction paths side by side: the base's features are extracted as the preset says (local
-in `default` and `tiny`), the fine-tune's by the serving engine (`extract.engine: vllm`, production's path, through
-a config file of that one key, `<state>/demo/finetune-extract-<engine>.json`; `finetune_extract` picks the engine).
+The base's features are extracted as the preset says (by vLLM in `default`, production's path; in this process in
+`tiny`, so the tests show both paths side by side), the fine-tune's by the serving engine (`extract.engine: vllm`,
+through a config file of that one key, `<state>/demo/finetune-extract-<engine>.json`; `finetune_extract` picks it).
 Returns a table of both heads (`features`: who computed the head's features, from its registered `extract_engine`
 tag; tau measured here: emitted tokens per step, and `tau_raw`, what the rule accepted, as vLLM counts; with
 `evaluate.engine: vllm` also tau in vLLM serving the head, equal to `tau_raw`) whose last
