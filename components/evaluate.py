@@ -66,10 +66,10 @@ class EvaluateConfig:
     # decode every prompt to its length limit, past EOS (for measuring acceptance at long output positions; vLLM's
     # `ignore_eos` in the engine evaluation)
     ignore_eos: bool = False
-    # torch CPU threads while our decoder runs and is timed (0: torch's default, one per core). Measured on 2 cores
-    # (2026-12-04, AMD EPYC, the demo's base head, quiet): 1 thread 1.35x (plain 195 tok/s, speculative 263), torch's
-    # 2 threads 0.97x (169 / 167): batch-1 passes of a small target lose more to the threads' synchronisation than
-    # they gain, the speculative step's many small ones most. vLLM's CPU worker there decodes on one core as well.
+    # torch CPU threads while our decoder runs and is timed (0: torch's default, one per core). One thread: batch-1
+    # passes of a small target lose more to the threads' synchronisation than they gain, the speculative step's many
+    # small ones most, so torch's default hides the head's speedup (bench/README.md, "Figures moved from code
+    # comments"). vLLM's CPU worker there decodes on one core as well.
     threads: int = 1
     # time our own decoder against plain (`speed`'s rounds); false: each prompt is decoded once each way, untimed (tau,
     # acceptance and identity as before) and our speedup is not measured: where vLLM measures the head

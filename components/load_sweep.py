@@ -10,8 +10,8 @@ spare, so one K is not right at every load. For the held-out prompts (the evalua
   measures the cells (one server at one concurrency of `cfg.load.concurrency`) with vLLM's own load client
   (infra/vllm_bench.py) in rounds, each request stopping at its end-of-sequence token as the evaluation's do
   (`evaluate.ignore_eos`: both run every request to its limit; timed past EOS, a head drafts text no production
-  request asks for, and in the demo of 2026-12-05 the sweep read 1.03x at concurrency 1 where the evaluation of the
-  same servers read 1.22x): in each round every level, and at each level every server, the order
+  request asks for, and the sweep's figure falls well below the evaluation's on the same servers: bench/README.md,
+  "Figures moved from code comments"): in each round every level, and at each level every server, the order
   alternating (plain, K... at one level, the reverse at the next and in the next round), `cfg.load.repeats`
   rounds. A machine whose load drifts then touches every cell alike. When all servers do not fit in memory (by
   `memory_fit`'s estimate, or one of them fails to start beside the others), plain stays up and the K servers

@@ -15,7 +15,7 @@ Counter resets (the server restarted: a counter went back) are handled: the inte
 new reading from zero. `baseline_of(store, target)` reads the champion head of a target version and its registered
 τ: `tau_vllm` when the evaluation measured it in vLLM (the same counters the monitor reads), else `tau`.
 `newest_snapshot(traffic_dir)` picks the traffic a drop retrains on: the last `<snapshot>/train.jsonl` +
-`heldout.jsonl` in name order (name snapshots by date, e.g. `2026-12-02`).
+`heldout.jsonl` in name order (name snapshots by ISO date, `YYYY-MM-DD`, so that name order is time order).
 `window_start` / `window_counts` are the window arithmetic the rollback's judge shares (components/rollback.py);
 `RollbackConfig` (`monitor.rollback`) says when `eagle-heads serve --follow-alias` swaps a collapsed head back.
 Run: `eagle-heads monitor --metrics-url URL --target models:/NAME/VERSION` or the `watch-acceptance` flow.

@@ -3,9 +3,8 @@
 Purpose: `kept_heap()` is a context manager for a CPU training loop. glibc's malloc serves every allocation above
 its mmap threshold (at most 32 MiB) with a fresh `mmap` and unmaps it on free, so a tensor of that size made at every
 step (the embedded target's logits: 8 x 256 x 8192 fp32 = 64 MiB, and their gradients) faults in and zeroes every
-page again, step after step. Measured on 2 AMD EPYC cores (2026-12-04, the embedded default's target step, bf16
-autocast, 4 alternating pairs of fresh processes, 12 steps each): 91-107 k page faults and 0.23-0.25 s of kernel time
-a step, 749-768 ms a step; with the heap kept, ~0 faults, 0.04 s, 605-675 ms (16% faster). Inside the block
+page again, step after step: on a small target that kernel work is a sizeable share of a CPU step, and keeping the
+heap removes almost all of it (bench/README.md, "Figures moved from code comments"). Inside the block
 `mallopt` stops malloc from using `mmap` (`M_MMAP_MAX` 0: every allocation comes from the heap and is reused) and
 returns the heap's free top to the kernel only past 1 GiB (`M_TRIM_THRESHOLD`); on exit glibc's default limit and
 trim threshold come back and `malloc_trim(0)` hands the free memory back. The peak memory is the loop's own; what

@@ -161,8 +161,8 @@ class EmbeddedConfig:
 
         The shape is the cheapest of those that reached the same held-out loss at equal training tokens (same data
         and seed); batch 8 for more steps did better than 16 for half as many, at about the same tokens/s on 2 cores.
-        650 steps were tried for the demo's time (2026-12-05, bench/README.md): 0.8 min less of the build, but the
-        fine-tune's head read τ 1.96 and 2.25 in two fresh demos against 2.52-2.78 at 800; not taken.
+        Fewer steps (650) save under a minute of the build but leave the fine-tune's head clearly worse in fresh
+        demos (bench/README.md, "The suite under 15 min; a shorter target tried for the demo and not taken").
         """
         return cls()
 

@@ -3,8 +3,8 @@
 Purpose: `host_memory(device)` gives (total, available) bytes of host memory (CPU build) or of the first GPU, so
 that the load sweep knows how many servers fit at once. `cpu_kv_cache_bytes(...)` sizes a CPU engine's KV cache
 from the target's own shape: vLLM's CPU build otherwise reserves its `--gpu-memory-utilization` share of host memory
-for the cache (2-5 GiB on a 24 GB machine for a 30 MB target), and zeroing it is about 2 s and 2 s of CPU of every
-start (measured 2026-12-04, AMD EPYC, 2 cores: 18-20 s to healthy with the 0.12 share, 16.5-17.5 s with 768 MiB).
+for the cache (2-5 GiB on a 24 GB machine for a 30 MB target), and zeroing it costs every start seconds of wall
+time and of CPU (bench/README.md, "Figures moved from code comments").
 The size is the cache of `KV_SEQS` sequences of `max_model_len` tokens each, target and head layers together, at
 most the share: enough for the concurrency the pipeline asks of an engine (16 in the load sweep by default; vLLM
 queues requests past what its cache holds, it never fails them).

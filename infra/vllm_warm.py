@@ -3,9 +3,9 @@
 Purpose: when vLLM resolves a model architecture it has not seen on this machine, it inspects the model class in a
 fresh Python subprocess that imports vLLM and torch (`_run_in_subprocess` in vLLM 0.32's
 `model_executor/models/registry.py`, "to avoid initializing CUDA"), then caches the answer under
-`~/.cache/vllm/modelinfos` (keyed by the model file's hash). Measured on 2 cores (2026-12-04): the first start of
-an engine with a head made two such imports, 54 s of its 82-103 s to healthy, and the demo's first pair of servers
-starts both at once, each missing the same cache. This script fills the cache for the architectures this project
+`~/.cache/vllm/modelinfos` (keyed by the model file's hash). Those imports are half or more of a first engine
+start on a small machine (bench/README.md, "Figures moved from code comments"), and the demo's first pair of
+servers starts both at once, each missing the same cache. This script fills the cache for the architectures this project
 serves (its embedded Llama target, the families the tests build, EAGLE-3 heads, the hidden-states extractor) in
 one process, with vLLM's own inspection and cache code: one import of vLLM for all of them.
 It runs in vLLM's own venv (only the standard library and vLLM). Any failure is one line and exit 0: the cache is

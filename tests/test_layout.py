@@ -22,6 +22,7 @@ Purpose: keep the layer rules of ARCHITECTURE.md true as the code grows:
                  other count): a name another module needs is public where it is defined; tests/ is exempt
                  (a test may reach a module's internals to test them, and test modules share helpers)
     every non-empty module has a docstring; every file is under MAX_LINES lines
+    no date (20YY-MM-DD) in the code of CYCLE_PACKAGES: a dated measurement goes to bench/README.md
 Run: `python -m pytest tests/test_layout.py` (well under a second; nothing is imported).
 Not here: style or naming checks, anything that needs importing the code.
 """
@@ -29,6 +30,7 @@ Not here: style or naming checks, anything that needs importing the code.
 from __future__ import annotations
 
 import ast
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -324,6 +326,15 @@ def test_every_module_has_a_docstring():
 def test_files_stay_small():
     big = [f"{m.rel}: {m.n_lines} lines" for m in MODULES if m.n_lines >= MAX_LINES]
     assert not big, f"split files of {MAX_LINES}+ lines:\n" + "\n".join(big)
+
+
+def test_no_dates_in_the_code():
+    """Comments say why, not when: a dated measurement belongs in bench/README.md ("Figures moved from code
+    comments"), the code keeping the reason it supports."""
+    date = re.compile(r"\b20\d\d-[01]\d-[0-3]\d\b")
+    dated = [f"{m.rel}:{i}" for m in MODULES if m.package in CYCLE_PACKAGES
+             for i, line in enumerate(m.path.read_text().splitlines(), 1) if date.search(line)]
+    assert not dated, "dates in code (move the figure to bench/README.md):\n" + "\n".join(dated)
 
 
 def test_module_seconds_sum_a_junit_run_by_module(tmp_path):
