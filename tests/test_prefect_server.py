@@ -30,8 +30,8 @@ TARGET = "stdlib-llama"
 
 def _tiny_prefect_yaml(dest: Path) -> Path:
     text = (ROOT / "prefect.yaml").read_text()
-    assert text.count("preset: default") == 3, ("prefect.yaml: expected `preset: default` in retrain and the two "
-                                                "triggers")
+    assert text.count("preset: default") == 4, ("prefect.yaml: expected `preset: default` in retrain, the two "
+                                                "triggers and retrain-on-capture")
     out = dest / "prefect.yaml"
     out.write_text(text.replace("preset: default", "preset: tiny"))
     return out
