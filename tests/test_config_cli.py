@@ -108,7 +108,7 @@ def test_the_command_table_is_the_only_list_of_commands():
     for name, command in COMMANDS.items():
         assert callable(getattr(flows.preflight, command.preflight)), name
     takes_config = {n for n in COMMANDS if "--config" in options[n]}
-    assert takes_config == {"train", "evaluate", "watch", "monitor"}
+    assert takes_config == {"train", "evaluate", "watch", "monitor", "serve"}  # serve: its monitor section
     assert all("--set" in options[n] for n in takes_config)
 
 

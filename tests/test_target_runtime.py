@@ -44,8 +44,8 @@ def _asks(rt: TargetRuntime) -> tuple:
 def test_each_config_variant_gives_what_each_stage_asks():
     tiny = PipelineConfig.tiny().runtime
     assert _asks(tiny) == (False, False, False, False, True) and tiny.tag() == "" and tiny.gate_tau == "local"
-    default = PipelineConfig.default().runtime  # its regeneration and evaluation are vLLM's, its target loaded here
-    assert _asks(default) == (True, False, True, True, True) and default.tag() == ""
+    default = PipelineConfig.default().runtime  # regeneration, extraction and evaluation vLLM's, its target loaded here
+    assert _asks(default) == (True, True, True, True, True) and default.tag() == ""
     vllm = PipelineConfig.tiny().override(VLLM).runtime
     assert _asks(vllm) == (True, True, True, True, False) and vllm.tag() == "vllm" and vllm.gate_tau == "engine"
     assert [vllm.engine_of(s) for s in ("regenerate", "extract", "evaluate")] == ["vllm"] * 3
