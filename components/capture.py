@@ -34,10 +34,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from components.atomic import atomic_path, remove_stale_temps
-from components.capture_records import SCHEMA_VERSION, exchange_record, schema
-
-PATTERN = "capture-*.parquet"
-META_KEY = b"eagle.capture"
+from components.capture_records import FILE_PATTERN as PATTERN, META_KEY, SCHEMA_VERSION, exchange_record, schema
 
 
 @dataclass(frozen=True)
