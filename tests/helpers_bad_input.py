@@ -4,7 +4,7 @@ Purpose: pieces of tests/test_bad_input_table.py, kept here so that the table mo
 `SERVE`, `MON` (argv templates over the paths of its `files` fixture) and `argv_with`; issue 49's rows (`FILE_ROWS`:
 other encodings, deep or huge JSON, named pipes, devices, sockets, link loops, unreadable files, the vLLM python,
 EAGLE_HOME's folders, TMPDIR; `MODEL_ROWS`: real checkpoints the pipeline does not support yet, a family it is not
-proven on, no chat template, a context shorter than the settings ask for, quantized weights) with what makes their
+proven on, no chat template, a context shorter than the settings ask for, quantized weights; `SERVE_ROWS`: serve's rollback flags) with what makes their
 inputs (`odd_files`, `TARGET_DAMAGE`, `HEAD_DAMAGE`, `odd_homes`); `time_limit`, which fails a row whose read blocks
 instead of hanging the suite.
 Run: imported by tests/test_bad_input_table.py; nothing runs at import.
@@ -52,6 +52,14 @@ CONFIG_ROWS: dict[str, tuple[dict, str]] = {
     "capture-heldout-zero": ({"capture": {"heldout": 0}}, "capture.heldout must be an integer >= 1, got 0"),
     "capture-trigger-not-int": ({"capture": {"trigger_new": 2.5}}, "capture.trigger_new: 2.5 is not of type int"),
     "capture-unknown-key": ({"capture": {"ratio": 0.5}}, "unknown key capture.ratio"),
+}
+
+# serve's rollback flags (components/monitor.py `RollbackConfig`, flows/commands.py), as the table's ROWS
+SERVE_ROWS: dict[str, tuple[str, list[str], dict[str, str], str]] = {
+    "serve-rollback-window-zero": (EMPTY, _with(SERVE, rollback_window="0"), {},
+                                   "argument --rollback-window: '0': the interval must be > 0 seconds"),
+    "serve-rollback-floor-below-one": (EMPTY, _with(SERVE, rollback_floor="0.5"), {},
+                                       "monitor.rollback.floor_tau must be a finite number >= 1"),
 }
 
 # real checkpoints the pipeline does not support yet (components/targets.py `check_target`, flows/preflight.py
@@ -149,6 +157,7 @@ FILE_ROWS: dict[str, tuple[str, list[str], dict[str, str], str]] = {
     "tmpdir-is-a-file": (EMPTY, TRAIN, {"TMPDIR": "{traffic}"}, "TMPDIR={traffic}: a file, not a directory"),
     "tmpdir-not-writable": (EMPTY, TRAIN, {"TMPDIR": "/proc"}, "TMPDIR=/proc: not writable"),
     **MODEL_ROWS,
+    **SERVE_ROWS,
 }
 
 
