@@ -229,7 +229,8 @@ def engine_round(setup: Setup, heads: dict[str, Path], order: list[str], prompts
     from infra.vllm_server import VllmServer, running
 
     servers = {m: VllmServer(engine_spec(setup, m, heads.get(m), depth), settings) for m in order}
-    # a request after one on another server waits out that server's 1 s idle spin (bench/engine_spin.py)
+    # a request after one on another server waits out that server's 1 s idle spin (bench/README.md, "An idle vLLM
+    # server spins a core")
     pause = SwitchPause.between(servers[order[0]].spec, last=order[-1])
     rows = {m: {"outputs": [], "steps": [], "seconds": 0.0} for m in order}
     with running(*servers.values()):

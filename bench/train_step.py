@@ -12,7 +12,8 @@ Reports sequence tokens (not padding) per second of each way, its median over re
 the ratio to fp32.
 Run: `python bench/train_step.py --extract DIR [--reps 3] [--steps 12] [--warmup 2]` (about 2 min a repetition on
 2 cores on the real model). Writes `train_step.json`.
-Not here: what the head learns (bench/data_curve.py), the step's FLOPs (bench/train_flops.py).
+Not here: what the head learns (bench/data_curve.py), the step's FLOPs (bench/README.md, "The training step against
+the machine").
 """
 
 from __future__ import annotations

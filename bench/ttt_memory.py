@@ -7,7 +7,7 @@ The naive side (bench/reference_ttt.py) materialises [S, (k+1)S] scores at every
 teacher logits; it is skipped where its estimate exceeds --max-naive-gb. Writes bench/results/ttt_memory.json
 and bench/results/ttt_memory.png, and prints a table with the growth exponent between successive lengths
 (1.0 = linear, 2.0 = quadratic).
-Not measured here: speed (see bench/train_throughput.py when it exists).
+Not measured here: speed (bench/train_step.py).
 """
 
 from __future__ import annotations
