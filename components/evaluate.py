@@ -115,6 +115,20 @@ class EvaluateConfig:
 
 
 @dataclass(frozen=True)
+class HeadEval:
+    """What an evaluation of a head measures: the head on its target, on held-out traffic, its reports under `out_dir`
+    (vLLM's in `vllm/`, the load sweep's in `load/`: flows/evaluate_head.py), beside `baseline_dir` (e.g. the
+    champion, on the same prompts; None: none), with the training curves of `history_file` plotted (None: none)."""
+
+    target_dir: str
+    head_dir: str
+    heldout: str
+    out_dir: str
+    baseline_dir: str | None = None
+    history_file: str | None = None
+
+
+@dataclass(frozen=True)
 class EvaluateResult:
     tau: float
     speedup: float
@@ -225,13 +239,12 @@ def evaluate(cfg: EvaluateConfig, target_dir: str, head_dir: str, traffic_path: 
     threads; see the module doc."""
     from eagle import target_path
 
+    head = HeadEval(target_dir, head_dir, traffic_path, out_dir, baseline_head_dir, history_file)
     with target_path.cpu_threads(cfg.threads if cfg.device == "cpu" else 0):
-        return _evaluate(cfg, target_dir, head_dir, traffic_path, out_dir, baseline_head_dir, history_file, progress,
-                         trust_remote_code)
+        return _evaluate(cfg, head, progress, trust_remote_code)
 
 
-def _evaluate(cfg: EvaluateConfig, target_dir: str, head_dir: str, traffic_path: str, out_dir: str,
-              baseline_head_dir: str | None, history_file: str | None, progress: Callable[[str], None],
+def _evaluate(cfg: EvaluateConfig, head: HeadEval, progress: Callable[[str], None],
               trust_remote_code: bool) -> EvaluateResult:
     import torch
 
@@ -240,14 +253,14 @@ def _evaluate(cfg: EvaluateConfig, target_dir: str, head_dir: str, traffic_path:
     from eagle.export import load_head
     from eagle.speculative import generate_plain, generate_speculative
 
-    out = Path(out_dir)
+    out = Path(head.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(out)  # left by a run killed mid-write
-    target, tokenizer = load_target(target_dir, cfg.device, trust_remote_code=trust_remote_code)
-    draft = load_head(head_dir, target, device=cfg.device).eval()
-    baseline = load_head(baseline_head_dir, target, device=cfg.device).eval() if baseline_head_dir else None
+    target, tokenizer = load_target(head.target_dir, cfg.device, trust_remote_code=trust_remote_code)
+    draft = load_head(head.head_dir, target, device=cfg.device).eval()
+    baseline = load_head(head.baseline_dir, target, device=cfg.device).eval() if head.baseline_dir else None
     spec = cfg.spec_for(target)
-    prompts = held_out_samples(tokenizer, traffic_path, cfg)
+    prompts = held_out_samples(tokenizer, head.heldout, cfg)
     specs = [replace(spec, max_new_tokens=p.max_new_tokens) for p in prompts]  # each sample's own length limit
     gen = torch.Generator(device=cfg.device).manual_seed(cfg.seed)
     xs = [torch.tensor([p.ids], device=cfg.device) for p in prompts]
@@ -292,8 +305,7 @@ def _evaluate(cfg: EvaluateConfig, target_dir: str, head_dir: str, traffic_path:
     said = "identical" if identical else "DIFFERENT" if spec.greedy else "sampled (not compared token for token)"
     timed = f"speedup {speed.describe()}" if speed is not None else "speedup not timed (evaluate.time_local false)"
     progress(f"evaluate: {timed}; outputs {said}")
-    return _finish(cfg, out, samples, speed, identical, (stats, base_stats), history_file,
-                   target_path.record(target, spec.path))
+    return _finish(cfg, head, samples, speed, identical, (stats, base_stats), target_path.record(target, spec.path))
 
 
 def _sample_counts(stats) -> dict[str, list[int]]:
@@ -305,14 +317,13 @@ def _sample_counts(stats) -> dict[str, list[int]]:
             "drafted": drafted[live].tolist()}
 
 
-def _finish(cfg, out: Path, samples, speed: SpeedupEstimate | None, identical, runs, history_file,
-            path_record: dict):
+def _finish(cfg, head: HeadEval, samples, speed: SpeedupEstimate | None, identical, runs, path_record: dict):
     """The report over all prompts: emitted tau and alpha_k (the raw ones beside them), per segment, the baseline
-    head's tau on the same prompts, plots; writes `evaluation.json`."""
+    head's tau on the same prompts, plots; writes `evaluation.json` under `head.out_dir`."""
     from components.plots import plot_acceptance, plot_by_output_position, plot_training
     from eagle.stats import SpecStats, acceptance_by_position, raw_steps
 
-    stats, base_stats = runs
+    stats, base_stats, out, history_file = *runs, Path(head.out_dir), head.history_file
     n_tokens = sum(s["tokens"] for s in samples)
     every = SpecStats.cat(stats)
     tau, cond, cum = every.tau, every.per_position_acceptance, every.cumulative_acceptance

@@ -41,7 +41,7 @@ from typing import Callable
 
 from components.atomic import atomic_write_text
 from components.evaluate import EvaluateConfig, HeldOut, NotLosslessError, held_out_samples, position_metrics
-from components.speed import SpeedupEstimate, measure_speedup
+from components.speed import SpeedupEstimate, Timing, measure_speedup
 from infra.settings import Settings
 from eagle.stats import acceptance_by_position, raw_steps
 from infra.vllm_sampling import refuse_sampled_drafts
@@ -206,7 +206,7 @@ def evaluate_in_vllm(cfg: EvaluateConfig, target_dir: str, head_dir: str, traffi
             progress(f"evaluate (vLLM): starting the engine with the head ({cfg.spec.depth} speculative tokens)")
             srv = stack.enter_context(VllmServer(eval_spec(cfg, target_dir, head_dir, max_new_tokens=longest),
                                                  settings))
-        plain_run, spec_run, counters, speed = _interleaved(cfg, plain, srv, prompts, progress)
+        measured = _interleaved(cfg, plain, srv, prompts, progress)
     baseline = None
     if baseline_head_dir:
         from components.serve import servable_head
@@ -214,10 +214,10 @@ def evaluate_in_vllm(cfg: EvaluateConfig, target_dir: str, head_dir: str, traffi
         served = servable_head(baseline_head_dir, target_dir, settings.state_dir / "servable",
                                settings.trust_remote_code)
         baseline = _run_head(cfg, target_dir, str(served), prompts, settings, progress, "champion")[1].tau
-    return _finish(cfg, out, prompts, plain_run, spec_run, ours, counters, speed, baseline)
+    return _finish(cfg, out, prompts, measured, ours, baseline)
 
 
-def _interleaved(cfg: EvaluateConfig, plain: VllmServer, srv: VllmServer, prompts, progress):
+def _interleaved(cfg: EvaluateConfig, plain: VllmServer, srv: VllmServer, prompts, progress) -> Interleaved:
     """Rounds of plain and speculative requests, interleaved prompt by prompt (components/speed.py): round 0's
     outputs of both, the speculative server's counter deltas over round 0 (the prompts once, as ours), the timing."""
     n, temp = len(prompts), cfg.spec.temperature
@@ -240,11 +240,12 @@ def _interleaved(cfg: EvaluateConfig, plain: VllmServer, srv: VllmServer, prompt
     pause = SwitchPause.between(plain.spec, last="spec",  # the warm-up's last request went to the head's server
                                 seconds=cfg.speed.switch_pause_s)
     speed = measure_speedup(n, lambda i, r: run(plain, "plain", i, r), lambda i, r: run(srv, "spec", i, r),
-                            cfg.speed, progress, what=" (vLLM)",
-                            own_pgids=[s.proc.pid for s in (plain, srv) if s.proc is not None],  # own sessions
-                            settle=pause, block=cfg.speed.block_for(switch_costs=pause.seconds > 0))
-    return EngineRun(outs["plain"], sum(speed.plain_s[0])), \
-        EngineRun(outs["spec"], sum(speed.spec_s[0]), outs["steps"]), counters[0], speed
+                            cfg.speed, progress, Timing(
+                                what=" (vLLM)",
+                                own_pgids=[s.proc.pid for s in (plain, srv) if s.proc is not None],  # own sessions
+                                settle=pause, block=cfg.speed.block_for(switch_costs=pause.seconds > 0)))
+    return Interleaved(EngineRun(outs["plain"], sum(speed.plain_s[0])),
+                       EngineRun(outs["spec"], sum(speed.spec_s[0]), outs["steps"]), counters[0], speed)
 
 
 class SwitchPause:
@@ -279,6 +280,17 @@ class EngineRun:
     accepted_per_step: list[list[int] | None] | None = None  # per prompt, from the per-request metrics (if given)
 
 
+@dataclass(frozen=True)
+class Interleaved:
+    """What `_interleaved` measured: round 0 of the plain and the speculative server, the speculative server's
+    counters over it, the timing of all rounds."""
+
+    plain: EngineRun
+    spec: EngineRun
+    counters: SpecCounters
+    speed: SpeedupEstimate
+
+
 def _run_head(cfg: EvaluateConfig, target_dir: str, head_dir: str, prompts, settings: Settings,
               progress: Callable[[str], None], what: str) -> tuple[EngineRun, SpecCounters]:
     """vLLM with `head_dir` (EAGLE-3, `cfg.spec.depth` tokens) alone over `prompts`: outputs, seconds, counters."""
@@ -292,9 +304,10 @@ def _run_head(cfg: EvaluateConfig, target_dir: str, head_dir: str, prompts, sett
         return EngineRun(outputs, seconds), srv.spec_counters() - before
 
 
-def _finish(cfg: EvaluateConfig, out: Path, prompts, plain_run: EngineRun, spec_run: EngineRun, ours,
-            counters: SpecCounters, speed: SpeedupEstimate, baseline_tau: float | None = None) -> EngineEvalResult:
-    plain, spec = plain_run.outputs, spec_run.outputs
+def _finish(cfg: EvaluateConfig, out: Path, prompts, measured: Interleaved, ours,
+            baseline_tau: float | None = None) -> EngineEvalResult:
+    spec_run, counters, speed = measured.spec, measured.counters, measured.speed
+    plain, spec = measured.plain.outputs, spec_run.outputs
     n_tokens = sum(len(s) for s in spec)
     same_plain = [a == b for a, b in zip(plain, spec)]
     same_ours = None if ours is None else [list(a) == b for a, b in zip(ours, spec)]

@@ -249,9 +249,9 @@ def extract(cfg: ExtractConfig, target_dir: str, regen_dir: str, out_dir: str,
         save_manifest()  # after each shard: a killed run keeps what it finished
 
     if pending and runtime.extracts_in_engine:
-        from components.extract_engine import run_in_engine
+        from components.extract_engine import CaptureTarget, run_in_engine
 
-        run_in_engine(cfg, target_dir, config, layer_ids, pending, finish, out, ray_settings, progress)
+        run_in_engine(cfg, CaptureTarget(target_dir, config, layer_ids), pending, finish, out, ray_settings, progress)
     elif pending and cfg.num_workers:
         from infra.actor_pool import run_on_ray
 

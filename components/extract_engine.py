@@ -153,15 +153,25 @@ def kv_cache_bytes(config, n_ids: int, max_model_len: int, requests: int, dtype:
     return max(MIN_KV_CACHE, 2 * width * (4 if dtype == "float32" else 2) * max_model_len * requests)
 
 
-def run_in_engine(cfg, target_dir: str, config, layer_ids: list[int], pending: dict[int, list],
-                  finish: Callable[[int, bytes, float], None], out: Path, settings=None,
-                  progress: Callable[[str], None] = print) -> None:
+@dataclass(frozen=True)
+class CaptureTarget:
+    """The target whose hidden states the engine captures: its directory, its config (transformers'), and the layer
+    ids whose inputs the head fuses."""
+
+    target_dir: str
+    config: Any
+    layer_ids: list[int]
+
+
+def run_in_engine(cfg, target: CaptureTarget, pending: dict[int, list], finish: Callable[[int, bytes, float], None],
+                  out: Path, settings=None, progress: Callable[[str], None] = print) -> None:
     """Compute every pending shard (index -> sequences (input_ids, loss_mask)) in one vLLM started here, or in
     `cfg.engine_replicas` engines on Ray (`run_on_replicas`); `finish(shard, bytes, seconds)` writes each.
     `settings`: infra.settings.Settings (None: from the environment)."""
     from infra.settings import Settings
     from infra.vllm_server import VllmServer
 
+    target_dir, config, layer_ids = target.target_dir, target.config, target.layer_ids
     settings = settings or Settings.from_env()
     norm = target_final_norm(target_dir, config)
     storage = out / STORAGE
@@ -176,7 +186,8 @@ def run_in_engine(cfg, target_dir: str, config, layer_ids: list[int], pending: d
         progress(f"extract (vLLM): {replicas} engine replicas on Ray for layer ids {list(ids)} ({len(pending)} "
                  f"shards; their logs under {settings.state_dir / 'vllm'})")
         try:
-            run_on_replicas(cfg, replicas, target_dir, norm, shape, pending, finish, storage, settings, progress)
+            run_on_replicas(ReplicaSetup(cfg, target_dir, norm, shape, str(storage), settings), replicas, pending,
+                            finish, progress)
         finally:
             stop_engines(storage)
     else:
@@ -199,15 +210,28 @@ class ReplicaPool:
     device: str
 
 
+@dataclass(frozen=True)
+class ReplicaSetup:
+    """What every `EngineReplica` starts its engine from: the extract config, the target, its final norm, the
+    engine's shape, the storage root (a directory of its own below it per replica), the settings."""
+
+    cfg: Any
+    target_dir: str
+    norm: FinalNorm
+    shape: EngineShape
+    storage: str
+    settings: Any
+
+
 class EngineReplica:
     """A Ray actor's state: one vLLM of its own, started at its first shard with a storage directory of its own
-    under `storage` (its engine's process group recorded there, `PID_FILE`), and the target's final norm."""
+    under `setup.storage` (its engine's process group recorded there, `PID_FILE`), and the target's final norm."""
 
-    def __init__(self, pool: ReplicaPool, cfg, target_dir: str, norm: FinalNorm, shape: EngineShape, storage: str,
-                 settings):
-        self.cfg, self.target_dir, self.norm, self.shape, self.settings = cfg, target_dir, norm, shape, settings
-        self.storage = Path(storage) / f"replica-{uuid.uuid4().hex[:12]}"
-        self.requests = ThreadPoolExecutor(max_workers=cfg.batch_size)
+    def __init__(self, pool: ReplicaPool, setup: ReplicaSetup):
+        self.cfg, self.target_dir, self.norm, self.shape, self.settings = (setup.cfg, setup.target_dir, setup.norm,
+                                                                           setup.shape, setup.settings)
+        self.storage = Path(setup.storage) / f"replica-{uuid.uuid4().hex[:12]}"
+        self.requests = ThreadPoolExecutor(max_workers=setup.cfg.batch_size)
         self.server = None
 
     def run(self, shard: int, seqs: list) -> bytes:
@@ -256,20 +280,18 @@ def _exits(proc, wait_s: float) -> bool:
         return False
 
 
-def run_on_replicas(cfg, replicas: int, target_dir: str, norm: FinalNorm, shape: EngineShape,
-                    pending: dict[int, list], finish: Callable[[int, bytes, float], None], storage: Path, settings,
-                    progress: Callable[[str], None]) -> None:
-    """Every pending shard computed by `replicas` `EngineReplica` actors (`cfg.cpus_per_worker` CPUs each), a shard
-    per task, on the Ray of `settings` (a local one started here when RAY_ADDRESS is unset); `finish` in this process
-    as each shard returns, so the files and the resume rule are those of one engine."""
+def run_on_replicas(setup: ReplicaSetup, replicas: int, pending: dict[int, list],
+                    finish: Callable[[int, bytes, float], None], progress: Callable[[str], None]) -> None:
+    """Every pending shard computed by `replicas` `EngineReplica` actors (`setup.cfg.cpus_per_worker` CPUs each), a
+    shard per task, on the Ray of `setup.settings` (a local one started here when RAY_ADDRESS is unset); `finish` in
+    this process as each shard returns, so the files and the resume rule are those of one engine."""
     from infra.actor_pool import run_on_ray
 
     from ray.exceptions import RayTaskError
 
-    pool = ReplicaPool(replicas, cfg.cpus_per_worker, cfg.device)
+    pool = ReplicaPool(replicas, setup.cfg.cpus_per_worker, setup.cfg.device)
     try:
-        run_on_ray(pool, EngineReplica, (cfg, target_dir, norm, shape, str(storage), settings), pending, finish,
-                   "extract", settings, progress)
+        run_on_ray(pool, EngineReplica, (setup,), pending, finish, "extract", setup.settings, progress)
     except RayTaskError as e:  # an error inside a replica (an engine that cannot start): raised as itself
         raise (e.cause if isinstance(e.cause, Exception) else e) from None
 

@@ -247,8 +247,6 @@ def run_sweep(cfg: LoadConfig, plan: SweepPlan, settings, engines=None, batch1: 
         return replace(spec, **{k_: v for k_, v in fit.items() if k_ != "extra_args"},
                        extra_args=(*spec.extra_args, *fit.get("extra_args", ())))
 
-    samples: list[dict] = []
-    rounds: list[dict] = []
     plan.progress(f"load sweep: plain and K {', '.join(map(str, cfg.k_values))} "
                   + ("up at once" if mode == "all" else f"in pairs with plain ({why})")
                   + f", {cfg.repeats} rounds at concurrency {', '.join(map(str, cfg.concurrency))}")
@@ -273,8 +271,8 @@ def run_sweep(cfg: LoadConfig, plan: SweepPlan, settings, engines=None, batch1: 
                           + ", ".join(f"{'plain' if c['k'] == 0 else 'K ' + str(c['k'])} "
                                       f"{c['output_tokens_per_s']:.0f} tok/s" for c in batch1)
                           + f", {batch1[0]['repeats']} rounds)")
-        mode, why = _sweep_phase(measured, plan, settings, plain, spec_of, (mode, why), dataset, samples, rounds,
-                                 handed)
+        mode, why, samples, rounds = _sweep_phase(measured, plan, settings, {0: plain, **handed}, spec_of,
+                                                  (mode, why), dataset)
         cells = (list(batch1) if from_eval else []) + cells_of([s for s in samples if s["phase"] == "sweep"])
         tput = {c["k"]: {} for c in cells}
         spread = {c["k"]: {} for c in cells}
@@ -305,28 +303,30 @@ def run_sweep(cfg: LoadConfig, plan: SweepPlan, settings, engines=None, batch1: 
     return _finish(cfg, plan, cells, samples, schedule, best, {"mode": mode, "mode_reason": why, "rounds": rounds})
 
 
-def _sweep_phase(cfg: LoadConfig, plan: SweepPlan, settings, plain, spec_of, how: tuple[str, str], dataset: str,
-                 samples: list[dict], rounds: list[dict], handed: dict | None = None) -> tuple[str, str]:
-    """The sweep's cells beside the running `plain`: in mode "all" every K server up at once (those in `handed`,
-    K -> server, running already; falling back to pairs when one does not start beside the others), else each K
-    beside plain in turn; returns the mode it ran in and why not "all"."""
+def _sweep_phase(cfg: LoadConfig, plan: SweepPlan, settings, up: dict, spec_of, how: tuple[str, str],
+                 dataset: str) -> tuple[str, str, list[dict], list[dict]]:
+    """The sweep's cells beside the running plain server (`up[0]`): in mode "all" every K server up at once (those
+    in `up`, K -> server, running already; falling back to pairs when one does not start beside the others), else
+    each K beside plain in turn; returns the mode it ran in, why not "all", the samples and the rounds' orders."""
     from infra.engine_pool import stopping
     from infra.vllm_server import EngineError, VllmServer, running
 
     mode, why = how
-    handed = handed or {}
+    plain, handed = up[0], {k: s for k, s in up.items() if k != 0}
+    samples: list[dict] = []
+    rounds: list[dict] = []
     if mode == "all":
         started = False
         fresh = [k for k in cfg.k_values if k not in handed]
         try:
-            with running(*(VllmServer(spec_of(k), settings) for k in fresh)) as up, \
+            with running(*(VllmServer(spec_of(k), settings) for k in fresh)) as started_up, \
                     stopping(*handed.values()):  # started at once
                 plain.wait_ready()
-                by_k = {**dict(zip(fresh, up)), **handed}
+                by_k = {**dict(zip(fresh, started_up)), **handed}
                 servers = {0: plain, **{k: by_k[k] for k in cfg.k_values}}
                 started = True
                 measure_rounds(cfg, plan, settings, servers, dataset, "sweep", samples, rounds)
-            return mode, why
+            return mode, why, samples, rounds
         except EngineError as e:
             if started:  # a failure while measuring is not about fitting
                 raise
@@ -336,7 +336,7 @@ def _sweep_phase(cfg: LoadConfig, plan: SweepPlan, settings, plain, spec_of, how
     for k in cfg.k_values:
         with VllmServer(spec_of(k, pair=True), settings) as srv:
             measure_rounds(cfg, plan, settings, {0: plain, k: srv}, dataset, "sweep", samples, rounds)
-    return "pairs", why
+    return "pairs", why, samples, rounds
 
 
 def measure_rounds(cfg: LoadConfig, plan: SweepPlan, settings, servers: dict, dataset: str, phase: str,

@@ -1,7 +1,8 @@
 """Shadow test: the new head and the champion served by vLLM on the newest held-out captured requests, side by side.
 
-Purpose: `shadow_test(cfg, target_dir, head_dir, champion_dir, heldout_path, out_dir, settings) -> ShadowResult`,
-before anything changes in service. The held-out requests are the newest captured ones no head was trained on
+Purpose: `shadow_test(cfg, head, settings) -> ShadowResult` (`head`: components/evaluate.py `HeadEval`, the new head
+on its target, the held-out requests, the output folder, the champion as its `baseline_dir`), before anything
+changes in service. The held-out requests are the newest captured ones no head was trained on
 (components/captured_traffic.py `split_heldout`, `heldout.jsonl`): each prompt is what was asked (the messages before
 the served answer, through the chat template), decoded for as many new tokens as the target produced when it was
 served (at most `evaluate.spec.max_new_tokens`, greedy, as the engine evaluation decodes). One vLLM without
@@ -29,9 +30,9 @@ from pathlib import Path
 from typing import Callable
 
 from components.atomic import atomic_write_text, file_sha256
-from components.evaluate import EvaluateConfig, HeldOut
+from components.evaluate import EvaluateConfig, HeadEval, HeldOut
 from components.evaluate_engine import SwitchPause, engine_max_len, eval_spec, refuse_sampled
-from components.speed import SpeedupEstimate, measure_speedup
+from components.speed import SpeedupEstimate, Timing, measure_speedup
 from infra.settings import Settings
 from infra.vllm_server import VllmServer, running
 
@@ -128,15 +129,16 @@ def shadow_samples(cfg: EvaluateConfig, tokenizer, heldout_path: str | Path) -> 
     return out, skipped
 
 
-def shadow_test(cfg: EvaluateConfig, target_dir: str, head_dir: str, champion_dir: str, heldout_path: str,
-                out_dir: str, settings: Settings, champion_uri: str = "",
+def shadow_test(cfg: EvaluateConfig, head: HeadEval, settings: Settings, champion_uri: str = "",
                 progress: Callable[[str], None] = print) -> ShadowResult:
-    """Measure the new head and the champion in vLLM on the held-out requests (see the module doc)."""
+    """Measure the new head (`head.head_dir`) and the champion (`head.baseline_dir`) in vLLM on the held-out requests
+    (`head.heldout`) into `head.out_dir` (see the module doc)."""
     from transformers import AutoTokenizer
 
     from components.serve import servable_head
 
-    out = Path(out_dir)
+    target_dir, head_dir, champion_dir, heldout_path = head.target_dir, head.head_dir, head.baseline_dir, head.heldout
+    out = Path(head.out_dir)
     key = hashlib.sha256(json.dumps([file_sha256(Path(head_dir) / "model.safetensors"),
                                      file_sha256(Path(champion_dir) / "model.safetensors"),
                                      file_sha256(heldout_path), asdict(cfg)], sort_keys=True).encode()).hexdigest()
@@ -149,8 +151,8 @@ def shadow_test(cfg: EvaluateConfig, target_dir: str, head_dir: str, champion_di
              for d in (head_dir, champion_dir)]
     longest = max(s.max_new_tokens for s in samples)
 
-    def server(head: str | None) -> VllmServer:
-        return VllmServer(eval_spec(cfg, target_dir, head, max_new_tokens=longest), settings)
+    def server(served: str | None) -> VllmServer:
+        return VllmServer(eval_spec(cfg, target_dir, served, max_new_tokens=longest), settings)
 
     progress(f"shadow: {len(samples)} held-out captured requests; the new head and plain decoding side by side")
     with running(server(None), server(heads[0])) as (plain, new_srv):
@@ -185,8 +187,9 @@ def _measure(cfg: EvaluateConfig, plain: VllmServer, srv: VllmServer, samples: l
 
     pause = SwitchPause.between(plain.spec, last="spec", seconds=cfg.speed.switch_pause_s)
     est = measure_speedup(len(samples), lambda i, r: run(plain, "plain", i, r), lambda i, r: run(srv, "spec", i, r),
-                          cfg.speed, progress, what=f" (shadow, {what})",
-                          own_pgids=[s.proc.pid for s in (plain, srv) if s.proc is not None], settle=pause,
-                          block=cfg.speed.block_for(switch_costs=pause.seconds > 0))
+                          cfg.speed, progress, Timing(
+                              what=f" (shadow, {what})", settle=pause,
+                              own_pgids=[s.proc.pid for s in (plain, srv) if s.proc is not None],
+                              block=cfg.speed.block_for(switch_costs=pause.seconds > 0)))
     identical = outs["plain"] == outs["spec"] or not cfg.spec.greedy  # sampled outputs are not comparable
     return Figure.of(est, identical, (srv.spec_counters() - before).tau)

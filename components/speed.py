@@ -142,20 +142,30 @@ def median_interval(values: list[float], coverage: float = COVERAGE) -> tuple[fl
     return xs[k - 1], xs[n - k], cover(k)
 
 
+@dataclass(frozen=True)
+class Timing:
+    """How `measure_speedup` times the decodes, beyond `SpeedupConfig`: `what` names the measurement in its progress
+    lines; `clock` times them and the budget (seconds); `own_pgids` are the process groups of the servers being
+    measured (their CPU time is ours, not other load); `settle(kind)` runs before each decode, untimed, its time not
+    counted in the budget; `block`: prompts per side per turn (None: `cfg.block_for` without a switch cost)."""
+
+    what: str = ""
+    clock: Callable[[], float] = time.perf_counter
+    own_pgids: Iterable[int] = ()
+    settle: Callable[[str], None] | None = None
+    block: int | None = None
+
+
 def measure_speedup(n_prompts: int, plain: Callable[[int, int], int], spec: Callable[[int, int], int],
                     cfg: SpeedupConfig, progress: Callable[[str], None] | None = None,
-                    what: str = "", clock: Callable[[], float] = time.perf_counter,
-                    own_pgids: Iterable[int] = (),
-                    settle: Callable[[str], None] | None = None, block: int | None = None) -> SpeedupEstimate:
+                    timing: Timing = Timing()) -> SpeedupEstimate:
     """Rounds of interleaved plain and speculative decoding over `n_prompts`; each callable returns the tokens it
-    produced (for tokens/s). `clock` times them and the budget (seconds); `own_pgids` are the process groups of the
-    servers being measured (their CPU time is ours, not other load); `settle(kind)` runs before each decode,
-    untimed, its time not counted in the budget; `block`: prompts per side per turn (None: `cfg.block_for` without
-    a switch cost). See the module doc."""
-    block = block or cfg.block_for(switch_costs=False)
+    produced (for tokens/s), timed as `timing` says. See the module doc."""
+    what, clock, settle = timing.what, timing.clock, timing.settle
+    block = timing.block or cfg.block_for(switch_costs=False)
     t_start = clock()
     settled = 0.0  # seconds spent in `settle`, left out of the budget
-    probe = OtherLoad.start(own_pgids)
+    probe = OtherLoad.start(timing.own_pgids)
     plain_s: list[list[float]] = []
     spec_s: list[list[float]] = []
     tokens_plain = tokens_spec = 0

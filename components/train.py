@@ -51,8 +51,8 @@ WARM_START_FILE = "warm_start.json"  # the warm-start head's held-out figures be
 if TYPE_CHECKING:
     from eagle.train import BestSoFar
 
-__all__ = ["LoopArgs", "RayConfig", "TrainConfig", "TrainResult", "holdout_size", "latest_checkpoint", "train",
-           "train_loop", "warm_start_head"]
+__all__ = ["LoopArgs", "RayConfig", "TrainConfig", "TrainResult", "TrainSetup", "holdout_size", "latest_checkpoint",
+           "train", "train_loop", "warm_start_head"]
 
 
 @dataclass(frozen=True)
@@ -88,6 +88,17 @@ class JsonlSink:
     def log(self, step: int, metrics: dict[str, float]) -> None:
         with open(self.path, "a") as f:
             f.write(json.dumps({"step": step, **metrics}) + "\n")
+
+
+@dataclass(frozen=True)
+class TrainSetup:
+    """How a run starts beyond its config: from another exported head (`init_head_dir`, warm start: its weights and
+    draft vocabulary, e.g. the base target's head for a fine-tune of it; a checkpoint still takes precedence), where
+    Ray Train keeps its checkpoints (`storage_dir`; None: `out_dir/ray`), whether the target's code may run."""
+
+    init_head_dir: str | None = None
+    storage_dir: str | None = None
+    trust_remote_code: bool = False
 
 
 @dataclass(frozen=True)
@@ -311,12 +322,10 @@ def _report(step: int, path: Path | None) -> None:
 
 
 def train(cfg: TrainConfig, extract_dir: str, out_dir: str, target_dir: str | None = None,
-          lineage: dict[str, Any] | None = None, sinks: tuple = (), storage_dir: str | None = None,
-          trust_remote_code: bool = False, init_head_dir: str | None = None) -> TrainResult:
-    """Train a head on the extract stage's output; resumes from `out_dir/checkpoints` when present.
-
-    `init_head_dir` (an exported head) warm-starts training from that head's weights and draft vocabulary instead
-    of a fresh head, e.g. the base target's head for a fine-tune of it; a checkpoint still takes precedence."""
+          lineage: dict[str, Any] | None = None, sinks: tuple = (), setup: TrainSetup = TrainSetup()) -> TrainResult:
+    """Train a head on the extract stage's output; resumes from `out_dir/checkpoints` when present. `setup`: a warm
+    start, Ray's storage, trust in the target's code (`TrainSetup`)."""
+    init_head_dir, trust_remote_code = setup.init_head_dir, setup.trust_remote_code
     out = Path(out_dir).resolve()  # Ray workers may run in another working directory
     extract_dir = str(Path(extract_dir).resolve())
     target_dir = str(Path(target_dir).resolve()) if target_dir else None
@@ -348,7 +357,7 @@ def train(cfg: TrainConfig, extract_dir: str, out_dir: str, target_dir: str | No
     else:
         from components.train_ray import fit_with_ray
 
-        fit_with_ray(train_loop, args, storage_dir or str(out / "ray"))
+        fit_with_ray(train_loop, args, setup.storage_dir or str(out / "ray"))
     from eagle.export import read_head_meta
 
     rows = history_rows(history)

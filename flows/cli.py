@@ -48,23 +48,23 @@ def _check_files(parser: argparse.ArgumentParser, a: argparse.Namespace) -> None
 
 
 def _setup(a):
-    """The settings, checked (state dir, tracking URI), and the command's preflight (its row's function in
-    flows/preflight.py); Prefect's defaults only then, so that a refusal leaves nothing under the state dir. The
-    libraries' quiet settings come first: they write nothing, and the preflight imports MLflow and transformers,
-    which read them at import. A command that needs no settings (config show) gets None."""
+    """The settings, checked (state dir, tracking URI), and the command's preflight (its row's function, from
+    flows/preflight.py), which returns the config the command runs with (resolved once, here); Prefect's defaults
+    only then, so that a refusal leaves nothing under the state dir. The libraries' quiet settings come first: they
+    write nothing, and the preflight imports MLflow and transformers, which read them at import. A command that needs
+    no settings (config show) gets None."""
     from infra.quiet import apply_quiet_defaults
 
     apply_quiet_defaults()
-    import flows.preflight
     from infra.prefect_env import apply_prefect_defaults
     from infra.settings import Settings
 
     command = COMMANDS[a.command]
     settings = Settings.from_env().check() if command.needs_settings else None
-    getattr(flows.preflight, command.preflight)(a, settings)
+    cfg = command.preflight(a, settings)
     if settings is not None:
         apply_prefect_defaults(settings)
-    return settings
+    return settings, cfg
 
 
 def _refusals() -> tuple[type[BaseException], ...]:
@@ -94,8 +94,8 @@ def _log_failure(a, settings) -> str:
     return "(no log: nowhere writable)"
 
 
-def _run_command(a, settings) -> int:
-    """The command, its preflight passed (flows/preflight.py, from `_setup`)."""
+def _run_command(a, settings, cfg) -> int:
+    """The command, its preflight passed (flows/preflight.py, from `_setup`), with the config it resolved."""
     command = COMMANDS[a.command]
     if command.needs_prefect:
         from infra.prefect_env import hide_bad_input_failures, start_local_api
@@ -103,16 +103,15 @@ def _run_command(a, settings) -> int:
         start_local_api()  # Prefect's own start-up races with another process on a new Prefect home
         hide_bad_input_failures()  # a stage's refusal is our one line, not Prefect's failure log above it
         a.prefect_started = True
-    return command.run(a, settings)
+    return command.run(a, settings, cfg)
 
 
 def _quiet_prefect(a) -> None:
-    """Before the last line of a command that ran flows: Prefect's shutdown chatter ("Stopping temporary server")
-    must not follow it."""
+    """Before the last line of a command that ran flows: Prefect's shutdown chatter must not follow it."""
     if getattr(a, "prefect_started", False):
-        import logging
+        from flows.command_runs import quiet_prefect
 
-        logging.getLogger("prefect").setLevel(logging.WARNING)
+        quiet_prefect()
 
 
 def _one_line(e: BaseException) -> str:
@@ -125,8 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     _check_files(parser, a)
     settings = None
     try:
-        settings = _setup(a)
-        return _run_command(a, settings)
+        settings, cfg = _setup(a)
+        return _run_command(a, settings, cfg)
     except KeyboardInterrupt:
         return 130
     except _refusals() as e:

@@ -1,9 +1,11 @@
 """What each `eagle-heads` command does once its preflight passed: one function per row of flows/commands.py.
 
-Purpose: each `name(args, settings) -> exit code` calls one flow or component and prints its result in a line or
-two. `evaluate_head` is the evaluate-a-head path (local measurement, then vLLM's and the load sweep when asked);
-`config_file` turns `--config`/`--set` into the one file a flow takes (`<state>/configs/<hash>.json`, the whole
-resolved config, which loads back to the same config), so the flows keep taking a preset and a file.
+Purpose: each `name(args, settings, cfg) -> exit code` calls one flow or component and prints its result in a line
+or two; `cfg` is the pipeline config the command's preflight resolved (flows/preflight.py; None for a command that
+takes none), never resolved again here. `evaluate` measures a head through flows/evaluate_head.py, the path the
+`train-head` flow takes too; `config_file` turns the resolved config into the one file a flow takes
+(`<state>/configs/<hash>.json`, the whole resolved config, which loads back to the same config), so the flows keep
+taking a preset and a file.
 Run: through `eagle-heads ...` (flows/cli.py). Heavy imports (torch, Prefect, MLflow, vLLM) happen inside the
 functions: importing this module is instant.
 Not here: arguments (flows/commands.py), checks before the work (flows/preflight.py), exit codes (flows/cli.py).
@@ -16,52 +18,55 @@ import json
 import logging
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
-def _quiet_prefect() -> None:
-    """After the job: keep Prefect's shutdown chatter from following our last line."""
+def quiet_prefect() -> None:
+    """After the job (or its failure): keep Prefect's shutdown chatter ("Stopping temporary server") from following
+    our last line."""
     logging.getLogger("prefect").setLevel(logging.WARNING)
 
 
-def config_file(a, settings) -> str | None:
-    """`--config` as given when there is no `--set`; else the resolved config written whole under the state dir
-    (named by its content: the same command line gives the same file, and a flow's run key does not change)."""
+def config_file(a, settings, cfg) -> str | None:
+    """`--config` as given when there is no `--set`; else `cfg` (the config the command resolved) written whole under
+    the state dir (named by its content: the same command line gives the same file, and a flow's run key does not
+    change)."""
     if not a.set:
         return a.config
     import hashlib
 
     from components.atomic import atomic_write_text
-    from flows.preflight import command_config
 
-    text = json.dumps(command_config(a).to_dict(), indent=2, sort_keys=True) + "\n"
+    text = json.dumps(cfg.to_dict(), indent=2, sort_keys=True) + "\n"
     path = settings.state_dir / "configs" / f"{hashlib.sha256(text.encode()).hexdigest()[:16]}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, text)
     return str(path)
 
 
-def config_show(a, settings) -> int:
-    from flows.preflight import command_config
-
-    print(json.dumps(command_config(a).to_dict(), indent=2))
+def config_show(a, settings, cfg) -> int:
+    print(json.dumps(cfg.to_dict(), indent=2))
     return 0
 
 
-def demo(a, settings) -> int:
+def demo(a, settings, cfg) -> int:
+    """`cfg` is None: the demo runs each of its flows with `--preset`."""
     from flows.demo import demo as run_demo
 
     res = run_demo(preset=a.preset, embedded_preset=a.embedded_preset)
-    _quiet_prefect()
+    quiet_prefect()
     print("\n".join(res["lines"]), flush=True)
     return 0
 
 
-def train(a, settings) -> int:
-    from flows.train_head import train_head
+def train(a, settings, cfg) -> int:
+    from flows.train_head import CheckedInputs, train_head
 
-    s = train_head(a.target, a.traffic, a.heldout, a.preset, config_file(a, settings), a.name)
-    _quiet_prefect()
+    checked = CheckedInputs(cfg, a.target, a.traffic, a.heldout)  # what the preflight, check_train, checked
+    s = train_head(a.target, a.traffic, a.heldout, a.preset, config_file(a, settings, cfg), a.name, checked=checked)
+    quiet_prefect()
     served = s.tau != s.tau and s.tau_vllm is not None  # target.runtime vllm: only the engine measured the head
     tau = s.tau_vllm if served else s.tau
     # ours unless it was not timed (target.runtime vllm, evaluate.time_local false): then the engine's
@@ -73,10 +78,10 @@ def train(a, settings) -> int:
     return 0
 
 
-def watch(a, settings) -> int:
+def watch(a, settings, cfg) -> int:
     from flows.watch import watch_registry
 
-    path = config_file(a, settings)
+    path = config_file(a, settings, cfg)
     while True:
         done = watch_registry(dispatch=a.dispatch, preset=a.preset, config_path=path)
         print(f"watch: {len(done)} version(s) announced")
@@ -85,12 +90,10 @@ def watch(a, settings) -> int:
         time.sleep(a.interval)
 
 
-def monitor(a, settings) -> int:
+def monitor(a, settings, cfg) -> int:
     """Print the window tau each interval; a drop emits the event (with a Prefect API) once."""
-    from flows.preflight import command_config
     from flows.watch_acceptance import monitor_forever, open_monitor
 
-    cfg = command_config(a)
     mon = open_monitor(a.metrics_url, a.target, cfg, settings)
     m = cfg.monitor
     print(f"monitor: {a.target} (champion {mon.baseline.head_uri}, registered tau {mon.baseline.tau:.2f} "
@@ -129,43 +132,6 @@ def resolve_head(a, settings) -> tuple[str, str, dict]:
     return head, target, lineage
 
 
-def evaluate_head(config, head: str, target: str, traffic: str, out: Path, settings, load: bool = False) -> dict:
-    """The evaluate-a-head path for a PipelineConfig `config`: this project's measurement (components/evaluate.py),
-    then, where its runtime evaluates in the engine (`evaluate.engine` or `target.runtime` vllm), the head served by
-    vLLM on the same prompts (with the target's scale), and with `load` the load sweep (the default preset's levels
-    when `evaluate.load` has none). Returns the local result as a dict, with `vllm` and `load` when measured."""
-    import dataclasses
-    from dataclasses import asdict
-
-    from components.evaluate import evaluate
-
-    cfg, in_engine = config.evaluate, config.runtime.evaluates_in_engine
-    settings = config.runtime.engine_settings(settings)  # the target's scale reaches the engine
-    res = asdict(evaluate(cfg, target, head, traffic, str(out), trust_remote_code=settings.trust_remote_code))
-    if not in_engine and not load:
-        return res
-    from components.serve import servable_head
-    from infra.engine_pool import EnginePool
-
-    served = str(servable_head(head, target, settings.state_dir / "servable", settings.trust_remote_code))
-    with EnginePool() as engines:  # the evaluation's pair goes on running for the sweep
-        if in_engine:
-            from components.evaluate_engine import evaluate_in_vllm, our_outputs
-
-            res["vllm"] = asdict(evaluate_in_vllm(cfg, target, served, traffic, str(out / "vllm"), settings,
-                                                  ours=our_outputs(res["report_file"]), engines=engines))
-        if load:
-            from components.load_sweep import load_sweep
-            from components.pipeline_config import PipelineConfig
-
-            if not cfg.load.enabled:
-                cfg = dataclasses.replace(cfg, load=PipelineConfig.preset("default").evaluate.load)
-            res["load"] = asdict(load_sweep(cfg, target, served, traffic, str(out / "load"), settings,
-                                            engines=engines,
-                                            evaluation=res["vllm"]["report_file"] if "vllm" in res else None))
-    return res
-
-
 def _speed_text(res: dict) -> str:
     """"1.52x [1.47, 1.58]" from an evaluation result's speedup fields; "(unreliable: why)" when it is; "-
     (why)" when it was not timed."""
@@ -175,13 +141,33 @@ def _speed_text(res: dict) -> str:
     return text if res["speedup_reliable"] else f"{text} (unreliable: {res['speedup_note']})"
 
 
-def evaluate(a, settings) -> int:
-    from flows.preflight import command_config
+def _evaluate_plan(cfg, load: bool):
+    """What `evaluate` measures: ours always, vLLM's where the config's runtime evaluates in the engine, and with
+    `--load` the load sweep (at the default preset's levels when `evaluate.load` has none)."""
+    from flows.evaluate_head import EvalPlan
+
+    sweep = None
+    if load:
+        from components.pipeline_config import PipelineConfig
+
+        sweep = cfg.evaluate.load if cfg.evaluate.load.enabled else PipelineConfig.preset("default").evaluate.load
+    return EvalPlan(local=True, engine=cfg.runtime.evaluates_in_engine, sweep=sweep)
+
+
+def evaluate(a, settings, cfg) -> int:
+    """The head measured by flows/evaluate_head.py (bare stages: no Prefect), with the target's scale."""
+    from dataclasses import asdict
+
+    from components.evaluate import HeadEval
+    from flows.evaluate_head import evaluate_head
 
     head, target, _ = resolve_head(a, settings)
     out = settings.state_dir / "evaluations" / time.strftime("%Y%m%d-%H%M%S")
     try:
-        res = evaluate_head(command_config(a), head, target, a.traffic, out, settings, a.load)
+        fig = evaluate_head(cfg, HeadEval(target, head, a.traffic, str(out)), cfg.runtime.engine_settings(settings),
+                            _evaluate_plan(cfg, a.load))
+        res = {**asdict(fig.local), **({"vllm": asdict(fig.engine)} if fig.engine else {}),
+               **({"load": asdict(fig.sweep)} if fig.sweep else {})}
     except BaseException:
         for folder in (out, out.parent):  # a refusal leaves no empty evaluation folder behind
             with contextlib.suppress(OSError):
@@ -300,16 +286,16 @@ def _followed(a, settings):
     return name, version, alias_version
 
 
-def _rollback_hooks(a, settings, say) -> dict:
-    """`Follow`'s rollback fields for `serve --follow-alias`: the monitor's settings, the registered τ of a version,
-    and what a rollback does beyond the swap: the alias moved back with the reason, the event announced."""
+def _rollback_hooks(a, settings, say, m) -> dict:
+    """`Follow`'s rollback fields for `serve --follow-alias`: the monitor's settings (`m`, the config's `monitor`), the
+    registered τ of a version, and what a rollback does beyond the swap: the alias moved back with the reason, the
+    event announced."""
     from components.monitor import registered_tau
     from components.rollback import EVENT, move_alias_back
-    from flows.preflight import command_config
     from infra.mlflow_store import MlflowStore, parse_model_uri
     from infra.prefect_env import emit_event
 
-    m, store = command_config(a).monitor, MlflowStore.connect(settings)
+    store = MlflowStore.connect(settings)
     name, _, alias = parse_model_uri(a.head)
 
     def rolled_back(r) -> None:
@@ -335,10 +321,24 @@ def _rollback_hooks(a, settings, say) -> dict:
                 registered_tau=lambda v: registered_tau(store.get_version(name, v).tags)[0])
 
 
-def _serve_live(a, settings, spec, lineage, uri: str, how: str, followed) -> int:
-    """`serve --capture` / `--follow-alias`: vLLM behind our proxy, capture, swaps (components/serve_live.py)."""
+@dataclass(frozen=True)
+class Serving:
+    """What `serve` starts: head `uri` as `_serve_spec` made it (the engine's spec, the head's lineage, how K was
+    chosen)."""
+
+    uri: str
+    spec: Any
+    lineage: dict
+    how: str
+
+
+def _serve_live(a, settings, head: Serving, followed, monitor) -> int:
+    """`serve --capture` / `--follow-alias`: vLLM behind our proxy, capture, swaps (components/serve_live.py);
+    `monitor`: the config's `monitor` section (the rollback's settings)."""
     from components.capture import CaptureConfig
     from components.serve_live import Follow, LiveConfig, LiveServer, Served, follow
+
+    uri, spec, lineage, how = head.uri, head.spec, head.lineage, head.how
 
     def say(line: str) -> None:
         print(line, flush=True)
@@ -356,7 +356,8 @@ def _serve_live(a, settings, spec, lineage, uri: str, how: str, followed) -> int
             say(f"serve: version {v} with {new_how}")
             return served_as(new_uri, new_spec, new_lineage)
 
-        following = Follow(alias_version, prepare, version, a.follow_interval, **_rollback_hooks(a, settings, say))
+        following = Follow(alias_version, prepare, version, a.follow_interval,
+                           **_rollback_hooks(a, settings, say, monitor))
     capture = (CaptureConfig(rate=a.capture_rate, max_bytes=a.capture_max_mb << 20) if a.capture else None)
     say(f"serve: starting vLLM with {uri} ({how}) behind our proxy; log under {settings.state_dir / 'vllm'}")
     with LiveServer(LiveConfig(port=a.port, capture=capture), served_as(uri, spec, lineage), settings, say) as live:
@@ -377,7 +378,7 @@ def _serve_live(a, settings, spec, lineage, uri: str, how: str, followed) -> int
         return 1
 
 
-def serve(a, settings) -> int:
+def serve(a, settings, cfg) -> int:
     import signal
 
     from components.serve import launch_commands
@@ -405,7 +406,7 @@ def serve(a, settings) -> int:
               "greedy requests (temperature 0); sampled ones accept almost no draft and are not distributed as the "
               "target's", flush=True)
     if getattr(a, "capture", False) or getattr(a, "follow_alias", False):
-        return _serve_live(a, settings, spec, lineage, uri, how, followed)
+        return _serve_live(a, settings, Serving(uri, spec, lineage, how), followed, cfg.monitor)
     print(f"serve: starting vLLM with {a.head} ({how}); log under {settings.state_dir / 'vllm'}", flush=True)
     with VllmServer(spec, settings, port=a.port) as srv:
         print(f"serve: ready at {srv.base_url}/v1 (model {name!r}); try\n  curl {srv.base_url}/v1/chat/completions "

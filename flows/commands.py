@@ -2,12 +2,14 @@
 
 Purpose: adding a command is one row here (plus its run function in flows/command_runs.py and, when it checks
 anything before starting, its preflight in flows/preflight.py); flows/cli.py builds the parser from `COMMANDS`,
-runs the row's preflight, starts Prefect's local API for rows that run flows, then the row's run function.
+runs the row's preflight (which returns the config the command runs with, resolved once), starts Prefect's local
+API for rows that run flows, then the row's run function with that config.
 The argument types here refuse bad numbers at parse time (exit 2, argparse's usage line); `--set KEY.PATH=VALUE`
 (repeatable) is parsed by components/presets.py `assignment` and checked against the config by the same strict
 override machinery as a `--config` file, in the command's preflight.
 Run: through `eagle-heads ...` (flows/cli.py). Importing this module loads nothing heavy (no torch, Prefect, MLflow,
-Ray): `--help` and argument errors stay instant.
+Ray; flows/preflight.py and flows/command_runs.py import those inside their functions): `--help` and argument errors
+stay instant.
 Not here: what a command does (flows/command_runs.py), its checks (flows/preflight.py), exit codes (flows/cli.py).
 """
 
@@ -16,11 +18,12 @@ from __future__ import annotations
 import argparse
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 from components.presets import NAMES as PRESETS
 from components.presets import assignment
 from flows import command_runs as runs
+from flows import preflight
 
 
 @dataclass(frozen=True)
@@ -28,8 +31,10 @@ class Command:
     name: str
     help: str
     arguments: Callable[[argparse.ArgumentParser], None]  # adds the command's arguments to its subparser
-    run: Callable[..., int]  # (parsed arguments, settings or None) -> exit code
-    preflight: str  # the checking function's name in flows/preflight.py (imported when the command runs)
+    run: Callable[..., int]  # (parsed arguments, settings or None, the preflight's config or None) -> exit code
+    # flows/preflight.py check_<name>: (parsed arguments, settings or None) -> the config the command runs with (None:
+    # it takes none); raises BadInput before any work
+    preflight: Callable[..., Any]
     needs_prefect: bool = False  # runs flows: Prefect's local API is started first
     needs_settings: bool = True  # False: no state dir or services are touched (config show)
 
@@ -194,20 +199,20 @@ def _config_cmd_args(p):
 
 
 COMMANDS = {c.name: c for c in (
-    Command("demo", "the whole job on the embedded default", _demo_args, runs.demo, "check_demo",
+    Command("demo", "the whole job on the embedded default", _demo_args, runs.demo, preflight.check_demo,
             needs_prefect=True),
-    Command("train", "train, evaluate and register a head for one target", _train_args, runs.train, "check_train",
-            needs_prefect=True),
+    Command("train", "train, evaluate and register a head for one target", _train_args, runs.train,
+            preflight.check_train, needs_prefect=True),
     Command("evaluate", "measure a head: tau, acceptance, speedup, identical outputs", _evaluate_args,
-            runs.evaluate, "check_evaluate"),
+            runs.evaluate, preflight.check_evaluate),
     Command("serve", "serve a head with its target in vLLM (OpenAI-compatible server on loopback)", _serve_args,
-            runs.serve, "check_serve"),
+            runs.serve, preflight.check_serve),
     Command("watch", "poll the registry and announce target versions without a head", _watch_args, runs.watch,
-            "check_watch", needs_prefect=True),
+            preflight.check_watch, needs_prefect=True),
     Command("monitor", "watch a vLLM server's acceptance; announce a drop (retrains the head)", _monitor_args,
-            runs.monitor, "check_monitor"),
+            runs.monitor, preflight.check_monitor),
     Command("config", "show the pipeline config a command would run with", _config_cmd_args, runs.config_show,
-            "check_config", needs_settings=False),
+            preflight.check_config, needs_settings=False),
 )}
 
 

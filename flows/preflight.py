@@ -1,89 +1,42 @@
 """Preflight: every argument, file, URI, setting and config value a command will use, checked before it starts.
 
-Purpose: `check_<command>(args, settings)` (named by the command's row in flows/commands.py) runs the checks of one
-`eagle-heads` command before anything is started or written (no Prefect, no Ray, no MLflow write, no engine): files exist, are the right kind and parse (the error
-names the file); safetensors headers of every weights file of a target or head are read (the header and the
-file's size only: a truncated file is caught in milliseconds); registry names are valid for MLflow; `models:/`
-URIs parse and the model, version or alias they name exists (infra/model_uri.py); a port to serve on is free;
-URLs are http(s) with a host; output paths are writable; a GPU preset finds CUDA; a target fits what the settings
-ask of its context (`check_context`) and is of a proven family (a GGUF file too, by its header); a command that
-starts vLLM finds its python (`check_engine_python`). Every refusal is `BadInput`
-(eagle/errors.py) or an unreachable service (`ConnectionError`), which the CLI prints as one line with exit 2.
-`command_config(args)` is the config a command runs with (preset, `--config`, `--set`, its own flags).
-`check_inputs` is the train flow's own check (flows/train_head.py calls it too, so deployments get it).
+Purpose: `check_<command>(args, settings)` (the preflight of the command's row in flows/commands.py) runs the checks
+of one `eagle-heads` command before anything is started or written (no Prefect, no Ray, no MLflow write, no engine)
+and returns the config the command runs with, resolved once (None: demo): files exist, are the right kind and parse
+(the error names the file); safetensors headers of every weights file of a target or head are read (the header and
+the file's size only: a truncated file is caught in milliseconds); registry names are valid for MLflow; `models:/`
+URIs parse and the model, version or alias they name exists (infra/model_uri.py); a port to serve on is free; URLs
+are http(s) with a host; output paths are writable; a GPU preset finds CUDA; a target fits what the settings ask of
+its context (`check_context`) and is of a proven family (a GGUF file too, by its header); a command that starts
+vLLM finds its python (`check_engine_python`). Every refusal is `BadInput` (eagle/errors.py) or an unreachable
+service (`ConnectionError`), which the CLI prints as one line with exit 2. `command_config(args)` is the config a
+command runs with (preset, `--config`, `--set`, its own flags). `check_inputs` is the train flow's own check (the
+flow calls it when not handed a checked config, so deployments get it).
 Run: through `eagle-heads ...` (flows/cli.py); tests/test_bad_input_table.py has one row per refusal.
 Not here: the commands themselves (flows/cli.py), checks that need the work done (a head that does not fit its
-target is found when both are loaded). This module imports no Prefect: it runs before Prefect's settings are set.
+target is found when both are loaded). This module imports no Prefect, and nothing heavy at import (MLflow, torch:
+inside the functions): the command table holds its functions, and `--help` stays instant.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import socket
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from components import safe_read
-from components.pipeline_config import PipelineConfig, override_values, resolve
 from components.target_runtime import TARGET_STAGES
 from components.traffic_io import TrafficFormatError, TrafficLoad, load_traffic
 from eagle.errors import BadInput
-from infra.mlflow_health import probe_tracking
-from infra.model_uri import check_model_name, check_registered, parse_model_uri
+from flows.preflight_files import check_head, check_weights
 from infra.settings import Settings, check_http_url
 
 if TYPE_CHECKING:
+    from components.pipeline_config import PipelineConfig
     from components.regenerate import RegenerateConfig
 
 MAX_K = 16  # serve --k: see `_k` in flows/commands.py for why
-HEAD_META = "eagle_head.json"  # eagle.export.META, named here without importing torch
-
-
-def check_safetensors(path: Path) -> None:
-    """The file's safetensors header parses and the tensors it lists fit in the file (a truncated copy does not)."""
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            if size < 8 or n > size - 8:
-                raise ValueError(f"header of {n} bytes in a file of {size}")
-            header = json.loads(f.read(n))
-        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
-    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError, RecursionError) as e:
-        raise BadInput(f"{path}: not a readable safetensors file ({e}); copy or export it again") from None
-    if 8 + n + end > size:
-        raise BadInput(f"{path}: truncated: its tensors need {8 + n + end} bytes, the file has {size}; copy or "
-                       "export it again")
-
-
-def check_weights(directory: str | Path, recursive: bool = False) -> None:
-    """Every `*.safetensors` file of `directory` (and below it with `recursive`) passes `check_safetensors`."""
-    d = Path(directory)
-    for f in sorted(d.rglob("*.safetensors") if recursive else d.glob("*.safetensors")):
-        check_safetensors(f)
-
-
-def read_json(path: Path) -> dict:
-    """A JSON object from `path`; `BadInput` naming the file when it is missing, unreadable (components/safe_read.py:
-    not a regular UTF-8 file without a byte-order mark, too large or too deep) or not an object."""
-    data = safe_read.read_json(path, bom_ok=False)
-    if not isinstance(data, dict):
-        raise BadInput(f"{path}: a JSON object was expected, got {type(data).__name__}")
-    return data
-
-
-def check_head(head: str) -> None:
-    """An exported head directory: `eagle_head.json` and `config.json` parse, and its weights are whole."""
-    d = Path(head)
-    if not d.is_dir():
-        raise BadInput(f"--head {head}: not a directory; pass an exported head directory or models:/NAME@ALIAS")
-    safe_read.check_model_files(d, recursive=True)  # no named pipe, device or link loop among them (a read would hang)
-    read_json(d / HEAD_META)
-    read_json(d / "config.json")
-    if not (d / "model.safetensors").is_file():
-        raise BadInput(f"{d}: model.safetensors is missing; the head is incomplete: export it again")
-    check_weights(d, recursive=True)
 
 
 def check_target_dir(target: str, settings: Settings):
@@ -113,6 +66,8 @@ def check_model(opt: str, value: str | None, settings: Settings) -> None:
     if value is None:
         return
     if value.startswith("models:/"):
+        from infra.model_uri import parse_model_uri
+
         parse_model_uri(value)
     elif opt == "head":
         check_head(value)
@@ -143,6 +98,8 @@ def check_inputs(target: str, traffic: str, heldout: str, cfg: PipelineConfig, s
             check_context(target, *checked, heldout, cfg, TARGET_STAGES)
             check_first_turns_fit(load, *checked, cfg.regenerate)
     else:
+        from infra.model_uri import parse_model_uri
+
         try:
             parse_model_uri(target)
         except ValueError as e:
@@ -324,6 +281,7 @@ def check_registry_name(a, cfg: PipelineConfig) -> None:
     if a.target.startswith("models:/"):
         return
     from components.gguf_target import default_target_name
+    from infra.model_uri import check_model_name
 
     name = a.name if a.name is not None else default_target_name(a.target)
     check_model_name(name, "--name" if a.name is not None else "--target's folder name (the default --name)")
@@ -360,6 +318,8 @@ def command_config(a) -> PipelineConfig:
     --window, --ratio, --sustain into `monitor`), each layer checked like a config file (`ConfigError` naming the
     key path). The flags change this invocation's section only (no cross-section rule: `evaluate --engine local`
     stays valid under a preset that gates on the engine's tau)."""
+    from components.pipeline_config import override_values, resolve
+
     cfg = resolve(a.preset, a.config, a.set)
     flags = _flag_values(a)
     if not flags:
@@ -369,12 +329,15 @@ def command_config(a) -> PipelineConfig:
                                                                 section)})
 
 
-def check_config(a, settings: Settings | None) -> None:
+def check_config(a, settings: Settings | None) -> PipelineConfig:
     """config show: the config resolves."""
-    command_config(a)
+    return command_config(a)
 
 
-def check_demo(a, settings: Settings) -> None:
+def check_demo(a, settings: Settings) -> None:  # the demo's flows take `--preset`: no config of its own
+    from components.pipeline_config import resolve
+    from infra.mlflow_health import probe_tracking
+
     check_cuda(a.embedded_preset)
     if a.embedded_preset == "smollm2":
         from embedded.real import real_gguf
@@ -384,25 +347,30 @@ def check_demo(a, settings: Settings) -> None:
     probe_tracking(settings)
 
 
-def check_watch(a, settings: Settings) -> None:
-    command_config(a)
+def check_watch(a, settings: Settings) -> PipelineConfig:
+    from infra.mlflow_health import probe_tracking
+
+    cfg = command_config(a)
     probe_tracking(settings)
+    return cfg
 
 
-def check_train(a, settings: Settings) -> None:
+def check_train(a, settings: Settings) -> PipelineConfig:
+    """The config and inputs of `train`, checked once: the flow is handed both (flows/train_head.py `CheckedInputs`)."""
+    from infra.mlflow_health import probe_tracking
+    from infra.model_uri import check_registered
+
     cfg = command_config(a)
     check_registry_name(a, cfg)
     check_inputs(a.target, a.traffic, a.heldout, cfg, settings)
     probe_tracking(settings)
     check_registered(settings, [a.target])
+    return cfg
 
 
-def _check_head_and_target(a, settings: Settings) -> None:
-    check_model("head", a.head, settings)
-    check_model("target", a.target, settings)
+def check_evaluate(a, settings: Settings) -> PipelineConfig:
+    from infra.model_uri import check_registered
 
-
-def check_evaluate(a, settings: Settings) -> None:
     check_model("head", a.head, settings)
     checked = None
     if a.target and not a.target.startswith("models:/"):
@@ -417,21 +385,29 @@ def check_evaluate(a, settings: Settings) -> None:
     check_engine_python(cfg, settings, ("evaluate",))
     check_engine_sampling(cfg, settings)
     check_registered(settings, [a.head, a.target or ""])
+    return cfg
 
 
-def check_serve(a, settings: Settings) -> None:
+def check_serve(a, settings: Settings) -> PipelineConfig:
+    from infra.model_uri import check_registered
+
     if getattr(a, "k", None) and getattr(a, "concurrency", None):
         raise BadInput("serve: --k pins K, --concurrency picks it from the registered schedule: give one of them")
-    _check_head_and_target(a, settings)
-    command_config(a)  # the monitor's ratio and rollback settings, checked before an engine starts
+    check_model("head", a.head, settings)
+    check_model("target", a.target, settings)
+    cfg = command_config(a)  # the monitor's ratio and rollback settings, checked before an engine starts
     if not a.print_only:
         check_port_free(a.port)
         check_engine_python(None, settings, who="serve")
     check_registered(settings, [a.head, a.target or ""])
+    return cfg
 
 
-def check_monitor(a, settings: Settings) -> None:
+def check_monitor(a, settings: Settings) -> PipelineConfig:
+    from infra.model_uri import check_registered, parse_model_uri
+
     check_http_url(a.metrics_url, "--metrics-url")
     parse_model_uri(a.target)
-    command_config(a)
+    cfg = command_config(a)
     check_registered(settings, [a.target])
+    return cfg

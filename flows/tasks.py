@@ -1,9 +1,10 @@
 """Prefect tasks: thin wrappers of the stage components, with retries, timeouts and result caching.
 
-Purpose: each task calls one component and carries the orchestration concerns only. Results are cached on
-INPUTS + TASK_SOURCE and persisted (under the state dir's Prefect home), so a re-run of the same run skips the
-stages that finished; `fresh_if_missing` refreshes a stage's cache when its output files are gone, so a cached
-path never points at nothing. Regeneration and registration retry (endpoint and tracking-server hiccups), but
+Purpose: each task calls one component and carries the orchestration concerns only (the evaluation tasks are
+flows/evaluate_head.py's stage functions, which the `evaluate` command runs bare; `TASKS` are the flow's). Results
+are cached on INPUTS + TASK_SOURCE and persisted (under the state dir's Prefect home), so a re-run of the same run
+skips the stages that finished; `fresh_if_missing` refreshes a stage's cache when its output files are gone, so a
+cached path never points at nothing. Regeneration and registration retry (endpoint and tracking-server hiccups), but
 never on bad input (`eagle.errors.BadInput`: traffic, target, config, features), which fails at once with its
 message; any other error (a plain `ValueError` too) may be an outage and is retried.
 `trust_remote_code` comes from the settings (EAGLE_TRUST_REMOTE_CODE) and reaches every model load.
@@ -12,18 +13,18 @@ Not here: the wiring (flows/train_head.py) or any algorithm (components/, eagle/
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from prefect import task
 from prefect.cache_policies import INPUTS, TASK_SOURCE
 
-from components.evaluate_engine import EngineEvalResult
-from components.evaluate import EvaluateConfig, EvaluateResult, evaluate
 from components.extract import ExtractConfig, ExtractResult, extract
 from components.regenerate import RegenerateConfig, RegenerateResult, regenerate
 from components.target_runtime import TargetRuntime
-from components.train import TrainConfig, TrainResult, train
+from components.train import TrainConfig, TrainResult, TrainSetup, train
 from eagle.errors import BadInput
+from flows.evaluate_head import EvalStages, evaluate_locally, evaluate_served, sweep_load
 
 CACHE = INPUTS + TASK_SOURCE
 
@@ -67,51 +68,37 @@ def extract_task(cfg: ExtractConfig, target_dir: str, regen_dir: str, out_dir: s
                    ray_settings=ray_settings, runtime=runtime)
 
 
+@dataclass(frozen=True)
+class TrainJob:
+    """One training of a run: on the features in `extract_dir` (of `target_dir`), into `out_dir`, with the run's
+    `lineage`, warm-started from `init_head_dir` (None: a fresh head)."""
+
+    extract_dir: str
+    out_dir: str
+    target_dir: str
+    lineage: dict
+    init_head_dir: str | None = None
+
+
 @task(name="train", cache_policy=CACHE - "sinks", persist_result=True)
-def train_task(cfg: TrainConfig, extract_dir: str, out_dir: str, target_dir: str, lineage: dict,
-               ray_settings, sinks: tuple = (), init_head_dir: str | None = None) -> TrainResult:
+def train_task(cfg: TrainConfig, job: TrainJob, ray_settings, sinks: tuple = ()) -> TrainResult:
     trust = ray_settings.trust_remote_code
     if cfg.ray.num_workers == 0:
-        return train(cfg, extract_dir, out_dir, target_dir, lineage, sinks, trust_remote_code=trust,
-                     init_head_dir=init_head_dir)
+        return train(cfg, job.extract_dir, job.out_dir, job.target_dir, job.lineage, sinks,
+                     TrainSetup(job.init_head_dir, trust_remote_code=trust))
     from infra.ray_cluster import ray_session
 
     with ray_session(ray_settings):
-        return train(cfg, extract_dir, out_dir, target_dir, lineage, sinks,
-                     storage_dir=str(ray_settings.ray_storage_dir), trust_remote_code=trust,
-                     init_head_dir=init_head_dir)
+        return train(cfg, job.extract_dir, job.out_dir, job.target_dir, job.lineage, sinks,
+                     TrainSetup(job.init_head_dir, str(ray_settings.ray_storage_dir), trust))
 
 
-@task(name="evaluate", cache_policy=CACHE, persist_result=True)
-def evaluate_task(cfg: EvaluateConfig, target_dir: str, head_dir: str, heldout: str, out_dir: str,
-                  baseline_head_dir: str | None, history_file: str | None,
-                  trust_remote_code: bool = False) -> EvaluateResult:
-    return evaluate(cfg, target_dir, head_dir, heldout, out_dir, baseline_head_dir, history_file,
-                    trust_remote_code=trust_remote_code)
-
-
-@task(name="evaluate-in-vllm", cache_policy=CACHE - "settings" - "engines", persist_result=True, retries=1,
-      retry_delay_seconds=5, retry_condition_fn=transient)
-def engine_eval_task(cfg: EvaluateConfig, target_dir: str, head_dir: str, heldout: str, out_dir: str,
-                     local_report: str | None, settings, baseline_head_dir: str | None = None,
-                     engines=None) -> EngineEvalResult:
-    """The head served by vLLM on the same prompts; compared with the local evaluation's outputs (`local_report`;
-    None when vLLM runs the target: no local evaluation); the champion's head (`baseline_head_dir`) served on them
-    too, for a gate on the engine's τ; `engines` (infra/engine_pool.py) keeps the pair running for the sweep."""
-    from components.evaluate_engine import evaluate_in_vllm, our_outputs
-
-    ours = our_outputs(local_report) if local_report else None
-    return evaluate_in_vllm(cfg, target_dir, head_dir, heldout, out_dir, settings, ours=ours,
-                            baseline_head_dir=baseline_head_dir, engines=engines)
-
-
-@task(name="load-sweep", cache_policy=CACHE - "settings" - "engines", persist_result=True, retries=1,
-      retry_delay_seconds=5, retry_condition_fn=transient)
-def load_sweep_task(cfg: EvaluateConfig, target_dir: str, head_dir: str, heldout: str, out_dir: str, settings,
-                    engines=None, evaluation: str | None = None):
-    """Throughput by concurrency in vLLM (plain, each K, the derived schedule) with vLLM's own load client; the
-    evaluation's servers taken from `engines` when they are the sweep's, and its rounds (`evaluation`, its report)
-    for concurrency 1."""
-    from components.load_sweep import load_sweep
-
-    return load_sweep(cfg, target_dir, head_dir, heldout, out_dir, settings, engines=engines, evaluation=evaluation)
+# the evaluation stages of flows/evaluate_head.py, as tasks: cached on their inputs; `settings` and `engines` (the
+# running servers) are not in the key, the run directory names what they decide
+evaluate_task = task(name="evaluate", cache_policy=CACHE, persist_result=True)(evaluate_locally)
+engine_eval_task = task(name="evaluate-in-vllm", cache_policy=CACHE - "settings" - "engines", persist_result=True,
+                        retries=1, retry_delay_seconds=5, retry_condition_fn=transient)(evaluate_served)
+load_sweep_task = task(name="load-sweep", cache_policy=CACHE - "settings" - "engines", persist_result=True,
+                       retries=1, retry_delay_seconds=5, retry_condition_fn=transient)(sweep_load)
+# what `evaluate_head` runs in a flow: these tasks, each with its cache refreshed when its report is missing
+TASKS = EvalStages(evaluate_task, engine_eval_task, load_sweep_task, fresh_if_missing)

@@ -10,7 +10,8 @@ re-run after a crash resumes there (stages cached by Prefect, shards and checkpo
 and a re-run of a finished run registers nothing new (a run killed mid-registration is finished: its alias is
 set). One run per target at a time (a lock under the state dir); registering a target directory is locked too,
 so two runs started at once for a new target register it once. Inputs (traffic files, target directory, config,
-head model name, Ray address) are checked before anything is written (`check_inputs`). A stage that refuses its
+head model name, Ray address) are checked before anything is written (`check_inputs`; once: the CLI's `train`
+checked them in its preflight and hands the flow its config and inputs, `CheckedInputs`). A stage that refuses its
 input later (`BadInput`, e.g. every second turn too long for the context) before any stage finished takes back
 what this run made (`forget_refused_run`): its run directory, and the target version if this run registered it;
 with a finished stage both stay, for the re-run to resume. The flow returns a `HeadRun` (its `asdict` is the run's
@@ -49,8 +50,8 @@ from prefect.cache_policies import NO_CACHE
 
 from components.atomic import atomic_write_text, file_sha256
 from components.captured_traffic import CapturePlan
+from components.evaluate import HeadEval
 from components.evaluate_engine import EngineEvalResult
-from components.evaluate import EvaluateResult
 from components.extract import ExtractResult
 from components.gguf_target import default_target_name, gguf_lineage, materialize_target
 from components.pipeline_config import PipelineConfig
@@ -65,10 +66,9 @@ from components.train import CHOICE_KEYS, TrainResult
 from components.traffic_io import traffic_sha256
 from components.variant_choice import VariantSink, choose_variant, variant_tags
 from eagle.errors import BadInput
+from flows.evaluate_head import EvalPlan, Figures, evaluate_head
 from flows.preflight import check_inputs
-from flows.tasks import (engine_eval_task, evaluate_task, extract_task, fresh_if_missing, load_sweep_task,
-                         regenerate_task, train_task, transient)
-from infra.engine_pool import EnginePool
+from flows.tasks import TASKS, TrainJob, extract_task, fresh_if_missing, regenerate_task, train_task, transient
 from infra.locks import target_lock
 from infra.metrics_sink import MlflowSink
 from infra.mlflow_health import store_errors
@@ -210,14 +210,31 @@ def run_key_of(target: TargetRef, traffic: str, heldout: str, cfg: PipelineConfi
     return hashlib.sha256("|".join(parts).encode()).hexdigest()
 
 
+class CheckedInputs:
+    """The CLI's `train` hands the flow what its preflight resolved and checked (flows/preflight.py `check_train`):
+    the config, and the target and traffic files `check_inputs` passed with it; the flow then resolves and checks them
+    once, not twice. A plain class, not a dataclass: Prefect accepts only an instance for this parameter, so a
+    deployment's JSON parameters cannot skip the checks."""
+
+    __slots__ = ("config", "inputs")
+
+    def __init__(self, config: PipelineConfig, target: str, traffic: str, heldout: str) -> None:
+        self.config, self.inputs = config, (target, traffic, heldout)
+
+
 @flow(name="train-head", log_prints=True)
 def train_head(target: str, traffic: str, heldout: str, preset: str = "default", config_path: str | None = None,
-               target_name: str | None = None, capture_plan: str | None = None) -> HeadRun:
+               target_name: str | None = None, capture_plan: str | None = None,
+               checked: CheckedInputs | None = None) -> HeadRun:
+    """`checked`: the config `preset` and `config_path` resolve to, with these inputs already checked (the CLI's);
+    None: the flow resolves and checks them itself (deployments, other flows)."""
     log = get_run_logger()
     plan = CapturePlan.read(capture_plan) if capture_plan else None
-    cfg = plan.applied(PipelineConfig.load(config_path, preset)) if plan else PipelineConfig.load(config_path, preset)
+    cfg = checked.config if checked is not None else PipelineConfig.load(config_path, preset)
+    cfg = plan.applied(cfg) if plan else cfg
     settings = cfg.runtime.engine_settings(Settings.from_env())  # the target's scale, for each vLLM of the run
-    check_inputs(target, traffic, heldout, cfg, settings)
+    if checked is None or checked.inputs != (target, traffic, heldout):
+        check_inputs(target, traffic, heldout, cfg, settings)
     gguf, target = target, materialize_target(target, settings.state_dir, log.info)  # a GGUF file: converted once
     if gguf != target:
         check_inputs(target, traffic, heldout, cfg, settings)  # the directory it became
@@ -237,7 +254,7 @@ def train_head(target: str, traffic: str, heldout: str, preset: str = "default",
     log.info(f"target {tref.name} v{tref.version} ({tref.path}); run {key[:12]} in {work}")
     with target_lock(settings, f"{tref.name}-v{tref.version}"):
         try:
-            return _run(cfg, settings, store, tref, key, work, traffic, heldout, parent, plan)
+            return _run(cfg, settings, store, RunSpec(tref, key, work, traffic, heldout, parent, plan))
         except BadInput:
             if not _resumable(work):  # a refusal before any stage finished: take back what this run made
                 try:
@@ -278,8 +295,23 @@ def forget_refused_run(store: MlflowStore, settings: Settings, tref: TargetRef |
     print(f"refused: removed target version {tref.name}/{tref.version}, which this run registered")
 
 
-def _run(cfg: PipelineConfig, settings: Settings, store: MlflowStore, tref: TargetRef, key: str, work: Path,
-         traffic: str, heldout: str, parent: ParentHead | None = None, plan: CapturePlan | None = None) -> HeadRun:
+@dataclass(frozen=True)
+class RunSpec:
+    """One run of the flow, resolved: the target version, the run key and its work directory, the traffic files, the
+    head it warm-starts from and the capture plan it trains on (None: none)."""
+
+    tref: TargetRef
+    key: str
+    work: Path
+    traffic: str
+    heldout: str
+    parent: ParentHead | None = None
+    plan: CapturePlan | None = None
+
+
+def _run(cfg: PipelineConfig, settings: Settings, store: MlflowStore, run: RunSpec) -> HeadRun:
+    tref, key, work, traffic, heldout, parent, plan = (run.tref, run.key, run.work, run.traffic, run.heldout,
+                                                       run.parent, run.plan)
     name = head_model_name(tref, cfg.register.experiment_suffix)
     if (done := registered_run(store, name, key)) is not None:
         print(f"run {key[:12]} already registered as {done.uri}; nothing to do")
@@ -318,8 +350,8 @@ def _run(cfg: PipelineConfig, settings: Settings, store: MlflowStore, tref: Targ
                                      **(sweep.tags() if sweep else {}), **choice_tags,
                                      **(plan.tags() if plan else {})})
         if plan is not None and champion is not None:  # the shadow test: an extra gate before the alias moves
-            shadow = shadow_task(cfg.evaluate, tref.path, tr.head_dir, job.champ_dir, plan.heldout_file,
-                                 str(work / "shadow"), settings, champion.uri)
+            shadow = shadow_task(cfg.evaluate, HeadEval(tref.path, tr.head_dir, plan.heldout_file, str(work / "shadow"),
+                                                         job.champ_dir), settings, champion.uri)
             head = dataclasses.replace(head, extra_gate=shadow.gate(), notes={**head.notes, **shadow.tags()})
         reg = register_task(settings, cfg.register, head, cfg.runtime)
     nan = float("nan")  # a figure of this project's decoding, not measured when vLLM runs the target
@@ -369,11 +401,11 @@ def _train_and_evaluate(job: HeadJob, variant: str | None) -> Candidate:
     train_cfg = dataclasses.replace(cfg.train, variant=variant, variants=()) if variant else cfg.train
     train_dir, eval_dir = str(job.work / f"train{suffix}"), str(job.work / f"evaluate{suffix}")
     tr = fresh_if_missing(train_task, Path(train_dir) / "head" / "model.safetensors")(
-        train_cfg, str(job.work / "extract"), train_dir, job.tref.path, job.lineage, job.settings,
-        sinks=(VariantSink(job.sink, variant) if variant else job.sink,),
-        init_head_dir=job.parent.path if job.parent else None)
-    fig = _evaluate_head(cfg, job.settings, job.tref, tr.head_dir, job.heldout, eval_dir, job.champ_dir,
-                         tr.history_file)
+        train_cfg, TrainJob(str(job.work / "extract"), train_dir, job.tref.path, job.lineage,
+                            job.parent.path if job.parent else None),
+        job.settings, sinks=(VariantSink(job.sink, variant) if variant else job.sink,))
+    head = HeadEval(job.tref.path, tr.head_dir, job.heldout, eval_dir, job.champ_dir, tr.history_file)
+    fig = evaluate_head(cfg, head, job.settings, EvalPlan.of_run(cfg, eval_dir), TASKS)
     return Candidate(variant, tr, fig, eval_dir)
 
 
@@ -386,57 +418,3 @@ def _choose(candidates: list[Candidate]) -> tuple[Candidate, dict[str, str]]:
     choice = choose_variant(metrics)
     print(f"variant: {choice.reason}")
     return next(c for c in candidates if c.variant == choice.variant), variant_tags(metrics, choice)
-
-
-@dataclass(frozen=True)
-class Figures:
-    """What the evaluation stages measured: ours (`local`; None when vLLM runs the target), vLLM's (`engine`), the
-    load sweep's (`sweep`), and the metrics the registry gets from them."""
-
-    local: EvaluateResult | None
-    engine: EngineEvalResult | None
-    sweep: Any
-    metrics: dict[str, float]
-
-
-def _evaluate_head(cfg: PipelineConfig, settings: Settings, tref: TargetRef, head_dir: str, heldout: str,
-                   eval_dir: str, champ_dir: str | None, history_file: str | None) -> Figures:
-    """The head against the champion on the held-out traffic: in this process (where it loads the target; with
-    `target.runtime: vllm` the engine's figures alone), in vLLM (where the runtime evaluates in the engine), and
-    under load (`evaluate.load`)."""
-    ev, engine, sweep, metrics, rt = None, None, None, {}, cfg.runtime
-    with EnginePool() as engines:  # the evaluation's plain/speculative pair goes on running for the sweep
-        if _start_pair_early(cfg, eval_dir):
-            from components.evaluate_engine import eval_pair
-
-            engines.launch(*eval_pair(cfg.evaluate, tref.path, head_dir, heldout, settings))
-        if rt.loads_target:
-            ev = fresh_if_missing(evaluate_task, Path(eval_dir) / "evaluation.json")(
-                cfg.evaluate, tref.path, head_dir, heldout, eval_dir, champ_dir, history_file,
-                settings.trust_remote_code)
-            metrics = ev.metrics()
-        if rt.evaluates_in_engine:  # the head as production serves it: in vLLM, on the same prompts
-            engine = fresh_if_missing(engine_eval_task, Path(eval_dir) / "vllm" / "engine_evaluation.json")(
-                cfg.evaluate, tref.path, head_dir, heldout, str(Path(eval_dir) / "vllm"),
-                ev.report_file if ev else None, settings, champ_dir if rt.gate_on_engine else None,
-                engines)
-            metrics.update(engine.metrics())
-        if rt.evaluates_in_engine and cfg.evaluate.load.enabled:  # throughput by load, the K schedule
-            sweep = fresh_if_missing(load_sweep_task, Path(eval_dir) / "load" / "load_sweep.json")(
-                cfg.evaluate, tref.path, head_dir, heldout, str(Path(eval_dir) / "load"), settings, engines,
-                engine.report_file if engine else None)
-            metrics.update(sweep.metrics())
-    return Figures(ev, engine, sweep, metrics)
-
-
-def _start_pair_early(cfg: PipelineConfig, eval_dir: str) -> bool:
-    """Whether vLLM's evaluation pair starts before our evaluation instead of after it: where our decoder is not
-    timed (`evaluate.time_local` false: nothing timed runs beside the start), the engine runs on the CPU (on a GPU
-    the memory is the in-process target's while ours runs) and the engine's evaluation is still to run. On 2 cores
-    the pair's start (~20 s) then overlaps ours (~10-15 s on one core)."""
-    from components.evaluate_engine import REPORT
-    from infra.vllm_server import EngineSpec
-
-    return (cfg.runtime.evaluates_in_engine and not cfg.evaluate.time_local
-            and EngineSpec("", None, method=None).resolved_device() == "cpu"
-            and not (Path(eval_dir) / "vllm" / REPORT).exists())

@@ -382,7 +382,7 @@ def test_a_refusal_inside_a_ray_worker_is_bad_input_and_not_retried(tiny_embedde
     driver: the worker's `HeadMismatchError` reaches the caller as itself (the CLI's one line, exit 2), with the
     worker's message, and Ray does not restart the worker group for it (`max_failures` 2)."""
     from components.extract import ExtractConfig, extract
-    from components.train import RayConfig, TrainConfig, train
+    from components.train import RayConfig, TrainConfig, TrainSetup, train
     from eagle.export import HeadMismatchError
 
     cfg = dataclasses.replace(TrainConfig.tiny(), steps=2)
@@ -393,7 +393,7 @@ def test_a_refusal_inside_a_ray_worker_is_bad_input_and_not_retried(tiny_embedde
     ray_cfg = dataclasses.replace(cfg, ray=RayConfig(num_workers=1, cpus_per_worker=1, max_failures=2))
     capfd.readouterr()
     with pytest.raises(HeadMismatchError) as err:
-        train(ray_cfg, str(other), str(tmp_path / "train"), init_head_dir=head, storage_dir=str(tmp_path / "ray"))
+        train(ray_cfg, str(other), str(tmp_path / "train"), setup=TrainSetup(head, str(tmp_path / "ray")))
     out = "".join(capfd.readouterr())
     assert str(err.value).startswith(f"warm-start head {head} fuses layers ") and "[1, 2, 4]" in str(err.value)
     assert type(err.value.__context__).__name__ == "ControllerError"  # ended by the controller at the first error

@@ -377,7 +377,7 @@ def test_bad_input_is_refused_in_one_line(row, files, homes, monkeypatch, capsys
     for key, value in env.items():
         monkeypatch.setenv(key, value.format(**files))
     monkeypatch.setattr("infra.prefect_env.apply_prefect_defaults", lambda settings: {})
-    monkeypatch.setattr(cli, "_run_command", lambda a, settings: 99)  # passed the preflight: the row fails
+    monkeypatch.setattr(cli, "_run_command", lambda a, settings, cfg: 99)  # passed the preflight: the row fails
     before = _tree(home)
     try:
         with time_limit(ROW_LIMIT_S):  # a read that blocks (a named pipe) fails the row instead of hanging the suite
@@ -415,7 +415,7 @@ def test_a_full_disk_is_refused_before_any_work(where, files, homes, monkeypatch
     if where == "tmpdir":
         monkeypatch.setenv("TMPDIR", str(full))
     monkeypatch.setattr(os, "statvfs", statvfs)
-    monkeypatch.setattr(cli, "_run_command", lambda a, settings: 99)
+    monkeypatch.setattr(cli, "_run_command", lambda a, settings, cfg: 99)
     rc = cli.main([a.format(**files) for a in TRAIN])
     err = capsys.readouterr().err
     what = f"EAGLE_HOME={home}: {full} is full" if where == "state-dir" else f"TMPDIR={full}: full"

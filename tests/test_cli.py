@@ -1,5 +1,7 @@
-"""The `eagle-heads` CLI: help that imports nothing heavy, clear errors for bad arguments and unreachable services."""
+"""The `eagle-heads` CLI: help that imports nothing heavy, clear errors for bad arguments and unreachable services, and
+a `train` that resolves its config and checks its inputs once (its preflight's, handed to the flow)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -54,3 +56,43 @@ def test_an_untimed_speedup_prints_as_a_dash_with_its_reason():
     untimed = {"speedup": float("nan"), "speedup_lo": None, "speedup_hi": None, "speedup_reliable": False,
                "speedup_note": "not timed (evaluate.time_local false)"}
     assert _speed_text(untimed) == "- (not timed (evaluate.time_local false))"
+
+
+def test_train_resolves_its_config_and_checks_its_inputs_once(prefect_harness, tiny_embedded, tmp_path, monkeypatch,
+                                                               capsys):
+    """`eagle-heads train` in this process (tiny preset, a `--set`): the preflight resolves the config and checks the
+    inputs, the flow is handed both (flows/train_head.py `CheckedInputs`): one `PipelineConfig.load` (every
+    resolution goes through it) and one `check_inputs` for the whole command. Second turns too long for the target's
+    context pass the preflight and are refused by the regenerate stage, which ends the run early (exit 2)."""
+    from unittest import mock
+
+    import flows.preflight
+    import flows.train_head
+    from components.pipeline_config import PipelineConfig
+    from flows import cli
+
+    calls = {"load": 0, "check_inputs": 0}
+    load, check = PipelineConfig.load.__func__, flows.preflight.check_inputs
+
+    def counted_load(cls, *args, **kwargs):
+        calls["load"] += 1
+        return load(cls, *args, **kwargs)
+
+    def counted_check(*args, **kwargs):
+        calls["check_inputs"] += 1
+        return check(*args, **kwargs)
+
+    monkeypatch.setattr(PipelineConfig, "load", classmethod(counted_load))
+    monkeypatch.setattr(flows.preflight, "check_inputs", counted_check)
+    monkeypatch.setattr(flows.train_head, "check_inputs", counted_check)
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+             {"role": "user", "content": "x = 1\n" * 400}]
+    traffic = tmp_path / "long.jsonl"
+    traffic.write_text("".join(json.dumps({"id": f"long-{i}", "messages": turns}) + "\n" for i in range(3)))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "EAGLE_", "RAY_ADDRESS"))}
+    with mock.patch.dict(os.environ, {**env, "EAGLE_HOME": str(tmp_path / "home")}, clear=True):
+        rc = cli.main(["train", "--preset", "tiny", "--target", str(tiny_embedded.target_dir), "--traffic",
+                       str(traffic), "--heldout", str(tiny_embedded.target_traffic.heldout), "--set", "train.steps=3"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "turn 2: prompt of" in err, err[-2000:]  # the regenerate stage's refusal: the flow ran
+    assert calls == {"load": 1, "check_inputs": 1}

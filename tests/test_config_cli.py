@@ -73,18 +73,18 @@ def test_set_syntax_is_checked_by_argparse(text, capsys):
 
 
 def test_the_resolved_config_loads_back_as_the_file_a_flow_takes(tmp_path):
-    """`config_file` writes the whole resolved config; the flows load it over the preset: the same config."""
+    """`config_file` writes the whole config the command resolved; the flows load it over the preset: the same."""
     from flows.command_runs import config_file
     from flows.preflight import command_config
 
     a = parser().parse_args(["train", "--target", "t", "--traffic", "x", "--heldout", "y", "--preset", "default",
                              "--set", "train.steps=33", "--set", "evaluate.load.concurrency=[1, 2]"])
     settings = SimpleNamespace(state_dir=tmp_path)
-    path = config_file(a, settings)
-    assert path == config_file(a, settings) and path.startswith(str(tmp_path / "configs"))  # named by content
+    path = config_file(a, settings, command_config(a))
+    assert path == config_file(a, settings, command_config(a)) and path.startswith(str(tmp_path / "configs"))
     assert PipelineConfig.load(path, "default") == command_config(a)
     assert command_config(a).train.steps == 33 and command_config(a).evaluate.load.concurrency == (1, 2)
-    assert config_file(parser().parse_args(["watch", "--config", "c.json"]), settings) == "c.json"  # no --set
+    assert config_file(parser().parse_args(["watch", "--config", "c.json"]), settings, None) == "c.json"  # no --set
 
 
 def test_set_then_the_commands_own_flags():
@@ -105,8 +105,8 @@ def test_the_command_table_is_the_only_list_of_commands():
     sub = next(a for a in parser()._actions if a.dest == "command")
     assert set(sub.choices) == set(COMMANDS)
     options = {n: {o for act in sub.choices[n]._actions for o in act.option_strings} for n in COMMANDS}
-    for name, command in COMMANDS.items():
-        assert callable(getattr(flows.preflight, command.preflight)), name
+    for name, command in COMMANDS.items():  # each row holds its preflight function itself
+        assert command.preflight is getattr(flows.preflight, f"check_{name}"), name
     takes_config = {n for n in COMMANDS if "--config" in options[n]}
     assert takes_config == {"train", "evaluate", "watch", "monitor", "serve"}  # serve: its monitor section
     assert all("--set" in options[n] for n in takes_config)

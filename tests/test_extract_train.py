@@ -29,7 +29,7 @@ from components.train_data import FeatureStoreError, TrainingData, heldout_split
 from components.extract import ExtractConfig, extract
 from components.regenerate import RegenerateConfig, regenerate
 from components.targets import load_target
-from components.train import RayConfig, TrainConfig, holdout_size, latest_checkpoint, train
+from components.train import RayConfig, TrainConfig, TrainSetup, holdout_size, latest_checkpoint, train
 from components.train_state import read_best
 from eagle.config import default_aux_layer_ids
 from eagle.run_config import OptimConfig
@@ -325,14 +325,14 @@ def test_selection_keeps_the_earliest_best_and_the_holdout_is_seeded():
 def test_warm_start_begins_at_the_given_head_and_learns_faster(offline_dir, trained, target, tmp_path):
     parent = load_file(str(Path(trained.head_dir) / "model.safetensors"))
     frozen = dataclasses.replace(TrainConfig.tiny(), steps=2, optim=OptimConfig(lr=0.0, warmup_steps=2), log_every=1)
-    res = train(frozen, str(offline_dir), str(tmp_path / "frozen"), init_head_dir=trained.head_dir)
+    res = train(frozen, str(offline_dir), str(tmp_path / "frozen"), setup=TrainSetup(trained.head_dir))
     child = load_file(str(Path(res.head_dir) / "model.safetensors"))
     assert set(child) == set(parent)
     for k in parent:  # lr 0: the exported head is the head it started from, draft vocabulary included
         torch.testing.assert_close(child[k], parent[k], atol=0, rtol=0, msg=k)
     assert res.warm_start_heldout_tau == pytest.approx(res.last_heldout_tau)  # before any step; lr 0 keeps it
     cfg = dataclasses.replace(TrainConfig.tiny(), steps=2, log_every=1)
-    warm = train(cfg, str(offline_dir), str(tmp_path / "warm"), init_head_dir=trained.head_dir)
+    warm = train(cfg, str(offline_dir), str(tmp_path / "warm"), setup=TrainSetup(trained.head_dir))
     cold = train(cfg, str(offline_dir), str(tmp_path / "cold"))
     first = [json.loads(Path(r.history_file).read_text().splitlines()[0])["loss"] for r in (warm, cold)]
     assert first[0] < first[1] and cold.warm_start_heldout_tau is None, first  # same batches: the trained starts lower
@@ -340,7 +340,7 @@ def test_warm_start_begins_at_the_given_head_and_learns_faster(offline_dir, trai
 
 def test_variant_eagle3_1_trains_and_warm_starts_across_variants(offline_dir, trained, tmp_path):
     cfg = dataclasses.replace(TrainConfig.tiny(), steps=2, optim=OptimConfig(0.0, warmup_steps=2), variant="eagle3.1")
-    res = train(cfg, str(offline_dir), str(tmp_path), init_head_dir=trained.head_dir)
+    res = train(cfg, str(offline_dir), str(tmp_path), setup=TrainSetup(trained.head_dir))
     child, parent = (load_file(str(Path(d) / "model.safetensors")) for d in (res.head_dir, trained.head_dir))
     assert set(child) - set(parent) == {f"fc_norm.{i}.weight" for i in range(3)}
     assert all(torch.equal(child[k], parent.get(k, torch.ones_like(child[k]))) for k in child)  # lr 0: fc_norm at 1
@@ -377,8 +377,8 @@ def test_ray_failure_config_restarts_and_completes(offline_dir, ray_local, tmp_p
 
     cfg = dataclasses.replace(TrainConfig.tiny(), steps=8, checkpoint_every=3, batch_size=2,
                               ray=RayConfig(num_workers=2, max_failures=1))
-    out, marker = tmp_path / "train", tmp_path / "crashed"
-    res = train(cfg, str(offline_dir), str(out), sinks=(CrashOnce(str(marker), 4),), storage_dir=str(tmp_path / "ray"))
+    out, marker, ray = tmp_path / "train", tmp_path / "crashed", TrainSetup(storage_dir=str(tmp_path / "ray"))
+    res = train(cfg, str(offline_dir), str(out), sinks=(CrashOnce(str(marker), 4),), setup=ray)
     assert marker.is_file()  # the worker group crashed at step 4, and fit() still returned: Ray restarted it
     meta = read_head_meta(res.head_dir)
     assert meta["lineage"]["resumed_from_step"] == 3  # the restarted workers resumed from the checkpoint
@@ -421,7 +421,7 @@ def test_other_layer_ids_are_refused(custom_ids_dir, offline_dir, trained, tiny_
     default = list(json.loads((offline_dir / "manifest.json").read_text())["layer_ids"])
     with pytest.raises(HeadMismatchError, match=re.escape(f"fuses layers {default}, but the features are of layers "
                                                           "[1, 2, 4]")):
-        train(cfg, str(custom_ids_dir), str(tmp_path / "warm"), init_head_dir=trained.head_dir)
+        train(cfg, str(custom_ids_dir), str(tmp_path / "warm"), setup=TrainSetup(trained.head_dir))
     out = tmp_path / "resume"
     shutil.copytree(Path(trained.head_dir).parent / "checkpoints", out / "checkpoints")
     with pytest.raises(ValueError, match=re.escape(f"trained on features of layers {default}, but the features are "

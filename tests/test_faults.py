@@ -329,7 +329,7 @@ def test_resumed_run_equals_an_uninterrupted_one(chain, reference):
 
 
 def test_a_killed_ray_worker_is_restarted_from_the_last_checkpoint(reference, ray_local, tmp_path):
-    from components.train import RayConfig, TrainConfig, latest_checkpoint, train
+    from components.train import RayConfig, TrainConfig, TrainSetup, latest_checkpoint, train
     from eagle.export import read_head_meta
 
     @dataclass(frozen=True)
@@ -346,7 +346,7 @@ def test_a_killed_ray_worker_is_restarted_from_the_last_checkpoint(reference, ra
                               ray=RayConfig(num_workers=1, max_failures=1))  # the 2-worker restart: test_extract_train
     marker, out = tmp_path / "killed-pid", tmp_path / "train"
     res = train(cfg, str(_work(reference[0]) / "extract"), str(out), sinks=(KillWorker(str(marker), 4),),
-                storage_dir=str(tmp_path / "ray"))
+                setup=TrainSetup(storage_dir=str(tmp_path / "ray")))
     assert marker.is_file() and int(marker.read_text()) != os.getpid()  # a worker process really died
     assert read_head_meta(res.head_dir)["lineage"]["resumed_from_step"] == 3
     steps = [json.loads(x)["step"] for x in Path(res.history_file).read_text().splitlines()]

@@ -132,12 +132,12 @@ def test_changed_traffic_makes_the_head_stale(demo_run, tmp_path):
 
 
 def test_the_engines_pair_starts_beside_our_evaluation_only_when_ours_is_untimed(tmp_path, monkeypatch):
-    """flows/train_head.py `_start_pair_early`: vLLM's pair starts before our evaluation where nothing of ours is
+    """flows/evaluate_head.py `start_pair_early`: vLLM's pair starts before our evaluation where nothing of ours is
     timed beside it, on a CPU engine, and only when the engine's evaluation is still to run."""
     import dataclasses
 
     from components.pipeline_config import PipelineConfig
-    from flows.train_head import _start_pair_early
+    from flows.evaluate_head import start_pair_early as _start_pair_early
     from infra.vllm_server import EngineSpec
 
     monkeypatch.setattr(EngineSpec, "resolved_device", lambda self: "cpu")

@@ -23,6 +23,8 @@ Purpose: keep the layer rules of ARCHITECTURE.md true as the code grows:
                  (a test may reach a module's internals to test them, and test modules share helpers)
     every non-empty module has a docstring; every file is under MAX_LINES lines
     no date (20YY-MM-DD) in the code of CYCLE_PACKAGES: a dated measurement goes to bench/README.md
+    no function of SIGNATURE_PACKAGES takes more than MAX_PARAMS parameters (self/cls not counted; related ones go
+                 in a config object), but those in PARAMS_ALLOWLIST, each with its reason
 Run: `python -m pytest tests/test_layout.py` (well under a second; nothing is imported).
 Not here: style or naming checks, anything that needs importing the code.
 """
@@ -59,6 +61,22 @@ ENV_ALLOWLIST: dict[str, str] = {
 }
 _ENV_ATTRS = {"environ", "environb", "getenv", "getenvb", "putenv", "unsetenv"}
 PRIVATE_RULE_PACKAGES = (*CYCLE_PACKAGES, "bench")  # tests/ is exempt: it tests internals
+SIGNATURE_PACKAGES = ("components", "flows")
+MAX_PARAMS = 7
+# "path:function" -> why it keeps more than MAX_PARAMS parameters. bench/ calls the stages below with their current
+# parameters, and bench/ is regrouped in a change of its own: convert each together with its bench/ callers
+_BENCH = "bench/ calls it with these parameters"
+PARAMS_ALLOWLIST: dict[str, str] = {
+    "components/evaluate.py:evaluate": f"{_BENCH} (checkpoint_by_tau, feature_dtype, gpu_pipeline, long_variants, "
+                                       "speedup_trust: progress=, history_file=)",
+    "components/evaluate_engine.py:evaluate_in_vllm": f"{_BENCH} (speedup_trust: 8 of them)",
+    "components/extract.py:extract": f"{_BENCH} (common, extract_engine, features_tau, ...: progress=, ray_settings=)",
+    "components/regenerate.py:regenerate": f"{_BENCH} (common, regen_workers: progress=, ray_settings=)",
+    "components/load_sweep.py:load_sweep": f"{_BENCH} (k_schedule)",
+    "components/load_sweep.py:measure_rounds": f"{_BENCH} (k_schedule: all 9, positionally)",
+    # a Prefect flow's parameters are its deployments' (prefect.yaml, the UI, event triggers), each set by name
+    "flows/train_head.py:train_head": "a Prefect flow: each parameter is one of the train-head deployment's",
+}
 
 
 @dataclass(frozen=True)
@@ -335,6 +353,34 @@ def test_no_dates_in_the_code():
     dated = [f"{m.rel}:{i}" for m in MODULES if m.package in CYCLE_PACKAGES
              for i, line in enumerate(m.path.read_text().splitlines(), 1) if date.search(line)]
     assert not dated, "dates in code (move the figure to bench/README.md):\n" + "\n".join(dated)
+
+
+def too_many_parameters(module: Module) -> dict[str, int]:
+    """"path:function" (methods as Class.method) -> its parameters (positional and keyword-only, *args and **kwargs
+    not counted, nor self/cls) of every function of `module` taking more than MAX_PARAMS."""
+    found = {}
+    for parent in ast.walk(module.tree):
+        for node in ast.iter_child_nodes(parent):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            names = [a.arg for a in (*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs)]
+            n = len(names) - (names[:1] in (["self"], ["cls"]))
+            if n > MAX_PARAMS:
+                found[f"{module.rel}:{parent.name + '.' if isinstance(parent, ast.ClassDef) else ''}{node.name}"] = n
+    return found
+
+
+def test_functions_take_few_parameters():
+    sample = Module(ROOT / "flows/x.py", "flows/x.py", "flows", ast.parse(
+        "def f(a, b, c, d, e, f, g, *, h): pass\ndef g(a, b, c, d, e, f, g, *args, **kw): pass\n"
+        "class C:\n    def m(self, a, b, c, d, e, f, g): pass\n    def n(self, a, b, c, d, e, f, g, h): pass"), 4)
+    assert too_many_parameters(sample) == {"flows/x.py:f": 8, "flows/x.py:C.n": 8}
+    found = {k: n for m in MODULES if m.package in SIGNATURE_PACKAGES for k, n in too_many_parameters(m).items()}
+    bad = [f"{k}: {n} parameters" for k, n in found.items() if k not in PARAMS_ALLOWLIST]
+    assert not bad, (f"more than {MAX_PARAMS} parameters (group related ones in a frozen dataclass, or a config "
+                     "section):\n" + "\n".join(bad))
+    stale = sorted(set(PARAMS_ALLOWLIST) - set(found))
+    assert not stale, f"allowed more than {MAX_PARAMS} parameters but no longer takes them: {stale}"
 
 
 def test_module_seconds_sum_a_junit_run_by_module(tmp_path):

@@ -230,7 +230,7 @@ def _drive(spec_file: str) -> None:
 
     import ray
 
-    from components.train import RayConfig, TrainConfig, train
+    from components.train import RayConfig, TrainConfig, TrainSetup, train
     from infra.ray_cluster import _node_sees, ray_session
     from infra.settings import Settings
 
@@ -276,7 +276,7 @@ def _drive(spec_file: str) -> None:
         for run, sinks in (("plain", ()), ("killed", (HoldAt(str(work / "held"), 4),))):
             t0 = time.perf_counter()
             res = train(cfg, spec["features"], str(work / run), sinks=(WhereAmI(str(work / f"{run}.where")), *sinks),
-                        storage_dir=str(settings.ray_storage_dir))
+                        setup=TrainSetup(storage_dir=str(settings.ray_storage_dir)))
             out[run] = {"head_dir": res.head_dir, "resumed_from_step": res.resumed_from_step,
                         "history": res.history_file, "seconds": time.perf_counter() - t0}
     Path(spec["result"]).write_text(json.dumps(out))

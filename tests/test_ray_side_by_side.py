@@ -28,7 +28,7 @@ pytestmark = pytest.mark.live
 RUN = textwrap.dedent("""
     import dataclasses, sys, time
     from pathlib import Path
-    from components.train import RayConfig, TrainConfig, train
+    from components.train import RayConfig, TrainConfig, TrainSetup, train
     from infra.ray_cluster import ray_session
     from infra.settings import Settings
 
@@ -41,7 +41,8 @@ RUN = textwrap.dedent("""
         deadline = time.monotonic() + 120
         while not (Path(work) / f"{other}.up").exists() and time.monotonic() < deadline:
             time.sleep(0.2)
-        res = train(cfg, extract_dir, str(Path(work) / me / "train"), storage_dir=str(settings.ray_storage_dir))
+        res = train(cfg, extract_dir, str(Path(work) / me / "train"),
+                    setup=TrainSetup(storage_dir=str(settings.ray_storage_dir)))
     print("HEAD", res.head_dir)
 """)
 

@@ -64,7 +64,7 @@ def _preflight(argv: list[str], home: Path, monkeypatch, capsys) -> tuple[int, s
         monkeypatch.delenv(key)
     monkeypatch.setenv("EAGLE_HOME", str(home))
     monkeypatch.setattr("infra.prefect_env.apply_prefect_defaults", lambda settings: {})
-    monkeypatch.setattr(cli, "_run_command", lambda a, settings: 99)
+    monkeypatch.setattr(cli, "_run_command", lambda a, settings, cfg: 99)
     rc = cli.main(argv)
     return rc, capsys.readouterr().err
 

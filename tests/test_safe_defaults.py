@@ -129,7 +129,7 @@ def test_the_trust_setting_reaches_every_model_load(monkeypatch, tmp_path):
     import components.extract
     import components.targets
     from components.train_data import TrainingData
-    from components.evaluate import EvaluateConfig
+    from components.evaluate import EvaluateConfig, HeadEval
     from components.extract import ExtractConfig
     from components.regenerate import RegenerateConfig
     from components.train import LoopArgs, TrainConfig, train_loop
@@ -150,8 +150,8 @@ def test_the_trust_setting_reaches_every_model_load(monkeypatch, tmp_path):
     traffic.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
     for call in (lambda: tasks.regenerate_task.fn(RegenerateConfig(), "tgt", str(traffic), str(tmp_path / "r"), True),
                  lambda: tasks.extract_task.fn(ExtractConfig(), "tgt", "regen", str(tmp_path / "e"), True),
-                 lambda: tasks.evaluate_task.fn(EvaluateConfig(), "tgt", "head", str(traffic), str(tmp_path / "v"),
-                                                None, None, True)):
+                 lambda: tasks.evaluate_task.fn(EvaluateConfig(), HeadEval("tgt", "head", str(traffic),
+                                                                          str(tmp_path / "v")), True)):
         with pytest.raises(_Stop):
             call()
     monkeypatch.setattr(TrainingData, "open", classmethod(lambda cls, *a, **k: type(
@@ -160,7 +160,7 @@ def test_the_trust_setting_reaches_every_model_load(monkeypatch, tmp_path):
     with pytest.raises(_Stop):  # online training loads the target
         train_loop(LoopArgs(TrainConfig.tiny(), "ext", str(tmp_path / "o"), "tgt", trust_remote_code=True))
     assert seen == [True, True, True, True]
-    source = (ROOT / "flows" / "train_head.py").read_text()
+    source = (ROOT / "flows" / "train_head.py").read_text() + (ROOT / "flows" / "evaluate_head.py").read_text()
     passed = source.count("trust)") + source.count("trust,") + source.count("settings.trust_remote_code)")
     assert passed >= 3 and "trust = settings.trust_remote_code" in source  # regenerate, extract, evaluate
     assert "ray_settings.trust_remote_code" in (ROOT / "flows" / "tasks.py").read_text()

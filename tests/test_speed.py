@@ -16,7 +16,7 @@ import pytest
 
 from components.evaluate import EvaluateConfig
 from components.pipeline_config import ConfigError, PipelineConfig
-from components.speed import SpeedupConfig, measure_speedup, median_interval
+from components.speed import SpeedupConfig, Timing, measure_speedup, median_interval
 from infra.cpu_load import MIN_WALL_S, OtherLoad, machine_busy_s
 
 BUSY = "import time\nt = time.time()\nwhile time.time() - t < 30: pass"
@@ -42,7 +42,7 @@ def _run(n, cfg, plain_cost, spec_cost, calls=None):
             return 10
         return fn
 
-    return measure_speedup(n, make("plain", plain_cost), make("spec", spec_cost), cfg, clock=clock)
+    return measure_speedup(n, make("plain", plain_cost), make("spec", spec_cost), cfg, timing=Timing(clock=clock))
 
 
 def test_a_steady_machine_gives_the_true_ratio_reliably_in_the_fewest_rounds():
@@ -102,7 +102,7 @@ def test_settle_runs_before_each_decode_untimed_and_outside_the_budget():
         clock.t += 100.0  # far past the budget, were it counted
 
     cfg = SpeedupConfig(min_rounds=3, max_rounds=3, budget_s=50.0)
-    est = measure_speedup(2, decode(2.0), decode(1.0), cfg, clock=clock, settle=settle)
+    est = measure_speedup(2, decode(2.0), decode(1.0), cfg, timing=Timing(clock=clock, settle=settle))
     assert est.speedup == pytest.approx(2.0) and est.rounds == 3 and est.reliable
     assert seen[:4] == ["plain", "decode", "spec", "decode"] and len(seen) == 2 * 2 * 2 * 3
 

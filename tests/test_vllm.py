@@ -142,7 +142,7 @@ def test_vllm_serves_the_head_losslessly_with_our_acceptance(kind, heads, engine
 def flow_run(engine_target, settings, prefect_harness, tmp_path_factory):
     """The `train-head` flow (tiny preset) with `evaluate.engine: vllm`: the head is measured in vLLM too and both
     engines' figures land in the registry. Our decoder untimed (`time_local: false`, as the demo runs it): vLLM's
-    pair starts beside our evaluation (flows/train_head.py `_start_pair_early`)."""
+    pair starts beside our evaluation (flows/evaluate_head.py `start_pair_early`)."""
     cfg = tmp_path_factory.mktemp("engine-flow") / "pipeline.json"
     cfg.write_text(json.dumps({"train": {"steps": 60}, "register": {"gate_tau": "engine"}, "evaluate": {
         "engine": "vllm", "limit": EVAL.limit, "time_local": False,
