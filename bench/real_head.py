@@ -11,7 +11,9 @@ conversations and steps than the `default` preset and measures the head as serve
    lookup), tokens/s and x plain (median, minimum), tau and alpha from the engine's counters, mismatches.
 Run: `python bench/real_head.py [--conversations 1200 (0: 1200)] [--steps 1200] [--runs 5]` (2 cores: ~25 min of
 regeneration and extraction, ~2.3 s a training step, ~3 min per speedup run). Writes `real_head.json` (+ `.png`: the
-held-out tau against steps) with the training curve, stage seconds and the served figures.
+held-out tau against steps) with the training curve, stage seconds and the served figures. `--summary
+<run>/summary.json` reports a finished run instead of training one; `--runs 0` skips the fresh-server measurement
+(the pipeline's own vLLM evaluation, in the summary, stays).
 Not here: the demo's heads (`make demo`), the data/steps trade-off on fixed features (bench/data_curve.py).
 """
 
@@ -105,6 +107,8 @@ def main() -> None:
     p.add_argument("--home", default=str(ROOT / ".eagle" / "bench" / "real_head"), help="state directory (fresh)")
     p.add_argument("--embedded", default=str(ROOT / ".eagle" / "embedded"), help="embedded default's cache root")
     p.add_argument("--head", default="", help="skip training: measure this exported head of the base target")
+    p.add_argument("--summary", default="",
+                   help="skip training: a finished run's summary.json (its curve, gate and head are reported)")
     args = p.parse_args()
     args.conversations = args.conversations or 1200  # base_args' --conversations: prompts the target answers
     load = start(args)
@@ -113,14 +117,21 @@ def main() -> None:
     if args.head:
         head = Path(args.head)
     else:
-        summary, seconds = train(args, target, traffic, heldout)
+        if args.summary:
+            summary, seconds = json.loads(Path(args.summary).read_text()), float("nan")
+        else:
+            summary, seconds = train(args, target, traffic, heldout)
         head = Path(summary["train"]["head_dir"])
         record.update(pipeline_seconds=round(seconds, 1), train_seconds=round(summary["train"]["seconds"], 1),
                       curve=history(summary), head_uri=summary["head_uri"], gate=summary["gate"],
                       pipeline_tau_vllm=summary.get("tau_vllm"), pipeline_speedup_vllm=summary.get("speedup_vllm"),
+                      pipeline_vllm={k: (summary.get("vllm") or {}).get(k) for k in
+                                     ("acceptance", "speedup_lo", "speedup_hi", "plain_tokens_per_s",
+                                      "spec_tokens_per_s", "identical_to_plain", "n_samples", "n_tokens")},
+                      k_schedule=summary.get("k_schedule"), crossover=summary.get("crossover"),
                       selection=summary["train"]["selection_rule"])
         print_table(record["curve"], ["step", "heldout_tau", "train_tau", "tokens_per_s"])
-    record.update(head=str(head), served=served(args, target, heldout, head))
+    record.update(head=str(head), served=served(args, target, heldout, head) if args.runs else None)
     write_results("real_head", False, record, load)
     if record.get("curve"):
         plt = pyplot()
