@@ -110,6 +110,17 @@ def main() -> None:
     p.add_argument("--summary", default="",
                    help="skip training: a finished run's summary.json (its curve, gate and head are reported)")
     args = p.parse_args()
+    for name in ("steps", "eval_every", "draft_vocab", "prompts", "max_new"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1, not {getattr(args, name)}")
+    for name in ("conversations", "runs", "teacher_cache_mib"):
+        if getattr(args, name) < 0:
+            p.error(f"--{name.replace('_', '-')} must not be negative, not {getattr(args, name)}")
+    if args.head and args.summary:
+        p.error("--head and --summary are two ways to skip training: give one")
+    for name in ("head", "summary"):
+        if getattr(args, name) and not Path(getattr(args, name)).exists():
+            p.error(f"--{name} {getattr(args, name)} does not exist")
     args.conversations = args.conversations or 1200  # base_args' --conversations: prompts the target answers
     load = start(args)
     target, traffic, heldout = embedded_default(Path(args.embedded))

@@ -298,3 +298,15 @@ def test_long_variants_quick(cache: Path) -> None:
     for rd in r["per_round"]:  # ignore_eos: every request ran to its sample's limit
         assert all(m["tokens"] == sum(r["limits"]) for m in rd.values()), rd
     check_goals(r["goals"], 0)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--steps", "0"], "--steps must be at least 1"),
+    (["--runs", "-1"], "--runs must not be negative"),
+    (["--summary", "/no/such/summary.json"], "does not exist"),
+    (["--head", ".", "--summary", "."], "give one"),
+])
+def test_real_head_refuses_bad_arguments_in_one_line_before_any_work(argv, says):
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "real_head.py"), *argv], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and says in out.stderr.strip().splitlines()[-1], out.stderr
