@@ -16,6 +16,9 @@ process asks first (`built_once`: the others wait for it and reuse it):
                      `.regen_dir`, `.extract_dir`, `.head_dir`; shared by the vLLM and load-sweep tests
                                                                                     (run, ~20-40 s)
     engine_settings  Settings of a fresh state dir, vLLM's venv checked                 (module, free)
+    capsys           pytest's, less the lines Ray's log monitor prints from its processes (`(raylet) ...`):
+                     ray_local outlives the test that started it, and its raylet's lines (a disk over 95 % full
+                     on CI) land in whichever test's capture is open, breaking the one-line refusal checks
 Order: the modules that took longest in a measured run go first (`pytest_collection_modifyitems`,
 tests/module_seconds.py), so that under `make test`'s worker processes (pytest-xdist, a whole module per worker,
 xdist's own reordering off) the long modules start early and the short ones fill in at the end, instead of one long
@@ -30,6 +33,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Iterator
@@ -41,6 +45,34 @@ from infra.settings import Settings
 # Local Rays in tests run without token auth unless the caller says otherwise (`.ci/run` exports it too): a plain
 # `make test` would otherwise write a token under the user's ~/.ray for every Ray whose settings name no mode.
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+
+# A line Ray's driver prints for one of its processes: an optional colour, then "(raylet)", "(pid=12)",
+# "(RayTrainWorker pid=12, ip=10.0.0.1)" and the like; our own lines never start with a parenthesis.
+RAY_LINE = re.compile(r"^(?:\x1b\[[0-9;]*m)?\((?:raylet|gcs_server|autoscaler|monitor|dashboard|[\w.:-]* ?pid=\d+)"
+                      r"[^)\n]*\)")
+
+
+def without_ray_lines(text: str) -> str:
+    return "".join(line for line in text.splitlines(keepends=True) if not RAY_LINE.match(line))
+
+
+class _OwnCapture:
+    def __init__(self, inner: pytest.CaptureFixture[str]):
+        self._inner = inner
+
+    def readouterr(self):  # pytest's CaptureResult
+        read = self._inner.readouterr()
+        return read._replace(out=without_ray_lines(read.out), err=without_ray_lines(read.err))
+
+    def __getattr__(self, name: str):  # disabled() and the rest: pytest's own
+        return getattr(self._inner, name)
+
+
+@pytest.fixture
+def capsys(capsys: pytest.CaptureFixture[str]) -> _OwnCapture:
+    """pytest's capsys, with Ray's log-monitor lines dropped from what it read (see the module's docstring)."""
+    return _OwnCapture(capsys)
 
 
 @pytest.fixture

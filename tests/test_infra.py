@@ -11,6 +11,7 @@ that a probe refused first). Nothing is left running: the fixtures stop Ray and 
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -402,3 +403,13 @@ def test_processes_opening_a_new_sqlite_store_at_once_all_succeed(tmp_path):
                               stderr=subprocess.PIPE, text=True, cwd=Path(__file__).parents[1]) for _ in range(3)]
     outs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0, 0], "\n".join(err[-2000:] for _, err in outs)
+
+
+def test_rays_lines_in_the_capture_are_not_counted_as_ours(capsys):
+    """The suite's shared Ray prints its raylet's warnings into whichever test's capture is open (CI: a disk over
+    95 % full); `capsys` (tests/conftest.py) drops them, and nothing else."""
+    sys.stderr.write("\x1b[33m(raylet)\x1b[0m [2026-12-06 14:23:58,364 E 25212 25226] file_system_monitor.cc:116: "
+                     "/tmp/ray/session_x is over 95% full\n")
+    sys.stderr.write("(RayTrainWorker pid=123, ip=10.0.0.1) a worker's line\n(pid=5) another\n"
+                     "eagle-heads: error: x.json: not readable JSON (line 1)\n")
+    assert capsys.readouterr().err == "eagle-heads: error: x.json: not readable JSON (line 1)\n"
