@@ -8,7 +8,8 @@ directory (components/capture.py; `--no-capture`: the proxy alone). vLLM's own l
 infra/vllm_bench.py, one client process) measures cells at concurrency 1 and 16, `direct` (vLLM's port) and `proxy`
 (ours), their order alternating by round, the same prompts (held-out chats, template applied), fixed output length
 (`ignore_eos`), greedy. Prints per concurrency the medians over rounds of output tokens/s and median TTFT for both,
-and proxy / direct ratios (goal: tokens/s ratio >= 0.97 at both levels, issue 48); writes
+and proxy / direct ratios: tokens/s per round (the two cells of a round back to back), median with min and max,
+goal: median >= 0.97 at both levels (issue 48); writes
 `bench/results/proxy_overhead.json` (`--quick`: `.eagle/bench/results-quick/`).
 Not here: the swap (tests/test_serve_proxy.py), speculative speedup itself (bench/vllm_speedup.py).
 """
@@ -31,6 +32,7 @@ from infra.vllm_bench import LoadRequest, bench_serve_many, write_dataset
 from infra.vllm_server import EngineSpec, VllmServer
 
 LEVELS = (1, 16)
+GOAL = 0.97  # proxy / direct output tokens/s (issue 48: overhead <= 3%)
 
 
 def prompt_texts(target_dir: Path, heldout: Path, n: int) -> list[str]:
@@ -46,6 +48,24 @@ def prompt_texts(target_dir: Path, heldout: Path, n: int) -> list[str]:
             out.append(text)
         if len(out) == n:
             break
+    return out
+
+
+def summarize(keys: list[tuple[int, str]], cells: list) -> dict[int, dict]:
+    """Per concurrency: the medians over rounds of tokens/s and TTFT for `direct` and `proxy`, and the proxy /
+    direct ratio of tokens/s per round (the two cells of a round ran back to back): its median, min and max. The
+    goal (>= 0.97) reads the median; the min and max are its interval."""
+    out = {}
+    for c in sorted({k[0] for k in keys}):
+        by = {m: [cell for k, cell in zip(keys, cells) if k == (c, m)] for m in ("direct", "proxy")}
+        if len(by["direct"]) != len(by["proxy"]) or not by["direct"]:
+            raise ValueError(f"concurrency {c}: {len(by['direct'])} direct and {len(by['proxy'])} proxy cells")
+        fig = {m: {"tok_s": statistics.median(x.output_tokens_per_s for x in xs),
+                   "ttft_ms": statistics.median(x.median_ttft_ms for x in xs)} for m, xs in by.items()}
+        per_round = [p.output_tokens_per_s / d.output_tokens_per_s for d, p in zip(by["direct"], by["proxy"])]
+        out[c] = {**fig, "tok_s_ratio": statistics.median(per_round), "tok_s_ratio_min": min(per_round),
+                  "tok_s_ratio_max": max(per_round), "tok_s_ratio_by_round": per_round,
+                  "ttft_ratio": fig["proxy"]["ttft_ms"] / fig["direct"]["ttft_ms"]}
     return out
 
 
@@ -83,18 +103,20 @@ def main(argv: list[str] | None = None) -> int:
         if capture is not None:
             capture.close()
             captured = capture.stats()
-    rows, payload = [], {"levels": {}, "capture": None if a.no_capture else captured, "head": a.head}
-    for c in LEVELS:
-        fig = {m: {"tok_s": statistics.median(cell.output_tokens_per_s for k, cell in zip(keys, cells) if k == (c, m)),
-                   "ttft_ms": statistics.median(cell.median_ttft_ms for k, cell in zip(keys, cells) if k == (c, m))}
-               for m in ("direct", "proxy")}
-        ratio = fig["proxy"]["tok_s"] / fig["direct"]["tok_s"]
-        ttft = fig["proxy"]["ttft_ms"] / fig["direct"]["ttft_ms"]
-        payload["levels"][c] = {**fig, "tok_s_ratio": ratio, "ttft_ratio": ttft}
-        rows.append({"concurrency": c, "direct tok/s": fig["direct"]["tok_s"], "proxy tok/s": fig["proxy"]["tok_s"],
-                     "tok/s ratio": ratio, "direct TTFT ms": fig["direct"]["ttft_ms"],
-                     "proxy TTFT ms": fig["proxy"]["ttft_ms"], "TTFT ratio": ttft})
+    levels = summarize(keys, cells)
+    payload = {"levels": levels, "rounds": a.rounds, "capture": None if a.no_capture else captured, "head": a.head}
+    rows = [{"concurrency": c, "direct tok/s": f["direct"]["tok_s"], "proxy tok/s": f["proxy"]["tok_s"],
+             "tok/s ratio": f["tok_s_ratio"], "ratio min": f["tok_s_ratio_min"], "ratio max": f["tok_s_ratio_max"],
+             "direct TTFT ms": f["direct"]["ttft_ms"], "proxy TTFT ms": f["proxy"]["ttft_ms"],
+             "TTFT ratio": f["ttft_ratio"]} for c, f in levels.items()]
     common.print_table(rows, list(rows[0]), "proxy overhead (medians over rounds; ratio = proxy / direct)")
+    payload["goals"] = {}
+    for c, f in levels.items():  # outputs are not compared here (the proxy passes bytes): tests/test_serve_proxy.py
+        met = f["tok_s_ratio"] >= GOAL
+        payload["goals"][c] = {"measured": f["tok_s_ratio"], "goal": GOAL, "met": met}
+        print(f"goal proxy tok/s >= {GOAL}x direct at concurrency {c}: median {f['tok_s_ratio']:.3f} "
+              f"[{f['tok_s_ratio_min']:.3f}, {f['tok_s_ratio_max']:.3f}] over {a.rounds} rounds -> "
+              + ("met" if met else f"MISSED by {GOAL - f['tok_s_ratio']:.3f}"))
     common.write_results("proxy_overhead", a.quick, payload, load_before)
     return 0
 

@@ -310,3 +310,28 @@ def test_real_head_refuses_bad_arguments_in_one_line_before_any_work(argv, says)
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "real_head.py"), *argv], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and says in out.stderr.strip().splitlines()[-1], out.stderr
+
+
+def test_proxy_overhead_ratios_pair_the_cells_of_each_round() -> None:
+    """proxy_overhead.py's ratio is per round (a direct and a proxy cell back to back), its median the goal's figure,
+    min and max its interval; the per-mode medians are over rounds."""
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from proxy_overhead import summarize
+
+    def cell(tok_s, ttft):
+        return SimpleNamespace(output_tokens_per_s=tok_s, median_ttft_ms=ttft)
+
+    keys = [(1, "direct"), (1, "proxy"), (16, "direct"), (16, "proxy"),
+            (1, "proxy"), (1, "direct"), (16, "proxy"), (16, "direct"),
+            (1, "direct"), (1, "proxy"), (16, "direct"), (16, "proxy")]
+    cells = [cell(100, 10), cell(98, 12), cell(400, 50), cell(400, 60),
+             cell(90, 10), cell(80, 10), cell(380, 50), cell(400, 50),
+             cell(110, 10), cell(110, 14), cell(500, 50), cell(450, 50)]
+    out = summarize(keys, cells)
+    assert out[1]["tok_s_ratio_by_round"] == [0.98, 90 / 80, 1.0]  # rounds pair by order of each mode's cells
+    assert (out[1]["tok_s_ratio"], out[1]["tok_s_ratio_min"], out[1]["tok_s_ratio_max"]) == (1.0, 0.98, 90 / 80)
+    assert out[16]["tok_s_ratio"] == 0.95 and out[16]["direct"]["tok_s"] == 400 and out[1]["ttft_ratio"] == 1.2
+    with pytest.raises(ValueError, match="concurrency 1: 1 direct and 0 proxy"):
+        summarize([(1, "direct")], [cell(1, 1)])
