@@ -1,7 +1,7 @@
 """What our serving proxy (and capture behind it) costs: output tokens/s and TTFT with and without it, side by side.
 
 Run: `python bench/proxy_overhead.py [--quick] [--rounds 3] [--prompts 32] [--output-len 64] [--head DIR]
-[--no-capture]` (default target: the embedded default's, built or reused as every benchmark does; `--quick`: the
+[--no-capture] [--target DIR --heldout FILE]` (default target: the embedded default's, built or reused as every benchmark does; `--quick`: the
 tiny one; about 4 minutes on 2 cores with the defaults). One vLLM server (plain decoding, or with `--head`) and one
 `ServeProxy` in front of it (infra/serve_proxy.py) with a capture writer recording every request into a temporary
 directory (components/capture.py; `--no-capture`: the proxy alone). vLLM's own load client (`vllm bench serve`,
@@ -9,8 +9,8 @@ infra/vllm_bench.py, one client process) measures cells at concurrency 1 and 16,
 (ours), their order alternating by round, the same prompts (held-out chats, template applied), fixed output length
 (`ignore_eos`), greedy. Prints per concurrency the medians over rounds of output tokens/s and median TTFT for both,
 and proxy / direct ratios: tokens/s per round (the two cells of a round back to back), median with min and max,
-goal: median >= 0.97 at both levels (issue 48); writes
-`bench/results/proxy_overhead.json` (`--quick`: `.eagle/bench/results-quick/`).
+goal: median >= 0.97 at both levels (issue 48); writes `bench/results/proxy_overhead.json` (`--target`:
+`proxy_overhead-<its parent directory>.json`; `--quick`: `.eagle/bench/results-quick/`).
 Not here: the swap (tests/test_serve_proxy.py), speculative speedup itself (bench/vllm_speedup.py).
 """
 
@@ -76,9 +76,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--head", help="serve this exported head (default: plain decoding: the proxy's cost is per byte)")
     p.add_argument("--no-capture", action="store_true", help="the proxy alone, no capture writer behind it")
+    p.add_argument("--target", help="a target directory (with --heldout) instead of the embedded one")
+    p.add_argument("--heldout", help="held-out traffic of --target (its first user turns are the prompts)")
     a = p.parse_args(argv)
+    if bool(a.target) != bool(a.heldout):
+        p.error("--target and --heldout go together")
     load_before = common.start(a)
-    emb = common.embedded(common.Preset.get(a.quick))
+    emb = (SimpleNamespace(target_dir=Path(a.target), target_traffic=SimpleNamespace(heldout=Path(a.heldout)))
+           if a.target else common.embedded(common.Preset.get(a.quick)))
     settings = Settings.from_env()
     spec = EngineSpec(str(emb.target_dir), a.head, method="eagle3" if a.head else None, num_speculative_tokens=3,
                       served_model_name="target")
@@ -104,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             capture.close()
             captured = capture.stats()
     levels = summarize(keys, cells)
-    payload = {"levels": levels, "rounds": a.rounds, "capture": None if a.no_capture else captured, "head": a.head}
+    payload = {"target": str(emb.target_dir), "levels": levels, "rounds": a.rounds, "capture": None if a.no_capture else captured, "head": a.head}
     rows = [{"concurrency": c, "direct tok/s": f["direct"]["tok_s"], "proxy tok/s": f["proxy"]["tok_s"],
              "tok/s ratio": f["tok_s_ratio"], "ratio min": f["tok_s_ratio_min"], "ratio max": f["tok_s_ratio_max"],
              "direct TTFT ms": f["direct"]["ttft_ms"], "proxy TTFT ms": f["proxy"]["ttft_ms"],
@@ -117,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"goal proxy tok/s >= {GOAL}x direct at concurrency {c}: median {f['tok_s_ratio']:.3f} "
               f"[{f['tok_s_ratio_min']:.3f}, {f['tok_s_ratio_max']:.3f}] over {a.rounds} rounds -> "
               + ("met" if met else f"MISSED by {GOAL - f['tok_s_ratio']:.3f}"))
-    common.write_results("proxy_overhead", a.quick, payload, load_before)
+    name = f"proxy_overhead-{Path(a.target).resolve().parent.name}" if a.target else "proxy_overhead"
+    common.write_results(name, a.quick, payload, load_before)
     return 0
 
 
