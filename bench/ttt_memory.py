@@ -109,7 +109,7 @@ def main() -> None:
             row = json.loads(res.stdout.strip().splitlines()[-1])
             rows.append(row)
             print(f"{impl:5s} S={S:5d}  peak {row['peak_bytes'] / 2**20:9.1f} MiB  {row['seconds']:.1f} s", flush=True)
-    report(rows, a)
+    report(rows, a, load0)
 
 
 def _exponents(rows: list[dict], impl: str) -> dict[int, float]:
@@ -117,7 +117,7 @@ def _exponents(rows: list[dict], impl: str) -> dict[int, float]:
     return {s2: math.log(b2 / b1) / math.log(s2 / s1) for (s1, b1), (s2, b2) in zip(pts, pts[1:]) if b1 > 0}
 
 
-def report(rows: list[dict], a) -> None:
+def report(rows: list[dict], a, load0: list[float]) -> None:
     exps = {impl: _exponents(rows, impl) for impl in ("ours", "naive")}
     print("\nseq_len | ours MiB | naive MiB | naive/ours | growth exp ours | growth exp naive")
     by = {(r["impl"], r["seq_len"]): r for r in rows}
