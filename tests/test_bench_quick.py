@@ -335,3 +335,21 @@ def test_proxy_overhead_ratios_pair_the_cells_of_each_round() -> None:
     assert out[16]["tok_s_ratio"] == 0.95 and out[16]["direct"]["tok_s"] == 400 and out[1]["ttft_ratio"] == 1.2
     with pytest.raises(ValueError, match="concurrency 1: 1 direct and 0 proxy"):
         summarize([(1, "direct")], [cell(1, 1)])
+
+
+def test_capture_mix_quick(cache: Path) -> None:
+    """capture_mix.py: the champion, a head per mix with the counts a retrain on capture would use, and a fresh head
+    on the captured conversations alone, each decoded on both domains with outputs identical to plain decoding."""
+    from components.captured_traffic import mix_counts
+
+    r = run_quick("capture_mix", cache, 300, "--mixes", "0.25", "0.75", "--prompts", "2")
+    check_metadata(r)
+    champion, *mixed, offline = r["rows"]
+    assert champion["head"] == "champion" and champion["captured"] == 0 and offline["registered"] == 0
+    assert [m["mix"] for m in mixed] == [0.25, 0.75]
+    for m in mixed:
+        assert (m["captured"], m["registered"]) == mix_counts(offline["captured"], champion["registered"], m["mix"])
+    for row in r["rows"]:
+        assert row["identical_shift"] and row["identical_base"] and row["tau_shift"] >= 1 and row["tau_base"] >= 1
+        assert row["x_offline_shift"] == round(row["tau_shift"] / offline["tau_shift"], 3)
+    assert r["goal"]["met"] == (r["goal"]["measured"] >= 0.95)
