@@ -1,12 +1,12 @@
 """One config for a whole pipeline run: a section per stage, presets, strict loading from JSON.
 
 Purpose: `PipelineConfig` groups who runs the target (`target`: this process or vLLM, and vLLM's scale; its
-`runtime`, components/target_runtime.py, is where each stage runs the target, built once per config), the stage
+`runtime`, components/targets/runtime.py, is where each stage runs the target, built once per config), the stage
 configs (`regenerate`, `extract`, `train`, `evaluate`, `register`), the acceptance monitor's (`monitor`) and how a
-retrain on served traffic uses it (`capture`: components/captured_traffic.py);
-`PipelineConfig.preset(name)` builds a named preset from its sections (all of them live in components/presets.py,
+retrain on served traffic uses it (`capture`: components/data/captured_traffic.py);
+`PipelineConfig.preset(name)` builds a named preset from its sections (all of them live in components/config/presets.py,
 which builds sections only and never imports this module); `PipelineConfig.load(path)` reads a JSON file (a regular
-UTF-8 file, a byte-order mark allowed, of sane size and depth: components/safe_read.py) whose sections override a
+UTF-8 file, a byte-order mark allowed, of sane size and depth: components/data/safe_read.py) whose sections override a
 preset key by key, and refuses an unknown section or key, naming it; `resolve(name, path,
 assignments)` is the config a command runs with (then the `--set key.path=value` assignments, checked the same way);
 `monitor_config(preset, path, **flags)` adds the monitor's command-line values on top, checked the same way.
@@ -26,16 +26,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Sequence, Union
 
-from components import presets
-from components.captured_traffic import CapturedTrafficConfig
-from components.evaluate import EvaluateConfig
-from components.extract import ExtractConfig
-from components.monitor import MonitorConfig
-from components.regenerate import RegenerateConfig
-from components.safe_read import UnreadableFile, read_json
-from components.register import RegisterConfig
-from components.target_runtime import TargetConfig, TargetRuntime, with_resolved
-from components.train import TrainConfig
+from components.config import presets
+from components.data.captured_traffic import CapturedTrafficConfig
+from components.data.safe_read import UnreadableFile, read_json
+from components.evaluate.stage import EvaluateConfig
+from components.extract.stage import ExtractConfig
+from components.regenerate.stage import RegenerateConfig
+from components.registry.register import RegisterConfig
+from components.serving.monitor import MonitorConfig
+from components.targets.runtime import TargetConfig, TargetRuntime, with_resolved
+from components.train.stage import TrainConfig
 from eagle.config import PARALLEL_VARIANTS
 from eagle.config_checks import FieldError
 from eagle.errors import BadInput
@@ -61,7 +61,7 @@ class PipelineConfig:
 
     @functools.cached_property
     def runtime(self) -> TargetRuntime:
-        """Where the target runs in each stage (components/target_runtime.py), built once per config: the stages
+        """Where the target runs in each stage (components/targets/runtime.py), built once per config: the stages
         ask it; the sections keep the values as written."""
         return TargetRuntime.from_config(self)
 
@@ -85,17 +85,17 @@ class PipelineConfig:
 
     @classmethod
     def tiny(cls) -> "PipelineConfig":
-        """The `tiny` preset (components/presets.py)."""
+        """The `tiny` preset (components/config/presets.py)."""
         return cls.preset("tiny")
 
     @classmethod
     def default(cls) -> "PipelineConfig":
-        """The `default` preset (components/presets.py): the demo on 2 CPU cores, on the embedded default."""
+        """The `default` preset (components/config/presets.py): the demo on 2 CPU cores, on the embedded default."""
         return cls.preset("default")
 
     @classmethod
     def preset(cls, name: str) -> "PipelineConfig":
-        """The named preset (components/presets.py returns its sections); `ConfigError` naming the known ones."""
+        """The named preset (components/config/presets.py returns its sections); `ConfigError` naming the known ones."""
         if name not in presets.PRESETS:
             raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(presets.PRESETS)}")
         return cls(**presets.PRESETS[name]())
@@ -116,7 +116,7 @@ class PipelineConfig:
         base = cls.preset(preset)
         if path is None:
             return base
-        try:  # a regular UTF-8 file (a byte-order mark allowed), of sane size and depth: components/safe_read.py
+        try:  # a regular UTF-8 file (a byte-order mark allowed), of sane size and depth: components/data/safe_read.py
             data = read_json(path)
         except UnreadableFile as e:
             raise ConfigError(f"{path}: cannot read the config: {e.reason}") from None

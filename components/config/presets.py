@@ -1,8 +1,8 @@
 """The named pipeline presets, in one place: each a function returning a whole pipeline config as its sections.
 
 Purpose: `PRESETS[name]()` is what `--preset NAME` means everywhere (the CLI, the flows): a mapping of every section
-of `PipelineConfig` (section name -> that stage's config); `PipelineConfig.preset(name)` (components/pipeline_config.py)
-builds the config from it. The presets build sections only, so this module never imports components/pipeline_config.py
+of `PipelineConfig` (section name -> that stage's config); `PipelineConfig.preset(name)` (components/config/pipeline.py)
+builds the config from it. The presets build sections only, so this module never imports components/config/pipeline.py
 (which imports it: no cycle).
   tiny     the tests' settings: seconds on CPU, in-process training (no Ray)
   default  the demo on 2 CPU cores on the embedded default, the real SmolLM2 (one Ray worker, vLLM measurement)
@@ -10,7 +10,7 @@ builds the config from it. The presets build sections only, so this module never
            embedded `gpu` target (in-process training, local evaluation)
 "default" means the `default` preset; the stage configs' own dataclass defaults are building blocks, not a preset.
 `assignment(text)` parses one `key.path=value` (the value as JSON, at most 64 deep, else as a string) without
-importing anything heavy, `assignments_tree` turns them into nested sections for components/pipeline_config.py
+importing anything heavy, `assignments_tree` turns them into nested sections for components/config/pipeline.py
 `resolve` (the preset, then a JSON file's sections, then the `--set` assignments, each checked by its strict override
 machinery).
 Run: `eagle-heads config show --preset tiny --set train.steps=5` prints a resolved config as JSON.
@@ -24,16 +24,16 @@ from __future__ import annotations
 import json
 from typing import Any, Sequence
 
-from components.safe_read import loads_json
+from components.data.safe_read import loads_json
 
 
 def tiny_stages() -> dict[str, Any]:
     """The `tiny` preset's stage sections (regenerate, extract, train in-process, evaluate): importable where MLflow
     is not (bench/gpu_pipeline.py --quick)."""
-    from components.evaluate import EvaluateConfig
-    from components.extract import ExtractConfig
-    from components.regenerate import RegenerateConfig
-    from components.train import TrainConfig
+    from components.evaluate.stage import EvaluateConfig
+    from components.extract.stage import ExtractConfig
+    from components.regenerate.stage import RegenerateConfig
+    from components.train.stage import TrainConfig
 
     return dict(regenerate=RegenerateConfig(max_new_tokens=16, batch_size=8, shard_size=8, limit=16),
                 extract=ExtractConfig(max_len=192, seqs_per_shard=8), train=TrainConfig.tiny(),
@@ -42,9 +42,9 @@ def tiny_stages() -> dict[str, Any]:
 
 def tiny() -> dict[str, Any]:
     """Seconds on CPU: the unit and flow tests' pipeline."""
-    from components.captured_traffic import CapturedTrafficConfig
-    from components.monitor import MonitorConfig
-    from components.register import RegisterConfig
+    from components.data.captured_traffic import CapturedTrafficConfig
+    from components.registry.register import RegisterConfig
+    from components.serving.monitor import MonitorConfig
 
     return dict(**tiny_stages(), register=RegisterConfig(tau_floor=1.0, gate_speedup="off"),  # random heads
                 monitor=MonitorConfig.tiny(), capture=CapturedTrafficConfig.tiny())
@@ -73,13 +73,13 @@ def default() -> dict[str, Any]:
     identity, once each way and untimed (`evaluate.time_local: false`). The promotion gate judges the served speedup
     (`register.gate_speedup: served`).
     """
-    from components.evaluate import EvaluateConfig
-    from components.extract import ExtractConfig
-    from components.load_sweep import LoadConfig
-    from components.regenerate import RegenerateConfig
-    from components.register import RegisterConfig
-    from components.speed import SpeedupConfig
-    from components.train import RayConfig, TrainConfig
+    from components.evaluate.load_config import LoadConfig
+    from components.evaluate.speed import SpeedupConfig
+    from components.evaluate.stage import EvaluateConfig
+    from components.extract.stage import ExtractConfig
+    from components.regenerate.stage import RegenerateConfig
+    from components.registry.register import RegisterConfig
+    from components.train.stage import RayConfig, TrainConfig
     from eagle.run_config import OptimConfig, SpecConfig, TTTConfig
 
     return dict(
@@ -102,10 +102,10 @@ def default() -> dict[str, Any]:
 def gpu_stages() -> dict[str, Any]:
     """The `gpu` preset's stage sections (regenerate, extract, train, evaluate), without the registry's and the
     monitor's: bench/gpu_pipeline.py runs them where MLflow is not installed (and so `RegisterConfig` is not)."""
-    from components.evaluate import EvaluateConfig
-    from components.extract import ExtractConfig
-    from components.regenerate import RegenerateConfig
-    from components.train import RayConfig, TrainConfig
+    from components.evaluate.stage import EvaluateConfig
+    from components.extract.stage import ExtractConfig
+    from components.regenerate.stage import RegenerateConfig
+    from components.train.stage import RayConfig, TrainConfig
     from eagle.run_config import OptimConfig, SpecConfig, TTTConfig
 
     return dict(
@@ -121,7 +121,7 @@ def gpu_stages() -> dict[str, Any]:
 def gpu() -> dict[str, Any]:
     """One accelerator, in-process (no Ray), evaluated locally: bench/gpu_pipeline.py's run on the embedded `gpu`
     target within a few minutes of device time (its `--quick` runs `tiny`'s sections on CPU)."""
-    from components.register import RegisterConfig
+    from components.registry.register import RegisterConfig
 
     return dict(**gpu_stages(), register=RegisterConfig(tau_floor=1.5))
 

@@ -6,7 +6,8 @@ Purpose: `atomic_write_text` / `atomic_write_bytes` write to a temp file beside 
 matplotlib). On any failure (a full disk, a crash inside the writer) the temp file is removed and an `OSError`
 names the target path. `remove_stale_temps(dir)` deletes the temp files a killed process left behind (call it
 at the start of a stage that owns the directory: a `kill -9` runs no cleanup).
-Not here: directory-level atomicity (eagle/export.py renames whole directories; train.py its checkpoints).
+Not here: directory-level atomicity (eagle/export.py renames whole directories; components/train/state.py its
+checkpoints).
 """
 
 from __future__ import annotations

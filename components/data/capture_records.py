@@ -5,7 +5,7 @@ Purpose: `exchange_record(exchange) -> dict | None` parses a request the proxy s
 finished completion (no finish reason: an answer cut short, or a body that is not what vLLM answers). Streamed
 answers (server-sent events) are joined chunk by chunk; only choice 0 is kept.
 Row (one per request; `messages` is the OpenAI traffic form, so a capture file is training traffic as it is:
-components/traffic_io.py `load_traffic(file.parquet)` reads it):
+components/data/traffic_io.py `load_traffic(file.parquet)` reads it):
     id                 "cap-<uuid4 hex>"
     time               when the request arrived (UTC, ms)
     endpoint           "chat" (/v1/chat/completions) or "completions" (/v1/completions)
@@ -25,10 +25,10 @@ components/traffic_io.py `load_traffic(file.parquet)` reads it):
 Read side: `capture_files(root)` lists the finished capture files under a capture root (or one target's folder),
 oldest first; `file_target(path)` reads the target (name, version) and row count a file's metadata names without
 reading its rows; `read_rows(path)` reads its rows as dicts (what a retrain on captured traffic starts from:
-components/captured_traffic.py).
-Run: imported by components/capture.py and components/captured_traffic.py.
-Not here: writing files (components/capture.py), the proxy (infra/serve_proxy.py), turning rows into training
-conversations (components/captured_traffic.py).
+components/data/captured_traffic.py).
+Run: imported by components/serving/capture.py and components/data/captured_traffic.py.
+Not here: writing files (components/serving/capture.py), the proxy (infra/serve_proxy.py), turning rows into training
+conversations (components/data/captured_traffic.py).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from typing import Any
 from infra.serve_proxy import Exchange
 
 SCHEMA_VERSION = "1"
-FILE_PATTERN = "capture-*.parquet"  # a finished file (components/capture.py writes `.tmp` names until complete)
+FILE_PATTERN = "capture-*.parquet"  # a finished file (components/serving/capture.py writes `.tmp` names until complete)
 META_KEY = b"eagle.capture"  # the file metadata naming the schema version and the target of its rows
 # request keys that have columns of their own; the rest go to `params`
 _OWN_KEYS = {"messages", "prompt", "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",

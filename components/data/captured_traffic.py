@@ -1,8 +1,9 @@
 """Served traffic as training data: captured requests of one target version -> a plan for its next head's run.
 
 Purpose: `prepare_capture_plan(cfg, capture_root, target_name, target_version, registered_traffic, out_dir,
-regenerate_limit) -> CapturePlan` reads the capture files `eagle-heads serve --capture` wrote (components/capture.py,
-rows as components/capture_records.py describes them) and decides what the next head of that target trains on:
+regenerate_limit) -> CapturePlan` reads the capture files `eagle-heads serve --capture` wrote
+(components/serving/capture.py, rows as components/data/capture_records.py describes them) and decides what the next
+head of that target trains on:
 - **Which rows.** Only rows the target being trained served: a file whose metadata names another target name or
   version is skipped whole (its rows counted under "served by NAME/VERSION, not ..."), and so are rows that cannot be
   a chat to train on (a /v1/completions request, an empty completion, a finish reason other than stop/length, messages
@@ -12,19 +13,20 @@ rows as components/capture_records.py describes them) and decides what the next 
   of the target. Either way the head's teacher is the target's own distribution at every position, computed at
   extraction, so an earlier assistant turn the client wrote itself is context, not a label.
 - **Held out.** The newest `cfg.heldout` distinct prompts (the messages before the served answer) are held out for
-  the shadow test (components/shadow.py) and never trained on: a training conversation with the same prompt as a
-  held-out one is dropped too (`split_heldout`). The same conversation captured twice is trained on once.
+  the shadow test (components/evaluate/shadow.py) and never trained on: a training conversation with the same prompt as
+  a held-out one is dropped too (`split_heldout`). The same conversation captured twice is trained on once.
 - **Mixed.** The training conversations are `cfg.mix` captured and the rest the target version's registered traffic
   (its first conversations, regenerated as in any run), so the head does not forget what it was trained for
   (`mix_counts`: the newest captured are kept when the registered traffic is the shorter side).
 `CapturePlan` (written as `plan.json` beside `captured.jsonl` and `heldout.jsonl` in `out_dir`) is what the
 `train-head` flow takes (`capture_plan`): `applied(cfg)` sets `regenerate.limit` to the registered share, `add_to(
 regen_dir)` writes the captured conversations beside the regenerated shards (`shard-captured.jsonl`, the form
-components/regenerate.py writes, so extraction reads both), `tags()` is the lineage the registry gets (which capture
-files, how many conversations of each kind, the newest capture time used), and `sha256` enters the run key.
+components/regenerate/stage.py writes, so extraction reads both), `tags()` is the lineage the registry gets (which
+capture files, how many conversations of each kind, the newest capture time used), and `sha256` enters the run key.
 `new_conversations(root, name, version, after_ms)` counts what the target served since a time: the retrain trigger.
 Run: `eagle-heads`' `retrain-on-capture` flow (flows/retrain_capture.py).
-Not here: writing captures (components/capture.py), measuring heads (components/shadow.py), training (flows/).
+Not here: writing captures (components/serving/capture.py), measuring heads (components/evaluate/shadow.py), training
+(flows/).
 """
 
 from __future__ import annotations
@@ -37,15 +39,14 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from components.atomic import atomic_write_text
-from components.capture_records import capture_files, file_target, read_rows
-from components.traffic_io import Conversation, load_traffic, parse_record
-from eagle.config_checks import FieldError, at_least
+from components.data.atomic import atomic_write_text
+from components.data.capture_records import capture_files, file_target, read_rows
+from components.data.traffic_io import Conversation, load_traffic, parse_record
+from eagle.config_checks import NOT_IDENTITY, FieldError, at_least
 from eagle.errors import BadInput
 
-NOT_IDENTITY = {"identity": False}  # what these select enters the run key through the plan's hash
 SEGMENT = "captured"
-SHARD = "shard-captured.jsonl"  # beside regenerate's shard-NNNNN.jsonl: components/regenerate.py read_regenerated
+SHARD = "shard-captured.jsonl"  # beside regenerate's shards, read with them: components/data/regenerated.py
 
 
 class CaptureError(BadInput):
@@ -56,6 +57,7 @@ class CaptureError(BadInput):
 class CapturedTrafficConfig:
     """Section `capture`: how a retrain on served traffic uses it (flows/retrain_capture.py)."""
 
+    # what these three select enters the run key through the plan's hash, not through the config's
     mix: float = field(default=0.5, metadata=NOT_IDENTITY)  # share of captured conversations in training, (0, 1)
     heldout: int = field(default=16, metadata=NOT_IDENTITY)  # newest captured prompts held out for the shadow test
     trigger_new: int = field(default=256, metadata=NOT_IDENTITY)  # new captured conversations that start a retrain
@@ -256,7 +258,7 @@ def prepare_capture_plan(cfg: CapturedTrafficConfig, capture_root: str | Path, t
 
 
 def _record(c: Conversation, max_new_tokens: int | None = None) -> dict[str, Any]:
-    """A shard line, as components/regenerate_endpoint.py `conversation_record` writes an answered conversation
+    """A shard line, as components/regenerate/endpoint.py `conversation_record` writes an answered conversation
     (with `max_new_tokens`: a held-out request's served length)."""
     rec = {"id": c.id, "segment": c.segment, "source_file": c.source_file,
            "messages": [{"role": m.role, "content": m.content} for m in c.messages]}

@@ -4,7 +4,7 @@ Purpose: `tokenize_conversation` renders a conversation with the target tokenize
 the tokens of assistant turns (loss mask 1) by rendering growing prefixes, which works for any template that
 renders a prefix of the conversation as a prefix of the text (Llama 3, Qwen, Mistral, the embedded default).
 `prompt_ids` renders everything before an assistant turn plus the generation prompt.
-Not here: reading traffic files (components/traffic_io.py) or running a model.
+Not here: reading traffic files (components/data/traffic_io.py) or running a model.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from components.traffic_io import Conversation
+from components.data.traffic_io import Conversation
 from eagle.errors import BadInput
 
 

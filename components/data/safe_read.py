@@ -7,7 +7,7 @@ form, held-out files, the JSON of target and head directories), so that a file t
             directory, a symbolic link loop or a dangling link, and a file whose first byte cannot be read; decided
             with `os.stat` before anything is opened (the first byte is read only from a regular file).
   size      `read_capped` reads at most `limit` + 1 bytes: a file over the cap is refused without reading the rest
-            (JSON files: `MAX_JSON_BYTES`; JSON Lines: each line under `MAX_LINE_BYTES`, components/traffic_io.py).
+            (JSON files: `MAX_JSON_BYTES`; JSON Lines: each line under `MAX_LINE_BYTES`, components/data/traffic_io.py).
   encoding  `decode_utf8`: UTF-16 or UTF-32 (a byte-order mark, or NUL bytes, which JSON text never holds raw) and
             bytes that are not UTF-8 (Latin-1, cp1252) are refused with "re-save it as UTF-8". A UTF-8 byte-order
             mark: RFC 8259 (section 8.1) lets a JSON parser ignore it, so it is accepted (`bom_ok`) in the files only
@@ -19,7 +19,8 @@ form, held-out files, the JSON of target and head directories), so that a file t
 `check_model_files(dir)` applies the kind rule to the files a model or head directory's loaders read, and the JSON
 rules to its `*.json` files but syntax, which each file's reader reports in its own terms (`tokenizer.json`, up to
 tens of MB and parsed by the Rust tokenizers library with its own depth bound: the kind, size and encoding rules).
-Run: imported by the readers (components/pipeline_config.py, presets.py, traffic_io.py, traffic_sources.py;
+Run: imported by the readers (components/config/pipeline.py, components/config/presets.py,
+components/data/traffic_io.py, components/data/traffic_sources.py;
 flows/preflight.py); nothing runs at import.
 Not here: what the JSON must hold (each reader checks its own schema), binary formats' contents (safetensors,
 Parquet, Arrow are checked by their readers).

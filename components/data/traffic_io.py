@@ -6,14 +6,14 @@ optional `segment`, `source_file` and `max_new_tokens` metadata). Schemas, one J
   ShareGPT: {"id": ..., "conversations": [{"from": "system"|"human"|"gpt", "value": "..."}, ...], ...}
 `max_new_tokens` (optional, an integer >= 1) is how many new tokens the sample asks for: the reference answer's
 length in the target's tokens, as the embedded default's long traffic writes it. Regeneration
-(components/regenerate.py), the evaluation (components/evaluate.py) and the engine evaluation
-(components/evaluate_engine.py) generate at most that many tokens for the sample, the stage's global limit otherwise.
+(components/regenerate/stage.py), the evaluation (components/evaluate/stage.py) and the engine evaluation
+(components/evaluate/engine.py) generate at most that many tokens for the sample, the stage's global limit otherwise.
 Sources: JSON Lines (`.jsonl`, `.json`, `.ndjson`), Parquet (`.parquet`), Arrow IPC file or stream (`.arrow`), or a
 directory written by `Dataset.save_to_disk` (a `DatasetDict` one when it has a single split; else pass `DIR/<split>`).
-Tables are read a batch of rows at a time (components/traffic_sources.py); a null column counts as an absent key.
+Tables are read a batch of rows at a time (components/data/traffic_sources.py); a null column counts as an absent key.
 `format="auto"` decides per row by the key present. Rules: at most one system message, and only first; at least
 one user turn; contents are strings; lines are UTF-8 (a leading byte-order mark is allowed: RFC 8259 lets JSON
-parsers ignore it), each under 64 MiB and nested at most 64 deep (components/safe_read.py); a UTF-16 or UTF-32 file
+parsers ignore it), each under 64 MiB and nested at most 64 deep (components/data/safe_read.py); a UTF-16 or UTF-32 file
 is refused as a whole. Blank lines are ignored; a line without an id gets `line-<n>`, a table row `row-<n>`.
 A bad line or row raises `TrafficFormatError` naming the file, the line or row (1-based) and the reason; with
 `skip_bad=True` bad ones are skipped and counted in `TrafficLoad.skipped`. An empty source (or one with nothing
@@ -21,7 +21,7 @@ valid) always raises, and so does any other path (one error listing the accepted
 file (a named pipe, a device, a socket) or one that cannot be read (checked before it is opened).
 `traffic_sha256` hashes a file's bytes (a dataset directory: its data files); `conversations_sha256` hashes the
 normalised content (independent of schema and source form).
-Run: `python -m components.traffic_io PATH...` prints counts per segment and the hashes.
+Run: `python -m components.data.traffic_io PATH...` prints counts per segment and the hashes.
 Not here: tokenisation, chat templates, regeneration of answers by a target.
 """
 
@@ -36,9 +36,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Literal
 
-from components.atomic import atomic_path, file_sha256
-from components.safe_read import MAX_LINE_BYTES, encoding_problem, loads_json
-from components.traffic_sources import SourceError, dataset_data_files, table_records, traffic_kind
+from components.data.atomic import atomic_path, file_sha256
+from components.data.safe_read import MAX_LINE_BYTES, encoding_problem, loads_json
+from components.data.traffic_sources import SourceError, dataset_data_files, table_records, traffic_kind
 from eagle.errors import BadInput
 
 ROLES = ("system", "user", "assistant")
@@ -313,7 +313,7 @@ def conversations_sha256(conversations: Iterable[Conversation]) -> str:
 def main(argv: list[str] | None = None) -> int:
     paths = argv if argv is not None else sys.argv[1:]
     if not paths:
-        print("usage: python -m components.traffic_io PATH... (.jsonl, .parquet, .arrow or a save_to_disk "
+        print("usage: python -m components.data.traffic_io PATH... (.jsonl, .parquet, .arrow or a save_to_disk "
               "directory)", file=sys.stderr)
         return 2
     for p in paths:

@@ -2,18 +2,18 @@
 
 Purpose: `traffic_kind(path)` names the form of a traffic path ("jsonl", "parquet", "arrow" or "dataset") or raises
 `SourceError` listing the accepted forms, or saying why a path is no regular file that can be read (a named pipe, a
-device, a socket, a link loop: components/safe_read.py, decided before anything opens it); `table_records(path,
+device, a socket, a link loop: components/data/safe_read.py, decided before anything opens it); `table_records(path,
 kind)` yields (row number, record) for the tabular forms, one batch of rows at a time (Parquet row groups,
 memory-mapped Arrow record batches), reading only the columns the traffic schemas use; `dataset_data_files(path)`
 lists the files that hold a saved dataset's rows (what its hash covers), each a regular file that can be read.
-Forms: `.jsonl`/`.json`/`.ndjson` (JSON Lines, read by components/traffic_io.py); `.parquet`; `.arrow`, either the
+Forms: `.jsonl`/`.json`/`.ndjson` (JSON Lines, read by components/data/traffic_io.py); `.parquet`; `.arrow`, either the
 IPC stream format (what `datasets` writes: save_to_disk shards, cache files) or the IPC file format
 (`pyarrow.ipc.new_file`); a directory written by `Dataset.save_to_disk`, or by `DatasetDict.save_to_disk` when it
 holds exactly one split (otherwise pass the split's subdirectory, e.g. `DIR/train`).
 Rules: a record is the row as a dict, as its JSON line would be, except that a null column or null struct field is
 an absent key (a table cannot tell the two apart). Rows are numbered from 1 in storage order (a directory: row n is
 `load_from_disk(DIR)[n - 1]`).
-Not here: the per-row rules and the errors naming file and row (components/traffic_io.py).
+Not here: the per-row rules and the errors naming file and row (components/data/traffic_io.py).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterator
 
-from components.safe_read import UnreadableFile, file_problem, read_json
+from components.data.safe_read import UnreadableFile, file_problem, read_json
 
 ACCEPTED = ("JSON Lines (.jsonl, .json, .ndjson), Parquet (.parquet), Arrow IPC file or stream (.arrow), or a "
             "directory written by datasets' save_to_disk")

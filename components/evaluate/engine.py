@@ -3,11 +3,11 @@
 Purpose: `evaluate_in_vllm(cfg, target_dir, head_dir, traffic_path, out_dir, settings) -> EngineEvalResult`.
 On the same held-out prompts as the local evaluation (their token ids, sent to `/v1/completions`, so both see the
 very same prompt), it runs two vLLM servers side by side, one without speculation and one with EAGLE-3 and the head
-(`num_speculative_tokens` = the evaluation's depth), one request at a time, interleaved in rounds (components/speed.py,
-`cfg.speed`; on a CPU build each request that follows one on the other server waits out that server's idle spin
-first, `SwitchPause`: a vLLM worker busy-polls a core for 1 s after each request, and timed beside it the rounds'
-ratios ran from 0.61x to 2.37x on quiet cores, against 1.20x-1.35x with the wait; so there the sides take the
-prompts in blocks of `SWITCH_BLOCK`, 4 waits a round of 16 prompts instead of 16), and,
+(`num_speculative_tokens` = the evaluation's depth), one request at a time, interleaved in rounds
+(components/evaluate/speed.py, `cfg.speed`; on a CPU build each request that follows one on the other server waits out
+that server's idle spin first, `SwitchPause`: a vLLM worker busy-polls a core for 1 s after each request, and timed
+beside it the rounds' ratios ran from 0.61x to 2.37x on quiet cores, against 1.20x-1.35x with the wait; so there the
+sides take the prompts in blocks of `SWITCH_BLOCK`, 4 waits a round of 16 prompts instead of 16), and,
 given the champion's head, a third server with it after them. Each server
 of the pair gets a smaller memory share (`PAIR_MEMORY_SHARE`) so that both fit. It reports
 - tau and alpha_k from the deltas of vLLM's own `/metrics` counters (drafts, accepted tokens per position),
@@ -27,7 +27,7 @@ Sampled (`cfg.spec.temperature` > 0) on a vLLM CPU build whose sampled verificat
 server starts (`refuse_sampled`, infra/vllm_sampling.py: vLLM 0.32's CPU build is one).
 vLLM's counters count every accepted draft token, also those past an EOS or the token limit, so the per-position
 counts to compare with are this project's raw `accept_lengths` (what `evaluate.json` stores per sample).
-Not here: starting/stopping vLLM (infra/vllm_server.py), the local evaluation (components/evaluate.py).
+Not here: starting/stopping vLLM (infra/vllm_server.py), the local evaluation (components/evaluate/stage.py).
 """
 
 from __future__ import annotations
@@ -39,11 +39,12 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
-from components.atomic import atomic_write_text
-from components.evaluate import EvaluateConfig, HeldOut, NotLosslessError, held_out_samples, position_metrics
-from components.speed import SpeedupEstimate, Timing, measure_speedup
-from infra.settings import Settings
+from components.data.atomic import atomic_write_text
+from components.evaluate.speed import SpeedupEstimate, Timing, measure_speedup
+from components.evaluate.stage import EvaluateConfig, HeldOut, NotLosslessError, held_out_samples, position_metrics
+from components.targets.target import target_context
 from eagle.stats import acceptance_by_position, raw_steps
+from infra.settings import Settings
 from infra.vllm_sampling import refuse_sampled_drafts
 from infra.vllm_server import (IDLE_SPIN_S, PER_REQUEST_METRICS, EngineSpec, SpecCounters, VllmServer, host_device,
                                running)
@@ -88,12 +89,6 @@ class EngineEvalResult:
         return m
 
 
-def target_context(target_dir: str | Path) -> int:
-    """The target's context length (`max_position_embeddings`): vLLM refuses a longer max_model_len."""
-    config = json.loads((Path(target_dir) / "config.json").read_text())
-    return int(config.get("max_position_embeddings", 2048))
-
-
 def engine_max_len(target_dir: str | Path, cfg: EvaluateConfig, max_new_tokens: int | None = None) -> int:
     """What the evaluation needs (prompt + new tokens + one draft), within the target's context; `max_new_tokens`:
     the longest sample's limit (None: `cfg.spec.max_new_tokens`)."""
@@ -123,7 +118,8 @@ def time_requests(server: VllmServer, prompts: list[list[int]], max_tokens: int 
 
 
 def engine_samples(cfg: EvaluateConfig, target_dir: str, traffic_path: str, settings: Settings) -> list[HeldOut]:
-    """The held-out prompts of the local evaluation (`components.evaluate.held_out_samples`), with their limits."""
+    """The held-out prompts of the local evaluation (`components.evaluate.stage.held_out_samples`), with their
+    limits."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(target_dir, trust_remote_code=settings.trust_remote_code)
@@ -209,7 +205,7 @@ def evaluate_in_vllm(cfg: EvaluateConfig, target_dir: str, head_dir: str, traffi
         measured = _interleaved(cfg, plain, srv, prompts, progress)
     baseline = None
     if baseline_head_dir:
-        from components.serve import servable_head
+        from components.targets.servable import servable_head
 
         served = servable_head(baseline_head_dir, target_dir, settings.state_dir / "servable",
                                settings.trust_remote_code)
@@ -218,7 +214,7 @@ def evaluate_in_vllm(cfg: EvaluateConfig, target_dir: str, head_dir: str, traffi
 
 
 def _interleaved(cfg: EvaluateConfig, plain: VllmServer, srv: VllmServer, prompts, progress) -> Interleaved:
-    """Rounds of plain and speculative requests, interleaved prompt by prompt (components/speed.py): round 0's
+    """Rounds of plain and speculative requests, interleaved prompt by prompt (components/evaluate/speed.py): round 0's
     outputs of both, the speculative server's counter deltas over round 0 (the prompts once, as ours), the timing."""
     n, temp = len(prompts), cfg.spec.temperature
     for s in (plain, srv):
@@ -329,7 +325,7 @@ def _finish(cfg: EvaluateConfig, out: Path, prompts, measured: Interleaved, ours
     atomic_write_text(out / REPORT, json.dumps({"config": asdict(cfg), "result": asdict(res), "speed": asdict(speed),
                                                 "samples": samples}, indent=2) + "\n")
     if by_position:
-        from components.plots import plot_by_output_position
+        from components.evaluate.plots import plot_by_output_position
 
         plot_by_output_position(by_position, out / "acceptance_by_output_position_vllm.png", label="vLLM")
     if cfg.spec.greedy and (not res.identical_to_plain or res.identical_to_ours is False):

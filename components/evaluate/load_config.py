@@ -1,10 +1,10 @@
 """The load sweep's settings (`evaluate.load`), apart from the sweep so that the evaluation's config can hold them
-without importing the sweep (components/load_sweep.py imports the evaluation).
+without importing the sweep (components/evaluate/load_sweep.py imports the evaluation).
 
 Purpose: `LoadConfig` (concurrency levels, K values, requests per level, rounds of the interleaved cells, the margin a
 K must beat plain by) and
-`MAX_BATCH`, the batch size the last range of a schedule reaches. Run: imported by components/evaluate.py.
-Not here: the sweep itself (components/load_sweep.py).
+`MAX_BATCH`, the batch size the last range of a schedule reaches. Run: imported by components/evaluate/stage.py.
+Not here: the sweep itself (components/evaluate/load_sweep.py).
 """
 
 from __future__ import annotations

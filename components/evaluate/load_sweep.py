@@ -5,7 +5,7 @@ A production server runs many requests at once, and speculation spends compute a
 spare, so one K is not right at every load. For the held-out prompts (the evaluation's, chat template applied) it
 - serves the target plainly (K = 0) and with the head at each K of `cfg.load.k_values`, all these servers started
   and up at once (each with the memory share of the evaluation's plain/speculative pair,
-  components/evaluate_engine.py; where the flow hands that pair on running in an `EnginePool`,
+  components/evaluate/engine.py; where the flow hands that pair on running in an `EnginePool`,
   infra/engine_pool.py, the sweep's servers of the same engines are taken from it, not started again), and
   measures the cells (one server at one concurrency of `cfg.load.concurrency`) with vLLM's own load client
   (infra/vllm_bench.py) in rounds, each request stopping at its end-of-sequence token as the evaluation's do
@@ -40,7 +40,7 @@ Writes `load_sweep.json` (cells with their spreads, the order of every round, th
 `load_sweep.png` (output tokens/s against concurrency with the spread as error bars: plain, each K, the schedule).
 Concurrency here is what the client keeps in flight; vLLM's schedule is keyed by the scheduler's batch size, which
 equals it in steady state (ramp-up and drain have smaller batches).
-Not here: batch-1 latency and speedup (components/evaluate_engine.py), registering (components/register.py).
+Not here: batch-1 latency and speedup (components/evaluate/engine.py), registering (components/registry/register.py).
 """
 
 from __future__ import annotations
@@ -52,11 +52,11 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
-from components.atomic import atomic_write_text
-from components.evaluate_engine import PAIR_MEMORY_SHARE, engine_max_len, refuse_sampled
-from components.evaluate import NotLosslessError, held_out_messages
-from components.load_config import MAX_BATCH, LoadConfig  # noqa: F401  (LoadConfig re-exported)
-from components.plots import plot_load_sweep
+from components.data.atomic import atomic_write_text
+from components.evaluate.engine import PAIR_MEMORY_SHARE, engine_max_len, refuse_sampled
+from components.evaluate.load_config import MAX_BATCH, LoadConfig  # noqa: F401  (LoadConfig re-exported)
+from components.evaluate.plots import plot_load_sweep
+from components.evaluate.stage import NotLosslessError, held_out_messages
 
 SCHEDULE = -1  # the `k` of the served schedule's cells
 FRONTEND_BYTES = 2**30  # host memory of one server besides its engine's share (the API process, the client's load)
@@ -133,7 +133,7 @@ def load_sweep(cfg, target_dir: str, head_dir: str, traffic_path: str, out_dir: 
     servers in `engines`, whose rounds stand for concurrency 1 (`evaluation_cells`)."""
     from transformers import AutoTokenizer
 
-    from components.chat import prompt_ids
+    from components.data.chat import prompt_ids
 
     refuse_sampled(cfg, settings)  # a CPU build's sampled verification is wrong
     load = cfg.load
@@ -159,7 +159,7 @@ def load_sweep(cfg, target_dir: str, head_dir: str, traffic_path: str, out_dir: 
 
 
 def evaluation_cells(report_file: str | Path, k: int) -> list[dict] | None:
-    """Concurrency 1 as the engine evaluation timed it (components/evaluate_engine.py, `engine_evaluation.json`):
+    """Concurrency 1 as the engine evaluation timed it (components/evaluate/engine.py, `engine_evaluation.json`):
     a cell for plain (K 0) and one for the head at K `k`, shaped as `cells_of` makes them, each round's output
     tokens/s that side's tokens over its seconds in the round (greedy: every round decodes the same tokens), the
     head's counters those of the evaluation; None when the evaluation drafted another K than `k`."""

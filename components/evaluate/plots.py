@@ -3,8 +3,8 @@
 Purpose: `plot_acceptance` (bars of conditional and cumulative acceptance per position, tau in the title),
 `plot_by_output_position` (tau and alpha_1 per output-position bucket, ours and the engine's) and
 `plot_training` (loss, per-step accuracy and simulated tau from a training history JSONL).
-Not here: what to measure (components/evaluate.py, components/train.py). Uses matplotlib's Agg backend; a plot
-file appears whole or not at all (written aside, then renamed).
+Not here: what to measure (components/evaluate/stage.py, components/train/stage.py). Uses matplotlib's Agg backend; a
+plot file appears whole or not at all (written aside, then renamed).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from components.atomic import atomic_path
+from components.data.atomic import atomic_path
 
 
 def _plt():
@@ -82,8 +82,9 @@ def plot_training(history_file: str | Path, path: str | Path) -> Path:
 
 
 def plot_load_sweep(cells: list[dict], schedule: list[list[int]], path: str | Path) -> Path:
-    """Output tokens/s against concurrency (log scale): plain, each fixed K, the schedule (components/load_sweep.py);
-    each point the median over rounds, its bar the spread (min to max) where a cell has one."""
+    """Output tokens/s against concurrency (log scale): plain, each fixed K, the schedule
+    (components/evaluate/load_sweep.py); each point the median over rounds, its bar the spread (min to max) where a
+    cell has one."""
     import json
 
     plt = _plt()

@@ -1,24 +1,25 @@
 """Shadow test: the new head and the champion served by vLLM on the newest held-out captured requests, side by side.
 
-Purpose: `shadow_test(cfg, head, settings) -> ShadowResult` (`head`: components/evaluate.py `HeadEval`, the new head
-on its target, the held-out requests, the output folder, the champion as its `baseline_dir`), before anything
+Purpose: `shadow_test(cfg, head, settings) -> ShadowResult` (`head`: components/evaluate/stage.py `HeadEval`, the new
+head on its target, the held-out requests, the output folder, the champion as its `baseline_dir`), before anything
 changes in service. The held-out requests are the newest captured ones no head was trained on
-(components/captured_traffic.py `split_heldout`, `heldout.jsonl`): each prompt is what was asked (the messages before
-the served answer, through the chat template), decoded for as many new tokens as the target produced when it was
+(components/data/captured_traffic.py `split_heldout`, `heldout.jsonl`): each prompt is what was asked (the messages
+before the served answer, through the chat template), decoded for as many new tokens as the target produced when it was
 served (at most `evaluate.spec.max_new_tokens`, greedy, as the engine evaluation decodes). One vLLM without
 speculation runs throughout; the new head's server beside it is measured first, then stopped, and the champion's
 started beside the same plain server and measured the same way: for each head the served speedup over plain at
-batch 1 is the median of interleaved rounds with its interval (components/speed.py `measure_speedup`, the engine
-evaluation's pause between servers, `evaluate.speed`), so both figures are ratios to the same plain server.
+batch 1 is the median of interleaved rounds with its interval (components/evaluate/speed.py `measure_speedup`, the
+engine evaluation's pause between servers, `evaluate.speed`), so both figures are ratios to the same plain server.
 The verdict (`verdict`): promote only when the new head's greedy outputs equal plain decoding's, both figures are
 reliable, and the new head's interval lies wholly above the champion's (its low end above the champion's high end).
-`ShadowResult.gate()` is the extra gate components/register.py applies (`HeadToRegister.extra_gate`), `tags()` the
-registry tags (`shadow_verdict`, `shadow_reason`, `shadow_speedup[_lo|_hi]`, `shadow_champion_speedup[_lo|_hi]`,
+`ShadowResult.gate()` is the extra gate components/registry/register.py applies (`HeadToRegister.extra_gate`), `tags()`
+the registry tags (`shadow_verdict`, `shadow_reason`, `shadow_speedup[_lo|_hi]`, `shadow_champion_speedup[_lo|_hi]`,
 `shadow_tau`, `shadow_champion_tau`, `shadow_prompts`; an unreliable figure is tagged "unreliable", its number kept as
 `..._median`). `shadow.json` in `out_dir` holds both measurements; a re-run with the same inputs reads it back.
 Run: inside the `train-head` flow when it trains on a capture plan and the head model has a champion
 (flows/train_head.py, started by flows/retrain_capture.py).
-Not here: what is held out (components/captured_traffic.py), the τ and served-speedup gates (components/register.py).
+Not here: what is held out (components/data/captured_traffic.py), the τ and served-speedup gates
+(components/registry/register.py).
 """
 
 from __future__ import annotations
@@ -29,10 +30,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
-from components.atomic import atomic_write_text, file_sha256
-from components.evaluate import EvaluateConfig, HeadEval, HeldOut
-from components.evaluate_engine import SwitchPause, engine_max_len, eval_spec, refuse_sampled
-from components.speed import SpeedupEstimate, Timing, measure_speedup
+from components.data.atomic import atomic_write_text, file_sha256
+from components.evaluate.engine import SwitchPause, engine_max_len, eval_spec, refuse_sampled
+from components.evaluate.speed import SpeedupEstimate, Timing, measure_speedup
+from components.evaluate.stage import EvaluateConfig, HeadEval, HeldOut
 from infra.settings import Settings
 from infra.vllm_server import VllmServer, running
 
@@ -87,7 +88,7 @@ class ShadowResult:
     report_file: str
 
     def gate(self) -> tuple[bool, str]:
-        """The extra promotion gate (components/register.py `HeadToRegister.extra_gate`)."""
+        """The extra promotion gate (components/registry/register.py `HeadToRegister.extra_gate`)."""
         return self.promoted, f"shadow: {self.reason}"
 
     def tags(self) -> dict[str, str]:
@@ -111,8 +112,8 @@ def shadow_samples(cfg: EvaluateConfig, tokenizer, heldout_path: str | Path) -> 
     """(the held-out requests as prompts with their new-token limits, how many were too long): each prompt is the
     messages before the served answer; its limit the served length (else `evaluate.spec.max_new_tokens`), at most
     that; a prompt over `evaluate.max_prompt_tokens` is skipped."""
-    from components.chat import prompt_ids
-    from components.traffic_io import load_traffic
+    from components.data.chat import prompt_ids
+    from components.data.traffic_io import load_traffic
 
     out, skipped = [], 0
     for conv in load_traffic(heldout_path).conversations:
@@ -135,7 +136,7 @@ def shadow_test(cfg: EvaluateConfig, head: HeadEval, settings: Settings, champio
     (`head.heldout`) into `head.out_dir` (see the module doc)."""
     from transformers import AutoTokenizer
 
-    from components.serve import servable_head
+    from components.targets.servable import servable_head
 
     target_dir, head_dir, champion_dir, heldout_path = head.target_dir, head.head_dir, head.baseline_dir, head.heldout
     out = Path(head.out_dir)

@@ -1,7 +1,7 @@
 """A speedup figure you can trust: plain and speculative decoding timed side by side, in rounds, until it settles.
 
 Purpose: `measure_speedup(n_prompts, plain, spec, cfg, progress) -> SpeedupEstimate`, used by the local
-evaluation (components/evaluate.py) and the engine evaluation (components/evaluate_engine.py) alike.
+evaluation (components/evaluate/stage.py) and the engine evaluation (components/evaluate/engine.py) alike.
 - `plain(i, r)` and `spec(i, r)` decode prompt i once (round r); this module only times them. Within a round the two
   run block by block (`block` prompts each, 1: prompt by prompt), interleaved, and which of the two goes first
   alternates with the block and the round, so that anything else on the machine lands on both sides alike and a
@@ -13,15 +13,15 @@ evaluation (components/evaluate.py) and the engine evaluation (components/evalua
   the rounds' order statistics (the widest pair (k, n+1-k) whose coverage is >= 90%; with fewer than 5 rounds no
   such pair exists and lo/hi are the min and max, whose coverage `coverage` states).
 - `settle(kind)`, when given, runs before each timed decode ("plain" or "spec"), untimed and outside the budget:
-  the engine evaluation waits there for the other vLLM server's idle spin to end (components/evaluate_engine.py).
+  the engine evaluation waits there for the other vLLM server's idle spin to end (components/evaluate/engine.py).
 - `reliable` is False, with `reason` saying why, when fewer than `min_rounds` rounds fit in the budget, the
   interval is wider than `max_spread` (relative half-width, max(hi/median - 1, 1 - lo/median)), or other processes
   used more than `max_other_load` CPU cores on average while it was measured (infra/cpu_load.py: the machine's busy
   time less ours, the servers being measured counting as ours through `own_pgids`; `other_load` records it). A
   neighbour on the cores moves the ratio itself, not only its noise (on 2 cores one busy thread beside the
   evaluation raised the median 6%, one process 10%), so a figure measured beside one is that busy machine's, not
-  the head's. An unreliable figure is registered as such, never as a number (components/register.py).
-Run: the evaluation calls it; `python -m components.speed` prints the interval rule's coverages.
+  the head's. An unreliable figure is registered as such, never as a number (components/registry/register.py).
+Run: the evaluation calls it; `python -m components.evaluate.speed` prints the interval rule's coverages.
 Not here: what is decoded, identity checks, acceptance (the callers do that).
 """
 
@@ -49,7 +49,7 @@ class SpeedupConfig:
     while other processes used more than `max_other_load` CPU cores on average is unreliable (`inf`: never).
     `block`: prompts decoded by one side before the other takes them (0: the caller's choice, `block_for`).
     `switch_pause_s`: seconds a timed vLLM request waits when the one before went to the other server (None: the
-    device's own, vLLM's idle spin and a margin on a CPU build, 0 on a GPU, components/evaluate_engine.py
+    device's own, vLLM's idle spin and a margin on a CPU build, 0 on a GPU, components/evaluate/engine.py
     `SwitchPause`); 0 suits a machine with many cores, where one spinning core does not move the figure."""
 
     min_rounds: int = 5
@@ -78,7 +78,7 @@ class SpeedupConfig:
 
     def block_for(self, switch_costs: bool) -> int:
         """The block size to run: `block` when set, else 1 (prompt by prompt) where switching sides is free and
-        `SWITCH_BLOCK` where each switch waits (a CPU engine pair's idle spin, components/evaluate_engine.py)."""
+        `SWITCH_BLOCK` where each switch waits (a CPU engine pair's idle spin, components/evaluate/engine.py)."""
         return self.block or (SWITCH_BLOCK if switch_costs else 1)
 
     @classmethod

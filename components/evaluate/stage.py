@@ -12,20 +12,20 @@ head, interleaved sample by sample so that both see the same machine state, and 
   512-2048; a verification step belongs to the bucket of the output position where it starts; emitted counts, and
   `by_position_raw` in evaluation.json with raw counts, as the engine's per-request metrics give them),
 - wall-clock speedup (plain seconds / speculative seconds over the same prompts) measured in rounds, plain and
-  speculative interleaved prompt by prompt (components/speed.py, `cfg.speed`): the median of the rounds' ratios,
-  its interval `speedup_lo`..`speedup_hi`, and whether it is reliable (with the reason when not); tokens/s of each,
-  both on the target path (`eagle.target_path`, `spec.path`) measured fastest here, recorded as `target_path`;
+  speculative interleaved prompt by prompt (components/evaluate/speed.py, `cfg.speed`): the median of the rounds'
+  ratios, its interval `speedup_lo`..`speedup_hi`, and whether it is reliable (with the reason when not); tokens/s of
+  each, both on the target path (`eagle.target_path`, `spec.path`) measured fastest here, recorded as `target_path`;
   with `cfg.time_local` false each prompt is decoded once each way, untimed, and the speedup fields are nan (where
   vLLM measures the head, `engine: vllm`, its figure is the one that counts),
 - at temperature 0, whether every output equals the plain greedy output; any difference raises
   `NotLosslessError` after the report is written (the run fails loudly).
-Each prompt is decoded to its sample's `max_new_tokens` when the traffic gives one (components/traffic_io.py; the
+Each prompt is decoded to its sample's `max_new_tokens` when the traffic gives one (components/data/traffic_io.py; the
 long traffic does), else to `cfg.spec.max_new_tokens`; with `cfg.ignore_eos` every prompt runs to that limit, past
 the end-of-sequence token (plain and speculative alike, so outputs still compare token for token): what a
 measurement of acceptance at long output positions needs from a target that ends its answers early.
 `baseline_head_dir` (e.g. the current champion) is measured on the same prompts in the same run for the
 promotion gate. Writes `evaluation.json` and PNG plots (acceptance by position; training curves if given).
-Not here: registration and the gate's decision (components/register.py).
+Not here: registration and the gate's decision (components/registry/register.py).
 """
 
 from __future__ import annotations
@@ -36,10 +36,10 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, NamedTuple
 
-from components.atomic import atomic_write_text, remove_stale_temps
-from components.load_config import LoadConfig
-from components.speed import SpeedupConfig, SpeedupEstimate, measure_speedup
-from components.target_runtime import STAGE_ENGINES
+from components.data.atomic import atomic_write_text, remove_stale_temps
+from components.evaluate.load_config import LoadConfig
+from components.evaluate.speed import SpeedupConfig, SpeedupEstimate, measure_speedup
+from components.targets.runtime import STAGE_ENGINES
 from eagle.config_checks import FieldError, at_least, one_of
 from eagle.run_config import SpecConfig
 from eagle.stats import POSITION_EDGES
@@ -59,9 +59,10 @@ class EvaluateConfig:
     max_prompt_tokens: int = 384
     device: str = "cpu"
     seed: int = 0
-    engine: str = "local"  # "vllm": also serve the head in vLLM and measure it there (components/evaluate_engine.py)
+    engine: str = "local"  # "vllm": also serve the head in vLLM and measure it there (components/evaluate/engine.py)
     speed: SpeedupConfig = field(default_factory=SpeedupConfig)  # how long the speedup is measured, in both engines
-    load: LoadConfig = field(default_factory=LoadConfig)  # throughput by concurrency in vLLM (components/load_sweep.py)
+    # throughput by concurrency in vLLM (components/evaluate/load_sweep.py)
+    load: LoadConfig = field(default_factory=LoadConfig)
     position_edges: tuple[int, ...] = POSITION_EDGES  # output-position buckets of tau/alpha_1 (ascending, >= 0)
     # decode every prompt to its length limit, past EOS (for measuring acceptance at long output positions; vLLM's
     # `ignore_eos` in the engine evaluation)
@@ -97,7 +98,7 @@ class EvaluateConfig:
             raise FieldError(self, "position_edges", f"must be >= 2 ascending integers >= 0, got {e!r}")
 
     def engine_conflict(self, in_engine: bool) -> tuple[str, str] | None:
-        """Nothing of this section depends on where the target runs (components/target_runtime.py asks every
+        """Nothing of this section depends on where the target runs (components/targets/runtime.py asks every
         stage that runs it): the engine serves the head, this process measures it when it loads the target."""
         return None
 
@@ -182,7 +183,7 @@ class EvaluateResult:
 
 def position_metrics(buckets: list[dict], engine: str = "") -> dict[str, float]:
     """`tau<engine>_pos_<lo>_<hi>` and `alpha_1<engine>_pos_<lo>_<hi>` of each non-empty output-position bucket
-    (`engine` "" for ours, "_vllm" for the engine's): what components/register.py tags as `tau_by_position`."""
+    (`engine` "" for ours, "_vllm" for the engine's): what components/registry/register.py tags as `tau_by_position`."""
     m = {}
     for b in buckets:
         if b["steps"]:
@@ -194,7 +195,7 @@ def position_metrics(buckets: list[dict], engine: str = "") -> dict[str, float]:
 def held_out_messages(traffic_path: str, with_limits: bool = False):
     """(segment, messages up to and including the first user turn) of each held-out conversation, in file order;
     `with_limits`: (segment, messages, the sample's `max_new_tokens` or None)."""
-    from components.traffic_io import load_traffic
+    from components.data.traffic_io import load_traffic
 
     for conv in load_traffic(traffic_path).conversations:
         first_user = next(i for i, m in enumerate(conv.messages) if m.role == "user")
@@ -213,7 +214,7 @@ class HeldOut(NamedTuple):
 
 def held_out_samples(tokenizer, traffic_path: str, cfg: EvaluateConfig) -> list[HeldOut]:
     """The first user turn of each held-out conversation that fits in `cfg.max_prompt_tokens`, up to `cfg.limit`."""
-    from components.chat import prompt_ids
+    from components.data.chat import prompt_ids
 
     out = []
     for segment, msgs, limit in held_out_messages(traffic_path, with_limits=True):
@@ -248,7 +249,7 @@ def _evaluate(cfg: EvaluateConfig, head: HeadEval, progress: Callable[[str], Non
               trust_remote_code: bool) -> EvaluateResult:
     import torch
 
-    from components.targets import load_target
+    from components.targets.target import load_target
     from eagle import target_path
     from eagle.export import load_head
     from eagle.speculative import generate_plain, generate_speculative
@@ -320,7 +321,7 @@ def _sample_counts(stats) -> dict[str, list[int]]:
 def _finish(cfg, head: HeadEval, samples, speed: SpeedupEstimate | None, identical, runs, path_record: dict):
     """The report over all prompts: emitted tau and alpha_k (the raw ones beside them), per segment, the baseline
     head's tau on the same prompts, plots; writes `evaluation.json` under `head.out_dir`."""
-    from components.plots import plot_acceptance, plot_by_output_position, plot_training
+    from components.evaluate.plots import plot_acceptance, plot_by_output_position, plot_training
     from eagle.stats import SpecStats, acceptance_by_position, raw_steps
 
     stats, base_stats, out, history_file = *runs, Path(head.out_dir), head.history_file

@@ -1,11 +1,11 @@
 """Extraction through the serving engine: the feature shards computed by vLLM instead of this process.
 
-Purpose: with `extract.engine: vllm`, `components.extract.extract` tokenises, counts and writes the manifest as for
-local extraction, and hands the shards to `run_in_engine(...)`, which starts vLLM (infra/vllm_extract.py:
+Purpose: with `extract.engine: vllm`, `components.extract.stage.extract` tokenises, counts and writes the manifest as
+for local extraction, and hands the shards to `run_in_engine(...)`, which starts vLLM (infra/vllm_extract.py:
 `extract_hidden_states` at the fused ids plus the last layer id N, a hidden-states KV connector writing one file per
 request under `OUT/engine-hidden-states/`), sends each sequence's token ids exactly as local extraction tokenised
 them (`max_tokens` 1, `extract.batch_size` requests in flight), and builds the same shard as local extraction
-(components/feature_shards.py `pack_shard`, the same dtypes, fp8 included):
+(components/extract/feature_shards.py `pack_shard`, the same dtypes, fp8 included):
 - aux_hidden_states [T, 3H]: the engine's ids k (inputs of decoder layers k), concatenated in ascending order;
 - last_hidden_state [T, H]: the engine's id N (the residual before the final norm) through the target's final
   RMSNorm, its weight read by tensor name from the target's safetensors (`target_final_norm`), which is what local
@@ -15,7 +15,7 @@ sequences of `max_len + 1` tokens, twice over, at least 256 MiB) instead of vLLM
 about 6 GB on a 24 GB machine), so an engine takes about its weights plus 1 GB and several fit one host.
 The engine's files of a shard are deleted once the shard's bytes are built, so they take at most one shard's
 `seqs_per_shard x T x 4 x H` values of the engine's dtype on disk per engine; a killed run resumes at the shard it
-was on (the resume rule of components/extract.py) and clears the files it left. Our process never loads the whole
+was on (the resume rule of components/extract/stage.py) and clears the files it left. Our process never loads the whole
 target: `target_heads` reads the embedding and `lm_head` by name too (the embedding when the weights are tied).
 Replicas: `extract.engine_replicas` N > 1 starts N engines, one per Ray actor (`EngineReplica`, the actor pool of
 infra/actor_pool.py: a shard per task, the next to whichever replica returns first, on the Ray of
@@ -30,9 +30,9 @@ Measured on the tiny fp32 target (tests/test_extract_engine.py, tests/test_extra
 local extraction's within 1e-5 relative, with one engine or two replicas.
 Run: `extract(ExtractConfig(engine="vllm"), ...)`, or `{"extract": {"engine": "vllm", "engine_replicas": 2}}` in a
 pipeline config; needs vLLM's venv (`make vllm`) or EAGLE_VLLM_PYTHON.
-Not here: the vLLM process (infra/), the shard format (components/feature_shards.py) and resume rule (components/extract.py), a replica spanning
-several GPUs (each replica asks Ray for one GPU when `extract.device` is CUDA), and targets whose final norm is not
-an RMSNorm (Gemma's (1 + w), LayerNorm with bias: refused).
+Not here: the vLLM process (infra/), the shard format (components/extract/feature_shards.py) and resume rule
+(components/extract/stage.py), a replica spanning several GPUs (each replica asks Ray for one GPU when `extract.device`
+is CUDA), and targets whose final norm is not an RMSNorm (Gemma's (1 + w), LayerNorm with bias: refused).
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from components.atomic import atomic_write_text
-from components.targets import TargetError, declared_dtype, read_tensors
+from components.data.atomic import atomic_write_text
+from components.targets.target import TargetError, declared_dtype, read_tensors
 
 STORAGE = "engine-hidden-states"  # under the extraction's out_dir: the engine's per-request files, one shard's worth
 MIN_KV_CACHE = 256 << 20  # bytes: the least KV cache an extraction engine is given on the CPU build
@@ -109,7 +109,7 @@ def engine_features(hidden_TnH, norm: FinalNorm):
 def engine_shard(server, norm: FinalNorm, part: list, dtype: str, pool: ThreadPoolExecutor) -> bytes:
     """One shard's safetensors bytes from a running engine (the sequences' requests in flight on `pool`'s threads);
     the engine's files of the shard are deleted once its bytes are built."""
-    from components.feature_shards import pack_shard
+    from components.extract.feature_shards import pack_shard
     from infra.vllm_extract import load_hidden_states, remove_hidden_states, request_hidden_states
 
     paths = list(pool.map(lambda s: request_hidden_states(server, s[0]), part))

@@ -2,11 +2,11 @@
 
 Purpose: `pack_shard(seqs, features, dtype)` -> the safetensors bytes of one shard: input_ids int32, loss_mask uint8,
 offsets int64 and the `FEATURES` hidden states in `dtype`, or as e4m3 with one float32 scale per row (`FP8`:
-`FP8_SCALES`, what the manifest's `scales` says, `scale_layout(dtype)`). Its callers: components/extract.py (this
-process and its Ray workers) and components/extract_engine.py (vLLM's hidden states); both import it from here, so
+`FP8_SCALES`, what the manifest's `scales` says, `scale_layout(dtype)`). Its callers: components/extract/stage.py (this
+process and its Ray workers) and components/extract/engine.py (vLLM's hidden states); both import it from here, so
 neither imports the other's module for it.
-Run: through `components.extract.extract`; tests/test_extract_train.py, tests/test_fp8_features.py.
-Not here: the manifest, the resume rule (components/extract.py) or reading shards (components/train_data.py).
+Run: through `components.extract.stage.extract`; tests/test_extract_train.py, tests/test_fp8_features.py.
+Not here: the manifest, the resume rule (components/extract/stage.py) or reading shards (components/train/data.py).
 This module imports torch and safetensors only when a shard is packed.
 """
 

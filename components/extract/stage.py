@@ -18,8 +18,8 @@ Purpose: `extract(cfg, target_dir, regen_dir, out_dir) -> ExtractResult`.
   scale layout.
 - `cfg.dtype == "float8_e4m3fn"`: both hidden states are stored as e4m3 with one float32 scale per row (token
   position), `aux_hidden_states_scale` [T] and `last_hidden_state_scale` [T] (`eagle.fp8`: scale = amax(|row|)/448);
-  the manifest's `scales` says so (components/feature_shards.py `FP8_SCALES`; null for the other dtypes). About half
-  the bytes of bfloat16.
+  the manifest's `scales` says so (components/extract/feature_shards.py `FP8_SCALES`; null for the other dtypes). About
+  half the bytes of bfloat16.
 - `cfg.mode == "online"`: stores no features; training computes the same tensors (rounded to the same dtype, fp8
   included: quantised and dequantised per row).
 - Distributed: `cfg.num_workers` 0 computes the shards in this process; N >= 1 computes the shards that need
@@ -28,11 +28,11 @@ Purpose: `extract(cfg, target_dir, regen_dir, out_dir) -> ExtractResult`.
   tensors: Ray's pickling of torch tensors cannot carry float8) and this process writes every file and the manifest,
   so they are byte-identical whatever `num_workers` is, and resume is the same.
 - in the engine (the run's `TargetRuntime` says so: `extract.engine: vllm`, or `target.runtime: vllm`): the shards'
-  hidden states come from a vLLM started for the run (components/extract_engine.py), sent the same token ids; the
+  hidden states come from a vLLM started for the run (components/extract/engine.py), sent the same token ids; the
   shards, the manifest (its `engine` says which) and resume are the same, and this process never loads the whole
   target (embedding and lm_head are read by tensor name). Shards of the other engine are recomputed, not kept.
-Not here: the shard file's layout (components/feature_shards.py), training (components/train.py) and the dataset
-readers (components/train_data.py).
+Not here: the shard file's layout (components/extract/feature_shards.py), training (components/train/stage.py) and the
+dataset readers (components/train/data.py).
 """
 
 from __future__ import annotations
@@ -45,13 +45,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Literal
 
-from components.atomic import atomic_path, atomic_write_bytes, atomic_write_text, file_sha256, remove_stale_temps
-from components.chat import tokenize_conversation
-from components.feature_shards import FP8, pack_shard, scale_layout
-from components.regenerate import NOT_IDENTITY, read_regenerated
-from components.target_runtime import STAGE_ENGINES, TargetRuntime
-from components.targets import declared_dtype, load_target, weights_sha256
-from eagle.config_checks import FieldError, at_least, one_of
+from components.data.atomic import atomic_path, atomic_write_bytes, atomic_write_text, file_sha256, remove_stale_temps
+from components.data.chat import tokenize_conversation
+from components.data.regenerated import read_regenerated
+from components.extract.feature_shards import FP8, pack_shard, scale_layout
+from components.targets.runtime import STAGE_ENGINES, TargetRuntime
+from components.targets.target import declared_dtype, load_target, weights_sha256
+from eagle.config_checks import NOT_IDENTITY, FieldError, at_least, one_of
 
 if TYPE_CHECKING:
     from infra.settings import Settings
@@ -78,7 +78,7 @@ class ExtractConfig:
     def __post_init__(self) -> None:
         one_of(self, "mode", ("offline", "online"))
         one_of(self, "dtype", FEATURE_DTYPES)  # of the stored features
-        one_of(self, "engine", STAGE_ENGINES)  # who computes the hidden states (components/extract_engine.py: vLLM)
+        one_of(self, "engine", STAGE_ENGINES)  # who computes the hidden states (components/extract/engine.py: vLLM)
         at_least(self, {"max_len": 2, "batch_size": 1, "seqs_per_shard": 1, "num_workers": 0, "cpus_per_worker": 1,
                         "engine_replicas": 1})
         ids = tuple(self.aux_layer_ids)
@@ -88,7 +88,7 @@ class ExtractConfig:
         object.__setattr__(self, "aux_layer_ids", ids)
 
     def engine_conflict(self, in_engine: bool) -> tuple[str, str] | None:
-        """(key, why) when this section cannot run where the runtime puts it (components/target_runtime.py asks,
+        """(key, why) when this section cannot run where the runtime puts it (components/targets/runtime.py asks,
         for the whole config at load and again when the stage starts): online features or Ray actors beside the
         engine, or engine replicas without one."""
         if in_engine and self.mode == "online":
@@ -156,8 +156,8 @@ def _open_target(cfg: ExtractConfig, target_dir: str, trust_remote_code: bool, i
     features come from the engine) the target is never loaded here (its embedding and lm_head are read by tensor
     name)."""
     if in_engine:
-        from components.extract_engine import target_heads
-        from components.targets import check_target
+        from components.extract.engine import target_heads
+        from components.targets.target import check_target
 
         config, tokenizer = check_target(target_dir, trust_remote_code)
         return None, config, tokenizer, target_heads(target_dir, config)
@@ -211,7 +211,7 @@ def extract(cfg: ExtractConfig, target_dir: str, regen_dir: str, out_dir: str,
             progress: Callable[[str], None] = print, trust_remote_code: bool = False,
             ray_settings: Settings | None = None, runtime: TargetRuntime | None = None) -> ExtractResult:
     """Extract into `out_dir` (resuming a previous run). `cfg.num_workers` >= 1 computes the shards on Ray; where
-    `runtime` (components/target_runtime.py; None: the one `cfg` alone says) extracts in the engine, a vLLM started
+    `runtime` (components/targets/runtime.py; None: the one `cfg` alone says) extracts in the engine, a vLLM started
     here does (`ray_settings`: the infra.settings.Settings that say where Ray runs and where vLLM's venv is; None:
     from the environment)."""
     runtime = runtime or TargetRuntime.from_sections(extract=cfg)  # refuses what the engine cannot run
@@ -249,7 +249,7 @@ def extract(cfg: ExtractConfig, target_dir: str, regen_dir: str, out_dir: str,
         save_manifest()  # after each shard: a killed run keeps what it finished
 
     if pending and runtime.extracts_in_engine:
-        from components.extract_engine import CaptureTarget, run_in_engine
+        from components.extract.engine import CaptureTarget, run_in_engine
 
         run_in_engine(cfg, CaptureTarget(target_dir, config, layer_ids), pending, finish, out, ray_settings, progress)
     elif pending and cfg.num_workers:

@@ -8,12 +8,13 @@ reason, becomes the failure. `answer_concurrently(convs, ask, concurrency)` answ
 conversation's own `max_new_tokens` when it has one, else the config's) with at most `concurrency` requests in
 flight (one thread per conversation being answered); records come back in conversation order, and a failed request
 fails its own conversation only. `history_turns` and `conversation_record` are the conversation state that
-components/regenerate.py's batched path shares.
+components/regenerate/stage.py's batched path shares.
 `engine_endpoint(cfg, target_dir, settings, runtime=...)` starts the endpoint itself where the run's `TargetRuntime`
 regenerates in the engine (`regenerate.engine: vllm`, or `target.runtime: vllm`) and no `endpoint_url` is given: a
 plain vLLM for the target, stopped when the block ends.
-Run: through `components.regenerate.regenerate` with `cfg.endpoint_url` set; tests/test_regenerate_scale.py.
-Not here: shards, seeds, accounting and resume (components/regenerate.py), the server process (infra/vllm_server.py).
+Run: through `components.regenerate.stage.regenerate` with `cfg.endpoint_url` set; tests/test_regenerate_scale.py.
+Not here: shards, seeds, accounting and resume (components/regenerate/stage.py), the server process
+(infra/vllm_server.py).
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Sequence
 
-from components.target_runtime import TargetRuntime
-from components.traffic_io import Conversation
+from components.data.traffic_io import Conversation
+from components.targets.runtime import TargetRuntime
 
 Ask = Callable[..., "str | Exception"]  # (messages[, max_new_tokens]) -> the answer's text or the failure
 RETRIED_4XX = (408, 429)  # timeout and rate limit: the only refusals a later attempt may get past
@@ -98,8 +99,7 @@ def engine_endpoint(cfg: Any, target_dir: str, settings: Any = None, progress: C
     if not runtime.regenerates_in_engine or cfg.endpoint_url:
         yield cfg
         return
-    from components.evaluate_engine import target_context
-    from components.targets import declared_dtype
+    from components.targets.target import declared_dtype, target_context
     from infra.settings import Settings
     from infra.vllm_server import EngineSpec, VllmServer
 
@@ -111,7 +111,7 @@ def engine_endpoint(cfg: Any, target_dir: str, settings: Any = None, progress: C
 
 
 def endpoint_answerer(cfg: Any, retries: int = 3) -> Callable[..., list[str | Exception]]:
-    """The batch form (`components.regenerate.Answerer`): a batch's requests sent `cfg.endpoint_concurrency` at a
+    """The batch form (`components.regenerate.stage.Answerer`): a batch's requests sent `cfg.endpoint_concurrency` at a
     time, answers in the batch's order."""
     ask = endpoint_ask(cfg, retries)
 

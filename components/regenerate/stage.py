@@ -3,11 +3,11 @@
 Purpose: `regenerate(cfg, target_dir, traffic_path, out_dir) -> RegenerateResult`. Multi-turn conversations are
 answered turn by turn (each answer becomes the history of the next turn), batched with HF generation on a local
 target, or through any OpenAI-compatible endpoint (a vLLM or SGLang server) when `cfg.endpoint_url` is set, with up
-to `cfg.endpoint_concurrency` requests in flight (components/regenerate_endpoint.py); where the run's `TargetRuntime`
+to `cfg.endpoint_concurrency` requests in flight (components/regenerate/endpoint.py); where the run's `TargetRuntime`
 regenerates in the engine (`regenerate.engine: vllm`, or `target.runtime: vllm`: our process never loads the target)
 and no URL is given, through a vLLM this stage starts for the target.
 Length: each answer is at most the conversation's own `max_new_tokens` when the traffic gives one (the long
-traffic does: components/traffic_io.py), else `cfg.max_new_tokens`, on every path (local batches, endpoint, vLLM,
+traffic does: components/data/traffic_io.py), else `cfg.max_new_tokens`, on every path (local batches, endpoint, vLLM,
 Ray). An `Answerer` is called `answer(batch)` for the global limit and `answer(batch, max_new_tokens=N)` for a
 batch of conversations that ask for N (batches are grouped by limit).
 Resumable: conversations are written in shards of `cfg.shard_size`, each shard atomically (temp file + rename)
@@ -20,7 +20,7 @@ per task (infra/actor_pool.py), each actor a `ShardWorker` loading the target (o
 alone, so the files are byte-identical whatever `num_workers` is, resume works the same, and the workers need no
 filesystem shared with the driver (only the target directory).
 Run: through flows/train_head.py or `eagle-heads train`; in tests directly.
-Not here: tokenisation for training (components/extract.py), evaluation prompts (components/evaluate.py).
+Not here: tokenisation for training (components/extract/stage.py), evaluation prompts (components/evaluate/stage.py).
 """
 
 from __future__ import annotations
@@ -31,23 +31,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from components.atomic import atomic_write_text, remove_stale_temps
-from components.chat import prompt_ids
-from components.regenerate_endpoint import (answer_concurrently, conversation_record, endpoint_answerer, endpoint_ask,
-                                       engine_endpoint, history_turns)
-from components.target_runtime import STAGE_ENGINES, TargetRuntime
-from components.traffic_io import Conversation, load_traffic
-from eagle.config_checks import FieldError, at_least, finite, one_of
+from components.data.atomic import atomic_write_text, remove_stale_temps
+from components.data.chat import prompt_ids
+from components.data.regenerated import shard_paths
+from components.data.traffic_io import Conversation, load_traffic
+from components.regenerate.endpoint import (answer_concurrently, conversation_record, endpoint_answerer, endpoint_ask,
+                                            engine_endpoint, history_turns)
+from components.targets.runtime import STAGE_ENGINES, TargetRuntime
+from eagle.config_checks import NOT_IDENTITY, FieldError, at_least, finite, one_of
 from eagle.errors import BadInput
 from infra.settings import http_url_problem
-
-NOT_IDENTITY = {"identity": False}  # a config field that does not change the stage's output
 
 if TYPE_CHECKING:
     from infra.settings import Settings
 
 __all__ = ["Answerer", "RegenerateConfig", "RegenerateError", "RegenerateResult", "answer_all", "answer_shard",
-           "endpoint_answerer", "hf_answerer", "read_regenerated", "regenerate", "responder"]
+           "endpoint_answerer", "hf_answerer", "regenerate", "responder"]
 
 
 @dataclass(frozen=True)
@@ -82,7 +81,7 @@ class RegenerateConfig:
         one_of(self, "engine", STAGE_ENGINES)
 
     def engine_conflict(self, in_engine: bool) -> tuple[str, str] | None:
-        """(key, why) when this section cannot run where the runtime puts it (components/target_runtime.py asks):
+        """(key, why) when this section cannot run where the runtime puts it (components/targets/runtime.py asks):
         Ray actors, each loading the target, beside the one engine started for the run."""
         if in_engine and self.num_workers and not self.endpoint_url:
             return "num_workers", ("must be 0 with engine 'vllm' (one engine answers every shard), "
@@ -196,7 +195,7 @@ def prompt_room(config: Any, new_tokens: int) -> tuple[int, int]:
 
 
 def _load_local(target_dir: str, cfg: RegenerateConfig, trust_remote_code: bool):
-    from components.targets import load_target
+    from components.targets.target import load_target
 
     target, tokenizer = load_target(target_dir, cfg.device, trust_remote_code=trust_remote_code)
     tokenizer.padding_side = "left"
@@ -242,13 +241,9 @@ class ShardWorker:
         return answer_shard(self.cfg, shard, convs, self.respond)
 
 
-def _shard_paths(out: Path, s: int) -> tuple[Path, Path]:
-    return out / f"shard-{s:05d}.jsonl", out / f"shard-{s:05d}.json"
-
-
 def _finished_ok(out: Path, s: int, chunk: Sequence[Conversation]) -> int | None:
     """The ok count of shard `s` if a previous run finished it (for these very conversations), else None."""
-    data, meta = _shard_paths(out, s)
+    data, meta = shard_paths(out, s)
     if meta.is_file() and data.is_file():
         done = json.loads(meta.read_text())
         if done.get("ids") == [c.id for c in chunk]:
@@ -263,7 +258,7 @@ def _write_shard(out: Path, s: int, chunk: Sequence[Conversation],
     good = [r for r in records if "messages" in r]
     bad = {r["id"]: r["error"] for r in records if "error" in r}
     if good:
-        data, meta = _shard_paths(out, s)
+        data, meta = shard_paths(out, s)
         atomic_write_text(data, "".join(json.dumps(r) + "\n" for r in good))
         atomic_write_text(meta, json.dumps({"ids": [c.id for c in chunk], "ok": len(good), "failed": bad}) + "\n")
     return len(good), bad
@@ -277,7 +272,7 @@ def regenerate(cfg: RegenerateConfig, target_dir: str, traffic_path: str, out_di
 
     A shard whose every conversation failed is not marked done, so a re-run tries it again (an endpoint that was
     down); when no conversation at all could be regenerated, `RegenerateError` says why (accounting.json is written).
-    `cfg.num_workers` >= 1 answers the shards on Ray; where `runtime` (components/target_runtime.py; None: the one
+    `cfg.num_workers` >= 1 answers the shards on Ray; where `runtime` (components/targets/runtime.py; None: the one
     `cfg` alone says) regenerates in the engine, a vLLM started here answers (`ray_settings`: the
     infra.settings.Settings that say where Ray runs and where vLLM's venv is; None: from the environment);
     `answer` (a batch Answerer, for tests) runs in this process only.
@@ -322,7 +317,7 @@ def _account(out: Path, traffic_path: str, chunks: list[list[Conversation]], bef
     skipped = sum(len(chunks[s]) for s, n_ok in before.items() if n_ok is not None)
     usable = ok + sum(n_ok or 0 for n_ok in before.values())
     total = sum(len(c) for c in chunks)
-    shards = tuple(str(_shard_paths(out, s)[0]) for s in range(len(chunks)))
+    shards = tuple(str(shard_paths(out, s)[0]) for s in range(len(chunks)))
     res = RegenerateResult(str(out), shards, total, ok, failed, skipped, failures)
     assert res.total == res.ok + res.failed + res.skipped
     atomic_write_text(out / "accounting.json", json.dumps({"total": res.total, "ok": ok, "failed": failed,
@@ -334,15 +329,3 @@ def _account(out: Path, traffic_path: str, chunks: list[list[Conversation]], bef
                               "Shorten the prompts, lower regenerate.max_new_tokens, or check the endpoint")
     return res
 
-
-def read_regenerated(out_dir: str) -> list[Conversation]:
-    """Every regenerated conversation of a finished regeneration directory, in shard order."""
-    from components.traffic_io import load_traffic as _load
-
-    convs: list[Conversation] = []
-    for p in sorted(Path(out_dir).glob("shard-*.jsonl")):
-        if p.stat().st_size:
-            convs.extend(_load(p).conversations)
-    if not convs:
-        raise ValueError(f"{out_dir}: no regenerated conversation (every one failed?); see accounting.json")
-    return convs

@@ -23,9 +23,10 @@ Purpose:
   The training step exported (best held-out τ, or the last) is tagged too: `checkpoint_step`, `checkpoint_rule`,
   `heldout_tau`, `heldout_tau_last`.
   Last, a gate decided before registration (`head.extra_gate`: the shadow test of a retrain on served traffic,
-  components/shadow.py) can keep the alias where it is; its reason joins the gate's, its figures come as `notes`.
+  components/evaluate/shadow.py) can keep the alias where it is; its reason joins the gate's, its figures come as
+  `notes`.
 - `check_head_name(store, target)`: refuses, before any work, a head name taken by a model that is not a head.
-Not here: measuring tau (components/evaluate.py); connecting to MLflow (infra/mlflow_store.py).
+Not here: measuring tau (components/evaluate/stage.py); connecting to MLflow (infra/mlflow_store.py).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from components.target_runtime import GATE_TAUS, TargetRuntime
+from components.targets.runtime import GATE_TAUS, TargetRuntime
 from eagle.config_checks import at_least, finite, one_of
 from infra.mlflow_store import CHALLENGER, CHAMPION, MlflowStore, ModelVersionRef
 
@@ -86,7 +87,8 @@ class HeadToRegister:
     champion_tau_engine: float | None = None  # the champion's τ in vLLM on the same prompts (gate_tau "engine")
     checkpoint: dict[str, Any] | None = None  # which training step was exported and why (TrainResult's choice)
     notes: dict[str, str] | None = None  # free-text tags, e.g. `speedup_note`: why a speedup is unreliable
-    extra_gate: tuple[bool, str] | None = None  # a gate decided before registration (components/shadow.py): (ok, why)
+    # a gate decided before registration (components/evaluate/shadow.py): (ok, why)
+    extra_gate: tuple[bool, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -240,7 +242,7 @@ def _acceptance_tags(metrics: dict[str, float]) -> dict[str, str]:
 def speedup_tags(metrics: dict[str, float], key: str) -> dict[str, str]:
     """`<key>` (the median of the evaluation's rounds, or "unreliable" when its rounds disagreed, the machine was busy,
     or too few fitted in the time budget: then `<key>_median` keeps the number for reference), `<key>_lo`/`<key>_hi`
-    (the median's interval) and `<key>_rounds`, from the metrics of components/speed.py."""
+    (the median's interval) and `<key>_rounds`, from the metrics of components/evaluate/speed.py."""
     tags = {}
     reliable = bool(metrics.get(f"{key}_reliable", 1.0))
     tags[key] = f"{float(metrics[key]):.4f}" if reliable else "unreliable"
@@ -315,7 +317,7 @@ def registered_run(store: MlflowStore, name: str, run_key: str) -> RegisteredRun
 def register_head(store: MlflowStore, cfg: RegisterConfig, head: HeadToRegister,
                   runtime: TargetRuntime | None = None) -> RegisterResult:
     """Register the head (once per run key) and move the alias its gate decides; the gate's τ is the engine's where
-    `runtime` (components/target_runtime.py; None: the one `cfg` alone says) gates on it."""
+    `runtime` (components/targets/runtime.py; None: the one `cfg` alone says) gates on it."""
     runtime = runtime or TargetRuntime.from_sections(register=cfg)
     name = head_model_name(head.target, cfg.experiment_suffix)
     store.ensure_model(name)

@@ -6,8 +6,8 @@ them). The rule:
 - The figure is the served speedup: vLLM's `speedup_vllm` when every variant has one (the engine evaluation ran),
   else ours (`speedup`); a variant without a finite figure of that kind leaves the choice to the simplest.
 - Each figure comes with the median's interval (`_lo`, `_hi`) and whether it is reliable (`_reliable`;
-  components/speed.py). Variant A beats B when A's interval lies wholly above B's (A.lo > B.hi) and A is reliable
-  or B is not: an unreliable figure never beats a reliable one. Overlapping intervals are a tie.
+  components/evaluate/speed.py). Variant A beats B when A's interval lies wholly above B's (A.lo > B.hi) and A is
+  reliable or B is not: an unreliable figure never beats a reliable one. Overlapping intervals are a tie.
 - The chosen variant is the simplest (the order of eagle.config.VARIANTS: eagle3, eagle3.1, parallel, then
   eagle3.1-parallel, which has both changes) that no other beats; with two, the more complex wins only when its
   interval lies above the simpler's. The beats relation implies interval order, which has no cycles, so some
@@ -16,8 +16,9 @@ them). The rule:
 (`variant_<v>_tau`, `variant_<v>_speedup_vllm`, with `_lo`/`_hi`/`_rounds`, ...) and the reason (`variant_choice`).
 `VariantSink` prefixes one variant's training metrics (`<variant>/loss`) in the run's metrics sink.
 Run: flows/train_head.py calls it after training and evaluating each listed variant on the same features.
-Not here: training or measuring (components/train.py, evaluate.py, evaluate_engine.py); the promotion gate, which
-judges the chosen head alone, as for a run of one variant (components/register.py).
+Not here: training or measuring (components/train/stage.py, components/evaluate/stage.py,
+components/evaluate/engine.py); the promotion gate, which judges the chosen head alone, as for a run of one variant
+(components/registry/register.py).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from components.register import speedup_tags
+from components.registry.register import speedup_tags
 from eagle.config import VARIANTS
 
 LABELS = {"speedup_vllm": "vLLM speedup", "speedup": "speedup (this project's decoder)"}
@@ -103,7 +104,7 @@ def choose_variant(metrics: Mapping[str, Mapping[str, float]]) -> VariantChoice:
 def variant_tags(metrics: Mapping[str, Mapping[str, float]], choice: VariantChoice) -> dict[str, str]:
     """Tags for the chosen head's version: `variant` (the chosen), `variants` (all, simplest first),
     `variant_choice` (the reason), and each variant's τ and speedups as `variant_<v>_<tag>`, formatted as the
-    version's own (components/register.py `speedup_tags`: "unreliable" with `_median` when it is)."""
+    version's own (components/registry/register.py `speedup_tags`: "unreliable" with `_median` when it is)."""
     order = sorted(metrics, key=VARIANTS.index)
     tags = {"variant": choice.variant, "variants": " ".join(order), "variant_choice": choice.reason}
     for v in order:

@@ -2,10 +2,10 @@
 
 Purpose: `CaptureWriter(root, CaptureConfig(...))` takes the proxy's sampled requests (infra/serve_proxy.py
 `Exchange`) through `submit()`, which never blocks: it puts them on a bounded queue and drops (and counts) what does
-not fit. A writer thread, woken every `POLL_S` (not by each request), parses them (components/capture_records.py:
+not fit. A writer thread, woken every `POLL_S` (not by each request), parses them (components/data/capture_records.py:
 one row each) and writes them to `<root>/<target_name>/capture-<UTC time>-<n>.parquet` (root: `<state>/capture`),
 one file per `rows_per_file` rows or per `flush_s` seconds, whichever comes first, and on `close()`. Each file is
-written to a temporary name and renamed when complete (components/atomic.py), so a reader never sees half a file;
+written to a temporary name and renamed when complete (components/data/atomic.py), so a reader never sees half a file;
 its Parquet metadata
 (`eagle.capture`) names the schema version and the target (name and version) of every row in it (a target change
 starts a new file). After each file, the oldest `*.parquet` files under `root` are deleted until the total is at most
@@ -14,9 +14,9 @@ A store that cannot be written (a full disk: under `min_free_bytes` free, or ENO
 pauses capture: one warning line through `say`, the rows of that file and the requests of the next `retry_s`
 seconds are dropped (counted), then it tries again and says when it resumed. Serving never waits for any of it.
 `stats()`: rows written, files, dropped, paused (and why).
-Run: `eagle-heads serve --capture` (components/serve_live.py starts it).
-Not here: what a row holds (components/capture_records.py), training on it (the traffic loaders read the files:
-components/traffic_io.py).
+Run: `eagle-heads serve --capture` (components/serving/live.py starts it).
+Not here: what a row holds (components/data/capture_records.py), training on it (the traffic loaders read the files:
+components/data/traffic_io.py).
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from components.atomic import atomic_path, remove_stale_temps
-from components.capture_records import FILE_PATTERN as PATTERN, META_KEY, SCHEMA_VERSION, exchange_record, schema
+from components.data.atomic import atomic_path, remove_stale_temps
+from components.data.capture_records import FILE_PATTERN as PATTERN, META_KEY, SCHEMA_VERSION, exchange_record, schema
 
 
 @dataclass(frozen=True)

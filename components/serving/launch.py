@@ -1,58 +1,19 @@
-"""Serving a head: the directory an engine loads as is, and the commands that serve it with vLLM or SGLang.
+"""Serving a head on a GPU cluster: the commands that serve it with vLLM or SGLang.
 
-Purpose:
-- `servable_head(head_dir, target_dir, cache_dir) -> Path`: `head_dir` itself when an engine can load it unmodified
-  (its config.json states three distinct fused layer ids, and `model.safetensors` is the only top-level
-  `*.safetensors`); otherwise (a head exported before that format: probe beside the weights, no ids in config.json,
-  maybe a repeated layer id) a re-export under `cache_dir`, folded losslessly by `eagle.export.load_head`, made once
-  per head (keyed by the weights' hash).
-- `launch_commands(spec, head_dir)`: the vLLM and SGLang command lines for a GPU cluster, with the head's ids; for a
-  head made for parallel drafting (variant "parallel" or "eagle3.1-parallel") vLLM's gets `parallel_drafting: true`
-  and SGLang's is a comment saying so (this project knows no SGLang setting for it).
-Run: `eagle-heads serve --head models:/NAME@champion [--print-only]` (flows/cli.py) uses both.
-Not here: starting the engine (infra/vllm_server.py), measuring it (components/evaluate_engine.py), serving behind our
-proxy with capture and swaps (`serve --capture`, `--follow-alias`: components/serve_live.py).
+Purpose: `launch_commands(spec, head_dir)`: the vLLM and SGLang command lines for a GPU cluster, with the head's ids
+(the head directory as an engine loads it: components/targets/servable.py `servable_head`); for a head made for
+parallel drafting (variant "parallel" or "eagle3.1-parallel") vLLM's gets `parallel_drafting: true` and SGLang's is a
+comment saying so (this project knows no SGLang setting for it).
+Run: `eagle-heads serve --head models:/NAME@champion [--print-only]` (flows/cli.py) prints them.
+Not here: starting the engine (infra/vllm_server.py), measuring it (components/evaluate/engine.py), serving behind our
+proxy with capture and swaps (`serve --capture`, `--follow-alias`: components/serving/live.py).
 """
 
 from __future__ import annotations
 
-import json
 import shlex
-from pathlib import Path
 
-from components.atomic import file_sha256
 from infra.vllm_server import EngineSpec
-
-WEIGHTS = "model.safetensors"
-
-
-def is_servable(head_dir: str | Path) -> bool:
-    d = Path(head_dir)
-    try:
-        cfg = json.loads((d / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    ids = cfg.get("eagle_aux_hidden_state_layer_ids") or []
-    distinct = len(ids) == 3 and list(ids) == sorted(set(ids))
-    return distinct and sorted(p.name for p in d.glob("*.safetensors")) == [WEIGHTS]
-
-
-def servable_head(head_dir: str | Path, target_dir: str | Path, cache_dir: str | Path,
-                  trust_remote_code: bool = False) -> Path:
-    """A directory vLLM and SGLang load unmodified holding the same head (see the module docstring)."""
-    head_dir = Path(head_dir)
-    if is_servable(head_dir):
-        return head_dir
-    out = Path(cache_dir) / file_sha256(head_dir / WEIGHTS)[:16]
-    if is_servable(out):
-        return out
-    from components.targets import load_target
-    from eagle.export import export_head, load_head, read_head_meta
-
-    target = load_target(str(target_dir), "cpu", trust_remote_code=trust_remote_code)[0]
-    draft = load_head(head_dir, target)
-    lineage = {**read_head_meta(head_dir).get("lineage", {}), "converted_from": str(head_dir)}
-    return export_head(draft, out, lineage=lineage)
 
 
 def launch_commands(spec: EngineSpec, port: int = 8000) -> dict[str, str]:

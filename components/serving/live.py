@@ -2,7 +2,7 @@
 
 Purpose: `LiveServer(LiveConfig(...), Served(spec, head, target_name, target_version), settings)` is a context
 manager that starts vLLM on a free loopback port, puts the proxy (infra/serve_proxy.py) on the public port in front
-of it and, with `LiveConfig.capture`, a capture writer (components/capture.py) under `<state>/capture`.
+of it and, with `LiveConfig.capture`, a capture writer (components/serving/capture.py) under `<state>/capture`.
 - `swap_to(served)`: starts a second vLLM with the new head beside the running one (another loopback port), waits
   for its health, routes new requests to it, waits until the old one has finished the requests it had (at most
   `drain_timeout_s`), then stops it. A new engine that does not start leaves the old one serving (False).
@@ -13,13 +13,14 @@ of it and, with `LiveConfig.capture`, a capture writer (components/capture.py) u
   before the answer's end: an error, never a short answer that looks complete), says how many, and stops it.
 - `spec_counters()`: vLLM's speculative-decoding counters of what is served now (the live acceptance).
 - Rollback (`Follow.rollback`, `monitor.rollback`): every `window_s` the loop reads those counters and judges the
-  window of the head served now (components/rollback.py `Judge`) against the previous champion's registered τ
+  window of the head served now (components/serving/rollback.py `Judge`) against the previous champion's registered τ
   x `ratio` and the collapse floor; a rollback swaps back to what served before it (plain decoding when nothing
   did), never swaps the rolled-back version in again, and hands `RolledBack` to `rolled_back` (the flow moves the
   alias back with the reason and announces it).
 Run: `eagle-heads serve --capture` / `--follow-alias` (flows/command_runs.py `serve`).
 Not here: choosing the head and its K (flows/command_runs.py), the proxy's HTTP (infra/serve_proxy.py), the
-dataset (components/capture.py), the rollback's rules (components/rollback.py), the registry and the event.
+dataset (components/serving/capture.py), the rollback's rules (components/serving/rollback.py), the registry and the
+event.
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from components.capture import CaptureConfig, CaptureWriter
-from components.monitor import RollbackConfig
-from components.rollback import Judge, Judgement
+from components.serving.capture import CaptureConfig, CaptureWriter
+from components.serving.monitor import RollbackConfig
+from components.serving.rollback import Judge, Judgement
 from infra.serve_proxy import Backend, ServeProxy
 from infra.settings import Settings
 from infra.vllm_server import EngineError, EngineSpec, SpecCounters, VllmServer, read_metrics

@@ -16,7 +16,7 @@ new reading from zero. `baseline_of(store, target)` reads the champion head of a
 τ: `tau_vllm` when the evaluation measured it in vLLM (the same counters the monitor reads), else `tau`.
 `newest_snapshot(traffic_dir)` picks the traffic a drop retrains on: the last `<snapshot>/train.jsonl` +
 `heldout.jsonl` in name order (name snapshots by ISO date, `YYYY-MM-DD`, so that name order is time order).
-`window_start` / `window_counts` are the window arithmetic the rollback's judge shares (components/rollback.py);
+`window_start` / `window_counts` are the window arithmetic the rollback's judge shares (components/serving/rollback.py);
 `RollbackConfig` (`monitor.rollback`) says when `eagle-heads serve --follow-alias` swaps a collapsed head back.
 Run: `eagle-heads monitor --metrics-url URL --target models:/NAME/VERSION` or the `watch-acceptance` flow.
 Not here: the HTTP scrape (`infra.vllm_server.read_metrics`), the event (flows/watch_acceptance.py), the rollback.
@@ -29,8 +29,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
-from components.atomic import atomic_write_text
-from components.register import TargetRef, head_model_name
+from components.data.atomic import atomic_write_text
+from components.registry.register import TargetRef, head_model_name
 from eagle.config_checks import FieldError, at_least, finite
 from eagle.errors import BadInput
 from infra.mlflow_store import CHAMPION, MlflowStore, parse_model_uri
@@ -48,7 +48,7 @@ class MonitorError(BadInput):
 
 @dataclass(frozen=True)
 class RollbackConfig:
-    """When `eagle-heads serve --follow-alias` swaps a served head back (components/rollback.py)."""
+    """When `eagle-heads serve --follow-alias` swaps a served head back (components/serving/rollback.py)."""
 
     enabled: bool = True  # judge the served head's live acceptance and roll back on a collapse
     window_s: float = 60.0  # the engine's counters are read once a window; each window is judged
@@ -230,7 +230,7 @@ class Monitor:
 
 def window_start(times: list[float], now: float, window_s: float) -> int:
     """Index of the reading a window ending `now` starts at: the newest one (but the last) at least `window_s` old,
-    else the oldest. Shared by the monitor and the rollback's judge (components/rollback.py)."""
+    else the oldest. Shared by the monitor and the rollback's judge (components/serving/rollback.py)."""
     start = 0
     for i, t in enumerate(times[:-1]):
         if t <= now - window_s:

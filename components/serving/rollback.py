@@ -2,7 +2,7 @@
 
 Purpose: `Judge(cfg, ratio, previous_tau)` takes readings of the running engine's cumulative spec-decode counters
 (`observe(counters, now)`, one per `RollbackConfig.window_s`, the first when the head came into service) and judges
-each window with the monitor's window arithmetic (components/monitor.py `window_start`, `window_counts`):
+each window with the monitor's window arithmetic (components/serving/monitor.py `window_start`, `window_counts`):
   warming   fewer than `min_drafts` drafts, even reaching back over the earlier windows: no judgement yet;
   ok        window τ at or above both rules;
   low       below `ratio` x the previous champion's registered τ, fewer than `sustain_windows` windows in a row;
@@ -12,9 +12,9 @@ With no previous champion (the head was the first served, or the previous was pl
 and the rollback goes to plain decoding. `Judgement.reason` is the one line the log, the registry tag and the event
 carry. `move_alias_back(store, name, alias, from_version, to_version, reason)` tags the rolled-back version with
 `rollback_reason` and points the alias at `to_version` (None: removes it, so that no version claims to be served).
-Run: inside `eagle-heads serve --follow-alias` (components/serve_live.py `follow`); tests/test_rollback.py.
-Not here: the swap (components/serve_live.py), the event (flows/command_runs.py `serve`), the drop monitor that
-retrains (components/monitor.py).
+Run: inside `eagle-heads serve --follow-alias` (components/serving/live.py `follow`); tests/test_rollback.py.
+Not here: the swap (components/serving/live.py), the event (flows/command_runs.py `serve`), the drop monitor that
+retrains (components/serving/monitor.py).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from components.monitor import RollbackConfig, window_counts, window_start
+from components.serving.monitor import RollbackConfig, window_counts, window_start
 from infra.mlflow_store import MlflowStore
 from infra.vllm_server import SpecCounters
 

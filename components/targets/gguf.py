@@ -8,8 +8,8 @@ included), and is cached under `<state_dir>/gguf/<sha256[:16]>/`, keyed by the f
 The directory appears whole or not at all (written beside it, then renamed; a lock serialises two conversions of
 the same file), and `gguf.json`, written last inside it, names the source file, its hash and its quantization;
 `gguf_lineage(target_dir)` reads those back as lineage tags.
-Run: `python -m components.gguf_target FILE.gguf [STATE_DIR]` checks and converts one file, printing the directory.
-Not here: the checks every HF target gets (components/targets.py `check_target` runs on the converted directory),
+Run: `python -m components.targets.gguf FILE.gguf [STATE_DIR]` checks and converts one file, printing the directory.
+Not here: the checks every HF target gets (components/targets/target.py `check_target` runs on the converted directory),
 running quantized weights (the target is fp32 from here on: the head learns the dequantized model, which is what
 the GGUF's own quantization approximates), architectures transformers cannot read from GGUF.
 """
@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from components.atomic import atomic_write_text, file_sha256
-from components.targets import TargetError
+from components.data.atomic import atomic_write_text, file_sha256
+from components.targets.target import TargetError
 
 MAGIC = b"GGUF"
 MARKER = "gguf.json"  # written last: a cached directory without it is not one
@@ -286,7 +286,7 @@ def materialize_target(target: str, state_dir: str | Path, progress: Callable[[s
 
 def main(argv: list[str]) -> int:
     if not 1 <= len(argv) <= 2:
-        print("usage: python -m components.gguf_target FILE.gguf [STATE_DIR]  (default state dir: .eagle)",
+        print("usage: python -m components.targets.gguf FILE.gguf [STATE_DIR]  (default state dir: .eagle)",
               file=sys.stderr)
         return 2
     try:

@@ -1,6 +1,6 @@
 """Where the target runs: this process, or the serving engine (vLLM) with its scale. One object, built once per config.
 
-Purpose: `TargetRuntime.from_config(cfg)` (cfg a components.pipeline_config.PipelineConfig, whose `cfg.runtime` is
+Purpose: `TargetRuntime.from_config(cfg)` (cfg a components.config.pipeline.PipelineConfig, whose `cfg.runtime` is
 this object built once) decides where each stage that runs the target runs it. `target.runtime` "vllm" puts
 regeneration, extraction and evaluation in the engine and the promotion gate on the engine's τ; "local" leaves each
 stage to its own knob (`regenerate.engine`, `extract.engine`, `evaluate.engine`, `register.gate_tau`), which a config
@@ -25,9 +25,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from eagle.config_checks import FieldError, at_least, one_of
+from eagle.config_checks import NOT_IDENTITY, FieldError, at_least, one_of
 
-NOT_IDENTITY = {"identity": False}  # how the engine spreads the target does not change the head
 ENGINE = "vllm"  # the serving engine a stage's own knob names (`extract.engine: vllm`)
 STAGE_ENGINES = ("local", ENGINE)  # the values of a stage's `engine` knob
 GATE_TAUS = ("local", "engine")  # the values of `register.gate_tau`: whose τ the promotion gate decides on
@@ -59,6 +58,7 @@ class TargetConfig:
     (infra/vllm_scale.py `EngineScale`) and reach every vLLM the run starts."""
 
     runtime: str = "local"
+    # how the engine spreads the target does not change the head: none of the four is part of a run's identity
     tensor_parallel_size: int = field(default=1, metadata=NOT_IDENTITY)
     pipeline_parallel_size: int = field(default=1, metadata=NOT_IDENTITY)
     data_parallel_size: int = field(default=1, metadata=NOT_IDENTITY)

@@ -8,7 +8,8 @@ refuses what a real checkpoint can carry that the pipeline does not support yet:
 (`check_family`), a config.json dtype the engine does not run, and quantized weights (`check_dtypes`: every
 tensor's dtype, from the safetensors headers).
 `weights_sha256` hashes the weight files for lineage; `declared_dtype` is the dtype the target's config.json
-states (targets are loaded in float32 here, which rewrites the loaded config's dtype; engines use the stated one).
+states (targets are loaded in float32 here, which rewrites the loaded config's dtype; engines use the stated one);
+`target_context` its context length, the longest `max_model_len` an engine serving it accepts.
 `read_tensors(path, names)` reads single tensors by name from the target's safetensors (through
 `model.safetensors.index.json` when sharded) without loading the model, for a target an engine runs.
 Not here: registry URIs (infra/ resolves `models:/...` to a local directory first).
@@ -53,7 +54,7 @@ def check_family(model_type: str, architectures: list[str], where: str) -> None:
     raise TargetError(f"{where}: model_type {model_type!r}{archs} is not a family this pipeline is proven on "
                       f"({proven}: tests/test_families.py runs each through training and vLLM's EAGLE-3); use a "
                       "target of one of them, or prove the family there first and add it to PROVEN_FAMILIES "
-                      "(components/targets.py)")
+                      "(components/targets/target.py)")
 
 
 def check_target(path: str | Path, trust_remote_code: bool = False):
@@ -188,6 +189,12 @@ def declared_dtype(path: str | Path) -> str:
     """The dtype the target's config.json states (`dtype`, or the older `torch_dtype`); "float32" if none."""
     raw = json.loads((Path(path) / "config.json").read_text())
     return str(raw.get("dtype") or raw.get("torch_dtype") or "float32").removeprefix("torch.")
+
+
+def target_context(target_dir: str | Path) -> int:
+    """The target's context length (`max_position_embeddings`): vLLM refuses a longer max_model_len."""
+    config = json.loads((Path(target_dir) / "config.json").read_text())
+    return int(config.get("max_position_embeddings", 2048))
 
 
 def weights_sha256(path: str | Path) -> str:

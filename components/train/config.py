@@ -1,9 +1,9 @@
 """The training run's config: its length, data, checkpoints and speed-ups (`TrainConfig`) and its workers (`RayConfig`).
 
 Purpose: the `train` section of a pipeline config, each field checked where it is built (a pipeline config file
-with a bad value fails at load, naming the key). What the fields do is in components/train.py (the loop) and
-components/train_data.py (batches, the teacher cache); ARCHITECTURE.md's knob index lists them.
-Not here: the training loop (components/train.py), the TTT loss's and the optimiser's own sections
+with a bad value fails at load, naming the key). What the fields do is in components/train/stage.py (the loop) and
+components/train/data.py (batches, the teacher cache); ARCHITECTURE.md's knob index lists them.
+Not here: the training loop (components/train/stage.py), the TTT loss's and the optimiser's own sections
 (eagle/run_config.py).
 """
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from eagle.config import PARALLEL_VARIANTS, VARIANTS
-from eagle.config_checks import FieldError, at_least, one_of
+from eagle.config_checks import NOT_IDENTITY, FieldError, at_least, one_of
 from eagle.run_config import OptimConfig, TTTConfig
 
 __all__ = ["RayConfig", "TrainConfig"]
@@ -59,16 +59,16 @@ class TrainConfig:
     # TTT's steps 1..K-1 become its masked slots, eagle/ttt.py) or eagle3.1-parallel (both); TTT trains each
     variant: str = "eagle3"
     # two or more variants: train each on the same features (in place of `variant`), evaluate each, register the one
-    # with the best served speedup (components/variant_choice.py); empty: off
+    # with the best served speedup (components/registry/variant_choice.py); empty: off
     variants: tuple[str, ...] = ()
     # bf16 autocast (weights and optimiser stay fp32): "gpu" on a GPU only, "auto" also on a CPU with bf16 matrix
     # units (Intel AMX, AVX512-BF16; elsewhere a CPU's bf16 is slower than fp32), "off" never
     autocast: str = "gpu"
-    # batches of like-length sequences (components/train_data.py `batches`): less padding, the same epochs
+    # batches of like-length sequences (components/train/data.py `batches`): less padding, the same epochs
     bucket_by_length: bool = False
     # each sequence's teacher signal (the target's lm_head over its final hidden states) computed once and kept in
     # memory for the next epochs, up to this many MiB (0: recomputed every step); offline features only
-    teacher_cache_mib: int = field(default=0, metadata={"identity": False})  # the same batches either way
+    teacher_cache_mib: int = field(default=0, metadata=NOT_IDENTITY)  # the same batches either way
     ttt: TTTConfig = field(default_factory=TTTConfig)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3, warmup_steps=20))
     ray: RayConfig = field(default_factory=RayConfig)

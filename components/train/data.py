@@ -11,7 +11,7 @@ dequantises the target's features the same way. Manifests from before fp8 (no `s
 Feature shards are checked against the manifest's sha256 when opened, and fp8 shards' headers for their scales: a
 corrupted or truncated shard, or one whose scales are missing or of the wrong shape, is refused with the file name
 and what to do.
-Not here: the training loop (components/train.py).
+Not here: the training loop (components/train/stage.py).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from components.atomic import file_sha256
+from components.data.atomic import file_sha256
 from eagle import fp8
 from eagle.errors import BadInput
 from eagle.features import Teacher, teacher_targets

@@ -1,6 +1,6 @@
 """Stage 3 on Ray Train: `fit_with_ray(train_loop, args, storage)` runs the training loop on Ray Train workers (DDP).
 
-Purpose: components/train.py calls it when `train.ray.num_workers` >= 1. One `TorchTrainer` per output directory
+Purpose: components/train/stage.py calls it when `train.ray.num_workers` >= 1. One `TorchTrainer` per output directory
 (its Ray run named after it), `FailureConfig(max_failures)` restarts of a failed worker group, checkpoints
 reported to Ray by the loop. Workers on several hosts must all see the output directory and the checkpoint storage:
 checked before training (infra/ray_cluster.py `check_shared_paths`).
@@ -10,8 +10,9 @@ found as the worker builds its head): Ray's failure policy restarts the worker g
 the controller (`RefuseBadInput`) ends the run at the first such error instead (an error raised in a callback
 is the controller's own, which it does not retry), and the caller gets the worker's own exception, message and
 type, which the CLI prints as its one line (exit 2); Ray's tracebacks of it (worker and controller) are dropped.
-Run: through `components.train.train`; tests/test_bad_input_stages.py (a refusal in a worker), test_extract_train.py
-(restarts). Not here: the loop itself (components/train.py), Ray sessions (infra/ray_cluster.py).
+Run: through `components.train.stage.train`; tests/test_bad_input_stages.py (a refusal in a worker),
+test_extract_train.py (restarts). Not here: the loop itself (components/train/stage.py), Ray sessions
+(infra/ray_cluster.py).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def _ray_run_name(out_dir: str) -> str:
 
 
 def fit_with_ray(loop: Callable[[Any], None], args: Any, storage: str) -> None:
-    """`loop(args)` (components.train's `train_loop` and its `LoopArgs`) on `args.cfg.ray.num_workers` Ray Train
+    """`loop(args)` (components.train.stage's `train_loop` and its `LoopArgs`) on `args.cfg.ray.num_workers` Ray Train
     workers. A worker's `BadInput` reaches the caller as itself, with the worker's message, without a restart of
     the worker group (`RefuseBadInput`); any other failure is retried `max_failures` times, then raised as Ray's
     error (`WorkerGroupError`, `ControllerError`)."""

@@ -1,13 +1,13 @@
 """Stage 3, train: the draft head with training-time test, distributed with Ray Train (DDP), resumable.
 
 Purpose: `train(cfg, extract_dir, out_dir, ...) -> TrainResult`. A Ray `TorchTrainer` runs `train_loop` on
-`cfg.ray.num_workers` workers (0 = in the driver process, for tiny runs; components/train_ray.py); each worker
+`cfg.ray.num_workers` workers (0 = in the driver process, for tiny runs; components/train/ray_train.py); each worker
 reads the extract stage's output (offline feature shards, or tokens + the target itself in online mode), rank 0
 streams per-step TTT metrics to a `MetricsSink` (MLflow in the pipeline) and prints progress. AdamW with warm-up
 and cosine decay, gradient clipping, bf16 autocast on a GPU, and with `autocast: auto` on a CPU with bf16 matrix
 units too (Intel AMX or AVX512-BF16; eagle/train.py `autocast_dtype`): a head's step 1.34-1.45x with AMX and
 1.68x on a Zen 4, its held-out tau that of fp32 (bench/cpu_autocast.py).
-Checkpoints (`out_dir/checkpoints/step-XXXXXXX/`, components/train_state.py: head, optimiser, scheduler, step,
+Checkpoints (`out_dir/checkpoints/step-XXXXXXX/`, components/train/state.py: head, optimiser, scheduler, step,
 RNG, the held-out selection; the data position is the step, since batches are a pure function of (seed, step)) are
 written atomically by rank 0 and reported to Ray; a worker restarted by Ray's FailureConfig, or a re-run of the
 same stage after a crash, continues from the newest complete checkpoint (and drops the history rows logged past it,
@@ -37,11 +37,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from components.atomic import remove_stale_temps
-from components.train_config import RayConfig, TrainConfig
-from eagle.config import default_mask_token_id
-from components.train_state import (HISTORY, check_checkpoint, history_rows, latest_checkpoint, load_checkpoint,
+from components.data.atomic import remove_stale_temps
+from components.train.config import RayConfig, TrainConfig
+from components.train.state import (HISTORY, check_checkpoint, history_rows, latest_checkpoint, load_checkpoint,
                                     save_checkpoint, sync_best, trim_history, write_best)
+from eagle.config import default_mask_token_id
 
 # what the exported head's lineage and the TrainResult say of the selection (eagle.train.Selection.lineage)
 CHOICE_KEYS = ("selected_step", "selection_rule", "selected_heldout_tau", "last_heldout_tau", "best_step",
@@ -118,7 +118,7 @@ def train_loop(args: LoopArgs) -> None:
     (no collective op in it: the other ranks wait at the next gradient all-reduce)."""
     import torch
 
-    from components.train_data import TeacherCache, TrainingData, batches, heldout_split, ttt_batch
+    from components.train.data import TeacherCache, TrainingData, batches, heldout_split, ttt_batch
     from eagle.heap import kept_heap
     from eagle.train import TTTModule, autocast_dtype, make_optimizer, train_step
 
@@ -128,7 +128,7 @@ def train_loop(args: LoopArgs) -> None:
     data = TrainingData.open(args.extract_dir)
     target = None
     if data.manifest["mode"] == "online":
-        from components.targets import load_target
+        from components.targets.target import load_target
 
         target = load_target(args.target_dir, str(device), trust_remote_code=args.trust_remote_code)[0]
     draft = new_head(args, data).to(device)
@@ -184,7 +184,7 @@ def train_loop(args: LoopArgs) -> None:
 
 def _warm_start_figures(out: Path, held: dict[str, float]) -> None:
     """The warm-start head's held-out figures before any step: printed and kept for the lineage."""
-    from components.atomic import atomic_write_text
+    from components.data.atomic import atomic_write_text
 
     print(f"train: the warm-start head on these features, before any step: held-out tau {held['heldout_tau']:.2f} "
           f"loss {held['heldout_loss']:.3f}", flush=True)
@@ -198,7 +198,7 @@ def _due(done: int, every: int, steps: int) -> bool:
 
 def _heldout(cfg: TrainConfig, data, heldout_ids: list[int], draft, amp, target, cache=None) -> dict[str, float]:
     """`eagle.train.heldout_metrics` of `draft` on the held-out sequences, `cfg.batch_size` at a time."""
-    from components.train_data import ttt_batch
+    from components.train.data import ttt_batch
     from eagle.train import heldout_metrics
 
     device, b = next(draft.parameters()).device, cfg.batch_size
@@ -355,7 +355,7 @@ def train(cfg: TrainConfig, extract_dir: str, out_dir: str, target_dir: str | No
     if cfg.ray.num_workers == 0:
         train_loop(args)
     else:
-        from components.train_ray import fit_with_ray
+        from components.train.ray_train import fit_with_ray
 
         fit_with_ray(train_loop, args, setup.storage_dir or str(out / "ray"))
     from eagle.export import read_head_meta
@@ -369,7 +369,7 @@ def train(cfg: TrainConfig, extract_dir: str, out_dir: str, target_dir: str | No
 def _check_extract(extract_dir: str, target_dir: str | None, trust_remote_code: bool) -> tuple[list[int], int, int]:
     """Shards that match their manifest, the target for online features, layer ids a head can fuse; returns
     (the manifest's layer ids, the target's depth, the number of sequences)."""
-    from components.train_data import TrainingData
+    from components.train.data import TrainingData
     from eagle.config import check_aux_layer_ids
 
     data = TrainingData.open(extract_dir, verify=True)

@@ -6,8 +6,8 @@ directory renamed into place; the newest `keep` are kept); `write_best` / `read_
 (`out_dir/best/`: `best.json` naming a `head-XXXXXXX.safetensors` beside it, replaced last, so a reader or a kill
 sees one whole best; a resumed run makes it its checkpoint's best again); `trim_history` drops the history rows
 logged past a checkpoint. Every function here runs on rank 0 (or the driver).
-Run: through `components.train.train`.
-Not here: the training loop and which weights to export (components/train.py), the rule (eagle/train.py
+Run: through `components.train.stage.train`.
+Not here: the training loop and which weights to export (components/train/stage.py), the rule (eagle/train.py
 `Selection`).
 """
 
@@ -19,7 +19,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from components.atomic import atomic_path, atomic_write_text, remove_stale_temps
+from components.data.atomic import atomic_path, atomic_write_text, remove_stale_temps
 
 if TYPE_CHECKING:
     from eagle.train import BestSoFar
