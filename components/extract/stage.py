@@ -142,7 +142,7 @@ def _save_tokens(out: Path, seqs, vocab_size: int) -> int:
 
 def _save_target_heads(out: Path, heads: dict) -> None:
     """The embedding and `lm_head`; a tied `lm_head` (the embedding itself: `tie_word_embeddings`) is stored once,
-    as `embed_tokens` alone, and read back as both (train_data.TrainingData.open)."""
+    as `embed_tokens` alone, and read back as both (components/train/data.py `TrainingData.open`)."""
     from safetensors.torch import save_file
 
     embed, lm_head = heads["embed_tokens"], heads["lm_head"]
