@@ -2,7 +2,7 @@
 
 Run: `python bench/acceptance_vs_depth.py [--quick] [--steps N] [--prompts N]`
 Three heads trained on the same regenerated traffic with the same budget (steps x batch, optimiser, lr):
-  eagle3-ttt7   EAGLE-3 head, training-time test over K = 7 steps (components.train, ttt_steps=7)
+  eagle3-ttt7   EAGLE-3 head, training-time test over K = 7 steps (components.train.stage, ttt_steps=7)
   eagle3-ttt1   the same head trained on step 0 only (ttt_steps=1): no exposure to its own drafts
   eagle1        top-layer feature only, feature regression + 0.1 x token loss (bench/eagle1.py), no TTT
 Each drafts a chain of depth 7 at temperature 0 on held-out prompts (`eagle.speculative.generate_speculative`),
@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 
 from common import (Setup, base_args, eos_of, goal_line, heldout_prompts, prepare, print_table, pyplot, results_dir,
                     spec_figures, start, train_or_reuse_head, with_ttt_steps, write_results)
-from components.train import TrainConfig
+from components.train.stage import TrainConfig
 from eagle1 import Eagle1Draft, eagle1_batch, eagle1_head, eagle1_loss
 
 DEPTH = 7
@@ -37,8 +37,8 @@ DEPTH = 7
 
 def train_eagle1(setup: Setup, cfg: TrainConfig) -> tuple[Path, float]:
     """Train the EAGLE-1-style head with the same data order, steps, batch, optimiser and lr as the others."""
-    from components.train_data import TrainingData, batches
-    from components.targets import load_target
+    from components.targets.target import load_target
+    from components.train.data import TrainingData, batches
     from eagle.export import head_state_dict
     from eagle.train import make_optimizer
 
@@ -157,7 +157,7 @@ def run(setup: Setup, args: argparse.Namespace, load0: list[float]) -> None:
                "eagle3-ttt1": train_or_reuse_head(setup, "eagle3-ttt1", with_ttt_steps(base, 1))}
     e1_dir, e1_seconds = train_eagle1(setup, base)
 
-    from components.targets import load_target
+    from components.targets.target import load_target
     from eagle.export import load_head
 
     target, tok = load_target(setup.target_dir)

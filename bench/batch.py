@@ -115,7 +115,7 @@ def run(setup: Setup, args: argparse.Namespace, load0: list[float]) -> None:
     batches = [int(b) for b in (args.batches or ("1,2,4" if args.quick else "1,2,4,8,16,32,64")).split(",")]
     max_new = args.max_new or (setup.preset.max_new_tokens if args.quick else 64)
 
-    from components.targets import load_target
+    from components.targets.target import load_target
     from eagle.export import load_head
     from eagle.speculative import SpecConfig
 

@@ -162,7 +162,7 @@ def run(setup: Setup, args: argparse.Namespace, load0: list[float]) -> None:
     head, suffix = speed_head(setup, args.head_steps, args.conversations)
     name = "chain_depth" + suffix
 
-    from components.targets import load_target
+    from components.targets.target import load_target
     from eagle.export import load_head
 
     target, tok = load_target(setup.target_dir)

@@ -3,11 +3,11 @@
 Run: `python bench/checkpoint_by_tau.py [--quick] [--steps 600] [--eval-every 25] [--holdout 32] [--ttt 3]
 [--prompts 16]`
 One long training run on the embedded default's regenerated traffic (bench/common.py: 512 conversations, offline
-features), long enough to pass through several epochs (`components.train.train`, in process, `select="best_tau"`):
+features), long enough to pass through several epochs (`components.train.stage.train`, in process, `select="best_tau"`):
 every `--eval-every` steps it measures the head's TTT loss and simulated tau on `--holdout` sequences held out of
 training, and exports the best. The last weights are exported from the run's final checkpoint by the same stage
 with `select="last"` (it resumes at the end and trains nothing). Both heads then decode real held-out traffic with
-the evaluate stage (`components.evaluate.evaluate`, local engine, chain of depth `--depth`, T=0, `--prompts`
+the evaluate stage (`components.evaluate.stage.evaluate`, local engine, chain of depth `--depth`, T=0, `--prompts`
 first user turns of the embedded target's held-out conversations: not the slice used for the selection), outputs
 checked identical to plain greedy decoding.
 Prints the held-out tau and loss against steps, and best vs last: step, simulated held-out tau, decoded tau,
@@ -28,7 +28,7 @@ import common  # noqa: F401  (puts the repo root on sys.path)
 
 from common import (Setup, base_args, prepare, print_table, pyplot, results_dir, setup_threads, start,
                     train_or_reuse_head, write_results)
-from components.train import TrainConfig, train
+from components.train.stage import TrainConfig, train
 
 
 def train_both(setup: Setup, cfg: TrainConfig) -> dict[str, dict]:
@@ -58,7 +58,7 @@ def heldout_curve(history: Path) -> list[dict]:
 
 def decode(setup: Setup, heads: dict[str, dict], args: argparse.Namespace) -> None:
     """Decode held-out traffic with each head through the evaluate stage; adds tau, alphas, speedup to `heads`."""
-    from components.evaluate import EvaluateConfig, evaluate
+    from components.evaluate.stage import EvaluateConfig, evaluate
     from eagle.speculative import SpecConfig
 
     cfg = EvaluateConfig(spec=SpecConfig(method="chain", depth=args.depth, max_new_tokens=setup.preset.max_new_tokens),

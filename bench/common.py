@@ -6,8 +6,8 @@ Purpose: every benchmark starts with `setup = prepare(quick)`:
   config exists there (whatever its hash), else built; `--quick` uses `EmbeddedConfig.tiny()` under `.eagle/bench`;
 - the target's training traffic regenerated and extracted (offline features) once into
   `.eagle/bench/<build>-<role>-<preset>/` (the stage components resume and are skipped when done);
-- `train_or_reuse_head(setup, name, TrainConfig)` trains a head with `components.train.train` once per (config, data)
-  and returns its directory; every benchmark that asks for the same config gets the same head.
+- `train_or_reuse_head(setup, name, TrainConfig)` trains a head with `components.train.stage.train` once per (config,
+  data) and returns its directory; every benchmark that asks for the same config gets the same head.
 Results of a full run go to `bench/results/<name>.json` + `.png`; of a `--quick` run to `.eagle/bench/results-quick/`
 so a test never overwrites the committed figures. Every result file carries the run's metadata (commit, clean tree,
 CPU model and caches, torch, date) and the machine state (cores, load average before and after, torch threads), and
@@ -40,12 +40,12 @@ import torch  # noqa: E402
 
 import report  # noqa: E402
 from report import cpu_info, goal_line, print_table, run_metadata, spec_figures  # noqa: E402,F401  (re-exported)
+from components.extract.stage import ExtractConfig, extract  # noqa: E402
+from components.regenerate.stage import RegenerateConfig, regenerate  # noqa: E402
+from components.train.stage import RayConfig, TrainConfig, train  # noqa: E402
+from eagle.run_config import OptimConfig, TTTConfig  # noqa: E402
 from embedded import EmbeddedConfig, build_embedded, load_result  # noqa: E402
 from embedded.result import EmbeddedResult  # noqa: E402
-from components.extract import ExtractConfig, extract  # noqa: E402
-from components.regenerate import RegenerateConfig, regenerate  # noqa: E402
-from components.train import RayConfig, TrainConfig, train  # noqa: E402
-from eagle.run_config import OptimConfig, TTTConfig  # noqa: E402
 
 CACHE = ROOT / ".eagle" / "bench"  # `--cache DIR` moves it (set by `start`); read it as `common.CACHE`
 SETUP_THREADS = 0  # torch threads for the cached setup (regenerate, extract, head training); 0: as --threads
@@ -212,7 +212,7 @@ def head_work_dir(setup: Setup, name: str, cfg: TrainConfig, extract_dir: Path |
 
 
 def train_or_reuse_head(setup: Setup, name: str, cfg: TrainConfig, extract_dir: Path | None = None) -> TrainedHead:
-    """Train a head with `components.train.train` (or reuse the one trained with the same config and data)."""
+    """Train a head with `components.train.stage.train` (or reuse the one trained with the same config and data)."""
     ext = Path(extract_dir or setup.extract_dir)
     out = head_work_dir(setup, name, cfg, ext)
     info = out / "bench_train.json"
@@ -246,8 +246,8 @@ def speed_head(setup: Setup, head_steps: int, conversations: int) -> tuple[Train
 
 def heldout_prompts(tokenizer, path: Path, limit: int, max_prompt_tokens: int = 256) -> list[list[int]]:
     """Token ids of the first user turn (chat template, generation prompt) of the first `limit` conversations."""
-    from components.chat import prompt_ids
-    from components.traffic_io import load_traffic
+    from components.data.chat import prompt_ids
+    from components.data.traffic_io import load_traffic
 
     out = []
     for conv in load_traffic(path).conversations:

@@ -10,7 +10,7 @@ worker has both cores). Per repetition: the median seconds of a step (the first 
 TTT loss of the last step, each side. Reports the ratio fp32 / bf16 of the step medians (its median and minimum over
 repetitions) and the loss difference; whether the CPU has AMX (`cpu_has_bf16_units`) is in the result.
 Goal (on a CPU with AMX): ratio >= 1.2 with the last losses within 1% of each other.
-`--whole-run` also trains one head each way for the preset's whole run (`components.train.train` in this process,
+`--whole-run` also trains one head each way for the preset's whole run (`components.train.stage.train` in this process,
 `train.autocast` gpu against auto, the same seed) and reports the held-out simulated tau at every evaluation.
 Run: `python bench/cpu_autocast.py [--quick] [--extract DIR] [--reps 5] [--steps 25] [--warmup 5] [--threads 2]
 [--whole-run]` (about 2 minutes on 2 cores with the defaults, 4 more with `--whole-run`). Writes `cpu_autocast.json`.
@@ -34,8 +34,8 @@ def steps_of(extract_dir: str, cfg, amp, steps: int, warmup: int) -> tuple[float
     past the warm-up, the last step's loss)."""
     import torch
 
-    from components.train import LoopArgs, new_head
-    from components.train_data import TrainingData, batches, ttt_batch
+    from components.train.data import TrainingData, batches, ttt_batch
+    from components.train.stage import LoopArgs, new_head
     from eagle.train import TTTModule, make_optimizer, train_step
 
     data = TrainingData.open(extract_dir)
@@ -72,7 +72,7 @@ def main() -> None:
     load_before = start(args)
     import torch
 
-    from components.pipeline_config import PipelineConfig
+    from components.config.pipeline import PipelineConfig
     from eagle.train import cpu_has_bf16_units
 
     if args.quick:
@@ -114,7 +114,7 @@ def whole_runs(cfg, extract_dir: str) -> dict[str, list]:
     import json
     import tempfile
 
-    from components.train import RayConfig, train
+    from components.train.stage import RayConfig, train
 
     out = {}
     for mode in ("gpu", "auto"):

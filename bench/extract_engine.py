@@ -5,7 +5,7 @@ The benchmark setup's regenerated training traffic (bench/common.py: the embedde
 extracted twice per repeat, the same sequences into the same shards, in `--dtype` (float32 by default, so the
 comparison is of the computation, not of rounding): by this process (`extract.engine: local`, the target loaded
 with transformers, torch at `--threads`) and by vLLM started for the run (`extract.engine: vllm`,
-components/extract_engine.py; the engine's own threads); with `--replicas N` (N > 1) a third time by N vLLM
+components/extract/engine.py; the engine's own threads); with `--replicas N` (N > 1) a third time by N vLLM
 replicas on a local Ray (`extract.engine_replicas`, one engine per actor). Each run starts from an empty directory.
 Prints one row per run: tokens, seconds in all, seconds before the first shard began (loading and tokenising;
 for vLLM mostly the engine's start), and tokens/s in the steady state: over the shards after the first R (R = the
@@ -34,8 +34,8 @@ import torch
 from safetensors.torch import load_file
 
 from common import base_args, prepare, print_table, start, write_results
-from components.extract import extract
-from components.feature_shards import FEATURES
+from components.extract.feature_shards import FEATURES
+from components.extract.stage import extract
 from infra.settings import Settings
 
 SHARD = re.compile(r"shard (\d+)/\d+, (\d+) tokens \(([\d.]+) s\)")

@@ -3,10 +3,10 @@
 Run: `python bench/feature_dtype.py [--quick] [--steps 0] [--ttt 0] [--depth 4] [--prompts 0]`
 The embedded default's regenerated training traffic (bench/common.py) is extracted twice, the same sequences in the
 same shards: in bfloat16 (the preset's extract dir) and in float8_e4m3fn with one float32 scale per token row
-(`components.extract`, `dtype="float8_e4m3fn"`; cached, resumes). The same head config (the preset's, `--steps`,
+(`components.extract.stage`, `dtype="float8_e4m3fn"`; cached, resumes). The same head config (the preset's, `--steps`,
 `--ttt` to change it) is trained on each (`train_or_reuse_head`, same seed, so the same batches, the same init and
 the same held-out split) and both heads decode the same held-out prompts through the evaluate stage
-(`components.evaluate.evaluate`, local engine, chain of depth `--depth`, T=0, outputs checked identical to plain
+(`components.evaluate.stage.evaluate`, local engine, chain of depth `--depth`, T=0, outputs checked identical to plain
 greedy decoding).
 Prints one table per dtype: bytes per token (shard files / tokens, from the manifest), feature GB per 1M tokens,
 the RMS error of the fused features relative to the bf16 ones and how often the teacher's top-1 token agrees with the
@@ -29,7 +29,7 @@ import common  # noqa: F401  (puts the repo root on sys.path)
 import torch
 
 from common import Setup, base_args, prepare, print_table, setup_threads, start, train_or_reuse_head, write_results
-from components.extract import FP8, extract
+from components.extract.stage import FP8, extract
 
 DTYPES = ("bfloat16", FP8)
 
@@ -50,7 +50,7 @@ def extract_dir(setup: Setup, dtype: str) -> tuple[Path, float | None]:
 def fidelity(dirs: dict[str, Path], max_tokens: int = 4096) -> dict[str, dict]:
     """Per dtype, on the loss-masked tokens of the first sequences: RMS of (aux - aux_bf16) / RMS(aux_bf16), per-row
     max error over the row's amax, and the fraction of tokens whose teacher top-1 equals the bf16 teacher's."""
-    from components.train_data import TrainingData
+    from components.train.data import TrainingData
 
     data = {d: TrainingData.open(p, verify=False) for d, p in dirs.items()}
     ref = data["bfloat16"]
@@ -77,7 +77,7 @@ def fidelity(dirs: dict[str, Path], max_tokens: int = 4096) -> dict[str, dict]:
 
 def decode(setup: Setup, dtype: str, head_dir: Path, args: argparse.Namespace) -> dict:
     """The evaluate stage on the held-out prompts: emitted and raw tau, alpha_1, mismatches (counted, not raised)."""
-    from components.evaluate import EvaluateConfig, NotLosslessError, evaluate
+    from components.evaluate.stage import EvaluateConfig, NotLosslessError, evaluate
     from eagle.speculative import SpecConfig
 
     cfg = EvaluateConfig(spec=SpecConfig(method="chain", depth=args.depth, max_new_tokens=setup.preset.max_new_tokens),

@@ -4,10 +4,10 @@ Run: `python bench/features_tau.py [--quick] [--seeds 3] [--engine local|vllm] [
 The benchmark setup's regenerated training traffic (bench/common.py: the embedded default, `--quick` the tiny one) is
 extracted twice with the preset's extraction config (its stored dtype, bf16 for both presets): by this process
 (`extract.engine: local`, the setup's cached features) and by vLLM started for the run (`extract.engine: vllm`,
-components/extract_engine.py, cached under `<work>/extract-vllm/`; a finished extraction is not repeated). On each,
+components/extract/engine.py, cached under `<work>/extract-vllm/`; a finished extraction is not repeated). On each,
 TTT heads (K = 7, the preset's training config: `speed_head`'s, `--steps` to shorten it) are trained in process with
-`components.train.train` for seeds 0..`--seeds`-1, the same data, steps and seeds for both feature sets (cached per
-config and data by `common.train_or_reuse_head`: the local seed-0 head is `speedup.py`'s). Each head's tau on the
+`components.train.stage.train` for seeds 0..`--seeds`-1, the same data, steps and seeds for both feature sets (cached
+per config and data by `common.train_or_reuse_head`: the local seed-0 head is `speedup.py`'s). Each head's tau on the
 same held-out prompts, greedy, chain of depth `--depth`:
   --engine local   our decoder (`eagle.speculative.generate_speculative`): tau of emitted tokens (`SpecStats.tau`),
                    tau raw beside it, outputs checked identical to plain greedy decoding (mismatches counted);
@@ -38,7 +38,7 @@ import torch
 
 from common import (base_args, eos_of, goal_line, heldout_prompts, prepare, print_table, pyplot, results_dir,
                     spec_figures, speed_head_config, start, train_or_reuse_head, write_results)
-from components.extract import extract
+from components.extract.stage import extract
 from extract_engine import max_rel_diff
 from infra.settings import Settings
 
@@ -57,7 +57,7 @@ def engine_features(setup) -> Path:
 
 def tau_local(setup, heads: dict[tuple[str, int], Path], prompts, depth: int) -> dict:
     """Our chain, greedy, per head: emitted and raw tau, mismatches with plain greedy decoding."""
-    from components.targets import load_target
+    from components.targets.target import load_target
     from eagle.export import load_head
     from eagle.speculative import SpecConfig, generate_plain, generate_speculative
 

@@ -6,10 +6,10 @@ cpu` runs the same stages on the tiny embedded target and the `tiny` preset's se
 What it does, each stage timed, `gpu_pipeline.json` (--more: `gpu_pipeline_more.json`) rewritten after each (a run
 cut short keeps what it measured, `status` "partial"):
   build       embedded: `EmbeddedConfig.gpu()` (--quick: `tiny()`), its training on the device
-  regenerate  components.regenerate with the `gpu` preset's section (components/presets.py `gpu_stages`)
-  extract     components.extract (fused features, draft vocabulary)
-  train       components.train in-process (`train.ray.num_workers` 0: no Ray), on the device (`ray.use_gpu`)
-  evaluate    components.evaluate: tau, acceptance per position, speedup against plain decoding, outputs identical
+  regenerate  components.regenerate.stage with the `gpu` preset's section (components/config/presets.py `gpu_stages`)
+  extract     components.extract.stage (fused features, draft vocabulary)
+  train       components.train.stage in-process (`train.ray.num_workers` 0: no Ray), on the device (`ray.use_gpu`)
+  evaluate    components.evaluate.stage: tau, acceptance per position, speedup against plain decoding, outputs identical
               (--more: `evaluate_tree`, `evaluate_sampled` (`more_evaluations`) and `batch` (`batch_throughput`:
               tokens/s of the chain against plain at batch 1, 8, 32, 64) instead: a second device call that re-uses
               the first one's stage outputs on a warm machine)
@@ -39,17 +39,17 @@ for path in (ROOT, ROOT / "bench"):  # the project's packages; bench/batch.py's 
 
 import torch  # noqa: E402
 
+from components.config.presets import gpu_stages, tiny_stages  # noqa: E402
+from components.evaluate.stage import evaluate  # noqa: E402
+from components.extract.stage import extract  # noqa: E402
+from components.regenerate.stage import regenerate  # noqa: E402
+from components.train.stage import train  # noqa: E402
 from embedded import EmbeddedConfig, build_embedded  # noqa: E402
-from components.evaluate import evaluate  # noqa: E402
-from components.extract import extract  # noqa: E402
-from components.presets import gpu_stages, tiny_stages  # noqa: E402
-from components.regenerate import regenerate  # noqa: E402
-from components.train import train  # noqa: E402
 
 
 def _without_plots() -> None:
     """No matplotlib (the device): the evaluation's plot functions write nothing and return their path."""
-    import components.plots as plots
+    import components.evaluate.plots as plots
 
     for name in ("plot_acceptance", "plot_by_output_position", "plot_training"):
         setattr(plots, name, lambda *args: Path(args[-1]))
@@ -140,8 +140,8 @@ def batch_throughput(ev_cfg: Any, target_dir: str, head_dir: str, traffic: str, 
     it (`padded`, `measure_batch`: B held-out prompts cycled and left-padded, a warm-up, then `runs` blocks plain,
     spec, spec, plain): per B tokens/s of each, their ratio (median, min, max), τ, rows differing from plain."""
     from batch import measure_batch, padded
-    from components.evaluate import held_out_samples
-    from components.targets import load_target
+    from components.evaluate.stage import held_out_samples
+    from components.targets.target import load_target
     from eagle.export import load_head
 
     target, tokenizer = load_target(target_dir, ev_cfg.device)

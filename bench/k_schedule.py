@@ -1,12 +1,12 @@
 """Does the K schedule hold? A head served three ways in vLLM at every concurrency: plain, the best fixed K, the schedule.
 
-Purpose: issue 27's proof for the schedule the load sweep derives (components/load_sweep.py). First the sweep itself
-(plain and each K of `--k-values` at each level of `--concurrency`, servers up at once, cells in `--sweep-repeats`
-interleaved rounds, vLLM's own load client) gives the schedule and the best fixed K (the K with the most summed
-median output tokens/s over the levels). Then `--repeats` rounds, each on fresh servers of the three ways (plain, the
-best fixed K, the schedule), up at once when memory allows (else one after the other, the order rotating by round),
-every level measured with `vllm bench serve` on the same held-out prompts, the order of the ways alternating by level
-and round (`load_sweep.round_order`). Per level: the median output tokens/s of each way over the rounds.
+Purpose: issue 27's proof for the schedule the load sweep derives (components/evaluate/load_sweep.py). First the sweep
+itself (plain and each K of `--k-values` at each level of `--concurrency`, servers up at once, cells in
+`--sweep-repeats` interleaved rounds, vLLM's own load client) gives the schedule and the best fixed K (the K with the
+most summed median output tokens/s over the levels). Then `--repeats` rounds, each on fresh servers of the three ways
+(plain, the best fixed K, the schedule), up at once when memory allows (else one after the other, the order rotating by
+round), every level measured with `vllm bench serve` on the same held-out prompts, the order of the ways alternating by
+level and round (`load_sweep.round_order`). Per level: the median output tokens/s of each way over the rounds.
 Goals: at every level the schedule within 3% of the better of the other two, and never below plain by more than the
 plain runs' own spread (max/min - 1 over the repeats); outputs identical to plain at T = 0 (0 mismatches).
 Head: `--head DIR|models:/...` with `--target` (e.g. the demo's fine-tune champion), else the benchmarks' speed head
@@ -27,8 +27,8 @@ from pathlib import Path
 import common  # noqa: E402  (puts the repository on sys.path)
 from common import base_args, goal_line, prepare, print_table, speed_head, start, write_results
 
-from components.evaluate import EvaluateConfig
-from components.load_sweep import LoadConfig, load_sweep
+from components.evaluate.load_sweep import LoadConfig, load_sweep
+from components.evaluate.stage import EvaluateConfig
 from eagle.run_config import SpecConfig
 
 WAYS = ("plain", "best_k", "schedule")
@@ -41,7 +41,7 @@ def _ints(text: str) -> tuple[int, ...]:
 def resolve(args, settings) -> tuple[str, str, str, str]:
     """(target dir, head dir, held-out traffic, name) of the head to measure."""
     if args.head:
-        from components.serve import servable_head
+        from components.targets.servable import servable_head
         from infra.mlflow_store import MlflowStore
 
         def local(uri: str) -> str:
@@ -60,10 +60,10 @@ def serve_ways(plan, ways: dict[int, object], r: int, together: bool, settings, 
                rounds: list[dict]) -> None:
     """Round `r`: fresh servers of `ways` ({k: EngineSpec}, k 0 plain, -1 the schedule) measured at every level,
     all up at once when `together`, else one after the other (rotating by round); appends to `samples` and
-    `rounds` (components/load_sweep.measure_rounds)."""
+    `rounds` (components/evaluate/load_sweep.py `measure_rounds`)."""
     from contextlib import ExitStack
 
-    from components.load_sweep import measure_rounds
+    from components.evaluate.load_sweep import measure_rounds
     from infra.vllm_server import VllmServer
 
     one = LoadConfig(concurrency=tuple(plan.extra["levels"]), k_values=(1,), requests=len(plan.prompts), repeats=1)
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> dict:
     load_before = start(args)
     from dataclasses import replace
 
-    from components.load_sweep import SweepPlan, memory_fit
+    from components.evaluate.load_sweep import SweepPlan, memory_fit
     from infra.settings import Settings
     from infra.vllm_server import EngineSpec
 

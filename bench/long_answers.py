@@ -33,7 +33,7 @@ ASK = "Continue this file from where it stops, in the same style."
 def long_prompts(tokenizer, role: str, n: int, prompt_tokens: int) -> list[dict]:
     """The `n` longest held-out files of `role`'s domain, each cut to `prompt_tokens` tokens of its source (at a
     line end) and rendered as one user turn in the chat template."""
-    from components.chat import prompt_ids
+    from components.data.chat import prompt_ids
     from embedded.build import load_domains
     from embedded.config import EmbeddedConfig
 
@@ -50,8 +50,8 @@ def long_prompts(tokenizer, role: str, n: int, prompt_tokens: int) -> list[dict]
 
 
 def one_round(args, prompts: list[dict], order: list[str], settings) -> dict:
+    from components.evaluate.engine import SwitchPause
     from eagle.stats import acceptance_by_position, raw_steps
-    from components.evaluate_engine import SwitchPause
     from infra.vllm_server import PER_REQUEST_METRICS, EngineSpec, VllmServer, running
 
     share = 0.08

@@ -7,7 +7,7 @@ continued from their first lines, rendered with the chat template and concatenat
 Each (stage, S) runs in a fresh subprocess: after loading the target (and, for training, computing the features
 and making the head) the kernel's peak-RSS counter is reset (`/proc/self/clear_refs` 5), the stage runs, and the
 figure is VmHWM minus the RSS before it: what the stage adds at that length. Stages:
-  extract  `components.extract.shard_bytes`: one sequence through the target, fused features captured, the shard
+  extract  `components.extract.stage.shard_bytes`: one sequence through the target, fused features captured, the shard
            file packed in bfloat16 (what the offline extraction does per sequence);
   train    `eagle.features.teacher_targets` + `eagle.ttt.ttt_loss` forward and backward of a head made as
            training makes it (`eagle.train.head_from_tensors`), K = --ttt-steps.
@@ -73,7 +73,7 @@ def run_one(stage: str, S: int, target_dir: Path, tokens: list[int], ttt_steps: 
     import torch
     from transformers import LlamaForCausalLM
 
-    from components.extract import ExtractConfig, shard_bytes
+    from components.extract.stage import ExtractConfig, shard_bytes
     from eagle.config import default_aux_layer_ids
     from eagle.features import target_forward, teacher_targets
     from eagle.train import head_from_tensors

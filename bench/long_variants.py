@@ -17,7 +17,7 @@ cached); the features are extracted from the long train conversations' reference
 module or class, up to the context), not regenerated: the base target's own answers stop within ~100 tokens, and
 the teacher is the target's distribution at every position either way.
 Measured, greedy, chain of depth `--depth`, on the same `--prompts` held-out prompts, each to its own length:
-  ours   `components.evaluate.evaluate` per head (ignore_eos, edges 0/128/512/2048, one speed round): tau emitted
+  ours   `components.evaluate.stage.evaluate` per head (ignore_eos, edges 0/128/512/2048, one speed round): tau emitted
          and tau/alpha_1 by output-position bucket, outputs checked identical to plain greedy decoding;
   vLLM   `--runs` rounds, each on fresh servers (plain and one per variant, started at once, side by side with a
          small memory share each), one request at a time, each prompt sent to every server in turn (the order
@@ -72,10 +72,10 @@ def long_traffic(emb, target_dir: Path, context: int, sizes: Sizes, out: Path) -
     """The long kind's train and held-out files for this target's tokenizer and context (cached in `out`)."""
     from transformers import AutoTokenizer
 
+    from components.data.traffic_io import write_openai_jsonl
     from embedded.build import load_domains
     from embedded.config import TrafficConfig
     from embedded.long_traffic import long_conversations
-    from components.traffic_io import write_openai_jsonl
 
     paths = out / "long-train.jsonl", out / "long-heldout.jsonl"
     if all(p.is_file() for p in paths):
@@ -112,11 +112,11 @@ def long_target(emb, train_traffic: Path, steps: int, batch: int, out: Path) -> 
     """The embedded target trained `steps` more steps on 2,048-token windows (cached): (target dir, report)."""
     from transformers import AutoTokenizer, LlamaForCausalLM
 
+    from components.data.traffic_io import load_traffic
     from embedded import lm_train
     from embedded.build import load_domains
     from embedded.config import LMTrainConfig
     from embedded.tokenizer import render_chat
-    from components.traffic_io import load_traffic
 
     report_file = out / "long_target.json"
     if report_file.is_file() and (out / "target" / "config.json").is_file():
@@ -149,8 +149,8 @@ def long_target(emb, train_traffic: Path, steps: int, batch: int, out: Path) -> 
 
 def prepare_long(args, sizes: Sizes) -> tuple[Setup, str, dict]:
     """Target, long traffic and features, cached: (setup for `train_or_reuse_head`, target label, long report)."""
-    from components.evaluate_engine import target_context
-    from components.extract import extract
+    from components.extract.stage import extract
+    from components.targets.target import target_context
 
     preset = Preset.get(args.quick)
     emb = embedded(preset)
@@ -164,7 +164,7 @@ def prepare_long(args, sizes: Sizes) -> tuple[Setup, str, dict]:
         label, work = "long-context+ignore_eos", out
     regen, ext = work / "reference", work / "extract"
     if not (ext / "done.json").is_file():  # the reference answers, as a regenerated shard: what the heads learn
-        from components.traffic_io import load_traffic, write_openai_jsonl
+        from components.data.traffic_io import load_traffic, write_openai_jsonl
 
         regen.mkdir(parents=True, exist_ok=True)
         write_openai_jsonl(regen / "shard-00000.jsonl", load_traffic(traffic[0]).conversations[:sizes.train_convs])
@@ -183,9 +183,9 @@ def head_config(setup: Setup, sizes: Sizes, variant: str, steps: int):
 
 
 def ours(setup: Setup, heads: dict[str, Path], n_prompts: int, depth: int) -> dict[str, dict]:
-    """`components.evaluate.evaluate` of each head (ignore_eos, one speed round): tau, buckets, identity."""
-    from components.evaluate import EvaluateConfig, evaluate
-    from components.speed import SpeedupConfig
+    """`components.evaluate.stage.evaluate` of each head (ignore_eos, one speed round): tau, buckets, identity."""
+    from components.evaluate.speed import SpeedupConfig
+    from components.evaluate.stage import EvaluateConfig, evaluate
     from eagle.run_config import SpecConfig
 
     cfg = EvaluateConfig(spec=SpecConfig(depth=depth, max_new_tokens=64), limit=n_prompts, max_prompt_tokens=1024,
@@ -206,7 +206,7 @@ def ours(setup: Setup, heads: dict[str, Path], n_prompts: int, depth: int) -> di
 def engine_spec(setup: Setup, method: str, head: Path | None, depth: int):
     """vLLM for `method` ("plain" or a variant with its head): fp32, eager, the target's context, per-request
     metrics, a small memory share (the servers of a round run side by side)."""
-    from components.evaluate_engine import target_context
+    from components.targets.target import target_context
     from eagle.config import PARALLEL_VARIANTS
     from infra.vllm_server import PER_REQUEST_METRICS, EngineSpec
 
@@ -224,7 +224,7 @@ def engine_round(setup: Setup, heads: dict[str, Path], order: list[str], prompts
     server in turn (one request at a time, the order rotating by prompt; on a CPU build each request first waits out
     the previous server's idle spin, untimed), to its limit with ignore_eos: per method
     outputs, seconds, tokens, and for heads the counters' tau and the buckets of the per-request metrics."""
-    from components.evaluate_engine import SwitchPause
+    from components.evaluate.engine import SwitchPause
     from eagle.stats import acceptance_by_position, raw_steps
     from infra.vllm_server import VllmServer, running
 
@@ -361,8 +361,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     mine = ours(setup, heads, n_prompts, depth)
     phase("our loop")
-    from components.evaluate_engine import engine_samples
-    from components.evaluate import EvaluateConfig
+    from components.evaluate.engine import engine_samples
+    from components.evaluate.stage import EvaluateConfig
     from infra.settings import Settings
 
     prompts = engine_samples(EvaluateConfig(limit=n_prompts, max_prompt_tokens=1024), str(setup.target_dir),

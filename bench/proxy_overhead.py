@@ -4,7 +4,7 @@ Run: `python bench/proxy_overhead.py [--quick] [--rounds 3] [--prompts 32] [--ou
 [--no-capture] [--target DIR --heldout FILE]` (default target: the embedded default's, built or reused as every benchmark does; `--quick`: the
 tiny one; about 4 minutes on 2 cores with the defaults). One vLLM server (plain decoding, or with `--head`) and one
 `ServeProxy` in front of it (infra/serve_proxy.py) with a capture writer recording every request into a temporary
-directory (components/capture.py; `--no-capture`: the proxy alone). vLLM's own load client (`vllm bench serve`,
+directory (components/serving/capture.py; `--no-capture`: the proxy alone). vLLM's own load client (`vllm bench serve`,
 infra/vllm_bench.py, one client process) measures cells at concurrency 1 and 16, `direct` (vLLM's port) and `proxy`
 (ours), their order alternating by round, the same prompts (held-out chats, template applied), fixed output length
 (`ignore_eos`), greedy. Prints per concurrency the medians over rounds of output tokens/s and median TTFT for both,
@@ -24,8 +24,8 @@ from types import SimpleNamespace
 
 import common
 
-from components.capture import CaptureConfig, CaptureWriter
-from components.traffic_io import load_traffic
+from components.data.traffic_io import load_traffic
+from components.serving.capture import CaptureConfig, CaptureWriter
 from infra.serve_proxy import Backend, ServeProxy
 from infra.settings import Settings
 from infra.vllm_bench import LoadRequest, bench_serve_many, write_dataset

@@ -1,7 +1,7 @@
 """Regeneration throughput: conversations/s and tokens/s with 1 vs 2 Ray workers (and in this process), same bytes.
 
 Run: `python bench/regen_workers.py [--quick] [--conversations N] [--workers 0,1,2] [--runs R]`
-`components.regenerate.regenerate` answers the first N training conversations of the embedded default's traffic
+`components.regenerate.stage.regenerate` answers the first N training conversations of the embedded default's traffic
 (`common.prepare`; default N = 64, quick 24) with the preset's regeneration settings (sampling at its temperature,
 seeded per shard) in 8 shards, once per worker count: 0 = in this process (torch at `--threads`), 1 and 2 = Ray
 actors of one CPU each (torch one thread each) on one local Ray of 2 CPUs started before the timing. Per run:
@@ -29,7 +29,8 @@ from pathlib import Path
 import common  # noqa: F401  (puts the repo root on sys.path)
 
 from common import base_args, prepare, print_table, start, write_results
-from components.regenerate import RegenerateConfig, read_regenerated, regenerate
+from components.data.regenerated import read_regenerated
+from components.regenerate.stage import RegenerateConfig, regenerate
 
 
 def digests(out: Path) -> dict[str, str]:

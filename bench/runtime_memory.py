@@ -54,7 +54,7 @@ def child(runtime: str, target: str, regen: str, out: str, dtype: str, max_len: 
     import torch  # noqa: F401  (part of the floor)
     import transformers  # noqa: F401
 
-    from components.extract import ExtractConfig, extract
+    from components.extract.stage import ExtractConfig, extract
     from infra.settings import Settings
 
     shutil.rmtree(out, ignore_errors=True)

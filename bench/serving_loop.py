@@ -71,8 +71,8 @@ def child(kind: str, p: dict) -> dict:
         from flows.retrain_capture import retrain_on_capture
 
         return retrain_on_capture(p["name"], p["version"], p["preset"], p["config"])
-    from components.register import register_target
-    from components.targets import weights_sha256
+    from components.registry.register import register_target
+    from components.targets.target import weights_sha256
     from flows.train_head import train_head
     from infra.mlflow_store import MlflowStore
 
@@ -186,8 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     state.mkdir(parents=True, exist_ok=True)
     from transformers import AutoTokenizer
 
-    from components.captured_traffic import CapturePlan, new_conversations
-    from components.pipeline_config import PipelineConfig
+    from components.config.pipeline import PipelineConfig
+    from components.data.captured_traffic import CapturePlan, new_conversations
     from infra.mlflow_store import MlflowStore
     from infra.settings import Settings, env_with
 

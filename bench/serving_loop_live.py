@@ -23,7 +23,7 @@ from pathlib import Path
 
 import common
 
-from components.monitor import window_counts, window_start
+from components.serving.monitor import window_counts, window_start
 from infra.vllm_server import EngineError, SpecCounters
 
 
@@ -52,8 +52,8 @@ class Sizes:
 
 def prompts(paths: list[Path], tok, max_tokens: int, segments: set[str] | None = None, skip: int = 0) -> list:
     """Distinct requests (messages up to the last user turn) of the traffic files, at most `max_tokens` long."""
-    from components.chat import prompt_ids
-    from components.traffic_io import load_traffic
+    from components.data.chat import prompt_ids
+    from components.data.traffic_io import load_traffic
 
     out, seen = [], set()
     for path in paths:
@@ -97,7 +97,7 @@ class Traffic:
 
     def mark_trained(self, captured_file: str) -> int:
         """The shifted prompts among the conversations a retrain trained on (its plan's captured.jsonl)."""
-        from components.traffic_io import load_traffic
+        from components.data.traffic_io import load_traffic
 
         asked = {json.dumps([{"role": m.role, "content": m.content} for m in c.messages[:-1]])
                  for c in load_traffic(captured_file).conversations}
@@ -249,7 +249,7 @@ def plain_check(target_dir: str, model: str, pools: dict, results: list[dict], t
                 max_tokens: int, settings) -> dict:
     """Every served greedy output of up to `n` distinct prompts (0: all; half served before the swap, half after)
     against a plain vLLM of the same target: mismatching requests and prompts."""
-    from components.evaluate_engine import target_context
+    from components.targets.target import target_context
     from infra.vllm_server import EngineSpec, VllmServer
 
     served: dict[tuple[str, int], list[dict]] = {}

@@ -356,7 +356,7 @@ def run(setup: Setup, args: argparse.Namespace, load0: list[float]) -> None:
               f"({lm_info['seconds']:.0f} s, {lm_info['x_target_compute']}x the target's compute)", flush=True)
         return
 
-    from components.targets import load_target
+    from components.targets.target import load_target
     from eagle.export import load_head
 
     target, tok = load_target(setup.target_dir)

@@ -1,13 +1,13 @@
 """Can a user trust the registered speedup? The evaluate stage's figure in fresh processes, quiet and under load.
 
-Purpose: issue 27's goal for `evaluate`'s speedup (components/speed.py: plain and speculative decoding interleaved
-prompt by prompt, in rounds, the median of the rounds' ratios): the figure each fresh process would register, on
-quiet cores and with another job beside it (a torch matrix-product loop on `--load-threads` threads), compared with
-the median of the quiet processes. Beside it, in the same processes, the figure the stage registered before: one
-pass of each (round 0's ratio), so the two estimators are read side by side.
+Purpose: issue 27's goal for `evaluate`'s speedup (components/evaluate/speed.py: plain and speculative decoding
+interleaved prompt by prompt, in rounds, the median of the rounds' ratios): the figure each fresh process would
+register, on quiet cores and with another job beside it (a torch matrix-product loop on `--load-threads` threads),
+compared with the median of the quiet processes. Beside it, in the same processes, the figure the stage registered
+before: one pass of each (round 0's ratio), so the two estimators are read side by side.
 - `--engine local` (default): this project's decoder, the pipeline's `default` evaluation (16 held-out prompts,
   chain depth 5, 96 new tokens) on the benchmarks' speed head.
-- `--engine vllm`: the same in vLLM (a plain and a speculative server side by side, components/evaluate_engine.py).
+- `--engine vllm`: the same in vLLM (a plain and a speculative server side by side, components/evaluate/engine.py).
 Goal: every reliable figure within +-10% of the quiet median, quiet and loaded; an unreliable one counts as flagged
 (the registry says "unreliable"), never as a number; 0 mismatches. Writes `speedup_trust[-vllm].json`.
 Run: `python bench/speedup_trust.py [--quick] [--runs 5] [--engine local|vllm] [--head-steps N]
@@ -34,9 +34,9 @@ from pathlib import Path
 import common  # noqa: E402  (puts the repository on sys.path)
 from common import base_args, goal_line, prepare, print_table, speed_head, start, write_results
 
-from components.evaluate import EvaluateConfig, evaluate
-from components.pipeline_config import PipelineConfig
-from components.speed import SpeedupConfig
+from components.config.pipeline import PipelineConfig
+from components.evaluate.speed import SpeedupConfig
+from components.evaluate.stage import EvaluateConfig, evaluate
 from eagle import target_path
 from infra.settings import env_with
 
@@ -85,7 +85,7 @@ def child(args: argparse.Namespace) -> None:
                "note": res.speedup_note, "rounds": res.speedup_rounds, "tau": res.tau, "mismatches": mismatches,
                "single_pass": report["speed"]["round_ratios"][0], "other_load": report["speed"].get("other_load")}
         if args.engine == "vllm":
-            from components.evaluate_engine import evaluate_in_vllm, our_outputs
+            from components.evaluate.engine import evaluate_in_vllm, our_outputs
             from infra.settings import Settings
 
             v = evaluate_in_vllm(cfg, target, head_dir, heldout, str(Path(tmp) / "vllm"), Settings.from_env(),

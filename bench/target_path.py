@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def run(setup, args: argparse.Namespace, load0: list[float]) -> None:
-    from components.targets import load_target
+    from components.targets.target import load_target
     from eagle import target_path
     from eagle.export import load_head
     from eagle.runners import time_paths

@@ -1,7 +1,7 @@
 """What a training iteration costs on one extract run's features, four ways side by side: fp32, bf16 autocast, bf16
 with batches of like length, and those with the teacher kept.
 
-Purpose: the `default` preset trains the real model's head with three speed-ups (components/presets.py): bf16
+Purpose: the `default` preset trains the real model's head with three speed-ups (components/config/presets.py): bf16
 autocast where the CPU has bf16 units (`train.autocast: auto`), batches of like-length sequences
 (`train.bucket_by_length`) and each sequence's teacher computed once and kept (`train.teacher_cache_mib`). This
 times whole iterations (the batch built from the shards, the teacher, the forward and backward, the optimiser step)
@@ -32,9 +32,9 @@ def iterations(extract_dir: str, way: str, steps: int, warmup: int) -> dict[str,
     """`steps` training iterations of a fresh head the `way` way: sequence tokens/s past the warm-up, padding."""
     import torch
 
-    from components.pipeline_config import PipelineConfig
-    from components.train import LoopArgs, new_head
-    from components.train_data import TeacherCache, TrainingData, batches, ttt_batch
+    from components.config.pipeline import PipelineConfig
+    from components.train.data import TeacherCache, TrainingData, batches, ttt_batch
+    from components.train.stage import LoopArgs, new_head
     from eagle.train import TTTModule, make_optimizer, train_step
 
     cfg = PipelineConfig.preset("default").train

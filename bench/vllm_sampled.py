@@ -27,9 +27,9 @@ from pathlib import Path
 import common  # noqa: F401  (puts the repo root on sys.path)
 import torch
 
-from components.evaluate import EvaluateConfig
-from components.evaluate_engine import engine_samples, eval_spec
-from components.targets import load_target
+from components.evaluate.engine import engine_samples, eval_spec
+from components.evaluate.stage import EvaluateConfig
+from components.targets.target import load_target
 from eagle.export import load_head
 from eagle.run_config import SpecConfig
 from eagle.speculative import generate_speculative

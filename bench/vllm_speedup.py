@@ -33,7 +33,8 @@ METHODS = ("plain", "eagle3", "ngram")
 
 
 def engine_run(method: str, setup, head_dir: Path, prompts, depth: int, max_new: int, settings) -> dict:
-    from components.evaluate_engine import target_context, time_requests
+    from components.evaluate.engine import time_requests
+    from components.targets.target import target_context
     from infra.vllm_server import EngineSpec, VllmServer
 
     spec = EngineSpec(str(setup.target_dir), str(head_dir) if method == "eagle3" else None,
@@ -56,7 +57,7 @@ def ours(setup, head_dir: Path, prompts, depth: int, max_new: int) -> dict:
     raw tau / alpha to set beside the engine's, and the emitted ones (`SpecStats`) this project reports."""
     import torch
 
-    from components.targets import load_target
+    from components.targets.target import load_target
     from eagle.export import load_head
     from eagle.speculative import SpecConfig, generate_speculative
 

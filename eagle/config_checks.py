@@ -2,8 +2,10 @@
 
 Purpose: a config's `__post_init__` calls `at_least`, `finite` or `one_of` per field (or raises `FieldError` for a
 rule across fields). `FieldError` keeps the field's name apart from the reason, so a loader that knows where the
-config sits in a file (components/pipeline_config.py) reports the key's whole path, `train.ttt.ttt_steps must be
+config sits in a file (components/config/pipeline.py) reports the key's whole path, `train.ttt.ttt_steps must be
 an integer >= 1, got 0`, while code that builds the dataclass directly reads `TTTConfig.ttt_steps must be ...`.
+`NOT_IDENTITY` is the metadata of a field that changes how fast a stage runs but not what it writes: a run's
+fingerprint leaves such fields out (components/config/pipeline.py `fingerprint`).
 Not here: type coercion of JSON values (the loader's job) or any config itself.
 """
 
@@ -13,6 +15,8 @@ import math
 from typing import Any, Callable, Iterable
 
 from eagle.errors import BadInput
+
+NOT_IDENTITY = {"identity": False}  # `field(metadata=NOT_IDENTITY)`: not part of a run's identity
 
 
 class FieldError(BadInput):

@@ -9,7 +9,7 @@ Precision: e4m3 keeps 3 mantissa bits, so for |q| >= 2^-6 (normal numbers) round
 ulp, 2^-4 of itself; below that, subnormals are spaced 2^-9 apart, so by at most 2^-10 (in units of the scale). After
 dequantisation every element x of a row with scale s obeys |x_hat - x| <= max(2^-4 |x|, 2^-10 s) (plus float32
 rounding), hence |x_hat - x| <= 2^-4 amax(|row|) always (`max_abs_error`).
-Not here: file layout and manifests (components/extract.py writes them, components/train_data.py reads them).
+Not here: file layout and manifests (components/extract/stage.py writes them, components/train/data.py reads them).
 
 Shape legend: N rows (token positions), C columns (the hidden width: 3H for fused features, H for the last state).
 """

@@ -1,4 +1,4 @@
-"""The head-training step, shared by the self-check and the distributed trainer (components/train.py).
+"""The head-training step, shared by the self-check and the distributed trainer (components/train/stage.py).
 
 Purpose: build a head for a target from token counts (`init_head`; `as_variant` for a warm start across head
 variants), turn token batches into TTT batches with

@@ -36,6 +36,7 @@ import torch
 import transformers
 from transformers import LlamaForCausalLM, PreTrainedTokenizerBase
 
+from components.data.traffic_io import WRITER_VERSION, Conversation, write_openai_jsonl
 from eagle.target_path import cpu_threads
 from embedded import corpus as corpus_mod
 from embedded import lm_train
@@ -46,7 +47,6 @@ from embedded.result import (REPORT, Continuation, DomainInfo, EmbeddedResult, M
                                         load_result, write_report)
 from embedded.tokenizer import BOS, encode_texts, render_chat, train_tokenizer
 from embedded.traffic import domain_conversations, sample_traffic
-from components.traffic_io import WRITER_VERSION, Conversation, write_openai_jsonl
 
 log = logging.getLogger(__name__)
 DEFAULT_ROOT = Path(".eagle/embedded")
@@ -89,7 +89,7 @@ def code_digest(source: str) -> bytes:
 
 def code_sha256() -> str:
     """sha256 of the code (`code_digest`) of `OUTPUT_MODULES` and of the traffic writer's version number (the
-    loaders in `components/traffic_io.py` can change without changing a byte of what the build writes)."""
+    loaders in `components/data/traffic_io.py` can change without changing a byte of what the build writes)."""
     here = Path(__file__).resolve().parent
     h = hashlib.sha256()
     for name in OUTPUT_MODULES:

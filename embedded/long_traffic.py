@@ -22,11 +22,11 @@ from typing import Sequence
 
 from transformers import PreTrainedTokenizerBase
 
+from components.data.traffic_io import Conversation, Message
 from embedded.config import TrafficConfig
 from embedded.corpus import SourceFile
 from embedded.tokenizer import render_chat
 from embedded.traffic import SYSTEM_PROMPTS
-from components.traffic_io import Conversation, Message
 
 LONG_MODULE_ASKS = (
     "Continue this module to its end:",

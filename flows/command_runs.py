@@ -37,7 +37,7 @@ def config_file(a, settings, cfg) -> str | None:
         return a.config
     import hashlib
 
-    from components.atomic import atomic_write_text
+    from components.data.atomic import atomic_write_text
 
     text = json.dumps(cfg.to_dict(), indent=2, sort_keys=True) + "\n"
     path = settings.state_dir / "configs" / f"{hashlib.sha256(text.encode()).hexdigest()[:16]}.json"
@@ -117,7 +117,7 @@ def resolve_head(a, settings) -> tuple[str, str, dict]:
         tags = ref.tags if ref else {}
         if "target_name" in tags:
             lineage.update(target_name=tags["target_name"], target_version=tags["target_version"])
-    from components.gguf_target import materialize_target
+    from components.targets.gguf import materialize_target
 
     target = None if a.target is None else materialize_target(a.target, settings.state_dir)  # GGUF: converted once
     if target is None:
@@ -148,7 +148,7 @@ def _evaluate_plan(cfg, load: bool):
 
     sweep = None
     if load:
-        from components.pipeline_config import PipelineConfig
+        from components.config.pipeline import PipelineConfig
 
         sweep = cfg.evaluate.load if cfg.evaluate.load.enabled else PipelineConfig.preset("default").evaluate.load
     return EvalPlan(local=True, engine=cfg.runtime.evaluates_in_engine, sweep=sweep)
@@ -158,7 +158,7 @@ def evaluate(a, settings, cfg) -> int:
     """The head measured by flows/evaluate_head.py (bare stages: no Prefect), with the target's scale."""
     from dataclasses import asdict
 
-    from components.evaluate import HeadEval
+    from components.evaluate.stage import HeadEval
     from flows.evaluate_head import evaluate_head
 
     head, target, _ = resolve_head(a, settings)
@@ -174,7 +174,7 @@ def evaluate(a, settings, cfg) -> int:
                 folder.rmdir()
         raise
     if a.json:
-        from components.atomic import atomic_write_text
+        from components.data.atomic import atomic_write_text
 
         atomic_write_text(a.json, json.dumps(res, indent=2) + "\n")
     print(f"evaluate: tau={res['tau']:.2f} speedup={_speed_text(res)} identical={res['identical']}")
@@ -241,8 +241,8 @@ def _serve_spec(a, settings, uri: str, name: str | None = None):
     `name`: the served model name (a swap keeps the first one, so that clients' requests keep working)."""
     import argparse
 
-    from components.evaluate_engine import target_context
-    from components.serve import servable_head
+    from components.targets.servable import servable_head
+    from components.targets.target import target_context
     from infra.vllm_server import EngineSpec
 
     head, target, lineage = resolve_head(argparse.Namespace(**{**vars(a), "head": uri}), settings)
@@ -290,8 +290,8 @@ def _rollback_hooks(a, settings, say, m) -> dict:
     """`Follow`'s rollback fields for `serve --follow-alias`: the monitor's settings (`m`, the config's `monitor`), the
     registered τ of a version, and what a rollback does beyond the swap: the alias moved back with the reason, the
     event announced."""
-    from components.monitor import registered_tau
-    from components.rollback import EVENT, move_alias_back
+    from components.serving.monitor import registered_tau
+    from components.serving.rollback import EVENT, move_alias_back
     from infra.mlflow_store import MlflowStore, parse_model_uri
     from infra.prefect_env import emit_event
 
@@ -333,10 +333,10 @@ class Serving:
 
 
 def _serve_live(a, settings, head: Serving, followed, monitor) -> int:
-    """`serve --capture` / `--follow-alias`: vLLM behind our proxy, capture, swaps (components/serve_live.py);
+    """`serve --capture` / `--follow-alias`: vLLM behind our proxy, capture, swaps (components/serving/live.py);
     `monitor`: the config's `monitor` section (the rollback's settings)."""
-    from components.capture import CaptureConfig
-    from components.serve_live import Follow, LiveConfig, LiveServer, Served, follow
+    from components.serving.capture import CaptureConfig
+    from components.serving.live import Follow, LiveConfig, LiveServer, Served, follow
 
     uri, spec, lineage, how = head.uri, head.spec, head.lineage, head.how
 
@@ -381,7 +381,7 @@ def _serve_live(a, settings, head: Serving, followed, monitor) -> int:
 def serve(a, settings, cfg) -> int:
     import signal
 
-    from components.serve import launch_commands
+    from components.serving.launch import launch_commands
     from infra.vllm_sampling import sampled_drafts_ok
     from infra.vllm_server import VllmServer
 

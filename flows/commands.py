@@ -5,7 +5,7 @@ anything before starting, its preflight in flows/preflight.py); flows/cli.py bui
 runs the row's preflight (which returns the config the command runs with, resolved once), starts Prefect's local
 API for rows that run flows, then the row's run function with that config.
 The argument types here refuse bad numbers at parse time (exit 2, argparse's usage line); `--set KEY.PATH=VALUE`
-(repeatable) is parsed by components/presets.py `assignment` and checked against the config by the same strict
+(repeatable) is parsed by components/config/presets.py `assignment` and checked against the config by the same strict
 override machinery as a `--config` file, in the command's preflight.
 Run: through `eagle-heads ...` (flows/cli.py). Importing this module loads nothing heavy (no torch, Prefect, MLflow,
 Ray; flows/preflight.py and flows/command_runs.py import those inside their functions): `--help` and argument errors
@@ -20,8 +20,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from components.presets import NAMES as PRESETS
-from components.presets import assignment
+from components.config.presets import NAMES as PRESETS
+from components.config.presets import assignment
 from flows import command_runs as runs
 from flows import preflight
 
@@ -97,7 +97,8 @@ def _assignment(text: str):
 
 def _config_args(p: argparse.ArgumentParser, config_help: str = "JSON file overriding the preset, section by section"):
     """--preset, --config and --set: the arguments of every command that takes a pipeline config."""
-    p.add_argument("--preset", default="default", choices=PRESETS, help="pipeline preset (components/presets.py)")
+    p.add_argument("--preset", default="default", choices=PRESETS,
+                   help="pipeline preset (components/config/presets.py)")
     p.add_argument("--config", help=config_help)
     p.add_argument("--set", action="append", default=[], type=_assignment, metavar="KEY.PATH=VALUE",
                    help="override one config value after --config, e.g. --set train.steps=50 (repeatable; the "

@@ -25,9 +25,9 @@ from pathlib import Path
 
 from prefect import flow
 
-from components.atomic import atomic_write_text
-from components.register import register_target
-from components.targets import weights_sha256
+from components.data.atomic import atomic_write_text
+from components.registry.register import register_target
+from components.targets.target import weights_sha256
 from flows.train_head import HeadRun, train_head
 from flows.watch import watch_registry
 from infra.mlflow_store import MlflowStore
@@ -113,7 +113,7 @@ def build_default(embedded_preset: str, root: Path):
 @flow(name="demo", log_prints=True)
 def demo(preset: str = "default", embedded_preset: str = "smollm2", target_name: str | None = None,
          finetune_extract: str = "vllm") -> dict:
-    from components.pipeline_config import PipelineConfig
+    from components.config.pipeline import PipelineConfig
 
     settings = Settings.from_env()
     base_extract = PipelineConfig.load(None, preset).runtime.engine_of("extract")

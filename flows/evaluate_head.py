@@ -1,11 +1,11 @@
 """Evaluating a head: the one path that both `train-head` (flows/train_head.py) and `eagle-heads evaluate` take.
 
 Purpose: `evaluate_head(cfg, head, settings, plan, stages) -> Figures`: the head on held-out traffic in this process
-(components/evaluate.py; `plan.local`), served by vLLM on the same prompts (components/evaluate_engine.py;
-`plan.engine`), and under load (components/load_sweep.py; `plan.sweep`, the levels), in that order, the evaluation's
-plain/speculative pair going on running for the sweep (infra/engine_pool.py `EnginePool`). vLLM serves the head as
-`servable_head` makes it (itself when the engines load it as it is). What differs between the callers is said, not
-guessed: the flow's plan follows where its runtime runs the target (`EvalPlan.of_run`: ours only where this process
+(components/evaluate/stage.py; `plan.local`), served by vLLM on the same prompts (components/evaluate/engine.py;
+`plan.engine`), and under load (components/evaluate/load_sweep.py; `plan.sweep`, the levels), in that order, the
+evaluation's plain/speculative pair going on running for the sweep (infra/engine_pool.py `EnginePool`). vLLM serves the
+head as `servable_head` makes it (itself when the engines load it as it is). What differs between the callers is said,
+not guessed: the flow's plan follows where its runtime runs the target (`EvalPlan.of_run`: ours only where this process
 loads the target, the sweep where `evaluate.load` has levels, the pair started before ours where ours is untimed on a
 CPU engine), and its stages are the Prefect tasks of flows/tasks.py with their caches (`stages=TASKS` there); the
 command's plan is its flags, and its stages the bare functions here (`EvalStages()`: no Prefect).
@@ -21,13 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from components.evaluate import HeadEval
+from components.evaluate.stage import HeadEval
 
 if TYPE_CHECKING:
-    from components.evaluate import EvaluateConfig, EvaluateResult
-    from components.evaluate_engine import EngineEvalResult
-    from components.load_config import LoadConfig
-    from components.pipeline_config import PipelineConfig
+    from components.config.pipeline import PipelineConfig
+    from components.evaluate.engine import EngineEvalResult
+    from components.evaluate.load_config import LoadConfig
+    from components.evaluate.stage import EvaluateConfig, EvaluateResult
 
 
 @dataclass(frozen=True)
@@ -61,8 +61,8 @@ class Figures:
 
 
 def evaluate_locally(cfg: EvaluateConfig, head: HeadEval, trust_remote_code: bool = False) -> EvaluateResult:
-    """Ours: components/evaluate.py `evaluate`."""
-    from components.evaluate import evaluate
+    """Ours: components/evaluate/stage.py `evaluate`."""
+    from components.evaluate.stage import evaluate
 
     return evaluate(cfg, head.target_dir, head.head_dir, head.heldout, head.out_dir, head.baseline_dir,
                     head.history_file, trust_remote_code=trust_remote_code)
@@ -72,7 +72,7 @@ def evaluate_served(cfg: EvaluateConfig, head: HeadEval, local_report: str | Non
                     engines=None) -> EngineEvalResult:
     """vLLM's, into `out_dir/vllm`: compared with our outputs (`local_report`, our evaluation's report; None: not
     run); `engines` (infra/engine_pool.py) keeps the pair running for the sweep."""
-    from components.evaluate_engine import evaluate_in_vllm, our_outputs
+    from components.evaluate.engine import evaluate_in_vllm, our_outputs
 
     ours = our_outputs(local_report) if local_report else None
     return evaluate_in_vllm(cfg, head.target_dir, head.head_dir, head.heldout, str(Path(head.out_dir) / "vllm"),
@@ -82,7 +82,7 @@ def evaluate_served(cfg: EvaluateConfig, head: HeadEval, local_report: str | Non
 def sweep_load(cfg: EvaluateConfig, head: HeadEval, settings, engines=None, evaluation: str | None = None):
     """Throughput by concurrency in vLLM, into `out_dir/load`: the servers taken from `engines` when they are the
     sweep's, vLLM's evaluation (`evaluation`, its report) standing for concurrency 1."""
-    from components.load_sweep import load_sweep
+    from components.evaluate.load_sweep import load_sweep
 
     return load_sweep(cfg, head.target_dir, head.head_dir, head.heldout, str(Path(head.out_dir) / "load"), settings,
                       engines=engines, evaluation=evaluation)
@@ -94,7 +94,7 @@ def _as_is(stage: Callable, done: Path) -> Callable:
 
 def _servable(head: HeadEval, settings) -> str:
     """The head's directory as vLLM loads it: itself, or its lossless re-export under the state dir."""
-    from components.serve import servable_head
+    from components.targets.servable import servable_head
 
     return str(servable_head(head.head_dir, head.target_dir, settings.state_dir / "servable",
                              settings.trust_remote_code))
@@ -124,7 +124,7 @@ def evaluate_head(cfg: PipelineConfig, head: HeadEval, settings, plan: EvalPlan,
                   stages: EvalStages = EvalStages()) -> Figures:
     """The head against `head.baseline_dir` on the held-out traffic: ours, vLLM's, the sweep, as `plan` says (see the
     module doc). `settings` carry the target's scale (`cfg.runtime.engine_settings`)."""
-    from components.evaluate_engine import REPORT
+    from components.evaluate.engine import REPORT
 
     ev, engine, sweep, metrics, out = None, None, None, {}, Path(head.out_dir)
 
@@ -135,7 +135,7 @@ def evaluate_head(cfg: PipelineConfig, head: HeadEval, settings, plan: EvalPlan,
 
     with _pool(plan) as engines:  # the evaluation's plain/speculative pair goes on running for the sweep
         if plan.early:
-            from components.evaluate_engine import eval_pair
+            from components.evaluate.engine import eval_pair
 
             engines.launch(*eval_pair(cfg.evaluate, head.target_dir, served().head_dir, head.heldout, settings))
         if plan.local:
@@ -158,7 +158,7 @@ def start_pair_early(cfg: PipelineConfig, eval_dir: str) -> bool:
     timed (`evaluate.time_local` false: nothing timed runs beside the start), the engine runs on the CPU (on a GPU
     the memory is the in-process target's while ours runs) and the engine's evaluation is still to run. On 2 cores
     the pair's start (~20 s) then overlaps ours (~10-15 s on one core)."""
-    from components.evaluate_engine import REPORT
+    from components.evaluate.engine import REPORT
     from infra.vllm_server import EngineSpec
 
     return (cfg.runtime.evaluates_in_engine and not cfg.evaluate.time_local

@@ -25,16 +25,16 @@ import socket
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from components import safe_read
-from components.target_runtime import TARGET_STAGES
-from components.traffic_io import TrafficFormatError, TrafficLoad, load_traffic
+from components.data import safe_read
+from components.data.traffic_io import TrafficFormatError, TrafficLoad, load_traffic
+from components.targets.runtime import TARGET_STAGES
 from eagle.errors import BadInput
 from flows.preflight_files import check_head, check_weights
 from infra.settings import Settings, check_http_url
 
 if TYPE_CHECKING:
-    from components.pipeline_config import PipelineConfig
-    from components.regenerate import RegenerateConfig
+    from components.config.pipeline import PipelineConfig
+    from components.regenerate.stage import RegenerateConfig
 
 MAX_K = 16  # serve --k: see `_k` in flows/commands.py for why
 
@@ -42,13 +42,13 @@ MAX_K = 16  # serve --k: see `_k` in flows/commands.py for why
 def check_target_dir(target: str, settings: Settings):
     """A target directory (config, tokenizer, chat template, whole weights); returns its (config, tokenizer). A GGUF
     file is checked as one (`check_gguf`: header, architecture, chat template) and, once converted (by the run,
-    cached under the state dir: components/gguf_target.py), as the directory it becomes: its (config, tokenizer) then,
+    cached under the state dir: components/targets/gguf.py), as the directory it becomes: its (config, tokenizer) then,
     else None."""
-    from components.gguf_target import check_gguf, converted_dir, is_gguf_target
-    from components.targets import check_target
+    from components.targets.gguf import check_gguf, converted_dir, is_gguf_target
+    from components.targets.target import check_target
 
     if is_gguf_target(target):
-        from components.targets import check_family
+        from components.targets.target import check_family
 
         arch = check_gguf(target).architecture  # llama.cpp spells MoE families without the underscore (qwen3moe)
         check_family(arch[:-3] + "_moe" if arch.endswith("moe") else arch, [], f"{target} (general.architecture)")
@@ -88,7 +88,7 @@ def _check_traffic(path: str, what: str) -> TrafficLoad:
 def check_inputs(target: str, traffic: str, heldout: str, cfg: PipelineConfig, settings: Settings) -> None:
     """Refuse bad input before anything is written: traffic files, a target directory (and the training traffic's
     first turns against its context), a Ray address in use."""
-    from components.targets import TargetError
+    from components.targets.target import TargetError
 
     load = _check_traffic(traffic, "training traffic")
     _check_traffic(heldout, "held-out traffic")
@@ -140,7 +140,7 @@ def check_engine_python(cfg: PipelineConfig | None, settings: Settings, stages: 
 
 def context_of(config) -> int:
     """The target's context (`max_position_embeddings`), with the default the stages take when a config has none."""
-    from components.regenerate import prompt_room
+    from components.regenerate.stage import prompt_room
 
     return prompt_room(config, 0)[0]
 
@@ -149,7 +149,7 @@ def check_context(target: str, config, tokenizer, heldout: str, cfg: PipelineCon
     """Refuse a target whose context is shorter than what the `stages` (of TARGET_STAGES) of `cfg` ask of it:
     `extract.max_len` positions per sequence (past the context the features are of positions the target never
     served); room for a prompt beside `regenerate.max_new_tokens` (a server by URL decides for itself) and beside
-    `evaluate.spec.max_new_tokens`; and each held-out prompt the evaluation takes (components/evaluate.py
+    `evaluate.spec.max_new_tokens`; and each held-out prompt the evaluation takes (components/evaluate/stage.py
     `held_out_samples`: first user turns within `evaluate.max_prompt_tokens`) with its new tokens (vLLM refuses
     such a request with HTTP 400, mid-evaluation; our decoder would run past the context). `max_prompt_tokens` is
     a filter, not a demand: a target with less context passes when the prompts it is given fit."""
@@ -169,7 +169,7 @@ def check_context(target: str, config, tokenizer, heldout: str, cfg: PipelineCon
 
 
 def _check_held_out_fits(target: str, ctx: int, tokenizer, heldout: str, cfg: PipelineConfig) -> None:
-    from components.evaluate import held_out_samples
+    from components.evaluate.stage import held_out_samples
 
     try:
         samples = held_out_samples(tokenizer, heldout, cfg.evaluate)
@@ -203,19 +203,19 @@ def check_engine_sampling(cfg: PipelineConfig, settings: Settings) -> None:
 
 def check_first_turns_fit(load: TrafficLoad, config, tokenizer, cfg: RegenerateConfig) -> None:
     """Refuse training traffic of which no first turn fits the target's context: regeneration fails each such
-    conversation (components/regenerate.py `hf_answerer`: the prompt rendered with the target's chat template,
-    `components.chat.prompt_ids`, must leave room for the conversation's `max_new_tokens`, else
+    conversation (components/regenerate/stage.py `hf_answerer`: the prompt rendered with the target's chat template,
+    `components.data.chat.prompt_ids`, must leave room for the conversation's `max_new_tokens`, else
     `regenerate.max_new_tokens`) and, with none left, refuses the run after it started. The message names the
     first conversation's line. Stops at the first turn that fits (one render for usual traffic). When this process
     or a vLLM started for the run answers (no `endpoint_url`; the engine's `max_model_len` is the target's context
-    and it renders the same chat template from the same tokenizer files, components/regenerate_endpoint.py
+    and it renders the same chat template from the same tokenizer files, components/regenerate/endpoint.py
     `engine_endpoint`); a server given by URL decides for itself. A later turn's prompt holds the target's own
     answers, known only once regenerated (the flow cleans up after that refusal)."""
     if cfg.endpoint_url:
         return
-    from components.chat import prompt_ids
-    from components.regenerate_endpoint import history_turns
-    from components.regenerate import prompt_room
+    from components.data.chat import prompt_ids
+    from components.regenerate.endpoint import history_turns
+    from components.regenerate.stage import prompt_room
 
     def first_turn(c) -> tuple[int, int]:  # (its prompt's tokens, the room the context leaves for a prompt)
         system, users = history_turns(c)
@@ -239,7 +239,7 @@ def check_first_turns_fit(load: TrafficLoad, config, tokenizer, cfg: RegenerateC
 def _record_number(path: Path, index: int) -> tuple[str, int]:
     """("line", the 1-based line) of the `index`-th conversation of a JSONL file (blank lines hold none), or
     ("row", index + 1) of a table."""
-    from components.traffic_sources import traffic_kind
+    from components.data.traffic_sources import traffic_kind
 
     if traffic_kind(path) != "jsonl":
         return "row", index + 1
@@ -280,7 +280,7 @@ def check_registry_name(a, cfg: PipelineConfig) -> None:
     """The names `train` registers under (the target's, and its head's `<name>-v<N><suffix>`) are valid in MLflow."""
     if a.target.startswith("models:/"):
         return
-    from components.gguf_target import default_target_name
+    from components.targets.gguf import default_target_name
     from infra.model_uri import check_model_name
 
     name = a.name if a.name is not None else default_target_name(a.target)
@@ -318,7 +318,7 @@ def command_config(a) -> PipelineConfig:
     --window, --ratio, --sustain into `monitor`), each layer checked like a config file (`ConfigError` naming the
     key path). The flags change this invocation's section only (no cross-section rule: `evaluate --engine local`
     stays valid under a preset that gates on the engine's tau)."""
-    from components.pipeline_config import override_values, resolve
+    from components.config.pipeline import override_values, resolve
 
     cfg = resolve(a.preset, a.config, a.set)
     flags = _flag_values(a)
@@ -335,7 +335,7 @@ def check_config(a, settings: Settings | None) -> PipelineConfig:
 
 
 def check_demo(a, settings: Settings) -> None:  # the demo's flows take `--preset`: no config of its own
-    from components.pipeline_config import resolve
+    from components.config.pipeline import resolve
     from infra.mlflow_health import probe_tracking
 
     check_cuda(a.embedded_preset)

@@ -6,7 +6,7 @@ milliseconds, before a stage loads it); `check_weights(directory)` does so for e
 refusal is `BadInput` naming the file and what to do.
 Run: through flows/preflight.py (the commands' preflights, the train flow's `check_inputs`).
 Not here: whether the tensors fit a target (found when both are loaded), the target's own checks
-(components/targets.py). Imports nothing heavy: no torch, no safetensors.
+(components/targets/target.py). Imports nothing heavy: no torch, no safetensors.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from components import safe_read
+from components.data import safe_read
 from eagle.errors import BadInput
 
 HEAD_META = "eagle_head.json"  # eagle.export.META, named here without importing torch
@@ -45,8 +45,9 @@ def check_weights(directory: str | Path, recursive: bool = False) -> None:
 
 
 def read_json(path: Path) -> dict:
-    """A JSON object from `path`; `BadInput` naming the file when it is missing, unreadable (components/safe_read.py:
-    not a regular UTF-8 file without a byte-order mark, too large or too deep) or not an object."""
+    """A JSON object from `path`; `BadInput` naming the file when it is missing, unreadable
+    (components/data/safe_read.py: not a regular UTF-8 file without a byte-order mark, too large or too deep) or not an
+    object."""
     data = safe_read.read_json(path, bom_ok=False)
     if not isinstance(data, dict):
         raise BadInput(f"{path}: a JSON object was expected, got {type(data).__name__}")

@@ -7,7 +7,7 @@ stale (fresh traffic). Each such version runs `on-new-finetune`; the
 rest are reported as fresh. Heads are never deleted; the gate decides whether the new one becomes champion.
 With `model_name` and `version` (the `retrain-on-drop` deployment, fired by `eagle.acceptance.dropped`) only that
 version is retrained, on the newest snapshot of the traffic directory (`monitor.traffic_dir`, or the `traffic_dir`
-parameter; see components/monitor.py `newest_snapshot`), or on its registered traffic when none is set.
+parameter; see components/serving/monitor.py `newest_snapshot`), or on its registered traffic when none is set.
 Run: the cron deployment in prefect.yaml, or `python -c "from flows.retrain import retrain; retrain()"`.
 Not here: the training itself (flows/train_head.py).
 """
@@ -18,10 +18,10 @@ from pathlib import Path
 
 from prefect import flow
 
-from components.monitor import newest_snapshot
-from components.pipeline_config import PipelineConfig
-from components.register import TARGET_KIND, TargetRef, head_model_name
-from components.traffic_io import traffic_sha256
+from components.config.pipeline import PipelineConfig
+from components.data.traffic_io import traffic_sha256
+from components.registry.register import TARGET_KIND, TargetRef, head_model_name
+from components.serving.monitor import newest_snapshot
 from flows.on_new_finetune import on_new_finetune, version_traffic
 from infra.mlflow_store import CHAMPION, MlflowStore
 from infra.settings import Settings

@@ -2,17 +2,18 @@
 
 Purpose: counts the conversations `eagle-heads serve --capture` recorded for `model_name`/`version` since the newest
 capture any of its heads was trained on (the `capture_until_ms` tag of the head model's versions); below `min_new`
-(default `capture.trigger_new`) it stops there, saying so. Else it plans the run (components/captured_traffic.py:
+(default `capture.trigger_new`) it stops there, saying so. Else it plans the run (components/data/captured_traffic.py:
 only that target version's captures, the newest `capture.heldout` prompts held out, the rest mixed with the version's
 registered traffic at `capture.mix`) and runs `train-head` on the plan: captured answers used as served, warm start
 from the target's champion, the lineage of the capture files, and the shadow test against the champion on the
-held-out requests before the alias may move (components/shadow.py).
+held-out requests before the alias may move (components/evaluate/shadow.py).
 Prefect triggers a deployment on a schedule or on an event, not on files that appear: the count is this flow's first
 task, run by the deployment's interval schedule (cheap, no stage runs below the count), and a nightly schedule runs
 it with `min_new: 1` (prefect.yaml).
 Run: the `retrain-on-capture` deployment, or `python -c "from flows.retrain_capture import retrain_on_capture;
 retrain_on_capture('NAME', VERSION)"`.
-Not here: capture (components/capture.py), the plan and the shadow test (components/), training (flows/train_head.py).
+Not here: capture (components/serving/capture.py), the plan and the shadow test (components/), training
+(flows/train_head.py).
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ from pathlib import Path
 
 from prefect import flow, task
 
-from components.captured_traffic import new_conversations, prepare_capture_plan
-from components.pipeline_config import PipelineConfig
-from components.register import TargetRef, head_model_name
+from components.config.pipeline import PipelineConfig
+from components.data.captured_traffic import new_conversations, prepare_capture_plan
+from components.registry.register import TargetRef, head_model_name
 from flows.on_new_finetune import version_traffic
 from flows.train_head import train_head
 from infra.mlflow_store import MlflowStore

@@ -19,10 +19,10 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import INPUTS, TASK_SOURCE
 
-from components.extract import ExtractConfig, ExtractResult, extract
-from components.regenerate import RegenerateConfig, RegenerateResult, regenerate
-from components.target_runtime import TargetRuntime
-from components.train import TrainConfig, TrainResult, TrainSetup, train
+from components.extract.stage import ExtractConfig, ExtractResult, extract
+from components.regenerate.stage import RegenerateConfig, RegenerateResult, regenerate
+from components.targets.runtime import TargetRuntime
+from components.train.stage import TrainConfig, TrainResult, TrainSetup, train
 from eagle.errors import BadInput
 from flows.evaluate_head import EvalStages, evaluate_locally, evaluate_served, sweep_load
 
@@ -54,7 +54,7 @@ def regenerate_task(cfg: RegenerateConfig, target_dir: str, traffic: str, out_di
                     runtime: TargetRuntime | None = None) -> RegenerateResult:
     """`ray_settings` (the flow's Settings) say where Ray workers run when `cfg.num_workers` >= 1; `runtime` (the
     run's) whether an engine answers. Neither is in the cache key: the run's directory, `out_dir`, already names what
-    the runtime decides (components/pipeline_config.py `fingerprint`), and the engine's scale changes no answer."""
+    the runtime decides (components/config/pipeline.py `fingerprint`), and the engine's scale changes no answer."""
     return regenerate(cfg, target_dir, traffic, out_dir, trust_remote_code=trust_remote_code,
                       ray_settings=ray_settings, runtime=runtime)
 

@@ -18,17 +18,17 @@ with a finished stage both stay, for the re-run to resume. The flow returns a `H
 `summary.json`).
 With `train.variants` (two or more head variants), train -> evaluate runs once per variant on the same features
 (`train-<variant>/`, `evaluate-<variant>/` in the work directory) and the variant with the best served speedup is
-registered (components/variant_choice.py: vLLM's when measured, ties to the simpler), every variant's figures as
-tags on that version (`variant_<v>_...`, `variant_choice`); the gate judges the chosen head as it would a lone one.
-Where each stage runs the target is the config's `runtime` (components/target_runtime.py), handed to the stages.
+registered (components/registry/variant_choice.py: vLLM's when measured, ties to the simpler), every variant's figures
+as tags on that version (`variant_<v>_...`, `variant_choice`); the gate judges the chosen head as it would a lone one.
+Where each stage runs the target is the config's `runtime` (components/targets/runtime.py), handed to the stages.
 With `target.runtime: vllm` the target is never loaded here: regeneration, extraction and evaluation are vLLMs the
 stages start (every one with `target`'s scale settings, which `runtime.engine_settings` puts in
 `Settings.engine_scale`), the local evaluation is skipped and the gate decides on vLLM's τ (the HeadRun's own
 `tau`/`speedup` are nan, its `vllm` holds the figures).
-With `capture_plan` (a retrain on served traffic, flows/retrain_capture.py: components/captured_traffic.py) the run
+With `capture_plan` (a retrain on served traffic, flows/retrain_capture.py: components/data/captured_traffic.py) the run
 trains on the captured conversations as they were served beside the registered traffic's share it regenerates,
 warm-starts from the target's own champion, tags the plan's lineage, and, when a champion exists, runs the shadow
-test (components/shadow.py) before registering: an extra gate on the alias.
+test (components/evaluate/shadow.py) before registering: an extra gate on the alias.
 Run: `eagle-heads train --target DIR|models:/name/version --traffic FILE --heldout FILE`, or as a deployment
 (prefect.yaml). Not here: any algorithm; see components/.
 """
@@ -48,23 +48,23 @@ from urllib.parse import urlsplit
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from components.atomic import atomic_write_text, file_sha256
-from components.captured_traffic import CapturePlan
-from components.evaluate import HeadEval
-from components.evaluate_engine import EngineEvalResult
-from components.extract import ExtractResult
-from components.gguf_target import default_target_name, gguf_lineage, materialize_target
-from components.pipeline_config import PipelineConfig
-from components.regenerate import RegenerateResult
-from components.register import (HeadToRegister, RegisteredRun, RegisterResult, TargetRef, check_head_name,
-                                 head_model_name, identical_of, register_head, register_target, registered_run,
-                                 tag_float)
-from components.shadow import shadow_test
-from components.target_runtime import TargetRuntime
-from components.targets import weights_sha256
-from components.train import CHOICE_KEYS, TrainResult
-from components.traffic_io import traffic_sha256
-from components.variant_choice import VariantSink, choose_variant, variant_tags
+from components.config.pipeline import PipelineConfig
+from components.data.atomic import atomic_write_text, file_sha256
+from components.data.captured_traffic import CapturePlan
+from components.data.traffic_io import traffic_sha256
+from components.evaluate.engine import EngineEvalResult
+from components.evaluate.shadow import shadow_test
+from components.evaluate.stage import HeadEval
+from components.extract.stage import ExtractResult
+from components.regenerate.stage import RegenerateResult
+from components.registry.register import (HeadToRegister, RegisteredRun, RegisterResult, TargetRef, check_head_name,
+                                          head_model_name, identical_of, register_head, register_target, registered_run,
+                                          tag_float)
+from components.registry.variant_choice import VariantSink, choose_variant, variant_tags
+from components.targets.gguf import default_target_name, gguf_lineage, materialize_target
+from components.targets.runtime import TargetRuntime
+from components.targets.target import weights_sha256
+from components.train.stage import CHOICE_KEYS, TrainResult
 from eagle.errors import BadInput
 from flows.evaluate_head import EvalPlan, Figures, evaluate_head
 from flows.preflight import check_inputs
@@ -126,7 +126,7 @@ class HeadRun:
 @task(name="register", retries=2, retry_delay_seconds=3, retry_condition_fn=transient)
 def register_task(settings: Settings, cfg, head: HeadToRegister,
                   runtime: TargetRuntime | None = None) -> RegisterResult:
-    """`runtime` (the run's components.target_runtime.TargetRuntime) says whose τ the gate decides on."""
+    """`runtime` (the run's components.targets.runtime.TargetRuntime) says whose τ the gate decides on."""
     with store_errors(settings, f"registering the head of run {head.run_key[:12]}"):
         return register_head(MlflowStore.connect(settings), cfg, head, runtime)
 

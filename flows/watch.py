@@ -17,9 +17,9 @@ import json
 
 from prefect import flow
 
-from components.atomic import atomic_write_text
-from components.pipeline_config import PipelineConfig
-from components.register import TARGET_KIND, TargetRef, head_model_name
+from components.config.pipeline import PipelineConfig
+from components.data.atomic import atomic_write_text
+from components.registry.register import TARGET_KIND, TargetRef, head_model_name
 from infra.mlflow_store import MlflowStore
 from infra.prefect_env import emit_event
 from infra.settings import Settings

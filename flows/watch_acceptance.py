@@ -1,7 +1,7 @@
 """Flow `watch-acceptance`: a served head's acceptance in vLLM, and the event that retrains it when it drops.
 
 Purpose: each scrape reads the server's `/metrics` (vLLM's spec-decode counters), adds the reading to the target's
-sliding window (`components.monitor.Monitor`, state under `<state>/monitor/`, so windows span flow runs and
+sliding window (`components.serving.monitor.Monitor`, state under `<state>/monitor/`, so windows span flow runs and
 restarts) and prints the window τ against the champion's registered τ. When the window has stayed below
 `monitor.ratio` x that τ for `monitor.sustain_s`, it emits `eagle.acceptance.dropped` (resource
 `mlflow.model_version.<target>.<version>`, payload: window τ, registered τ, drafts, α_k, the head), which the
@@ -10,7 +10,7 @@ drop sends one event: the drop is remembered as announced only when the event wa
 until the window recovers or a new champion is registered. A stopped server, a page without vLLM's counters and a
 target without a champion are one clear line each (`MonitorError` / `EngineError`), and no event.
 Run: the `watch-acceptance` deployment (prefect.yaml), or `eagle-heads monitor --metrics-url URL --target
-models:/NAME/VERSION [--once]`. Not here: the window arithmetic (components/monitor.py).
+models:/NAME/VERSION [--once]`. Not here: the window arithmetic (components/serving/monitor.py).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from typing import Callable
 
 from prefect import flow
 
-from components.monitor import EVENT, Monitor, WindowReport, baseline_of
-from components.pipeline_config import PipelineConfig, monitor_config
+from components.config.pipeline import PipelineConfig, monitor_config
+from components.serving.monitor import EVENT, Monitor, WindowReport, baseline_of
 from infra.mlflow_store import MlflowStore, parse_model_uri
 from infra.prefect_env import emit_event
 from infra.settings import Settings

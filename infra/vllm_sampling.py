@@ -15,7 +15,7 @@ CPU build and sampled drafts", and "Figures moved from code comments").
   True on a build that fills the tensor (a fixed vLLM, a Triton CPU backend), False on 0.32's CPU build.
 - `refuse_sampled_drafts(spec, temperature, settings, key)`: raises `SampledDraftsBroken` (bad input: exit 2, not
   retried) when a speculative server on the CPU would be asked for sampled requests on such a build. The engine
-  evaluation calls it before starting anything (components/evaluate_engine.py), so no figure of vLLM's sampled
+  evaluation calls it before starting anything (components/evaluate/engine.py), so no figure of vLLM's sampled
   acceptance is registered that the engine's defect made.
 Not here: the greedy path (proven identical to plain decoding, tests/test_vllm.py), a GPU build (Triton kernels:
 the probe is not run, nothing is refused).

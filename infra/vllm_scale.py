@@ -9,7 +9,7 @@ Commands (a user's cluster): `vllm serve TARGET --tensor-parallel-size 8` (one n
 `--tensor-parallel-size 8 --pipeline-parallel-size 2 --distributed-executor-backend ray` (two nodes of a Ray cluster,
 `ray start --head` on one, `ray start --address HEAD:6379` on the other, the engine started on the head).
 Not here: starting vLLM (infra/vllm_server.py); the values' checks (the config's `target` section,
-components/pipeline_config.py; vLLM refuses sizes the devices do not have at start-up).
+components/config/pipeline.py; vLLM refuses sizes the devices do not have at start-up).
 """
 
 from __future__ import annotations

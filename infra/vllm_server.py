@@ -15,7 +15,7 @@ a GPU cluster (`parallel_drafting: true` for a head trained for it); the CPU bui
 environment, an engine that dies or stays unhealthy at start-up, and a refused request (HTTP 4xx: its JSON body,
 which names the reason) are each one `EngineError` line that says what to do.
 Run: `python -m infra.vllm_server TARGET_DIR [HEAD_DIR]` serves until Ctrl-C (what `eagle-heads serve` does).
-Not here: choosing a head (flows/cli.py resolves registry URIs) or comparing engines (components/evaluate.py).
+Not here: choosing a head (flows/cli.py resolves registry URIs) or comparing engines (components/evaluate/stage.py).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 # After each request a vLLM worker keeps polling its input queue in a busy loop for 1 s before it sleeps on a socket
 # (vLLM 0.32 distributed/device_communicators/shm_broadcast.py: `SpinCondition`, `busy_loop_s` = 1): nearly a whole
 # core for that second (bench/README.md, "An idle vLLM server spins a core"). A second server timed during that
-# second shares its cores with the spin (components/evaluate_engine.py waits it out).
+# second shares its cores with the spin (components/evaluate/engine.py waits it out).
 IDLE_SPIN_S = 1.0
 UNSUPPORTED = "are not supported for now"  # vLLM 0.32's refusal of a model architecture it does not have
 
@@ -77,7 +77,7 @@ class EngineSpec:
     cpu_memory_share: float = 0.25  # vLLM's CPU build reads --gpu-memory-utilization as a share of host memory
     extra_args: tuple[str, ...] = field(default_factory=tuple)
     # vLLM's `num_speculative_tokens_per_batch_size`: (first batch size, last batch size, K) ranges, K 0 = no drafts
-    # there; each K is capped at `num_speculative_tokens` (components/load_sweep.py derives it from measurement)
+    # there; each K is capped at `num_speculative_tokens` (measured: components/evaluate/load_sweep.py derives it)
     k_schedule: tuple[tuple[int, int, int], ...] | None = None
     env: tuple[tuple[str, str], ...] = ()  # more environment of the engine (e.g. PYTHONPATH of a connector plugin)
     scale: EngineScale | None = None  # None: the run's (`Settings.engine_scale`, set by the flow), else one device

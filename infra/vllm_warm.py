@@ -20,7 +20,7 @@ import sys
 import time
 
 # the targets' families (embedded default, tests/test_families.py), the heads (EAGLE-3 and its parallel variant
-# share a class), the engine's hidden-states extraction (components/extract_engine.py)
+# share a class), the engine's hidden-states extraction (components/extract/engine.py)
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                  "Qwen3MoeForCausalLM", "Eagle3LlamaForCausalLM", "ExtractHiddenStatesModel")
 

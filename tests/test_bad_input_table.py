@@ -341,7 +341,7 @@ def files(tiny_embedded, tmp_path_factory):
 def homes(tiny_embedded, tmp_path_factory):
     """State dirs by kind: `empty` (not created), `registry` (target `t` v1 registered), `file` (a file), and
     `odd_homes`'s (tests/helpers_bad_input.py)."""
-    from components.register import register_target
+    from components.registry.register import register_target
     from infra.mlflow_store import MlflowStore
     from infra.settings import Settings
 

@@ -28,7 +28,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 ALWAYS_BLOCKED = ("prefect", "mlflow", "ray", "matplotlib", "datasets", "flows")  # infra/ is in the tree:
-# its modules that need MLflow, Ray or Prefect fail to import here as there (components/regenerate.py reads
+# its modules that need MLflow, Ray or Prefect fail to import here as there (components/regenerate/stage.py reads
 # infra/settings.py, which is standard library only)
 DEVICE_PACKAGES = ("torch", "transformers", "safetensors", "tokenizers")
 PROJECT = "eagle-heads"  # its editable install maps eagle/ and components/ (which the device has: the working tree)

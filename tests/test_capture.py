@@ -1,9 +1,9 @@
 """The capture dataset writer without vLLM: rows from what went over the wire, rotation, the size cap, atomic files,
 a store that cannot be written (capture pauses, nothing raises, it resumes), and a submit that never waits.
 
-Purpose: components/capture.py and components/capture_records.py on hand-made `Exchange`s (the bytes vLLM answers:
-a whole JSON body or server-sent events); the files are read back with pyarrow and with the traffic loader
-(components/traffic_io.py), which is how a retrain reads them.
+Purpose: components/serving/capture.py and components/data/capture_records.py on hand-made `Exchange`s (the bytes vLLM
+answers: a whole JSON body or server-sent events); the files are read back with pyarrow and with the traffic loader
+(components/data/traffic_io.py), which is how a retrain reads them.
 Run: `python -m pytest tests/test_capture.py` (a few seconds).
 Not here: the proxy and real vLLM answers (tests/test_serve_proxy.py).
 """
@@ -17,9 +17,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from components.capture import META_KEY, CaptureConfig, CaptureWriter, read_capture
-from components.capture_records import exchange_record
-from components.traffic_io import load_traffic
+from components.data.capture_records import exchange_record
+from components.data.traffic_io import load_traffic
+from components.serving.capture import META_KEY, CaptureConfig, CaptureWriter, read_capture
 from infra.serve_proxy import Exchange
 
 META = {"head": "models:/h/2", "target_name": "tgt", "target_version": "3"}

@@ -1,8 +1,8 @@
 """Served traffic as training data, without vLLM: captured rows -> training conversations, the target filter and its
 skip reasons, the held-out split, the mix ratio, the plan the train-head flow takes, and the `capture` settings.
 
-Purpose: components/captured_traffic.py and the read side of components/capture_records.py on capture files written
-by the real writer (components/capture.py) from hand-made exchanges (the bytes vLLM answers).
+Purpose: components/data/captured_traffic.py and the read side of components/data/capture_records.py on capture files
+written by the real writer (components/serving/capture.py) from hand-made exchanges (the bytes vLLM answers).
 Run: `python -m pytest tests/test_capture_retrain.py` (a few seconds).
 Not here: the flow end to end with vLLM and the shadow test (tests/test_capture_retrain_engine.py), the verdict rule
 (tests/test_shadow.py).
@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from components.capture import CaptureConfig, CaptureWriter
-from components.captured_traffic import (SHARD, CaptureError, CapturedTrafficConfig, mix_counts, new_conversations,
-                                         prepare_capture_plan, prompt_key, select_captured, split_heldout)
-from components.traffic_io import Conversation, Message, load_traffic
+from components.data.captured_traffic import (SHARD, CaptureError, CapturedTrafficConfig, mix_counts, new_conversations,
+                                              prepare_capture_plan, prompt_key, select_captured, split_heldout)
+from components.data.traffic_io import Conversation, Message, load_traffic
+from components.serving.capture import CaptureConfig, CaptureWriter
 from infra.serve_proxy import Exchange
 
 TARGET = {"head": "models:/t-v3-eagle3/1", "target_name": "t", "target_version": "3"}
@@ -112,13 +112,13 @@ def test_a_plan_uses_captures_as_served_and_says_what_it_used(tmp_path):
     assert plan.greedy + plan.sampled == 8 and plan.greedy == 4 and held[0].max_new_tokens == 5
     assert plan.skipped["served by t/2, not t/3"] == 2 and all(Path(f).parent.name == "t" for f in plan.files)
     # the train-head flow's hooks: the registered share, the captured shard beside regenerate's, the lineage tags
-    from components.pipeline_config import PipelineConfig
+    from components.config.pipeline import PipelineConfig
 
     assert plan.applied(PipelineConfig.tiny()).regenerate.limit == 5
     regen = tmp_path / "regen"
     regen.mkdir()
     assert plan.add_to(regen) == 8 and plan.add_to(regen) == 8
-    from components.regenerate import read_regenerated
+    from components.data.regenerated import read_regenerated
 
     assert [c.id for c in read_regenerated(str(regen))] == [c.id for c in train]
     assert (regen / SHARD).is_file()
@@ -141,7 +141,7 @@ def test_too_few_captured_conversations_is_one_clear_line(tmp_path):
 
 
 def test_capture_settings_are_checked_and_out_of_the_runs_identity():
-    from components.pipeline_config import ConfigError, PipelineConfig
+    from components.config.pipeline import ConfigError, PipelineConfig
 
     cfg = PipelineConfig.tiny()
     assert cfg.override({"capture": {"mix": 0.3}}).fingerprint() == cfg.fingerprint()  # the plan's hash counts
@@ -154,7 +154,7 @@ def test_capture_settings_are_checked_and_out_of_the_runs_identity():
 
 
 def test_the_read_side_agrees_with_the_writer():
-    import components.capture as writer
-    import components.capture_records as records
+    import components.serving.capture as writer
+    import components.data.capture_records as records
 
     assert (writer.META_KEY, writer.PATTERN) == (records.META_KEY, records.FILE_PATTERN)

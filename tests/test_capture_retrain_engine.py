@@ -2,11 +2,11 @@
 against the champion in vLLM before the alias may move, its lineage and the shadow's verdict in the registry.
 
 Purpose: a local registry holds the tiny engine target (version 1, with its registered traffic) and, as its champion,
-the engine tests' head; the real capture writer (components/capture.py) records what that champion "served" (chats of
-the target's traffic, greedy and sampled, plus rows of another target version and a /v1/completions request, which
-must be skipped); the flow (flows/retrain_capture.py, tiny preset, under a Prefect test harness) counts them, plans the
-run, trains through `train-head` and runs the shadow test: three vLLM servers (plain and the new head side by side,
-then the champion beside the same plain one). A second run finds nothing new captured and trains nothing.
+the engine tests' head; the real capture writer (components/serving/capture.py) records what that champion "served"
+(chats of the target's traffic, greedy and sampled, plus rows of another target version and a /v1/completions request,
+which must be skipped); the flow (flows/retrain_capture.py, tiny preset, under a Prefect test harness) counts them,
+plans the run, trains through `train-head` and runs the shadow test: three vLLM servers (plain and the new head side by
+side, then the champion beside the same plain one). A second run finds nothing new captured and trains nothing.
 Run: `python -m pytest tests/test_capture_retrain_engine.py` (a few minutes on 2 cores). Needs vLLM's venv.
 Not here: the plan's rules (tests/test_capture_retrain.py), the verdict's (tests/test_shadow.py).
 """
@@ -29,9 +29,9 @@ NAME = "cap-llama"
 
 @pytest.fixture(scope="module")
 def capture_run(engine_target, engine_head, prefect_harness, tmp_path_factory):
-    from components.register import HeadToRegister, RegisterConfig, register_head, register_target
-    from components.targets import weights_sha256
-    from components.traffic_io import load_traffic
+    from components.data.traffic_io import load_traffic
+    from components.registry.register import HeadToRegister, RegisterConfig, register_head, register_target
+    from components.targets.target import weights_sha256
     from infra.mlflow_store import MlflowStore
 
     state = tmp_path_factory.mktemp("capture-retrain") / ".eagle"
@@ -65,8 +65,8 @@ def capture_run(engine_target, engine_head, prefect_harness, tmp_path_factory):
 
 
 def test_the_head_trains_on_what_was_served_and_the_registry_says_which(capture_run):
-    from components.captured_traffic import SHARD, CapturePlan, prompt_key
-    from components.traffic_io import load_traffic
+    from components.data.captured_traffic import SHARD, CapturePlan, prompt_key
+    from components.data.traffic_io import load_traffic
 
     first, _, champ, store, state = capture_run
     plan = CapturePlan.read(first["plan"])

@@ -68,7 +68,7 @@ def test_train_resolves_its_config_and_checks_its_inputs_once(prefect_harness, t
 
     import flows.preflight
     import flows.train_head
-    from components.pipeline_config import PipelineConfig
+    from components.config.pipeline import PipelineConfig
     from flows import cli
 
     calls = {"load": 0, "check_inputs": 0}

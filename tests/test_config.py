@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from components.pipeline_config import ConfigError, PipelineConfig
-from components.train import TrainConfig
+from components.config.pipeline import ConfigError, PipelineConfig
+from components.train.stage import TrainConfig
 
 
 def _load(tmp_path: Path, data, preset: str = "tiny") -> PipelineConfig:

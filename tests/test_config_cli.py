@@ -17,8 +17,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from components import presets
-from components.pipeline_config import ConfigError, PipelineConfig
+from components.config import presets
+from components.config.pipeline import ConfigError, PipelineConfig
 from flows import cli
 from flows.commands import COMMANDS, parser
 

@@ -46,7 +46,7 @@ def test_acceptance_monitor_schedule_and_drop_trigger():
     assert watch["schedules"][0]["interval"] and watch["schedules"][0]["active"] is False  # paused until configured
     assert {"metrics_url", "target"} <= set(watch["parameters"])
     trig = deps["retrain-on-drop"]["triggers"][0]
-    from components.monitor import EVENT
+    from components.serving.monitor import EVENT
 
     assert trig["expect"] == [EVENT] == ["eagle.acceptance.dropped"]
     assert trig["match"]["prefect.resource.id"] == "mlflow.model_version.*"

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from components.pipeline_config import PipelineConfig, _identity
+from components.config.pipeline import PipelineConfig, _identity
 from tests.helpers_docs import defines, flags, paths_in, tables
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,10 +1,12 @@
-"""ARCHITECTURE.md's layer table and stage index agree with the code in every column.
+"""ARCHITECTURE.md's layer table, rooms table and stage index agree with the code in every column.
 
 Purpose: a newcomer follows these tables one hop to the code, so each cell is checked against the source (ast, no
 imports: no torch here): the layers exist and may not import exactly what tests/test_layout.py forbids; every path
 named exists; every `Name` (a class, function or constant, `Class.member`, `module.Name`) is defined in a module its
 cell names (or, for the Prefect tasks, flows/tasks.py); a config column's class is the type of the section it names
-(`evaluate.speed`) and has the fields it names; flows, CLI commands and flags named are declared.
+(`evaluate.speed`) and has the fields it names; flows, CLI commands and flags named are declared. The rooms table
+names every room of components/ (tests/test_rooms.py `ROOMS`), each with every module in it and nothing else, and the
+rooms it may import as tests/test_rooms.py allows them.
 Run: `python -m pytest tests/test_docs_tables.py` (well under a second).
 Not here: the knob index (tests/test_docs.py, which imports the config).
 """
@@ -20,6 +22,7 @@ from tests.helpers_docs import (ROOT, NAME_RE, backticked, cli_mention_problems,
                                 paths_in, resolves, tables, tree)
 
 LAYERS = tables("Layers and what each may import")
+ROOMS_TABLE = tables("Rooms of components/")
 STAGES = tables("One-hop index: stages")
 
 
@@ -72,7 +75,7 @@ def _class_paths() -> dict[str, str]:
     """Class name -> the module of components/ or eagle/ that defines it."""
     out = {}
     for pkg in ("components", "eagle"):
-        for path in sorted((ROOT / pkg).glob("*.py")):
+        for path in sorted((ROOT / pkg).rglob("*.py")):
             rel = str(path.relative_to(ROOT))
             out.update({n.name: rel for n in tree(rel).body if isinstance(n, ast.ClassDef)})
     return out
@@ -110,8 +113,8 @@ def test_layer_row(row):
     name = layer.strip("`/")
     assert (ROOT / name).is_dir(), layer
     assert not _missing_paths(holds), _missing_paths(holds)
-    modules = paths_in(holds) + [str(p.relative_to(ROOT)) for p in sorted((ROOT / name).glob("*.py"))]
-    stems = {p.stem for p in (ROOT / name).glob("*.py")}
+    modules = paths_in(holds) + [str(p.relative_to(ROOT)) for p in sorted((ROOT / name).rglob("*.py"))]
+    stems = {p.stem for p in (ROOT / name).rglob("*.py")}
     unresolved = [n for n in _unresolved(holds, modules) if n.split(".")[0] not in stems]
     assert not unresolved, f"{layer}: {unresolved} named but not defined in its modules"
     documented = set() if forbidden == "—" else {f.strip() for f in forbidden.split(",")}
@@ -155,3 +158,19 @@ def _section_paths() -> list[str]:
                 out.append(f"{prefix}.{name}" if prefix else name)
                 todo.append(out[-1])
     return out
+
+
+def test_rooms_table():
+    from tests.test_rooms import ROOMS, allowed_rooms
+
+    assert {r[0].strip("`/") for r in ROOMS_TABLE} == set(ROOMS), [r[0] for r in ROOMS_TABLE]
+    for room, holds, _, imports in ROOMS_TABLE:
+        name = room.strip("`/")
+        modules = {f"components/{name}/{p.name}" for p in (ROOT / "components" / name).glob("*.py")} - {
+            f"components/{name}/__init__.py"}
+        assert set(paths_in(holds)) == modules, (room, "modules", sorted(modules ^ set(paths_in(holds))))
+        unresolved = _unresolved(holds, sorted(modules))
+        assert not unresolved, f"{room}: {unresolved} not defined in the modules its row names"
+        said = {w.strip() for w in re.sub(r"\([^)]*\)", "", imports).split(",")}
+        said = set(ROOMS) if said == {"every room"} else said | {name}
+        assert said == allowed_rooms(name), (room, "may import", sorted(allowed_rooms(name)))

@@ -10,12 +10,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from components.data.traffic_io import load_traffic
 from embedded import EmbeddedConfig, build_embedded, build_hash, load_domains, load_result
 from embedded.config import CorpusConfig
 from embedded.corpus import SourceFile, function_pairs, raw_chunks, split_domain
 from embedded.lm_train import pack_windows
 from embedded.tokenizer import render_chat
-from components.traffic_io import load_traffic
 
 
 @pytest.fixture(scope="module")

@@ -35,7 +35,7 @@ def real(real_state):
 
 
 def test_the_target_is_the_converted_real_model(real):
-    from components.targets import check_target
+    from components.targets.target import check_target
 
     res, root, lines = real
     config, tok = check_target(res.target_dir)

@@ -129,7 +129,7 @@ def test_untruncated_run_counts_alike(llama_pair, method, temperature):
 
 
 def test_acceptance_by_output_position_buckets_steps_where_they_start():
-    from components.register import _acceptance_tags
+    from components.registry.register import _acceptance_tags
     from eagle.stats import acceptance_by_position, raw_steps, step_starts
 
     # one sequence: steps start at output positions 1, 4, 5, 9 (the token after prefill is position 0)
@@ -148,7 +148,7 @@ def test_acceptance_by_output_position_buckets_steps_where_they_start():
 
 
 def test_position_edges_are_checked():
-    from components.evaluate import EvaluateConfig
+    from components.evaluate.stage import EvaluateConfig
     from eagle.config_checks import FieldError
 
     assert EvaluateConfig().position_edges == (0, 128, 512, 2048)

@@ -29,7 +29,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from components.extract import ExtractConfig, extract
+from components.extract.stage import ExtractConfig, extract
 from infra.settings import Settings
 from infra.vllm_server import EngineError, vllm_python
 
@@ -71,7 +71,7 @@ def _kill_when_next_shard_starts(storage: Path, after: threading.Event, killed: 
 @pytest.mark.slow
 @pytest.mark.engine
 def test_engine_killed_mid_extraction_resumes_at_the_shard_it_was_on(tiny_embedded, tmp_path):
-    from components.regenerate import RegenerateConfig, regenerate
+    from components.regenerate.stage import RegenerateConfig, regenerate
 
     settings = Settings.local(tmp_path / ".eagle")
     vllm_python(settings)
@@ -137,8 +137,8 @@ def _tiny_target(root: Path, tied: bool, drop_lm_head: bool) -> tuple[Path, obje
 
 
 def test_tied_embeddings_give_lm_head_and_a_missing_untied_one_is_one_line(tmp_path):
-    from components.extract_engine import target_heads
-    from components.targets import TargetError
+    from components.extract.engine import target_heads
+    from components.targets.target import TargetError
 
     root, model = _tiny_target(tmp_path / "tied", tied=True, drop_lm_head=True)
     assert "lm_head.weight" not in load_file(str(root / "model.safetensors"))
@@ -156,7 +156,7 @@ def test_tied_embeddings_give_lm_head_and_a_missing_untied_one_is_one_line(tmp_p
 def test_heads_and_final_norm_of_a_sharded_target_are_read_through_its_index(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from components.extract_engine import target_final_norm, target_heads
+    from components.extract.engine import target_final_norm, target_heads
 
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=2,
                          num_key_value_heads=2, vocab_size=256, tie_word_embeddings=False)

@@ -18,7 +18,7 @@ import dataclasses
 
 import pytest
 
-from components.pipeline_config import ConfigError, PipelineConfig
+from components.config.pipeline import ConfigError, PipelineConfig
 from infra.settings import Settings
 from infra.vllm_scale import EngineScale
 from infra.vllm_server import EngineSpec, VllmServer
@@ -66,8 +66,8 @@ def test_scale_settings_are_checked_and_not_part_of_a_runs_identity():
 
 
 def test_every_engine_a_run_starts_carries_the_scale(tmp_path):
-    from components.evaluate_engine import eval_spec
-    from components.evaluate import EvaluateConfig
+    from components.evaluate.engine import eval_spec
+    from components.evaluate.stage import EvaluateConfig
     from infra.vllm_extract import hidden_states_spec
 
     target = tmp_path / "target"

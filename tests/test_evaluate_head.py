@@ -14,8 +14,8 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
-from components.evaluate import HeadEval
-from components.pipeline_config import PipelineConfig
+from components.config.pipeline import PipelineConfig
+from components.evaluate.stage import HeadEval
 from flows.evaluate_head import EvalPlan, EvalStages, evaluate_head
 
 
@@ -44,7 +44,8 @@ def _stages(calls: list, done: list) -> EvalStages:
 
 
 def _head(tmp_path: Path) -> HeadEval:
-    head = tmp_path / "head"  # a head vLLM loads as it is (components/serve.py `is_servable`): served unconverted
+    # a head vLLM loads as it is (components/targets/servable.py `is_servable`): served unconverted
+    head = tmp_path / "head"
     head.mkdir()
     (head / "config.json").write_text(json.dumps({"eagle_aux_hidden_state_layer_ids": [1, 2, 3]}))
     (head / "model.safetensors").write_bytes(b"")

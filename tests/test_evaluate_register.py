@@ -17,14 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from components.evaluate import EvaluateConfig, NotLosslessError, evaluate
-from components.extract import ExtractConfig, extract
-from components.regenerate import RegenerateConfig, regenerate
-from components.register import (HeadToRegister, RegisterConfig, TargetRef, identical_of, register_head, tag_float,
-                                 register_target)
-from components.targets import weights_sha256
-from components.traffic_io import load_traffic
-from components.train import TrainConfig, train
+from components.data.traffic_io import load_traffic
+from components.evaluate.stage import EvaluateConfig, NotLosslessError, evaluate
+from components.extract.stage import ExtractConfig, extract
+from components.regenerate.stage import RegenerateConfig, regenerate
+from components.registry.register import (HeadToRegister, RegisterConfig, TargetRef, identical_of, register_head,
+                                          tag_float, register_target)
+from components.targets.target import weights_sha256
+from components.train.stage import TrainConfig, train
 from infra.mlflow_store import CHALLENGER, CHAMPION, RegistryCollision
 
 QUIET = dict(progress=lambda s: None)
@@ -59,7 +59,8 @@ def test_evaluate_reports_acceptance_and_identical_outputs(tiny_embedded, head, 
     assert sum(s["verify_steps"] for s in res.per_segment.values()) > 0
     assert res.baseline_tau == pytest.approx(res.tau)  # the same head as its own baseline, same prompts
     assert res.n_tokens > 0 and res.speedup > 0 and res.plain_tokens_per_s > 0
-    # the speedup: rounds of plain and speculative decoding interleaved (components/speed.py), median and interval
+    # the speedup: rounds of plain and speculative decoding interleaved (components/evaluate/speed.py), median and
+    # interval
     assert res.speedup_rounds == cfg.speed.min_rounds and res.speedup_lo <= res.speedup <= res.speedup_hi
     assert res.speedup_reliable == (not res.speedup_note)
     report = json.loads(Path(res.report_file).read_text())
@@ -143,7 +144,7 @@ def test_a_broken_verification_rule_is_caught(tiny_embedded, head, tmp_path, mon
 def test_our_evaluation_decodes_and_times_on_its_thread_count(tiny_embedded, head, tmp_path, monkeypatch):
     """`evaluate.threads`: the timed decoding runs on that many torch threads (default 1: on 2 cores torch's two
     threads turned a 1.35x head into 0.97x), the caller's setting is back afterwards, and 0 keeps the caller's."""
-    import components.evaluate as ev
+    import components.evaluate.stage as ev
 
     seen: list[int] = []
     real = ev.measure_speedup

@@ -30,8 +30,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from components.extract import ExtractConfig, extract
-from components.regenerate import RegenerateConfig, regenerate
+from components.extract.stage import ExtractConfig, extract
+from components.regenerate.stage import RegenerateConfig, regenerate
 from infra.settings import Settings
 from infra.vllm_server import EngineError
 
@@ -101,8 +101,8 @@ def test_engine_features_equal_local_features(extracted):
 
 
 def test_engine_shards_are_interchangeable_with_local_ones(extracted, tiny_embedded):
-    from components.train_data import TrainingData, ttt_batch
-    from components.train import TrainConfig, train
+    from components.train.data import TrainingData, ttt_batch
+    from components.train.stage import TrainConfig, train
 
     local, vllm = (TrainingData.open(extracted[e][0].out_dir) for e in ("local", "vllm"))
     draft_ids = torch.arange(0, 512, 4)

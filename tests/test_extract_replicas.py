@@ -29,10 +29,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from components.extract import ExtractConfig, extract
-from components.extract_engine import PID_FILE, STORAGE, _group_exists
-from components.pipeline_config import ConfigError, PipelineConfig
-from components.regenerate import RegenerateConfig, regenerate
+from components.config.pipeline import ConfigError, PipelineConfig
+from components.extract.engine import PID_FILE, STORAGE, _group_exists
+from components.extract.stage import ExtractConfig, extract
+from components.regenerate.stage import RegenerateConfig, regenerate
 from infra.settings import Settings
 from infra.vllm_server import EngineError
 from tests.test_extract_engine import _rel, _shards

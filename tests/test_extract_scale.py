@@ -23,9 +23,9 @@ from pathlib import Path
 
 import pytest
 
-from components.extract import ExtractConfig, extract
-from components.extract_engine import ENGINE_MARK, marked_processes, stop_engines
-from components.regenerate import RegenerateConfig, regenerate
+from components.extract.engine import ENGINE_MARK, marked_processes, stop_engines
+from components.extract.stage import ExtractConfig, extract
+from components.regenerate.stage import RegenerateConfig, regenerate
 from eagle.config_checks import FieldError
 from infra.settings import Settings
 
@@ -65,7 +65,7 @@ def _mtimes(out: Path) -> dict[str, int]:
 
 
 def test_the_worker_fields_are_checked_and_not_part_of_the_run():
-    from components.pipeline_config import PipelineConfig
+    from components.config.pipeline import PipelineConfig
 
     with pytest.raises(FieldError, match="num_workers"):
         ExtractConfig(num_workers=-1)

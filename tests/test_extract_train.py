@@ -25,15 +25,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from components.train_data import FeatureStoreError, TrainingData, heldout_split, ttt_batch
-from components.extract import ExtractConfig, extract
-from components.regenerate import RegenerateConfig, regenerate
-from components.targets import load_target
-from components.train import RayConfig, TrainConfig, TrainSetup, holdout_size, latest_checkpoint, train
-from components.train_state import read_best
+from components.extract.stage import ExtractConfig, extract
+from components.regenerate.stage import RegenerateConfig, regenerate
+from components.targets.target import load_target
+from components.train.data import FeatureStoreError, TrainingData, heldout_split, ttt_batch
+from components.train.stage import RayConfig, TrainConfig, TrainSetup, holdout_size, latest_checkpoint, train
+from components.train.state import read_best
 from eagle.config import default_aux_layer_ids
-from eagle.run_config import OptimConfig
 from eagle.export import load_head, read_head_meta, verify_probe
+from eagle.run_config import OptimConfig
 from tests.helpers import Crash, CrashAt
 
 QUIET = dict(progress=lambda s: None)
@@ -82,8 +82,8 @@ def _mtimes(d: Path) -> dict[str, int]:
 
 
 def test_offline_manifest_describes_the_shards(offline_dir, target, tiny_embedded):
-    from components.atomic import file_sha256 as _sha256
-    from components.targets import weights_sha256
+    from components.data.atomic import file_sha256 as _sha256
+    from components.targets.target import weights_sha256
 
     m = json.loads((offline_dir / "manifest.json").read_text())
     n = target.config.num_hidden_layers
@@ -351,7 +351,7 @@ def test_variant_eagle3_1_trains_and_warm_starts_across_variants(offline_dir, tr
 def test_warm_start_refuses_a_head_of_another_shape(trained, target):
     import copy
 
-    from components.train import warm_start_head
+    from components.train.stage import warm_start_head
     from eagle.export import HeadMismatchError
 
     other = copy.deepcopy(target.config)
@@ -433,7 +433,7 @@ def test_other_layer_ids_are_refused(custom_ids_dir, offline_dir, trained, tiny_
 
 
 def test_pipeline_config_takes_layer_ids_and_refuses_bad_ones(tmp_path):
-    from components.pipeline_config import ConfigError, PipelineConfig
+    from components.config.pipeline import ConfigError, PipelineConfig
 
     def load(values):
         path = tmp_path / "pipeline.json"

@@ -28,10 +28,10 @@ from pathlib import Path
 
 import pytest
 
-from components.evaluate import EvaluateConfig, evaluate
-from components.extract import ExtractConfig, extract
-from components.regenerate import RegenerateConfig, regenerate
-from components.train import TrainConfig, train
+from components.evaluate.stage import EvaluateConfig, evaluate
+from components.extract.stage import ExtractConfig, extract
+from components.regenerate.stage import RegenerateConfig, regenerate
+from components.train.stage import TrainConfig, train
 from tests.helpers import our_counts
 
 QUIET = dict(progress=lambda s: None)
@@ -76,7 +76,7 @@ def build_target(family: str, tokenizer_dir: Path, out: Path, seed: int = 0) -> 
     model.save_pretrained(out)
     tok.save_pretrained(out)
     assert json.loads((out / "config.json").read_text())["model_type"] == family
-    from components.targets import weight_names
+    from components.targets.target import weight_names
 
     assert ("lm_head.weight" in weight_names(out)) is (family not in TIED), family
     return out
@@ -148,7 +148,7 @@ def test_local_path_is_lossless_with_acceptance(family, tiny_embedded, tmp_path)
 def serve_and_compare(fams: list[Family], heldout: str, settings, out: Path) -> None:
     """Each head (all on one target) served by vLLM beside one vLLM plain: outputs identical to both, counters equal
     to ours."""
-    from components.evaluate_engine import evaluate_in_vllm, our_outputs, plain_server
+    from components.evaluate.engine import evaluate_in_vllm, our_outputs, plain_server
 
     ours = [evaluate_locally(fam, out / f"local-{i}", heldout) for i, fam in enumerate(fams)]
     with plain_server(EVAL, str(fams[0].target_dir), settings) as plain:

@@ -329,7 +329,7 @@ def test_resumed_run_equals_an_uninterrupted_one(chain, reference):
 
 
 def test_a_killed_ray_worker_is_restarted_from_the_last_checkpoint(reference, ray_local, tmp_path):
-    from components.train import RayConfig, TrainConfig, TrainSetup, latest_checkpoint, train
+    from components.train.stage import RayConfig, TrainConfig, TrainSetup, latest_checkpoint, train
     from eagle.export import read_head_meta
 
     @dataclass(frozen=True)

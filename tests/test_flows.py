@@ -136,7 +136,7 @@ def test_the_engines_pair_starts_beside_our_evaluation_only_when_ours_is_untimed
     timed beside it, on a CPU engine, and only when the engine's evaluation is still to run."""
     import dataclasses
 
-    from components.pipeline_config import PipelineConfig
+    from components.config.pipeline import PipelineConfig
     from flows.evaluate_head import start_pair_early as _start_pair_early
     from infra.vllm_server import EngineSpec
 

@@ -21,13 +21,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from components.atomic import file_sha256
-from components.train_data import FeatureStoreError, TrainingData, ttt_batch
-from components.extract import ExtractConfig, extract
-from components.feature_shards import FP8, FP8_SCALES
-from components.regenerate import RegenerateConfig, regenerate
-from components.targets import load_target
-from components.train import TrainConfig, train
+from components.data.atomic import file_sha256
+from components.extract.feature_shards import FP8, FP8_SCALES
+from components.extract.stage import ExtractConfig, extract
+from components.regenerate.stage import RegenerateConfig, regenerate
+from components.targets.target import load_target
+from components.train.data import FeatureStoreError, TrainingData, ttt_batch
+from components.train.stage import TrainConfig, train
 from eagle import fp8
 
 QUIET = dict(progress=lambda s: None)

@@ -68,7 +68,7 @@ def gguf_run(prefect_harness, tmp_path_factory):
 
 
 def test_a_gguf_target_trains_registers_with_lineage_and_serves_identically(gguf_run):
-    from components.atomic import file_sha256
+    from components.data.atomic import file_sha256
     from infra.mlflow_store import MlflowStore
 
     settings, gguf, first, again, converted = gguf_run

@@ -1,4 +1,4 @@
-"""GGUF targets (components/gguf_target.py): a `.gguf` file checked in one line, converted once to an fp32
+"""GGUF targets (components/targets/gguf.py): a `.gguf` file checked in one line, converted once to an fp32
 safetensors HF directory that loads like any target, cached by the file's sha256.
 
 Purpose: the tiny tests write F32 GGUF files of a tiny random Llama (tied and untied, GQA) with tests/helpers_gguf.py
@@ -24,10 +24,10 @@ from pathlib import Path
 
 import pytest
 
-from components import gguf_target
-from components.gguf_target import (GgufError, check_gguf, convert_gguf, gguf_lineage, materialize_target,
-                                    supported_architectures)
-from components.targets import TargetError, check_target, load_target
+from components.targets import gguf as gguf_target
+from components.targets.gguf import (GgufError, check_gguf, convert_gguf, gguf_lineage, materialize_target,
+                                     supported_architectures)
+from components.targets.target import TargetError, check_target, load_target
 from eagle.errors import BadInput
 from tests.helpers_gguf import tiny_llama, tiny_tokenizer, write_tiny_gguf
 
@@ -99,7 +99,7 @@ def test_second_call_returns_the_cached_directory(converted, tmp_path):
 
 
 def test_lineage_names_file_hash_and_quantization(converted, tmp_path):
-    from components.atomic import file_sha256
+    from components.data.atomic import file_sha256
 
     _, _, path, _, out, _ = converted
     tags = gguf_lineage(out)

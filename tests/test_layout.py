@@ -5,10 +5,11 @@ Purpose: keep the layer rules of ARCHITECTURE.md true as the code grows:
     components/  imports no prefect (no decorators there), no flows and no embedded (the stages never need the
                  builder of the embedded default)
     embedded/    the embedded default's builder: imports no prefect, mlflow, ray, infra, flows (torch, transformers
-                 and tokenizers; components.traffic_io, the traffic format it writes)
+                 and tokenizers; components.data.traffic_io, the traffic format it writes)
     infra/       imports no eagle, components, flows (adapters sit below the pipeline); any package may import
                  the SHARED_MODULES (eagle.errors: the bad-input base class, which imports nothing)
     bench/       imports no tests (tests may import bench's references, e.g. bench/reference_ttt.py)
+    components/  grouped in rooms, one subpackage per stage and two shared ones: their rules in tests/test_rooms.py
     no import cycle among the modules of eagle/, components/, flows/, infra/, embedded/ (CYCLE_PACKAGES): every import
                  statement counts, module level, inside a function or under `if TYPE_CHECKING:`, and so does
                  importlib.import_module('name'); an import names the longest prefix of its dotted name that is
@@ -67,13 +68,14 @@ MAX_PARAMS = 7
 # parameters, and bench/ is regrouped in a change of its own: convert each together with its bench/ callers
 _BENCH = "bench/ calls it with these parameters"
 PARAMS_ALLOWLIST: dict[str, str] = {
-    "components/evaluate.py:evaluate": f"{_BENCH} (checkpoint_by_tau, feature_dtype, gpu_pipeline, long_variants, "
-                                       "speedup_trust: progress=, history_file=)",
-    "components/evaluate_engine.py:evaluate_in_vllm": f"{_BENCH} (speedup_trust: 8 of them)",
-    "components/extract.py:extract": f"{_BENCH} (common, extract_engine, features_tau, ...: progress=, ray_settings=)",
-    "components/regenerate.py:regenerate": f"{_BENCH} (common, regen_workers: progress=, ray_settings=)",
-    "components/load_sweep.py:load_sweep": f"{_BENCH} (k_schedule)",
-    "components/load_sweep.py:measure_rounds": f"{_BENCH} (k_schedule: all 9, positionally)",
+    "components/evaluate/stage.py:evaluate": f"{_BENCH} (checkpoint_by_tau, feature_dtype, gpu_pipeline, "
+                                             "long_variants, speedup_trust: progress=, history_file=)",
+    "components/evaluate/engine.py:evaluate_in_vllm": f"{_BENCH} (speedup_trust: 8 of them)",
+    "components/extract/stage.py:extract": f"{_BENCH} (common, extract_engine, features_tau, ...: progress=, "
+                                           "ray_settings=)",
+    "components/regenerate/stage.py:regenerate": f"{_BENCH} (common, regen_workers: progress=, ray_settings=)",
+    "components/evaluate/load_sweep.py:load_sweep": f"{_BENCH} (k_schedule)",
+    "components/evaluate/load_sweep.py:measure_rounds": f"{_BENCH} (k_schedule: all 9, positionally)",
     # a Prefect flow's parameters are its deployments' (prefect.yaml, the UI, event triggers), each set by name
     "flows/train_head.py:train_head": "a Prefect flow: each parameter is one of the train-head deployment's",
 }

@@ -1,4 +1,4 @@
-"""Throughput by load and the K schedule (components/load_sweep.py, infra/vllm_bench.py), with the real engine.
+"""Throughput by load and the K schedule (components/evaluate/load_sweep.py, infra/vllm_bench.py), with the real engine.
 
 Purpose:
 - the schedule rule on given throughputs (no engine): the best K per level, K 0 unless a K beats plain by the
@@ -29,12 +29,12 @@ from pathlib import Path
 
 import pytest
 
-from components.evaluate import EvaluateConfig
-from infra.engine_pool import EnginePool
-from components.load_sweep import LoadConfig, cells_of, crossover_of, derive_schedule, round_order
-from components.pipeline_config import ConfigError, PipelineConfig
-from components.speed import SpeedupConfig
+from components.config.pipeline import ConfigError, PipelineConfig
+from components.evaluate.load_sweep import LoadConfig, cells_of, crossover_of, derive_schedule, round_order
+from components.evaluate.speed import SpeedupConfig
+from components.evaluate.stage import EvaluateConfig
 from eagle.run_config import SpecConfig
+from infra.engine_pool import EnginePool
 from infra.settings import Settings
 
 
@@ -64,7 +64,7 @@ def test_a_k_whose_spread_overlaps_plains_does_not_beat_plain():
 
 
 def test_cells_are_medians_over_rounds_with_their_spread_and_rounds_alternate(tmp_path):
-    from components.plots import plot_load_sweep
+    from components.evaluate.plots import plot_load_sweep
 
     assert [round_order([0, 2, 3], r, i) for r in (0, 1) for i in (0, 1)] == [[0, 2, 3], [3, 2, 0], [3, 2, 0],
                                                                                 [0, 2, 3]]
@@ -89,7 +89,7 @@ def test_cells_are_medians_over_rounds_with_their_spread_and_rounds_alternate(tm
 def test_evaluation_cells_are_each_rounds_tokens_over_its_seconds(tmp_path):
     """Concurrency 1 from an engine evaluation's report: per side, the tokens of its outputs over each round's
     seconds; medians and spreads as the sweep's cells; the head's counters; None for another K."""
-    from components.load_sweep import evaluation_cells
+    from components.evaluate.load_sweep import evaluation_cells
 
     report = {"config": {"spec": {"depth": 3}},
               "result": {"drafts": 10, "accepted_per_pos": [8, 6, 4], "tau": 2.8},
@@ -116,7 +116,7 @@ def test_batching_alone_is_told_from_the_head_by_plains_texts_at_the_lowest_leve
     1: batch variance, not a mismatch, once plain at 1 is among the samples (the "baseline" phase when concurrency 1
     came from the evaluation); without it the lowest level measured (4) is the baseline and the same outputs read
     as the head's mismatch. A head output that is no plain output, where plain did not vary, is a mismatch."""
-    from components.load_sweep import judge
+    from components.evaluate.load_sweep import judge
 
     def sample(phase, k, c, texts):
         return {"phase": phase, "k": k, "concurrency": c, "texts": texts}
@@ -179,8 +179,8 @@ def test_the_sweep_measures_every_cell_with_vllms_client_and_writes_the_schedule
                                                                                tmp_path):
     """After the vLLM evaluation in one engine pool, as the flow runs them: the evaluation's plain and K 3 servers
     are handed on to the sweep (one engine start instead of three), K 2 started beside them."""
-    from components.evaluate_engine import evaluate_in_vllm
-    from components.load_sweep import load_sweep
+    from components.evaluate.engine import evaluate_in_vllm
+    from components.evaluate.load_sweep import load_sweep
     from infra.engine_pool import EnginePool
 
     heldout, lines = str(engine_target.target_traffic.heldout), []
@@ -227,9 +227,9 @@ def test_with_one_k_concurrency_1_is_the_evaluations_own_rounds(engine_target, h
     again, its cells are the evaluation's rounds (the same servers); the client measures the other levels only.
     When the outputs under load seem to differ (made to here: the first judgement reports a mismatch), plain runs
     once at concurrency 1 as the batching baseline, and the final judgement, on the real texts, finds none."""
-    from components import load_sweep as sweep_mod
-    from components.evaluate_engine import evaluate_in_vllm
-    from components.load_sweep import load_sweep
+    from components.evaluate import load_sweep as sweep_mod
+    from components.evaluate.engine import evaluate_in_vllm
+    from components.evaluate.load_sweep import load_sweep
 
     real_judge, calls = sweep_mod.judge, []
 
@@ -269,8 +269,8 @@ def test_with_one_k_concurrency_1_is_the_evaluations_own_rounds(engine_target, h
 @pytest.mark.engine
 @pytest.mark.timeout(900)
 def test_a_schedule_served_by_vllm_stops_drafting_above_its_range(engine_target, head_dir, settings, tmp_path):
-    from components.chat import prompt_ids
-    from components.evaluate import held_out_messages
+    from components.data.chat import prompt_ids
+    from components.evaluate.stage import held_out_messages
     from infra.vllm_bench import LoadRequest, bench_serve_many, write_dataset
     from infra.vllm_server import EngineSpec, VllmServer
     from transformers import AutoTokenizer
@@ -297,8 +297,8 @@ def test_serve_print_only_puts_the_registered_schedule_in_the_vllm_command(mlflo
     """A head version whose `k_schedule` tag says [[1, 3, 4], [4, 1024, 0]]: `serve --print-only` (no --k) starts
     vLLM with it; `--k 2` pins one K instead; `--concurrency C` serves the schedule's K at C (2: K 4) or plain
     decoding where it says K 0 (8), and refuses to be given with --k."""
-    from components.register import RegisterConfig, TargetRef, register_head, register_target
-    from components.targets import weights_sha256
+    from components.registry.register import RegisterConfig, TargetRef, register_head, register_target
+    from components.targets.target import weights_sha256
     from flows import cli
     from tests.test_evaluate_register import _head
 
@@ -343,9 +343,9 @@ def test_serve_print_only_puts_the_registered_schedule_in_the_vllm_command(mlflo
 
 
 def _tiny_head(tiny_embedded, root: Path) -> str:
-    from components.extract import ExtractConfig, extract
-    from components.regenerate import RegenerateConfig, regenerate
-    from components.train import TrainConfig, train
+    from components.extract.stage import ExtractConfig, extract
+    from components.regenerate.stage import RegenerateConfig, regenerate
+    from components.train.stage import TrainConfig, train
 
     quiet = dict(progress=lambda s: None)
     regenerate(RegenerateConfig(max_new_tokens=8, batch_size=8, shard_size=8, limit=8), tiny_embedded.target_dir,

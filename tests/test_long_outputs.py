@@ -18,12 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from components.evaluate import EvaluateConfig, evaluate, held_out_samples
-from components.pipeline_config import ConfigError, PipelineConfig
-from components.regenerate_endpoint import answer_concurrently
-from components.regenerate import RegenerateConfig, hf_answerer, read_regenerated, regenerate
-from components.targets import load_target
-from components.traffic_io import Conversation, Message, write_openai_jsonl
+from components.config.pipeline import ConfigError, PipelineConfig
+from components.data.regenerated import read_regenerated
+from components.data.traffic_io import Conversation, Message, write_openai_jsonl
+from components.evaluate.stage import EvaluateConfig, evaluate, held_out_samples
+from components.regenerate.endpoint import answer_concurrently
+from components.regenerate.stage import RegenerateConfig, hf_answerer, regenerate
+from components.targets.target import load_target
 from eagle.config import DraftConfig
 from eagle.draft import Eagle3Draft
 from eagle.export import export_head
@@ -166,8 +167,8 @@ def test_vllm_evaluation_runs_each_sample_to_its_limit_past_eos(engine_target, e
                                                                 tmp_path):
     """The engine evaluation asks each sample's limit with vLLM's `ignore_eos`: vLLM's plain and speculative outputs
     are that long, equal to each other and to ours (which went past EOS the same way)."""
-    from components.evaluate_engine import evaluate_in_vllm, our_outputs
-    from components.speed import SpeedupConfig
+    from components.evaluate.engine import evaluate_in_vllm, our_outputs
+    from components.evaluate.speed import SpeedupConfig
 
     limits = (40, None, 64)
     traffic = _traffic(tmp_path / "heldout.jsonl", limits)

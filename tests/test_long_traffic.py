@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
+from components.data.traffic_io import Conversation, TrafficFormatError, load_traffic, write_openai_jsonl
 from embedded.config import CorpusConfig, EmbeddedConfig, TokenizerConfig, TrafficConfig
 from embedded.corpus import SourceFile, base_files
 from embedded.long_traffic import long_conversations
 from embedded.tokenizer import render_chat, train_tokenizer
 from embedded.traffic import sample_traffic
-from components.traffic_io import Conversation, TrafficFormatError, load_traffic, write_openai_jsonl
 
 CONTEXT = 2048
 MIN_NEW = 1000

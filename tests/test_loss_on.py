@@ -12,8 +12,8 @@ import dataclasses
 
 import pytest
 
-from components.train import TrainConfig, train
-from components.train_data import TrainingData, ttt_batch
+from components.train.data import TrainingData, ttt_batch
+from components.train.stage import TrainConfig, train
 from tests.test_extract_train import _head, offline_dir, regen_dir  # noqa: F401  (the module's fixtures)
 
 

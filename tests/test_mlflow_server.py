@@ -160,8 +160,8 @@ def first_run(live_mlflow, tiny_embedded, api_url, home) -> tuple[int, str]:
 def finetune(first_run, live_mlflow, tiny_embedded, home):
     """The fine-tune registered on the server as target version t/2 (in this process, over REST); returns what
     the watcher's query found without a head just before."""
-    from components.register import register_target
-    from components.targets import weights_sha256
+    from components.registry.register import register_target
+    from components.targets.target import weights_sha256
     from flows.watch import versions_without_head
     from infra.mlflow_store import MlflowStore
     from infra.settings import Settings

@@ -1,6 +1,6 @@
 """The acceptance monitor's window, verdicts and debounce, and its clear lines on bad input, without an engine.
 
-Purpose: `components.monitor.Monitor` fed counter readings at chosen times: τ and α_k over the sliding window,
+Purpose: `components.serving.monitor.Monitor` fed counter readings at chosen times: τ and α_k over the sliding window,
 warming below `min_drafts`, `low` then `dropped` after `sustain_s`, one announcement per drop (until the window
 recovers or the champion changes), counter resets across a server restart, state that survives the process, a
 served K unlike the evaluated one refused. `baseline_of` reads the champion's τ (`tau_vllm` first) from a SQLite
@@ -18,7 +18,7 @@ import threading
 
 import pytest
 
-from components.monitor import Baseline, Monitor, MonitorConfig, MonitorError, baseline_of, newest_snapshot
+from components.serving.monitor import Baseline, Monitor, MonitorConfig, MonitorError, baseline_of, newest_snapshot
 from infra.vllm_server import SpecCounters
 
 BASE = Baseline("models:/tgt/1", "models:/tgt-v1-eagle3/1", tau=3.0, tau_source="tau_vllm", depth=3)
@@ -131,7 +131,7 @@ def test_a_served_k_unlike_the_evaluated_one_is_refused(tmp_path):
 def test_config_values_are_checked_at_load(tmp_path):
     import json
 
-    from components.pipeline_config import ConfigError, PipelineConfig
+    from components.config.pipeline import ConfigError, PipelineConfig
 
     path = tmp_path / "c.json"
     path.write_text(json.dumps({"monitor": {"ratio": 1.5}}))
@@ -140,7 +140,7 @@ def test_config_values_are_checked_at_load(tmp_path):
 
 
 def test_baseline_prefers_the_engine_tau_and_refuses_no_champion(mlflow_store, tmp_path):
-    from components.register import TargetRef, head_model_name, register_target
+    from components.registry.register import TargetRef, head_model_name, register_target
     from infra.mlflow_store import CHAMPION
 
     target = tmp_path / "target"
@@ -189,7 +189,7 @@ def test_newest_snapshot_is_the_last_in_name_order(tmp_path):
 @pytest.fixture
 def registered_champion(mlflow_settings, monkeypatch, tmp_path):
     """A SQLite registry (EAGLE_HOME) whose target `tgt/1` has a champion head registered at tau 3."""
-    from components.register import TargetRef, head_model_name, register_target
+    from components.registry.register import TargetRef, head_model_name, register_target
     from infra.mlflow_store import CHAMPION, MlflowStore
 
     monkeypatch.setenv("EAGLE_HOME", str(mlflow_settings.state_dir))

@@ -131,9 +131,9 @@ def _scrape(live, monitor: list[str]) -> tuple[str, float, float, str]:
 
 
 def test_a_drop_in_served_acceptance_retrains_the_head(live_prefect, drift_target, drift, tmp_path):
-    from components.evaluate_engine import engine_prompts
-    from components.pipeline_config import PipelineConfig
-    from components.traffic_io import traffic_sha256
+    from components.config.pipeline import PipelineConfig
+    from components.data.traffic_io import traffic_sha256
+    from components.evaluate.engine import engine_prompts
     from infra.mlflow_store import CHAMPION, MlflowStore
     from infra.settings import Settings
     from infra.vllm_server import EngineSpec, VllmServer

@@ -255,16 +255,16 @@ def test_export_round_trip_and_engine_keys(tmp_path, pair):
                          tmp_path / "eagle3")
     assert "mask_token_id" not in json.loads((eagle3 / "config.json").read_text())
     assert "parallel_drafting" not in EngineSpec(str(tmp_path), str(eagle3)).speculative_config()
-    from components.serve import launch_commands
+    from components.serving.launch import launch_commands
 
     cmds = launch_commands(spec)
     assert '"parallel_drafting": true' in cmds["vllm"] and cmds["sglang"].startswith("#")
 
 
 def test_variant_settings(tmp_path):
-    from components.pipeline_config import ConfigError, PipelineConfig
-    from components.train import TrainConfig
-    from components.variant_choice import choose_variant, variant_tags
+    from components.config.pipeline import ConfigError, PipelineConfig
+    from components.registry.variant_choice import choose_variant, variant_tags
+    from components.train.stage import TrainConfig
     from eagle.train import as_variant
     from mlflow.utils.validation import validate_param_and_metric_name
 
@@ -305,8 +305,8 @@ def test_variant_settings(tmp_path):
 
 
 def _engine_eval():
-    from components.evaluate import EvaluateConfig
-    from components.speed import SpeedupConfig
+    from components.evaluate.speed import SpeedupConfig
+    from components.evaluate.stage import EvaluateConfig
 
     return EvaluateConfig(spec=SpecConfig(depth=3, max_new_tokens=24), limit=6, speed=SpeedupConfig.tiny(),
                           position_edges=(0, 8, 16, 64))
@@ -315,7 +315,7 @@ def _engine_eval():
 @pytest.fixture(scope="module")
 def plain_vllm(engine_target, engine_settings):
     """vLLM without speculation for `_engine_eval()`, started once for both variants' head servers."""
-    from components.evaluate_engine import plain_server
+    from components.evaluate.engine import plain_server
 
     with plain_server(_engine_eval(), engine_target.target_dir, engine_settings) as srv:
         yield srv
@@ -326,10 +326,10 @@ def plain_vllm(engine_target, engine_settings):
 @pytest.mark.parametrize("variant", PARALLEL_VARIANTS)
 def test_vllm_serves_the_parallel_head_losslessly_with_our_acceptance(variant, engine_target, engine_head,
                                                                      engine_settings, plain_vllm, tmp_path):
-    from components.evaluate_engine import evaluate_in_vllm, our_outputs
-    from components.evaluate import evaluate
-    from components.serve import is_servable
-    from components.train import TrainConfig, train
+    from components.evaluate.engine import evaluate_in_vllm, our_outputs
+    from components.evaluate.stage import evaluate
+    from components.targets.servable import is_servable
+    from components.train.stage import TrainConfig, train
     from tests.helpers import our_counts
 
     quiet = dict(progress=lambda s: None)

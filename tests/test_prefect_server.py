@@ -38,8 +38,8 @@ def _tiny_prefect_yaml(dest: Path) -> Path:
 
 
 def _register(store, emb_dir: Path, traffic, role: str, base_model: str = "") -> int:
-    from components.register import register_target
-    from components.targets import weights_sha256
+    from components.registry.register import register_target
+    from components.targets.target import weights_sha256
 
     ref = register_target(store, TARGET, str(emb_dir), role=role, base_model=base_model,
                           weights_sha256=weights_sha256(emb_dir),
@@ -48,7 +48,7 @@ def _register(store, emb_dir: Path, traffic, role: str, base_model: str = "") ->
 
 
 def _head_version(store, version: int):
-    from components.register import TargetRef, head_model_name
+    from components.registry.register import TargetRef, head_model_name
 
     versions = store.list_versions(head_model_name(TargetRef(TARGET, version, "", "")))
     assert len(versions) == 1, f"head of {TARGET} v{version}: expected one registered version, got {versions}"

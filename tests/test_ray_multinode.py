@@ -210,8 +210,8 @@ def cluster(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def features(tiny_embedded, tmp_path_factory) -> Path:
-    from components.extract import ExtractConfig, extract
-    from components.regenerate import RegenerateConfig, regenerate
+    from components.extract.stage import ExtractConfig, extract
+    from components.regenerate.stage import RegenerateConfig, regenerate
 
     out, quiet = tmp_path_factory.mktemp("stages"), dict(progress=lambda s: None)
     regen = RegenerateConfig(max_new_tokens=16, temperature=1.0, batch_size=8, shard_size=8, limit=12, seed=0)
@@ -230,7 +230,7 @@ def _drive(spec_file: str) -> None:
 
     import ray
 
-    from components.train import RayConfig, TrainConfig, TrainSetup, train
+    from components.train.stage import RayConfig, TrainConfig, TrainSetup, train
     from infra.ray_cluster import _node_sees, ray_session
     from infra.settings import Settings
 

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.live
 RUN = textwrap.dedent("""
     import dataclasses, sys, time
     from pathlib import Path
-    from components.train import RayConfig, TrainConfig, TrainSetup, train
+    from components.train.stage import RayConfig, TrainConfig, TrainSetup, train
     from infra.ray_cluster import ray_session
     from infra.settings import Settings
 
@@ -52,8 +52,8 @@ FOREIGN = ("multiple active Ray instances", "PlacementGroupCleaner", "Traceback"
 @pytest.fixture(scope="module")
 def features(tiny_embedded, tmp_path_factory) -> str:
     """Offline features of a few regenerated conversations of the tiny embedded default (~5 s)."""
-    from components.extract import ExtractConfig, extract
-    from components.regenerate import RegenerateConfig, regenerate
+    from components.extract.stage import ExtractConfig, extract
+    from components.regenerate.stage import RegenerateConfig, regenerate
 
     root = tmp_path_factory.mktemp("side-by-side")
     quiet = dict(progress=lambda s: None)

@@ -7,7 +7,7 @@ Purpose: issue 49's checks that need more than a row's argv and environment (tes
   `train` whose stages all run here passes. The suite cannot remove the real venv: `infra.vllm_server.__file__`,
   from which `vllm_python` finds the project's root, is pointed into an empty tree, so the real check runs on a
   venv that is not there;
-- components/targets.py `PROVEN_FAMILIES` names exactly the families tests/test_families.py proves, each of
+- components/targets/target.py `PROVEN_FAMILIES` names exactly the families tests/test_families.py proves, each of
   whose architectures vLLM's model-info cache is warmed for (infra/vllm_warm.py);
 - a GGUF file of a family transformers reads but the pipeline is not proven on (phi3) is refused by its header,
   before the conversion.
@@ -89,7 +89,7 @@ def test_a_command_that_runs_every_stage_here_needs_no_vllm(paths, tmp_path, mon
 
 
 def test_the_proven_families_are_the_tested_ones():
-    from components.targets import PROVEN_FAMILIES
+    from components.targets.target import PROVEN_FAMILIES
     from infra.vllm_warm import ARCHITECTURES
     from tests.test_families import FAMILIES
 
@@ -98,8 +98,8 @@ def test_the_proven_families_are_the_tested_ones():
 
 
 def test_a_gguf_of_an_unproven_family_is_refused_before_its_conversion(tmp_path):
-    from components.gguf_target import supported_architectures
-    from components.targets import TargetError
+    from components.targets.gguf import supported_architectures
+    from components.targets.target import TargetError
     from flows.preflight import check_target_dir
     from infra.settings import Settings
     from tests.helpers_gguf import tiny_llama, tiny_tokenizer, write_tiny_gguf

@@ -19,9 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from components.chat import ChatTemplateError, tokenize_conversation
-from components.regenerate import RegenerateConfig, hf_answerer, read_regenerated, regenerate
-from components.targets import load_target
+from components.data.chat import ChatTemplateError, tokenize_conversation
+from components.data.regenerated import read_regenerated
+from components.regenerate.stage import RegenerateConfig, hf_answerer, regenerate
+from components.targets.target import load_target
 from tests.helpers import send_json
 
 

@@ -26,7 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from components.regenerate import RegenerateConfig, read_regenerated, regenerate
+from components.data.regenerated import read_regenerated
+from components.regenerate.stage import RegenerateConfig, regenerate
 from eagle.config_checks import FieldError
 from infra.settings import Settings
 from tests.helpers import send_json
@@ -213,7 +214,7 @@ def vllm_plain(engine_target, tmp_path_factory):
 @pytest.mark.timeout(900)
 @pytest.mark.engine
 def test_regenerate_through_vllm_gives_vllms_own_answers(engine_target, vllm_plain, tmp_path):
-    from components.traffic_io import load_traffic
+    from components.data.traffic_io import load_traffic
 
     convs = [c.to_openai() for c in load_traffic(engine_target.target_traffic.train).conversations[:9]]
     convs[3:3] = [_conv("multi", *MULTI), _conv("too-long", ("user", "x = 1\n" * 1200))]

@@ -1,9 +1,9 @@
 """Roll back on collapse, the decision: synthetic counters through the judge and the follow loop, no engine.
 
-Purpose: `components.rollback.Judge` on counters made up window by window: a collapse rolls back at the first
+Purpose: `components.serving.rollback.Judge` on counters made up window by window: a collapse rolls back at the first
 judged window, a drop below ratio x the previous champion's τ only after `sustain_windows` in a row, too few drafts
 reach back over earlier windows before judging, no previous champion leaves only the floor; the loop of
-`components.serve_live.follow` with a fake server (its counters made from a τ per head) swaps a collapsed head back
+`components.serving.live.follow` with a fake server (its counters made from a τ per head) swaps a collapsed head back
 to the previous one within 2 windows, to plain decoding when none served before, and never swaps it in again;
 `RollbackConfig`'s bad values and serve's flags are refused with the field's name; the registry's side
 (`move_alias_back`) on a SQLite MLflow store.
@@ -17,9 +17,9 @@ import time
 
 import pytest
 
-from components.monitor import MonitorConfig, RollbackConfig, window_counts, window_start
-from components.rollback import REASON_TAG, Judge, move_alias_back
-from components.serve_live import Follow, RolledBack, Served, follow
+from components.serving.live import Follow, RolledBack, Served, follow
+from components.serving.monitor import MonitorConfig, RollbackConfig, window_counts, window_start
+from components.serving.rollback import REASON_TAG, Judge, move_alias_back
 from eagle.errors import BadInput
 from infra.vllm_server import EngineSpec, SpecCounters
 

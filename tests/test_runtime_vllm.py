@@ -2,7 +2,7 @@
 
 Purpose: the `train-head` flow (tiny preset, the tiny embedded target trained 400 steps) with `{"target": {"runtime":
 "vllm"}}` and nothing else about engines, while every way this process could load the target's weights
-(`components.targets.load_target`, the names modules imported it under, transformers' `from_pretrained` of any
+(`components.targets.target.load_target`, the names modules imported it under, transformers' `from_pretrained` of any
 model class) raises. Regeneration goes through a vLLM the stage starts (greedy, so that the data and the head's
 figures are the same in every run), extraction through the engine, evaluation in
 vLLM only; the head trains (draft vocabulary from the regenerated tokens, embedding / final norm / lm_head read by
@@ -41,8 +41,8 @@ def runtime_run(engine_target, prefect_harness, tmp_path_factory):
     import transformers
     from transformers.modeling_utils import PreTrainedModel
 
-    import components.extract
-    import components.targets
+    import components.extract.stage
+    import components.targets.target
 
     state = tmp_path_factory.mktemp("runtime-vllm") / ".eagle"
     vllm_python(Settings.local(state))  # a missing vLLM venv fails here with the line that says how to make it
@@ -54,7 +54,7 @@ def runtime_run(engine_target, prefect_harness, tmp_path_factory):
                                "train": {"steps": 60},
                                "evaluate": {"limit": 6, "spec": {"depth": 3, "max_new_tokens": 24}}}))
     with state_dir_env(state), pytest.MonkeyPatch.context() as mp:
-        for owner in (components.targets, components.extract):
+        for owner in (components.targets.target, components.extract.stage):
             mp.setattr(owner, "load_target", _refuse)
         mp.setattr(transformers.AutoModelForCausalLM, "from_pretrained", _refuse)
         mp.setattr(PreTrainedModel, "from_pretrained", classmethod(_refuse))

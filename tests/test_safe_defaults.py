@@ -10,7 +10,7 @@ Purpose:
   a local Ray keeps its token auth unless the settings say otherwise (Ray itself listens on all interfaces:
   HARDENING.md);
 - credentials never appear in messages or reprs (f-strings never format a URI or secret without redact_uri);
-- writes are atomic: pipeline code writes files only through components/atomic.py, into a temp dir that is
+- writes are atomic: pipeline code writes files only through components/data/atomic.py, into a temp dir that is
   renamed whole, or in the few places of WRITE_ALLOWLIST (with the reason).
 Run: `python -m pytest tests/test_safe_defaults.py` (a few seconds; the loopback check reuses the session's
 Prefect test server when another module started it, else it starts one).
@@ -34,16 +34,17 @@ FROM_PRETRAINED_ALLOWLIST = {
     "eagle/selfcheck.py": "loads the random tiny model it has just written itself",
 }
 WRITE_ALLOWLIST = {  # (file, source snippet of the call) -> why it need not be atomic
-    ("components/train_state.py", "(tmp / 'DONE').write_text"): "inside the checkpoint's temp dir, renamed whole",
-    ("components/train_state.py", "torch.save"): "inside the checkpoint's temp dir, renamed whole",
-    ("components/train_state.py", "save_file"): "inside a temp dir or atomic_path temp file, renamed whole",
+    ("components/train/state.py", "(tmp / 'DONE').write_text"): "inside the checkpoint's temp dir, renamed whole",
+    ("components/train/state.py", "torch.save"): "inside the checkpoint's temp dir, renamed whole",
+    ("components/train/state.py", "save_file"): "inside a temp dir or atomic_path temp file, renamed whole",
     ("infra/vllm_plugins/cpu_hidden_states_connector.py", "save_file"):
         "runs inside vLLM (no project imports); readers wait on the file's lock, released after the write",
-    ("components/train.py", "open(self.path, 'a')"): "appends one history line; a torn last line is dropped on read",
+    ("components/train/stage.py", "open(self.path, 'a')"):
+        "appends one history line; a torn last line is dropped on read",
     ("infra/locks.py", "open(path, 'a+')"): "a lock file: its content is never read",
-    ("components/gguf_target.py", "open(path, 'a+')"): "a lock file: its content is never read",
-    ("components/gguf_target.py", "fresh.save_pretrained"): "inside the conversion's temp dir, renamed whole",
-    ("components/gguf_target.py", "tokenizer.save_pretrained"): "inside the conversion's temp dir, renamed whole",
+    ("components/targets/gguf.py", "open(path, 'a+')"): "a lock file: its content is never read",
+    ("components/targets/gguf.py", "fresh.save_pretrained"): "inside the conversion's temp dir, renamed whole",
+    ("components/targets/gguf.py", "tokenizer.save_pretrained"): "inside the conversion's temp dir, renamed whole",
     ("infra/ray_cluster.py", "markers[path].write_text"): "an empty probe marker: only its existence is read",
     ("infra/vllm_server.py", "self.log_path.write_text"): "the engine's log (a new file per server): its command line",
     ("infra/vllm_server.py", "open(self.log_path, 'a')"): "the engine's log, written by the engine as it runs",
@@ -51,7 +52,7 @@ WRITE_ALLOWLIST = {  # (file, source snippet of the call) -> why it need not be 
     ("infra/vllm_sampling.py", "cache.write_text"): "a cache of the probe's answer: a torn or unreadable one is probed "
                                                     "again",
     ("infra/vllm_zygote.py", "open(tmp, 'w')"): "a server's exit code into a temp file, then os.replace'd (the zygote "
-                                                "imports only the standard library, not components.atomic)",
+                                                "imports only the standard library, not components.data.atomic)",
     ("infra/prefect_env.py", "open(home / 'local-api-start.lock', 'a+')"): "a lock file: its content is never read",
     ("infra/vllm_bench.py", "Path(path).write_text"): "the load client's prompts, rewritten whole before each sweep's "
         "first client starts; no other process reads it",
@@ -115,7 +116,7 @@ def test_every_from_pretrained_passes_trust_remote_code():
     constant_true = [f"{rel}:{line}" for rel, line, c in calls
                      if isinstance(_kw(c, "trust_remote_code"), ast.Constant) and _kw(c, "trust_remote_code").value]
     assert not constant_true, f"trust_remote_code=True hard-coded at {constant_true}"
-    model_loads = [c for rel, _, c in calls if rel == "components/targets.py"
+    model_loads = [c for rel, _, c in calls if rel == "components/targets/target.py"
                    and ast.unparse(c.func).startswith("AutoModelForCausalLM")]
     assert model_loads and all(ast.unparse(_kw(c, "use_safetensors")) == "True" for c in model_loads)
 
@@ -126,13 +127,13 @@ class _Stop(Exception):
 
 def test_the_trust_setting_reaches_every_model_load(monkeypatch, tmp_path):
     """EAGLE_TRUST_REMOTE_CODE -> Settings -> the flow's tasks -> each stage -> load_target / AutoConfig."""
-    import components.extract
-    import components.targets
-    from components.train_data import TrainingData
-    from components.evaluate import EvaluateConfig, HeadEval
-    from components.extract import ExtractConfig
-    from components.regenerate import RegenerateConfig
-    from components.train import LoopArgs, TrainConfig, train_loop
+    import components.extract.stage
+    import components.targets.target
+    from components.evaluate.stage import EvaluateConfig, HeadEval
+    from components.extract.stage import ExtractConfig
+    from components.regenerate.stage import RegenerateConfig
+    from components.train.data import TrainingData
+    from components.train.stage import LoopArgs, TrainConfig, train_loop
     from flows import tasks
     from infra.settings import Settings
 
@@ -144,8 +145,8 @@ def test_the_trust_setting_reaches_every_model_load(monkeypatch, tmp_path):
         seen.append(trust_remote_code)
         raise _Stop
 
-    monkeypatch.setattr(components.targets, "load_target", spy)
-    monkeypatch.setattr(components.extract, "load_target", spy)
+    monkeypatch.setattr(components.targets.target, "load_target", spy)
+    monkeypatch.setattr(components.extract.stage, "load_target", spy)
     traffic = tmp_path / "t.jsonl"
     traffic.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
     for call in (lambda: tasks.regenerate_task.fn(RegenerateConfig(), "tgt", str(traffic), str(tmp_path / "r"), True),
@@ -284,7 +285,7 @@ def test_pipeline_code_writes_files_atomically():
     found = []
     for name in ("write_text", "write_bytes", "open", "save_file", "save", "savefig", "save_pretrained"):
         for rel, line, c in _calls(name):
-            if rel.startswith(("eagle/", "embedded/")) or rel == "components/atomic.py":
+            if rel.startswith(("eagle/", "embedded/")) or rel == "components/data/atomic.py":
                 continue  # eagle/ writes only through export.py's temp-dir rename; embedded renames its build dir
             src = ast.unparse(c.func)
             if name == "open":
@@ -300,7 +301,7 @@ def test_pipeline_code_writes_files_atomically():
             found.append((rel, line, src))
     bad = [f"{rel}:{line}: {src}" for rel, line, src in found
            if not any(rel == f and src.startswith(snippet) for f, snippet in WRITE_ALLOWLIST)]
-    assert not bad, "write through components.atomic (atomic_path / atomic_write_text):\n" + "\n".join(bad)
+    assert not bad, "write through components.data.atomic (atomic_path / atomic_write_text):\n" + "\n".join(bad)
 
 
 _AUTH_MODES_IN_TURN = """

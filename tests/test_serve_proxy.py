@@ -35,9 +35,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from components.capture import CaptureConfig, read_capture
-from components.serve_live import LiveConfig, LiveServer, Served
-from components.traffic_io import load_traffic
+from components.data.traffic_io import load_traffic
+from components.serving.capture import CaptureConfig, read_capture
+from components.serving.live import LiveConfig, LiveServer, Served
 from infra.vllm_server import EngineSpec
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
@@ -136,8 +136,8 @@ def _plain(engine_target, prompts) -> list[list[int]]:
     import torch
     from transformers import AutoTokenizer
 
-    from components.chat import prompt_ids
-    from components.targets import load_target
+    from components.data.chat import prompt_ids
+    from components.targets.target import load_target
     from eagle.speculative import SpecConfig, generate_plain
 
     tok = AutoTokenizer.from_pretrained(engine_target.target_dir)

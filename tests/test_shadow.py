@@ -1,7 +1,7 @@
 """The shadow test's verdict on synthetic intervals, its registry tags, and the extra gate it puts on the alias.
 
-Purpose: components/shadow.py `verdict` and `ShadowResult` without vLLM (figures made by hand), and
-components/register.py `register_head` honouring `HeadToRegister.extra_gate` in a local MLflow store.
+Purpose: components/evaluate/shadow.py `verdict` and `ShadowResult` without vLLM (figures made by hand), and
+components/registry/register.py `register_head` honouring `HeadToRegister.extra_gate` in a local MLflow store.
 Run: `python -m pytest tests/test_shadow.py` (a few seconds).
 Not here: the measurement in vLLM (tests/test_capture_retrain_engine.py).
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from components.shadow import Figure, ShadowResult, verdict
+from components.evaluate.shadow import Figure, ShadowResult, verdict
 
 
 def fig(speedup: float, lo: float, hi: float, reliable: bool = True, identical: bool = True) -> Figure:
@@ -50,7 +50,7 @@ def test_tags_hold_the_verdict_and_both_figures():
 
 
 def test_a_failed_shadow_keeps_the_alias_and_says_why(mlflow_store, tmp_path):
-    from components.register import HeadToRegister, RegisterConfig, TargetRef, register_head
+    from components.registry.register import HeadToRegister, RegisterConfig, TargetRef, register_head
 
     head = tmp_path / "head"
     head.mkdir()

@@ -1,4 +1,4 @@
-"""The speedup estimator (components/speed.py) on a simulated clock: what it measures, in which order, when it
+"""The speedup estimator (components/evaluate/speed.py) on a simulated clock: what it measures, in which order, when it
 stops, and when it calls a figure unreliable. No real timing: each decode advances a fake clock by a set cost.
 Beside it, the other-load probe (infra/cpu_load.py) with real processes: a busy neighbour is other load, our own
 work and the process groups we name are not, and a figure measured beside a neighbour is flagged.
@@ -14,9 +14,9 @@ import time
 
 import pytest
 
-from components.evaluate import EvaluateConfig
-from components.pipeline_config import ConfigError, PipelineConfig
-from components.speed import SpeedupConfig, Timing, measure_speedup, median_interval
+from components.config.pipeline import ConfigError, PipelineConfig
+from components.evaluate.speed import SpeedupConfig, Timing, measure_speedup, median_interval
+from components.evaluate.stage import EvaluateConfig
 from infra.cpu_load import MIN_WALL_S, OtherLoad, machine_busy_s
 
 BUSY = "import time\nt = time.time()\nwhile time.time() - t < 30: pass"
@@ -70,7 +70,7 @@ def test_in_blocks_each_side_takes_a_block_and_the_side_that_ends_one_begins_the
     assert [(k, i) for k, i, r in calls if r == 1][0] == ("spec", 0)  # the next round begins with the other side
     assert est.plain_s[0] == [2.0 + i for i in range(6)] and est.spec_s[0] == [1.0 + i / 2 for i in range(6)]
     assert est.speedup == pytest.approx(2.0)
-    from components.evaluate_engine import SwitchPause
+    from components.evaluate.engine import SwitchPause
 
     slept: list[float] = []
     pause = SwitchPause(1.2, last="spec", sleep=slept.append)
@@ -80,7 +80,7 @@ def test_in_blocks_each_side_takes_a_block_and_the_side_that_ends_one_begins_the
 
 
 def test_block_zero_is_prompt_by_prompt_in_our_decoder_and_blocks_of_four_where_switching_waits():
-    from components.speed import SWITCH_BLOCK
+    from components.evaluate.speed import SWITCH_BLOCK
 
     assert SpeedupConfig().block_for(switch_costs=False) == 1
     assert SpeedupConfig().block_for(switch_costs=True) == SWITCH_BLOCK == 4
@@ -108,7 +108,7 @@ def test_settle_runs_before_each_decode_untimed_and_outside_the_budget():
 
 
 def test_the_engine_pause_waits_only_when_the_other_server_served_last():
-    from components.evaluate_engine import SwitchPause
+    from components.evaluate.engine import SwitchPause
 
     slept: list[float] = []
     pause = SwitchPause(1.2, last="spec", sleep=slept.append)
@@ -123,7 +123,7 @@ def test_the_engine_pause_waits_only_when_the_other_server_served_last():
 def test_the_pause_between_servers_is_the_devices_unless_the_config_sets_one():
     """`evaluate.speed.switch_pause_s`: None waits out a CPU engine's idle spin (and nothing on a GPU); a number is
     taken as given (0 where the cores are many, and in the tests' tiny config); a negative one is refused."""
-    from components.evaluate_engine import SETTLE_MARGIN_S, SwitchPause
+    from components.evaluate.engine import SETTLE_MARGIN_S, SwitchPause
     from infra.vllm_server import IDLE_SPIN_S, EngineSpec
 
     cpu, gpu = EngineSpec("/t", method=None, device="cpu"), EngineSpec("/t", method=None, device="cuda")

@@ -22,12 +22,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from components.extract import ExtractConfig
-from components.pipeline_config import PipelineConfig
-from components.regenerate import RegenerateConfig
-from components.regenerate_endpoint import engine_endpoint
-from components.register import RegisterConfig, _gate_inputs
-from components.target_runtime import TargetConfig, TargetRuntime
+from components.config.pipeline import PipelineConfig
+from components.extract.stage import ExtractConfig
+from components.regenerate.endpoint import engine_endpoint
+from components.regenerate.stage import RegenerateConfig
+from components.registry.register import RegisterConfig, _gate_inputs
+from components.targets.runtime import TargetConfig, TargetRuntime
 from eagle.config_checks import FieldError
 from infra.settings import Settings
 from infra.vllm_scale import EngineScale
@@ -123,7 +123,7 @@ KNOBS = {"engine", "runtime", "gate_tau"}
 NAMES = {"vllm", "local", "engine"}
 # files that still compare a knob with a name, and why (empty is the goal)
 COMPARE_ALLOWLIST = {
-    "components/target_runtime.py": "the one place that reads the knobs",
+    "components/targets/runtime.py": "the one place that reads the knobs",
 }
 
 
@@ -147,4 +147,4 @@ def test_no_stage_compares_engine_names_outside_the_runtime():
             rel = path.relative_to(ROOT).as_posix()
             if rel not in COMPARE_ALLOWLIST and (lines := _knob_comparisons(path)):
                 found[rel] = lines
-    assert not found, f"ask components/target_runtime.py's TargetRuntime instead: {found}"
+    assert not found, f"ask components/targets/runtime.py's TargetRuntime instead: {found}"

@@ -16,9 +16,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from components import traffic_sources
-from components.traffic_io import (TrafficFormatError, conversations_sha256, load_traffic, traffic_sha256,
-                                   write_openai_jsonl)
+from components.data import traffic_sources
+from components.data.traffic_io import (TrafficFormatError, conversations_sha256, load_traffic, traffic_sha256,
+                                        write_openai_jsonl)
 
 ROOT = Path(__file__).resolve().parents[1]
 ROWS = [
@@ -185,7 +185,7 @@ def test_directory_hash_covers_the_data_files_only(tmp_path):
 
 def test_the_command_line_prints_counts_for_parquet(tmp_path):
     path = _parquet(tmp_path / "t.parquet", [ROWS[0], BAD_ROW, ROWS[1], ROWS[2]])
-    out = subprocess.run([sys.executable, "-m", "components.traffic_io", str(path)], cwd=ROOT, capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "components.data.traffic_io", str(path)], cwd=ROOT, capture_output=True,
                          text=True, timeout=120, check=True).stdout
     report = json.loads(out)
     assert report["conversations"] == 3 and report["skipped"] == {"unknown role": 1}

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from components.traffic_io import (Conversation, Message, TrafficFormatError, conversations_sha256, load_traffic,
-                                   traffic_sha256, write_openai_jsonl)
+from components.data.traffic_io import (Conversation, Message, TrafficFormatError, conversations_sha256, load_traffic,
+                                        traffic_sha256, write_openai_jsonl)
 
 OPENAI = [
     {"id": "a", "segment": "complete", "source_file": "json/decoder.py", "messages": [
@@ -139,7 +139,7 @@ def test_a_leading_byte_order_mark_is_accepted(tmp_path):
 def test_writer_output_is_pinned_to_its_version(tmp_path):
     """The embedded build hash covers WRITER_VERSION, not the writer's source: if this fails, the writer now writes
     other bytes; bump `traffic_io.WRITER_VERSION` (cached embedded builds must be rebuilt) and update the hash."""
-    from components.traffic_io import WRITER_VERSION
+    from components.data.traffic_io import WRITER_VERSION
 
     convs = load_traffic(_write(tmp_path, OPENAI)).conversations
     sha = write_openai_jsonl(tmp_path / "out.jsonl", convs)

@@ -16,8 +16,8 @@ import itertools
 import pytest
 import torch
 
-from components.train import TrainConfig, train
-from components.train_data import TeacherCache, TrainingData, batches, ttt_batch
+from components.train.data import TeacherCache, TrainingData, batches, ttt_batch
+from components.train.stage import TrainConfig, train
 from tests.test_extract_train import _head, offline_dir, regen_dir  # noqa: F401  (the module's fixtures)
 
 

@@ -1,4 +1,4 @@
-"""The head variant chosen by measurement (`train.variants`, components/variant_choice.py) and its config key.
+"""The head variant chosen by measurement (`train.variants`, components/registry/variant_choice.py) and its config key.
 
 The selection rule on a table of figures (ties, unreliable figures, missing vLLM figures), the registry tags, the
 config validation (at load, naming the key path), and one run of `train-head` on the tiny embedded default with
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from components.variant_choice import Speedup, VariantSink, choose_variant, served_key, variant_tags
+from components.registry.variant_choice import Speedup, VariantSink, choose_variant, served_key, variant_tags
 
 
 def fig(value, lo, hi, reliable=True, key="speedup_vllm", tau=2.0):
@@ -113,7 +113,7 @@ def test_variant_sink_prefixes_the_variant():
                                          (["eagle3.1"], "two or more"),
                                          ("eagle3", "is not of type")])
 def test_config_refuses_bad_variants_naming_the_key(tmp_path, value, words):
-    from components.pipeline_config import ConfigError, PipelineConfig
+    from components.config.pipeline import ConfigError, PipelineConfig
 
     path = tmp_path / "pipeline.json"
     path.write_text(json.dumps({"train": {"variants": value}}))
@@ -123,8 +123,8 @@ def test_config_refuses_bad_variants_naming_the_key(tmp_path, value, words):
 
 
 def test_config_accepts_variants_and_they_change_the_run_identity(tmp_path):
-    from components.pipeline_config import PipelineConfig
-    from components.train import TrainConfig
+    from components.config.pipeline import PipelineConfig
+    from components.train.stage import TrainConfig
     from eagle.config_checks import FieldError
 
     path = tmp_path / "pipeline.json"
@@ -138,7 +138,7 @@ def test_config_accepts_variants_and_they_change_the_run_identity(tmp_path):
 
 @pytest.mark.slow
 def test_train_head_registers_the_chosen_variant_with_both_figures(tiny_embedded, prefect_harness, tmp_path):
-    from components.evaluate import EvaluateResult
+    from components.evaluate.stage import EvaluateResult
     from infra.mlflow_store import MlflowStore
     from infra.settings import Settings
     from tests.helpers import state_dir_env

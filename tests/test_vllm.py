@@ -36,16 +36,16 @@ from pathlib import Path
 
 import pytest
 
-from components.evaluate_engine import evaluate_in_vllm, our_outputs, plain_server
-from components.evaluate import EvaluateConfig, evaluate
-from components.speed import SpeedupConfig
+from components.evaluate.engine import evaluate_in_vllm, our_outputs, plain_server
+from components.evaluate.speed import SpeedupConfig
+from components.evaluate.stage import EvaluateConfig, evaluate
+from components.extract.stage import ExtractConfig, extract
+from components.targets.servable import is_servable, servable_head
+from components.train.stage import TrainConfig, train
 from eagle.speculative import SpecConfig
-from components.extract import ExtractConfig, extract
-from components.serve import is_servable, servable_head
-from components.train import TrainConfig, train
 from infra.settings import Settings
-from infra.vllm_zygote import FORKED_CORE, ZygoteChild
 from infra.vllm_server import EngineError, EngineSpec, VllmServer
+from infra.vllm_zygote import FORKED_CORE, ZygoteChild
 from tests.helpers import our_counts, state_dir_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
@@ -203,8 +203,8 @@ def test_serve_command_starts_vllm_with_the_champion(flow_run, engine_target, se
     assert rc in (0, 130)
     # this vLLM's CPU build verifies sampled drafts wrongly (infra/vllm_sampling.py): serve says to send greedy requests
     assert any("serve: note: this vLLM's CPU build verifies sampled drafts wrongly" in ln for ln in seen), seen
-    from components.chat import prompt_ids
-    from components.targets import load_target
+    from components.data.chat import prompt_ids
+    from components.targets.target import load_target
     from eagle.speculative import generate_plain
     import torch
 

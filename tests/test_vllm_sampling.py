@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from components.evaluate import EvaluateConfig
+from components.evaluate.stage import EvaluateConfig
 from eagle.errors import BadInput
 from eagle.run_config import SpecConfig
 from infra import vllm_sampling
@@ -70,8 +70,8 @@ def test_refused_only_for_sampled_requests_to_a_cpu_build_that_verifies_them_wro
 
 def test_a_sampled_engine_evaluation_is_refused_before_any_server_starts(broken_build, tiny_embedded, tmp_path,
                                                                          monkeypatch):
-    from components import evaluate_engine
-    from components.load_sweep import load_sweep
+    from components.evaluate import engine as evaluate_engine
+    from components.evaluate.load_sweep import load_sweep
     from infra.vllm_server import VllmServer
 
     def no_server(self):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from components.register import register_target
+from components.registry.register import register_target
 
 SHA = "a" * 64
 

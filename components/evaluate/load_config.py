@@ -1,0 +1,51 @@
+"""The load sweep's settings (`evaluate.load`), apart from the sweep so that the evaluation's config can hold them
+without importing the sweep (components/evaluate/load_sweep.py imports the evaluation).
+
+Purpose: `LoadConfig` (concurrency levels, K values, requests per level, rounds of the interleaved cells, the margin a
+K must beat plain by) and
+`MAX_BATCH`, the batch size the last range of a schedule reaches. Run: imported by components/evaluate/stage.py.
+Not here: the sweep itself (components/evaluate/load_sweep.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from eagle.config_checks import FieldError, at_least
+
+MAX_BATCH = 1024  # the last range of a schedule reaches this batch size (vLLM caps it at its max_num_seqs)
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """The sweep (`evaluate.load` in a pipeline config): empty `concurrency` means no sweep."""
+
+    concurrency: tuple[int, ...] = ()
+    k_values: tuple[int, ...] = (3, 5)
+    requests: int = 16  # requests per level: the same held-out prompts at every level (>= the top concurrency)
+    output_len: int = 0  # new tokens per request (0: the evaluation's max_new_tokens)
+    margin: float = 0.03  # a K must beat plain's output tokens/s by more than this share to be scheduled
+    repeats: int = 3  # rounds of every cell (its figure the median: 3 is the fewest that outvote one outlier)
+    verify_schedule: bool = True
+
+    def __post_init__(self) -> None:
+        at_least(self, {"requests": 1, "output_len": 0, "repeats": 1})
+        for name, values, low in (("concurrency", self.concurrency, 1), ("k_values", self.k_values, 1)):
+            if any(not isinstance(v, int) or isinstance(v, bool) or v < low for v in values):
+                raise FieldError(self, name, f"must be whole numbers >= {low}, got {list(values)}")
+            if list(values) != sorted(set(values)):
+                raise FieldError(self, name, f"must be ascending without repeats, got {list(values)}")
+        if self.concurrency and not self.k_values:
+            raise FieldError(self, "k_values", "must name at least one K when concurrency levels are given")
+        if any(k > 16 for k in self.k_values):
+            raise FieldError(self, "k_values", f"must be <= 16 (the heads here draft at most 16), got "
+                                               f"{list(self.k_values)}")
+        if self.concurrency and self.requests < self.concurrency[-1]:
+            raise FieldError(self, "requests", f"must be >= the top concurrency {self.concurrency[-1]} (else that "
+                                               f"level never runs full), got {self.requests}")
+        if not 0.0 <= self.margin < 1.0:
+            raise FieldError(self, "margin", f"must be in [0, 1), got {self.margin}")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.concurrency)
