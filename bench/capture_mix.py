@@ -8,7 +8,7 @@ trained for. This measures what each mix buys and costs, on one target:
 2. what serve would capture once the traffic shifted: the target's own greedy answers to prompts of the other
    domain (the fine-tune's: `finetune-train`), made by the regenerate stage (speculative decoding is lossless, so a
    served completion is exactly this);
-3. per mix in `--mixes`: the counts `components.captured_traffic.mix_counts` gives (what a retrain on capture uses,
+3. per mix in `--mixes`: the counts `components.data.captured_traffic.mix_counts` gives (what a retrain on capture uses,
    from `--registered` and `--captured` available), written as a regeneration directory the way a capture plan
    adds captures (registered first, then `shard-captured.jsonl`), extracted, and a head warm-started from the
    champion for `--steps` steps (the preset's warm-start steps);
@@ -22,13 +22,12 @@ Run: `python bench/capture_mix.py [--quick | --build DIR] [--mixes 0.25 0.5 0.75
 `.eagle/embedded/real-*` (`make demo` makes it; SmolLM2-135M-Instruct, its fine-tune's traffic as the shift),
 trained with the `default` preset's head config in this process (no Ray), stages on the local runtime; `--quick`:
 the tiny toy target with the `tiny` preset (a few minutes). Work is cached under `.eagle/bench/capture_mix*/`.
-Not here: the served speedup of the heads (components/shadow.py measures it in a retrain), capture itself.
+Not here: the served speedup of the heads (components/evaluate/shadow.py measures it in a retrain), capture itself.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import shutil
 import sys
 from pathlib import Path
@@ -67,9 +66,9 @@ def newest_real_build() -> Path:
 
 def stages(args):
     """(regenerate, extract, train, evaluate) configs: the preset's, in this process on the local runtime."""
-    from components.evaluate import EvaluateConfig
-    from components.pipeline_config import PipelineConfig
-    from components.train import RayConfig
+    from components.evaluate.stage import EvaluateConfig
+    from components.config.pipeline import PipelineConfig
+    from components.train.config import RayConfig
     from eagle.speculative import SpecConfig
 
     cfg = PipelineConfig.preset("tiny" if args.quick else "default")
@@ -94,7 +93,7 @@ def first_lines(src: Path, n: int, dest: Path) -> Path:
 
 def regenerated(regen_cfg, target_dir: Path, traffic: Path, n: int, out: Path) -> list[str]:
     """The target's answers to the first `n` conversations of `traffic` (cached in `out`), as shard lines."""
-    from components.regenerate import regenerate
+    from components.regenerate.stage import regenerate
 
     done = out / "lines.jsonl"
     if not done.is_file():
@@ -108,8 +107,8 @@ def regenerated(regen_cfg, target_dir: Path, traffic: Path, n: int, out: Path) -
 
 def mixed_extract(ext_cfg, target_dir: Path, registered: list[str], captured: list[str], out: Path) -> Path:
     """A regeneration directory of `registered` then `captured` (as a capture plan adds them), extracted."""
-    from components.captured_traffic import SHARD
-    from components.extract import extract
+    from components.data.captured_traffic import SHARD
+    from components.extract.stage import extract
 
     if not (out / "extract" / "manifest.json").is_file():
         shutil.rmtree(out, ignore_errors=True)
@@ -124,7 +123,7 @@ def mixed_extract(ext_cfg, target_dir: Path, registered: list[str], captured: li
 
 
 def trained(train_cfg, ext_dir: Path, target_dir: Path, out: Path, warm: Path | None) -> Path:
-    from components.train import TrainSetup, train
+    from components.train.stage import TrainSetup, train
 
     head = out / "head"
     if not (head / "model.safetensors").is_file():
@@ -134,7 +133,7 @@ def trained(train_cfg, ext_dir: Path, target_dir: Path, out: Path, warm: Path | 
 
 
 def judged(ev_cfg, d: Domains, head: Path, out: Path) -> dict:
-    from components.evaluate import evaluate
+    from components.evaluate.stage import evaluate
 
     row = {}
     for name, traffic in (("shift", d.shift_heldout), ("base", d.base_heldout)):
@@ -164,8 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.registered, args.captured, args.steps, args.steps_champion) < 0 or args.prompts < 1 or args.depth < 1:
         p.error("--registered, --captured, --steps and --steps-champion must be >= 0; --prompts and --depth >= 1")
     load_before = start(args)
-    from components.captured_traffic import mix_counts
-    from components.pipeline_config import PipelineConfig
+    from components.data.captured_traffic import mix_counts
+    from components.config.pipeline import PipelineConfig
 
     d = domains(args)
     regen, ext, train, ev = stages(args)

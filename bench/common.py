@@ -110,13 +110,13 @@ def _say(msg: str) -> None:
 def find_embedded(cfg: EmbeddedConfig, root: Path) -> EmbeddedResult | None:
     """The newest finished build under `root` made with `cfg` (its hash may differ when the code moved on)."""
     found = []
-    for report in root.glob("*/report.json"):
+    for report_file in root.glob("*/report.json"):
         try:
-            res = load_result(report.parent)
+            res = load_result(report_file.parent)
         except Exception:  # a report of an older format: not ours to reuse
             continue
         if res.config == cfg:
-            found.append((report.stat().st_mtime, res))
+            found.append((report_file.stat().st_mtime, res))
     return max(found, key=lambda x: x[0])[1] if found else None
 
 

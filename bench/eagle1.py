@@ -1,6 +1,7 @@
 """An EAGLE-1-style head, for comparison only: one top-layer feature, feature regression + token loss, no TTT.
 
-Purpose: the baseline of `bench/acceptance_vs_depth.py` (the only user, so it lives next to it, outside `eagle/`). `Eagle1Draft` is the EAGLE-3 head (`eagle.draft`) with a
+Purpose: the baseline of `bench/acceptance_vs_depth.py` (the only user, so it lives next to it, outside `eagle/`).
+`Eagle1Draft` is the EAGLE-3 head (`eagle.draft`) with a
 different input: instead of `fc` over the fused low/mid/high states it reads one feature, the input of the
 target's last decoder layer, as is (its `aux_layer_ids` are the inputs of the last three layers, so the unchanged
 capture and drafting code of `eagle.speculative` run it; `fuse` keeps the last one). It is trained as EAGLE-1 was:

@@ -1,4 +1,4 @@
-"""Does the K schedule hold? A head served three ways in vLLM at every concurrency: plain, the best fixed K, the schedule.
+"""Does the K schedule hold? A head served in vLLM at every concurrency: plain, the best fixed K, the schedule.
 
 Purpose: issue 27's proof for the schedule the load sweep derives (components/evaluate/load_sweep.py). First the sweep
 itself (plain and each K of `--k-values` at each level of `--concurrency`, servers up at once, cells in

@@ -133,7 +133,8 @@ def main(argv: list[str] | None = None) -> None:
     for r in range(args.runs):
         order = ["plain", "head"] if r % 2 == 0 else ["head", "plain"]
         rounds.append(one_round(args, prompts, order, settings))
-        common._say(f"bench: round {r + 1}/{args.runs}: {rounds[-1]['speedup']:.2f}x plain, tau {rounds[-1]['tau']:.2f}, "
+        common._say(f"bench: round {r + 1}/{args.runs}: {rounds[-1]['speedup']:.2f}x plain, "
+                    f"tau {rounds[-1]['tau']:.2f}, "
                     f"mismatches {rounds[-1]['mismatches']}")
     speedups = [r["speedup"] for r in rounds]
     print(f"{'bucket':>12} {'steps':>6} {'tau':>6} {'alpha_1':>8}   (round 1)")

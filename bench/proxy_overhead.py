@@ -1,8 +1,9 @@
 """What our serving proxy (and capture behind it) costs: output tokens/s and TTFT with and without it, side by side.
 
 Run: `python bench/proxy_overhead.py [--quick] [--rounds 3] [--prompts 32] [--output-len 64] [--head DIR]
-[--no-capture] [--target DIR --heldout FILE]` (default target: the embedded default's, built or reused as every benchmark does; `--quick`: the
-tiny one; about 4 minutes on 2 cores with the defaults). One vLLM server (plain decoding, or with `--head`) and one
+[--no-capture] [--target DIR --heldout FILE]` (default target: the embedded default's, built or reused as every
+benchmark does; `--quick`: the tiny one; about 4 minutes on 2 cores with the defaults). One vLLM server (plain
+decoding, or with `--head`) and one
 `ServeProxy` in front of it (infra/serve_proxy.py) with a capture writer recording every request into a temporary
 directory (components/serving/capture.py; `--no-capture`: the proxy alone). vLLM's own load client (`vllm bench serve`,
 infra/vllm_bench.py, one client process) measures cells at concurrency 1 and 16, `direct` (vLLM's port) and `proxy`
@@ -109,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
             capture.close()
             captured = capture.stats()
     levels = summarize(keys, cells)
-    payload = {"target": str(emb.target_dir), "levels": levels, "rounds": a.rounds, "capture": None if a.no_capture else captured, "head": a.head}
+    payload = {"target": str(emb.target_dir), "levels": levels, "rounds": a.rounds,
+               "capture": None if a.no_capture else captured, "head": a.head}
     rows = [{"concurrency": c, "direct tok/s": f["direct"]["tok_s"], "proxy tok/s": f["proxy"]["tok_s"],
              "tok/s ratio": f["tok_s_ratio"], "ratio min": f["tok_s_ratio_min"], "ratio max": f["tok_s_ratio_max"],
              "direct TTFT ms": f["direct"]["ttft_ms"], "proxy TTFT ms": f["proxy"]["ttft_ms"],

@@ -3,8 +3,8 @@
 Run: `python bench/serving_loop.py [--quick] [--shift finetune|explain] [--no-rollback]` (`make serving-loop` runs
 the default: the embedded default's real SmolLM2, its champion trained here once by `train-head` at the `default`
 preset, about an hour on 2 cores the first time; `--quick`: the tiny toy target, a few minutes).
-In its own state dir (`<cache>/serving-loop[-quick][-explain]/.eagle`: registry, captures, runs; the champion is trained once
-and reused, the alias is put back on it and the captures cleared at each start) it:
+In its own state dir (`<cache>/serving-loop[-quick][-explain]/.eagle`: registry, captures, runs; the champion is
+trained once and reused, the alias is put back on it and the captures cleared at each start) it:
 1. registers the base target (with its traffic) and trains its champion head through `train-head`;
 2. runs `eagle-heads serve --head models:/HEAD@champion --capture --follow-alias` (a subprocess, as an operator
    runs it; K = the evaluation's depth so the live τ compares with the registered one);
@@ -326,7 +326,8 @@ def main(argv: list[str] | None = None) -> int:
          f"{time.strftime('%Y-%m-%d')}, {common.cpu_info().get('model', '')})",
          f"{line}; {len(traffic.results)} requests, {len(failed)} failed, {check['mismatched_requests']} of "
          f"{check['requests_checked']} checked greedy outputs differ from plain vLLM")
-    payload = {"plot": str(png), "started_utc": started_utc, "shift": a.shift, "sizes": dataclasses.asdict(sizes), "target": str(emb.target_dir),
+    payload = {"plot": str(png), "started_utc": started_utc, "shift": a.shift, "sizes": dataclasses.asdict(sizes),
+               "target": str(emb.target_dir),
                "base_prompts": base_source, "champion": champ, "champion_setup_s": round(setup_s, 1),
                "retrain": result, "retrained_tags": tags, "summary": summary, "verdict": line, "error": error,
                "forced_promotion": bool(forced),

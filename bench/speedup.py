@@ -166,7 +166,8 @@ def goals(rows: list[dict], draft_x_head: float = 1.0) -> dict:
         out[name] = goal_line(name, best["tok_s"] / by[alt]["tok_s"], 1.5, bad, method=best["method"])
     for alt in ("lookup", "draft-model"):  # speculation gain over speculation gain, both in our loop
         name = f"gain vs {alt} (our loop) >= 1.5"
-        if alt == "draft-model" and abs(draft_x_head - 1.0) > 0.01:  # --draft-model-seconds: say it is not like for like
+        # --draft-model-seconds: say it is not like for like
+        if alt == "draft-model" and abs(draft_x_head - 1.0) > 0.01:
             name = f"gain vs draft-model (our loop, trained {draft_x_head:.2f}x the head's time) >= 1.5"
         out[name] = goal_line(name, best["x_own"] / by[alt]["x_own"], 1.5, bad, method=best["method"])
     return out

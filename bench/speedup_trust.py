@@ -91,7 +91,8 @@ def child(args: argparse.Namespace) -> None:
             v = evaluate_in_vllm(cfg, target, head_dir, heldout, str(Path(tmp) / "vllm"), Settings.from_env(),
                                  ours=our_outputs(res.report_file), progress=lambda s: None)
             speed = json.loads(Path(v.report_file).read_text())["speed"]
-            row = {**{k: row[k] for k in ("target_path", "path_ms", "path_timings_kept")}, "speedup": v.speedup, "lo": v.speedup_lo, "hi": v.speedup_hi, "reliable": v.speedup_reliable,
+            row = {**{k: row[k] for k in ("target_path", "path_ms", "path_timings_kept")}, "speedup": v.speedup,
+                   "lo": v.speedup_lo, "hi": v.speedup_hi, "reliable": v.speedup_reliable,
                    "note": v.speedup_note, "rounds": v.speedup_rounds, "tau": v.tau,
                    "mismatches": sum(not s["identical_to_plain"] for s in
                                      json.loads(Path(v.report_file).read_text())["samples"]),
@@ -207,12 +208,14 @@ def main(argv: list[str] | None = None) -> dict | None:
     mism = sum(r["mismatches"] for r in rows)
     cols = ["condition", "speedup", "lo", "hi", "reliable", "rounds", "single_pass", "other_load", "tau", "mismatches"]
     print_table([{k: r.get(k) for k in cols} for r in rows], cols)
-    goals = {cond: goal_line(f"{cond}: largest deviation of a reliable figure from the quiet median {v['reference']:.3f}x "
+    goals = {cond: goal_line(f"{cond}: largest deviation of a reliable figure from the quiet median "
+                             f"{v['reference']:.3f}x "
                        f"({c['reliable']}/{c['runs']} reliable, {c['flagged_unreliable']} flagged unreliable; the "
                        f"single pass: {c['single_pass_max_deviation']:.1%})", c["max_deviation"], BAND + 1e-9, mism,
                        below=True, label="goal") for cond, c in v["by_condition"].items()}
     name = "speedup_trust" + ("-vllm" if args.engine == "vllm" else "") + ("-" + args.name if args.name else "")
-    path = write_results(name, args.quick, {"engine": args.engine, "timings": args.timings, "runs": rows, "verdict": v, "goals": goals,
+    path = write_results(name, args.quick, {"engine": args.engine, "timings": args.timings, "runs": rows,
+                                            "verdict": v, "goals": goals,
                                             "mismatches": mism}, load_before)
     plot(rows, v, path.with_suffix(".png"), args.engine)
     return {"verdict": v, "goals": goals, "mismatches": mism}

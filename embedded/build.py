@@ -177,7 +177,8 @@ def _build_into(tmp: Path, cfg: EmbeddedConfig, base: Domain, finetune: Domain, 
 def _environment(cfg: EmbeddedConfig) -> dict[str, str]:
     """What the timings depend on. The CPU count is the machine's; other processes may share those cores."""
     return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "tokenizers": tokenizers.__version__, "device": cfg.train.device, "torch_threads": str(torch.get_num_threads()),
+            "tokenizers": tokenizers.__version__, "device": cfg.train.device,
+            "torch_threads": str(torch.get_num_threads()),
             "cpu_count": str(os.cpu_count()), "load_average_1m": f"{os.getloadavg()[0]:.2f}"}
 
 

@@ -231,7 +231,8 @@ def check_first_turns_fit(load: TrafficLoad, config, tokenizer, cfg: RegenerateC
     unit, number = _record_number(load.path, 0)
     raise TrafficFormatError(load.path, number, f"the first turn of {c.id!r} is a prompt of {n} tokens (with the "
                              f"target's chat template), more than the {room} its context leaves "
-                             f"(max_position_embeddings {prompt_room(config, 0)[0]} - {new}), and no first turn of the {len(convs)} "
+                             f"(max_position_embeddings {prompt_room(config, 0)[0]} - {new}), and no first turn "
+                             f"of the {len(convs)} "
                              "conversations fits: regeneration would refuse them all (training traffic; shorten the "
                              "prompts or lower the new tokens)", unit)
 

@@ -181,7 +181,7 @@ class VllmServer:
         self.spec, self.settings, self.start_timeout_s = spec, settings, start_timeout_s
         self.port = port or free_port()
         self.base_url = f"http://{BIND_HOST}:{self.port}"
-        self.log_path = (log_dir or settings.state_dir / "vllm") / f"vllm-{time.strftime('%Y%m%d-%H%M%S')}-{self.port}.log"
+        self.log_path = (log_dir or settings.state_dir / "vllm") / time.strftime(f"vllm-%Y%m%d-%H%M%S-{self.port}.log")
         self.proc: subprocess.Popen | None = None
 
     # ---- life cycle -------------------------------------------------------------------------------------------

@@ -4,8 +4,9 @@ Purpose: pieces of tests/test_bad_input_table.py, kept here so that the table mo
 `SERVE`, `MON` (argv templates over the paths of its `files` fixture) and `argv_with`; issue 49's rows (`FILE_ROWS`:
 other encodings, deep or huge JSON, named pipes, devices, sockets, link loops, unreadable files, the vLLM python,
 EAGLE_HOME's folders, TMPDIR; `MODEL_ROWS`: real checkpoints the pipeline does not support yet, a family it is not
-proven on, no chat template, a context shorter than the settings ask for, quantized weights; `SERVE_ROWS`: serve's rollback flags) with what makes their
-inputs (`odd_files`, `TARGET_DAMAGE`, `HEAD_DAMAGE`, `odd_homes`); `time_limit`, which fails a row whose read blocks
+proven on, no chat template, a context shorter than the settings ask for, quantized weights; `SERVE_ROWS`: serve's
+rollback flags) with what makes their inputs (`odd_files`, `TARGET_DAMAGE`, `HEAD_DAMAGE`, `odd_homes`); `time_limit`,
+which fails a row whose read blocks
 instead of hanging the suite.
 Run: imported by tests/test_bad_input_table.py; nothing runs at import.
 Not here: the table's other rows and its test functions (tests/test_bad_input_table.py).

@@ -90,8 +90,8 @@ class LivePrefect:
 
     def start(self, name: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
         log = open(self.logs / f"{name}.log", "wb")
-        proc = subprocess.Popen(args, cwd=ROOT, env=self.env if env is None else env, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(args, cwd=ROOT, env=self.env if env is None else env, stdout=log,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         log.close()
         self.procs[name] = proc
         return proc

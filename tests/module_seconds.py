@@ -4,7 +4,8 @@ modules first (tests/conftest.py `pytest_collection_modifyitems`).
 Purpose: `--dist loadfile` hands whole modules to the 2 workers in the order the collection gives them; a long
 module handed out last runs alone at the end while the other worker idles (a 179 s module did, 2026-12-04: the
 suite then kept about 1.7 of its 2 cores busy). Longest first, the two workers finish within about one short module
-of each other (1,268 s of tests instead of 1,428, bench/README.md). `tests/module_seconds.json` holds the figures; refresh it from any whole-suite run's JUnit XML:
+of each other (1,268 s of tests instead of 1,428, bench/README.md). `tests/module_seconds.json` holds the figures;
+refresh it from any whole-suite run's JUnit XML:
 `python tests/module_seconds.py RUN.xml` (e.g. `make test PYTEST_ARGS=--junitxml=RUN.xml`). A module not in the
 file (a new one) is ranked as `UNKNOWN_S`, or `UNKNOWN_HEAVY_S` when it has an engine, live or slow test.
 Not here: which tests run (the markers), how many workers (the Makefile's TEST_WORKERS).

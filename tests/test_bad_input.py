@@ -122,7 +122,8 @@ def test_bad_config(cli, tmp_path, content, needle):
     (["watch", "--interval", "0"], "the interval must be > 0 seconds"),
     (["watch", "--interval", "soon"], "'soon' is not a number of seconds"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
-    (["train", "--target", "/nonexistent/model", "--traffic", "t", "--heldout", "h"], "--target /nonexistent/model: no such"),
+    (["train", "--target", "/nonexistent/model", "--traffic", "t", "--heldout", "h"],
+     "--target /nonexistent/model: no such"),
 ], ids=["missing-target", "bad-preset", "zero-interval", "bad-interval", "unknown-command", "missing-target-dir"])
 def test_bad_arguments(cli, args, needle):
     rc, err = cli(*args)

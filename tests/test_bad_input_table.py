@@ -3,15 +3,14 @@
 Purpose: issue 28's table (HARDENING.md lists every row by its id): arguments, files (truncated weights, broken JSON,
 directories where files belong), registry URIs and names, URLs, settings, and config values (`BAD_CONFIGS`: bad
 values of the config sections, each in its own `--config` file); issue 49's files that are not what they seem (other
-encodings, deep or huge JSON, named pipes, devices, sockets, link loops, unreadable files: tests/helpers_bad_input.py) and the
-programs and folders the project runs or writes (EAGLE_VLLM_PYTHON, EAGLE_HOME's folders, TMPDIR; a full disk in
-`test_a_full_disk_is_refused_before_any_work`). Each row runs
-`flows.cli.main(argv)` in this process and asserts exit code 2, exactly one `error:` line on stderr that contains the
-row's needle (the offending input), no traceback, and no new file under the state dir, within `ROW_LIMIT_S` (a read
-that blocks fails the row instead of hanging the suite). Rows share two state dirs: an
-`empty` one (it does not exist and must not be created) and a `registry` one (a local MLflow store holding target
-`t` version 1, which has no alias). If a row's input passed the preflight, the command is not run: the row fails
-with exit 99.
+encodings, deep or huge JSON, named pipes, devices, sockets, link loops, unreadable files:
+tests/helpers_bad_input.py) and the programs and folders the project runs or writes (EAGLE_VLLM_PYTHON, EAGLE_HOME's
+folders, TMPDIR; a full disk in `test_a_full_disk_is_refused_before_any_work`). Each row runs `flows.cli.main(argv)`
+in this process and asserts exit code 2, exactly one `error:` line on stderr that contains the row's needle (the
+offending input), no traceback, and no new file under the state dir, within `ROW_LIMIT_S` (a read that blocks fails
+the row instead of hanging the suite). Rows share two state dirs: an `empty` one (it does not exist and must not be
+created) and a `registry` one (a local MLflow store holding target `t` version 1, which has no alias). If a row's
+input passed the preflight, the command is not run: the row fails with exit 99.
 `EMBEDDED_ROWS` are the embedded build's config (`python -m embedded --config F`), refused before the
 build. HARDENING.md's table lists exactly these rows (`test_hardening_lists_every_row`).
 Run: `python -m pytest tests/test_bad_input_table.py` (fast tier, ~30 s once the tiny embedded default is built).
@@ -52,7 +51,8 @@ ROWS: dict[str, tuple[str, list[str], dict[str, str], str]] = {
     "train-name-with-slash": (EMPTY, _with(TRAIN, name="a/b"), {}, "--name 'a/b' is not valid for the MLflow"),
     "train-name-with-colon": (EMPTY, _with(TRAIN, name="a:b"), {}, "--name 'a:b' is not valid"),
     "train-name-empty": (EMPTY, _with(TRAIN, name=""), {}, "--name '' is not valid"),
-    "train-folder-name-invalid": (EMPTY, _with(TRAIN, target="{t_colon}"), {}, "folder name (the default --name) 'x:y'"),
+    "train-folder-name-invalid": (EMPTY, _with(TRAIN, target="{t_colon}"), {},
+                                  "folder name (the default --name) 'x:y'"),
     "train-head-suffix-invalid": (EMPTY, _with(TRAIN, config="{c_suffix}"), {}, "head name"),
     "train-uri-no-version": (EMPTY, _with(TRAIN, target="models:/x"), {}, "'models:/x' is not a model URI"),
     "train-uri-no-name": (EMPTY, _with(TRAIN, target="models:/"), {}, "the model name is missing"),
@@ -90,8 +90,8 @@ ROWS: dict[str, tuple[str, list[str], dict[str, str], str]] = {
     "eagle-home-is-a-file": ("file", TRAIN, {}, "a file, not a directory"),
     "eagle-home-not-writable": ("/proc/eagle-home", TRAIN, {}, "EAGLE_HOME=/proc/eagle-home: /proc is not writable"),
     "trust-remote-code-malformed": (EMPTY, TRAIN, {"EAGLE_TRUST_REMOTE_CODE": "maybe"}, "'maybe' is not a boolean"),
-    "vllm-zygote-malformed": (EMPTY, TRAIN, {"EAGLE_VLLM_ZYGOTE": "sometimes"}, "EAGLE_VLLM_ZYGOTE='sometimes' is not a "
-                              "boolean"),
+    "vllm-zygote-malformed": (EMPTY, TRAIN, {"EAGLE_VLLM_ZYGOTE": "sometimes"},
+                              "EAGLE_VLLM_ZYGOTE='sometimes' is not a boolean"),
     # evaluate
     "evaluate-json-is-a-directory": (EMPTY, _with(EVAL, json="{dir}"), {}, "--json {dir}: a directory"),
     "evaluate-json-dir-missing": (EMPTY, _with(EVAL, json="/no/such/dir/r.json"), {}, "/no/such/dir does not exist"),
@@ -184,7 +184,8 @@ BAD_CONFIGS: dict[str, tuple[dict, str]] = {
     "target-vllm-online": ({"target": {"runtime": "vllm"}, "extract": {"mode": "online"}},
                            "target.runtime 'vllm' runs the extract stage in the engine"),
     "extract-unknown-engine": ({"extract": {"engine": "tpu"}}, "extract.engine must be one of 'local', 'vllm'"),
-    "train-unknown-variant": ({"train": {"variant": "eagle4"}}, "train.variant must be one of 'eagle3', 'eagle3.1', 'parallel'"),
+    "train-unknown-variant": ({"train": {"variant": "eagle4"}},
+                              "train.variant must be one of 'eagle3', 'eagle3.1', 'parallel'"),
     "train-variants-twice": ({"train": {"variants": ["eagle3", "eagle3"]}}, "train.variants names a variant twice"),
     "train-unknown-autocast": ({"train": {"autocast": "bf16"}}, "train.autocast must be one of 'gpu', 'auto', 'off'"),
     "edges-descending": ({"evaluate": {"position_edges": [128, 0]}}, "evaluate.position_edges must be >= 2 ascending"),

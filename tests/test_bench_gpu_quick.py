@@ -38,7 +38,8 @@ for name in json.load(open({blocked!r})):
     sys.modules[name] = None
 site = (sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"])
 def dump():
-    mods = {{n.split(".")[0]: getattr(m, "__file__", None) or "" for n, m in list(sys.modules.items()) if m is not None}}
+    mods = {{n.split(".")[0]: getattr(m, "__file__", None) or ""
+             for n, m in list(sys.modules.items()) if m is not None}}
     third = sorted(n for n, f in mods.items() if f.startswith(site))
     open({imports!r}, "w").write(json.dumps(third))
 atexit.register(dump)

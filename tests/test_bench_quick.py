@@ -17,7 +17,6 @@ Not here: the figures themselves (a tiny target's numbers mean nothing), the ben
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -340,7 +339,7 @@ def test_proxy_overhead_ratios_pair_the_cells_of_each_round() -> None:
 def test_capture_mix_quick(cache: Path) -> None:
     """capture_mix.py: the champion, a head per mix with the counts a retrain on capture would use, and a fresh head
     on the captured conversations alone, each decoded on both domains with outputs identical to plain decoding."""
-    from components.captured_traffic import mix_counts
+    from components.data.captured_traffic import mix_counts
 
     r = run_quick("capture_mix", cache, 300, "--mixes", "0.25", "0.75", "--prompts", "2")
     check_metadata(r)

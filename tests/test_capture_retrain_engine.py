@@ -1,5 +1,6 @@
-"""Retrain on what was served, end to end: captured traffic -> `retrain-on-capture` -> a warm-started head, shadow-tested
-against the champion in vLLM before the alias may move, its lineage and the shadow's verdict in the registry.
+"""Retrain on what was served, end to end: captured traffic -> `retrain-on-capture` -> a warm-started head,
+shadow-tested against the champion in vLLM before the alias may move, its lineage and the shadow's verdict in the
+registry.
 
 Purpose: a local registry holds the tiny engine target (version 1, with its registered traffic) and, as its champion,
 the engine tests' head; the real capture writer (components/serving/capture.py) records what that champion "served"
@@ -14,7 +15,6 @@ Not here: the plan's rules (tests/test_capture_retrain.py), the verdict's (tests
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 

@@ -79,7 +79,8 @@ def test_every_field_is_reachable_from_a_config_file(tmp_path):
     """Each leaf of every section, nested ones included, can be set by key path; the value lands where it says."""
     base = PipelineConfig.default()
     leaves = list(_leaves(base))
-    assert {path[:2] for path, _ in leaves} >= {("train", "ttt"), ("train", "optim"), ("train", "ray"), ("evaluate", "spec")}
+    assert {path[:2] for path, _ in leaves} >= {("train", "ttt"), ("train", "optim"), ("train", "ray"),
+                                                ("evaluate", "spec")}
     for path, value in leaves:
         data = value if not isinstance(value, tuple) else list(value)
         for key in reversed(path):

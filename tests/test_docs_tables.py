@@ -37,7 +37,8 @@ def _unresolved(cell: str, modules: list[str]) -> list[str]:
     classes = [n for n in names if n[0].isupper() and "." not in n and resolves(n, modules)]
     out = []
     for name in names:
-        if resolves(name, modules) or _is_key(name) or _is_parameter(modules, name) or (name.islower() and "." in name and _says(modules, name)):
+        if (resolves(name, modules) or _is_key(name) or _is_parameter(modules, name)
+                or (name.islower() and "." in name and _says(modules, name))):
             continue
         if any(has_member(p, c, name.removesuffix("()")) for c in classes for p in modules if p.endswith(".py")
                and defines(p, c)):

@@ -70,7 +70,8 @@ def test_rebuild_from_scratch_is_bitwise_identical(built, tmp_path):
     assert again.weights_sha256 == first.weights_sha256
     assert (again.target_traffic.train_sha256, again.finetune_traffic.heldout_sha256) == \
         (first.target_traffic.train_sha256, first.finetune_traffic.heldout_sha256)
-    assert (again.tokenizer_dir / "tokenizer.json").read_bytes() == (first.tokenizer_dir / "tokenizer.json").read_bytes()
+    tok = "tokenizer.json"
+    assert (again.tokenizer_dir / tok).read_bytes() == (first.tokenizer_dir / tok).read_bytes()
 
 
 def test_chat_template_round_trips(built):

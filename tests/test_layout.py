@@ -48,7 +48,8 @@ FORBIDDEN_IMPORTS = {
     "components": {"prefect", "flows", "embedded"},
     "embedded": {"prefect", "mlflow", "ray", "infra", "flows"},
     "infra": {"eagle", "components", "flows"},
-    "bench": {"tests"},  # a benchmark runs from a checkout without the suite's helpers; shared references live in bench/
+    # a benchmark runs from a checkout without the suite's helpers; shared references live in bench/
+    "bench": {"tests"},
 }
 CYCLE_PACKAGES = ("eagle", "components", "flows", "infra", "embedded")
 # modules any package may import: they hold no logic and import nothing of ours

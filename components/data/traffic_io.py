@@ -34,7 +34,7 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Literal
+from typing import Any, Iterable, Iterator, Literal
 
 from components.data.atomic import atomic_path, file_sha256
 from components.data.safe_read import MAX_LINE_BYTES, encoding_problem, loads_json
@@ -116,10 +116,12 @@ def load_traffic(path: Path | str, format: Format = "auto", skip_bad: bool = Fal
     if kind == "jsonl":
         _check_encoding(path)
         unit, records = "line", _jsonl_lines(path)
-        parse: Callable[[Any, int], Conversation] = lambda raw, n: parse_line(_decode(raw, n), n, format)
+        def parse(raw: Any, n: int) -> Conversation:
+            return parse_line(_decode(raw, n), n, format)
     else:
         unit, records = "row", table_records(path, kind)
-        parse = lambda rec, n: parse_record(rec, n, format, id_prefix="row")
+        def parse(rec: Any, n: int) -> Conversation:
+            return parse_record(rec, n, format, id_prefix="row")
     convs: list[Conversation] = []
     skipped: list[SkippedLine] = []
     seen_any = False

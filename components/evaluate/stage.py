@@ -112,7 +112,8 @@ class EvaluateConfig:
             return replace(self.spec, eos_token_id=None)
         if self.spec.eos_token_id is not None:
             return self.spec
-        return replace(self.spec, eos_token_id=target.generation_config.eos_token_id)  # a list: SpecConfig makes a tuple
+        # a list: SpecConfig makes a tuple
+        return replace(self.spec, eos_token_id=target.generation_config.eos_token_id)
 
 
 @dataclass(frozen=True)

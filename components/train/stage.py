@@ -30,7 +30,6 @@ Not here: evaluation, registration, the choice of hyper-parameters per target (f
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from dataclasses import asdict, dataclass, field
