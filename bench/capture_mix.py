@@ -36,6 +36,9 @@ import common  # noqa: F401  (puts the repository on sys.path)
 from common import ROOT, base_args, print_table, pyplot, start, write_results
 
 
+TRAFFIC = ("target-train", "target-heldout", "finetune-train", "finetune-heldout")  # a real build's traffic/ files
+
+
 @dataclasses.dataclass(frozen=True)
 class Domains:
     target_dir: Path
@@ -51,9 +54,7 @@ def domains(args) -> Domains:
         return Domains(emb.target_dir, emb.target_traffic.train, emb.target_traffic.heldout,
                        emb.finetune_traffic.train, emb.finetune_traffic.heldout)
     build = Path(args.build) if args.build else newest_real_build()
-    t = build / "traffic"
-    return Domains(build / "target", t / "target-train.jsonl", t / "target-heldout.jsonl",
-                   t / "finetune-train.jsonl", t / "finetune-heldout.jsonl")
+    return Domains(build / "target", *(build / "traffic" / f"{t}.jsonl" for t in TRAFFIC))
 
 
 def newest_real_build() -> Path:
@@ -162,6 +163,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error("each --mixes value must lie in (0, 1), as capture.mix does")
     if min(args.registered, args.captured, args.steps, args.steps_champion) < 0 or args.prompts < 1 or args.depth < 1:
         p.error("--registered, --captured, --steps and --steps-champion must be >= 0; --prompts and --depth >= 1")
+    if args.build:
+        build = Path(args.build)
+        missing = [str(build / f) for f in ("target/config.json", *(f"traffic/{t}.jsonl" for t in TRAFFIC))
+                   if not (build / f).is_file()]
+        if missing:
+            p.error(f"--build {args.build}: not a real build of the embedded default (missing {', '.join(missing)})")
     load_before = start(args)
     from components.data.captured_traffic import mix_counts
     from components.config.pipeline import PipelineConfig

@@ -82,6 +82,12 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if bool(a.target) != bool(a.heldout):
         p.error("--target and --heldout go together")
+    if a.target and not (Path(a.target) / "config.json").is_file():
+        p.error(f"--target {a.target}: not a model directory (no config.json in it)")
+    if a.heldout and not Path(a.heldout).is_file():
+        p.error(f"--heldout {a.heldout}: no such file")
+    if a.rounds < 1 or a.prompts < 16 or a.output_len < 1:
+        p.error("--rounds and --output-len must be >= 1 and --prompts >= 16 (concurrency 16 needs 16 requests)")
     load_before = common.start(a)
     emb = (SimpleNamespace(target_dir=Path(a.target), target_traffic=SimpleNamespace(heldout=Path(a.heldout)))
            if a.target else common.embedded(common.Preset.get(a.quick)))

@@ -352,3 +352,17 @@ def test_capture_mix_quick(cache: Path) -> None:
         assert row["identical_shift"] and row["identical_base"] and row["tau_shift"] >= 1 and row["tau_base"] >= 1
         assert row["x_offline_shift"] == round(row["tau_shift"] / offline["tau_shift"], 3)
     assert r["goal"]["met"] == (r["goal"]["measured"] >= 0.95)
+
+
+@pytest.mark.parametrize("script, argv, says", [
+    ("capture_mix", ["--mixes", "1.0"], "must lie in (0, 1)"),
+    ("capture_mix", ["--build", "/no/such/build"], "not a real build of the embedded default"),
+    ("capture_mix", ["--quick", "--build", "."], "exclude each other"),
+    ("proxy_overhead", ["--target", "."], "go together"),
+    ("proxy_overhead", ["--target", ".", "--heldout", "/no/such.jsonl"], "not a model directory"),
+    ("proxy_overhead", ["--prompts", "8"], "--prompts >= 16"),
+])
+def test_bench_serving_scripts_refuse_bad_arguments_in_one_line_before_any_work(script, argv, says):
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / f"{script}.py"), *argv], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and says in out.stderr.strip().splitlines()[-1], out.stderr
