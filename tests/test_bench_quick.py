@@ -241,7 +241,7 @@ def test_call_counter_hooks_the_target_only_while_counting() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     sys.path.insert(0, str(ROOT / "bench"))
-    from speedup import CallCounter
+    from speedup_methods import CallCounter
 
     from eagle.fastpath import LeanDecoder
 
