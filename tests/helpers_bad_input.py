@@ -63,8 +63,8 @@ SERVE_ROWS: dict[str, tuple[str, list[str], dict[str, str], str]] = {
                                        "monitor.rollback.floor_tau must be a finite number >= 1"),
 }
 
-# real checkpoints the pipeline does not support yet (components/targets/target.py `check_target`, flows/preflight.py
-# `check_context`): id -> (state dir, argv, environment, needle), as the table's ROWS
+# real checkpoints the pipeline does not support yet (components/targets/target.py `check_target`,
+# flows/preflight_context.py `check_context`): id -> (state dir, argv, environment, needle), as the table's ROWS
 MODEL_ROWS: dict[str, tuple[str, list[str], dict[str, str], str]] = {
     "train-target-family-unproven": (EMPTY, _with(TRAIN, target="{t_phi3}"), {}, "config.json: model_type 'phi3' "
                                      "(architectures ['Phi3ForCausalLM']) is not a family this pipeline is proven on "
