@@ -147,7 +147,7 @@ def check_engine_sampling(cfg: PipelineConfig, settings: Settings) -> None:
     callers without a preflight."""
     if cfg.runtime.evaluates_in_engine:
         from infra.vllm_sampling import refuse_sampled_drafts
-        from infra.vllm_server import host_device
+        from infra.vllm_engine_spec import host_device
 
         refuse_sampled_drafts(host_device(), cfg.evaluate.spec.temperature, settings, "evaluate.spec.temperature",
                               write_cache=False)
