@@ -107,8 +107,6 @@ BAD_CONFIGS: dict[str, tuple[dict, str]] = {
     "gate-speedup-zero": ({"register": {"gate_min_speedup": 0}}, "register.gate_min_speedup must be a finite number"),
     "gate-speedup-nan": ({"register": {"gate_min_speedup": float("nan")}}, "register.gate_min_speedup must be a finite "
                          "number > 0, got nan"), **CONFIG_ROWS}
-
-
 CONFIG_ON_EVALUATE = ("speed-budget-inf", "load-k-above-16", "edges-descending")
 
 # serve's rollback flags (components/serving/monitor.py `RollbackConfig`, flows/commands.py), as the table's ROWS

@@ -128,8 +128,6 @@ TARGET_DAMAGE = {"t_phi3": lambda d: _edit_config(d, model_type="phi3", architec
                  "t_deep": lambda d: (d / "config.json").write_text(_deep(100)),
                  "t_toklatin1": lambda d: (d / "tokenizer.json").write_bytes(b'{"x": "caf\xe9"}'),
                  "t_fifo": lambda d: _fifo(d / "tokenizer_config.json")}
-
-
 HEAD_DAMAGE = {"h_u16": lambda d: _resave(d / "config.json", "utf-16"),
                "h_bom": lambda d: _resave(d / "eagle_head.json", "utf-8-sig"),
                "h_deep": lambda d: (d / "eagle_head.json").write_text(_deep(100)),

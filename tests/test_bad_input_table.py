@@ -150,7 +150,8 @@ ROWS: dict[str, tuple[str, list[str], dict[str, str], str]] = {
     **FILE_ROWS,  # issue 49: files that are not what they seem, programs and folders (tests/helpers_bad_input.py)
 }
 
-
+# the settings in a `--config` file (tests/helpers_bad_input.py `BAD_CONFIGS`): rows `train-config-<id>`, and
+# `evaluate-config-<id>` for the ids in CONFIG_ON_EVALUATE
 for _id, (_, _needle) in BAD_CONFIGS.items():
     _file = "{bad_config_" + _id.replace("-", "_") + "}"
     ROWS[f"train-config-{_id}"] = (EMPTY, _with(TRAIN, config=_file), {}, _needle)
