@@ -35,7 +35,7 @@ def steps_of(extract_dir: str, cfg, amp, steps: int, warmup: int) -> tuple[float
     import torch
 
     from components.train.data import TrainingData, batches, ttt_batch
-    from components.train.stage import LoopArgs, new_head
+    from components.train.loop import LoopArgs, new_head
     from eagle.train import TTTModule, make_optimizer, train_step
 
     data = TrainingData.open(extract_dir)

@@ -31,7 +31,7 @@ def curve(extract_dir: str, fraction: float, steps: int, eval_every: int) -> tup
 
     from components.config.pipeline import PipelineConfig
     from components.train.data import TeacherCache, TrainingData, batches, heldout_split, ttt_batch
-    from components.train.stage import LoopArgs, new_head, holdout_size
+    from components.train.loop import LoopArgs, new_head, holdout_size
     from eagle.train import TTTModule, autocast_dtype, heldout_metrics, make_optimizer, train_step
 
     cfg = dataclasses.replace(PipelineConfig.preset("default").train, steps=steps)

@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from components.evaluate.load_sweep import SweepPlan, memory_fit
     from infra.settings import Settings
-    from infra.vllm_server import EngineSpec
+    from infra.vllm_engine_spec import EngineSpec
 
     settings = Settings.from_env()
     if args.quick:

@@ -52,7 +52,8 @@ def long_prompts(tokenizer, role: str, n: int, prompt_tokens: int) -> list[dict]
 def one_round(args, prompts: list[dict], order: list[str], settings) -> dict:
     from components.evaluate.engine import SwitchPause
     from eagle.stats import acceptance_by_position, raw_steps
-    from infra.vllm_server import PER_REQUEST_METRICS, EngineSpec, VllmServer, running
+    from infra.vllm_engine_spec import EngineSpec
+    from infra.vllm_server import PER_REQUEST_METRICS, VllmServer, running
 
     share = 0.08
     specs = {"plain": EngineSpec(args.target, None, method=None, max_model_len=args.context, served_model_name="plain",

@@ -30,7 +30,8 @@ from components.serving.capture import CaptureConfig, CaptureWriter
 from infra.serve_proxy import Backend, ServeProxy
 from infra.settings import Settings
 from infra.vllm_bench import LoadRequest, bench_serve_many, write_dataset
-from infra.vllm_server import EngineSpec, VllmServer
+from infra.vllm_engine_spec import EngineSpec
+from infra.vllm_server import VllmServer
 
 LEVELS = (1, 16)
 GOAL = 0.97  # proxy / direct output tokens/s (issue 48: overhead <= 3%)

@@ -38,20 +38,10 @@ from pathlib import Path
 
 import common
 
-from serving_loop_live import Sampler, Serve, Sizes, Traffic, plain_check, plot, prompts
+from serving_loop_live import Sampler, Serve, Traffic, plain_check, plot, prompts
+from serving_loop_setup import CODE, DEFAULT, QUICK, build, segments_file
 
 RESULT = "SERVING_LOOP_RESULT "  # the line a child prints its result on
-CODE = {"complete", "continue", "followup"}  # the segments that are not `explain`
-
-
-QUICK = Sizes("tiny", {"regenerate": {"max_new_tokens": 32, "limit": 32},
-                       "train": {"steps": 120, "checkpoint_every": 120, "warm_start_steps": 60, "eval_every": 20},
-                       "evaluate": {"spec": {"depth": 3, "max_new_tokens": 32}, "limit": 4},
-                       "capture": {"heldout": 4, "trigger_new": 24, "mix": 0.5},
-                       "monitor": {"rollback": {"window_s": 10.0, "min_drafts": 30}}},
-              32, 200, 2, 0.3, 1.5, 3.0, 15.0, 60.0, 24, 60.0, 64)
-DEFAULT = Sizes("default", {"capture": {"heldout": 8, "trigger_new": 96}},
-                64, 400, 2, 0.5, 2.0, 10.0, 60.0, 300.0, 96, 300.0, 32)
 
 
 def _say(msg: str) -> None:
@@ -100,31 +90,6 @@ def run_child(kind: str, p: dict, env: dict) -> dict:
 
 
 # ---- the cycle --------------------------------------------------------------------------------------------------
-
-def build(quick: bool):
-    """The target: the tiny toy trained long enough that its answers depend on the prompt, or the real SmolLM2."""
-    if not quick:
-        from embedded.real import build_real
-
-        return build_real(root=common.EMBEDDED_ROOT, progress=_say), "smollm2-135m"
-    from embedded.build import build_embedded
-    from embedded.config import EmbeddedConfig
-
-    c = EmbeddedConfig.tiny()
-    c = dataclasses.replace(c, train=dataclasses.replace(c.train, steps=800),
-                            corpus=dataclasses.replace(c.corpus, max_base_files=40, finetune_bytes=120_000),
-                            traffic=dataclasses.replace(c.traffic, train_conversations=240, heldout_conversations=16))
-    root = common.CACHE / "embedded"
-    return common.find_embedded(c, root) or build_embedded(c, root, progress=False), "loop-llama"
-
-
-def segments_file(src: Path, segments: set[str], dest: Path) -> Path:
-    """The conversations of `src` (JSONL) in `segments`, written to `dest` once."""
-    if not dest.is_file():
-        dest.write_text("".join(ln for ln in src.read_text().splitlines(keepends=True)
-                                if ln.strip() and json.loads(ln).get("segment") in segments))
-    return dest
-
 
 def serve_events(serve: Serve, after: float) -> list[dict]:
     """What serve said after `after`: the alias moving, swaps, rollbacks (one event each)."""

@@ -250,7 +250,8 @@ def plain_check(target_dir: str, model: str, pools: dict, results: list[dict], t
     """Every served greedy output of up to `n` distinct prompts (0: all; half served before the swap, half after)
     against a plain vLLM of the same target: mismatching requests and prompts."""
     from components.targets.target import target_context
-    from infra.vllm_server import EngineSpec, VllmServer
+    from infra.vllm_engine_spec import EngineSpec
+    from infra.vllm_server import VllmServer
 
     served: dict[tuple[str, int], list[dict]] = {}
     for r in results:

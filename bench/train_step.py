@@ -34,7 +34,7 @@ def iterations(extract_dir: str, way: str, steps: int, warmup: int) -> dict[str,
 
     from components.config.pipeline import PipelineConfig
     from components.train.data import TeacherCache, TrainingData, batches, ttt_batch
-    from components.train.stage import LoopArgs, new_head
+    from components.train.loop import LoopArgs, new_head
     from eagle.train import TTTModule, make_optimizer, train_step
 
     cfg = PipelineConfig.preset("default").train

@@ -35,7 +35,8 @@ METHODS = ("plain", "eagle3", "ngram")
 def engine_run(method: str, setup, head_dir: Path, prompts, depth: int, max_new: int, settings) -> dict:
     from components.evaluate.engine import time_requests
     from components.targets.target import target_context
-    from infra.vllm_server import EngineSpec, VllmServer
+    from infra.vllm_engine_spec import EngineSpec
+    from infra.vllm_server import VllmServer
 
     spec = EngineSpec(str(setup.target_dir), str(head_dir) if method == "eagle3" else None,
                       method=None if method == "plain" else method, num_speculative_tokens=depth,

@@ -159,7 +159,7 @@ def start_pair_early(cfg: PipelineConfig, eval_dir: str) -> bool:
     the memory is the in-process target's while ours runs) and the engine's evaluation is still to run. On 2 cores
     the pair's start (~20 s) then overlaps ours (~10-15 s on one core)."""
     from components.evaluate.engine import REPORT
-    from infra.vllm_server import EngineSpec
+    from infra.vllm_engine_spec import EngineSpec
 
     return (cfg.runtime.evaluates_in_engine and not cfg.evaluate.time_local
             and EngineSpec("", None, method=None).resolved_device() == "cpu"

@@ -30,14 +30,14 @@ trains on the captured conversations as they were served beside the registered t
 warm-starts from the target's own champion, tags the plan's lineage, and, when a champion exists, runs the shadow
 test (components/evaluate/shadow.py) before registering: an extra gate on the alias.
 Run: `eagle-heads train --target DIR|models:/name/version --traffic FILE --heldout FILE`, or as a deployment
-(prefect.yaml). Not here: any algorithm; see components/.
+(prefect.yaml). The run resolved before its stages (target version, warm-start head, run key): flows/run_spec.py.
+Not here: any algorithm; see components/.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
 import shutil
 from dataclasses import asdict, dataclass
@@ -49,7 +49,7 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from components.config.pipeline import PipelineConfig
-from components.data.atomic import atomic_write_text, file_sha256
+from components.data.atomic import atomic_write_text
 from components.data.captured_traffic import CapturePlan
 from components.data.traffic_io import traffic_sha256
 from components.evaluate.engine import EngineEvalResult
@@ -58,21 +58,20 @@ from components.evaluate.stage import HeadEval
 from components.extract.stage import ExtractResult
 from components.regenerate.stage import RegenerateResult
 from components.registry.register import (HeadToRegister, RegisteredRun, RegisterResult, TargetRef, check_head_name,
-                                          head_model_name, identical_of, register_head, register_target, registered_run,
-                                          tag_float)
+                                          head_model_name, identical_of, register_head, registered_run, tag_float)
 from components.registry.variant_choice import VariantSink, choose_variant, variant_tags
-from components.targets.gguf import default_target_name, gguf_lineage, materialize_target
+from components.targets.gguf import default_target_name, materialize_target
 from components.targets.runtime import TargetRuntime
-from components.targets.target import weights_sha256
 from components.train.stage import CHOICE_KEYS, TrainResult
 from eagle.errors import BadInput
 from flows.evaluate_head import EvalPlan, Figures, evaluate_head
 from flows.preflight import check_inputs
+from flows.run_spec import ParentHead, RunSpec, parent_head, resolve_target, run_key_of
 from flows.tasks import TASKS, TrainJob, extract_task, fresh_if_missing, regenerate_task, train_task, transient
 from infra.locks import target_lock
 from infra.metrics_sink import MlflowSink
 from infra.mlflow_health import store_errors
-from infra.mlflow_store import CHAMPION, MlflowStore, parse_model_uri
+from infra.mlflow_store import CHAMPION, MlflowStore
 from infra.settings import Settings
 
 
@@ -132,82 +131,6 @@ def register_task(settings: Settings, cfg, head: HeadToRegister,
 
 
 shadow_task = task(name="shadow", cache_policy=NO_CACHE, retries=1, retry_condition_fn=transient)(shadow_test)
-
-
-def resolve_target(store: MlflowStore, target: str, name: str | None = None,
-                   settings: Settings | None = None) -> tuple[TargetRef, bool]:
-    """A local directory and registry identity for `target` (registering an HF directory if needed), and whether
-    this call registered it (a new version)."""
-    if target.startswith("models:/"):
-        model, version, _alias = parse_model_uri(target)
-        path = store.resolve(target)
-        if version is None:
-            version = store.get_alias(model, _alias).version  # type: ignore[union-attr]
-        sha = store.get_version(model, version).tags.get("weights_sha256") or weights_sha256(path)
-        return TargetRef(model, version, sha, str(path)), False
-    path = Path(target).resolve()
-    sha = weights_sha256(path)
-    name = name or path.name
-    with target_lock(settings or store.settings, f"register-target-{name}"):  # two runs at once: one version
-        known = store.find_versions(name, weights_sha256=sha)
-        return register_target(store, name, str(path), role="user", base_model="", weights_sha256=sha,
-                               extra_tags=gguf_lineage(path)), not known  # converted from GGUF: which file
-
-
-@dataclass(frozen=True)
-class ParentHead:
-    """The head a warm-started run starts from: its registry URI, local directory and weights hash."""
-
-    uri: str
-    path: str
-    weights_sha256: str
-
-
-def parent_head(store: MlflowStore, tref: TargetRef, cfg: PipelineConfig,
-                trust_remote_code: bool = False, own: bool = False) -> ParentHead | None:
-    """The champion head of the target this version was fine-tuned from (its `base_model` tag, "name/version"; `own`:
-    of this very version), when warm start is on and that head fits this target's shapes; else None (a fresh head)."""
-    if not cfg.train.warm_start:
-        return None
-    base = (f"{tref.name}/{tref.version}" if own  # `resolve_target` registered the version and its base_model tag
-            else store.get_version(tref.name, tref.version).tags.get("base_model", ""))
-    if not base or "/" not in base:
-        return None
-    base_name, base_version = base.rsplit("/", 1)
-    if not base_version.isdigit():
-        return None
-    head_name = head_model_name(TargetRef(base_name, int(base_version), "", ""), cfg.register.experiment_suffix)
-    champion = store.get_alias(head_name, CHAMPION)
-    if champion is None:
-        return None
-    path = store.resolve(champion.uri)
-    from transformers import AutoConfig
-
-    from eagle.config import DraftConfig, default_aux_layer_ids
-    from eagle.export import HeadMismatchError, check_head_fits, read_head_meta
-
-    target_config = AutoConfig.from_pretrained(tref.path, trust_remote_code=trust_remote_code)
-    parent_cfg = read_head_meta(path)["draft_config"]
-    ids = list(cfg.extract.aux_layer_ids or default_aux_layer_ids(target_config.num_hidden_layers))
-    try:
-        if list(parent_cfg.get("aux_layer_ids", [])) != ids:  # e.g. a head that fuses (2, 3, 3)
-            raise HeadMismatchError(f"it fuses layers {parent_cfg.get('aux_layer_ids')}, this run fuses {ids}")
-        check_head_fits(DraftConfig.from_dict(parent_cfg), target_config, where=champion.uri)
-    except HeadMismatchError as e:
-        get_run_logger().warning(f"no warm start from {champion.uri}: {e}; training a fresh head")
-        return None
-    return ParentHead(f"models:/{head_name}/{champion.version}", str(path),
-                      file_sha256(Path(path) / "model.safetensors"))
-
-
-def run_key_of(target: TargetRef, traffic: str, heldout: str, cfg: PipelineConfig,
-               parent: ParentHead | None = None, plan: CapturePlan | None = None) -> str:
-    parts = [target.weights_sha256, traffic_sha256(traffic), traffic_sha256(heldout), cfg.fingerprint()]
-    if parent is not None:  # a warm-started head depends on the head it started from
-        parts.append(parent.weights_sha256)
-    if plan is not None:  # and a head trained on captured traffic on what was captured
-        parts.append(plan.sha256)
-    return hashlib.sha256("|".join(parts).encode()).hexdigest()
 
 
 class CheckedInputs:
@@ -293,20 +216,6 @@ def forget_refused_run(store: MlflowStore, settings: Settings, tref: TargetRef |
     if not store.find_versions(tref.name):
         store.client.delete_registered_model(tref.name)
     print(f"refused: removed target version {tref.name}/{tref.version}, which this run registered")
-
-
-@dataclass(frozen=True)
-class RunSpec:
-    """One run of the flow, resolved: the target version, the run key and its work directory, the traffic files, the
-    head it warm-starts from and the capture plan it trains on (None: none)."""
-
-    tref: TargetRef
-    key: str
-    work: Path
-    traffic: str
-    heldout: str
-    parent: ParentHead | None = None
-    plan: CapturePlan | None = None
 
 
 def _run(cfg: PipelineConfig, settings: Settings, store: MlflowStore, run: RunSpec) -> HeadRun:

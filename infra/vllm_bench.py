@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Callable
 
 from infra.settings import Settings
-from infra.vllm_server import EngineError, VllmServer, local_path, vllm_python
+from infra.vllm_engine_spec import local_path
+from infra.vllm_server import EngineError, VllmServer, vllm_python
 
 # one client process, many cells: argv lists from a JSON file, one `main` each, a line on stdout after each cell (the
 # client's own report goes to a log file, which also holds the last words of a failure)

@@ -23,7 +23,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from infra.vllm_server import EngineError, EngineSpec, VllmServer
+from infra.vllm_engine_spec import EngineSpec
+from infra.vllm_server import EngineError, VllmServer
 
 PLUGIN_DIR = Path(__file__).resolve().parent / "vllm_plugins"
 CPU_CONNECTOR = ("CpuHiddenStatesConnector", "cpu_hidden_states_connector")  # class, module (in PLUGIN_DIR)

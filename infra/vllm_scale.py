@@ -1,7 +1,7 @@
 """vLLM's scale settings: how the engine spreads a target over devices and nodes, passed through as they are.
 
 Purpose: `EngineScale(tensor_parallel_size, pipeline_parallel_size, data_parallel_size, distributed_executor_backend)`
-gives the flags (`args()`) that `infra.vllm_server.EngineSpec.server_args` appends to every
+gives the flags (`args()`) that `infra.vllm_engine_spec.EngineSpec.server_args` appends to every
 vLLM command line; the train flow puts the config's `target` values in `Settings.engine_scale`, so that each vLLM a
 run starts (regeneration, extraction, evaluation, load sweep) gets them. With `distributed_executor_backend: ray`
 vLLM places its workers on the Ray cluster the engine's environment names (RAY_ADDRESS, inherited).

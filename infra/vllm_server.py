@@ -9,9 +9,8 @@ with us). On the CPU it is forked from a process that imported vLLM once (infra/
 `PER_REQUEST_METRICS`, the drafts accepted per verification step;
 `spec_counters()` reads the speculative-decoding counters from `/metrics`. `running(a, b, ...)` starts several
 servers at once and stops them all on exit or when one fails to start; `launch()`, `wait_ready()`: a start in two.
-`EngineSpec.speculative_config()` and `launch_command()` give the exact `--speculative-config` a user passes on
-a GPU cluster (`parallel_drafting: true` for a head trained for it); the CPU build adds `--gpu-memory-utilization`
-(a share of host memory) and a KV cache sized to the target (infra/vllm_memory.py). Errors: a missing vLLM
+What to serve is an `EngineSpec` (infra/vllm_engine_spec.py: the server's arguments, the exact `--speculative-config`
+a user passes on a GPU cluster, the CPU build's memory settings). Errors: a missing vLLM
 environment, an engine that dies or stays unhealthy at start-up, and a refused request (HTTP 4xx: its JSON body,
 which names the reason) are each one `EngineError` line that says what to do.
 Run: `python -m infra.vllm_server TARGET_DIR [HEAD_DIR]` serves until Ctrl-C (what `eagle-heads serve` does).
@@ -33,14 +32,13 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import Any, Iterator
 
 from infra import vllm_zygote
 from infra.settings import BIND_HOST, Settings, program_problem
-from infra.vllm_memory import cpu_kv_cache_bytes
-from infra.vllm_scale import EngineScale
+from infra.vllm_engine_spec import EngineSpec
 
 SPEC_COUNTERS = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
                  "vllm:spec_decode_num_accepted_tokens_total")
@@ -55,105 +53,6 @@ UNSUPPORTED = "are not supported for now"  # vLLM 0.32's refusal of a model arch
 
 class EngineError(RuntimeError):
     """The serving engine is missing, did not start, died, or refused a request; the message says what to do."""
-
-
-def host_device() -> str:
-    """The device vLLM runs on here when a spec says "auto": 'cuda' with an NVIDIA driver, else 'cpu'."""
-    return "cuda" if Path("/dev/nvidia0").exists() or Path("/proc/driver/nvidia").exists() else "cpu"
-
-
-@dataclass(frozen=True)
-class EngineSpec:
-    """What to serve. `method`: "eagle3" (with `head_dir`), "ngram" (prompt lookup), or None (plain decoding)."""
-
-    target_dir: str
-    head_dir: str | None = None
-    method: Literal["eagle3", "ngram"] | None = "eagle3"
-    num_speculative_tokens: int = 5
-    dtype: str = "float32"  # identity checks need fp32: bf16 outputs depend on the batch shape even without a head
-    max_model_len: int = 512
-    served_model_name: str = "target"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    cpu_memory_share: float = 0.25  # vLLM's CPU build reads --gpu-memory-utilization as a share of host memory
-    extra_args: tuple[str, ...] = field(default_factory=tuple)
-    # vLLM's `num_speculative_tokens_per_batch_size`: (first batch size, last batch size, K) ranges, K 0 = no drafts
-    # there; each K is capped at `num_speculative_tokens` (measured: components/evaluate/load_sweep.py derives it)
-    k_schedule: tuple[tuple[int, int, int], ...] | None = None
-    env: tuple[tuple[str, str], ...] = ()  # more environment of the engine (e.g. PYTHONPATH of a connector plugin)
-    scale: EngineScale | None = None  # None: the run's (`Settings.engine_scale`, set by the flow), else one device
-    # vLLM's `parallel_drafting` (P-EAGLE: all K drafts in one head pass); None: on when the head is made for it
-    parallel_drafting: bool | None = None
-
-    def __post_init__(self) -> None:
-        if self.method == "eagle3" and not self.head_dir:
-            raise ValueError("method eagle3 needs head_dir (an exported head directory)")
-        if self.method not in ("eagle3", "ngram", None):
-            raise ValueError(f"unknown speculative method {self.method!r}; use eagle3, ngram or None")
-        if self.num_speculative_tokens < 1:
-            raise ValueError("num_speculative_tokens must be >= 1")
-
-    def speculative_config(self) -> dict[str, Any] | None:
-        if self.method is None:
-            return None
-        if self.method == "ngram":
-            return {"method": "ngram", "num_speculative_tokens": self.num_speculative_tokens,
-                    "prompt_lookup_max": 4, "prompt_lookup_min": 1}
-        spec: dict[str, Any] = {"method": "eagle3", "model": local_path(self.head_dir),
-                                "num_speculative_tokens": self.num_speculative_tokens}
-        if self.drafts_in_parallel():
-            spec["parallel_drafting"] = True
-        if self.k_schedule:
-            spec["num_speculative_tokens_per_batch_size"] = [list(r) for r in self.k_schedule]
-        return spec
-
-    def drafts_in_parallel(self) -> bool:
-        """Whether vLLM drafts with the head in parallel: `parallel_drafting`, or when None what the head says."""
-        if self.parallel_drafting is not None:
-            return self.parallel_drafting
-        return self.method == "eagle3" and head_drafts_in_parallel(self.head_dir)
-
-    def resolved_device(self) -> str:
-        return self.device if self.device != "auto" else host_device()
-
-    def server_args(self, port: int, host: str | None = BIND_HOST) -> list[str]:
-        """Arguments of vLLM's OpenAI server; `host=None` leaves the interface to vLLM (printed commands only)."""
-        args = ["--model", local_path(self.target_dir), "--served-model-name", self.served_model_name,
-                "--dtype", self.dtype, "--max-model-len", str(self.max_model_len), "--port", str(port)]
-        args += ["--host", host] if host is not None else []
-        if self.resolved_device() == "cpu":  # the KV cache the pipeline's requests need, at most the share
-            kv = cpu_kv_cache_bytes(self.target_dir, self.head_dir, self.dtype, self.max_model_len,
-                                    self.cpu_memory_share)
-            args += ["--gpu-memory-utilization", str(self.cpu_memory_share), "--enforce-eager"]
-            args += ["--kv-cache-memory-bytes", str(kv)] if kv else []
-        spec = self.speculative_config()
-        if spec is not None:
-            args += ["--speculative-config", json.dumps(spec)]
-        return args + (self.scale.args() if self.scale else []) + list(self.extra_args)
-
-    def launch_command(self, port: int = 8000) -> str:
-        """The shell command a user runs on their cluster (`vllm serve` takes the model as its first argument and
-        the same flags; the interface to listen on is theirs to add with --host)."""
-        args = self.server_args(port, host=None)[2:]
-        return "vllm serve " + " ".join(shlex.quote(a) for a in [local_path(self.target_dir), *args])
-
-
-def local_path(model: str | Path | None) -> str:
-    """A model or head given as a directory that exists here, made absolute (the engine runs in another working
-    directory, where a relative path would be read as a hub id); anything else as given."""
-    return str(Path(model).resolve()) if model and Path(model).exists() else str(model)
-
-
-def head_drafts_in_parallel(head_dir: str | Path | None) -> bool:
-    """Whether a head directory is made for parallel drafting: its config.json names the masked slots' token
-    (`mask_token_id`, the key vLLM's proposer reads first; eagle/export.py writes it for the "parallel"
-    variant)."""
-    if not head_dir:
-        return False
-    try:
-        cfg = json.loads((Path(head_dir) / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(cfg, dict) and cfg.get("mask_token_id") is not None
 
 
 def vllm_python(settings: Settings) -> Path:

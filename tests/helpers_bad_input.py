@@ -1,12 +1,13 @@
-"""The bad-input table's argv templates, and the files and folders that are not what they seem.
+"""The bad-input table's argv templates, and its rows of bad config values and of files that are not what they seem.
 
 Purpose: pieces of tests/test_bad_input_table.py, kept here so that the table module stays small: `TRAIN`, `EVAL`,
-`SERVE`, `MON` (argv templates over the paths of its `files` fixture) and `argv_with`; issue 49's rows (`FILE_ROWS`:
+`SERVE`, `MON` (argv templates over the paths of its `files` fixture) and `argv_with`; `BAD_CONFIGS` (bad values of
+the config sections, each in its own `--config` file, `CONFIG_ROWS` among them; those in `CONFIG_ON_EVALUATE` given
+to `evaluate` too); issue 49's rows (`FILE_ROWS`:
 other encodings, deep or huge JSON, named pipes, devices, sockets, link loops, unreadable files, the vLLM python,
 EAGLE_HOME's folders, TMPDIR; `MODEL_ROWS`: real checkpoints the pipeline does not support yet, a family it is not
 proven on, no chat template, a context shorter than the settings ask for, quantized weights; `SERVE_ROWS`: serve's
-rollback flags) with what makes their inputs (`odd_files`, `TARGET_DAMAGE`, `HEAD_DAMAGE`, `odd_homes`); `time_limit`,
-which fails a row whose read blocks
+rollback flags), whose inputs tests/helpers_bad_input_files.py makes; `time_limit`, which fails a row whose read blocks
 instead of hanging the suite.
 Run: imported by tests/test_bad_input_table.py; nothing runs at import.
 Not here: the table's other rows and its test functions (tests/test_bad_input_table.py).
@@ -15,12 +16,8 @@ Not here: the table's other rows and its test functions (tests/test_bad_input_ta
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import signal
-import socket
 import threading
-from pathlib import Path
 
 EMPTY, REGISTRY = "empty", "registry"
 ROW_LIMIT_S = 30  # each row's refusal takes well under a second; a loaded 2-core machine gets slack
@@ -44,7 +41,7 @@ def argv_with(base: list[str], **opts: str) -> list[str]:
 
 _with = argv_with  # short, for the rows
 
-# settings in a `--config` file, as the table's BAD_CONFIGS (row `train-config-<id>`): id -> (sections, needle)
+# settings in a `--config` file, rows of BAD_CONFIGS below (row `train-config-<id>`): id -> (sections, needle)
 CONFIG_ROWS: dict[str, tuple[dict, str]] = {
     "train-bucket-not-bool": ({"train": {"bucket_by_length": "yes"}},
                               "train.bucket_by_length: 'yes' is not of type bool"),
@@ -55,6 +52,63 @@ CONFIG_ROWS: dict[str, tuple[dict, str]] = {
     "capture-unknown-key": ({"capture": {"ratio": 0.5}}, "unknown key capture.ratio"),
 }
 
+
+# Settings in a `--config` file: row id -> (the file's sections, needle). Each is a row `train-config-<id>`, and the
+# ids in CONFIG_ON_EVALUATE are also rows `evaluate-config-<id>` (the same file given to `evaluate`).
+BAD_CONFIGS: dict[str, tuple[dict, str]] = {
+    "speed-min-rounds-zero": ({"evaluate": {"speed": {"min_rounds": 0}}}, "evaluate.speed.min_rounds must be"),
+    "train-loss-on-unknown": ({"train": {"loss_on": "prompts"}}, "train.loss_on"),
+    "register-gate-speedup-unknown": ({"register": {"gate_speedup": "on"}}, "register.gate_speedup"),
+    "speed-max-below-min": ({"evaluate": {"speed": {"min_rounds": 5, "max_rounds": 3}}},
+                            "evaluate.speed.max_rounds must be >= min_rounds (5)"),
+    "speed-spread-one": ({"evaluate": {"speed": {"max_spread": 1.0}}}, "evaluate.speed.max_spread must be in (0, 1)"),
+    "speed-budget-inf": ({"evaluate": {"speed": {"budget_s": float("inf")}}}, "evaluate.speed.budget_s must be a "
+                         "positive number of seconds, got inf"),
+    "speed-other-load-negative": ({"evaluate": {"speed": {"max_other_load": -1}}},
+                                  "evaluate.speed.max_other_load must be a number of CPU cores >= 0"),
+    "speed-switch-pause-negative": ({"evaluate": {"speed": {"switch_pause_s": -1}}},
+                                    "evaluate.speed.switch_pause_s must be a number of seconds >= 0"),
+    "load-descending": ({"evaluate": {"load": {"concurrency": [4, 1]}}}, "evaluate.load.concurrency must be ascending"),
+    "load-not-a-list": ({"evaluate": {"load": {"concurrency": "1,4"}}}, "evaluate.load.concurrency: '1,4' is not of"),
+    "load-k-above-16": ({"evaluate": {"load": {"k_values": [5, 17]}}}, "evaluate.load.k_values must be <= 16"),
+    "load-requests-below-top": ({"evaluate": {"load": {"concurrency": [1, 32], "requests": 16}}},
+                                "evaluate.load.requests must be >= the top concurrency 32"),
+    "load-margin-above-one": ({"evaluate": {"load": {"margin": 1.5}}}, "evaluate.load.margin must be in [0, 1)"),
+    "target-unknown-runtime": ({"target": {"runtime": "tpu"}}, "target.runtime must be one of 'local', 'vllm'"),
+    "target-tp-zero": ({"target": {"tensor_parallel_size": 0}}, "target.tensor_parallel_size must be an integer >= 1"),
+    "target-pp-negative": ({"target": {"pipeline_parallel_size": -1}}, "target.pipeline_parallel_size must be an "
+                           "integer >= 1"),
+    "target-dp-fraction": ({"target": {"data_parallel_size": 1.5}}, "target.data_parallel_size: 1.5 is not of type"),
+    "target-unknown-backend": ({"target": {"distributed_executor_backend": "magic"}},
+                               "target.distributed_executor_backend must be one of"),
+    "target-vllm-online": ({"target": {"runtime": "vllm"}, "extract": {"mode": "online"}},
+                           "target.runtime 'vllm' runs the extract stage in the engine"),
+    "extract-unknown-engine": ({"extract": {"engine": "tpu"}}, "extract.engine must be one of 'local', 'vllm'"),
+    "train-unknown-variant": ({"train": {"variant": "eagle4"}},
+                              "train.variant must be one of 'eagle3', 'eagle3.1', 'parallel'"),
+    "train-variants-twice": ({"train": {"variants": ["eagle3", "eagle3"]}}, "train.variants names a variant twice"),
+    "train-unknown-autocast": ({"train": {"autocast": "bf16"}}, "train.autocast must be one of 'gpu', 'auto', 'off'"),
+    "edges-descending": ({"evaluate": {"position_edges": [128, 0]}}, "evaluate.position_edges must be >= 2 ascending"),
+    "edges-one": ({"evaluate": {"position_edges": [0]}}, "evaluate.position_edges must be >= 2 ascending"),
+    "edges-fraction": ({"evaluate": {"position_edges": [0, 1.5]}}, "evaluate.position_edges: [0, 1.5] is not of"),
+    "gate-concurrency-negative": ({"register": {"gate_concurrency": -1}}, "register.gate_concurrency must be an "
+                                  "integer >= 0"),
+    "gate-concurrency-unmeasured": ({"register": {"gate_concurrency": 4}}, "register.gate_concurrency 4 needs the "
+                                    "load sweep to measure concurrency 4"),
+    "load-repeats-zero": ({"evaluate": {"load": {"repeats": 0}}}, "evaluate.load.repeats must be an integer >= 1"),
+    "engine-replicas-zero": ({"extract": {"engine": "vllm", "engine_replicas": 0}},
+                             "extract.engine_replicas must be an integer >= 1"),
+    "ignore-eos-not-bool": ({"evaluate": {"ignore_eos": "yes"}}, "evaluate.ignore_eos"),
+    "time-local-not-bool": ({"evaluate": {"time_local": 0}}, "evaluate.time_local"),
+    "eval-threads-negative": ({"evaluate": {"threads": -1}}, "evaluate.threads must be an integer >= 0"),
+    "parallel-with-tree": ({"train": {"variant": "parallel"}, "evaluate": {"spec": {"method": "tree", "topk": 2,
+                                                                                    "budget": 8}}},
+                           "train.variant 'parallel' drafts chains"),
+    "gate-speedup-zero": ({"register": {"gate_min_speedup": 0}}, "register.gate_min_speedup must be a finite number"),
+    "gate-speedup-nan": ({"register": {"gate_min_speedup": float("nan")}}, "register.gate_min_speedup must be a finite "
+                         "number > 0, got nan"), **CONFIG_ROWS}
+CONFIG_ON_EVALUATE = ("speed-budget-inf", "load-k-above-16", "edges-descending")
+
 # serve's rollback flags (components/serving/monitor.py `RollbackConfig`, flows/commands.py), as the table's ROWS
 SERVE_ROWS: dict[str, tuple[str, list[str], dict[str, str], str]] = {
     "serve-rollback-window-zero": (EMPTY, _with(SERVE, rollback_window="0"), {},
@@ -63,8 +117,8 @@ SERVE_ROWS: dict[str, tuple[str, list[str], dict[str, str], str]] = {
                                        "monitor.rollback.floor_tau must be a finite number >= 1"),
 }
 
-# real checkpoints the pipeline does not support yet (components/targets/target.py `check_target`, flows/preflight.py
-# `check_context`): id -> (state dir, argv, environment, needle), as the table's ROWS
+# real checkpoints the pipeline does not support yet (components/targets/target.py `check_target`,
+# flows/preflight_context.py `check_context`): id -> (state dir, argv, environment, needle), as the table's ROWS
 MODEL_ROWS: dict[str, tuple[str, list[str], dict[str, str], str]] = {
     "train-target-family-unproven": (EMPTY, _with(TRAIN, target="{t_phi3}"), {}, "config.json: model_type 'phi3' "
                                      "(architectures ['Phi3ForCausalLM']) is not a family this pipeline is proven on "
@@ -162,128 +216,6 @@ FILE_ROWS: dict[str, tuple[str, list[str], dict[str, str], str]] = {
 }
 
 
-def _resave(path: Path, encoding: str) -> None:
-    path.write_bytes(path.read_text(encoding="utf-8").encode(encoding))
-
-
-def _fifo(path: Path) -> None:
-    path.unlink(missing_ok=True)
-    os.mkfifo(path)
-
-
-def _unreadable(path: Path) -> None:
-    """A file whose first read fails: mode 000, or for root (whom 000 does not stop) a link to /proc/self/mem, which
-    stat calls a regular file and whose read at offset 0 fails with EIO."""
-    path.unlink(missing_ok=True)
-    if os.geteuid() == 0:
-        path.symlink_to("/proc/self/mem")
-    else:
-        path.write_text("{}")
-        path.chmod(0)
-
-
-def _deep(depth: int) -> str:
-    return "[" * depth + "]" * depth
-
-
-def _key(name: str) -> str:
-    """The `files` key of a file: c_deep.json -> c_deep, u16.jsonl -> u16_jsonl."""
-    return name.removesuffix(".json").replace(".", "_")
-
-
-def odd_files(root: Path) -> dict[str, str]:
-    """Files that are not what they seem: other encodings, deep or huge JSON, pipes, devices, sockets, unreadable."""
-    p: dict[str, str] = {}
-    texts = {"c_utf16.json": ('{"train": {"steps": 3}}', "utf-16"),
-             "c_latin1.json": ('{"register": {"experiment_suffix": "-caf\u00e9"}}', "latin-1"),
-             "c_bom.json": ('\ufeff{"train": {"ttt": {"ttt_steps": 0}}}', "utf-8"),
-             "c_deep.json": ('{"train": ' + _deep(10000) + "}", "utf-8"),  # past Python's own recursion limit
-             "c_keys.json": (json.dumps({f"k{i}": 0 for i in range(1_000_000)}), "utf-8"),
-             "u16.jsonl": (json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n", "utf-16"),
-             "u16nobom.jsonl": (json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n", "utf-16-le"),
-             "deep.jsonl": (json.dumps({"messages": "@"}).replace('"@"', _deep(100)) + "\n", "utf-8"),
-             "noexec": ("#!/bin/sh\n", "utf-8"),  # a held-out first turn of ~200 tokens: within 384, past 128
-             "heldlong.jsonl": (json.dumps({"id": "long-prompt", "messages": [{"role": "user", "content": "x = 1\n"
-                                                                               * 40}]}) + "\n", "utf-8")}
-    for name, (text, encoding) in texts.items():
-        (root / name).write_bytes(text.encode(encoding))
-        p[_key(name)] = str(root / name)
-    (root / "noexec").chmod(0o644)
-    with open(root / "huge.jsonl", "wb") as f:  # one line of over 64 MiB, mostly a hole: no disk is used
-        f.write(b'{"messages": "')
-        f.truncate((64 << 20) + 1024)
-    for name in ("c_unreadable.json", "unreadable.jsonl"):
-        _unreadable(root / name)
-    for name in ("c_fifo.json", "fifo.jsonl", "fifo.parquet"):
-        _fifo(root / name)
-    (root / "zero.jsonl").symlink_to("/dev/zero")
-    (root / "loop.jsonl").symlink_to(root / "loop.jsonl")
-    with socket.socket(socket.AF_UNIX) as s:
-        s.bind(str(root / "sock.jsonl"))
-    data = "data-00000-of-00001.arrow"  # a saved dataset's state.json and the one data file it lists
-    for name, damage in {"ds_u16": lambda d: _resave(d / "state.json", "utf-16"),
-                         "ds_fifo": lambda d: _fifo(d / data)}.items():
-        (root / name).mkdir()
-        (root / name / "state.json").write_text(json.dumps({"_data_files": [{"filename": data}]}))
-        damage(root / name)
-        p[name] = str(root / name)
-    for name in ("c_unreadable.json", "c_fifo.json", "fifo.jsonl", "fifo.parquet", "zero.jsonl", "sock.jsonl",
-                 "unreadable.jsonl", "huge.jsonl", "loop.jsonl"):
-        p[_key(name)] = str(root / name)
-    return p
-
-
-def _head_link_loop(d: Path) -> None:
-    (d / "config.json").unlink()
-    (d / "config.json").symlink_to(d / "config.json")
-
-
-def _edit_config(d: Path, **values) -> None:
-    cfg = json.loads((d / "config.json").read_text())
-    (d / "config.json").write_text(json.dumps({**cfg, **values}))
-
-
-def _int32_tensor(d: Path, name: str = "model.layers.0.mlp.down_proj.weight") -> None:
-    """One F32 tensor of the weights relabelled I32 in the header (4 bytes each: the offsets stay valid), as a
-    GPTQ or AWQ checkpoint packs its weights."""
-    f = d / "model.safetensors"
-    raw = f.read_bytes()
-    n = int.from_bytes(raw[:8], "little")
-    header = json.loads(raw[8:8 + n])
-    header[name]["dtype"] = "I32"
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)
-    f.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n:])
-
-
-TARGET_DAMAGE = {"t_phi3": lambda d: _edit_config(d, model_type="phi3", architectures=["Phi3ForCausalLM"]),
-                 "t_nochat": lambda d: (d / "chat_template.jinja").unlink(),
-                 "t_short": lambda d: _edit_config(d, max_position_embeddings=128),
-                 "t_fp8": lambda d: _edit_config(d, dtype="float8_e4m3fn"),
-                 "t_int32": _int32_tensor,
-                 "t_u16": lambda d: _resave(d / "config.json", "utf-16"),
-                 "t_bom": lambda d: _resave(d / "config.json", "utf-8-sig"),
-                 "t_deep": lambda d: (d / "config.json").write_text(_deep(100)),
-                 "t_toklatin1": lambda d: (d / "tokenizer.json").write_bytes(b'{"x": "caf\xe9"}'),
-                 "t_fifo": lambda d: _fifo(d / "tokenizer_config.json")}
-HEAD_DAMAGE = {"h_u16": lambda d: _resave(d / "config.json", "utf-16"),
-               "h_bom": lambda d: _resave(d / "eagle_head.json", "utf-8-sig"),
-               "h_deep": lambda d: (d / "eagle_head.json").write_text(_deep(100)),
-               "h_fifo": lambda d: _fifo(d / "model.safetensors"),
-               "h_loop": _head_link_loop}
-
-
-def odd_homes(root: Path) -> dict[str, Path]:
-    """State dirs `parent-file` (in a folder that is a file), `folder-file` (its `runs` a file), `folder-ro` (its
-    `mlartifacts` a link to /proc, which no one can write, root included)."""
-    (root / "a-file").write_text("not a directory\n")
-    for kind in ("folder-file", "folder-ro"):
-        (root / kind).mkdir()
-    (root / "folder-file" / "runs").write_text("not a directory\n")
-    (root / "folder-ro" / "mlartifacts").symlink_to("/proc")
-    return {"parent-file": root / "a-file" / "home", **{kind: root / kind for kind in ("folder-file", "folder-ro")}}
-
-
 class RowTimedOut(BaseException):
     """Not an Exception: the CLI's catch-all must not turn it into an exit code."""
 
@@ -303,3 +235,4 @@ def time_limit(seconds: float):
     finally:
         timer.cancel()
         signal.signal(signal.SIGALRM, previous)
+

@@ -5,7 +5,8 @@ directories where files belong), registry URIs and names, URLs, settings, and co
 values of the config sections, each in its own `--config` file); issue 49's files that are not what they seem (other
 encodings, deep or huge JSON, named pipes, devices, sockets, link loops, unreadable files:
 tests/helpers_bad_input.py) and the programs and folders the project runs or writes (EAGLE_VLLM_PYTHON, EAGLE_HOME's
-folders, TMPDIR; a full disk in `test_a_full_disk_is_refused_before_any_work`). Each row runs `flows.cli.main(argv)`
+folders, TMPDIR; a full disk in `test_a_full_disk_is_refused_before_any_work`). The inputs the rows name are made by
+the `files` and `homes` fixtures (tests/helpers_bad_input_files.py). Each row runs `flows.cli.main(argv)`
 in this process and asserts exit code 2, exactly one `error:` line on stderr that contains the row's needle (the
 offending input), no traceback, and no new file under the state dir, within `ROW_LIMIT_S` (a read that blocks fails
 the row instead of hanging the suite). Rows share two state dirs: an `empty` one (it does not exist and must not be
@@ -19,17 +20,14 @@ Not here: bad input met inside a stage (tests/test_bad_input_stages.py), kills a
 
 from __future__ import annotations
 
-import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import fake_head, target_copy
-
-from tests.helpers_bad_input import (CONFIG_ROWS, EMPTY, EVAL, FILE_ROWS, HEAD_DAMAGE, MON, REGISTRY, ROW_LIMIT_S,
-                                     SERVE, TARGET_DAMAGE, TRAIN, argv_with as _with, odd_files, odd_homes, time_limit)
+from tests.helpers_bad_input import (BAD_CONFIGS, CONFIG_ON_EVALUATE, EMPTY, EVAL, FILE_ROWS, MON, REGISTRY,
+                                     ROW_LIMIT_S, SERVE, TRAIN, argv_with as _with, time_limit)
+from tests.helpers_bad_input_files import files, homes  # noqa: F401  (the fixtures)
 
 # id -> (state dir, argv (templated with the paths of `files`), environment, needle the one error line must contain)
 ROWS: dict[str, tuple[str, list[str], dict[str, str], str]] = {
@@ -152,62 +150,8 @@ ROWS: dict[str, tuple[str, list[str], dict[str, str], str]] = {
     **FILE_ROWS,  # issue 49: files that are not what they seem, programs and folders (tests/helpers_bad_input.py)
 }
 
-
-# Settings in a `--config` file: row id -> (the file's sections, needle). Each is a row `train-config-<id>`, and the
-# ids in CONFIG_ON_EVALUATE are also rows `evaluate-config-<id>` (the same file given to `evaluate`).
-BAD_CONFIGS: dict[str, tuple[dict, str]] = {
-    "speed-min-rounds-zero": ({"evaluate": {"speed": {"min_rounds": 0}}}, "evaluate.speed.min_rounds must be"),
-    "train-loss-on-unknown": ({"train": {"loss_on": "prompts"}}, "train.loss_on"),
-    "register-gate-speedup-unknown": ({"register": {"gate_speedup": "on"}}, "register.gate_speedup"),
-    "speed-max-below-min": ({"evaluate": {"speed": {"min_rounds": 5, "max_rounds": 3}}},
-                            "evaluate.speed.max_rounds must be >= min_rounds (5)"),
-    "speed-spread-one": ({"evaluate": {"speed": {"max_spread": 1.0}}}, "evaluate.speed.max_spread must be in (0, 1)"),
-    "speed-budget-inf": ({"evaluate": {"speed": {"budget_s": float("inf")}}}, "evaluate.speed.budget_s must be a "
-                         "positive number of seconds, got inf"),
-    "speed-other-load-negative": ({"evaluate": {"speed": {"max_other_load": -1}}},
-                                  "evaluate.speed.max_other_load must be a number of CPU cores >= 0"),
-    "speed-switch-pause-negative": ({"evaluate": {"speed": {"switch_pause_s": -1}}},
-                                    "evaluate.speed.switch_pause_s must be a number of seconds >= 0"),
-    "load-descending": ({"evaluate": {"load": {"concurrency": [4, 1]}}}, "evaluate.load.concurrency must be ascending"),
-    "load-not-a-list": ({"evaluate": {"load": {"concurrency": "1,4"}}}, "evaluate.load.concurrency: '1,4' is not of"),
-    "load-k-above-16": ({"evaluate": {"load": {"k_values": [5, 17]}}}, "evaluate.load.k_values must be <= 16"),
-    "load-requests-below-top": ({"evaluate": {"load": {"concurrency": [1, 32], "requests": 16}}},
-                                "evaluate.load.requests must be >= the top concurrency 32"),
-    "load-margin-above-one": ({"evaluate": {"load": {"margin": 1.5}}}, "evaluate.load.margin must be in [0, 1)"),
-    "target-unknown-runtime": ({"target": {"runtime": "tpu"}}, "target.runtime must be one of 'local', 'vllm'"),
-    "target-tp-zero": ({"target": {"tensor_parallel_size": 0}}, "target.tensor_parallel_size must be an integer >= 1"),
-    "target-pp-negative": ({"target": {"pipeline_parallel_size": -1}}, "target.pipeline_parallel_size must be an "
-                           "integer >= 1"),
-    "target-dp-fraction": ({"target": {"data_parallel_size": 1.5}}, "target.data_parallel_size: 1.5 is not of type"),
-    "target-unknown-backend": ({"target": {"distributed_executor_backend": "magic"}},
-                               "target.distributed_executor_backend must be one of"),
-    "target-vllm-online": ({"target": {"runtime": "vllm"}, "extract": {"mode": "online"}},
-                           "target.runtime 'vllm' runs the extract stage in the engine"),
-    "extract-unknown-engine": ({"extract": {"engine": "tpu"}}, "extract.engine must be one of 'local', 'vllm'"),
-    "train-unknown-variant": ({"train": {"variant": "eagle4"}},
-                              "train.variant must be one of 'eagle3', 'eagle3.1', 'parallel'"),
-    "train-variants-twice": ({"train": {"variants": ["eagle3", "eagle3"]}}, "train.variants names a variant twice"),
-    "train-unknown-autocast": ({"train": {"autocast": "bf16"}}, "train.autocast must be one of 'gpu', 'auto', 'off'"),
-    "edges-descending": ({"evaluate": {"position_edges": [128, 0]}}, "evaluate.position_edges must be >= 2 ascending"),
-    "edges-one": ({"evaluate": {"position_edges": [0]}}, "evaluate.position_edges must be >= 2 ascending"),
-    "edges-fraction": ({"evaluate": {"position_edges": [0, 1.5]}}, "evaluate.position_edges: [0, 1.5] is not of"),
-    "gate-concurrency-negative": ({"register": {"gate_concurrency": -1}}, "register.gate_concurrency must be an "
-                                  "integer >= 0"),
-    "gate-concurrency-unmeasured": ({"register": {"gate_concurrency": 4}}, "register.gate_concurrency 4 needs the "
-                                    "load sweep to measure concurrency 4"),
-    "load-repeats-zero": ({"evaluate": {"load": {"repeats": 0}}}, "evaluate.load.repeats must be an integer >= 1"),
-    "engine-replicas-zero": ({"extract": {"engine": "vllm", "engine_replicas": 0}},
-                             "extract.engine_replicas must be an integer >= 1"),
-    "ignore-eos-not-bool": ({"evaluate": {"ignore_eos": "yes"}}, "evaluate.ignore_eos"),
-    "time-local-not-bool": ({"evaluate": {"time_local": 0}}, "evaluate.time_local"),
-    "eval-threads-negative": ({"evaluate": {"threads": -1}}, "evaluate.threads must be an integer >= 0"),
-    "parallel-with-tree": ({"train": {"variant": "parallel"}, "evaluate": {"spec": {"method": "tree", "topk": 2,
-                                                                                    "budget": 8}}},
-                           "train.variant 'parallel' drafts chains"),
-    "gate-speedup-zero": ({"register": {"gate_min_speedup": 0}}, "register.gate_min_speedup must be a finite number"),
-    "gate-speedup-nan": ({"register": {"gate_min_speedup": float("nan")}}, "register.gate_min_speedup must be a finite "
-                         "number > 0, got nan"), **CONFIG_ROWS}
-CONFIG_ON_EVALUATE = ("speed-budget-inf", "load-k-above-16", "edges-descending")
+# the settings in a `--config` file (tests/helpers_bad_input.py `BAD_CONFIGS`): rows `train-config-<id>`, and
+# `evaluate-config-<id>` for the ids in CONFIG_ON_EVALUATE
 for _id, (_, _needle) in BAD_CONFIGS.items():
     _file = "{bad_config_" + _id.replace("-", "_") + "}"
     ROWS[f"train-config-{_id}"] = (EMPTY, _with(TRAIN, config=_file), {}, _needle)
@@ -246,112 +190,6 @@ EMBEDDED_ROWS: dict[str, tuple[str, str]] = {
     "embedded-unknown-key": ('{"traffic": {"knd": "long"}}', "EmbeddedConfig.traffic: unknown keys ['knd']"),
     "embedded-config-not-json": ('{"traffic": ', "Expecting value"),
 }
-
-
-def _truncate(path: Path) -> None:
-    raw = path.read_bytes()
-    path.write_bytes(raw[: len(raw) - 16])
-
-
-def _drop_lm_head(d: Path) -> None:
-    """The tiny target (untied) without its output layer."""
-    from safetensors.torch import load_file, save_file
-
-    tensors = load_file(str(d / "model.safetensors"))
-    del tensors["lm_head.weight"]
-    save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
-
-
-def _lose_a_shard(d: Path) -> None:
-    """The tiny target saved in two shards with an index, the second shard then lost."""
-    from safetensors.torch import load_file, save_file
-
-    tensors = load_file(str(d / "model.safetensors"))
-    (d / "model.safetensors").unlink()
-    names = sorted(tensors)
-    halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
-    for f, part in halves.items():
-        save_file({n: tensors[n] for n in part}, str(d / f), metadata={"format": "pt"})
-    (d / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {}, "weight_map": {n: f for f, part in halves.items() for n in part}}))
-    (d / "model-00002-of-00002.safetensors").unlink()
-
-
-def _gguf_files(root: Path) -> dict[str, str]:
-    """A tiny GGUF cut to half its length, a text file named .gguf, one of an architecture transformers lacks."""
-    from tests.helpers_gguf import tiny_llama, tiny_tokenizer, write_tiny_gguf
-
-    tokenizer = tiny_tokenizer()
-    model = tiny_llama(tokenizer)
-    whole = write_tiny_gguf(model, tokenizer, root / "whole.gguf").read_bytes()
-    (root / "trunc.gguf").write_bytes(whole[: len(whole) // 2])
-    (root / "text.gguf").write_text("not a model\n")
-    write_tiny_gguf(model, tokenizer, root / "arch.gguf", architecture="mamba2")
-    return {"g_trunc": str(root / "trunc.gguf"), "g_text": str(root / "text.gguf"), "g_arch": str(root / "arch.gguf")}
-
-
-@pytest.fixture(scope="module")
-def files(tiny_embedded, tmp_path_factory):
-    """The paths the rows' argv templates name: good inputs, damaged copies, config files, a taken port."""
-    root = tmp_path_factory.mktemp("bad-table")
-    p = {"target": str(tiny_embedded.target_dir), "traffic": str(tiny_embedded.target_traffic.train),
-         "heldout": str(tiny_embedded.target_traffic.heldout), "dir": str(root)}
-    for name, damage in {"t_trunc": lambda d: _truncate(d / "model.safetensors"),
-                         "t_garbage": lambda d: (d / "model.safetensors").write_bytes(b"\xff" * 64),
-                         "t_badcfg": lambda d: (d / "config.json").write_text('{"architectures": ['),
-                         "t_nohead": _drop_lm_head, "t_shard": _lose_a_shard,
-                         **TARGET_DAMAGE, "t_colon": None}.items():
-        d = target_copy(tiny_embedded, root / name)
-        if damage:
-            damage(d)
-        p[name] = str(d if name != "t_colon" else d.rename(d.parent / "x:y"))
-    p.update(_gguf_files(root))
-    p["head"] = fake_head(root, "head")
-    for name, damage in {"h_meta": lambda d: (d / "eagle_head.json").write_text('{"format_version": '),
-                         "h_cfg": lambda d: (d / "config.json").write_text('{"architectures": '),
-                         "h_trunc": lambda d: _truncate(d / "model.safetensors"),
-                         "h_noweights": lambda d: (d / "model.safetensors").unlink(),
-                         "h_probe": lambda d: _truncate(d / "probe" / "probe.safetensors"), **HEAD_DAMAGE}.items():
-        p[name] = fake_head(root, name, damage)
-    p.update(odd_files(root))
-    for name, cfg in {"c_list": [], "c_suffix": {"register": {"experiment_suffix": "/eagle3"}},
-                      "c_interval0": {"monitor": {"interval_s": 0}}, "c_window": {"monitor": {"window_s": -1}},
-                      "c_ftp": {"regenerate": {"endpoint_url": "ftp://h:21/"}},
-                      "c_noscheme": {"regenerate": {"endpoint_url": "127.0.0.1:8000"}},
-                      "c_ttt0": {"train": {"ttt": {"ttt_steps": 0}}}}.items():
-        (root / f"{name}.json").write_text(json.dumps(cfg))
-        p[name] = str(root / f"{name}.json")
-    for rid, (cfg, _) in BAD_CONFIGS.items():  # json writes inf and nan as Infinity and NaN, which the loader reads
-        name = "bad_config_" + rid.replace("-", "_")
-        (root / f"{name}.json").write_text(json.dumps(cfg))
-        p[name] = str(root / f"{name}.json")
-    (root / "empty.jsonl").touch()
-    (root / "bad.jsonl").write_text('{"messages": [\n')
-    (root / "long.jsonl").write_text("\n" + "".join(json.dumps({"id": f"long-{i}", "messages": [
-        {"role": "user", "content": "x = 1\n" * 400}]}) + "\n" for i in range(2)))  # line 1 is blank
-    p.update(empty_jsonl=str(root / "empty.jsonl"), bad_jsonl=str(root / "bad.jsonl"),
-             long_jsonl=str(root / "long.jsonl"))
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen(1)
-        p["taken_port"] = str(taken.getsockname()[1])
-        yield p
-
-
-@pytest.fixture(scope="module")
-def homes(tiny_embedded, tmp_path_factory):
-    """State dirs by kind: `empty` (not created), `registry` (target `t` v1 registered), `file` (a file), and
-    `odd_homes`'s (tests/helpers_bad_input.py)."""
-    from components.registry.register import register_target
-    from infra.mlflow_store import MlflowStore
-    from infra.settings import Settings
-
-    root = tmp_path_factory.mktemp("homes")
-    registry = root / "registry"
-    register_target(MlflowStore.connect(Settings.local(registry)), "t", str(tiny_embedded.target_dir), role="base",
-                    base_model="", weights_sha256="a" * 64)
-    (root / "file").write_text("not a directory\n")
-    return {EMPTY: root / "empty", REGISTRY: registry, "file": root / "file", **odd_homes(root)}
 
 
 def _tree(home: Path) -> list[str]:

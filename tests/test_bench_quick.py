@@ -11,7 +11,7 @@ acceptance rule broken on purpose (`eagle.sampling.accept_chain_greedy` patched 
 speedup must report the mismatches and meet no goal. `write_results` keeps an earlier run of the same name.
 Run: `python -m pytest -m slow tests/test_bench_quick.py` (about 2-3 minutes on 2 cores with a cold cache).
 Not here: the figures themselves (a tiny target's numbers mean nothing), the benchmarks without a quick row here
-(bench/README.md: run them by hand).
+(bench/README.md: run them by hand), the benchmarks' checks that need no quick run (tests/test_bench_checks.py).
 """
 
 from __future__ import annotations
@@ -234,27 +234,6 @@ def test_chain_depth_runs_in_fresh_processes(cache: Path) -> None:
     assert row["mismatch"] == 0
 
 
-def test_call_counter_hooks_the_target_only_while_counting() -> None:
-    """speedup.py counts transformers' passes with a forward hook; outside `counting()` the target must have none,
-    or our loops would leave their lean decoder (slower plain and speculative decoding alike)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    sys.path.insert(0, str(ROOT / "bench"))
-    from speedup import CallCounter
-
-    from eagle.fastpath import LeanDecoder
-
-    target = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                                          num_attention_heads=2, num_key_value_heads=2, vocab_size=64)).eval()
-    counter = CallCounter(target)
-    assert LeanDecoder.of(target) is not None
-    with counter.counting(), torch.no_grad():
-        target(torch.tensor([[1, 2, 3]]))
-        assert counter.n == 1
-    assert LeanDecoder.of(target) is not None
-
-
 def test_speedup_trust_quick(cache: Path) -> None:
     """bench/speedup_trust.py: fresh processes quiet and under a load job, each figure against the quiet median."""
     r = run_quick("speedup_trust", cache, 600, "--runs", "1")
@@ -299,43 +278,6 @@ def test_long_variants_quick(cache: Path) -> None:
     check_goals(r["goals"], 0)
 
 
-@pytest.mark.parametrize("argv, says", [
-    (["--steps", "0"], "--steps must be at least 1"),
-    (["--runs", "-1"], "--runs must not be negative"),
-    (["--summary", "/no/such/summary.json"], "does not exist"),
-    (["--head", ".", "--summary", "."], "give one"),
-])
-def test_real_head_refuses_bad_arguments_in_one_line_before_any_work(argv, says):
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "real_head.py"), *argv], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2 and says in out.stderr.strip().splitlines()[-1], out.stderr
-
-
-def test_proxy_overhead_ratios_pair_the_cells_of_each_round() -> None:
-    """proxy_overhead.py's ratio is per round (a direct and a proxy cell back to back), its median the goal's figure,
-    min and max its interval; the per-mode medians are over rounds."""
-    from types import SimpleNamespace
-
-    sys.path.insert(0, str(ROOT / "bench"))
-    from proxy_overhead import summarize
-
-    def cell(tok_s, ttft):
-        return SimpleNamespace(output_tokens_per_s=tok_s, median_ttft_ms=ttft)
-
-    keys = [(1, "direct"), (1, "proxy"), (16, "direct"), (16, "proxy"),
-            (1, "proxy"), (1, "direct"), (16, "proxy"), (16, "direct"),
-            (1, "direct"), (1, "proxy"), (16, "direct"), (16, "proxy")]
-    cells = [cell(100, 10), cell(98, 12), cell(400, 50), cell(400, 60),
-             cell(90, 10), cell(80, 10), cell(380, 50), cell(400, 50),
-             cell(110, 10), cell(110, 14), cell(500, 50), cell(450, 50)]
-    out = summarize(keys, cells)
-    assert out[1]["tok_s_ratio_by_round"] == [0.98, 90 / 80, 1.0]  # rounds pair by order of each mode's cells
-    assert (out[1]["tok_s_ratio"], out[1]["tok_s_ratio_min"], out[1]["tok_s_ratio_max"]) == (1.0, 0.98, 90 / 80)
-    assert out[16]["tok_s_ratio"] == 0.95 and out[16]["direct"]["tok_s"] == 400 and out[1]["ttft_ratio"] == 1.2
-    with pytest.raises(ValueError, match="concurrency 1: 1 direct and 0 proxy"):
-        summarize([(1, "direct")], [cell(1, 1)])
-
-
 def test_capture_mix_quick(cache: Path) -> None:
     """capture_mix.py: the champion, a head per mix with the counts a retrain on capture would use, and a fresh head
     on the captured conversations alone, each decoded on both domains with outputs identical to plain decoding."""
@@ -354,15 +296,3 @@ def test_capture_mix_quick(cache: Path) -> None:
     assert r["goal"]["met"] == (r["goal"]["measured"] >= 0.95)
 
 
-@pytest.mark.parametrize("script, argv, says", [
-    ("capture_mix", ["--mixes", "1.0"], "must lie in (0, 1)"),
-    ("capture_mix", ["--build", "/no/such/build"], "not a real build of the embedded default"),
-    ("capture_mix", ["--quick", "--build", "."], "exclude each other"),
-    ("proxy_overhead", ["--target", "."], "go together"),
-    ("proxy_overhead", ["--target", ".", "--heldout", "/no/such.jsonl"], "not a model directory"),
-    ("proxy_overhead", ["--prompts", "8"], "--prompts >= 16"),
-])
-def test_bench_serving_scripts_refuse_bad_arguments_in_one_line_before_any_work(script, argv, says):
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / f"{script}.py"), *argv], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2 and says in out.stderr.strip().splitlines()[-1], out.stderr

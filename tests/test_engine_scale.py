@@ -21,7 +21,8 @@ import pytest
 from components.config.pipeline import ConfigError, PipelineConfig
 from infra.settings import Settings
 from infra.vllm_scale import EngineScale
-from infra.vllm_server import EngineSpec, VllmServer
+from infra.vllm_engine_spec import EngineSpec
+from infra.vllm_server import VllmServer
 
 SCALE = {"tensor_parallel_size": 4, "pipeline_parallel_size": 2, "data_parallel_size": 3,
          "distributed_executor_backend": "ray"}

@@ -351,7 +351,7 @@ def test_variant_eagle3_1_trains_and_warm_starts_across_variants(offline_dir, tr
 def test_warm_start_refuses_a_head_of_another_shape(trained, target):
     import copy
 
-    from components.train.stage import warm_start_head
+    from components.train.loop import warm_start_head
     from eagle.export import HeadMismatchError
 
     other = copy.deepcopy(target.config)

@@ -138,7 +138,7 @@ def test_the_engines_pair_starts_beside_our_evaluation_only_when_ours_is_untimed
 
     from components.config.pipeline import PipelineConfig
     from flows.evaluate_head import start_pair_early as _start_pair_early
-    from infra.vllm_server import EngineSpec
+    from infra.vllm_engine_spec import EngineSpec
 
     monkeypatch.setattr(EngineSpec, "resolved_device", lambda self: "cpu")
     demo = PipelineConfig.preset("default")

@@ -255,7 +255,8 @@ def test_running_starts_servers_at_once_and_stops_all_when_one_fails(tmp_path):
     server and raises its error; a server stopped while starting ends its wait at once."""
     import threading
 
-    from infra.vllm_server import EngineError, EngineSpec, VllmServer, running
+    from infra.vllm_engine_spec import EngineSpec
+    from infra.vllm_server import EngineError, VllmServer, running
 
     events: list[tuple[str, str]] = []
     lock = threading.Lock()
@@ -329,7 +330,8 @@ def test_an_engine_pool_hands_running_servers_on_by_spec_and_stops_the_rest(tmp_
     import subprocess
 
     from infra.engine_pool import EnginePool, same_engine
-    from infra.vllm_server import EngineError, EngineSpec, VllmServer
+    from infra.vllm_engine_spec import EngineSpec
+    from infra.vllm_server import EngineError, VllmServer
 
     class Sleeper(VllmServer):
         def __init__(self, **spec):

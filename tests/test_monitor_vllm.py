@@ -136,7 +136,8 @@ def test_a_drop_in_served_acceptance_retrains_the_head(live_prefect, drift_targe
     from components.evaluate.engine import engine_prompts
     from infra.mlflow_store import CHAMPION, MlflowStore
     from infra.settings import Settings
-    from infra.vllm_server import EngineSpec, VllmServer
+    from infra.vllm_engine_spec import EngineSpec
+    from infra.vllm_server import VllmServer
 
     live, emb = live_prefect, drift_target
     cfg = PipelineConfig.load(drift["config"], "tiny")

@@ -229,7 +229,7 @@ def test_sampled_generation_runs_and_trees_are_refused(pair):
 
 
 def test_export_round_trip_and_engine_keys(tmp_path, pair):
-    from infra.vllm_server import EngineSpec, head_drafts_in_parallel
+    from infra.vllm_engine_spec import EngineSpec, head_drafts_in_parallel
 
     target, draft = pair
     out = export_head(draft, tmp_path / "head")

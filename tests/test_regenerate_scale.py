@@ -201,7 +201,8 @@ def test_an_injected_answerer_is_refused_on_ray(tmp_path):
 
 @pytest.fixture(scope="module")
 def vllm_plain(engine_target, tmp_path_factory):
-    from infra.vllm_server import EngineSpec, VllmServer, vllm_python
+    from infra.vllm_engine_spec import EngineSpec
+    from infra.vllm_server import VllmServer, vllm_python
 
     settings = Settings.local(tmp_path_factory.mktemp("regen-engine-state") / ".eagle")
     vllm_python(settings)  # a missing vLLM venv fails here with the line that says how to make it

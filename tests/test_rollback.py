@@ -21,7 +21,8 @@ from components.serving.live import Follow, RolledBack, Served, follow
 from components.serving.monitor import MonitorConfig, RollbackConfig, window_counts, window_start
 from components.serving.rollback import REASON_TAG, Judge, move_alias_back
 from eagle.errors import BadInput
-from infra.vllm_server import EngineSpec, SpecCounters
+from infra.vllm_engine_spec import EngineSpec
+from infra.vllm_server import SpecCounters
 
 CFG = RollbackConfig(window_s=10.0, floor_tau=1.1, min_drafts=50, sustain_windows=2)
 

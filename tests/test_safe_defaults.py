@@ -134,7 +134,8 @@ def test_the_trust_setting_reaches_every_model_load(monkeypatch, tmp_path):
     from components.extract.stage import ExtractConfig
     from components.regenerate.stage import RegenerateConfig
     from components.train.data import TrainingData
-    from components.train.stage import LoopArgs, TrainConfig, train_loop
+    from components.train.loop import LoopArgs, train_loop
+    from components.train.stage import TrainConfig
     from flows import tasks
     from infra.settings import Settings
 

@@ -38,7 +38,7 @@ import pytest
 from components.data.traffic_io import load_traffic
 from components.serving.capture import CaptureConfig, read_capture
 from components.serving.live import LiveConfig, LiveServer, Served
-from infra.vllm_server import EngineSpec
+from infra.vllm_engine_spec import EngineSpec
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 ROOT = Path(__file__).resolve().parent.parent

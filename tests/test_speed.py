@@ -124,7 +124,8 @@ def test_the_pause_between_servers_is_the_devices_unless_the_config_sets_one():
     """`evaluate.speed.switch_pause_s`: None waits out a CPU engine's idle spin (and nothing on a GPU); a number is
     taken as given (0 where the cores are many, and in the tests' tiny config); a negative one is refused."""
     from components.evaluate.engine import SETTLE_MARGIN_S, SwitchPause
-    from infra.vllm_server import IDLE_SPIN_S, EngineSpec
+    from infra.vllm_engine_spec import EngineSpec
+    from infra.vllm_server import IDLE_SPIN_S
 
     cpu, gpu = EngineSpec("/t", method=None, device="cpu"), EngineSpec("/t", method=None, device="cuda")
     assert SwitchPause.between(cpu).seconds == IDLE_SPIN_S + SETTLE_MARGIN_S == pytest.approx(1.2)

@@ -44,7 +44,8 @@ from components.targets.servable import is_servable, servable_head
 from components.train.stage import TrainConfig, train
 from eagle.speculative import SpecConfig
 from infra.settings import Settings
-from infra.vllm_server import EngineError, EngineSpec, VllmServer
+from infra.vllm_engine_spec import EngineSpec
+from infra.vllm_server import EngineError, VllmServer
 from infra.vllm_zygote import FORKED_CORE, ZygoteChild
 from tests.helpers import our_counts, state_dir_env
 

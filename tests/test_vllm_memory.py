@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from infra.vllm_memory import KV_SEQS, cpu_kv_cache_bytes, host_memory, kv_bytes_per_token
-from infra.vllm_server import EngineSpec
+from infra.vllm_engine_spec import EngineSpec
 
 LLAMA = {"num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 256}
 HEAD = {"num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 32}

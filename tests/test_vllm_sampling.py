@@ -105,7 +105,7 @@ def test_the_commands_refuse_a_sampled_engine_evaluation_before_any_work(command
     monkeypatch.setenv("EAGLE_HOME", str(home))
     monkeypatch.setattr(cli, "_run_command", lambda a, settings, cfg: 99)  # passed the preflight: the test fails
     monkeypatch.setattr("infra.prefect_env.apply_prefect_defaults", lambda settings: {})
-    monkeypatch.setattr("infra.vllm_server.host_device", lambda: "cpu")  # a GPU build is never refused
+    monkeypatch.setattr("infra.vllm_engine_spec.host_device", lambda: "cpu")  # a GPU build is never refused
     emb = tiny_embedded
     argv = {"train": ["train", "--target", str(emb.target_dir), "--traffic", str(emb.target_traffic.train),
                       "--heldout", str(emb.target_traffic.heldout)],

@@ -46,8 +46,8 @@ from components.targets.target import target_context
 from eagle.stats import acceptance_by_position, raw_steps
 from infra.settings import Settings
 from infra.vllm_sampling import refuse_sampled_drafts
-from infra.vllm_server import (IDLE_SPIN_S, PER_REQUEST_METRICS, EngineSpec, SpecCounters, VllmServer, host_device,
-                               running)
+from infra.vllm_engine_spec import EngineSpec, host_device
+from infra.vllm_server import IDLE_SPIN_S, PER_REQUEST_METRICS, SpecCounters, VllmServer, running
 
 REPORT = "engine_evaluation.json"
 SETTLE_MARGIN_S = 0.2  # past the idle spin, before the other server is timed

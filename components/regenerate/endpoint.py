@@ -101,7 +101,8 @@ def engine_endpoint(cfg: Any, target_dir: str, settings: Any = None, progress: C
         return
     from components.targets.target import declared_dtype, target_context
     from infra.settings import Settings
-    from infra.vllm_server import EngineSpec, VllmServer
+    from infra.vllm_engine_spec import EngineSpec
+    from infra.vllm_server import VllmServer
 
     spec = EngineSpec(str(target_dir), method=None, dtype=declared_dtype(target_dir),
                       max_model_len=target_context(target_dir))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import shlex
 
-from infra.vllm_server import EngineSpec
+from infra.vllm_engine_spec import EngineSpec
 
 
 def launch_commands(spec: EngineSpec, port: int = 8000) -> dict[str, str]:

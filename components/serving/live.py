@@ -35,7 +35,8 @@ from components.serving.monitor import RollbackConfig
 from components.serving.rollback import Judge, Judgement
 from infra.serve_proxy import Backend, ServeProxy
 from infra.settings import Settings
-from infra.vllm_server import EngineError, EngineSpec, SpecCounters, VllmServer, read_metrics
+from infra.vllm_engine_spec import EngineSpec
+from infra.vllm_server import EngineError, SpecCounters, VllmServer, read_metrics
 
 
 @dataclass(frozen=True)

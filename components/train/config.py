@@ -1,9 +1,9 @@
 """The training run's config: its length, data, checkpoints and speed-ups (`TrainConfig`) and its workers (`RayConfig`).
 
 Purpose: the `train` section of a pipeline config, each field checked where it is built (a pipeline config file
-with a bad value fails at load, naming the key). What the fields do is in components/train/stage.py (the loop) and
+with a bad value fails at load, naming the key). What the fields do is in components/train/loop.py (the loop) and
 components/train/data.py (batches, the teacher cache); ARCHITECTURE.md's knob index lists them.
-Not here: the training loop (components/train/stage.py), the TTT loss's and the optimiser's own sections
+Not here: the training loop (components/train/loop.py), the TTT loss's and the optimiser's own sections
 (eagle/run_config.py).
 """
 

@@ -11,7 +11,7 @@ dequantises the target's features the same way. Manifests from before fp8 (no `s
 Feature shards are checked against the manifest's sha256 when opened, and fp8 shards' headers for their scales: a
 corrupted or truncated shard, or one whose scales are missing or of the wrong shape, is refused with the file name
 and what to do.
-Not here: the training loop (components/train/stage.py).
+Not here: the training loop (components/train/loop.py).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ the controller (`RefuseBadInput`) ends the run at the first such error instead (
 is the controller's own, which it does not retry), and the caller gets the worker's own exception, message and
 type, which the CLI prints as its one line (exit 2); Ray's tracebacks of it (worker and controller) are dropped.
 Run: through `components.train.stage.train`; tests/test_bad_input_stages.py (a refusal in a worker),
-test_extract_train.py (restarts). Not here: the loop itself (components/train/stage.py), Ray sessions
+test_extract_train.py (restarts). Not here: the loop itself (components/train/loop.py), Ray sessions
 (infra/ray_cluster.py).
 """
 
@@ -37,7 +37,7 @@ def _ray_run_name(out_dir: str) -> str:
 
 
 def fit_with_ray(loop: Callable[[Any], None], args: Any, storage: str) -> None:
-    """`loop(args)` (components.train.stage's `train_loop` and its `LoopArgs`) on `args.cfg.ray.num_workers` Ray Train
+    """`loop(args)` (components.train.loop's `train_loop` and its `LoopArgs`) on `args.cfg.ray.num_workers` Ray Train
     workers. A worker's `BadInput` reaches the caller as itself, with the worker's message, without a restart of
     the worker group (`RefuseBadInput`); any other failure is retried `max_failures` times, then raised as Ray's
     error (`WorkerGroupError`, `ControllerError`)."""

@@ -7,7 +7,7 @@ directory renamed into place; the newest `keep` are kept); `write_best` / `read_
 sees one whole best; a resumed run makes it its checkpoint's best again); `trim_history` drops the history rows
 logged past a checkpoint. Every function here runs on rank 0 (or the driver).
 Run: through `components.train.stage.train`.
-Not here: the training loop and which weights to export (components/train/stage.py), the rule (eagle/train.py
+Not here: the training loop and which weights to export (components/train/loop.py), the rule (eagle/train.py
 `Selection`).
 """
 
