@@ -31,6 +31,7 @@ import pytest
 from components.evaluate.stage import EvaluateConfig, evaluate
 from components.extract.stage import ExtractConfig, extract
 from components.regenerate.stage import RegenerateConfig, regenerate
+from components.targets.runtime import StageContext
 from components.train.stage import TrainConfig, train
 from tests.helpers import our_counts
 
@@ -196,7 +197,7 @@ def qwen3_on_engine_features(built, engine_settings) -> tuple[Family, dict[str, 
     trained on those features; with the max relative difference of the features to the local extraction's."""
     fam = built("qwen3")
     head = train_head(fam.target_dir, str(fam.root / "regen"), fam.root, dataclasses.replace(EXTRACT, engine="vllm"),
-                      ray_settings=engine_settings)
+                      context=StageContext(settings=engine_settings))
     return (Family("qwen3 on engine features", fam.target_dir, head, fam.root),
             _max_rel_difference(fam.root / "extract-local", fam.root / "extract-vllm"))
 

@@ -72,9 +72,6 @@ PARAMS_ALLOWLIST: dict[str, str] = {
     "components/evaluate/stage.py:evaluate": f"{_BENCH} (checkpoint_by_tau, feature_dtype, gpu_pipeline, "
                                              "long_variants, speedup_trust: progress=, history_file=)",
     "components/evaluate/engine.py:evaluate_in_vllm": f"{_BENCH} (speedup_trust: 8 of them)",
-    "components/extract/stage.py:extract": f"{_BENCH} (common, extract_engine, features_tau, ...: progress=, "
-                                           "ray_settings=)",
-    "components/regenerate/stage.py:regenerate": f"{_BENCH} (common, regen_workers: progress=, ray_settings=)",
     "components/evaluate/load_sweep.py:load_sweep": f"{_BENCH} (k_schedule)",
     "components/evaluate/load_sweep.py:measure_rounds": f"{_BENCH} (k_schedule: all 9, positionally)",
     # a Prefect flow's parameters are its deployments' (prefect.yaml, the UI, event triggers), each set by name
