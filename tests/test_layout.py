@@ -73,7 +73,6 @@ PARAMS_ALLOWLIST: dict[str, str] = {
                                              "long_variants, speedup_trust: progress=, history_file=)",
     "components/evaluate/engine.py:evaluate_in_vllm": f"{_BENCH} (speedup_trust: 8 of them)",
     "components/evaluate/load_sweep.py:load_sweep": f"{_BENCH} (k_schedule)",
-    "components/evaluate/load_sweep.py:measure_rounds": f"{_BENCH} (k_schedule: all 9, positionally)",
     # a Prefect flow's parameters are its deployments' (prefect.yaml, the UI, event triggers), each set by name
     "flows/train_head.py:train_head": "a Prefect flow: each parameter is one of the train-head deployment's",
 }
