@@ -28,7 +28,7 @@ import common  # noqa: E402  (puts the repository on sys.path)
 from common import base_args, goal_line, prepare, print_table, speed_head, start, write_results
 
 from components.evaluate.load_sweep import LoadConfig, load_sweep
-from components.evaluate.stage import EvaluateConfig
+from components.evaluate.stage import EvaluateConfig, HeadEval
 from eagle.run_config import SpecConfig
 
 WAYS = ("plain", "best_k", "schedule")
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> dict:
                          load=LoadConfig(concurrency=args.concurrency, k_values=args.k_values, requests=args.requests,
                                          repeats=args.sweep_repeats, verify_schedule=False))
     with tempfile.TemporaryDirectory() as tmp:
-        sweep = load_sweep(cfg, target, head, heldout, str(Path(tmp) / "sweep"), settings)
+        sweep = load_sweep(cfg, HeadEval(target, head, heldout, str(Path(tmp) / "sweep")), settings)
         k_sum = {k: sum(c["output_tokens_per_s"] for c in sweep.cells if c["k"] == k) for k in args.k_values}
         best_k = max(k_sum, key=k_sum.get)
         print(f"k_schedule: schedule {sweep.schedule} (crossover {sweep.crossover}); best fixed K {best_k}", flush=True)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from components.evaluate.stage import EvaluateConfig, evaluate
+from components.evaluate.stage import EvaluateConfig, HeadEval, evaluate
 from components.extract.stage import ExtractConfig, extract
 from components.regenerate.stage import RegenerateConfig, regenerate
 from components.targets.runtime import StageContext
@@ -131,7 +131,7 @@ def family(request, built) -> Family:
 
 def evaluate_locally(fam: Family, out: Path, traffic: str):
     """Our evaluation of the family's head on the held-out traffic: greedy speculative must equal plain."""
-    res = evaluate(EVAL, str(fam.target_dir), fam.head_dir, traffic, str(out), **QUIET)
+    res = evaluate(EVAL, HeadEval(str(fam.target_dir), fam.head_dir, traffic, str(out)), **QUIET)
     assert res.identical, f"{fam.name}: speculative output differs from plain"
     return res
 
@@ -155,7 +155,7 @@ def serve_and_compare(fams: list[Family], heldout: str, settings, out: Path) -> 
     with plain_server(EVAL, str(fams[0].target_dir), settings) as plain:
         for i, (fam, local) in enumerate(zip(fams, ours)):
             assert fam.target_dir == fams[0].target_dir
-            res = evaluate_in_vllm(EVAL, str(fam.target_dir), fam.head_dir, heldout, str(out / f"vllm-{i}"),
+            res = evaluate_in_vllm(EVAL, HeadEval(str(fam.target_dir), fam.head_dir, heldout, str(out / f"vllm-{i}")),
                                    settings, ours=our_outputs(local.report_file), plain=plain, **QUIET)
             assert res.identical_to_plain and res.identical_to_ours, fam.name
             steps, per_pos = our_counts(local.report_file, EVAL.spec.depth)

@@ -1,6 +1,6 @@
 """Stage 4c, the head under load: throughput by concurrency in vLLM, and the K schedule the engine should run.
 
-Purpose: `load_sweep(cfg, target_dir, head_dir, traffic_path, out_dir, settings) -> SweepResult`.
+Purpose: `load_sweep(cfg, head, settings) -> SweepResult` (`head`: components/evaluate/stage.py `HeadEval`).
 A production server runs many requests at once, and speculation spends compute a busy server no longer has to
 spare, so one K is not right at every load. For the held-out prompts (the evaluation's, chat template applied) it
 - serves the target plainly (K = 0) and with the head at each K of `cfg.load.k_values`, all these servers started
@@ -56,7 +56,7 @@ from components.data.atomic import atomic_write_text
 from components.evaluate.engine import PAIR_MEMORY_SHARE, engine_max_len, refuse_sampled
 from components.evaluate.load_config import MAX_BATCH, LoadConfig  # noqa: F401  (LoadConfig re-exported)
 from components.evaluate.plots import plot_load_sweep
-from components.evaluate.stage import NotLosslessError, held_out_messages
+from components.evaluate.stage import HeadEval, NotLosslessError, held_out_messages
 
 SCHEDULE = -1  # the `k` of the served schedule's cells
 FRONTEND_BYTES = 2**30  # host memory of one server besides its engine's share (the API process, the client's load)
@@ -125,18 +125,18 @@ def round_order(keys: list[int], round_i: int, level_i: int) -> list[int]:
     return list(keys) if (round_i + level_i) % 2 == 0 else list(reversed(keys))
 
 
-def load_sweep(cfg, target_dir: str, head_dir: str, traffic_path: str, out_dir: str, settings,
-               progress: Callable[[str], None] = print, engines=None, evaluation: str | None = None) -> SweepResult:
+def load_sweep(cfg, head: HeadEval, settings, progress: Callable[[str], None] = print, engines=None,
+               evaluation: str | None = None) -> SweepResult:
     """`cfg` is the EvaluateConfig (its `load`, `spec.max_new_tokens`, `spec.temperature`, `max_prompt_tokens`,
-    `ignore_eos`): the first `load.requests` held-out prompts that fit, as texts with the chat template; see the module
-    doc. `engines`: see `run_sweep`; `evaluation`: the engine evaluation's report (`engine_evaluation.json`) of the
-    servers in `engines`, whose rounds stand for concurrency 1 (`evaluation_cells`)."""
+    `ignore_eos`): the first `load.requests` prompts of `head.heldout` that fit, as texts with the chat template, the
+    report in `head.out_dir` (the head alone: no baseline, no curves); see the module doc. `engines`: see `run_sweep`;
+    `evaluation`: the `engine_evaluation.json` of `engines`' servers, its rounds as concurrency 1 (evaluation_cells)."""
     from transformers import AutoTokenizer
 
     from components.data.chat import prompt_ids
 
     refuse_sampled(cfg, settings)  # a CPU build's sampled verification is wrong
-    load = cfg.load
+    load, target_dir, traffic_path = cfg.load, head.target_dir, head.heldout
     tokenizer = AutoTokenizer.from_pretrained(target_dir, trust_remote_code=settings.trust_remote_code)
     output_len = load.output_len or cfg.spec.max_new_tokens
     max_len = engine_max_len(target_dir, cfg)
@@ -151,7 +151,7 @@ def load_sweep(cfg, target_dir: str, head_dir: str, traffic_path: str, out_dir: 
         raise ValueError(f"{traffic_path}: only {len(prompts)} held-out prompts fit ({cfg.max_prompt_tokens} prompt "
                          f"tokens, {output_len} new, context {max_len}); evaluate.load.requests asks for "
                          f"{load.requests}")
-    plan = SweepPlan(prompts, str(target_dir), str(head_dir), Path(out_dir), output_len, cfg.spec.temperature,
+    plan = SweepPlan(prompts, str(target_dir), str(head.head_dir), Path(head.out_dir), output_len, cfg.spec.temperature,
                      max_len, progress, ignore_eos=cfg.ignore_eos)
     batch1 = evaluation_cells(evaluation, load.k_values[0]) \
         if evaluation and len(load.k_values) == 1 and 1 in load.concurrency and cfg.spec.temperature == 0.0 else None
