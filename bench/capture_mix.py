@@ -134,11 +134,11 @@ def trained(train_cfg, ext_dir: Path, target_dir: Path, out: Path, warm: Path | 
 
 
 def judged(ev_cfg, d: Domains, head: Path, out: Path) -> dict:
-    from components.evaluate.stage import evaluate
+    from components.evaluate.stage import HeadEval, evaluate
 
     row = {}
     for name, traffic in (("shift", d.shift_heldout), ("base", d.base_heldout)):
-        r = evaluate(ev_cfg, str(d.target_dir), str(head), str(traffic), str(out / f"eval-{name}"),
+        r = evaluate(ev_cfg, HeadEval(str(d.target_dir), str(head), str(traffic), str(out / f"eval-{name}")),
                      progress=lambda _m: None)
         row[f"tau_{name}"] = round(r.tau, 3)
         row[f"identical_{name}"] = r.identical

@@ -58,14 +58,14 @@ def heldout_curve(history: Path) -> list[dict]:
 
 def decode(setup: Setup, heads: dict[str, dict], args: argparse.Namespace) -> None:
     """Decode held-out traffic with each head through the evaluate stage; adds tau, alphas, speedup to `heads`."""
-    from components.evaluate.stage import EvaluateConfig, evaluate
+    from components.evaluate.stage import EvaluateConfig, HeadEval, evaluate
     from eagle.speculative import SpecConfig
 
     cfg = EvaluateConfig(spec=SpecConfig(method="chain", depth=args.depth, max_new_tokens=setup.preset.max_new_tokens),
                          limit=args.prompts or setup.preset.eval_prompts, engine="local")
     for name, h in heads.items():
         out = setup.work / "checkpoint_by_tau" / f"eval-{name}-{Path(h['head_dir']).parent.name}"
-        r = evaluate(cfg, str(setup.target_dir), h["head_dir"], str(setup.heldout_traffic), str(out),
+        r = evaluate(cfg, HeadEval(str(setup.target_dir), h["head_dir"], str(setup.heldout_traffic), str(out)),
                      progress=lambda _m: None)
         h.update(tau=r.tau, a1=r.acceptance[0], **{f"a{args.depth}": r.acceptance[-1]}, speedup=r.speedup,
                  identical=r.identical, prompts=r.n_samples, tokens=r.n_tokens)

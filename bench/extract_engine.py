@@ -36,6 +36,7 @@ from safetensors.torch import load_file
 from common import base_args, prepare, print_table, start, write_results
 from components.extract.feature_shards import FEATURES
 from components.extract.stage import extract
+from components.targets.runtime import StageContext
 from infra.settings import Settings
 
 SHARD = re.compile(r"shard (\d+)/\d+, (\d+) tokens \(([\d.]+) s\)")
@@ -50,7 +51,8 @@ def run(setup, engine: str, dtype: str, out: Path, replicas: int = 1, seqs_per_s
     lines: list[tuple[float, str]] = []
     t0 = time.perf_counter()
     res = extract(cfg, str(setup.target_dir), str(setup.regen_dir), str(out),
-                  progress=lambda s: lines.append((time.perf_counter(), s)), ray_settings=Settings.from_env())
+                  progress=lambda s: lines.append((time.perf_counter(), s)),
+                  context=StageContext(settings=Settings.from_env()))
     total = time.perf_counter() - t0
     shards = {int(m[1]): (int(m[2]), t - float(m[3]), t) for t, s in lines if (m := SHARD.search(s))}
     first = min(begin for _, begin, _ in shards.values()) - t0  # loading, tokenising, the first engine's start

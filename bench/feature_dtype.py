@@ -77,14 +77,14 @@ def fidelity(dirs: dict[str, Path], max_tokens: int = 4096) -> dict[str, dict]:
 
 def decode(setup: Setup, dtype: str, head_dir: Path, args: argparse.Namespace) -> dict:
     """The evaluate stage on the held-out prompts: emitted and raw tau, alpha_1, mismatches (counted, not raised)."""
-    from components.evaluate.stage import EvaluateConfig, NotLosslessError, evaluate
+    from components.evaluate.stage import EvaluateConfig, HeadEval, NotLosslessError, evaluate
     from eagle.speculative import SpecConfig
 
     cfg = EvaluateConfig(spec=SpecConfig(method="chain", depth=args.depth, max_new_tokens=setup.preset.max_new_tokens),
                          limit=args.prompts or setup.preset.eval_prompts, engine="local")
     out = setup.work / "feature_dtype" / f"eval-{dtype}-{head_dir.parent.name}-d{args.depth}-p{cfg.limit}"
     try:
-        evaluate(cfg, str(setup.target_dir), str(head_dir), str(setup.heldout_traffic), str(out),
+        evaluate(cfg, HeadEval(str(setup.target_dir), str(head_dir), str(setup.heldout_traffic), str(out)),
                  progress=lambda _m: None)
     except NotLosslessError:  # the report is written first; the table shows the count
         pass

@@ -39,6 +39,7 @@ import torch
 from common import (base_args, eos_of, goal_line, heldout_prompts, prepare, print_table, pyplot, results_dir,
                     spec_figures, speed_head_config, start, train_or_reuse_head, write_results)
 from components.extract.stage import extract
+from components.targets.runtime import StageContext
 from extract_engine import max_rel_diff
 from infra.settings import Settings
 
@@ -51,7 +52,7 @@ def engine_features(setup) -> Path:
     cfg = dataclasses.replace(setup.preset.extract, engine="vllm", num_workers=0)
     common._say(f"bench: extracting features through vLLM into {out} (once)")
     extract(cfg, str(setup.target_dir), str(setup.regen_dir), str(out), progress=lambda s: None,
-            ray_settings=Settings.from_env())
+            context=StageContext(settings=Settings.from_env()))
     return out
 
 

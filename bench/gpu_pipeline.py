@@ -40,7 +40,7 @@ for path in (ROOT, ROOT / "bench"):  # the project's packages; bench/batch.py's 
 import torch  # noqa: E402
 
 from components.config.presets import gpu_stages, tiny_stages  # noqa: E402
-from components.evaluate.stage import evaluate  # noqa: E402
+from components.evaluate.stage import HeadEval, evaluate  # noqa: E402
 from components.extract.stage import extract  # noqa: E402
 from components.regenerate.stage import regenerate  # noqa: E402
 from components.train.stage import train  # noqa: E402
@@ -107,8 +107,8 @@ def run(args: argparse.Namespace, cfgs: dict[str, Any], rec: Record) -> None:
     if args.more:  # the same head drafting a tree, and sampling (T = 1), instead of the greedy chain
         summary = {}
         for name, ev_cfg in more_evaluations(cfgs["evaluate"]).items():
-            ev = rec.stage(name, lambda c=ev_cfg, n=name: evaluate(c, target, tr.head_dir, str(traffic.heldout),
-                                                                   str(run_dir / n)))
+            head = HeadEval(target, tr.head_dir, str(traffic.heldout), str(run_dir / name))
+            ev = rec.stage(name, lambda c=ev_cfg, h=head: evaluate(c, h))
             summary[name] = {"tau": ev.tau, "speedup": ev.speedup, "speedup_lo": ev.speedup_lo,
                              "speedup_hi": ev.speedup_hi, "identical": ev.identical, "acceptance": ev.acceptance}
         batches = (1, 4) if args.quick else (1, 8, 32, 64)
@@ -117,8 +117,8 @@ def run(args: argparse.Namespace, cfgs: dict[str, Any], rec: Record) -> None:
         summary["batch"] = rec.data["stages"]["batch"]["result"]
         rec.data["summary"] = summary
         return
-    ev = rec.stage("evaluate", lambda: evaluate(cfgs["evaluate"], target, tr.head_dir, str(traffic.heldout),
-                                                dirs["evaluate"], history_file=tr.history_file))
+    head = HeadEval(target, tr.head_dir, str(traffic.heldout), dirs["evaluate"], history_file=tr.history_file)
+    ev = rec.stage("evaluate", lambda: evaluate(cfgs["evaluate"], head))
     rec.data["summary"] = {"tau": ev.tau, "speedup": ev.speedup, "speedup_lo": ev.speedup_lo,
                            "speedup_hi": ev.speedup_hi, "identical": ev.identical, "acceptance": ev.acceptance,
                            "train_tokens_per_s": tr.final_metrics.get("tokens_per_s")}

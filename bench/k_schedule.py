@@ -28,7 +28,7 @@ import common  # noqa: E402  (puts the repository on sys.path)
 from common import base_args, goal_line, prepare, print_table, speed_head, start, write_results
 
 from components.evaluate.load_sweep import LoadConfig, load_sweep
-from components.evaluate.stage import EvaluateConfig
+from components.evaluate.stage import EvaluateConfig, HeadEval
 from eagle.run_config import SpecConfig
 
 WAYS = ("plain", "best_k", "schedule")
@@ -56,11 +56,11 @@ def resolve(args, settings) -> tuple[str, str, str, str]:
     return str(setup.target_dir), str(head.head_dir), str(setup.heldout_traffic), "speedhead" + suffix
 
 
-def serve_ways(plan, ways: dict[int, object], r: int, together: bool, settings, tmp: Path, samples: list[dict],
-               rounds: list[dict]) -> None:
+def serve_ways(plan, ways: dict[int, object], r: int, together: bool, settings,
+               tmp: Path) -> tuple[list[dict], list[dict]]:
     """Round `r`: fresh servers of `ways` ({k: EngineSpec}, k 0 plain, -1 the schedule) measured at every level,
-    all up at once when `together`, else one after the other (rotating by round); appends to `samples` and
-    `rounds` (components/evaluate/load_sweep.py `measure_rounds`)."""
+    all up at once when `together`, else one after the other (rotating by round); returns the samples and the
+    rounds' orders it measured (components/evaluate/load_sweep.py `measure_rounds`)."""
     from contextlib import ExitStack
 
     from components.evaluate.load_sweep import measure_rounds
@@ -71,12 +71,14 @@ def serve_ways(plan, ways: dict[int, object], r: int, together: bool, settings, 
     if together:
         with ExitStack() as stack:
             servers = {k: stack.enter_context(VllmServer(spec, settings, log_dir=tmp)) for k, spec in ways.items()}
-            measure_rounds(one, plan, settings, servers, dataset, "ways", samples, rounds, first_round=r)
-        return
+            return measure_rounds(one, plan, settings, servers, dataset, "ways", first_round=r)
     keys = list(ways)
+    samples, rounds = [], []
     for k in keys[r % len(keys):] + keys[:r % len(keys)]:
         with VllmServer(ways[k], settings, log_dir=tmp) as srv:
-            measure_rounds(one, plan, settings, {k: srv}, dataset, "ways", samples, rounds, first_round=r)
+            got = measure_rounds(one, plan, settings, {k: srv}, dataset, "ways", first_round=r)
+        samples, rounds = samples + got[0], rounds + got[1]
+    return samples, rounds
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -109,7 +111,7 @@ def main(argv: list[str] | None = None) -> dict:
                          load=LoadConfig(concurrency=args.concurrency, k_values=args.k_values, requests=args.requests,
                                          repeats=args.sweep_repeats, verify_schedule=False))
     with tempfile.TemporaryDirectory() as tmp:
-        sweep = load_sweep(cfg, target, head, heldout, str(Path(tmp) / "sweep"), settings)
+        sweep = load_sweep(cfg, HeadEval(target, head, heldout, str(Path(tmp) / "sweep")), settings)
         k_sum = {k: sum(c["output_tokens_per_s"] for c in sweep.cells if c["k"] == k) for k in args.k_values}
         best_k = max(k_sum, key=k_sum.get)
         print(f"k_schedule: schedule {sweep.schedule} (crossover {sweep.crossover}); best fixed K {best_k}", flush=True)
@@ -130,7 +132,8 @@ def main(argv: list[str] | None = None) -> dict:
         samples: list[dict] = []
         rounds: list[dict] = []
         for r in range(args.repeats):
-            serve_ways(plan, ways, r, not why, settings, Path(tmp), samples, rounds)
+            got = serve_ways(plan, ways, r, not why, settings, Path(tmp))
+            samples, rounds = samples + got[0], rounds + got[1]
     key = {0: "plain", best_k: "best_k", -1: "schedule"}
     runs = {w: [{s["concurrency"]: s for s in samples if key[s["k"]] == w and s["round"] == r}
                 for r in range(args.repeats)] for w in WAYS}

@@ -185,7 +185,7 @@ def head_config(setup: Setup, sizes: Sizes, variant: str, steps: int):
 def ours(setup: Setup, heads: dict[str, Path], n_prompts: int, depth: int) -> dict[str, dict]:
     """`components.evaluate.stage.evaluate` of each head (ignore_eos, one speed round): tau, buckets, identity."""
     from components.evaluate.speed import SpeedupConfig
-    from components.evaluate.stage import EvaluateConfig, evaluate
+    from components.evaluate.stage import EvaluateConfig, HeadEval, evaluate
     from eagle.run_config import SpecConfig
 
     cfg = EvaluateConfig(spec=SpecConfig(depth=depth, max_new_tokens=64), limit=n_prompts, max_prompt_tokens=1024,
@@ -194,8 +194,8 @@ def ours(setup: Setup, heads: dict[str, Path], n_prompts: int, depth: int) -> di
     out = {}
     for v, head in heads.items():
         common._say(f"bench: our loop, {v}")
-        res = evaluate(cfg, str(setup.target_dir), str(head), str(setup.heldout_traffic),
-                       str(setup.work / "eval" / v), progress=lambda s: None)
+        res = evaluate(cfg, HeadEval(str(setup.target_dir), str(head), str(setup.heldout_traffic),
+                                     str(setup.work / "eval" / v)), progress=lambda s: None)
         samples = json.loads(Path(res.report_file).read_text())["samples"]
         out[v] = {"tau": res.tau, "by_position": res.by_position, "identical": res.identical,
                   "speedup_ours": res.speedup, "outputs": [s["output_ids"] for s in samples],

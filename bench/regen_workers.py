@@ -31,6 +31,7 @@ import common  # noqa: F401  (puts the repo root on sys.path)
 from common import base_args, prepare, print_table, start, write_results
 from components.data.regenerated import read_regenerated
 from components.regenerate.stage import RegenerateConfig, regenerate
+from components.targets.runtime import StageContext
 
 
 def digests(out: Path) -> dict[str, str]:
@@ -68,7 +69,7 @@ def run_one(cfg: RegenerateConfig, workers: int, target_dir: Path, traffic: Path
 
     t0 = time.perf_counter()
     res = regenerate(dataclasses.replace(cfg, num_workers=workers), str(target_dir), str(traffic), str(out),
-                     progress=on_line, ray_settings=settings)
+                     progress=on_line, context=StageContext(settings=settings))
     wall = time.perf_counter() - t0
     return {"workers": workers, "where": "in process" if workers == 0 else f"{workers} Ray worker(s)",
             "wall_s": wall, "first_shard_s": done[0][0] if done else None, "steady_conv_s": steady_rate(done, workers),

@@ -55,13 +55,14 @@ def child(runtime: str, target: str, regen: str, out: str, dtype: str, max_len: 
     import transformers  # noqa: F401
 
     from components.extract.stage import ExtractConfig, extract
+    from components.targets.runtime import StageContext
     from infra.settings import Settings
 
     shutil.rmtree(out, ignore_errors=True)
     cfg = ExtractConfig(max_len=max_len, dtype=dtype, seqs_per_shard=seqs_per_shard, engine=runtime)
     _reset_peak()
     floor = _status_mib("VmRSS")
-    res = extract(cfg, target, regen, out, progress=lambda s: None, ray_settings=Settings.from_env())
+    res = extract(cfg, target, regen, out, progress=lambda s: None, context=StageContext(settings=Settings.from_env()))
     return {"runtime": runtime, "floor_mib": floor, "peak_mib": _status_mib("VmHWM"), "tokens": res.n_tokens}
 
 

@@ -36,7 +36,7 @@ from common import base_args, goal_line, prepare, print_table, speed_head, start
 
 from components.config.pipeline import PipelineConfig
 from components.evaluate.speed import SpeedupConfig
-from components.evaluate.stage import EvaluateConfig, evaluate
+from components.evaluate.stage import EvaluateConfig, HeadEval, evaluate
 from eagle import target_path
 from infra.settings import env_with
 
@@ -72,7 +72,7 @@ def child(args: argparse.Namespace) -> None:
     target, head_dir, heldout = subject(args)
     cfg = eval_config(args.quick)
     with tempfile.TemporaryDirectory() as tmp:
-        res = evaluate(cfg, target, head_dir, heldout, tmp, progress=lambda s: None)
+        res = evaluate(cfg, HeadEval(target, head_dir, heldout, tmp), progress=lambda s: None)
         report = json.loads(Path(res.report_file).read_text())
         mismatches = sum(not s["identical"] for s in report["samples"])
         path = report.get("target_path", {})
@@ -88,7 +88,7 @@ def child(args: argparse.Namespace) -> None:
             from components.evaluate.engine import evaluate_in_vllm, our_outputs
             from infra.settings import Settings
 
-            v = evaluate_in_vllm(cfg, target, head_dir, heldout, str(Path(tmp) / "vllm"), Settings.from_env(),
+            v = evaluate_in_vllm(cfg, HeadEval(target, head_dir, heldout, str(Path(tmp) / "vllm")), Settings.from_env(),
                                  ours=our_outputs(res.report_file), progress=lambda s: None)
             speed = json.loads(Path(v.report_file).read_text())["speed"]
             row = {**{k: row[k] for k in ("target_path", "path_ms", "path_timings_kept")}, "speedup": v.speedup,

@@ -64,8 +64,7 @@ def evaluate_locally(cfg: EvaluateConfig, head: HeadEval, trust_remote_code: boo
     """Ours: components/evaluate/stage.py `evaluate`."""
     from components.evaluate.stage import evaluate
 
-    return evaluate(cfg, head.target_dir, head.head_dir, head.heldout, head.out_dir, head.baseline_dir,
-                    head.history_file, trust_remote_code=trust_remote_code)
+    return evaluate(cfg, head, trust_remote_code=trust_remote_code)
 
 
 def evaluate_served(cfg: EvaluateConfig, head: HeadEval, local_report: str | None, settings,
@@ -75,8 +74,8 @@ def evaluate_served(cfg: EvaluateConfig, head: HeadEval, local_report: str | Non
     from components.evaluate.engine import evaluate_in_vllm, our_outputs
 
     ours = our_outputs(local_report) if local_report else None
-    return evaluate_in_vllm(cfg, head.target_dir, head.head_dir, head.heldout, str(Path(head.out_dir) / "vllm"),
-                            settings, ours=ours, baseline_head_dir=head.baseline_dir, engines=engines)
+    return evaluate_in_vllm(cfg, dataclasses.replace(head, out_dir=str(Path(head.out_dir) / "vllm")), settings,
+                            ours=ours, engines=engines)
 
 
 def sweep_load(cfg: EvaluateConfig, head: HeadEval, settings, engines=None, evaluation: str | None = None):
@@ -84,7 +83,7 @@ def sweep_load(cfg: EvaluateConfig, head: HeadEval, settings, engines=None, eval
     sweep's, vLLM's evaluation (`evaluation`, its report) standing for concurrency 1."""
     from components.evaluate.load_sweep import load_sweep
 
-    return load_sweep(cfg, head.target_dir, head.head_dir, head.heldout, str(Path(head.out_dir) / "load"), settings,
+    return load_sweep(cfg, dataclasses.replace(head, out_dir=str(Path(head.out_dir) / "load")), settings,
                       engines=engines, evaluation=evaluation)
 
 

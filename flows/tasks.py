@@ -21,7 +21,7 @@ from prefect.cache_policies import INPUTS, TASK_SOURCE
 
 from components.extract.stage import ExtractConfig, ExtractResult, extract
 from components.regenerate.stage import RegenerateConfig, RegenerateResult, regenerate
-from components.targets.runtime import TargetRuntime
+from components.targets.runtime import StageContext, TargetRuntime
 from components.train.stage import TrainConfig, TrainResult, TrainSetup, train
 from eagle.errors import BadInput
 from flows.evaluate_head import EvalStages, evaluate_locally, evaluate_served, sweep_load
@@ -54,9 +54,10 @@ def regenerate_task(cfg: RegenerateConfig, target_dir: str, traffic: str, out_di
                     runtime: TargetRuntime | None = None) -> RegenerateResult:
     """`ray_settings` (the flow's Settings) say where Ray workers run when `cfg.num_workers` >= 1; `runtime` (the
     run's) whether an engine answers. Neither is in the cache key: the run's directory, `out_dir`, already names what
-    the runtime decides (components/config/pipeline.py `fingerprint`), and the engine's scale changes no answer."""
-    return regenerate(cfg, target_dir, traffic, out_dir, trust_remote_code=trust_remote_code,
-                      ray_settings=ray_settings, runtime=runtime)
+    the runtime decides (components/config/pipeline.py `fingerprint`), and the engine's scale changes no answer. The
+    stage gets them in its `StageContext` (components/targets/runtime.py), built here: they stay out of the key."""
+    return regenerate(cfg, target_dir, traffic, out_dir,
+                      context=StageContext(trust_remote_code, settings=ray_settings, runtime=runtime))
 
 
 @task(name="extract", cache_policy=CACHE - "ray_settings" - "runtime", persist_result=True)
@@ -64,8 +65,8 @@ def extract_task(cfg: ExtractConfig, target_dir: str, regen_dir: str, out_dir: s
                  trust_remote_code: bool = False, ray_settings=None,
                  runtime: TargetRuntime | None = None) -> ExtractResult:
     """As `regenerate_task`: `runtime` says whether the engine computes the features (its manifest says which did)."""
-    return extract(cfg, target_dir, regen_dir, out_dir, trust_remote_code=trust_remote_code,
-                   ray_settings=ray_settings, runtime=runtime)
+    return extract(cfg, target_dir, regen_dir, out_dir,
+                   context=StageContext(trust_remote_code, settings=ray_settings, runtime=runtime))
 
 
 @dataclass(frozen=True)

@@ -78,7 +78,7 @@ def extracted(tiny_embedded, tmp_path_factory) -> Path:
 def test_a_head_for_another_target(tiny_embedded, extracted, tmp_path):
     from transformers import AutoConfig, LlamaForCausalLM
 
-    from components.evaluate.stage import EvaluateConfig, evaluate
+    from components.evaluate.stage import EvaluateConfig, HeadEval, evaluate
     from components.train.stage import TrainConfig, train
     from eagle.export import HeadMismatchError
 
@@ -90,8 +90,8 @@ def test_a_head_for_another_target(tiny_embedded, extracted, tmp_path):
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).save_pretrained(other)
     with pytest.raises(HeadMismatchError) as err:
-        evaluate(EvaluateConfig.tiny(), str(other), head, str(tiny_embedded.target_traffic.heldout),
-                 str(tmp_path / "eval"), **QUIET)
+        evaluate(EvaluateConfig.tiny(), HeadEval(str(other), head, str(tiny_embedded.target_traffic.heldout),
+                                                 str(tmp_path / "eval")), **QUIET)
     msg = str(err.value)
     assert head in msg and "hidden_size: head expects 64, target has 32" in msg and "train a head for this" in msg
     assert not list((tmp_path / "eval").iterdir())

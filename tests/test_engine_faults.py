@@ -30,6 +30,7 @@ import torch
 from safetensors.torch import load_file
 
 from components.extract.stage import ExtractConfig, extract
+from components.targets.runtime import StageContext
 from infra.settings import Settings
 from infra.vllm_server import EngineError, vllm_python
 
@@ -90,7 +91,8 @@ def test_engine_killed_mid_extraction_resumes_at_the_shard_it_was_on(tiny_embedd
             first.set()
 
     with pytest.raises(EngineError) as e:
-        extract(cfg, tiny_embedded.target_dir, str(regen), str(out), progress=progress, ray_settings=settings)
+        extract(cfg, tiny_embedded.target_dir, str(regen), str(out), progress=progress,
+                context=StageContext(settings=settings))
     watcher.join(10)
     assert killed, "the engine was not killed"
     assert "\n" not in str(e.value) and "vLLM" in str(e.value)
@@ -101,7 +103,8 @@ def test_engine_killed_mid_extraction_resumes_at_the_shard_it_was_on(tiny_embedd
     assert sorted(p.name for p in out.glob("features-*.safetensors")) == done  # no half-written shard
 
     lines: list[str] = []
-    extract(cfg, tiny_embedded.target_dir, str(regen), str(out), progress=lines.append, ray_settings=settings)
+    extract(cfg, tiny_embedded.target_dir, str(regen), str(out), progress=lines.append,
+            context=StageContext(settings=settings))
     written = [ln for ln in lines if ln.startswith("extract: shard ")]
     assert len(written) == 3 - len(done), lines  # resumed at the shard it was on: each other shard written once
     assert all((out / f).read_bytes() == b for f, b in kept.items())

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from components.data.traffic_io import load_traffic
-from components.evaluate.stage import EvaluateConfig, NotLosslessError, evaluate
+from components.evaluate.stage import EvaluateConfig, HeadEval, NotLosslessError, evaluate
 from components.extract.stage import ExtractConfig, extract
 from components.regenerate.stage import RegenerateConfig, regenerate
 from components.registry.register import (HeadToRegister, RegisterConfig, TargetRef, identical_of, register_head,
@@ -47,8 +47,8 @@ def head(tiny_embedded, tmp_path_factory):
 def test_evaluate_reports_acceptance_and_identical_outputs(tiny_embedded, head, tmp_path):
     cfg = EvaluateConfig.tiny()
     heldout = str(tiny_embedded.target_traffic.heldout)
-    res = evaluate(cfg, tiny_embedded.target_dir, head.head_dir, heldout, str(tmp_path / "eval"),
-                   baseline_head_dir=head.head_dir, history_file=head.history_file, **QUIET)
+    res = evaluate(cfg, HeadEval(tiny_embedded.target_dir, head.head_dir, heldout, str(tmp_path / "eval"),
+                                 baseline_dir=head.head_dir, history_file=head.history_file), **QUIET)
     assert res.identical is True and res.n_samples == cfg.limit
     assert 1.0 <= res.tau <= cfg.spec.depth + 1
     assert len(res.acceptance) == len(res.acceptance_cumulative) == cfg.spec.depth
@@ -82,11 +82,11 @@ def test_untimed_our_evaluation_decodes_once_each_way_and_reports_no_speedup(tin
     """`time_local: false` (the demo, where vLLM times the head): the same outputs, τ and acceptance as a timed
     evaluation, each prompt decoded once each way, and no speedup of ours anywhere (nan fields, no metric)."""
     heldout = str(tiny_embedded.target_traffic.heldout)
-    timed = evaluate(EvaluateConfig.tiny(), tiny_embedded.target_dir, head.head_dir, heldout,
-                     str(tmp_path / "timed"), **QUIET)
+    timed = evaluate(EvaluateConfig.tiny(), HeadEval(tiny_embedded.target_dir, head.head_dir, heldout,
+                                                     str(tmp_path / "timed")), **QUIET)
     cfg = dataclasses.replace(EvaluateConfig.tiny(), time_local=False)
     lines: list[str] = []
-    res = evaluate(cfg, tiny_embedded.target_dir, head.head_dir, heldout, str(tmp_path / "untimed"),
+    res = evaluate(cfg, HeadEval(tiny_embedded.target_dir, head.head_dir, heldout, str(tmp_path / "untimed")),
                    progress=lines.append)
     assert (res.identical, res.tau, res.acceptance, res.n_tokens) == (True, timed.tau, timed.acceptance,
                                                                       timed.n_tokens)
@@ -134,8 +134,9 @@ def test_a_broken_verification_rule_is_caught(tiny_embedded, head, tmp_path, mon
     noisy_dir = export_head(noisy, tmp_path / "noisy")
     monkeypatch.setattr(sampling, "accept_chain_greedy", accept_all)
     with pytest.raises(NotLosslessError, match="differ from plain greedy"):
-        evaluate(EvaluateConfig.tiny(), tiny_embedded.target_dir, str(noisy_dir),
-                 str(tiny_embedded.target_traffic.heldout), str(tmp_path / "eval"), **QUIET)
+        evaluate(EvaluateConfig.tiny(), HeadEval(tiny_embedded.target_dir, str(noisy_dir),
+                                                 str(tiny_embedded.target_traffic.heldout), str(tmp_path / "eval")),
+                 **QUIET)
     report = json.loads((tmp_path / "eval" / "evaluation.json").read_text())
     assert report["result"]["identical"] is False and not all(s["identical"] for s in report["samples"])
     assert report["target_path"]["chosen"] in ("lean-packed", "lean-torch", "hf-packed", "hf-torch")
@@ -158,8 +159,9 @@ def test_our_evaluation_decodes_and_times_on_its_thread_count(tiny_embedded, hea
     try:
         torch.set_num_threads(2)
         for threads in (1, 0):
-            evaluate(dataclasses.replace(EvaluateConfig.tiny(), threads=threads), tiny_embedded.target_dir,
-                     head.head_dir, str(tiny_embedded.target_traffic.heldout), str(tmp_path / f"t{threads}"), **QUIET)
+            evaluate(dataclasses.replace(EvaluateConfig.tiny(), threads=threads),
+                     HeadEval(tiny_embedded.target_dir, head.head_dir, str(tiny_embedded.target_traffic.heldout),
+                              str(tmp_path / f"t{threads}")), **QUIET)
             assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)

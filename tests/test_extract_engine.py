@@ -32,6 +32,7 @@ from safetensors.torch import load_file
 
 from components.extract.stage import ExtractConfig, extract
 from components.regenerate.stage import RegenerateConfig, regenerate
+from components.targets.runtime import StageContext
 from infra.settings import Settings
 from infra.vllm_server import EngineError
 
@@ -57,7 +58,7 @@ def extracted(tiny_embedded, settings, tmp_path_factory) -> dict:
     for engine in ("local", "vllm"):
         t0, lines = time.perf_counter(), []
         res = extract(dataclasses.replace(CFG, engine=engine), tiny_embedded.target_dir, str(regen),
-                      str(root / engine), progress=lines.append, ray_settings=settings)
+                      str(root / engine), progress=lines.append, context=StageContext(settings=settings))
         out[engine] = (res, time.perf_counter() - t0, lines)
     return out
 
@@ -132,24 +133,24 @@ def test_rerun_keeps_shards_and_faults_are_one_clear_line(extracted, tiny_embedd
     shutil.copytree(extracted["vllm"][0].out_dir, copy)
     no_vllm = Settings.local(tmp_path / ".eagle", vllm_python=str(tmp_path / "nope" / "python"))
     lines: list[str] = []
-    extract(cfg, target, regen, str(copy), progress=lines.append, ray_settings=no_vllm)
+    extract(cfg, target, regen, str(copy), progress=lines.append, context=StageContext(settings=no_vllm))
     assert lines == [], "every shard is kept: no engine is started (it could not be)"
 
     (copy / "features-00001.safetensors").unlink()
     kept = {p.name: p.read_bytes() for p in copy.glob("features-*.safetensors")}
     manifest = (copy / "manifest.json").read_text()
     with pytest.raises(EngineError) as e:
-        extract(cfg, target, regen, str(copy), ray_settings=no_vllm, **QUIET)
+        extract(cfg, target, regen, str(copy), context=StageContext(settings=no_vllm), **QUIET)
     assert "make vllm" in _one_line(e)
     without = Settings.local(tmp_path / ".eagle2", vllm_python=sys.executable)  # a python without vLLM
     with pytest.raises(EngineError) as e:
-        extract(cfg, target, regen, str(copy), ray_settings=without, **QUIET)
+        extract(cfg, target, regen, str(copy), context=StageContext(settings=without), **QUIET)
     assert "exited with code" in _one_line(e) and "vllm" in str(e.value)
     assert {p.name: p.read_bytes() for p in copy.glob("features-*.safetensors")} == kept
     assert (copy / "manifest.json").read_text() == manifest  # a later run resumes at the missing shard
 
     with pytest.raises(ValueError) as e:  # before any engine starts
         extract(dataclasses.replace(cfg, aux_layer_ids=(2, 4, 6)), target, regen, str(tmp_path / "x"),
-                ray_settings=no_vllm, **QUIET)
+                context=StageContext(settings=no_vllm), **QUIET)
     assert "extract.aux_layer_ids" in _one_line(e) and "1..5" in str(e.value)
 

@@ -33,6 +33,7 @@ from components.config.pipeline import ConfigError, PipelineConfig
 from components.extract.engine import PID_FILE, STORAGE, _group_exists
 from components.extract.stage import ExtractConfig, extract
 from components.regenerate.stage import RegenerateConfig, regenerate
+from components.targets.runtime import StageContext
 from infra.settings import Settings
 from infra.vllm_server import EngineError
 from tests.test_extract_engine import _rel, _shards
@@ -68,7 +69,7 @@ def runs(tiny_embedded, engine_settings, tmp_path_factory) -> dict:
 
         t0 = time.perf_counter()
         res = extract(cfg, tiny_embedded.target_dir, str(regen), str(target), progress=progress,
-                      ray_settings=engine_settings)
+                      context=StageContext(settings=engine_settings))
         out[name] = (res, time.perf_counter() - t0, lines)
     return out
 
@@ -139,7 +140,7 @@ def test_a_replica_whose_engine_cannot_start_is_one_clear_line(runs, tiny_embedd
     without = Settings.local(tmp_path / ".eagle", vllm_python=sys.executable)  # a python without vLLM
     with pytest.raises(EngineError) as e:
         extract(dataclasses.replace(CFG, engine_replicas=2), tiny_embedded.target_dir, str(runs["root"] / "regen"),
-                str(tmp_path / "out"), ray_settings=without, **QUIET)
+                str(tmp_path / "out"), context=StageContext(settings=without), **QUIET)
     msg = str(e.value)
     assert "\n" not in msg and "exited with code" in msg and "vllm" in msg, msg
     assert not list((tmp_path / "out").glob("features-*.safetensors"))

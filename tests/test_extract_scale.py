@@ -26,6 +26,7 @@ import pytest
 from components.extract.engine import ENGINE_MARK, marked_processes, stop_engines
 from components.extract.stage import ExtractConfig, extract
 from components.regenerate.stage import RegenerateConfig, regenerate
+from components.targets.runtime import StageContext
 from eagle.config_checks import FieldError
 from infra.settings import Settings
 
@@ -108,7 +109,7 @@ def test_ray_workers_write_what_one_process_writes_and_resume(tiny_embedded, reg
     lines: list[str] = []
     out = tmp_path / "bfloat16"
     res = extract(dataclasses.replace(BASE, num_workers=2), tiny_embedded.target_dir, regen_dir, str(out),
-                  progress=lines.append, ray_settings=settings)
+                  progress=lines.append, context=StageContext(settings=settings))
     assert ray.is_initialized() == was_running, "extract left a Ray it started running"
     assert not any("holds" in line for line in lines), lines  # both workers fitted
     local = local_runs["bfloat16"]
@@ -122,7 +123,7 @@ def test_ray_workers_write_what_one_process_writes_and_resume(tiny_embedded, reg
     with ray_session(settings, num_cpus=2):  # one Ray for the rest (extract uses it and leaves it running)
         out8 = tmp_path / "float8_e4m3fn"
         extract(dataclasses.replace(BASE, dtype="float8_e4m3fn", num_workers=2), tiny_embedded.target_dir, regen_dir,
-                str(out8), ray_settings=settings, **QUIET)
+                str(out8), context=StageContext(settings=settings), **QUIET)
         assert ray.is_initialized()
         assert _digests(out8) == _digests(local_runs["float8_e4m3fn"])
 
@@ -130,7 +131,7 @@ def test_ray_workers_write_what_one_process_writes_and_resume(tiny_embedded, reg
         (out / "features-00001.safetensors").unlink()  # an interrupted run: one shard never written
         lines.clear()
         extract(dataclasses.replace(BASE, num_workers=2), tiny_embedded.target_dir, regen_dir, str(out),
-                progress=lines.append, ray_settings=settings)
+                progress=lines.append, context=StageContext(settings=settings))
         assert [line.split(",")[0] for line in lines] == [f"extract: shard 2/{n_shards}"], lines  # only that one
         assert _digests(out) == before
         assert {k: v for k, v in _mtimes(out).items() if k != "features-00001.safetensors"} == \

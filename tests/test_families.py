@@ -28,9 +28,10 @@ from pathlib import Path
 
 import pytest
 
-from components.evaluate.stage import EvaluateConfig, evaluate
+from components.evaluate.stage import EvaluateConfig, HeadEval, evaluate
 from components.extract.stage import ExtractConfig, extract
 from components.regenerate.stage import RegenerateConfig, regenerate
+from components.targets.runtime import StageContext
 from components.train.stage import TrainConfig, train
 from tests.helpers import our_counts
 
@@ -130,7 +131,7 @@ def family(request, built) -> Family:
 
 def evaluate_locally(fam: Family, out: Path, traffic: str):
     """Our evaluation of the family's head on the held-out traffic: greedy speculative must equal plain."""
-    res = evaluate(EVAL, str(fam.target_dir), fam.head_dir, traffic, str(out), **QUIET)
+    res = evaluate(EVAL, HeadEval(str(fam.target_dir), fam.head_dir, traffic, str(out)), **QUIET)
     assert res.identical, f"{fam.name}: speculative output differs from plain"
     return res
 
@@ -154,7 +155,7 @@ def serve_and_compare(fams: list[Family], heldout: str, settings, out: Path) -> 
     with plain_server(EVAL, str(fams[0].target_dir), settings) as plain:
         for i, (fam, local) in enumerate(zip(fams, ours)):
             assert fam.target_dir == fams[0].target_dir
-            res = evaluate_in_vllm(EVAL, str(fam.target_dir), fam.head_dir, heldout, str(out / f"vllm-{i}"),
+            res = evaluate_in_vllm(EVAL, HeadEval(str(fam.target_dir), fam.head_dir, heldout, str(out / f"vllm-{i}")),
                                    settings, ours=our_outputs(local.report_file), plain=plain, **QUIET)
             assert res.identical_to_plain and res.identical_to_ours, fam.name
             steps, per_pos = our_counts(local.report_file, EVAL.spec.depth)
@@ -196,7 +197,7 @@ def qwen3_on_engine_features(built, engine_settings) -> tuple[Family, dict[str, 
     trained on those features; with the max relative difference of the features to the local extraction's."""
     fam = built("qwen3")
     head = train_head(fam.target_dir, str(fam.root / "regen"), fam.root, dataclasses.replace(EXTRACT, engine="vllm"),
-                      ray_settings=engine_settings)
+                      context=StageContext(settings=engine_settings))
     return (Family("qwen3 on engine features", fam.target_dir, head, fam.root),
             _max_rel_difference(fam.root / "extract-local", fam.root / "extract-vllm"))
 

@@ -65,18 +65,8 @@ _ENV_ATTRS = {"environ", "environb", "getenv", "getenvb", "putenv", "unsetenv"}
 PRIVATE_RULE_PACKAGES = (*CYCLE_PACKAGES, "bench")  # tests/ is exempt: it tests internals
 SIGNATURE_PACKAGES = ("components", "flows")
 MAX_PARAMS = 7
-# "path:function" -> why it keeps more than MAX_PARAMS parameters. bench/ calls the stages below with their current
-# parameters, and bench/ is regrouped in a change of its own: convert each together with its bench/ callers
-_BENCH = "bench/ calls it with these parameters"
+# "path:function" -> why it keeps more than MAX_PARAMS parameters
 PARAMS_ALLOWLIST: dict[str, str] = {
-    "components/evaluate/stage.py:evaluate": f"{_BENCH} (checkpoint_by_tau, feature_dtype, gpu_pipeline, "
-                                             "long_variants, speedup_trust: progress=, history_file=)",
-    "components/evaluate/engine.py:evaluate_in_vllm": f"{_BENCH} (speedup_trust: 8 of them)",
-    "components/extract/stage.py:extract": f"{_BENCH} (common, extract_engine, features_tau, ...: progress=, "
-                                           "ray_settings=)",
-    "components/regenerate/stage.py:regenerate": f"{_BENCH} (common, regen_workers: progress=, ray_settings=)",
-    "components/evaluate/load_sweep.py:load_sweep": f"{_BENCH} (k_schedule)",
-    "components/evaluate/load_sweep.py:measure_rounds": f"{_BENCH} (k_schedule: all 9, positionally)",
     # a Prefect flow's parameters are its deployments' (prefect.yaml, the UI, event triggers), each set by name
     "flows/train_head.py:train_head": "a Prefect flow: each parameter is one of the train-head deployment's",
 }

@@ -32,7 +32,7 @@ import pytest
 from components.config.pipeline import ConfigError, PipelineConfig
 from components.evaluate.load_sweep import LoadConfig, cells_of, crossover_of, derive_schedule, round_order
 from components.evaluate.speed import SpeedupConfig
-from components.evaluate.stage import EvaluateConfig
+from components.evaluate.stage import EvaluateConfig, HeadEval
 from eagle.run_config import SpecConfig
 from infra.engine_pool import EnginePool
 from infra.settings import Settings
@@ -185,11 +185,11 @@ def test_the_sweep_measures_every_cell_with_vllms_client_and_writes_the_schedule
 
     heldout, lines = str(engine_target.target_traffic.heldout), []
     with EnginePool() as engines:
-        ev = evaluate_in_vllm(SWEEP, engine_target.target_dir, head_dir, heldout, str(tmp_path / "vllm"), settings,
-                              progress=lambda s: None, engines=engines)
+        ev = evaluate_in_vllm(SWEEP, HeadEval(engine_target.target_dir, head_dir, heldout, str(tmp_path / "vllm")),
+                              settings, progress=lambda s: None, engines=engines)
         assert ev.identical_to_plain and engines.started == 2
-        res = load_sweep(SWEEP, engine_target.target_dir, head_dir, heldout, str(tmp_path / "load"), settings,
-                         progress=lines.append, engines=engines)
+        res = load_sweep(SWEEP, HeadEval(engine_target.target_dir, head_dir, heldout, str(tmp_path / "load")),
+                         settings, progress=lines.append, engines=engines)
         assert engines.reused == 2 and engines.started == 2, lines
     assert "load sweep: plain, K 3 handed on by the evaluation, running already" in lines
     cells = {(c["k"], c["concurrency"]): c for c in res.cells}
@@ -245,10 +245,10 @@ def test_with_one_k_concurrency_1_is_the_evaluations_own_rounds(engine_target, h
                                               verify_schedule=False))
     heldout, lines = str(engine_target.target_traffic.heldout), []
     with EnginePool() as engines:
-        ev = evaluate_in_vllm(cfg, engine_target.target_dir, head_dir, heldout, str(tmp_path / "vllm"), settings,
-                              progress=lambda s: None, engines=engines)
-        res = load_sweep(cfg, engine_target.target_dir, head_dir, heldout, str(tmp_path / "load"), settings,
-                         progress=lines.append, engines=engines, evaluation=ev.report_file)
+        ev = evaluate_in_vllm(cfg, HeadEval(engine_target.target_dir, head_dir, heldout, str(tmp_path / "vllm")),
+                              settings, progress=lambda s: None, engines=engines)
+        res = load_sweep(cfg, HeadEval(engine_target.target_dir, head_dir, heldout, str(tmp_path / "load")),
+                         settings, progress=lines.append, engines=engines, evaluation=ev.report_file)
         assert engines.reused == 2 and engines.started == 2, lines
     assert any(line.startswith("load sweep: concurrency 1 from the evaluation of these servers") for line in lines)
     assert sum(" at 1: " in line for line in lines) == 1, lines  # the client ran concurrency 1 once: the baseline

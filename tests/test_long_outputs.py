@@ -12,6 +12,7 @@ Not here: the long traffic itself (tests/test_long_traffic.py), acceptance by ou
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -21,7 +22,7 @@ import torch
 from components.config.pipeline import ConfigError, PipelineConfig
 from components.data.regenerated import read_regenerated
 from components.data.traffic_io import Conversation, Message, write_openai_jsonl
-from components.evaluate.stage import EvaluateConfig, evaluate, held_out_samples
+from components.evaluate.stage import EvaluateConfig, HeadEval, evaluate, held_out_samples
 from components.regenerate.endpoint import answer_concurrently
 from components.regenerate.stage import RegenerateConfig, hf_answerer, regenerate
 from components.targets.target import load_target
@@ -102,7 +103,7 @@ def test_evaluation_decodes_each_sample_to_its_limit(tiny_embedded, random_head,
     traffic = _traffic(tmp_path / "heldout.jsonl")
     cfg = EvaluateConfig(spec=SpecConfig(depth=3, max_new_tokens=GLOBAL), limit=None, ignore_eos=True,
                          speed=EvaluateConfig.tiny().speed, position_edges=(0, 8, 64))
-    res = evaluate(cfg, tiny_embedded.target_dir, random_head, str(traffic), str(tmp_path / "eval"), **QUIET)
+    res = evaluate(cfg, HeadEval(tiny_embedded.target_dir, random_head, str(traffic), str(tmp_path / "eval")), **QUIET)
     samples = json.loads(Path(res.report_file).read_text())["samples"]
     want = [n or GLOBAL for n in LIMITS]
     assert [s["max_new_tokens"] for s in samples] == want
@@ -115,7 +116,7 @@ def test_without_ignore_eos_the_limit_is_a_ceiling(tiny_embedded, random_head, t
     traffic = _traffic(tmp_path / "heldout.jsonl")
     cfg = EvaluateConfig(spec=SpecConfig(depth=3, max_new_tokens=GLOBAL), limit=None,
                          speed=EvaluateConfig.tiny().speed)
-    res = evaluate(cfg, tiny_embedded.target_dir, random_head, str(traffic), str(tmp_path / "eval"), **QUIET)
+    res = evaluate(cfg, HeadEval(tiny_embedded.target_dir, random_head, str(traffic), str(tmp_path / "eval")), **QUIET)
     samples = json.loads(Path(res.report_file).read_text())["samples"]
     assert all(s["tokens"] <= (n or GLOBAL) for s, n in zip(samples, LIMITS)) and res.identical is True
     target, tok = load_target(tiny_embedded.target_dir)
@@ -174,10 +175,10 @@ def test_vllm_evaluation_runs_each_sample_to_its_limit_past_eos(engine_target, e
     traffic = _traffic(tmp_path / "heldout.jsonl", limits)
     cfg = EvaluateConfig(spec=SpecConfig(depth=3, max_new_tokens=24), limit=None, ignore_eos=True,
                          speed=SpeedupConfig.tiny(), position_edges=(0, 16, 128))
-    ours = evaluate(cfg, engine_target.target_dir, engine_head.head_dir, str(traffic), str(tmp_path / "ours"),
-                    **QUIET)
-    res = evaluate_in_vllm(cfg, engine_target.target_dir, engine_head.head_dir, str(traffic), str(tmp_path / "vllm"),
-                           engine_settings, ours=our_outputs(ours.report_file), **QUIET)
+    head = HeadEval(engine_target.target_dir, engine_head.head_dir, str(traffic), str(tmp_path / "ours"))
+    ours = evaluate(cfg, head, **QUIET)
+    res = evaluate_in_vllm(cfg, dataclasses.replace(head, out_dir=str(tmp_path / "vllm")), engine_settings,
+                           ours=our_outputs(ours.report_file), **QUIET)
     want = [n or 24 for n in limits]
     samples = json.loads(Path(res.report_file).read_text())["samples"]
     assert [s["max_new_tokens"] for s in samples] == want

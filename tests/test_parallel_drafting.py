@@ -327,7 +327,7 @@ def plain_vllm(engine_target, engine_settings):
 def test_vllm_serves_the_parallel_head_losslessly_with_our_acceptance(variant, engine_target, engine_head,
                                                                      engine_settings, plain_vllm, tmp_path):
     from components.evaluate.engine import evaluate_in_vllm, our_outputs
-    from components.evaluate.stage import evaluate
+    from components.evaluate.stage import HeadEval, evaluate
     from components.targets.servable import is_servable
     from components.train.stage import TrainConfig, train
     from tests.helpers import our_counts
@@ -340,10 +340,10 @@ def test_vllm_serves_the_parallel_head_losslessly_with_our_acceptance(variant, e
     assert head_cfg["fc_norm"] is head_cfg["norm_output"] is (variant == "eagle3.1-parallel")
     ev = _engine_eval()
     heldout = str(engine_target.target_traffic.heldout)
-    ours = evaluate(ev, engine_target.target_dir, head, heldout, str(tmp_path / "local"), **quiet)
+    ours = evaluate(ev, HeadEval(engine_target.target_dir, head, heldout, str(tmp_path / "local")), **quiet)
     assert ours.identical
-    res = evaluate_in_vllm(ev, engine_target.target_dir, head, heldout, str(tmp_path / "vllm"), engine_settings,
-                           ours=our_outputs(ours.report_file), plain=plain_vllm, **quiet)
+    res = evaluate_in_vllm(ev, HeadEval(engine_target.target_dir, head, heldout, str(tmp_path / "vllm")),
+                           engine_settings, ours=our_outputs(ours.report_file), plain=plain_vllm, **quiet)
     log = "\n".join(p.read_text(errors="replace") for p in (engine_settings.state_dir / "vllm").glob("*.log"))
     assert "parallel_drafting': True" in log or '"parallel_drafting": true' in log
     assert res.identical_to_plain and res.identical_to_ours

@@ -28,6 +28,7 @@ import pytest
 
 from components.data.regenerated import read_regenerated
 from components.regenerate.stage import RegenerateConfig, regenerate
+from components.targets.runtime import StageContext
 from eagle.config_checks import FieldError
 from infra.settings import Settings
 from tests.helpers import send_json
@@ -170,7 +171,7 @@ def test_ray_workers_write_what_one_process_writes_and_resume(tiny_embedded, tmp
     settings = Settings.local(tmp_path / ".eagle", ray_auth_mode="disabled")
     lines: list[str] = []
     on_ray = regenerate(dataclasses.replace(cfg, num_workers=2), tiny_embedded.target_dir, traffic,
-                        str(tmp_path / "ray"), progress=lines.append, ray_settings=settings)
+                        str(tmp_path / "ray"), progress=lines.append, context=StageContext(settings=settings))
     assert ray.is_initialized() == was_running, "regenerate left a Ray it started running"
     assert not any("holds" in line for line in lines), lines  # both workers fitted
     assert _counts(on_ray) == _counts(local) == (7, 6, 1, 0) and on_ray.failures == local.failures
@@ -182,7 +183,7 @@ def test_ray_workers_write_what_one_process_writes_and_resume(tiny_embedded, tmp
     for p in (tmp_path / "ray").glob("shard-00001.*"):  # an interrupted run: one shard never finished
         p.unlink()
     resumed = regenerate(dataclasses.replace(cfg, num_workers=2), tiny_embedded.target_dir, traffic,
-                         str(tmp_path / "ray"), ray_settings=settings, **QUIET)
+                         str(tmp_path / "ray"), context=StageContext(settings=settings), **QUIET)
     assert _counts(resumed) == (7, 1, 1, 5)  # shard 1 holds "too-long" and "short-1"
     assert _digests(tmp_path / "ray") == before
     assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "ray").glob("shard-*")

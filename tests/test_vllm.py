@@ -38,7 +38,7 @@ import pytest
 
 from components.evaluate.engine import evaluate_in_vllm, our_outputs, plain_server
 from components.evaluate.speed import SpeedupConfig
-from components.evaluate.stage import EvaluateConfig, evaluate
+from components.evaluate.stage import EvaluateConfig, HeadEval, evaluate
 from components.extract.stage import ExtractConfig, extract
 from components.targets.servable import is_servable, servable_head
 from components.train.stage import TrainConfig, train
@@ -114,11 +114,12 @@ def test_vllm_serves_the_head_losslessly_with_our_acceptance(kind, heads, engine
     served = servable_head(head, engine_target.target_dir, tmp_path / "servable")
     assert is_servable(served)
     heldout = str(engine_target.target_traffic.heldout)
-    ours = evaluate(EVAL, engine_target.target_dir, head, heldout, str(tmp_path / "local"), **QUIET)
+    ours = evaluate(EVAL, HeadEval(engine_target.target_dir, head, heldout, str(tmp_path / "local")), **QUIET)
     assert ours.identical
     champion = head if kind == "legacy" else None  # served as the champion too: re-exported, same prompts
-    res = evaluate_in_vllm(EVAL, engine_target.target_dir, str(served), heldout, str(tmp_path / "vllm"), settings,
-                           ours=our_outputs(ours.report_file), plain=plain_run, baseline_head_dir=champion, **QUIET)
+    res = evaluate_in_vllm(EVAL, HeadEval(engine_target.target_dir, str(served), heldout, str(tmp_path / "vllm"),
+                                          baseline_dir=champion), settings,
+                           ours=our_outputs(ours.report_file), plain=plain_run, **QUIET)
     assert res.identical_to_plain and res.identical_to_ours
     # its engine core was forked from the server (infra/vllm_zygote.py), and its outputs are the target's, as above
     assert isinstance(plain_run.proc, ZygoteChild) and FORKED_CORE in plain_run.log_path.read_text()

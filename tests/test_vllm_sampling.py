@@ -16,6 +16,7 @@ Not here: the greedy path's identity and counters (tests/test_vllm.py), the serv
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from components.evaluate.stage import EvaluateConfig
+from components.evaluate.stage import EvaluateConfig, HeadEval
 from eagle.errors import BadInput
 from eagle.run_config import SpecConfig
 from infra import vllm_sampling
@@ -82,13 +83,14 @@ def test_a_sampled_engine_evaluation_is_refused_before_any_server_starts(broken_
     s = Settings.local(tmp_path / ".eagle")
     cfg = EvaluateConfig(spec=SpecConfig(method="chain", depth=3, temperature=1.0, max_new_tokens=16), limit=2,
                          engine="vllm")
-    args = (cfg, tiny_embedded.target_dir, str(tmp_path / "head"), str(tiny_embedded.target_traffic.heldout))
+    head = HeadEval(tiny_embedded.target_dir, str(tmp_path / "head"), str(tiny_embedded.target_traffic.heldout),
+                    str(tmp_path / "out"))
     with pytest.raises(SampledDraftsBroken, match="evaluate.spec.temperature 1 with vLLM on the CPU"):
-        evaluate_engine.evaluate_in_vllm(*args, str(tmp_path / "out"), s, progress=lambda m: None)
+        evaluate_engine.evaluate_in_vllm(cfg, head, s, progress=lambda m: None)
     with pytest.raises(SampledDraftsBroken):  # the pair the train flow launches early is refused the same way
-        evaluate_engine.eval_pair(*args, s)
+        evaluate_engine.eval_pair(cfg, head.target_dir, head.head_dir, head.heldout, s)
     with pytest.raises(SampledDraftsBroken):  # and the load sweep
-        load_sweep(*args, str(tmp_path / "load"), s, progress=lambda m: None)
+        load_sweep(cfg, dataclasses.replace(head, out_dir=str(tmp_path / "load")), s, progress=lambda m: None)
     assert not (tmp_path / "out").exists() and not (tmp_path / "load").exists()
     assert broken_build == ["probe"] * 3
 

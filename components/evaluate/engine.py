@@ -1,6 +1,6 @@
 """Stage 4b, evaluate in the engine: the head served by vLLM, measured the way production will see it.
 
-Purpose: `evaluate_in_vllm(cfg, target_dir, head_dir, traffic_path, out_dir, settings) -> EngineEvalResult`.
+Purpose: `evaluate_in_vllm(cfg, head, settings) -> EngineEvalResult` (`head`: components/evaluate/stage.py `HeadEval`).
 On the same held-out prompts as the local evaluation (their token ids, sent to `/v1/completions`, so both see the
 very same prompt), it runs two vLLM servers side by side, one without speculation and one with EAGLE-3 and the head
 (`num_speculative_tokens` = the evaluation's depth), one request at a time, interleaved in rounds
@@ -41,7 +41,8 @@ from typing import Callable
 
 from components.data.atomic import atomic_write_text
 from components.evaluate.speed import SpeedupEstimate, Timing, measure_speedup
-from components.evaluate.stage import EvaluateConfig, HeldOut, NotLosslessError, held_out_samples, position_metrics
+from components.evaluate.stage import (EvaluateConfig, HeadEval, HeldOut, NotLosslessError, held_out_samples,
+                                       position_metrics)
 from components.targets.target import target_context
 from eagle.stats import acceptance_by_position, raw_steps
 from infra.settings import Settings
@@ -175,19 +176,21 @@ def eval_pair(cfg: EvaluateConfig, target_dir: str, head_dir: str, traffic_path:
             VllmServer(eval_spec(cfg, target_dir, head_dir, max_new_tokens=longest), settings))
 
 
-def evaluate_in_vllm(cfg: EvaluateConfig, target_dir: str, head_dir: str, traffic_path: str, out_dir: str,
-                     settings: Settings, ours: list[list[int]] | None = None, plain: VllmServer | None = None,
-                     progress: Callable[[str], None] = print,
-                     baseline_head_dir: str | None = None, engines=None) -> EngineEvalResult:
-    """`ours`: this project's greedy outputs on the same prompts (from `evaluate.json`); `plain`: a running
-    `plain_server` for this target and config (else one is started beside the head's); `baseline_head_dir`: the
-    current champion's head, also served on the same prompts, so that a gate on the engine's τ compares like with
-    like (`baseline_tau`); `engines`: an `infra.engine_pool.EnginePool` that the plain and speculative servers are
-    taken from when it holds them and left running in for a later stage (the load sweep)."""
+def evaluate_in_vllm(cfg: EvaluateConfig, head: HeadEval, settings: Settings, ours: list[list[int]] | None = None,
+                     plain: VllmServer | None = None, progress: Callable[[str], None] = print,
+                     engines=None) -> EngineEvalResult:
+    """`head.head_dir` on `head.target_dir` over the held-out prompts of `head.heldout`, the report into
+    `head.out_dir` (`head.history_file` plays no part here). `ours`: this project's greedy outputs on the same prompts
+    (from `evaluate.json`); `plain`: a running `plain_server` for this target and config (else one is started beside
+    the head's); `head.baseline_dir`: the current champion's head, also served on the same prompts, so that a gate on
+    the engine's τ compares like with like (`baseline_tau`; None: not measured); `engines`: an
+    `infra.engine_pool.EnginePool` that the plain and speculative servers are taken from when it holds them and left
+    running in for a later stage (the load sweep)."""
+    target_dir, head_dir = head.target_dir, head.head_dir
     refuse_sampled(cfg, settings)
-    out = Path(out_dir)
+    out = Path(head.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    prompts = engine_samples(cfg, target_dir, traffic_path, settings)
+    prompts = engine_samples(cfg, target_dir, head.heldout, settings)
     longest = max(p.max_new_tokens for p in prompts)
     if plain is not None and plain.spec.max_model_len < engine_max_len(target_dir, cfg, longest):
         plain = None  # too short a context for these samples' limits: one of the right length is started
@@ -195,8 +198,8 @@ def evaluate_in_vllm(cfg: EvaluateConfig, target_dir: str, head_dir: str, traffi
         if plain is None:  # both started at once: their start-ups overlap
             progress(f"evaluate (vLLM): starting the engine without speculation and with the head "
                      f"({cfg.spec.depth} speculative tokens), side by side")
-            both = eval_pair(cfg, target_dir, head_dir, traffic_path, settings, longest)
-            plain, srv = stack.enter_context(engines.running(*both, keep=not baseline_head_dir)  # the champion's
+            both = eval_pair(cfg, target_dir, head_dir, head.heldout, settings, longest)
+            plain, srv = stack.enter_context(engines.running(*both, keep=not head.baseline_dir)  # the champion's
                                               if engines else running(*both))  # server needs their memory
         else:
             progress(f"evaluate (vLLM): starting the engine with the head ({cfg.spec.depth} speculative tokens)")
@@ -204,10 +207,10 @@ def evaluate_in_vllm(cfg: EvaluateConfig, target_dir: str, head_dir: str, traffi
                                                  settings))
         measured = _interleaved(cfg, plain, srv, prompts, progress)
     baseline = None
-    if baseline_head_dir:
+    if head.baseline_dir:
         from components.targets.servable import servable_head
 
-        served = servable_head(baseline_head_dir, target_dir, settings.state_dir / "servable",
+        served = servable_head(head.baseline_dir, target_dir, settings.state_dir / "servable",
                                settings.trust_remote_code)
         baseline = _run_head(cfg, target_dir, str(served), prompts, settings, progress, "champion")[1].tau
     return _finish(cfg, out, prompts, measured, ours, baseline)

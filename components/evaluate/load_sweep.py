@@ -1,6 +1,6 @@
 """Stage 4c, the head under load: throughput by concurrency in vLLM, and the K schedule the engine should run.
 
-Purpose: `load_sweep(cfg, target_dir, head_dir, traffic_path, out_dir, settings) -> SweepResult`.
+Purpose: `load_sweep(cfg, head, settings) -> SweepResult` (`head`: components/evaluate/stage.py `HeadEval`).
 A production server runs many requests at once, and speculation spends compute a busy server no longer has to
 spare, so one K is not right at every load. For the held-out prompts (the evaluation's, chat template applied) it
 - serves the target plainly (K = 0) and with the head at each K of `cfg.load.k_values`, all these servers started
@@ -56,7 +56,7 @@ from components.data.atomic import atomic_write_text
 from components.evaluate.engine import PAIR_MEMORY_SHARE, engine_max_len, refuse_sampled
 from components.evaluate.load_config import MAX_BATCH, LoadConfig  # noqa: F401  (LoadConfig re-exported)
 from components.evaluate.plots import plot_load_sweep
-from components.evaluate.stage import NotLosslessError, held_out_messages
+from components.evaluate.stage import HeadEval, NotLosslessError, held_out_messages
 
 SCHEDULE = -1  # the `k` of the served schedule's cells
 FRONTEND_BYTES = 2**30  # host memory of one server besides its engine's share (the API process, the client's load)
@@ -125,18 +125,18 @@ def round_order(keys: list[int], round_i: int, level_i: int) -> list[int]:
     return list(keys) if (round_i + level_i) % 2 == 0 else list(reversed(keys))
 
 
-def load_sweep(cfg, target_dir: str, head_dir: str, traffic_path: str, out_dir: str, settings,
-               progress: Callable[[str], None] = print, engines=None, evaluation: str | None = None) -> SweepResult:
+def load_sweep(cfg, head: HeadEval, settings, progress: Callable[[str], None] = print, engines=None,
+               evaluation: str | None = None) -> SweepResult:
     """`cfg` is the EvaluateConfig (its `load`, `spec.max_new_tokens`, `spec.temperature`, `max_prompt_tokens`,
-    `ignore_eos`): the first `load.requests` held-out prompts that fit, as texts with the chat template; see the module
-    doc. `engines`: see `run_sweep`; `evaluation`: the engine evaluation's report (`engine_evaluation.json`) of the
-    servers in `engines`, whose rounds stand for concurrency 1 (`evaluation_cells`)."""
+    `ignore_eos`): the first `load.requests` prompts of `head.heldout` that fit, as texts with the chat template, the
+    report in `head.out_dir` (the head alone: no baseline, no curves); see the module doc. `engines`: see `run_sweep`;
+    `evaluation`: the `engine_evaluation.json` of `engines`' servers, its rounds as concurrency 1 (evaluation_cells)."""
     from transformers import AutoTokenizer
 
     from components.data.chat import prompt_ids
 
     refuse_sampled(cfg, settings)  # a CPU build's sampled verification is wrong
-    load = cfg.load
+    load, target_dir, traffic_path = cfg.load, head.target_dir, head.heldout
     tokenizer = AutoTokenizer.from_pretrained(target_dir, trust_remote_code=settings.trust_remote_code)
     output_len = load.output_len or cfg.spec.max_new_tokens
     max_len = engine_max_len(target_dir, cfg)
@@ -151,7 +151,7 @@ def load_sweep(cfg, target_dir: str, head_dir: str, traffic_path: str, out_dir: 
         raise ValueError(f"{traffic_path}: only {len(prompts)} held-out prompts fit ({cfg.max_prompt_tokens} prompt "
                          f"tokens, {output_len} new, context {max_len}); evaluate.load.requests asks for "
                          f"{load.requests}")
-    plan = SweepPlan(prompts, str(target_dir), str(head_dir), Path(out_dir), output_len, cfg.spec.temperature,
+    plan = SweepPlan(prompts, str(target_dir), str(head.head_dir), Path(head.out_dir), output_len, cfg.spec.temperature,
                      max_len, progress, ignore_eos=cfg.ignore_eos)
     batch1 = evaluation_cells(evaluation, load.k_values[0]) \
         if evaluation and len(load.k_values) == 1 and 1 in load.concurrency and cfg.spec.temperature == 0.0 else None
@@ -284,8 +284,8 @@ def run_sweep(cfg: LoadConfig, plan: SweepPlan, settings, engines=None, batch1: 
         if cfg.verify_schedule and top_k > 0:
             plan.progress(f"load sweep: the schedule {schedule} beside plain")
             with VllmServer(spec_of(top_k, schedule, pair=True), settings) as srv:
-                measure_rounds(measured, plan, settings, {0: plain, SCHEDULE: srv}, dataset, "schedule", samples,
-                               rounds)
+                got = measure_rounds(measured, plan, settings, {0: plain, SCHEDULE: srv}, dataset, "schedule")
+            samples, rounds = samples + got[0], rounds + got[1]
             phase = cells_of([s for s in samples if s["phase"] == "schedule"])
             if from_eval:  # at batch size 1 the schedule drafts best[1] tokens: that server's cell is the schedule's
                 at1 = next(c for c in batch1 if c["k"] == best[1])
@@ -298,8 +298,9 @@ def run_sweep(cfg: LoadConfig, plan: SweepPlan, settings, engines=None, batch1: 
             # that batching alone changed at the lowest level measured here would read as the head's mismatch
             plan.progress("load sweep: speculative outputs differ from plain's under load; plain at concurrency 1 "
                           "once, as the batching baseline")
-            measure_rounds(replace(measured, concurrency=(1,), repeats=1), plan, settings, {0: plain}, dataset,
-                           "baseline", samples, rounds)
+            got = measure_rounds(replace(measured, concurrency=(1,), repeats=1), plan, settings, {0: plain}, dataset,
+                                 "baseline")
+            samples, rounds = samples + got[0], rounds + got[1]
     return _finish(cfg, plan, cells, samples, schedule, best, {"mode": mode, "mode_reason": why, "rounds": rounds})
 
 
@@ -313,8 +314,6 @@ def _sweep_phase(cfg: LoadConfig, plan: SweepPlan, settings, up: dict, spec_of, 
 
     mode, why = how
     plain, handed = up[0], {k: s for k, s in up.items() if k != 0}
-    samples: list[dict] = []
-    rounds: list[dict] = []
     if mode == "all":
         started = False
         fresh = [k for k in cfg.k_values if k not in handed]
@@ -325,28 +324,29 @@ def _sweep_phase(cfg: LoadConfig, plan: SweepPlan, settings, up: dict, spec_of, 
                 by_k = {**dict(zip(fresh, started_up)), **handed}
                 servers = {0: plain, **{k: by_k[k] for k in cfg.k_values}}
                 started = True
-                measure_rounds(cfg, plan, settings, servers, dataset, "sweep", samples, rounds)
-            return mode, why, samples, rounds
+                return (mode, why, *measure_rounds(cfg, plan, settings, servers, dataset, "sweep"))
         except EngineError as e:
             if started:  # a failure while measuring is not about fitting
                 raise
             why = f"a server did not start beside the others: {str(e)[:200]}"
             plan.progress(f"load sweep: {why}; plain beside one K at a time")
     plain.wait_ready()
+    samples, rounds = [], []
     for k in cfg.k_values:
         with VllmServer(spec_of(k, pair=True), settings) as srv:
-            measure_rounds(cfg, plan, settings, {0: plain, k: srv}, dataset, "sweep", samples, rounds)
+            got = measure_rounds(cfg, plan, settings, {0: plain, k: srv}, dataset, "sweep")
+        samples, rounds = samples + got[0], rounds + got[1]
     return "pairs", why, samples, rounds
 
 
 def measure_rounds(cfg: LoadConfig, plan: SweepPlan, settings, servers: dict, dataset: str, phase: str,
-                   samples: list[dict], rounds: list[dict], first_round: int = 0) -> None:
+                   first_round: int = 0) -> tuple[list[dict], list[dict]]:
     """Every server (`{k: running VllmServer}`) at every level, `cfg.repeats` rounds (numbered from `first_round`) in
-    `round_order`, by one client process; appends one sample per cell measured to `samples` and each level's order
-    to `rounds`."""
+    `round_order`, by one client process; returns (one sample per cell measured, each level's order) for the caller
+    to add to what it measured before."""
     from infra.vllm_bench import LoadRequest, bench_serve_many
 
-    jobs = []
+    jobs, rounds = [], []
     for r in range(first_round, first_round + cfg.repeats):
         for i, c in enumerate(cfg.concurrency):
             order = round_order(list(servers), r, i)
@@ -362,9 +362,9 @@ def measure_rounds(cfg: LoadConfig, plan: SweepPlan, settings, servers: dict, da
                       + (f", tau {cell.acceptance_length:.2f}" if cell.acceptance_length else ""))
 
     if not jobs:
-        return
+        return [], rounds
     cells = bench_serve_many([(servers[k], req) for k, _, req in jobs], settings, on_cell=done)
-    samples += [{"phase": phase, "round": r, "k": k, **asdict(cell)} for (k, r, _), cell in zip(jobs, cells)]
+    return [{"phase": phase, "round": r, "k": k, **asdict(cell)} for (k, r, _), cell in zip(jobs, cells)], rounds
 
 
 def _rounds_tps(tps: list[float]) -> dict:

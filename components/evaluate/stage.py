@@ -1,8 +1,9 @@
 """Stage 4, evaluate: acceptance and real speedup of a head on held-out traffic, outputs checked identical.
 
-Purpose: `evaluate(cfg, target_dir, head_dir, traffic_path, out_dir) -> EvaluateResult`. For every held-out
-conversation (its first user turn, with the target's chat template) it decodes with plain decoding and with the
-head, interleaved sample by sample so that both see the same machine state, and reports
+Purpose: `evaluate(cfg, head) -> EvaluateResult` (`head`: a `HeadEval`, the head on its target, the held-out traffic,
+the output folder). For every held-out conversation (its first user turn, with the target's chat template) it decodes
+with plain decoding and with the head, interleaved sample by sample so that both see the same machine state, and
+reports
 - tau (mean tokens emitted per target verification step, the bonus token included; tokens accepted past EOS or
   the length limit do not count), acceptance per draft position both conditional (alpha_k = emitted draft k /
   reached depth k) and cumulative (P[the step emitted draft k]), and beside them `tau_raw` / `acceptance_raw`,
@@ -23,8 +24,9 @@ Each prompt is decoded to its sample's `max_new_tokens` when the traffic gives o
 long traffic does), else to `cfg.spec.max_new_tokens`; with `cfg.ignore_eos` every prompt runs to that limit, past
 the end-of-sequence token (plain and speculative alike, so outputs still compare token for token): what a
 measurement of acceptance at long output positions needs from a target that ends its answers early.
-`baseline_head_dir` (e.g. the current champion) is measured on the same prompts in the same run for the
-promotion gate. Writes `evaluation.json` and PNG plots (acceptance by position; training curves if given).
+`head.baseline_dir` (e.g. the current champion) is measured on the same prompts in the same run for the
+promotion gate. Writes `evaluation.json` and PNG plots (acceptance by position; training curves of `head.history_file`
+if given) under `head.out_dir`.
 Not here: registration and the gate's decision (components/registry/register.py).
 """
 
@@ -119,8 +121,11 @@ class EvaluateConfig:
 @dataclass(frozen=True)
 class HeadEval:
     """What an evaluation of a head measures: the head on its target, on held-out traffic, its reports under `out_dir`
-    (vLLM's in `vllm/`, the load sweep's in `load/`: flows/evaluate_head.py), beside `baseline_dir` (e.g. the
-    champion, on the same prompts; None: none), with the training curves of `history_file` plotted (None: none)."""
+    (flows/evaluate_head.py hands vLLM's evaluation `vllm/` of it, the load sweep `load/`), beside `baseline_dir`
+    (e.g. the champion, on the same prompts; None: none), with the training curves of `history_file` plotted (None:
+    none). Taken by `evaluate`, components/evaluate/engine.py `evaluate_in_vllm` (no curves there),
+    components/evaluate/load_sweep.py `load_sweep` (the head alone: no baseline, no curves) and
+    components/evaluate/shadow.py `shadow_test`."""
 
     target_dir: str
     head_dir: str
@@ -234,14 +239,12 @@ def held_out_prompts(tokenizer, traffic_path: str, cfg: EvaluateConfig) -> list[
     return [(s.segment, s.ids) for s in held_out_samples(tokenizer, traffic_path, cfg)]
 
 
-def evaluate(cfg: EvaluateConfig, target_dir: str, head_dir: str, traffic_path: str, out_dir: str,
-             baseline_head_dir: str | None = None, history_file: str | None = None,
-             progress: Callable[[str], None] = print, trust_remote_code: bool = False) -> EvaluateResult:
-    """Decode the held-out prompts plainly and with the head (and the baseline head), on `cfg.threads` torch
-    threads; see the module doc."""
+def evaluate(cfg: EvaluateConfig, head: HeadEval, progress: Callable[[str], None] = print,
+             trust_remote_code: bool = False) -> EvaluateResult:
+    """Decode the held-out prompts (`head.heldout`) plainly and with the head (and the baseline head), on
+    `cfg.threads` torch threads, into `head.out_dir`; see the module doc."""
     from eagle import target_path
 
-    head = HeadEval(target_dir, head_dir, traffic_path, out_dir, baseline_head_dir, history_file)
     with target_path.cpu_threads(cfg.threads if cfg.device == "cpu" else 0):
         return _evaluate(cfg, head, progress, trust_remote_code)
 

@@ -1,6 +1,7 @@
 """Stage 2, extract: the target's fused hidden states and teacher signal over the regenerated conversations.
 
-Purpose: `extract(cfg, target_dir, regen_dir, out_dir) -> ExtractResult`.
+Purpose: `extract(cfg, target_dir, regen_dir, out_dir, context=StageContext()) -> ExtractResult` (`context`:
+components/targets/runtime.py, whether the target's code is trusted, the Settings, the run's `TargetRuntime`).
 - Always: tokenises every conversation with the target's chat template (assistant-only loss mask) into
   `tokens.safetensors`, counts the trained tokens (`token_counts`, for the draft vocabulary) and saves the
   target's embedding and lm_head (`target_heads.safetensors`), so training never needs more of the target in
@@ -43,18 +44,15 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Literal
+from typing import Callable, Literal
 
 from components.data.atomic import atomic_path, atomic_write_bytes, atomic_write_text, file_sha256, remove_stale_temps
 from components.data.chat import tokenize_conversation
 from components.data.regenerated import read_regenerated
 from components.extract.feature_shards import FP8, pack_shard, scale_layout
-from components.targets.runtime import STAGE_ENGINES, TargetRuntime
+from components.targets.runtime import STAGE_ENGINES, StageContext, TargetRuntime
 from components.targets.target import declared_dtype, load_target, weights_sha256
 from eagle.config_checks import NOT_IDENTITY, FieldError, at_least, one_of
-
-if TYPE_CHECKING:
-    from infra.settings import Settings
 
 MANIFEST = "manifest.json"
 FEATURE_DTYPES = ("bfloat16", "float16", "float32", FP8)
@@ -208,13 +206,13 @@ def _local_features(target, layer_ids, seqs, cfg: ExtractConfig):
 
 
 def extract(cfg: ExtractConfig, target_dir: str, regen_dir: str, out_dir: str,
-            progress: Callable[[str], None] = print, trust_remote_code: bool = False,
-            ray_settings: Settings | None = None, runtime: TargetRuntime | None = None) -> ExtractResult:
+            progress: Callable[[str], None] = print, context: StageContext = StageContext()) -> ExtractResult:
     """Extract into `out_dir` (resuming a previous run). `cfg.num_workers` >= 1 computes the shards on Ray; where
-    `runtime` (components/targets/runtime.py; None: the one `cfg` alone says) extracts in the engine, a vLLM started
-    here does (`ray_settings`: the infra.settings.Settings that say where Ray runs and where vLLM's venv is; None:
-    from the environment)."""
-    runtime = runtime or TargetRuntime.from_sections(extract=cfg)  # refuses what the engine cannot run
+    `context.runtime` (components/targets/runtime.py; None: the one `cfg` alone says) extracts in the engine, a vLLM
+    started here does (`context.settings`: the infra.settings.Settings that say where Ray runs and where vLLM's venv
+    is; None: from the environment)."""
+    trust_remote_code, ray_settings = context.trust_remote_code, context.settings
+    runtime = context.runtime or TargetRuntime.from_sections(extract=cfg)  # refuses what the engine cannot run
     engine = runtime.engine_of("extract")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,11 +1,12 @@
 """Stage 1, regenerate: the target answers every user turn of the training traffic; its answers are the data.
 
-Purpose: `regenerate(cfg, target_dir, traffic_path, out_dir) -> RegenerateResult`. Multi-turn conversations are
-answered turn by turn (each answer becomes the history of the next turn), batched with HF generation on a local
-target, or through any OpenAI-compatible endpoint (a vLLM or SGLang server) when `cfg.endpoint_url` is set, with up
-to `cfg.endpoint_concurrency` requests in flight (components/regenerate/endpoint.py); where the run's `TargetRuntime`
-regenerates in the engine (`regenerate.engine: vllm`, or `target.runtime: vllm`: our process never loads the target)
-and no URL is given, through a vLLM this stage starts for the target.
+Purpose: `regenerate(cfg, target_dir, traffic_path, out_dir, context=StageContext()) -> RegenerateResult` (`context`:
+components/targets/runtime.py, whether the target's code is trusted, the Settings, the run's `TargetRuntime`).
+Multi-turn conversations are answered turn by turn (each answer becomes the history of the next turn), batched with HF
+generation on a local target, or through any OpenAI-compatible endpoint (a vLLM or SGLang server) when
+`cfg.endpoint_url` is set, with up to `cfg.endpoint_concurrency` requests in flight (components/regenerate/endpoint.py);
+where the run's `TargetRuntime` regenerates in the engine (`regenerate.engine: vllm`, or `target.runtime: vllm`: our
+process never loads the target) and no URL is given, through a vLLM this stage starts for the target.
 Length: each answer is at most the conversation's own `max_new_tokens` when the traffic gives one (the long
 traffic does: components/data/traffic_io.py), else `cfg.max_new_tokens`, on every path (local batches, endpoint, vLLM,
 Ray). An `Answerer` is called `answer(batch)` for the global limit and `answer(batch, max_new_tokens=N)` for a
@@ -29,7 +30,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from components.data.atomic import atomic_write_text, remove_stale_temps
 from components.data.chat import prompt_ids
@@ -37,13 +38,10 @@ from components.data.regenerated import shard_paths
 from components.data.traffic_io import Conversation, load_traffic
 from components.regenerate.endpoint import (answer_concurrently, conversation_record, endpoint_answerer, endpoint_ask,
                                             engine_endpoint, history_turns)
-from components.targets.runtime import STAGE_ENGINES, TargetRuntime
+from components.targets.runtime import STAGE_ENGINES, StageContext, TargetRuntime
 from eagle.config_checks import NOT_IDENTITY, FieldError, at_least, finite, one_of
 from eagle.errors import BadInput
 from infra.settings import http_url_problem
-
-if TYPE_CHECKING:
-    from infra.settings import Settings
 
 __all__ = ["Answerer", "RegenerateConfig", "RegenerateError", "RegenerateResult", "answer_all", "answer_shard",
            "endpoint_answerer", "hf_answerer", "regenerate", "responder"]
@@ -266,18 +264,18 @@ def _write_shard(out: Path, s: int, chunk: Sequence[Conversation],
 
 def regenerate(cfg: RegenerateConfig, target_dir: str, traffic_path: str, out_dir: str,
                answer: Answerer | None = None, progress: Callable[[str], None] = print,
-               trust_remote_code: bool = False, ray_settings: Settings | None = None,
-               runtime: TargetRuntime | None = None) -> RegenerateResult:
+               context: StageContext = StageContext()) -> RegenerateResult:
     """Regenerate the traffic's answers into `out_dir` (resuming a previous run) and return the accounting.
 
     A shard whose every conversation failed is not marked done, so a re-run tries it again (an endpoint that was
     down); when no conversation at all could be regenerated, `RegenerateError` says why (accounting.json is written).
-    `cfg.num_workers` >= 1 answers the shards on Ray; where `runtime` (components/targets/runtime.py; None: the one
-    `cfg` alone says) regenerates in the engine, a vLLM started here answers (`ray_settings`: the
+    `cfg.num_workers` >= 1 answers the shards on Ray; where `context.runtime` (components/targets/runtime.py; None: the
+    one `cfg` alone says) regenerates in the engine, a vLLM started here answers (`context.settings`: the
     infra.settings.Settings that say where Ray runs and where vLLM's venv is; None: from the environment);
     `answer` (a batch Answerer, for tests) runs in this process only.
     """
-    runtime = runtime or TargetRuntime.from_sections(regenerate=cfg)
+    trust_remote_code, ray_settings = context.trust_remote_code, context.settings
+    runtime = context.runtime or TargetRuntime.from_sections(regenerate=cfg)
     if answer is not None and cfg.num_workers:
         raise ValueError("regenerate: `answer` runs in this process only; use num_workers 0 with it")
     convs = list(load_traffic(traffic_path).conversations)[: cfg.limit]

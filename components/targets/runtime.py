@@ -12,7 +12,8 @@ its section with `TargetRuntime.from_sections(extract=cfg)`. `engine_settings(se
 is what the resolved config states for the four knobs (`eagle-heads config show`, the run's fingerprint: the same
 JSON and run keys as when `target.runtime: vllm` wrote them into the sections). A combination the engine cannot run
 (online features, Ray actors beside an engine) is refused here, naming the key, when the runtime is built.
-Also here: `TargetConfig`, the config's `target` section (who runs the target, and vLLM's scale).
+Also here: `TargetConfig`, the config's `target` section (who runs the target, and vLLM's scale), and `StageContext`,
+what a stage that runs the target (regenerate, extract) runs in beside its config and paths.
 Adding a runtime (SGLang, a remote endpoint): a row of `KINDS` and its tests; ARCHITECTURE.md shows the steps.
 Run: `python -m pytest tests/test_target_runtime.py`.
 Not here: starting an engine (infra/vllm_server.py), what a stage sends it (components/*_engine.py), the scale's
@@ -157,6 +158,20 @@ class TargetRuntime:
         """`settings` (infra.settings.Settings) carrying this runtime's scale to every vLLM the run starts
         (infra/vllm_server.py `VllmServer` reads `Settings.engine_scale`)."""
         return dataclasses.replace(settings, engine_scale=self.scale)
+
+
+@dataclass(frozen=True)
+class StageContext:
+    """What a stage that runs the target (components/regenerate/stage.py `regenerate`, components/extract/stage.py
+    `extract`) runs in, beside its config and paths: whether the target's own code may run (`trust_remote_code`),
+    the Settings that say where Ray runs and where vLLM's venv is (`settings`; None: from the environment, where the
+    stage needs them), and where the target runs (`runtime`; None: the one the stage's section alone says,
+    `TargetRuntime.from_sections`). The flow builds one per stage from its Settings and the run's runtime
+    (flows/tasks.py); a stage called on its own (tests, benchmarks) names what it needs, or takes the default."""
+
+    trust_remote_code: bool = False
+    settings: Any = None  # infra.settings.Settings
+    runtime: TargetRuntime | None = None
 
 
 def with_resolved(values: dict[str, Any], runtime: TargetRuntime) -> dict[str, Any]:
