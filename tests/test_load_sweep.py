@@ -1,4 +1,5 @@
-"""Throughput by load and the K schedule (components/evaluate/load_sweep.py, infra/vllm_bench.py), with the real engine.
+"""Throughput by load and the K schedule (components/evaluate/load_sweep.py, load_cells.py; infra/vllm_bench.py), with
+the real engine.
 
 Purpose:
 - the schedule rule on given throughputs (no engine): the best K per level, K 0 unless a K beats plain by the
@@ -30,7 +31,8 @@ from pathlib import Path
 import pytest
 
 from components.config.pipeline import ConfigError, PipelineConfig
-from components.evaluate.load_sweep import LoadConfig, cells_of, crossover_of, derive_schedule, round_order
+from components.evaluate.load_cells import cells_of, crossover_of, derive_schedule
+from components.evaluate.load_sweep import LoadConfig, round_order
 from components.evaluate.speed import SpeedupConfig
 from components.evaluate.stage import EvaluateConfig, HeadEval
 from eagle.run_config import SpecConfig
@@ -89,7 +91,7 @@ def test_cells_are_medians_over_rounds_with_their_spread_and_rounds_alternate(tm
 def test_evaluation_cells_are_each_rounds_tokens_over_its_seconds(tmp_path):
     """Concurrency 1 from an engine evaluation's report: per side, the tokens of its outputs over each round's
     seconds; medians and spreads as the sweep's cells; the head's counters; None for another K."""
-    from components.evaluate.load_sweep import evaluation_cells
+    from components.evaluate.load_cells import evaluation_cells
 
     report = {"config": {"spec": {"depth": 3}},
               "result": {"drafts": 10, "accepted_per_pos": [8, 6, 4], "tau": 2.8},
@@ -116,7 +118,7 @@ def test_batching_alone_is_told_from_the_head_by_plains_texts_at_the_lowest_leve
     1: batch variance, not a mismatch, once plain at 1 is among the samples (the "baseline" phase when concurrency 1
     came from the evaluation); without it the lowest level measured (4) is the baseline and the same outputs read
     as the head's mismatch. A head output that is no plain output, where plain did not vary, is a mismatch."""
-    from components.evaluate.load_sweep import judge
+    from components.evaluate.load_cells import judge
 
     def sample(phase, k, c, texts):
         return {"phase": phase, "k": k, "concurrency": c, "texts": texts}
@@ -130,7 +132,8 @@ def test_batching_alone_is_told_from_the_head_by_plains_texts_at_the_lowest_leve
 
 def test_the_load_client_stops_at_eos_unless_told_to_run_past_it():
     from infra.vllm_bench import LoadRequest, _argv
-    from infra.vllm_server import EngineSpec, VllmServer
+    from infra.vllm_engine_spec import EngineSpec
+    from infra.vllm_server import VllmServer
 
     srv = VllmServer(EngineSpec("/nonexistent/target", method=None), Settings.local(Path("/nonexistent/.eagle")))
     req = LoadRequest("d.json", "/nonexistent/target", 4, 8, 24, ignore_eos=False)
@@ -272,7 +275,8 @@ def test_a_schedule_served_by_vllm_stops_drafting_above_its_range(engine_target,
     from components.data.chat import prompt_ids
     from components.evaluate.stage import held_out_messages
     from infra.vllm_bench import LoadRequest, bench_serve_many, write_dataset
-    from infra.vllm_server import EngineSpec, VllmServer
+    from infra.vllm_engine_spec import EngineSpec
+    from infra.vllm_server import VllmServer
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(engine_target.target_dir)
