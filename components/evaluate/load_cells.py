@@ -5,7 +5,7 @@ the tokens/s spread, the speculative counters summed), `evaluation_cells(report,
 the engine evaluation's own rounds; `judge(samples)` tells plain outputs that batching alone changed from a head's
 mismatches; `derive_schedule` makes vLLM's `num_speculative_tokens_per_batch_size` ranges from the cells' medians
 and spreads, `crossover_of` the first level where plain wins; `SweepResult` is what the sweep returns.
-Run: imported by components/evaluate/load_sweep.py; pure functions of figures, no engine (tests/test_load_sweep.py).
+Run: imported by components/evaluate/load_sweep.py; pure functions of figures, no engine (tests/test_load_cells.py).
 Not here: the servers and the rounds that measure the samples (components/evaluate/load_sweep.py).
 """
 
