@@ -10,7 +10,8 @@ override machinery as a `--config` file, in the command's preflight.
 Run: through `eagle-heads ...` (flows/cli.py). Importing this module loads nothing heavy (no torch, Prefect, MLflow,
 Ray; flows/preflight.py and flows/command_runs.py import those inside their functions): `--help` and argument errors
 stay instant.
-Not here: what a command does (flows/command_runs.py), its checks (flows/preflight.py), exit codes (flows/cli.py).
+Not here: what a command does (flows/command_runs.py, flows/command_serve.py), its checks (flows/preflight.py), exit
+codes (flows/cli.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any, Callable
 from components.config.presets import NAMES as PRESETS
 from components.config.presets import assignment
 from flows import command_runs as runs
+from flows import command_serve
 from flows import preflight
 
 
@@ -207,7 +209,7 @@ COMMANDS = {c.name: c for c in (
     Command("evaluate", "measure a head: tau, acceptance, speedup, identical outputs", _evaluate_args,
             runs.evaluate, preflight.check_evaluate),
     Command("serve", "serve a head with its target in vLLM (OpenAI-compatible server on loopback)", _serve_args,
-            runs.serve, preflight.check_serve),
+            command_serve.serve, preflight.check_serve),
     Command("watch", "poll the registry and announce target versions without a head", _watch_args, runs.watch,
             preflight.check_watch, needs_prefect=True),
     Command("monitor", "watch a vLLM server's acceptance; announce a drop (retrains the head)", _monitor_args,

@@ -17,8 +17,8 @@ of it and, with `LiveConfig.capture`, a capture writer (components/serving/captu
   x `ratio` and the collapse floor; a rollback swaps back to what served before it (plain decoding when nothing
   did), never swaps the rolled-back version in again, and hands `RolledBack` to `rolled_back` (the flow moves the
   alias back with the reason and announces it).
-Run: `eagle-heads serve --capture` / `--follow-alias` (flows/command_runs.py `serve`).
-Not here: choosing the head and its K (flows/command_runs.py), the proxy's HTTP (infra/serve_proxy.py), the
+Run: `eagle-heads serve --capture` / `--follow-alias` (flows/command_serve.py `serve`).
+Not here: choosing the head and its K (flows/command_serve.py), the proxy's HTTP (infra/serve_proxy.py), the
 dataset (components/serving/capture.py), the rollback's rules (components/serving/rollback.py), the registry and the
 event.
 """

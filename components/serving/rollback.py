@@ -13,7 +13,7 @@ and the rollback goes to plain decoding. `Judgement.reason` is the one line the 
 carry. `move_alias_back(store, name, alias, from_version, to_version, reason)` tags the rolled-back version with
 `rollback_reason` and points the alias at `to_version` (None: removes it, so that no version claims to be served).
 Run: inside `eagle-heads serve --follow-alias` (components/serving/live.py `follow`); tests/test_rollback.py.
-Not here: the swap (components/serving/live.py), the event (flows/command_runs.py `serve`), the drop monitor that
+Not here: the swap (components/serving/live.py), the event (flows/command_serve.py `serve`), the drop monitor that
 retrains (components/serving/monitor.py).
 """
 
