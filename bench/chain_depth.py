@@ -30,8 +30,9 @@ from pathlib import Path
 import common  # noqa: F401  (puts the repo root on sys.path)
 import torch
 
-from common import (Setup, base_args, fresh_runs, eos_of, goal_line, heldout_prompts, interleaved, prepare,
-                    print_table, pyplot, results_dir, spec_figures, speed_head, start, tokens_per_s, write_results)
+from common import (Setup, base_args, eos_of, goal_line, heldout_prompts, prepare, print_table, pyplot, results_dir,
+                    spec_figures, speed_head, start, write_results)
+from timing import fresh_runs, interleaved, tokens_per_s
 
 
 def configs(args: argparse.Namespace, max_new: int, eos) -> dict:

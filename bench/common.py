@@ -1,5 +1,5 @@
 """Shared setup of the benchmarks: the embedded target, its traffic regenerated and extracted once, heads trained
-once per config, held-out prompts, interleaved timing, tables and result files.
+once per config, held-out prompts, tables and result files (the interleaved timing: bench/timing.py).
 
 Purpose: every benchmark starts with `setup = prepare(quick)`:
 - the embedded default (`EmbeddedConfig.default()`), reused from `.eagle/embedded` when a finished build with that
@@ -29,7 +29,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 for _p in (ROOT, ROOT / "bench"):  # the repository (eagle/, components/) and bench/ (report.py)
@@ -271,42 +271,6 @@ def eos_of(target) -> int | tuple[int, ...] | None:
     return tuple(eos) if isinstance(eos, list) else eos
 
 
-# ---- timing ----------------------------------------------------------------------------------------------------
-
-@dataclass
-class Run:
-    """What one method produced on one prompt."""
-
-    seconds: float
-    tokens: list[int]
-    extra: dict
-
-
-def interleaved(methods: dict[str, Callable[[list[int]], tuple[list[int], dict]]], prompts: list[list[int]],
-                warmup: int = 1) -> dict[str, list[Run]]:
-    """Run every method on every prompt, prompt by prompt, rotating the order, so all see the same machine state.
-
-    A method takes prompt ids and returns (new token ids, extra stats). The first `warmup` prompts run once
-    untimed per method first (first-call costs out of the timing).
-    """
-    for ids in prompts[:warmup]:
-        for fn in methods.values():
-            fn(ids)
-    names = list(methods)
-    out: dict[str, list[Run]] = {n: [] for n in names}
-    for i, ids in enumerate(prompts):
-        order = names[i % len(names):] + names[:i % len(names)]
-        for n in order:
-            t0 = time.perf_counter()
-            toks, extra = methods[n](ids)
-            out[n].append(Run(time.perf_counter() - t0, toks, extra))
-    return out
-
-
-def tokens_per_s(runs: list[Run]) -> float:
-    return sum(len(r.tokens) for r in runs) / max(sum(r.seconds for r in runs), 1e-9)
-
-
 # ---- reporting (bench/report.py) -------------------------------------------------------------------------------
 
 def results_dir(quick: bool) -> Path:
@@ -356,23 +320,6 @@ def start(args: argparse.Namespace) -> list[float]:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     return list(os.getloadavg())
-
-
-def fresh_runs(script: str, argv: list[str], runs: int, say: Callable[[int, dict], None]) -> list[dict]:
-    """`--runs N` of a benchmark: `script` with `argv` (its own `--runs` replaced by 1, `--out` added) in N fresh
-    processes, one after the other; each child's JSON payload, in order. `say(i, payload)` after each."""
-    import subprocess
-    import tempfile
-
-    out: list[dict] = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for i in range(runs):
-            path = Path(tmp) / f"run{i}.json"
-            cmd = [sys.executable, script, *argv_without(argv, "--runs"), "--runs", "1", "--out", str(path)]
-            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-            out.append(json.loads(path.read_text()))
-            say(i, out[-1])
-    return out
 
 
 def argv_without(argv: list[str], flag: str) -> list[str]:

@@ -43,9 +43,10 @@ import common  # noqa: F401  (puts the repo root on sys.path)
 import draft_model
 import torch
 
-from common import (Setup, base_args, fresh_runs, heldout_prompts, interleaved, prepare, print_table, pyplot,
-                    results_dir, speed_head, start, write_results)
+from common import (Setup, base_args, heldout_prompts, prepare, print_table, pyplot, results_dir, speed_head, start,
+                    write_results)
 from speedup_methods import CallCounter, goals, methods, summarize
+from timing import fresh_runs, interleaved
 
 
 def plot(tables: dict[str, list[dict]], path: Path) -> None:

@@ -17,7 +17,8 @@ from contextlib import contextmanager
 import common  # noqa: F401  (puts the repo root on sys.path)
 import torch
 
-from common import eos_of, goal_line, spec_figures, tokens_per_s, until_eos
+from common import eos_of, goal_line, spec_figures, until_eos
+from timing import tokens_per_s
 
 
 class CallCounter:

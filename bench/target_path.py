@@ -26,8 +26,9 @@ from pathlib import Path
 import common  # noqa: F401  (puts the repo root on sys.path)
 import torch
 
-from common import (base_args, eos_of, fresh_runs, goal_line, heldout_prompts, interleaved, prepare, print_table,
-                    pyplot, results_dir, speed_head, start, tokens_per_s, until_eos, write_results)
+from common import (base_args, eos_of, goal_line, heldout_prompts, prepare, print_table, pyplot, results_dir,
+                    speed_head, start, until_eos, write_results)
+from timing import fresh_runs, interleaved, tokens_per_s
 
 
 def methods(target, draft, args, max_new: int) -> dict:
