@@ -180,7 +180,7 @@ def test_serve_print_only_puts_the_registered_schedule_in_the_vllm_command(mlflo
     from components.registry.register import RegisterConfig, TargetRef, register_head, register_target
     from components.targets.target import weights_sha256
     from flows import cli
-    from tests.test_evaluate_register import _head
+    from tests.test_register import _head
 
     sha = weights_sha256(tiny_embedded.target_dir)
     ref: TargetRef = register_target(mlflow_store, "tiny", tiny_embedded.target_dir, role="base", base_model="",
