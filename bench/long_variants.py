@@ -41,8 +41,17 @@ from pathlib import Path
 
 import common  # noqa: F401  (puts the repo root on sys.path)
 
-from common import (Setup, base_args, goal_line, print_table, pyplot, results_dir, start, train_or_reuse_head,
-                    write_results)
+from common import (
+    Setup,
+    base_args,
+    goal_line,
+    print_table,
+    pyplot,
+    results_dir,
+    start,
+    train_or_reuse_head,
+    write_results,
+)
 from long_variants_setup import SIZES, Sizes, prepare_long
 
 EDGES = (0, 128, 512, 2048)
@@ -51,8 +60,15 @@ MEMORY_SHARE = 0.06  # of host memory, per vLLM server (three side by side; the 
 
 def head_config(setup: Setup, sizes: Sizes, variant: str, steps: int):
     base = setup.preset.train
-    return dataclasses.replace(base, steps=steps, batch_size=sizes.batch, variant=variant, eval_every=0,
-                               select="last", ttt=dataclasses.replace(base.ttt, ttt_steps=min(7, base.ttt.ttt_steps)))
+    return dataclasses.replace(
+        base,
+        steps=steps,
+        batch_size=sizes.batch,
+        variant=variant,
+        eval_every=0,
+        select="last",
+        ttt=dataclasses.replace(base.ttt, ttt_steps=min(7, base.ttt.ttt_steps)),
+    )
 
 
 def ours(setup: Setup, heads: dict[str, Path], n_prompts: int, depth: int) -> dict[str, dict]:
@@ -61,18 +77,31 @@ def ours(setup: Setup, heads: dict[str, Path], n_prompts: int, depth: int) -> di
     from components.evaluate.stage import EvaluateConfig, HeadEval, evaluate
     from eagle.run_config import SpecConfig
 
-    cfg = EvaluateConfig(spec=SpecConfig(depth=depth, max_new_tokens=64), limit=n_prompts, max_prompt_tokens=1024,
-                         ignore_eos=True, position_edges=EDGES,
-                         speed=SpeedupConfig(min_rounds=1, max_rounds=1, budget_s=3600.0))
+    cfg = EvaluateConfig(
+        spec=SpecConfig(depth=depth, max_new_tokens=64),
+        limit=n_prompts,
+        max_prompt_tokens=1024,
+        ignore_eos=True,
+        position_edges=EDGES,
+        speed=SpeedupConfig(min_rounds=1, max_rounds=1, budget_s=3600.0),
+    )
     out = {}
     for v, head in heads.items():
         common._say(f"bench: our loop, {v}")
-        res = evaluate(cfg, HeadEval(str(setup.target_dir), str(head), str(setup.heldout_traffic),
-                                     str(setup.work / "eval" / v)), progress=lambda s: None)
+        res = evaluate(
+            cfg,
+            HeadEval(str(setup.target_dir), str(head), str(setup.heldout_traffic), str(setup.work / "eval" / v)),
+            progress=lambda s: None,
+        )
         samples = json.loads(Path(res.report_file).read_text())["samples"]
-        out[v] = {"tau": res.tau, "by_position": res.by_position, "identical": res.identical,
-                  "speedup_ours": res.speedup, "outputs": [s["output_ids"] for s in samples],
-                  "limits": [s["max_new_tokens"] for s in samples]}
+        out[v] = {
+            "tau": res.tau,
+            "by_position": res.by_position,
+            "identical": res.identical,
+            "speedup_ours": res.speedup,
+            "outputs": [s["output_ids"] for s in samples],
+            "limits": [s["max_new_tokens"] for s in samples],
+        }
     return out
 
 
@@ -84,10 +113,16 @@ def engine_spec(setup: Setup, method: str, head: Path | None, depth: int):
     from infra.vllm_engine_spec import EngineSpec
     from infra.vllm_server import PER_REQUEST_METRICS
 
-    spec = EngineSpec(str(setup.target_dir), str(head) if head else None, method="eagle3" if head else None,
-                      num_speculative_tokens=depth, max_model_len=target_context(setup.target_dir),
-                      extra_args=PER_REQUEST_METRICS if head else (), cpu_memory_share=MEMORY_SHARE,
-                      served_model_name=method)
+    spec = EngineSpec(
+        str(setup.target_dir),
+        str(head) if head else None,
+        method="eagle3" if head else None,
+        num_speculative_tokens=depth,
+        max_model_len=target_context(setup.target_dir),
+        extra_args=PER_REQUEST_METRICS if head else (),
+        cpu_memory_share=MEMORY_SHARE,
+        served_model_name=method,
+    )
     if method in PARALLEL_VARIANTS:
         spec = dataclasses.replace(spec, parallel_drafting=True)  # EngineSpec's field for P-EAGLE (issue 25 item 3)
     return spec
@@ -112,7 +147,7 @@ def engine_round(setup: Setup, heads: dict[str, Path], order: list[str], prompts
             srv.complete(prompts[0].ids, 4)  # warm-up, before the counters
         before = {m: servers[m].spec_counters() for m in order if m in heads}
         for i, p in enumerate(prompts):
-            for m in order[i % len(order):] + order[:i % len(order)]:
+            for m in order[i % len(order) :] + order[: i % len(order)]:
                 pause(m)
                 t0 = time.perf_counter()
                 c = servers[m].complete(p.ids, p.max_new_tokens, 0.0, ignore_eos=True)
@@ -122,8 +157,11 @@ def engine_round(setup: Setup, heads: dict[str, Path], order: list[str], prompts
         for m in before:
             steps = rows[m]["steps"]
             rows[m]["tau"] = (servers[m].spec_counters() - before[m]).tau
-            rows[m]["by_position"] = acceptance_by_position([raw_steps(s) for s in steps], EDGES) \
-                if all(s is not None for s in steps) else []
+            rows[m]["by_position"] = (
+                acceptance_by_position([raw_steps(s) for s in steps], EDGES)
+                if all(s is not None for s in steps)
+                else []
+            )
     for r in rows.values():
         r["tokens"] = sum(map(len, r["outputs"]))
         r.pop("steps")
@@ -135,11 +173,15 @@ def vllm_rounds(setup: Setup, heads: dict[str, Path], prompts, depth: int, runs:
 
     settings, methods, out = Settings.from_env(), ["plain", *heads], []
     for r in range(runs):
-        order = methods[r % len(methods):] + methods[:r % len(methods)]
+        order = methods[r % len(methods) :] + methods[: r % len(methods)]
         out.append(engine_round(setup, heads, order, prompts, depth, settings))
         rd = out[-1]
-        common._say(f"bench: vLLM round {r + 1}/{runs} done: " + ", ".join(
-            f"{m} {rd['plain']['seconds'] / rd[m]['seconds']:.2f}x plain, tau {rd[m]['tau']:.2f}" for m in heads))
+        common._say(
+            f"bench: vLLM round {r + 1}/{runs} done: "
+            + ", ".join(
+                f"{m} {rd['plain']['seconds'] / rd[m]['seconds']:.2f}x plain, tau {rd[m]['tau']:.2f}" for m in heads
+            )
+        )
     return out
 
 
@@ -154,9 +196,17 @@ def rows_of(heads, mine, rounds) -> list[dict]:
     for v in heads:
         x = [r["plain"]["seconds"] / r[v]["seconds"] * r[v]["tokens"] / r["plain"]["tokens"] for r in rounds]
         bad = sum(a != b for r in rounds for a, b in zip(r["plain"]["outputs"], r[v]["outputs"]))
-        row = {"variant": v, "tau ours": mine[v]["tau"], "tau vLLM": rounds[0][v]["tau"],
-               "x vLLM plain": statistics.median(x), "min": min(x), "max": max(x), "mismatch vLLM": bad,
-               "mismatch ours": 0 if mine[v]["identical"] else 1, "x ours (1 round)": mine[v]["speedup_ours"]}
+        row = {
+            "variant": v,
+            "tau ours": mine[v]["tau"],
+            "tau vLLM": rounds[0][v]["tau"],
+            "x vLLM plain": statistics.median(x),
+            "min": min(x),
+            "max": max(x),
+            "mismatch vLLM": bad,
+            "mismatch ours": 0 if mine[v]["identical"] else 1,
+            "x ours (1 round)": mine[v]["speedup_ours"],
+        }
         for name, bp in (("ours", mine[v]["by_position"]), ("vLLM", rounds[0][v]["by_position"])):
             for b in bp:
                 row[f"tau {name} {b['lo']}-{b['hi']}"] = b["tau"]
@@ -172,9 +222,11 @@ def goals(rows: list[dict], rounds: list[dict], mine: dict) -> dict:
     e3 = next((r for r in rows if r["variant"] == "eagle3"), None)
     gain = best["x vLLM plain"] / e3["x vLLM plain"] if e3 else None
     b = best["variant"]
-    return {"best_variant": b,
-            "flat": goal_line(f"{b}: last-bucket tau / first-bucket tau (vLLM) >= 0.9", flat, 0.9, bad),
-            "vs_eagle3": goal_line(f"{b}: vLLM speedup / EAGLE-3's >= 1.2", gain, 1.2, bad)}
+    return {
+        "best_variant": b,
+        "flat": goal_line(f"{b}: last-bucket tau / first-bucket tau (vLLM) >= 0.9", flat, 0.9, bad),
+        "vs_eagle3": goal_line(f"{b}: vLLM speedup / EAGLE-3's >= 1.2", gain, 1.2, bad),
+    }
 
 
 def plot(rows: list[dict], mine: dict, rounds: list[dict], title: str, path: Path) -> None:
@@ -201,17 +253,24 @@ def main(argv: list[str] | None = None) -> None:
 
     p = base_args(__doc__.splitlines()[0])
     p.add_argument("--variants", nargs="+", default=["eagle3", "eagle3.1"], choices=VARIANTS)
-    p.add_argument("--target", choices=("base", "long"), default="base",
-                   help="base: the built target with ignore_eos; long: continued on 2,048-token windows first")
+    p.add_argument(
+        "--target",
+        choices=("base", "long"),
+        default="base",
+        help="base: the built target with ignore_eos; long: continued on 2,048-token windows first",
+    )
     p.add_argument("--long-steps", type=int, default=150, help="steps of the long-context training (--target long)")
     p.add_argument("--long-batch", type=int, default=2, help="windows per step of the long-context training")
     p.add_argument("--runs", type=int, default=0, help="rounds of fresh vLLM servers (0: 3, quick 1)")
     p.add_argument("--prompts", type=int, default=0, help="held-out prompts (0: 4, quick 2)")
     p.add_argument("--steps", type=int, default=0, help="head training steps (0: 150, quick 8)")
     p.add_argument("--depth", type=int, default=0, help="chain depth / speculative tokens (0: 5, quick 3)")
-    p.add_argument("--setup-only", action="store_true",
-                   help="prepare target, traffic, features and the heads (cached), then stop: e.g. one process per "
-                        "variant at once, then the measuring run finds them all")
+    p.add_argument(
+        "--setup-only",
+        action="store_true",
+        help="prepare target, traffic, features and the heads (cached), then stop: e.g. one process per "
+        "variant at once, then the measuring run finds them all",
+    )
     args = p.parse_args(argv)
     load = start(args)
     sizes = SIZES["quick" if args.quick else "default"]
@@ -239,34 +298,60 @@ def main(argv: list[str] | None = None) -> None:
     from components.evaluate.stage import EvaluateConfig
     from infra.settings import Settings
 
-    prompts = engine_samples(EvaluateConfig(limit=n_prompts, max_prompt_tokens=1024), str(setup.target_dir),
-                             str(setup.heldout_traffic), Settings.from_env())
+    prompts = engine_samples(
+        EvaluateConfig(limit=n_prompts, max_prompt_tokens=1024),
+        str(setup.target_dir),
+        str(setup.heldout_traffic),
+        Settings.from_env(),
+    )
     rounds = vllm_rounds(setup, heads, prompts, depth, runs)
     phase("vLLM")
     rows = rows_of(heads, mine, rounds)
     for r, v in zip(rows, heads):
         r["train_s"] = train_s[v]
-    title = (f"{label}: {len(prompts)} held-out long prompts ({min(x.max_new_tokens for x in prompts)}-"
-             f"{max(x.max_new_tokens for x in prompts)} new tokens), chain K={depth}, heads of {steps} steps, "
-             f"{runs} vLLM round(s)")
-    cols = ["variant", "tau ours", "tau vLLM", "x vLLM plain", "min", "max", "mismatch vLLM", "mismatch ours",
-            "x ours (1 round)", "train_s"] + [f"tau {n} {a}-{b}" for n in ("ours", "vLLM")
-                                              for a, b in zip(EDGES, EDGES[1:])]
+    title = (
+        f"{label}: {len(prompts)} held-out long prompts ({min(x.max_new_tokens for x in prompts)}-"
+        f"{max(x.max_new_tokens for x in prompts)} new tokens), chain K={depth}, heads of {steps} steps, "
+        f"{runs} vLLM round(s)"
+    )
+    cols = [
+        "variant",
+        "tau ours",
+        "tau vLLM",
+        "x vLLM plain",
+        "min",
+        "max",
+        "mismatch vLLM",
+        "mismatch ours",
+        "x ours (1 round)",
+        "train_s",
+    ] + [f"tau {n} {a}-{b}" for n in ("ours", "vLLM") for a, b in zip(EDGES, EDGES[1:])]
     print_table(rows, cols, title)
     ours_vs_vllm = sum(a != b for v in heads for a, b in zip(mine[v]["outputs"], rounds[0]["plain"]["outputs"]))
     print(f"our outputs vs vLLM plain (information: fp32 kernels differ): {ours_vs_vllm} differ")
     g = goals(rows, rounds, mine)
-    name = "long_variants" + ("-long" if args.target == "long" else "") + (f"-runs{runs}" if runs != sizes.runs
-                                                                          else "")
+    name = "long_variants" + ("-long" if args.target == "long" else "") + (f"-runs{runs}" if runs != sizes.runs else "")
     png = results_dir(args.quick) / f"{name}.png"
     plot(rows, mine, rounds, title, png)
-    payload = {"args": vars(args), "target": label, "target_dir": str(setup.target_dir), "long_target": long_report,
-               "edges": EDGES, "depth": depth, "runs": runs, "head_steps": steps, "n_prompts": len(prompts),
-               "limits": [x.max_new_tokens for x in prompts], "rows": rows, "goals": g,
-               "ours_vs_vllm_plain_differ": ours_vs_vllm, "seconds": round(time.perf_counter() - t0, 1),
-               "phase_seconds": phases,
-               "per_round": [{m: {k: x for k, x in r.items() if k != "outputs"} for m, r in rd.items()}
-                             for rd in rounds], "plot": str(png)}
+    payload = {
+        "args": vars(args),
+        "target": label,
+        "target_dir": str(setup.target_dir),
+        "long_target": long_report,
+        "edges": EDGES,
+        "depth": depth,
+        "runs": runs,
+        "head_steps": steps,
+        "n_prompts": len(prompts),
+        "limits": [x.max_new_tokens for x in prompts],
+        "rows": rows,
+        "goals": g,
+        "ours_vs_vllm_plain_differ": ours_vs_vllm,
+        "seconds": round(time.perf_counter() - t0, 1),
+        "phase_seconds": phases,
+        "per_round": [{m: {k: x for k, x in r.items() if k != "outputs"} for m, r in rd.items()} for rd in rounds],
+        "plot": str(png),
+    }
     print(write_results(name, args.quick, payload, load))
 
 

@@ -37,9 +37,10 @@ class Sizes:
     batch: int
 
 
-SIZES = {"quick": Sizes(min_new=96, prompt_lines=6, train_convs=16, prompts=2, depth=3, runs=1, steps=8, batch=2),
-         "default": Sizes(min_new=1000, prompt_lines=24, train_convs=48, prompts=4, depth=5, runs=3, steps=150,
-                          batch=2)}
+SIZES = {
+    "quick": Sizes(min_new=96, prompt_lines=6, train_convs=16, prompts=2, depth=3, runs=1, steps=8, batch=2),
+    "default": Sizes(min_new=1000, prompt_lines=24, train_convs=48, prompts=4, depth=5, runs=3, steps=150, batch=2),
+}
 
 
 def long_traffic(emb, target_dir: Path, context: int, sizes: Sizes, out: Path) -> tuple[Path, Path]:
@@ -78,7 +79,7 @@ def loss_by_position(model, windows_NT: torch.Tensor, edges=LOSS_EDGES) -> dict[
             logits = model(input_ids=x).logits[0, :-1].float()
             nll = F.cross_entropy(logits, x[0, 1:], reduction="none")
             for b in range(len(edges) - 1):
-                sums[b] += nll[edges[b]:edges[b + 1]].mean()
+                sums[b] += nll[edges[b] : edges[b + 1]].mean()
     return {f"{edges[b]}-{edges[b + 1]}": float(sums[b] / windows_NT.shape[0]) for b in range(len(edges) - 1)}
 
 
@@ -101,10 +102,20 @@ def long_target(emb, train_traffic: Path, steps: int, batch: int, out: Path) -> 
     base, _ = load_domains(emb.config)
     doc = lambda text: [tok.bos_token_id] + tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     raw = [doc(f.text) for f in base.train]
-    chat = [tok(render_chat([{"role": m.role, "content": m.content} for m in c.messages]),
-                add_special_tokens=False)["input_ids"] for c in load_traffic(train_traffic).conversations]
-    cfg = LMTrainConfig(steps=steps, batch_size=batch, seq_len=S, lr=1e-3, warmup_steps=max(1, steps // 10),
-                        num_threads=common.SETUP_THREADS)
+    chat = [
+        tok(render_chat([{"role": m.role, "content": m.content} for m in c.messages]), add_special_tokens=False)[
+            "input_ids"
+        ]
+        for c in load_traffic(train_traffic).conversations
+    ]
+    cfg = LMTrainConfig(
+        steps=steps,
+        batch_size=batch,
+        seq_len=S,
+        lr=1e-3,
+        warmup_steps=max(1, steps // 10),
+        num_threads=common.SETUP_THREADS,
+    )
     windows = lm_train.pack_windows(chat, raw, steps * batch, S, 0.5, seed=1)
     held = lm_train.pack_windows([], [doc(f.text) for f in base.heldout], 4, S, 1.0, seed=2)
     t0 = time.perf_counter()
@@ -113,10 +124,19 @@ def long_target(emb, train_traffic: Path, steps: int, batch: int, out: Path) -> 
     after = loss_by_position(model, held)
     lm_train.save_target(model, tok, out / "target")
     model.generation_config.save_pretrained(out / "target")
-    report = {"steps": steps, "batch": batch, "seq_len": S, "train_seconds": round(stats.seconds, 1),
-              "tokens_per_s": round(stats.tokens_per_second, 1), "first_loss": stats.first_loss,
-              "last_loss": stats.last_loss, "heldout_loss_before": before, "heldout_loss_after": after,
-              "seconds_total": round(time.perf_counter() - t0, 1), "torch_threads": torch.get_num_threads()}
+    report = {
+        "steps": steps,
+        "batch": batch,
+        "seq_len": S,
+        "train_seconds": round(stats.seconds, 1),
+        "tokens_per_s": round(stats.tokens_per_second, 1),
+        "first_loss": stats.first_loss,
+        "last_loss": stats.last_loss,
+        "heldout_loss_before": before,
+        "heldout_loss_after": after,
+        "seconds_total": round(time.perf_counter() - t0, 1),
+        "torch_threads": torch.get_num_threads(),
+    }
     report_file.write_text(json.dumps(report, indent=2) + "\n")
     return out / "target", report
 
@@ -141,7 +161,7 @@ def prepare_long(args, sizes: Sizes) -> tuple[Setup, str, dict]:
         from components.data.traffic_io import load_traffic, write_openai_jsonl
 
         regen.mkdir(parents=True, exist_ok=True)
-        write_openai_jsonl(regen / "shard-00000.jsonl", load_traffic(traffic[0]).conversations[:sizes.train_convs])
+        write_openai_jsonl(regen / "shard-00000.jsonl", load_traffic(traffic[0]).conversations[: sizes.train_convs])
         ecfg = dataclasses.replace(preset.extract, max_len=target_context(target_dir), seqs_per_shard=16)
         with common.setup_threads():
             res = extract(ecfg, str(target_dir), str(regen), str(ext), progress=lambda s: None)

@@ -28,8 +28,9 @@ class Run:
     extra: dict
 
 
-def interleaved(methods: dict[str, Callable[[list[int]], tuple[list[int], dict]]], prompts: list[list[int]],
-                warmup: int = 1) -> dict[str, list[Run]]:
+def interleaved(
+    methods: dict[str, Callable[[list[int]], tuple[list[int], dict]]], prompts: list[list[int]], warmup: int = 1
+) -> dict[str, list[Run]]:
     """Run every method on every prompt, prompt by prompt, rotating the order, so all see the same machine state.
 
     A method takes prompt ids and returns (new token ids, extra stats). The first `warmup` prompts run once
@@ -41,7 +42,7 @@ def interleaved(methods: dict[str, Callable[[list[int]], tuple[list[int], dict]]
     names = list(methods)
     out: dict[str, list[Run]] = {n: [] for n in names}
     for i, ids in enumerate(prompts):
-        order = names[i % len(names):] + names[:i % len(names)]
+        order = names[i % len(names) :] + names[: i % len(names)]
         for n in order:
             t0 = time.perf_counter()
             toks, extra = methods[n](ids)

@@ -69,9 +69,11 @@ def train(a, settings, cfg) -> int:
     # ours unless it was not timed (target.runtime vllm, evaluate.time_local false): then the engine's
     ours = s.speedup == s.speedup
     speedup = s.speedup if ours else s.speedup_vllm
-    print(f"train: head={s.head_uri} tau{'(vLLM)' if served else ''}={tau:.2f} "
-          f"speedup{'' if ours else '(vLLM)'}={speedup or float('nan'):.2f}x "
-          f"identical={'yes' if s.identical or (served and s.vllm and s.vllm.identical_to_plain) else 'no'}")
+    print(
+        f"train: head={s.head_uri} tau{'(vLLM)' if served else ''}={tau:.2f} "
+        f"speedup{'' if ours else '(vLLM)'}={speedup or float('nan'):.2f}x "
+        f"identical={'yes' if s.identical or (served and s.vllm and s.vllm.identical_to_plain) else 'no'}"
+    )
     return 0
 
 
@@ -93,9 +95,12 @@ def monitor(a, settings, cfg) -> int:
 
     mon = open_monitor(a.metrics_url, a.target, cfg, settings)
     m = cfg.monitor
-    print(f"monitor: {a.target} (champion {mon.baseline.head_uri}, registered tau {mon.baseline.tau:.2f} "
-          f"from {mon.baseline.tau_source}) at {a.metrics_url}: a drop is window tau < {m.ratio} x registered "
-          f"for {m.sustain_s:.0f} s (window {m.window_s:.0f} s, >= {m.min_drafts} drafts)", flush=True)
+    print(
+        f"monitor: {a.target} (champion {mon.baseline.head_uri}, registered tau {mon.baseline.tau:.2f} "
+        f"from {mon.baseline.tau_source}) at {a.metrics_url}: a drop is window tau < {m.ratio} x registered "
+        f"for {m.sustain_s:.0f} s (window {m.window_s:.0f} s, >= {m.min_drafts} drafts)",
+        flush=True,
+    )
     return monitor_forever(mon, a.metrics_url, a.once, lambda line: print(line, flush=True))
 
 
@@ -130,7 +135,7 @@ def resolve_head(a, settings) -> tuple[str, str, dict]:
 
 
 def _speed_text(res: dict) -> str:
-    """"1.52x [1.47, 1.58]" from an evaluation result's speedup fields; "(unreliable: why)" when it is; "-
+    """ "1.52x [1.47, 1.58]" from an evaluation result's speedup fields; "(unreliable: why)" when it is; "-
     (why)" when it was not timed."""
     if res["speedup"] != res["speedup"]:
         return f"- ({res['speedup_note']})"
@@ -161,10 +166,17 @@ def evaluate(a, settings, cfg) -> int:
     head, target, _ = resolve_head(a, settings)
     out = settings.state_dir / "evaluations" / time.strftime("%Y%m%d-%H%M%S")
     try:
-        fig = evaluate_head(cfg, HeadEval(target, head, a.traffic, str(out)), cfg.runtime.engine_settings(settings),
-                            _evaluate_plan(cfg, a.load))
-        res = {**asdict(fig.local), **({"vllm": asdict(fig.engine)} if fig.engine else {}),
-               **({"load": asdict(fig.sweep)} if fig.sweep else {})}
+        fig = evaluate_head(
+            cfg,
+            HeadEval(target, head, a.traffic, str(out)),
+            cfg.runtime.engine_settings(settings),
+            _evaluate_plan(cfg, a.load),
+        )
+        res = {
+            **asdict(fig.local),
+            **({"vllm": asdict(fig.engine)} if fig.engine else {}),
+            **({"load": asdict(fig.sweep)} if fig.sweep else {}),
+        }
     except BaseException:
         for folder in (out, out.parent):  # a refusal leaves no empty evaluation folder behind
             with contextlib.suppress(OSError):
@@ -177,12 +189,16 @@ def evaluate(a, settings, cfg) -> int:
     print(f"evaluate: tau={res['tau']:.2f} speedup={_speed_text(res)} identical={res['identical']}")
     if "vllm" in res:
         v = res["vllm"]
-        print(f"evaluate (vLLM): tau={v['tau']:.2f} speedup={_speed_text(v)} "
-              f"identical={v['identical_to_plain'] and v['identical_to_ours'] is not False} "
-              f"alpha={' '.join(f'{x:.2f}' for x in v['acceptance'])}")
+        print(
+            f"evaluate (vLLM): tau={v['tau']:.2f} speedup={_speed_text(v)} "
+            f"identical={v['identical_to_plain'] and v['identical_to_ours'] is not False} "
+            f"alpha={' '.join(f'{x:.2f}' for x in v['acceptance'])}"
+        )
     if "load" in res:
         w = res["load"]
         at = " ".join(f"{c}:{x:.2f}x" for c, x in w["speedup_at"].items())
-        print(f"evaluate (vLLM, load): speedup by concurrency {at}; crossover={w['crossover']} "
-              f"schedule={json.dumps(w['schedule'])} (plot {w['plot_file']})")
+        print(
+            f"evaluate (vLLM, load): speedup by concurrency {at}; crossover={w['crossover']} "
+            f"schedule={json.dumps(w['schedule'])} (plot {w['plot_file']})"
+        )
     return 0

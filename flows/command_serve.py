@@ -45,8 +45,10 @@ def gate_note(uri: str, settings) -> str | None:
     tags = _registered_tags(uri, settings)
     if tags.get("promoted") != "false":
         return None
-    return (f"serve: note: {uri} is not champion: its gate refused it ({tags.get('gate', 'no reason recorded')}); "
-            "serving it anyway")
+    return (
+        f"serve: note: {uri} is not champion: its gate refused it ({tags.get('gate', 'no reason recorded')}); "
+        "serving it anyway"
+    )
 
 
 def _interrupt(signum, frame) -> None:
@@ -60,8 +62,10 @@ def _k_at(schedule, concurrency: int, head: str) -> tuple[int, str]:
     from eagle.errors import BadInput
 
     if not schedule:
-        raise BadInput(f"serve --concurrency {concurrency}: {head} has no registered K schedule (evaluate.load); "
-                       "pass --k, or measure one with `eagle-heads evaluate --engine vllm --load`")
+        raise BadInput(
+            f"serve --concurrency {concurrency}: {head} has no registered K schedule (evaluate.load); "
+            "pass --k, or measure one with `eagle-heads evaluate --engine vllm --load`"
+        )
     k = next((r[2] for r in schedule if r[0] <= concurrency <= r[1]), schedule[-1][2])
     src = f"the registered schedule {json.dumps(schedule)} at concurrency {concurrency}"
     return k, (f"{k} speculative tokens, {src}" if k else f"plain decoding, no head: {src} says K 0 (plain is faster)")
@@ -86,12 +90,20 @@ def _serve_spec(a, settings, uri: str, name: str | None = None):
         k, how = _k_at(schedule, at, uri)
         schedule = None
     else:
-        how = (f"the registered K schedule {json.dumps(schedule)} ([first batch size, last, K]; K 0: no drafts)"
-               if schedule else f"{k} speculative tokens" + ("" if a.k else " (no K schedule registered)"))
-    spec = EngineSpec(target, str(served) if k else None, method="eagle3" if k else None,
-                      num_speculative_tokens=k or 1, max_model_len=min(target_context(target), 4096),
-                      served_model_name=name or lineage["target_name"],
-                      k_schedule=tuple(tuple(r) for r in schedule) if schedule else None)
+        how = (
+            f"the registered K schedule {json.dumps(schedule)} ([first batch size, last, K]; K 0: no drafts)"
+            if schedule
+            else f"{k} speculative tokens" + ("" if a.k else " (no K schedule registered)")
+        )
+    spec = EngineSpec(
+        target,
+        str(served) if k else None,
+        method="eagle3" if k else None,
+        num_speculative_tokens=k or 1,
+        max_model_len=min(target_context(target), 4096),
+        served_model_name=name or lineage["target_name"],
+        k_schedule=tuple(tuple(r) for r in schedule) if schedule else None,
+    )
     if served != Path(head):
         print(f"serve: {uri} predates the engine format; serving its lossless re-export {served}")
     return spec, served, lineage, how
@@ -134,13 +146,24 @@ def _rollback_hooks(a, settings, say, m) -> dict:
         if r.from_version is not None:
             try:
                 move_alias_back(store, name, alias, r.from_version, r.to_version, reason)
-                say(f"serve: alias {alias} of {name} " + (f"back on version {r.to_version}" if r.to_version else
-                    "removed (plain decoding serves)") + f"; version {r.from_version} tagged rollback_reason")
+                say(
+                    f"serve: alias {alias} of {name} "
+                    + (f"back on version {r.to_version}" if r.to_version else "removed (plain decoding serves)")
+                    + f"; version {r.from_version} tagged rollback_reason"
+                )
             except Exception as e:  # the swap is done; the registry is told at no later time, so say it plainly
                 say(f"serve: warning: the alias could not be moved back ({type(e).__name__}: {e})")
-        payload = {"name": name, "from_version": r.from_version, "to_version": r.to_version, "from_head": r.from_head,
-                   "to_head": r.to_head or "plain", "reason": reason, "window_tau": round(r.judgement.window_tau, 4),
-                   "drafts": r.judgement.drafts, "windows": r.judgement.windows}
+        payload = {
+            "name": name,
+            "from_version": r.from_version,
+            "to_version": r.to_version,
+            "from_head": r.from_head,
+            "to_head": r.to_head or "plain",
+            "reason": reason,
+            "window_tau": round(r.judgement.window_tau, 4),
+            "drafts": r.judgement.drafts,
+            "windows": r.judgement.windows,
+        }
         try:
             sent = emit_event(EVENT, f"mlflow.model_version.{name}.{r.from_version}", payload=payload)
         except Exception as e:  # an API that does not answer must not stop serving
@@ -148,8 +171,12 @@ def _rollback_hooks(a, settings, say, m) -> dict:
         why = payload.get("error", "no Prefect API")
         say(f"serve: announced {EVENT}" if sent else f"serve: {EVENT} not sent ({why})")
 
-    return dict(rollback=m.rollback, ratio=m.ratio, rolled_back=rolled_back,
-                registered_tau=lambda v: registered_tau(store.get_version(name, v).tags)[0])
+    return dict(
+        rollback=m.rollback,
+        ratio=m.ratio,
+        rolled_back=rolled_back,
+        registered_tau=lambda v: registered_tau(store.get_version(name, v).tags)[0],
+    )
 
 
 @dataclass(frozen=True)
@@ -187,25 +214,37 @@ def _serve_live(a, settings, head: Serving, followed, monitor) -> int:
             say(f"serve: version {v} with {new_how}")
             return served_as(new_uri, new_spec, new_lineage)
 
-        following = Follow(alias_version, prepare, version, a.follow_interval,
-                           **_rollback_hooks(a, settings, say, monitor))
-    capture = (CaptureConfig(rate=a.capture_rate, max_bytes=a.capture_max_mb << 20) if a.capture else None)
+        following = Follow(
+            alias_version, prepare, version, a.follow_interval, **_rollback_hooks(a, settings, say, monitor)
+        )
+    capture = CaptureConfig(rate=a.capture_rate, max_bytes=a.capture_max_mb << 20) if a.capture else None
     say(f"serve: starting vLLM with {uri} ({how}) behind our proxy; log under {settings.state_dir / 'vllm'}")
     with LiveServer(LiveConfig(port=a.port, capture=capture), served_as(uri, spec, lineage), settings, say) as live:
         if capture is not None:
-            say(f"serve: capturing {capture.rate:.0%} of requests to {live.capture.root}/{lineage['target_name']} "
-                f"(Parquet, at most {a.capture_max_mb} MiB, oldest dropped first)")
+            say(
+                f"serve: capturing {capture.rate:.0%} of requests to {live.capture.root}/{lineage['target_name']} "
+                f"(Parquet, at most {a.capture_max_mb} MiB, oldest dropped first)"
+            )
         if following is not None:
             rb = following.rollback
-            say(f"serve: following {a.head} (every {a.follow_interval:g} s): a new version is swapped in without "
-                "failing a request" + (f"; rolled back when its live tau over a {rb.window_s:g} s window is below "
-                                       f"{rb.floor_tau:g} or {following.ratio:g} x the previous champion's for "
-                                       f"{rb.sustain_windows} windows" if rb.enabled else "; no rollback"))
+            say(
+                f"serve: following {a.head} (every {a.follow_interval:g} s): a new version is swapped in without "
+                "failing a request"
+                + (
+                    f"; rolled back when its live tau over a {rb.window_s:g} s window is below "
+                    f"{rb.floor_tau:g} or {following.ratio:g} x the previous champion's for "
+                    f"{rb.sustain_windows} windows"
+                    if rb.enabled
+                    else "; no rollback"
+                )
+            )
         say(f"serve: vLLM at {live.engine.base_url}; proxy status: {live.base_url}/eagle/status")
         say(f"serve: ready at {live.base_url}/v1 (model {spec.served_model_name!r}); Ctrl-C stops the server")
         follow(live, following, say)
-        print(f"eagle-heads: error: vLLM stopped: {live.engine.last_error()} (log: {live.engine.log_path})",
-              file=sys.stderr)
+        print(
+            f"eagle-heads: error: vLLM stopped: {live.engine.last_error()} (log: {live.engine.log_path})",
+            file=sys.stderr,
+        )
         return 1
 
 
@@ -227,23 +266,33 @@ def serve(a, settings, cfg) -> int:
     if a.print_only:
         cmds = launch_commands(spec, a.port or 8000)
         print(f"# vLLM with {how} (GPU; copy {served} and {spec.target_dir} to the cluster first)\n{cmds['vllm']}")
-        sglang_note = (f"; SGLang has no per-batch-size K: it runs K {k} at every load (pass --k for the K of "
-                       "your typical concurrency)" if schedule else "")
+        sglang_note = (
+            f"; SGLang has no per-batch-size K: it runs K {k} at every load (pass --k for the K of "
+            "your typical concurrency)"
+            if schedule
+            else ""
+        )
         print(f"# SGLang{sglang_note}\n{cmds['sglang']}")
         return 0
     signal.signal(signal.SIGTERM, _interrupt)  # `kill PID` stops the engine as Ctrl-C does
     if k and spec.resolved_device() == "cpu" and not sampled_drafts_ok(settings):
-        print("serve: note: this vLLM's CPU build verifies sampled drafts wrongly (infra/vllm_sampling.py): send "
-              "greedy requests (temperature 0); sampled ones accept almost no draft and are not distributed as the "
-              "target's", flush=True)
+        print(
+            "serve: note: this vLLM's CPU build verifies sampled drafts wrongly (infra/vllm_sampling.py): send "
+            "greedy requests (temperature 0); sampled ones accept almost no draft and are not distributed as the "
+            "target's",
+            flush=True,
+        )
     if getattr(a, "capture", False) or getattr(a, "follow_alias", False):
         return _serve_live(a, settings, Serving(uri, spec, lineage, how), followed, cfg.monitor)
     print(f"serve: starting vLLM with {a.head} ({how}); log under {settings.state_dir / 'vllm'}", flush=True)
     with VllmServer(spec, settings, port=a.port) as srv:
-        print(f"serve: ready at {srv.base_url}/v1 (model {name!r}); try\n  curl {srv.base_url}/v1/chat/completions "
-              f"-H 'Content-Type: application/json' -d '{{\"model\": \"{name}\", \"messages\": "
-              f"[{{\"role\": \"user\", \"content\": \"def add(a, b):\"}}], \"max_tokens\": 32, \"temperature\": 0}}'\n"
-              f"  acceptance: curl -s {srv.base_url}/metrics | grep spec_decode; Ctrl-C stops the server", flush=True)
+        print(
+            f"serve: ready at {srv.base_url}/v1 (model {name!r}); try\n  curl {srv.base_url}/v1/chat/completions "
+            f'-H \'Content-Type: application/json\' -d \'{{"model": "{name}", "messages": '
+            f'[{{"role": "user", "content": "def add(a, b):"}}], "max_tokens": 32, "temperature": 0}}\'\n'
+            f"  acceptance: curl -s {srv.base_url}/metrics | grep spec_decode; Ctrl-C stops the server",
+            flush=True,
+        )
         while srv.proc is not None and srv.proc.poll() is None:
             time.sleep(1.0)
         print(f"eagle-heads: error: vLLM stopped: {srv.last_error()} (log: {srv.log_path})", file=sys.stderr)

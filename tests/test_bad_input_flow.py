@@ -30,20 +30,34 @@ def _jsonl(path: Path, *rows) -> str:
 
 def _later_turns_too_long(path: Path) -> str:
     """Three conversations whose first turn fits the tiny target's context and whose second does not."""
-    return _jsonl(path, *[{"id": f"long-{i}", "messages": [
-        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
-        {"role": "user", "content": "x = 1\n" * 400}]} for i in range(3)])
+    return _jsonl(
+        path,
+        *[
+            {
+                "id": f"long-{i}",
+                "messages": [
+                    {"role": "user", "content": "hi"},
+                    {"role": "assistant", "content": "hello"},
+                    {"role": "user", "content": "x = 1\n" * 400},
+                ],
+            }
+            for i in range(3)
+        ],
+    )
 
 
 def test_prompts_longer_than_the_targets_context(tiny_embedded, tmp_path):
     from components.regenerate.stage import RegenerateConfig, RegenerateError, regenerate
 
-    traffic = _jsonl(tmp_path / "long.jsonl", *[{"id": f"long-{i}", "messages": [
-        {"role": "user", "content": "x = 1\n" * 400}]} for i in range(3)])
+    traffic = _jsonl(
+        tmp_path / "long.jsonl",
+        *[{"id": f"long-{i}", "messages": [{"role": "user", "content": "x = 1\n" * 400}]} for i in range(3)],
+    )
     out = tmp_path / "regen"
     with pytest.raises(RegenerateError) as err:
-        regenerate(RegenerateConfig(max_new_tokens=8, shard_size=2), tiny_embedded.target_dir, traffic, str(out),
-                   **QUIET)
+        regenerate(
+            RegenerateConfig(max_new_tokens=8, shard_size=2), tiny_embedded.target_dir, traffic, str(out), **QUIET
+        )
     msg = str(err.value)
     assert traffic in msg and "long-0" in msg and "exceeds the target's context" in msg and "Shorten the prompts" in msg
     assert sorted(p.name for p in out.iterdir()) == ["accounting.json"]  # no shard marked done: a re-run retries
@@ -137,10 +151,27 @@ def test_a_stages_refusal_through_the_cli_is_one_line(tiny_embedded, tmp_path):
     traffic = _later_turns_too_long(tmp_path / "long.jsonl")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "EAGLE_", "RAY_"))}
     env.update(EAGLE_HOME=str(tmp_path / "home"), OMP_WAIT_POLICY="PASSIVE")
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", "train", "--preset", "tiny", "--target",
-                           str(tiny_embedded.target_dir), "--traffic", traffic, "--heldout",
-                           str(tiny_embedded.target_traffic.heldout)], capture_output=True, text=True, env=env,
-                          cwd=Path(__file__).resolve().parents[1], timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flows.cli",
+            "train",
+            "--preset",
+            "tiny",
+            "--target",
+            str(tiny_embedded.target_dir),
+            "--traffic",
+            traffic,
+            "--heldout",
+            str(tiny_embedded.target_traffic.heldout),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=Path(__file__).resolve().parents[1],
+        timeout=600,
+    )
     out = proc.stdout + proc.stderr
     errors = [x for x in out.splitlines() if "error" in x.lower() or "exception" in x.lower()]
     assert proc.returncode == 2, out
@@ -156,8 +187,9 @@ def test_a_stages_refusal_through_the_cli_is_one_line(tiny_embedded, tmp_path):
 # ---- a refusal after the run started: nothing of it is left --------------------------------------------------------
 
 
-def test_a_refusal_after_the_run_started_takes_back_what_the_run_made(prefect_harness, tiny_embedded, tmp_path,
-                                                                      monkeypatch):
+def test_a_refusal_after_the_run_started_takes_back_what_the_run_made(
+    prefect_harness, tiny_embedded, tmp_path, monkeypatch
+):
     """The train flow in this process: every second turn is too long (the preflight passes), the regenerate stage
     refuses after the run registered the target and made its run directory; both are removed. A second refused run
     on a target an earlier run registered removes its own run directory and keeps that version."""

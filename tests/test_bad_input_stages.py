@@ -38,10 +38,20 @@ def extracted(tiny_embedded, tmp_path_factory) -> Path:
     from components.regenerate.stage import RegenerateConfig, regenerate
 
     root = tmp_path_factory.mktemp("bad-input")
-    regenerate(RegenerateConfig(max_new_tokens=8, shard_size=4, limit=8), tiny_embedded.target_dir,
-               str(tiny_embedded.target_traffic.train), str(root / "regen"), **QUIET)
-    extract(ExtractConfig(max_len=128, dtype="float32", seqs_per_shard=4), tiny_embedded.target_dir,
-            str(root / "regen"), str(root / "ext"), **QUIET)
+    regenerate(
+        RegenerateConfig(max_new_tokens=8, shard_size=4, limit=8),
+        tiny_embedded.target_dir,
+        str(tiny_embedded.target_traffic.train),
+        str(root / "regen"),
+        **QUIET,
+    )
+    extract(
+        ExtractConfig(max_len=128, dtype="float32", seqs_per_shard=4),
+        tiny_embedded.target_dir,
+        str(root / "regen"),
+        str(root / "ext"),
+        **QUIET,
+    )
     return root
 
 
@@ -52,16 +62,20 @@ def test_a_head_for_another_target(tiny_embedded, extracted, tmp_path):
     from components.train.stage import TrainConfig, train
     from eagle.export import HeadMismatchError
 
-    head = train(dataclasses.replace(TrainConfig.tiny(), steps=2), str(extracted / "ext"),
-                 str(tmp_path / "train")).head_dir
+    head = train(
+        dataclasses.replace(TrainConfig.tiny(), steps=2), str(extracted / "ext"), str(tmp_path / "train")
+    ).head_dir
     other = target_copy(tiny_embedded, tmp_path)  # same tokenizer and template, another shape
     cfg = AutoConfig.from_pretrained(other, trust_remote_code=False)
     cfg.hidden_size, cfg.intermediate_size, cfg.head_dim = 32, 64, 8
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).save_pretrained(other)
     with pytest.raises(HeadMismatchError) as err:
-        evaluate(EvaluateConfig.tiny(), HeadEval(str(other), head, str(tiny_embedded.target_traffic.heldout),
-                                                 str(tmp_path / "eval")), **QUIET)
+        evaluate(
+            EvaluateConfig.tiny(),
+            HeadEval(str(other), head, str(tiny_embedded.target_traffic.heldout), str(tmp_path / "eval")),
+            **QUIET,
+        )
     msg = str(err.value)
     assert head in msg and "hidden_size: head expects 64, target has 32" in msg and "train a head for this" in msg
     assert not list((tmp_path / "eval").iterdir())
@@ -79,11 +93,13 @@ def test_damaged_feature_files(extracted, tmp_path, damage):
     ext = _ext_copy(extracted, tmp_path)
     shard = ext / "features-00001.safetensors"
     raw = shard.read_bytes()
-    named, hint = {"flip-a-byte": (shard.name, "delete it and re-run extract"),
-                   "truncate": (shard.name, "delete it and re-run extract"),
-                   "delete": (shard.name, "re-run extract"),
-                   "bad-manifest": ("manifest.json", "delete it and re-run extract"),
-                   "bad-tokens": ("tokens/target_heads", "re-run extract")}[damage]
+    named, hint = {
+        "flip-a-byte": (shard.name, "delete it and re-run extract"),
+        "truncate": (shard.name, "delete it and re-run extract"),
+        "delete": (shard.name, "re-run extract"),
+        "bad-manifest": ("manifest.json", "delete it and re-run extract"),
+        "bad-tokens": ("tokens/target_heads", "re-run extract"),
+    }[damage]
     if damage == "flip-a-byte":
         shard.write_bytes(raw[:-5] + bytes([raw[-5] ^ 0xFF]) + raw[-4:])
     elif damage == "truncate":
@@ -160,11 +176,14 @@ def test_full_disk_writing_a_feature_shard(tiny_embedded, extracted, tmp_path, m
     assert str(out / "features-00001.safetensors") in str(err.value) and "free space" in str(err.value)
     assert not _leftovers(out) and not (out / "features-00001.safetensors").exists()
     assert [s["file"] for s in json.loads((out / "manifest.json").read_text())["shards"]] == [
-        "features-00000.safetensors"]  # the manifest lists only what is whole
+        "features-00000.safetensors"
+    ]  # the manifest lists only what is whole
     monkeypatch.setattr("components.extract.stage.atomic_write_bytes", real)
     res = extract(cfg, tiny_embedded.target_dir, str(extracted / "regen"), str(out), **QUIET)  # space freed
-    assert json.loads(Path(res.manifest).read_text())["shards"] == \
-        json.loads((extracted / "ext" / "manifest.json").read_text())["shards"]
+    assert (
+        json.loads(Path(res.manifest).read_text())["shards"]
+        == json.loads((extracted / "ext" / "manifest.json").read_text())["shards"]
+    )
 
 
 def test_full_disk_writing_a_regenerated_shard(tiny_embedded, tmp_path, monkeypatch):
@@ -181,8 +200,13 @@ def test_full_disk_writing_a_regenerated_shard(tiny_embedded, tmp_path, monkeypa
     monkeypatch.setattr(atomic.os, "fsync", full)
     out = tmp_path / "regen"
     with pytest.raises(OSError) as err:
-        regenerate(RegenerateConfig(max_new_tokens=4, shard_size=2, limit=4), tiny_embedded.target_dir,
-                   str(tiny_embedded.target_traffic.train), str(out), **QUIET)
+        regenerate(
+            RegenerateConfig(max_new_tokens=4, shard_size=2, limit=4),
+            tiny_embedded.target_dir,
+            str(tiny_embedded.target_traffic.train),
+            str(out),
+            **QUIET,
+        )
     assert err.value.errno == errno.ENOSPC and str(out / "shard-00001.jsonl") in str(err.value)
     assert sorted(p.name for p in out.iterdir()) == ["shard-00000.json", "shard-00000.jsonl"]  # nothing else
 
@@ -228,8 +252,9 @@ def test_target_name_taken_by_a_head(mlflow_store, tiny_embedded):
 
     mlflow_store.ensure_model("my-head")  # kind=eagle3-head
     with pytest.raises(RegistryCollision, match="'my-head' exists with kind='eagle3-head', not 'causal-lm-target'"):
-        register_target(mlflow_store, "my-head", tiny_embedded.target_dir, "user", "",
-                        weights_sha256(tiny_embedded.target_dir))
+        register_target(
+            mlflow_store, "my-head", tiny_embedded.target_dir, "user", "", weights_sha256(tiny_embedded.target_dir)
+        )
     assert mlflow_store.list_versions("my-head") == []
 
 
@@ -243,8 +268,9 @@ def test_unknown_registered_version(mlflow_store):
 
 
 @pytest.mark.slow  # a Ray Train worker group: ~15 s on a local Ray
-def test_a_refusal_inside_a_ray_worker_is_bad_input_and_not_retried(tiny_embedded, extracted, ray_local, tmp_path,
-                                                                     capfd):
+def test_a_refusal_inside_a_ray_worker_is_bad_input_and_not_retried(
+    tiny_embedded, extracted, ray_local, tmp_path, capfd
+):
     """A warm-start head that fuses other layers than the features is found by the worker (`new_head`), not the
     driver: the worker's `HeadMismatchError` reaches the caller as itself (the CLI's one line, exit 2), with the
     worker's message, and Ray does not restart the worker group for it (`max_failures` 2)."""
@@ -255,8 +281,13 @@ def test_a_refusal_inside_a_ray_worker_is_bad_input_and_not_retried(tiny_embedde
     cfg = dataclasses.replace(TrainConfig.tiny(), steps=2)
     head = train(cfg, str(extracted / "ext"), str(tmp_path / "head")).head_dir  # fuses the default layers
     other = tmp_path / "ext-1-2-4"
-    extract(ExtractConfig(max_len=128, dtype="float32", seqs_per_shard=4, aux_layer_ids=(1, 2, 4)),
-            tiny_embedded.target_dir, str(extracted / "regen"), str(other), **QUIET)
+    extract(
+        ExtractConfig(max_len=128, dtype="float32", seqs_per_shard=4, aux_layer_ids=(1, 2, 4)),
+        tiny_embedded.target_dir,
+        str(extracted / "regen"),
+        str(other),
+        **QUIET,
+    )
     ray_cfg = dataclasses.replace(cfg, ray=RayConfig(num_workers=1, cpus_per_worker=1, max_failures=2))
     capfd.readouterr()
     with pytest.raises(HeadMismatchError) as err:

@@ -30,10 +30,20 @@ QUIET = dict(progress=lambda s: None)
 def head(tiny_embedded, tmp_path_factory):
     """A head trained by the real stages (regenerate -> extract -> train) on the tiny target."""
     root = tmp_path_factory.mktemp("head")
-    regenerate(RegenerateConfig(max_new_tokens=12, temperature=1.0, shard_size=8, limit=8), tiny_embedded.target_dir,
-               str(tiny_embedded.target_traffic.train), str(root / "regen"), **QUIET)
-    extract(ExtractConfig(max_len=160, seqs_per_shard=8), tiny_embedded.target_dir, str(root / "regen"),
-            str(root / "ext"), **QUIET)
+    regenerate(
+        RegenerateConfig(max_new_tokens=12, temperature=1.0, shard_size=8, limit=8),
+        tiny_embedded.target_dir,
+        str(tiny_embedded.target_traffic.train),
+        str(root / "regen"),
+        **QUIET,
+    )
+    extract(
+        ExtractConfig(max_len=160, seqs_per_shard=8),
+        tiny_embedded.target_dir,
+        str(root / "regen"),
+        str(root / "ext"),
+        **QUIET,
+    )
     return train(TrainConfig.tiny(), str(root / "ext"), str(root / "train"))
 
 
@@ -43,8 +53,18 @@ def head(tiny_embedded, tmp_path_factory):
 def test_evaluate_reports_acceptance_and_identical_outputs(tiny_embedded, head, tmp_path):
     cfg = EvaluateConfig.tiny()
     heldout = str(tiny_embedded.target_traffic.heldout)
-    res = evaluate(cfg, HeadEval(tiny_embedded.target_dir, head.head_dir, heldout, str(tmp_path / "eval"),
-                                 baseline_dir=head.head_dir, history_file=head.history_file), **QUIET)
+    res = evaluate(
+        cfg,
+        HeadEval(
+            tiny_embedded.target_dir,
+            head.head_dir,
+            heldout,
+            str(tmp_path / "eval"),
+            baseline_dir=head.head_dir,
+            history_file=head.history_file,
+        ),
+        **QUIET,
+    )
     assert res.identical is True and res.n_samples == cfg.limit
     assert 1.0 <= res.tau <= cfg.spec.depth + 1
     assert len(res.acceptance) == len(res.acceptance_cumulative) == cfg.spec.depth
@@ -62,8 +82,11 @@ def test_evaluate_reports_acceptance_and_identical_outputs(tiny_embedded, head, 
     report = json.loads(Path(res.report_file).read_text())
     assert report["result"]["tau"] == res.tau and len(report["samples"]) == cfg.limit
     assert len(report["speed"]["plain_s"]) == res.speedup_rounds and len(report["speed"]["plain_s"][0]) == cfg.limit
-    assert {Path(p).name for p in res.plots} == {"acceptance_by_position.png", "acceptance_by_output_position.png",
-                                                 "training_curves.png"}
+    assert {Path(p).name for p in res.plots} == {
+        "acceptance_by_position.png",
+        "acceptance_by_output_position.png",
+        "training_curves.png",
+    }
     assert all(Path(p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in res.plots)
     assert res.metrics()["identical"] == 1.0 and res.metrics()["alpha_1"] == res.acceptance[0]
     # by output position: every step of these short outputs starts in the first bucket, whose τ is then the τ
@@ -78,14 +101,19 @@ def test_untimed_our_evaluation_decodes_once_each_way_and_reports_no_speedup(tin
     """`time_local: false` (the demo, where vLLM times the head): the same outputs, τ and acceptance as a timed
     evaluation, each prompt decoded once each way, and no speedup of ours anywhere (nan fields, no metric)."""
     heldout = str(tiny_embedded.target_traffic.heldout)
-    timed = evaluate(EvaluateConfig.tiny(), HeadEval(tiny_embedded.target_dir, head.head_dir, heldout,
-                                                     str(tmp_path / "timed")), **QUIET)
+    timed = evaluate(
+        EvaluateConfig.tiny(),
+        HeadEval(tiny_embedded.target_dir, head.head_dir, heldout, str(tmp_path / "timed")),
+        **QUIET,
+    )
     cfg = dataclasses.replace(EvaluateConfig.tiny(), time_local=False)
     lines: list[str] = []
-    res = evaluate(cfg, HeadEval(tiny_embedded.target_dir, head.head_dir, heldout, str(tmp_path / "untimed")),
-                   progress=lines.append)
-    assert (res.identical, res.tau, res.acceptance, res.n_tokens) == (True, timed.tau, timed.acceptance,
-                                                                      timed.n_tokens)
+    res = evaluate(
+        cfg,
+        HeadEval(tiny_embedded.target_dir, head.head_dir, heldout, str(tmp_path / "untimed")),
+        progress=lines.append,
+    )
+    assert (res.identical, res.tau, res.acceptance, res.n_tokens) == (True, timed.tau, timed.acceptance, timed.n_tokens)
     assert res.speedup != res.speedup and not res.timed and timed.timed and res.speedup_rounds == 0
     assert not res.speedup_reliable and "time_local" in res.speedup_note
     assert not any(k.startswith(("speedup", "plain_tokens", "spec_tokens")) for k in res.metrics())
@@ -103,8 +131,19 @@ def test_cli_evaluate_takes_method_depth_and_limit(tiny_embedded, head, tmp_path
 
     monkeypatch.setenv("EAGLE_HOME", str(tmp_path / ".eagle"))
     out = tmp_path / "eval.json"
-    args = ["evaluate", "--head", str(head.head_dir), "--target", str(tiny_embedded.target_dir), "--traffic",
-            str(tiny_embedded.target_traffic.heldout), "--preset", "tiny", "--json", str(out)]
+    args = [
+        "evaluate",
+        "--head",
+        str(head.head_dir),
+        "--target",
+        str(tiny_embedded.target_dir),
+        "--traffic",
+        str(tiny_embedded.target_traffic.heldout),
+        "--preset",
+        "tiny",
+        "--json",
+        str(out),
+    ]
     assert cli.main([*args, "--depth", "2", "--limit", "2"]) == 0
     res = json.loads(out.read_text())
     assert len(res["acceptance"]) == 2 and res["n_samples"] == 2 and res["identical"] is True
@@ -130,9 +169,16 @@ def test_a_broken_verification_rule_is_caught(tiny_embedded, head, tmp_path, mon
     noisy_dir = export_head(noisy, tmp_path / "noisy")
     monkeypatch.setattr(sampling, "accept_chain_greedy", accept_all)
     with pytest.raises(NotLosslessError, match="differ from plain greedy"):
-        evaluate(EvaluateConfig.tiny(), HeadEval(tiny_embedded.target_dir, str(noisy_dir),
-                                                 str(tiny_embedded.target_traffic.heldout), str(tmp_path / "eval")),
-                 **QUIET)
+        evaluate(
+            EvaluateConfig.tiny(),
+            HeadEval(
+                tiny_embedded.target_dir,
+                str(noisy_dir),
+                str(tiny_embedded.target_traffic.heldout),
+                str(tmp_path / "eval"),
+            ),
+            **QUIET,
+        )
     report = json.loads((tmp_path / "eval" / "evaluation.json").read_text())
     assert report["result"]["identical"] is False and not all(s["identical"] for s in report["samples"])
     assert report["target_path"]["chosen"] in ("lean-packed", "lean-torch", "hf-packed", "hf-torch")
@@ -155,13 +201,19 @@ def test_our_evaluation_decodes_and_times_on_its_thread_count(tiny_embedded, hea
     try:
         torch.set_num_threads(2)
         for threads in (1, 0):
-            evaluate(dataclasses.replace(EvaluateConfig.tiny(), threads=threads),
-                     HeadEval(tiny_embedded.target_dir, head.head_dir, str(tiny_embedded.target_traffic.heldout),
-                              str(tmp_path / f"t{threads}")), **QUIET)
+            evaluate(
+                dataclasses.replace(EvaluateConfig.tiny(), threads=threads),
+                HeadEval(
+                    tiny_embedded.target_dir,
+                    head.head_dir,
+                    str(tiny_embedded.target_traffic.heldout),
+                    str(tmp_path / f"t{threads}"),
+                ),
+                **QUIET,
+            )
             assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
     assert seen == [1, 2] and EvaluateConfig().threads == 1
     with pytest.raises(ValueError, match="threads"):
         EvaluateConfig(threads=-1)
-

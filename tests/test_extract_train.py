@@ -50,16 +50,26 @@ def regen_dir(tiny_embedded, tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def offline_dir(tiny_embedded, regen_dir, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("stages") / "offline"
-    extract(ExtractConfig(max_len=160, dtype="float32", seqs_per_shard=4, batch_size=3), tiny_embedded.target_dir,
-            regen_dir, str(out), **QUIET)
+    extract(
+        ExtractConfig(max_len=160, dtype="float32", seqs_per_shard=4, batch_size=3),
+        tiny_embedded.target_dir,
+        regen_dir,
+        str(out),
+        **QUIET,
+    )
     return out
 
 
 @pytest.fixture(scope="module")
 def online_dir(tiny_embedded, regen_dir, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("stages") / "online"
-    extract(ExtractConfig(mode="online", max_len=160, dtype="float32"), tiny_embedded.target_dir, regen_dir, str(out),
-            **QUIET)
+    extract(
+        ExtractConfig(mode="online", max_len=160, dtype="float32"),
+        tiny_embedded.target_dir,
+        regen_dir,
+        str(out),
+        **QUIET,
+    )
     return out
 
 
@@ -110,14 +120,26 @@ def test_rerun_rewrites_no_shard_but_a_new_dtype_rewrites_all(offline_dir, tiny_
     out = _copy(offline_dir, tmp_path / "ext")
     before = _mtimes(out)
     written: list[str] = []
-    extract(ExtractConfig(max_len=160, dtype="float32", seqs_per_shard=4, batch_size=3), tiny_embedded.target_dir,
-            regen_dir, str(out), progress=written.append)
+    extract(
+        ExtractConfig(max_len=160, dtype="float32", seqs_per_shard=4, batch_size=3),
+        tiny_embedded.target_dir,
+        regen_dir,
+        str(out),
+        progress=written.append,
+    )
     assert written == [] and _mtimes(out) == before
-    assert json.loads((out / "manifest.json").read_text())["shards"] == \
-        json.loads((offline_dir / "manifest.json").read_text())["shards"]
+    assert (
+        json.loads((out / "manifest.json").read_text())["shards"]
+        == json.loads((offline_dir / "manifest.json").read_text())["shards"]
+    )
 
-    extract(ExtractConfig(max_len=160, dtype="bfloat16", seqs_per_shard=4, batch_size=3), tiny_embedded.target_dir,
-            regen_dir, str(out), progress=written.append)
+    extract(
+        ExtractConfig(max_len=160, dtype="bfloat16", seqs_per_shard=4, batch_size=3),
+        tiny_embedded.target_dir,
+        regen_dir,
+        str(out),
+        progress=written.append,
+    )
     assert len(written) == len(before)  # float32 shards are not bfloat16 shards
     assert all(load_file(str(p))["aux_hidden_states"].dtype == torch.bfloat16 for p in out.glob("features-*"))
     TrainingData.open(out)  # and the manifest matches them
@@ -228,8 +250,10 @@ def test_killed_run_resumes_from_its_last_checkpoint(offline_dir, trained, tmp_p
     assert steps == sorted(set(steps)) and steps[-1] == cfg.steps  # no step twice
     assert latest_checkpoint(out).name == f"step-{cfg.steps:07d}"
     # batches, optimiser, scheduler and RNG all resume: the same head as the uninterrupted run
-    a, b = load_file(str(Path(res.head_dir) / "model.safetensors")), load_file(str(Path(trained.head_dir) /
-                                                                                  "model.safetensors"))
+    a, b = (
+        load_file(str(Path(res.head_dir) / "model.safetensors")),
+        load_file(str(Path(trained.head_dir) / "model.safetensors")),
+    )
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0, msg=k)
 
@@ -295,6 +319,7 @@ def test_a_resumed_run_selects_what_an_uninterrupted_one_selects(offline_dir, sc
     class BestAt:  # what out/best holds when step 6 is logged
         def log(self, step, metrics):
             seen.extend([read_best(out)[0]["step"]] if step == 6 else [])
+
     res = train(cfg, str(offline_dir), str(out), sinks=(BestAt(),))
     assert seen == [4]  # the best of step 8 was dropped with the steps past the checkpoint, then found again
     assert (res.selected_step, res.selection_rule, res.resumed_from_step) == (8, ref.selection_rule, 5)
@@ -312,7 +337,9 @@ def test_selection_keeps_the_earliest_best_and_the_holdout_is_seeded():
     assert sel.choose("best_tau", 8) == (4, "best held-out tau at step 4 of 8 (2.25 vs last 1.75)")
     assert sel.choose("last", 8) == (8, "last step 8 (held-out tau 1.75; best 2.25 at step 4)")
     assert sel.record(9, 2.25, 1.5).best_step == 9 and sel.record(10, 2.5, 1.0).choose("best_tau", 10) == (
-        10, "best held-out tau at step 10 of 10, the last (2.50)")
+        10,
+        "best held-out tau at step 10 of 10, the last (2.50)",
+    )
     train_ids, held = heldout_split(40, holdout_size(TrainConfig(holdout_seqs=32), 40), seed=3)
     assert len(held) == 10 and sorted(train_ids + held) == list(range(40))  # at most a quarter
     assert (train_ids, held) == heldout_split(40, 10, seed=3) != heldout_split(40, 10, seed=4)
@@ -356,8 +383,12 @@ def test_warm_start_refuses_a_head_of_another_shape(trained, target):
     other = copy.deepcopy(target.config)
     other.hidden_size *= 2
     with pytest.raises(HeadMismatchError, match=r"warm-start head .*\(hidden_size: head expects 64, target has 128\)"):
-        warm_start_head(trained.head_dir, other, target.get_input_embeddings().weight,
-                        default_aux_layer_ids(target.config.num_hidden_layers))
+        warm_start_head(
+            trained.head_dir,
+            other,
+            target.get_input_embeddings().weight,
+            default_aux_layer_ids(target.config.num_hidden_layers),
+        )
 
 
 @pytest.mark.slow
@@ -374,8 +405,9 @@ def test_ray_failure_config_restarts_and_completes(offline_dir, ray_local, tmp_p
                 Path(self.marker).write_text("crashed")
                 raise RuntimeError(f"crashed at step {step}")
 
-    cfg = dataclasses.replace(TrainConfig.tiny(), steps=8, checkpoint_every=3, batch_size=2,
-                              ray=RayConfig(num_workers=2, max_failures=1))
+    cfg = dataclasses.replace(
+        TrainConfig.tiny(), steps=8, checkpoint_every=3, batch_size=2, ray=RayConfig(num_workers=2, max_failures=1)
+    )
     out, marker, ray = tmp_path / "train", tmp_path / "crashed", TrainSetup(storage_dir=str(tmp_path / "ray"))
     res = train(cfg, str(offline_dir), str(out), sinks=(CrashOnce(str(marker), 4),), setup=ray)
     assert marker.is_file()  # the worker group crashed at step 4, and fit() still returned: Ray restarted it
@@ -384,4 +416,3 @@ def test_ray_failure_config_restarts_and_completes(offline_dir, ray_local, tmp_p
     steps = _steps(res.history_file)
     assert steps == sorted(set(steps)) and steps[-1] == cfg.steps
     assert latest_checkpoint(out).name == f"step-{cfg.steps:07d}"
-

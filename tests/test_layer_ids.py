@@ -29,8 +29,13 @@ from tests.test_extract_train import QUIET, offline_dir, regen_dir, target, trai
 @pytest.fixture(scope="module")
 def custom_ids_dir(tiny_embedded, regen_dir, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("stages") / "custom-ids"
-    extract(ExtractConfig(max_len=160, dtype="float32", seqs_per_shard=8, aux_layer_ids=(1, 2, 4)),
-            tiny_embedded.target_dir, regen_dir, str(out), **QUIET)
+    extract(
+        ExtractConfig(max_len=160, dtype="float32", seqs_per_shard=8, aux_layer_ids=(1, 2, 4)),
+        tiny_embedded.target_dir,
+        regen_dir,
+        str(out),
+        **QUIET,
+    )
     return out
 
 
@@ -42,7 +47,7 @@ def test_chosen_layer_ids_reach_the_trained_head(custom_ids_dir, target, tmp_pat
 
     ids = data.sequence(0)[0][None].long()
     want = target_forward(target, ids, (1, 2, 4)).aux_BT3H
-    torch.testing.assert_close(batch.aux_BS3H[:, :ids.shape[1]], want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(batch.aux_BS3H[:, : ids.shape[1]], want, atol=1e-5, rtol=0)
     res = train(dataclasses.replace(TrainConfig.tiny(), steps=2), str(custom_ids_dir), str(tmp_path / "train"))
     cfg = json.loads((Path(res.head_dir) / "config.json").read_text())
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 2, 4]
@@ -55,17 +60,21 @@ def test_other_layer_ids_are_refused(custom_ids_dir, offline_dir, trained, tiny_
 
     cfg = dataclasses.replace(TrainConfig.tiny(), steps=2)
     default = list(json.loads((offline_dir / "manifest.json").read_text())["layer_ids"])
-    with pytest.raises(HeadMismatchError, match=re.escape(f"fuses layers {default}, but the features are of layers "
-                                                          "[1, 2, 4]")):
+    with pytest.raises(
+        HeadMismatchError, match=re.escape(f"fuses layers {default}, but the features are of layers [1, 2, 4]")
+    ):
         train(cfg, str(custom_ids_dir), str(tmp_path / "warm"), setup=TrainSetup(trained.head_dir))
     out = tmp_path / "resume"
     shutil.copytree(Path(trained.head_dir).parent / "checkpoints", out / "checkpoints")
-    with pytest.raises(ValueError, match=re.escape(f"trained on features of layers {default}, but the features are "
-                                                   "of layers [1, 2, 4]")):
+    with pytest.raises(
+        ValueError,
+        match=re.escape(f"trained on features of layers {default}, but the features are of layers [1, 2, 4]"),
+    ):
         train(cfg, str(custom_ids_dir), str(out))
     with pytest.raises(ValueError, match=r"aux_layer_ids \[1, 2, 6\] .* \(the target has 6 decoder layers\)"):
-        extract(ExtractConfig(aux_layer_ids=(1, 2, 6)), tiny_embedded.target_dir, regen_dir, str(tmp_path / "x"),
-                **QUIET)
+        extract(
+            ExtractConfig(aux_layer_ids=(1, 2, 6)), tiny_embedded.target_dir, regen_dir, str(tmp_path / "x"), **QUIET
+        )
 
 
 def test_pipeline_config_takes_layer_ids_and_refuses_bad_ones(tmp_path):

@@ -29,8 +29,9 @@ def test_the_schedule_takes_the_best_k_per_level_and_stops_where_plain_wins():
     assert best == {1: 5, 4: 3, 16: 0} and crossover_of(best) == 16
     assert schedule == [[1, 3, 5], [4, 15, 3], [16, 1024, 0]]
     # within the margin plain keeps the level; equal throughputs prefer the smaller K
-    schedule, best = derive_schedule({0: {1: 100.0, 8: 400.0}, 2: {1: 130.0, 8: 410.0}, 4: {1: 130.0, 8: 300.0}},
-                                     margin=0.05)
+    schedule, best = derive_schedule(
+        {0: {1: 100.0, 8: 400.0}, 2: {1: 130.0, 8: 410.0}, 4: {1: 130.0, 8: 300.0}}, margin=0.05
+    )
     assert best == {1: 2, 8: 0} and schedule == [[1, 7, 2], [8, 1024, 0]]
     schedule, best = derive_schedule({0: {2: 100.0, 4: 150.0}, 3: {2: 200.0, 4: 300.0}}, margin=0.0)
     assert schedule == [[1, 1024, 3]] and crossover_of(best) is None  # the first range starts at 1, merged
@@ -51,18 +52,51 @@ def test_a_k_whose_spread_overlaps_plains_does_not_beat_plain():
 def test_cells_are_medians_over_rounds_with_their_spread_and_rounds_alternate(tmp_path):
     from components.evaluate.plots import plot_load_sweep
 
-    assert [round_order([0, 2, 3], r, i) for r in (0, 1) for i in (0, 1)] == [[0, 2, 3], [3, 2, 0], [3, 2, 0],
-                                                                                [0, 2, 3]]
-    base = dict(concurrency=4, requests=4, median_ttft_ms=5.0, p99_ttft_ms=9.0, median_itl_ms=2.0, p99_itl_ms=3.0,
-                duration_s=1.0, texts=["a", "b"])
-    samples = [{**base, "phase": "sweep", "round": r, "k": k, "output_tokens_per_s": t, "drafts": d,
-                "accepted": a, "acceptance_length": None, "per_position": p}
-               for r, k, t, d, a, p in ((0, 0, 100.0, None, None, None), (1, 0, 120.0, None, None, None),
-                                        (2, 0, 90.0, None, None, None), (0, 3, 150.0, 10, 10, [0.6, 0.4]),
-                                        (1, 3, 130.0, 30, 15, [0.4, 0.1]), (2, 3, 140.0, 0, 0, [0.0, 0.0]))]
+    assert [round_order([0, 2, 3], r, i) for r in (0, 1) for i in (0, 1)] == [
+        [0, 2, 3],
+        [3, 2, 0],
+        [3, 2, 0],
+        [0, 2, 3],
+    ]
+    base = dict(
+        concurrency=4,
+        requests=4,
+        median_ttft_ms=5.0,
+        p99_ttft_ms=9.0,
+        median_itl_ms=2.0,
+        p99_itl_ms=3.0,
+        duration_s=1.0,
+        texts=["a", "b"],
+    )
+    samples = [
+        {
+            **base,
+            "phase": "sweep",
+            "round": r,
+            "k": k,
+            "output_tokens_per_s": t,
+            "drafts": d,
+            "accepted": a,
+            "acceptance_length": None,
+            "per_position": p,
+        }
+        for r, k, t, d, a, p in (
+            (0, 0, 100.0, None, None, None),
+            (1, 0, 120.0, None, None, None),
+            (2, 0, 90.0, None, None, None),
+            (0, 3, 150.0, 10, 10, [0.6, 0.4]),
+            (1, 3, 130.0, 30, 15, [0.4, 0.1]),
+            (2, 3, 140.0, 0, 0, [0.0, 0.0]),
+        )
+    ]
     plain, k3 = cells_of(samples)
-    assert (plain["k"], plain["output_tokens_per_s"], plain["output_tokens_per_s_min"],
-            plain["output_tokens_per_s_max"], plain["repeats"]) == (0, 100.0, 90.0, 120.0, 3)
+    assert (
+        plain["k"],
+        plain["output_tokens_per_s"],
+        plain["output_tokens_per_s_min"],
+        plain["output_tokens_per_s_max"],
+        plain["repeats"],
+    ) == (0, 100.0, 90.0, 120.0, 3)
     assert plain["output_tokens_per_s_rounds"] == [100.0, 120.0, 90.0] and plain["drafts"] is None
     assert k3["output_tokens_per_s"] == 140.0 and (k3["drafts"], k3["accepted"]) == (40, 25)
     assert k3["acceptance_length"] == pytest.approx(1 + 25 / 40)
@@ -76,20 +110,26 @@ def test_evaluation_cells_are_each_rounds_tokens_over_its_seconds(tmp_path):
     seconds; medians and spreads as the sweep's cells; the head's counters; None for another K."""
     from components.evaluate.load_cells import evaluation_cells
 
-    report = {"config": {"spec": {"depth": 3}},
-              "result": {"drafts": 10, "accepted_per_pos": [8, 6, 4], "tau": 2.8},
-              "speed": {"plain_s": [[1.0, 1.0], [2.0, 2.0], [1.0, 3.0]],
-                        "spec_s": [[0.5, 0.5], [1.0, 1.0], [1.0, 1.0]]},
-              "samples": [{"plain": [1] * 30, "spec": [1] * 30, "identical_to_plain": True},
-                          {"plain": [2] * 10, "spec": [2] * 10, "identical_to_plain": True}]}
+    report = {
+        "config": {"spec": {"depth": 3}},
+        "result": {"drafts": 10, "accepted_per_pos": [8, 6, 4], "tau": 2.8},
+        "speed": {"plain_s": [[1.0, 1.0], [2.0, 2.0], [1.0, 3.0]], "spec_s": [[0.5, 0.5], [1.0, 1.0], [1.0, 1.0]]},
+        "samples": [
+            {"plain": [1] * 30, "spec": [1] * 30, "identical_to_plain": True},
+            {"plain": [2] * 10, "spec": [2] * 10, "identical_to_plain": True},
+        ],
+    }
     path = tmp_path / "engine_evaluation.json"
     path.write_text(json.dumps(report))
     assert evaluation_cells(path, 5) is None
     plain, head = evaluation_cells(path, 3)
     assert (plain["k"], head["k"], plain["concurrency"], plain["requests"]) == (0, 3, 1, 2)
     assert plain["output_tokens_per_s_rounds"] == [20.0, 10.0, 10.0] and plain["output_tokens_per_s"] == 10.0
-    assert (head["output_tokens_per_s_min"], head["output_tokens_per_s"], head["output_tokens_per_s_max"]) == \
-           (20.0, 20.0, 40.0)
+    assert (head["output_tokens_per_s_min"], head["output_tokens_per_s"], head["output_tokens_per_s_max"]) == (
+        20.0,
+        20.0,
+        40.0,
+    )
     assert (head["drafts"], head["accepted"], head["acceptance_length"]) == (10, 18, 2.8)
     assert head["per_position"] == [0.8, 0.6, 0.4] and plain["drafts"] is None
     assert plain["source"] == head["source"] == "evaluation" and head["identical_to_plain"] == 2
@@ -106,8 +146,12 @@ def test_batching_alone_is_told_from_the_head_by_plains_texts_at_the_lowest_leve
     def sample(phase, k, c, texts):
         return {"phase": phase, "k": k, "concurrency": c, "texts": texts}
 
-    at4 = [sample("sweep", 0, 4, ["a4", "b"]), sample("sweep", 5, 4, ["a", "b"]),
-           sample("sweep", 0, 16, ["a4", "b"]), sample("sweep", 5, 16, ["a4", "x"])]
+    at4 = [
+        sample("sweep", 0, 4, ["a4", "b"]),
+        sample("sweep", 5, 4, ["a", "b"]),
+        sample("sweep", 0, 16, ["a4", "b"]),
+        sample("sweep", 5, 16, ["a4", "x"]),
+    ]
     assert judge(at4) == (set(), {(5, 4, 0), (5, 16, 1)})
     variant, mismatched = judge(at4 + [sample("baseline", 0, 1, ["a", "b"])])
     assert variant == {(4, 0), (16, 0)} and mismatched == {(5, 16, 1)}
@@ -124,11 +168,19 @@ def test_the_load_client_stops_at_eos_unless_told_to_run_past_it():
     assert "--ignore-eos" in _argv(srv, dataclasses.replace(req, ignore_eos=True), "/tmp", "c.json")
 
 
-@pytest.mark.parametrize("load,key", [({"concurrency": [4, 1]}, "concurrency"), ({"concurrency": [0]}, "concurrency"),
-                                      ({"concurrency": [1], "k_values": []}, "k_values"),
-                                      ({"k_values": [40]}, "k_values"), ({"margin": 1.5}, "margin"),
-                                      ({"concurrency": [1, 32], "requests": 8}, "requests"),
-                                      ({"repeats": 0}, "repeats"), ({"repeats": 1.5}, "repeats")])
+@pytest.mark.parametrize(
+    "load,key",
+    [
+        ({"concurrency": [4, 1]}, "concurrency"),
+        ({"concurrency": [0]}, "concurrency"),
+        ({"concurrency": [1], "k_values": []}, "k_values"),
+        ({"k_values": [40]}, "k_values"),
+        ({"margin": 1.5}, "margin"),
+        ({"concurrency": [1, 32], "requests": 8}, "requests"),
+        ({"repeats": 0}, "repeats"),
+        ({"repeats": 1.5}, "repeats"),
+    ],
+)
 def test_bad_sweep_settings_fail_at_config_load_with_the_key_path(load, key):
     with pytest.raises(ConfigError, match=f"evaluate.load.{key}"):
         PipelineConfig.preset("tiny").override({"evaluate": {"load": load}})

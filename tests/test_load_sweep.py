@@ -35,10 +35,12 @@ from infra.engine_pool import EnginePool
 
 # ---- with the engine ----------------------------------------------------------------------------------------------
 
-SWEEP = EvaluateConfig(spec=SpecConfig(depth=3, max_new_tokens=16), limit=4,
-                       speed=SpeedupConfig(min_rounds=1, max_rounds=1),  # the evaluation before it: one round
-                       load=LoadConfig(concurrency=(1, 4), k_values=(2, 3), requests=4, repeats=2,
-                                       verify_schedule=False))
+SWEEP = EvaluateConfig(
+    spec=SpecConfig(depth=3, max_new_tokens=16),
+    limit=4,
+    speed=SpeedupConfig(min_rounds=1, max_rounds=1),  # the evaluation before it: one round
+    load=LoadConfig(concurrency=(1, 4), k_values=(2, 3), requests=4, repeats=2, verify_schedule=False),
+)
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +56,9 @@ def head_dir(engine_head) -> str:
 @pytest.mark.slow
 @pytest.mark.engine
 @pytest.mark.timeout(1500)
-def test_the_sweep_measures_every_cell_with_vllms_client_and_writes_the_schedule(engine_target, head_dir, settings,
-                                                                               tmp_path):
+def test_the_sweep_measures_every_cell_with_vllms_client_and_writes_the_schedule(
+    engine_target, head_dir, settings, tmp_path
+):
     """After the vLLM evaluation in one engine pool, as the flow runs them: the evaluation's plain and K 3 servers
     are handed on to the sweep (one engine start instead of three), K 2 started beside them."""
     from components.evaluate.engine import evaluate_in_vllm
@@ -64,17 +67,28 @@ def test_the_sweep_measures_every_cell_with_vllms_client_and_writes_the_schedule
 
     heldout, lines = str(engine_target.target_traffic.heldout), []
     with EnginePool() as engines:
-        ev = evaluate_in_vllm(SWEEP, HeadEval(engine_target.target_dir, head_dir, heldout, str(tmp_path / "vllm")),
-                              settings, progress=lambda s: None, engines=engines)
+        ev = evaluate_in_vllm(
+            SWEEP,
+            HeadEval(engine_target.target_dir, head_dir, heldout, str(tmp_path / "vllm")),
+            settings,
+            progress=lambda s: None,
+            engines=engines,
+        )
         assert ev.identical_to_plain and engines.started == 2
-        res = load_sweep(SWEEP, HeadEval(engine_target.target_dir, head_dir, heldout, str(tmp_path / "load")),
-                         settings, progress=lines.append, engines=engines)
+        res = load_sweep(
+            SWEEP,
+            HeadEval(engine_target.target_dir, head_dir, heldout, str(tmp_path / "load")),
+            settings,
+            progress=lines.append,
+            engines=engines,
+        )
         assert engines.reused == 2 and engines.started == 2, lines
     assert "load sweep: plain, K 3 handed on by the evaluation, running already" in lines
     cells = {(c["k"], c["concurrency"]): c for c in res.cells}
     assert set(cells) == {(k, c) for k in (0, 2, 3) for c in (1, 4)}
-    assert all(c["requests"] == 4 and c["output_tokens_per_s"] > 0 and c["p99_itl_ms"] >= c["median_itl_ms"]
-               for c in res.cells)
+    assert all(
+        c["requests"] == 4 and c["output_tokens_per_s"] > 0 and c["p99_itl_ms"] >= c["median_itl_ms"] for c in res.cells
+    )
     assert cells[(0, 1)]["drafts"] is None and cells[(3, 1)]["drafts"] > 0 and cells[(3, 1)]["acceptance_length"] >= 1
     assert res.mismatches == 0
     # every server up at once when memory allows (else plain beside each K, with the reason, plain's rounds pooled),
@@ -86,8 +100,12 @@ def test_the_sweep_measures_every_cell_with_vllms_client_and_writes_the_schedule
         n = 2 * (len(groups) if c["k"] == 0 else 1)
         assert c["repeats"] == n and len(c["output_tokens_per_s_rounds"]) == n
         assert c["output_tokens_per_s_min"] <= c["output_tokens_per_s"] <= c["output_tokens_per_s_max"]
-    assert report["rounds"] == [{"phase": "sweep", "round": r, "concurrency": c, "order": round_order(g, r, i)}
-                                for g in groups for r in (0, 1) for i, c in enumerate((1, 4))]
+    assert report["rounds"] == [
+        {"phase": "sweep", "round": r, "concurrency": c, "order": round_order(g, r, i)}
+        for g in groups
+        for r in (0, 1)
+        for i, c in enumerate((1, 4))
+    ]
     assert report["repeats"] == 2 and all("output_tokens_per_s_max" in c for c in report["cells"])
     assert res.schedule[0][0] == 1 and res.schedule[-1][1] == 1024 and set(res.best_k) == {1, 4}
     assert res.crossover == crossover_of(res.best_k) and set(res.speedup_at) == {1, 4}
@@ -100,8 +118,9 @@ def test_the_sweep_measures_every_cell_with_vllms_client_and_writes_the_schedule
 @pytest.mark.slow
 @pytest.mark.engine
 @pytest.mark.timeout(900)
-def test_with_one_k_concurrency_1_is_the_evaluations_own_rounds(engine_target, head_dir, settings, tmp_path,
-                                                                 monkeypatch):
+def test_with_one_k_concurrency_1_is_the_evaluations_own_rounds(
+    engine_target, head_dir, settings, tmp_path, monkeypatch
+):
     """The sweep's only K is the evaluation's depth and both servers are handed on: concurrency 1 is not measured
     again, its cells are the evaluation's rounds (the same servers); the client measures the other levels only.
     When the outputs under load seem to differ (made to here: the first judgement reports a mismatch), plain runs
@@ -119,15 +138,28 @@ def test_with_one_k_concurrency_1_is_the_evaluations_own_rounds(engine_target, h
 
     monkeypatch.setattr(sweep_mod, "judge", judge_once_mismatched)
 
-    cfg = dataclasses.replace(SWEEP, speed=SpeedupConfig(min_rounds=2, max_rounds=2),
-                              load=LoadConfig(concurrency=(1, 4), k_values=(3,), requests=4, repeats=1,
-                                              verify_schedule=False))
+    cfg = dataclasses.replace(
+        SWEEP,
+        speed=SpeedupConfig(min_rounds=2, max_rounds=2),
+        load=LoadConfig(concurrency=(1, 4), k_values=(3,), requests=4, repeats=1, verify_schedule=False),
+    )
     heldout, lines = str(engine_target.target_traffic.heldout), []
     with EnginePool() as engines:
-        ev = evaluate_in_vllm(cfg, HeadEval(engine_target.target_dir, head_dir, heldout, str(tmp_path / "vllm")),
-                              settings, progress=lambda s: None, engines=engines)
-        res = load_sweep(cfg, HeadEval(engine_target.target_dir, head_dir, heldout, str(tmp_path / "load")),
-                         settings, progress=lines.append, engines=engines, evaluation=ev.report_file)
+        ev = evaluate_in_vllm(
+            cfg,
+            HeadEval(engine_target.target_dir, head_dir, heldout, str(tmp_path / "vllm")),
+            settings,
+            progress=lambda s: None,
+            engines=engines,
+        )
+        res = load_sweep(
+            cfg,
+            HeadEval(engine_target.target_dir, head_dir, heldout, str(tmp_path / "load")),
+            settings,
+            progress=lines.append,
+            engines=engines,
+            evaluation=ev.report_file,
+        )
         assert engines.reused == 2 and engines.started == 2, lines
     assert any(line.startswith("load sweep: concurrency 1 from the evaluation of these servers") for line in lines)
     assert sum(" at 1: " in line for line in lines) == 1, lines  # the client ran concurrency 1 once: the baseline
@@ -138,8 +170,9 @@ def test_with_one_k_concurrency_1_is_the_evaluations_own_rounds(engine_target, h
     assert cells[(0, 1)]["source"] == cells[(3, 1)]["source"] == "evaluation"
     assert cells[(0, 4)]["source"] == cells[(3, 4)]["source"] == "sweep" and res.mismatches == 0
     assert cells[(3, 1)]["repeats"] == ev.speedup_rounds == 2 and cells[(3, 1)]["drafts"] == ev.drafts
-    assert cells[(res.best_k[1], 1)]["output_tokens_per_s"] / cells[(0, 1)]["output_tokens_per_s"] == \
-           pytest.approx(res.speedup_at[1]) and set(res.speedup_at) == {1, 4}
+    assert cells[(res.best_k[1], 1)]["output_tokens_per_s"] / cells[(0, 1)]["output_tokens_per_s"] == pytest.approx(
+        res.speedup_at[1]
+    ) and set(res.speedup_at) == {1, 4}
     report = json.loads(Path(res.report_file).read_text())
     assert [(r["phase"], r["concurrency"]) for r in report["rounds"]] == [("sweep", 4), ("baseline", 1)]
 
@@ -156,24 +189,32 @@ def test_a_schedule_served_by_vllm_stops_drafting_above_its_range(engine_target,
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(engine_target.target_dir)
-    texts = [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True)
-             for _, m in held_out_messages(str(engine_target.target_traffic.heldout))
-             if len(prompt_ids(tok, m)) <= 300][:8]
+    texts = [
+        tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True)
+        for _, m in held_out_messages(str(engine_target.target_traffic.heldout))
+        if len(prompt_ids(tok, m)) <= 300
+    ][:8]
     data = str(write_dataset(texts, tmp_path / "prompts.json"))
-    spec = EngineSpec(engine_target.target_dir, head_dir, num_speculative_tokens=3, max_model_len=512,
-                      k_schedule=((1, 1, 3), (2, 1024, 0)))
+    spec = EngineSpec(
+        engine_target.target_dir,
+        head_dir,
+        num_speculative_tokens=3,
+        max_model_len=512,
+        k_schedule=((1, 1, 3), (2, 1024, 0)),
+    )
     with VllmServer(spec, settings) as srv:
-        one, four = bench_serve_many([(srv, LoadRequest(data, engine_target.target_dir, c, 8, 24)) for c in (1, 4)],
-                                     settings)  # one client process: it imports vLLM once
+        one, four = bench_serve_many(
+            [(srv, LoadRequest(data, engine_target.target_dir, c, 8, 24)) for c in (1, 4)], settings
+        )  # one client process: it imports vLLM once
         log = srv.log_path.read_text()
     assert one.drafts and one.drafts >= 8 * 24 // 4  # batch size 1: K 3 on every step
     assert (four.drafts or 0) < one.drafts / 3  # batch size >= 2: no drafts but while ramping up and draining
     assert "num_speculative_tokens_per_batch_size" in log
 
 
-def test_serve_print_only_puts_the_registered_schedule_in_the_vllm_command(mlflow_store, mlflow_settings,
-                                                                           tiny_embedded, tmp_path, monkeypatch,
-                                                                           capsys):
+def test_serve_print_only_puts_the_registered_schedule_in_the_vllm_command(
+    mlflow_store, mlflow_settings, tiny_embedded, tmp_path, monkeypatch, capsys
+):
     """A head version whose `k_schedule` tag says [[1, 3, 4], [4, 1024, 0]]: `serve --print-only` (no --k) starts
     vLLM with it; `--k 2` pins one K instead; `--concurrency C` serves the schedule's K at C (2: K 4) or plain
     decoding where it says K 0 (8), and refuses to be given with --k."""
@@ -183,14 +224,18 @@ def test_serve_print_only_puts_the_registered_schedule_in_the_vllm_command(mlflo
     from tests.test_register import _head
 
     sha = weights_sha256(tiny_embedded.target_dir)
-    ref: TargetRef = register_target(mlflow_store, "tiny", tiny_embedded.target_dir, role="base", base_model="",
-                                     weights_sha256=sha)
+    ref: TargetRef = register_target(
+        mlflow_store, "tiny", tiny_embedded.target_dir, role="base", base_model="", weights_sha256=sha
+    )
     head = _tiny_head(tiny_embedded, tmp_path)
     h = _head(mlflow_store, ref, head, "k1", 3.0, None)
     import dataclasses
 
-    register_head(mlflow_store, RegisterConfig(tau_floor=1.0),
-                  dataclasses.replace(h, notes={"k_schedule": "[[1, 3, 4], [4, 1024, 0]]", "crossover": "4"}))
+    register_head(
+        mlflow_store,
+        RegisterConfig(tau_floor=1.0),
+        dataclasses.replace(h, notes={"k_schedule": "[[1, 3, 4], [4, 1024, 0]]", "crossover": "4"}),
+    )
     monkeypatch.setenv("EAGLE_HOME", str(mlflow_settings.state_dir))
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     assert cli.main(["serve", "--head", "models:/tiny-v1-eagle3@champion", "--print-only"]) == 0
@@ -207,12 +252,17 @@ def test_serve_print_only_puts_the_registered_schedule_in_the_vllm_command(mlflo
     assert cli.main(["serve", "--head", "models:/tiny-v1-eagle3@champion", "--print-only", "--concurrency", "8"]) == 0
     out = capsys.readouterr().out
     assert "plain decoding, no head" in out and "speculative" not in out.split("\n", 1)[1]
-    assert cli.main(["serve", "--head", "models:/tiny-v1-eagle3@champion", "--print-only", "--concurrency", "8",
-                     "--k", "2"]) == 2
+    assert (
+        cli.main(
+            ["serve", "--head", "models:/tiny-v1-eagle3@champion", "--print-only", "--concurrency", "8", "--k", "2"]
+        )
+        == 2
+    )
     capsys.readouterr()
     # a head its gate refused (it does not pay when served): serve says so, and serves it as asked
-    slow = dataclasses.replace(_head(mlflow_store, ref, head, "k2", 3.0, 3.0, speedup_vllm=0.9, speedup_vllm_lo=0.8,
-                                     speedup_vllm_hi=1.0))
+    slow = dataclasses.replace(
+        _head(mlflow_store, ref, head, "k2", 3.0, 3.0, speedup_vllm=0.9, speedup_vllm_lo=0.8, speedup_vllm_hi=1.0)
+    )
     assert register_head(mlflow_store, RegisterConfig(tau_floor=1.0), slow).alias == "challenger"
     assert cli.main(["serve", "--head", "models:/tiny-v1-eagle3@challenger", "--print-only"]) == 0
     out = capsys.readouterr().out
@@ -228,8 +278,18 @@ def _tiny_head(tiny_embedded, root: Path) -> str:
     from components.train.stage import TrainConfig, train
 
     quiet = dict(progress=lambda s: None)
-    regenerate(RegenerateConfig(max_new_tokens=8, batch_size=8, shard_size=8, limit=8), tiny_embedded.target_dir,
-               str(tiny_embedded.target_traffic.train), str(root / "regen"), **quiet)
-    extract(ExtractConfig(max_len=128, seqs_per_shard=8), tiny_embedded.target_dir, str(root / "regen"),
-            str(root / "ext"), **quiet)
+    regenerate(
+        RegenerateConfig(max_new_tokens=8, batch_size=8, shard_size=8, limit=8),
+        tiny_embedded.target_dir,
+        str(tiny_embedded.target_traffic.train),
+        str(root / "regen"),
+        **quiet,
+    )
+    extract(
+        ExtractConfig(max_len=128, seqs_per_shard=8),
+        tiny_embedded.target_dir,
+        str(root / "regen"),
+        str(root / "ext"),
+        **quiet,
+    )
     return train(TrainConfig.tiny(), str(root / "ext"), str(root / "train")).head_dir

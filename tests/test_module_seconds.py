@@ -17,10 +17,12 @@ def test_module_seconds_sum_a_junit_run_by_module(tmp_path):
     from tests.module_seconds import from_junit, load
 
     xml = tmp_path / "run.xml"
-    xml.write_text('<testsuites><testsuite name="pytest">'
-                   '<testcase classname="tests.test_a" name="t1" time="1.25"/>'
-                   '<testcase classname="tests.test_a.TestX" name="t2" time="2.5"/>'
-                   '<testcase classname="tests.test_b" name="t3" time="7"/></testsuite></testsuites>')
+    xml.write_text(
+        '<testsuites><testsuite name="pytest">'
+        '<testcase classname="tests.test_a" name="t1" time="1.25"/>'
+        '<testcase classname="tests.test_a.TestX" name="t2" time="2.5"/>'
+        '<testcase classname="tests.test_b" name="t3" time="7"/></testsuite></testsuites>'
+    )
     assert from_junit(xml) == {"tests/test_b.py": 7.0, "tests/test_a.py": 3.8}
     committed = load()
     assert committed and all(m.startswith("tests/test_") and s >= 0 for m, s in committed.items())

@@ -21,8 +21,13 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_ruff_check_passes_on_the_whole_tree():
     ruff = Path(sys.executable).with_name("ruff")
     assert ruff.is_file(), f"{ruff}: not installed (pip install -e '.[test]')"
-    out = subprocess.run([str(ruff), "check", "--no-cache", "--output-format", "concise", "."], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [str(ruff), "check", "--no-cache", "--output-format", "concise", "."],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, f"ruff check found:\n{out.stdout[-6000:]}{out.stderr[-2000:]}"
 
 

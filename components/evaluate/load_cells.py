@@ -41,14 +41,18 @@ class SweepResult:
         return m
 
     def tags(self) -> dict[str, str]:
-        return {"crossover": str(self.crossover) if self.crossover is not None else "none",
-                "k_schedule": json.dumps(self.schedule),
-                **{f"speedup_at_{c}": f"{v:.4f}" for c, v in self.speedup_at.items()}}
+        return {
+            "crossover": str(self.crossover) if self.crossover is not None else "none",
+            "k_schedule": json.dumps(self.schedule),
+            **{f"speedup_at_{c}": f"{v:.4f}" for c, v in self.speedup_at.items()},
+        }
 
 
-def derive_schedule(throughput: dict[int, dict[int, float]], margin: float,
-                    spread: dict[int, dict[int, tuple[float, float]]] | None = None
-                    ) -> tuple[list[list[int]], dict[int, int]]:
+def derive_schedule(
+    throughput: dict[int, dict[int, float]],
+    margin: float,
+    spread: dict[int, dict[int, tuple[float, float]]] | None = None,
+) -> tuple[list[list[int]], dict[int, int]]:
     """From `throughput[K][concurrency]` (K 0: plain; medians over rounds) and their `spread[K][concurrency]`
     (min, max over rounds; None: single figures), vLLM's ranges and the best K per level. A K beats plain at a level
     only when its median exceeds plain's by more than `margin` AND its spread does not overlap plain's (its min above
@@ -58,8 +62,11 @@ def derive_schedule(throughput: dict[int, dict[int, float]], margin: float,
     for c in levels:
         plain = throughput[0][c]
         plain_hi = spread[0][c][1] if spread else plain
-        wins = [(k, t[c]) for k, t in throughput.items() if k > 0 and c in t and t[c] > plain * (1.0 + margin)
-                and (spread is None or spread[k][c][0] > plain_hi)]
+        wins = [
+            (k, t[c])
+            for k, t in throughput.items()
+            if k > 0 and c in t and t[c] > plain * (1.0 + margin) and (spread is None or spread[k][c][0] > plain_hi)
+        ]
         best[c] = max(wins, key=lambda kt: (kt[1], -kt[0]))[0] if wins else 0
     ranges: list[list[int]] = []
     for i, c in enumerate(levels):
@@ -90,20 +97,34 @@ def evaluation_cells(report_file: str | Path, k: int) -> list[dict] | None:
         tokens = sum(len(s[key]) for s in samples)
         tps = [tokens / sum(secs) for secs in speed[f"{key}_s"]]
         drafts = res["drafts"] if kk else None
-        cells.append({"k": kk, "concurrency": 1, "requests": len(samples), **_rounds_tps(tps),
-                      **{m: None for m in ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms")},
-                      "duration_s": statistics.median(sum(secs) for secs in speed[f"{key}_s"]),
-                      "drafts": drafts, "accepted": sum(res["accepted_per_pos"]) if kk else None,
-                      "acceptance_length": res["tau"] if kk else None,
-                      "per_position": [a / drafts for a in res["accepted_per_pos"]] if kk and drafts else None,
-                      "identical_to_plain": sum(s["identical_to_plain"] for s in samples), "source": "evaluation"})
+        cells.append(
+            {
+                "k": kk,
+                "concurrency": 1,
+                "requests": len(samples),
+                **_rounds_tps(tps),
+                **{m: None for m in ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms")},
+                "duration_s": statistics.median(sum(secs) for secs in speed[f"{key}_s"]),
+                "drafts": drafts,
+                "accepted": sum(res["accepted_per_pos"]) if kk else None,
+                "acceptance_length": res["tau"] if kk else None,
+                "per_position": [a / drafts for a in res["accepted_per_pos"]] if kk and drafts else None,
+                "identical_to_plain": sum(s["identical_to_plain"] for s in samples),
+                "source": "evaluation",
+            }
+        )
     return cells
 
 
 def _rounds_tps(tps: list[float]) -> dict:
     """A cell's tokens/s fields from its rounds' figures: the median, the spread and every round, and how many."""
-    return {"repeats": len(tps), "output_tokens_per_s": statistics.median(tps), "output_tokens_per_s_min": min(tps),
-            "output_tokens_per_s_max": max(tps), "output_tokens_per_s_rounds": tps}
+    return {
+        "repeats": len(tps),
+        "output_tokens_per_s": statistics.median(tps),
+        "output_tokens_per_s_min": min(tps),
+        "output_tokens_per_s_max": max(tps),
+        "output_tokens_per_s_rounds": tps,
+    }
 
 
 def cells_of(samples: list[dict]) -> list[dict]:
@@ -113,18 +134,36 @@ def cells_of(samples: list[dict]) -> list[dict]:
     cells = []
     for k, c in keys:
         rows = [s for s in samples if (s["k"], s["concurrency"]) == (k, c)]
-        cell = {"k": k, "concurrency": c, "requests": rows[0]["requests"],
-                **_rounds_tps([s["output_tokens_per_s"] for s in rows]),
-                **{m: statistics.median(s[m] for s in rows)
-                   for m in ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "duration_s")}}
+        cell = {
+            "k": k,
+            "concurrency": c,
+            "requests": rows[0]["requests"],
+            **_rounds_tps([s["output_tokens_per_s"] for s in rows]),
+            **{
+                m: statistics.median(s[m] for s in rows)
+                for m in ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "duration_s")
+            },
+        }
         drafts = [s for s in rows if s["drafts"]]
         n = sum(s["drafts"] for s in drafts)
         acc = sum(s["accepted"] for s in drafts)
-        per_pos = [sum(s["per_position"][j] * s["drafts"] for s in drafts) / n
-                   for j in range(min(len(s["per_position"] or []) for s in drafts))] if drafts else None
-        cell.update(drafts=n if drafts else None, accepted=acc if drafts else None,
-                    acceptance_length=1.0 + acc / n if drafts else None, per_position=per_pos,
-                    texts=rows[0]["texts"], texts_by_round=[s["texts"] for s in rows], source="sweep")
+        per_pos = (
+            [
+                sum(s["per_position"][j] * s["drafts"] for s in drafts) / n
+                for j in range(min(len(s["per_position"] or []) for s in drafts))
+            ]
+            if drafts
+            else None
+        )
+        cell.update(
+            drafts=n if drafts else None,
+            accepted=acc if drafts else None,
+            acceptance_length=1.0 + acc / n if drafts else None,
+            per_position=per_pos,
+            texts=rows[0]["texts"],
+            texts_by_round=[s["texts"] for s in rows],
+            source="sweep",
+        )
         cells.append(cell)
     return cells
 
@@ -143,6 +182,11 @@ def judge(samples: list[dict]) -> tuple[set, set]:
     low = min((s["concurrency"] for s in samples if s["k"] == 0), default=None)
     base = next((s["texts"] for s in samples if s["k"] == 0 and s["concurrency"] == low), [])
     variant = {key for key, seen in plain_seen.items() if seen != {base[key[1]]}}
-    mismatched = {(s["k"], s["concurrency"], i) for s in samples if s["k"] != 0 for i, t in enumerate(s["texts"])
-                  if t not in plain_seen[(s["concurrency"], i)] and (s["concurrency"], i) not in variant}
+    mismatched = {
+        (s["k"], s["concurrency"], i)
+        for s in samples
+        if s["k"] != 0
+        for i, t in enumerate(s["texts"])
+        if t not in plain_seen[(s["concurrency"], i)] and (s["concurrency"], i) not in variant
+    }
     return variant, mismatched

@@ -32,8 +32,9 @@ def is_servable(head_dir: str | Path) -> bool:
     return distinct and sorted(p.name for p in d.glob("*.safetensors")) == [WEIGHTS]
 
 
-def servable_head(head_dir: str | Path, target_dir: str | Path, cache_dir: str | Path,
-                  trust_remote_code: bool = False) -> Path:
+def servable_head(
+    head_dir: str | Path, target_dir: str | Path, cache_dir: str | Path, trust_remote_code: bool = False
+) -> Path:
     """A directory vLLM and SGLang load unmodified holding the same head (see the module docstring)."""
     head_dir = Path(head_dir)
     if is_servable(head_dir):
