@@ -84,14 +84,10 @@ def run_one(stage: str, S: int, target_dir: Path, tokens: list[int], ttt_steps: 
     layer_ids = list(default_aux_layer_ids(target.config.num_hidden_layers))
     ids = tokens[:S]
     if stage == "extract":
-        extract = lambda n: len(
-            shard_bytes(
-                target,
-                layer_ids,
-                [(ids[:n], [1] * n)],  # noqa: E731
-                ExtractConfig(max_len=n, batch_size=1),
-            )
-        )
+
+        def extract(n: int) -> int:
+            return len(shard_bytes(target, layer_ids, [(ids[:n], [1] * n)], ExtractConfig(max_len=n, batch_size=1)))
+
         extract(WARMUP)
         base = _reset_peak()
         t0 = time.perf_counter()
