@@ -27,8 +27,22 @@ import common  # noqa: F401  (puts the repo root on sys.path)
 import torch
 from safetensors.torch import load_file, save_file
 
-from common import (Setup, base_args, eos_of, goal_line, heldout_prompts, prepare, print_table, pyplot, results_dir,
-                    spec_figures, start, train_or_reuse_head, with_ttt_steps, write_results)
+from common import (
+    Setup,
+    base_args,
+    eos_of,
+    goal_line,
+    heldout_prompts,
+    prepare,
+    print_table,
+    pyplot,
+    results_dir,
+    spec_figures,
+    start,
+    train_or_reuse_head,
+    with_ttt_steps,
+    write_results,
+)
 from components.train.stage import TrainConfig
 from eagle1 import Eagle1Draft, eagle1_batch, eagle1_head, eagle1_loss
 
@@ -50,8 +64,7 @@ def train_eagle1(setup: Setup, cfg: TrainConfig) -> tuple[Path, float]:
     data = TrainingData.open(setup.extract_dir)
     target, _ = load_target(setup.target_dir)
     draft = eagle1_head(target, data.token_counts, cfg.draft_vocab_size).train()
-    opt, sched = make_optimizer(draft.trainable_parameters(),
-                                cfg.optim, cfg.steps)
+    opt, sched = make_optimizer(draft.trainable_parameters(), cfg.optim, cfg.steps)
     t0, history = time.perf_counter(), []
     for step, idx in batches(data.n_seqs, cfg.batch_size, cfg.seed):
         if step >= cfg.steps:
@@ -60,7 +73,7 @@ def train_eagle1(setup: Setup, cfg: TrainConfig) -> tuple[Path, float]:
         width = max(len(s) for s, _ in seqs)
         ids, mask = torch.zeros(len(idx), width, dtype=torch.long), torch.zeros(len(idx), width, dtype=torch.long)
         for r, (s, m) in enumerate(seqs):
-            ids[r, :len(s)], mask[r, :len(s)] = s, m
+            ids[r, : len(s)], mask[r, : len(s)] = s, m
         att = (torch.arange(width)[None] < torch.tensor([len(s) for s, _ in seqs])[:, None]).long()
         loss, metrics = eagle1_loss(draft, eagle1_batch(target, draft, ids, mask, att))
         opt.zero_grad(set_to_none=True)
@@ -73,8 +86,9 @@ def train_eagle1(setup: Setup, cfg: TrainConfig) -> tuple[Path, float]:
     seconds = time.perf_counter() - t0
     out.mkdir(parents=True, exist_ok=True)
     save_file(head_state_dict(draft), str(out / "head.safetensors"))
-    (out / "info.json").write_text(json.dumps({"seconds": seconds, "config": draft.cfg.to_dict(),
-                                               "history": history}) + "\n")
+    (out / "info.json").write_text(
+        json.dumps({"seconds": seconds, "config": draft.cfg.to_dict(), "history": history}) + "\n"
+    )
     return out, seconds
 
 
@@ -105,20 +119,33 @@ def measure(target, heads: dict, prompts: list[list[int]], max_new: int) -> dict
     res = {}
     for name, parts in stats.items():
         fig = spec_figures(parts)  # emitted tau / alpha; the raw ones beside (tau_raw, alpha_raw)
-        res[name] = {**fig, "mismatches": mismatches[name],
-                     "alpha7_over_alpha1": fig["alpha"][-1] / max(fig["alpha"][0], 1e-9)}
+        res[name] = {
+            **fig,
+            "mismatches": mismatches[name],
+            "alpha7_over_alpha1": fig["alpha"][-1] / max(fig["alpha"][0], 1e-9),
+        }
     return res
 
 
 def claims(res: dict[str, dict]) -> dict[str, dict]:
     """The claims checked (`common.goal_line`: holds only when the heads involved changed no output)."""
     flat, m = res["eagle3-ttt7"]["alpha7_over_alpha1"], {n: r["mismatches"] for n, r in res.items()}
-    out = {"ttt_flat (a7/a1 >= 0.9)": goal_line("ttt_flat (a7/a1 >= 0.9)", flat, 0.9, m["eagle3-ttt7"],
-                                                  method="eagle3-ttt7", label="claim")}
+    out = {
+        "ttt_flat (a7/a1 >= 0.9)": goal_line(
+            "ttt_flat (a7/a1 >= 0.9)", flat, 0.9, m["eagle3-ttt7"], method="eagle3-ttt7", label="claim"
+        )
+    }
     for head in ("eagle3-ttt1", "eagle1"):
         name = f"{head.replace('eagle3-', '')}_decays (a7/a1 < ttt7's)"
-        out[name] = goal_line(name, res[head]["alpha7_over_alpha1"], flat, m[head] + m["eagle3-ttt7"], below=True,
-                              method=head, label="claim")
+        out[name] = goal_line(
+            name,
+            res[head]["alpha7_over_alpha1"],
+            flat,
+            m[head] + m["eagle3-ttt7"],
+            below=True,
+            method=head,
+            label="claim",
+        )
     return out
 
 
@@ -153,8 +180,10 @@ def run(setup: Setup, args: argparse.Namespace, load0: list[float]) -> None:
     """The benchmark on a prepared setup (see bench/common.py); prints the table, writes the result files."""
     base = setup.preset.train
     base = dataclasses.replace(base, steps=args.steps or base.steps)
-    trained = {"eagle3-ttt7": train_or_reuse_head(setup, "eagle3-ttt7", with_ttt_steps(base, 7)),
-               "eagle3-ttt1": train_or_reuse_head(setup, "eagle3-ttt1", with_ttt_steps(base, 1))}
+    trained = {
+        "eagle3-ttt7": train_or_reuse_head(setup, "eagle3-ttt7", with_ttt_steps(base, 7)),
+        "eagle3-ttt1": train_or_reuse_head(setup, "eagle3-ttt1", with_ttt_steps(base, 1)),
+    }
     e1_dir, e1_seconds = train_eagle1(setup, base)
 
     from components.targets.target import load_target
@@ -166,19 +195,43 @@ def run(setup: Setup, args: argparse.Namespace, load0: list[float]) -> None:
     prompts = heldout_prompts(tok, setup.heldout_traffic, args.prompts or setup.preset.eval_prompts)
     res = measure(target, heads, prompts, setup.preset.max_new_tokens)
     seconds = {**{n: t.seconds for n, t in trained.items()}, "eagle1": e1_seconds}
-    rows = [{"head": n, **{f"a{k + 1}": a for k, a in enumerate(r["alpha"])}, "tau": r["tau"],
-             "a7/a1": r["alpha7_over_alpha1"], "steps": r["verify_steps"], "reach7": r["reached"][-1],
-             "mismatch": r["mismatches"], "train_s": seconds[n]} for n, r in res.items()]
-    table = print_table(rows, ["head", *[f"a{k}" for k in range(1, DEPTH + 1)], "tau", "a7/a1", "steps", "reach7",
-                               "mismatch", "train_s"],
-                        f"acceptance by position, chain depth {DEPTH}, T=0, {len(prompts)} held-out prompts")
+    rows = [
+        {
+            "head": n,
+            **{f"a{k + 1}": a for k, a in enumerate(r["alpha"])},
+            "tau": r["tau"],
+            "a7/a1": r["alpha7_over_alpha1"],
+            "steps": r["verify_steps"],
+            "reach7": r["reached"][-1],
+            "mismatch": r["mismatches"],
+            "train_s": seconds[n],
+        }
+        for n, r in res.items()
+    ]
+    table = print_table(
+        rows,
+        ["head", *[f"a{k}" for k in range(1, DEPTH + 1)], "tau", "a7/a1", "steps", "reach7", "mismatch", "train_s"],
+        f"acceptance by position, chain depth {DEPTH}, T=0, {len(prompts)} held-out prompts",
+    )
     checked = claims(res)
     png = results_dir(args.quick) / "acceptance_vs_depth.png"
     plot(res, png)
-    write_results("acceptance_vs_depth", args.quick,
-                  {"train_config": dataclasses.asdict(base), "n_prompts": len(prompts),
-                   "max_new_tokens": setup.preset.max_new_tokens, "depth": DEPTH, "heads": res,
-                   "train_seconds": seconds, "claims": checked, "table": table, "plot": str(png)}, load0)
+    write_results(
+        "acceptance_vs_depth",
+        args.quick,
+        {
+            "train_config": dataclasses.asdict(base),
+            "n_prompts": len(prompts),
+            "max_new_tokens": setup.preset.max_new_tokens,
+            "depth": DEPTH,
+            "heads": res,
+            "train_seconds": seconds,
+            "claims": checked,
+            "table": table,
+            "plot": str(png),
+        },
+        load0,
+    )
 
 
 if __name__ == "__main__":

@@ -24,8 +24,21 @@ from pathlib import Path
 import common  # noqa: F401  (puts the repo root on sys.path)
 import torch
 
-from common import (Setup, base_args, eos_of, heldout_prompts, prepare, print_table, pyplot, results_dir,
-                    spec_figures, start, train_or_reuse_head, with_ttt_steps, write_results)
+from common import (
+    Setup,
+    base_args,
+    eos_of,
+    heldout_prompts,
+    prepare,
+    print_table,
+    pyplot,
+    results_dir,
+    spec_figures,
+    start,
+    train_or_reuse_head,
+    with_ttt_steps,
+    write_results,
+)
 
 
 def padded(prompts: list[list[int]], B: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,8 +48,8 @@ def padded(prompts: list[list[int]], B: int, pad: int) -> tuple[torch.Tensor, to
     ids = torch.full((B, T), pad, dtype=torch.long)
     mask = torch.zeros(B, T, dtype=torch.long)
     for i, r in enumerate(rows):
-        ids[i, T - len(r):] = torch.tensor(r)
-        mask[i, T - len(r):] = 1
+        ids[i, T - len(r) :] = torch.tensor(r)
+        mask[i, T - len(r) :] = 1
     return ids, mask
 
 
@@ -47,8 +60,10 @@ def measure_batch(target, draft, ids, mask, cfg, runs: int) -> dict:
     runs it on the GPU)."""
     from eagle.speculative import generate_plain, generate_speculative
 
-    paths = {"plain": lambda: generate_plain(target, ids, mask, cfg),
-             "spec": lambda: generate_speculative(target, draft, ids, mask, cfg)}
+    paths = {
+        "plain": lambda: generate_plain(target, ids, mask, cfg),
+        "spec": lambda: generate_speculative(target, draft, ids, mask, cfg),
+    }
     sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)  # an accelerator's kernels finish in the timing
     reference = paths["plain"]()  # warm-up of the plain path; greedy, so every later plain output equals it
     spec = paths["spec"]()  # warm-up of the speculative path
@@ -70,10 +85,19 @@ def measure_batch(target, draft, ids, mask, cfg, runs: int) -> dict:
         ratios.append(tok_s["spec"][-1] / tok_s["plain"][-1])
         seconds += sum(t.values())
     fig = spec_figures([spec.stats])
-    return {"plain_tok_s": statistics.median(tok_s["plain"]), "spec_tok_s": statistics.median(tok_s["spec"]),
-            "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
-            "ratio_runs": ratios, "tau": fig["tau"], "tau_raw": fig["tau_raw"], "tokens": int(spec.lengths.sum()),
-            "mismatch_rows": mismatch, "seconds": seconds}
+    return {
+        "plain_tok_s": statistics.median(tok_s["plain"]),
+        "spec_tok_s": statistics.median(tok_s["spec"]),
+        "ratio": statistics.median(ratios),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
+        "ratio_runs": ratios,
+        "tau": fig["tau"],
+        "tau_raw": fig["tau_raw"],
+        "tokens": int(spec.lengths.sum()),
+        "mismatch_rows": mismatch,
+        "seconds": seconds,
+    }
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
@@ -87,8 +111,14 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     ax.set_xlabel("batch size")
     ax.set_ylabel("throughput ratio")
     for r in rows:
-        ax.annotate(f"τ {r['tau']:.1f}", (r["batch"], r["ratio"]), textcoords="offset points", xytext=(0, 6),
-                    ha="center", fontsize=7)
+        ax.annotate(
+            f"τ {r['tau']:.1f}",
+            (r["batch"], r["ratio"]),
+            textcoords="offset points",
+            xytext=(0, 6),
+            ha="center",
+            fontsize=7,
+        )
     ax.grid(True, alpha=0.3)
     ax.set_title(title)
     fig.tight_layout()
@@ -102,8 +132,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--depth", type=int, default=5)
     p.add_argument("--method", default="chain", choices=("chain", "tree"))
     p.add_argument("--max-new", type=int, default=0, help="new tokens per row (0: 64, quick: the preset's)")
-    p.add_argument("--runs", type=int, default=3,
-                   help="timed blocks per batch size (each: plain, spec, spec, plain); median and min reported")
+    p.add_argument(
+        "--runs",
+        type=int,
+        default=3,
+        help="timed blocks per batch size (each: plain, spec, spec, plain); median and min reported",
+    )
     args = p.parse_args(argv)
     load0 = start(args)
     run(prepare(args.quick, conversations=args.conversations), args, load0)
@@ -123,26 +157,32 @@ def run(setup: Setup, args: argparse.Namespace, load0: list[float]) -> None:
     draft = load_head(head.head_dir, target).eval()
     prompts = heldout_prompts(tok, setup.heldout_traffic, max(batches))
     pad = target.generation_config.pad_token_id or 0
-    cfg = SpecConfig(method=args.method, depth=args.depth, max_new_tokens=max_new, eos_token_id=eos_of(target),
-                     pad_token_id=pad)
+    cfg = SpecConfig(
+        method=args.method, depth=args.depth, max_new_tokens=max_new, eos_token_id=eos_of(target), pad_token_id=pad
+    )
     rows = []
     with torch.no_grad():
         for B in batches:
             ids, mask = padded(prompts, B, pad)
             rows.append({"batch": B, **measure_batch(target, draft, ids, mask, cfg, args.runs)})
             r = rows[-1]
-            print(f"batch {B}: ratio {r['ratio']:.2f} (median of {args.runs} runs, min {r['ratio_min']:.2f})",
-                  flush=True)
+            print(
+                f"batch {B}: ratio {r['ratio']:.2f} (median of {args.runs} runs, min {r['ratio_min']:.2f})", flush=True
+            )
     crossover = next((r["batch"] for r in rows if r["ratio"] < 1.0), None)
-    title = (f"{args.method} depth {args.depth}, T=0, {max_new} new tokens per row, median and min of {args.runs} "
-             "runs")
-    table = print_table(rows, ["batch", "plain_tok_s", "spec_tok_s", "ratio", "ratio_min", "tau", "tokens",
-                               "mismatch_rows"], title)
+    title = f"{args.method} depth {args.depth}, T=0, {max_new} new tokens per row, median and min of {args.runs} runs"
+    table = print_table(
+        rows, ["batch", "plain_tok_s", "spec_tok_s", "ratio", "ratio_min", "tau", "tokens", "mismatch_rows"], title
+    )
     print(f"crossover (first batch with ratio < 1): {crossover if crossover else 'none up to %d' % batches[-1]}")
     png = results_dir(args.quick) / "batch.png"
     plot(rows, png, title)
-    write_results("batch", args.quick, {"args": vars(args), "rows": rows, "crossover": crossover, "table": table,
-                                        "plot": str(png)}, load0)
+    write_results(
+        "batch",
+        args.quick,
+        {"args": vars(args), "rows": rows, "crossover": crossover, "table": table, "plot": str(png)},
+        load0,
+    )
 
 
 if __name__ == "__main__":

@@ -51,8 +51,13 @@ class Domains:
 def domains(args) -> Domains:
     if args.quick:
         emb = common.embedded(common.Preset.quick())
-        return Domains(emb.target_dir, emb.target_traffic.train, emb.target_traffic.heldout,
-                       emb.finetune_traffic.train, emb.finetune_traffic.heldout)
+        return Domains(
+            emb.target_dir,
+            emb.target_traffic.train,
+            emb.target_traffic.heldout,
+            emb.finetune_traffic.train,
+            emb.finetune_traffic.heldout,
+        )
     build = Path(args.build) if args.build else newest_real_build()
     return Domains(build / "target", *(build / "traffic" / f"{t}.jsonl" for t in TRAFFIC))
 
@@ -60,8 +65,10 @@ def domains(args) -> Domains:
 def newest_real_build() -> Path:
     found = sorted((ROOT / ".eagle" / "embedded").glob("real-*/report.json"), key=lambda p: p.stat().st_mtime)
     if not found:
-        sys.exit("capture_mix.py: no real build under .eagle/embedded (run `make demo` first, or pass --build DIR "
-                 "or --quick)")
+        sys.exit(
+            "capture_mix.py: no real build under .eagle/embedded (run `make demo` first, or pass --build DIR "
+            "or --quick)"
+        )
     return found[-1].parent
 
 
@@ -75,11 +82,15 @@ def stages(args):
     cfg = PipelineConfig.preset("tiny" if args.quick else "default")
     regen = dataclasses.replace(cfg.regenerate, engine="local", limit=None)
     ext = dataclasses.replace(cfg.extract, engine="local")
-    train = dataclasses.replace(cfg.train, ray=RayConfig(num_workers=0), eval_every=0, holdout_seqs=0, select="last",
-                                checkpoint_every=10_000)
-    ev = EvaluateConfig(spec=SpecConfig(method="chain", depth=args.depth,
-                                        max_new_tokens=cfg.evaluate.spec.max_new_tokens),
-                        limit=args.prompts, engine="local", time_local=False)  # τ and identity, untimed
+    train = dataclasses.replace(
+        cfg.train, ray=RayConfig(num_workers=0), eval_every=0, holdout_seqs=0, select="last", checkpoint_every=10_000
+    )
+    ev = EvaluateConfig(
+        spec=SpecConfig(method="chain", depth=args.depth, max_new_tokens=cfg.evaluate.spec.max_new_tokens),
+        limit=args.prompts,
+        engine="local",
+        time_local=False,
+    )  # τ and identity, untimed
     return regen, ext, train, ev
 
 
@@ -100,8 +111,12 @@ def regenerated(regen_cfg, target_dir: Path, traffic: Path, n: int, out: Path) -
     if not done.is_file():
         src = first_lines(traffic, n, out / "asked.jsonl")
         regenerate(regen_cfg, str(target_dir), str(src), str(out / "regen"), progress=lambda _m: None)
-        lines = [line for p in sorted((out / "regen").glob("shard-*.jsonl")) for line in p.read_text().splitlines()
-                 if line.strip()]
+        lines = [
+            line
+            for p in sorted((out / "regen").glob("shard-*.jsonl"))
+            for line in p.read_text().splitlines()
+            if line.strip()
+        ]
         done.write_text("".join(x + "\n" for x in lines))
     return done.read_text().splitlines()
 
@@ -138,8 +153,11 @@ def judged(ev_cfg, d: Domains, head: Path, out: Path) -> dict:
 
     row = {}
     for name, traffic in (("shift", d.shift_heldout), ("base", d.base_heldout)):
-        r = evaluate(ev_cfg, HeadEval(str(d.target_dir), str(head), str(traffic), str(out / f"eval-{name}")),
-                     progress=lambda _m: None)
+        r = evaluate(
+            ev_cfg,
+            HeadEval(str(d.target_dir), str(head), str(traffic), str(out / f"eval-{name}")),
+            progress=lambda _m: None,
+        )
         row[f"tau_{name}"] = round(r.tau, 3)
         row[f"identical_{name}"] = r.identical
     return row
@@ -149,8 +167,12 @@ def main(argv: list[str] | None = None) -> int:
     p = base_args(__doc__.splitlines()[0])
     p.add_argument("--build", help="a real build of the embedded default (default: the newest under .eagle)")
     p.add_argument("--mixes", type=float, nargs="+", default=[0.25, 0.5, 0.75, 0.9])
-    p.add_argument("--registered", type=int, default=0, help="registered conversations available (0: the preset's "
-                   "regenerate.limit)")
+    p.add_argument(
+        "--registered",
+        type=int,
+        default=0,
+        help="registered conversations available (0: the preset's regenerate.limit)",
+    )
     p.add_argument("--captured", type=int, default=0, help="captured conversations available (0: as --registered)")
     p.add_argument("--steps", type=int, default=0, help="steps of each warm-started head (0: the preset's)")
     p.add_argument("--steps-champion", type=int, default=0, help="steps of the champion (0: the preset's)")
@@ -165,8 +187,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--registered, --captured, --steps and --steps-champion must be >= 0; --prompts and --depth >= 1")
     if args.build:
         build = Path(args.build)
-        missing = [str(build / f) for f in ("target/config.json", *(f"traffic/{t}.jsonl" for t in TRAFFIC))
-                   if not (build / f).is_file()]
+        missing = [
+            str(build / f)
+            for f in ("target/config.json", *(f"traffic/{t}.jsonl" for t in TRAFFIC))
+            if not (build / f).is_file()
+        ]
         if missing:
             p.error(f"--build {args.build}: not a real build of the embedded default (missing {', '.join(missing)})")
     load_before = start(args)
@@ -181,49 +206,101 @@ def main(argv: list[str] | None = None) -> int:
     champ_cfg = dataclasses.replace(train, steps=args.steps_champion or train.steps)
     warm_cfg = dataclasses.replace(train, steps=args.steps or train.warm_start_steps or train.steps)
     work = common.CACHE / ("capture_mix-quick" if args.quick else f"capture_mix-{d.target_dir.parent.name}")
-    print(f"capture_mix: {d.target_dir}; {n_reg} registered and {n_cap} captured conversations, champion "
-          f"{champ_cfg.steps} steps, warm-started heads {warm_cfg.steps} steps; cache {work}", file=sys.stderr)
+    print(
+        f"capture_mix: {d.target_dir}; {n_reg} registered and {n_cap} captured conversations, champion "
+        f"{champ_cfg.steps} steps, warm-started heads {warm_cfg.steps} steps; cache {work}",
+        file=sys.stderr,
+    )
     with common.setup_threads():
         registered = regenerated(regen, d.target_dir, d.base_train, n_reg, work / f"registered-{n_reg}")
         captured = regenerated(regen, d.target_dir, d.shift_train, n_cap, work / f"captured-{n_cap}")
         champ_ext = mixed_extract(ext, d.target_dir, registered, [], work / "champion")
         champion = trained(champ_cfg, champ_ext, d.target_dir, work / f"champion-{champ_cfg.steps}", None)
-        rows = [{"mix": 0.0, "captured": 0, "registered": len(registered), "head": "champion",
-                 **judged(ev, d, champion, work / f"champion-{champ_cfg.steps}")}]
+        rows = [
+            {
+                "mix": 0.0,
+                "captured": 0,
+                "registered": len(registered),
+                "head": "champion",
+                **judged(ev, d, champion, work / f"champion-{champ_cfg.steps}"),
+            }
+        ]
         print(f"capture_mix: champion: {rows[-1]}", file=sys.stderr)
         off_ext = mixed_extract(ext, d.target_dir, [], captured, work / f"offline-c{len(captured)}")
-        offline = trained(champ_cfg, off_ext, d.target_dir, work / f"offline-c{len(captured)}" /
-                          f"train-{champ_cfg.steps}", None)
-        off = {"mix": 1.0, "captured": len(captured), "registered": 0, "head": f"offline {champ_cfg.steps} steps",
-               **judged(ev, d, offline, work / f"offline-c{len(captured)}" / f"train-{champ_cfg.steps}")}
+        offline = trained(
+            champ_cfg, off_ext, d.target_dir, work / f"offline-c{len(captured)}" / f"train-{champ_cfg.steps}", None
+        )
+        off = {
+            "mix": 1.0,
+            "captured": len(captured),
+            "registered": 0,
+            "head": f"offline {champ_cfg.steps} steps",
+            **judged(ev, d, offline, work / f"offline-c{len(captured)}" / f"train-{champ_cfg.steps}"),
+        }
         print(f"capture_mix: offline head on the shifted traffic: {off}", file=sys.stderr)
         for m in sorted(args.mixes):
             c, r = mix_counts(len(captured), len(registered), m)
             out = work / f"mix-{m:g}-c{c}-r{r}"
-            ext_dir = mixed_extract(ext, d.target_dir, registered[:r], captured[len(captured) - c:], out)
+            ext_dir = mixed_extract(ext, d.target_dir, registered[:r], captured[len(captured) - c :], out)
             head = trained(warm_cfg, ext_dir, d.target_dir, out / f"train-{warm_cfg.steps}", champion)
-            rows.append({"mix": m, "captured": c, "registered": r, "head": f"warm {warm_cfg.steps} steps",
-                         **judged(ev, d, head, out / f"train-{warm_cfg.steps}")})
+            rows.append(
+                {
+                    "mix": m,
+                    "captured": c,
+                    "registered": r,
+                    "head": f"warm {warm_cfg.steps} steps",
+                    **judged(ev, d, head, out / f"train-{warm_cfg.steps}"),
+                }
+            )
             print(f"capture_mix: mix {m:g}: {rows[-1]}", file=sys.stderr)
     for r in rows:
         r["x_offline_shift"] = round(r["tau_shift"] / off["tau_shift"], 3)
     off["x_offline_shift"] = 1.0
     rows.append(off)
-    print_table(rows, ["mix", "captured", "registered", "head", "tau_shift", "x_offline_shift", "tau_base",
-                       "identical_shift", "identical_base"],
-                "tau on the shifted and the base held-out prompts, by capture mix (last: a fresh head on the shift)")
+    print_table(
+        rows,
+        [
+            "mix",
+            "captured",
+            "registered",
+            "head",
+            "tau_shift",
+            "x_offline_shift",
+            "tau_base",
+            "identical_shift",
+            "identical_base",
+        ],
+        "tau on the shifted and the base held-out prompts, by capture mix (last: a fresh head on the shift)",
+    )
     best = max((r for r in rows[1:-1]), key=lambda r: r["tau_shift"])
-    print(f"goal retrained tau on the shift >= 0.95x the offline head's: mix {best['mix']:g} "
-          f"{best['x_offline_shift']:.3f} -> {'met' if best['x_offline_shift'] >= 0.95 else 'MISSED'}")
+    print(
+        f"goal retrained tau on the shift >= 0.95x the offline head's: mix {best['mix']:g} "
+        f"{best['x_offline_shift']:.3f} -> {'met' if best['x_offline_shift'] >= 0.95 else 'MISSED'}"
+    )
     mismatched = [r["mix"] for r in rows if not (r["identical_shift"] and r["identical_base"])]
     if mismatched:
         print(f"capture_mix: outputs NOT identical to plain decoding at mix {mismatched}: the figures measure nothing")
-    path = write_results("capture_mix", args.quick, {
-        "target_dir": str(d.target_dir), "shift": str(d.shift_train), "base": str(d.base_train),
-        "champion_steps": champ_cfg.steps, "warm_steps": warm_cfg.steps, "depth": args.depth,
-        "prompts": args.prompts, "rows": rows,
-        "goal": {"name": "retrained tau on the shift >= 0.95x the offline head's", "mix": best["mix"],
-                 "measured": best["x_offline_shift"], "met": best["x_offline_shift"] >= 0.95}}, load_before)
+    path = write_results(
+        "capture_mix",
+        args.quick,
+        {
+            "target_dir": str(d.target_dir),
+            "shift": str(d.shift_train),
+            "base": str(d.base_train),
+            "champion_steps": champ_cfg.steps,
+            "warm_steps": warm_cfg.steps,
+            "depth": args.depth,
+            "prompts": args.prompts,
+            "rows": rows,
+            "goal": {
+                "name": "retrained tau on the shift >= 0.95x the offline head's",
+                "mix": best["mix"],
+                "measured": best["x_offline_shift"],
+                "met": best["x_offline_shift"] >= 0.95,
+            },
+        },
+        load_before,
+    )
     plot(rows, path.with_suffix(".png"))
     return 1 if mismatched else 0
 

@@ -30,8 +30,22 @@ from pathlib import Path
 import common  # noqa: F401  (puts the repo root on sys.path)
 import torch
 
-from common import (Setup, base_args, fresh_runs, eos_of, goal_line, heldout_prompts, interleaved, prepare,
-                    print_table, pyplot, results_dir, spec_figures, speed_head, start, tokens_per_s, write_results)
+from common import (
+    Setup,
+    base_args,
+    eos_of,
+    goal_line,
+    heldout_prompts,
+    prepare,
+    print_table,
+    pyplot,
+    results_dir,
+    spec_figures,
+    speed_head,
+    start,
+    write_results,
+)
+from timing import fresh_runs, interleaved, tokens_per_s
 
 
 def configs(args: argparse.Namespace, max_new: int, eos) -> dict:
@@ -41,8 +55,9 @@ def configs(args: argparse.Namespace, max_new: int, eos) -> dict:
     out = {f"chain-{d}": dataclasses.replace(base, depth=d) for d in (int(x) for x in args.depths.split(","))}
     for shape in filter(None, args.trees.split(";")):
         depth, topk, budget = (int(x) for x in shape.split(","))
-        out[f"tree-{depth},{topk},{budget}"] = dataclasses.replace(base, method="tree", depth=depth, topk=topk,
-                                                                   budget=budget)
+        out[f"tree-{depth},{topk},{budget}"] = dataclasses.replace(
+            base, method="tree", depth=depth, topk=topk, budget=budget
+        )
     return {"plain": base, **out}
 
 
@@ -52,13 +67,17 @@ def measure(target, draft, prompts: list[list[int]], cfgs: dict) -> list[dict]:
     def method(name: str, cfg):
         def run(ids):
             x = torch.tensor([ids])
-            out = generate_plain(target, x, None, cfg) if name == "plain" else \
-                generate_speculative(target, draft, x, None, cfg)
+            out = (
+                generate_plain(target, x, None, cfg)
+                if name == "plain"
+                else generate_speculative(target, draft, x, None, cfg)
+            )
             n = int(out.lengths[0])
             if out.stats is None:
                 return out.sequences[0, :n].tolist(), {"calls": n}
             steps = int((out.stats.accept_lengths >= 0).sum())
             return out.sequences[0, :n].tolist(), {"calls": 1 + steps, "stats": out.stats}
+
         return run
 
     with torch.no_grad():
@@ -69,11 +88,19 @@ def measure(target, draft, prompts: list[list[int]], cfgs: dict) -> list[dict]:
         stats = [r.extra["stats"] for r in rs if "stats" in r.extra]
         fig = spec_figures(stats) if stats else {}  # emitted tau / alpha (SpecStats), the raw tau beside
         toks = sum(len(r.tokens) for r in rs)
-        rows.append({"method": name, "tok_s": tokens_per_s(rs), "x_plain": tokens_per_s(rs) / base,
-                     "tau": fig.get("tau"), "tau_raw": fig.get("tau_raw"),
-                     "tok_per_call": toks / max(sum(r.extra["calls"] for r in rs), 1), "tokens": toks,
-                     "mismatch": sum(r.tokens != p.tokens for r, p in zip(rs, runs["plain"])),
-                     "alpha": fig.get("alpha", [])})
+        rows.append(
+            {
+                "method": name,
+                "tok_s": tokens_per_s(rs),
+                "x_plain": tokens_per_s(rs) / base,
+                "tau": fig.get("tau"),
+                "tau_raw": fig.get("tau_raw"),
+                "tok_per_call": toks / max(sum(r.extra["calls"] for r in rs), 1),
+                "tokens": toks,
+                "mismatch": sum(r.tokens != p.tokens for r, p in zip(rs, runs["plain"])),
+                "alpha": fig.get("alpha", []),
+            }
+        )
     return rows
 
 
@@ -81,10 +108,11 @@ def goals(rows: list[dict], best: dict, ratio: str = "x_plain") -> dict:
     """The project's goals for the fastest configuration (`common.goal_line`: met only when no output of any
     configuration differed from plain greedy decoding)."""
     bad = sum(r["mismatch"] for r in rows)
-    return {"mismatches": bad,
-            "tau >= 4": goal_line("tau >= 4", best["tau"], 4.0, bad, method=best["method"]),
-            "speedup vs plain >= 2.0": goal_line("speedup vs plain >= 2.0", best[ratio], 2.0, bad,
-                                                 method=best["method"])}
+    return {
+        "mismatches": bad,
+        "tau >= 4": goal_line("tau >= 4", best["tau"], 4.0, bad, method=best["method"]),
+        "speedup vs plain >= 2.0": goal_line("speedup vs plain >= 2.0", best[ratio], 2.0, bad, method=best["method"]),
+    }
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -117,9 +145,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--trees", default="", help="tree shapes depth,topk,budget separated by ';' (none by default)")
     p.add_argument("--prompts", type=int, default=0, help="held-out prompts (0: the preset's)")
     p.add_argument("--head-steps", type=int, default=0, help="the head of `speedup.py --head-steps N`")
-    p.add_argument("--runs", type=int, default=1,
-                   help="repeat the whole measurement in N fresh processes and report each ratio's median and range "
-                        "(one process's memory layout moves every ratio by several percent on this machine)")
+    p.add_argument(
+        "--runs",
+        type=int,
+        default=1,
+        help="repeat the whole measurement in N fresh processes and report each ratio's median and range "
+        "(one process's memory layout moves every ratio by several percent on this machine)",
+    )
     p.add_argument("--out", default="", help=argparse.SUPPRESS)  # where a child process of --runs writes its JSON
     args = p.parse_args(argv)
     load0 = start(args)
@@ -132,29 +164,59 @@ def main(argv: list[str] | None = None) -> None:
 def repeat(args: argparse.Namespace, argv: list[str], load0: list[float]) -> None:
     """`--runs N`: the same measurement in N fresh processes, one after the other; per method the median, min and
     max of its ratio to plain decoding (tau is the same in every run: greedy decoding is deterministic)."""
-    runs = fresh_runs(__file__, argv, args.runs, lambda i, r: print(
-        f"run {i + 1}/{args.runs}: " + ", ".join(f"{x['method']} {x['x_plain']:.3f}" for x in r["rows"][1:]),
-        flush=True))
+    runs = fresh_runs(
+        __file__,
+        argv,
+        args.runs,
+        lambda i, r: print(
+            f"run {i + 1}/{args.runs}: " + ", ".join(f"{x['method']} {x['x_plain']:.3f}" for x in r["rows"][1:]),
+            flush=True,
+        ),
+    )
     rows = []
     for j, first in enumerate(runs[0]["rows"]):
         x = sorted(r["rows"][j]["x_plain"] for r in runs)
-        rows.append({**first, "x_plain_median": statistics.median(x), "x_plain_min": x[0], "x_plain_max": x[-1],
-                     "x_plain_runs": x, "tok_s_median": statistics.median(r["rows"][j]["tok_s"] for r in runs),
-                     "mismatch": max(r["rows"][j]["mismatch"] for r in runs)})
-    table = print_table(rows, ["method", "tok_s_median", "x_plain_median", "x_plain_min", "x_plain_max", "tau",
-                               "tok_per_call", "mismatch"],
-                        f"{args.runs} fresh processes, T=0, batch 1, {runs[0]['n_prompts']} held-out prompts, head "
-                        f"{Path(runs[0]['head']).parent.name}")
+        rows.append(
+            {
+                **first,
+                "x_plain_median": statistics.median(x),
+                "x_plain_min": x[0],
+                "x_plain_max": x[-1],
+                "x_plain_runs": x,
+                "tok_s_median": statistics.median(r["rows"][j]["tok_s"] for r in runs),
+                "mismatch": max(r["rows"][j]["mismatch"] for r in runs),
+            }
+        )
+    table = print_table(
+        rows,
+        ["method", "tok_s_median", "x_plain_median", "x_plain_min", "x_plain_max", "tau", "tok_per_call", "mismatch"],
+        f"{args.runs} fresh processes, T=0, batch 1, {runs[0]['n_prompts']} held-out prompts, head "
+        f"{Path(runs[0]['head']).parent.name}",
+    )
     best = max(rows[1:], key=lambda r: r["x_plain_median"])
-    print(f"fastest: {best['method']} at {best['x_plain_median']:.2f}x plain (median of {args.runs} runs, "
-          f"{best['x_plain_min']:.2f}-{best['x_plain_max']:.2f})")
+    print(
+        f"fastest: {best['method']} at {best['x_plain_median']:.2f}x plain (median of {args.runs} runs, "
+        f"{best['x_plain_min']:.2f}-{best['x_plain_max']:.2f})"
+    )
     g = goals(rows, best, "x_plain_median")
     name = Path(runs[0]["plot"]).stem + f"-runs{args.runs}"
     png = results_dir(args.quick) / f"{name}.png"
     plot([{**r, "x_plain": r["x_plain_median"]} for r in rows], png)
-    write_results(name, args.quick, {"args": vars(args), "n_prompts": runs[0]["n_prompts"], "rows": rows,
-                                     "fastest": best["method"], "goals": g, "head": runs[0]["head"],
-                                     "table": table, "plot": str(png)}, load0)
+    write_results(
+        name,
+        args.quick,
+        {
+            "args": vars(args),
+            "n_prompts": runs[0]["n_prompts"],
+            "rows": rows,
+            "fastest": best["method"],
+            "goals": g,
+            "head": runs[0]["head"],
+            "table": table,
+            "plot": str(png),
+        },
+        load0,
+    )
 
 
 def run(setup: Setup, args: argparse.Namespace, load0: list[float]) -> None:
@@ -170,13 +232,23 @@ def run(setup: Setup, args: argparse.Namespace, load0: list[float]) -> None:
     prompts = heldout_prompts(tok, setup.heldout_traffic, args.prompts or setup.preset.eval_prompts)
     rows = measure(target, draft, prompts, configs(args, setup.preset.max_new_tokens, eos_of(target)))
     best = max((r for r in rows if r["method"] != "plain"), key=lambda r: r["x_plain"])
-    table = print_table(rows, ["method", "tok_s", "x_plain", "tau", "tok_per_call", "tokens", "mismatch"],
-                        f"T=0, batch 1, {len(prompts)} held-out prompts, max {setup.preset.max_new_tokens} new "
-                        f"tokens, head {head.head_dir.parent.name}")
+    table = print_table(
+        rows,
+        ["method", "tok_s", "x_plain", "tau", "tok_per_call", "tokens", "mismatch"],
+        f"T=0, batch 1, {len(prompts)} held-out prompts, max {setup.preset.max_new_tokens} new "
+        f"tokens, head {head.head_dir.parent.name}",
+    )
     print(f"fastest: {best['method']} at {best['x_plain']:.2f}x plain (tau {best['tau']:.2f})")
     png = results_dir(args.quick) / f"{name}.png"
-    payload = {"args": vars(args), "n_prompts": len(prompts), "rows": rows, "fastest": best["method"],
-               "head": str(head.head_dir), "table": table, "plot": str(png)}
+    payload = {
+        "args": vars(args),
+        "n_prompts": len(prompts),
+        "rows": rows,
+        "fastest": best["method"],
+        "head": str(head.head_dir),
+        "table": table,
+        "plot": str(png),
+    }
     if args.out:  # a child of --runs: its parent aggregates, checks the goals and writes the result files
         Path(args.out).write_text(json.dumps(payload, default=str))
         return

@@ -26,8 +26,18 @@ from pathlib import Path
 
 import common  # noqa: F401  (puts the repo root on sys.path)
 
-from common import (Setup, base_args, prepare, print_table, pyplot, results_dir, setup_threads, start,
-                    train_or_reuse_head, write_results)
+from common import (
+    Setup,
+    base_args,
+    prepare,
+    print_table,
+    pyplot,
+    results_dir,
+    setup_threads,
+    start,
+    train_or_reuse_head,
+    write_results,
+)
 from components.train.stage import TrainConfig, train
 
 
@@ -44,16 +54,30 @@ def train_both(setup: Setup, cfg: TrainConfig) -> dict[str, dict]:
     heads = {}
     for name, d in (("best", run_dir), ("last", last_dir)):
         lineage = json.loads((d / "head" / "eagle_head.json").read_text())["lineage"]
-        heads[name] = {"head_dir": str(d / "head"), "step": lineage["selected_step"],
-                       "heldout_tau": lineage["selected_heldout_tau"], "rule": lineage["selection_rule"]}
+        heads[name] = {
+            "head_dir": str(d / "head"),
+            "step": lineage["selected_step"],
+            "heldout_tau": lineage["selected_heldout_tau"],
+            "rule": lineage["selection_rule"],
+        }
     heads["best"]["train_s"] = best.seconds
     return heads
 
 
 def heldout_curve(history: Path) -> list[dict]:
     rows = [json.loads(x) for x in history.read_text().splitlines() if x.strip()]
-    return [{"step": r["step"], "train_loss": r["loss"], "train_sim_tau": r["tau"], "heldout_loss": r["heldout_loss"],
-             "heldout_acc_0": r["heldout_acc_0"], "heldout_tau": r["heldout_tau"]} for r in rows if "heldout_tau" in r]
+    return [
+        {
+            "step": r["step"],
+            "train_loss": r["loss"],
+            "train_sim_tau": r["tau"],
+            "heldout_loss": r["heldout_loss"],
+            "heldout_acc_0": r["heldout_acc_0"],
+            "heldout_tau": r["heldout_tau"],
+        }
+        for r in rows
+        if "heldout_tau" in r
+    ]
 
 
 def decode(setup: Setup, heads: dict[str, dict], args: argparse.Namespace) -> None:
@@ -61,14 +85,27 @@ def decode(setup: Setup, heads: dict[str, dict], args: argparse.Namespace) -> No
     from components.evaluate.stage import EvaluateConfig, HeadEval, evaluate
     from eagle.speculative import SpecConfig
 
-    cfg = EvaluateConfig(spec=SpecConfig(method="chain", depth=args.depth, max_new_tokens=setup.preset.max_new_tokens),
-                         limit=args.prompts or setup.preset.eval_prompts, engine="local")
+    cfg = EvaluateConfig(
+        spec=SpecConfig(method="chain", depth=args.depth, max_new_tokens=setup.preset.max_new_tokens),
+        limit=args.prompts or setup.preset.eval_prompts,
+        engine="local",
+    )
     for name, h in heads.items():
         out = setup.work / "checkpoint_by_tau" / f"eval-{name}-{Path(h['head_dir']).parent.name}"
-        r = evaluate(cfg, HeadEval(str(setup.target_dir), h["head_dir"], str(setup.heldout_traffic), str(out)),
-                     progress=lambda _m: None)
-        h.update(tau=r.tau, a1=r.acceptance[0], **{f"a{args.depth}": r.acceptance[-1]}, speedup=r.speedup,
-                 identical=r.identical, prompts=r.n_samples, tokens=r.n_tokens)
+        r = evaluate(
+            cfg,
+            HeadEval(str(setup.target_dir), h["head_dir"], str(setup.heldout_traffic), str(out)),
+            progress=lambda _m: None,
+        )
+        h.update(
+            tau=r.tau,
+            a1=r.acceptance[0],
+            **{f"a{args.depth}": r.acceptance[-1]},
+            speedup=r.speedup,
+            identical=r.identical,
+            prompts=r.n_samples,
+            tokens=r.n_tokens,
+        )
 
 
 def plot(curve: list[dict], heads: dict[str, dict], path: Path) -> None:
@@ -79,8 +116,7 @@ def plot(curve: list[dict], heads: dict[str, dict], path: Path) -> None:
     ax.plot(steps, [r["train_sim_tau"] for r in curve], ls=":", label="simulated τ, training batch")
     for name, ls in (("best", "--"), ("last", "-.")):
         h = heads[name]
-        ax.axvline(h["step"], color="grey", ls=ls, lw=1,
-                   label=f"{name}: step {h['step']}, decoded τ {h['tau']:.3f}")
+        ax.axvline(h["step"], color="grey", ls=ls, lw=1, label=f"{name}: step {h['step']}, decoded τ {h['tau']:.3f}")
     ax.set_xlabel("training step")
     ax.set_ylabel("τ")
     ax.grid(True, alpha=0.3)
@@ -113,10 +149,15 @@ def run(setup: Setup, args: argparse.Namespace, load0: list[float]) -> None:
     """The benchmark on a prepared setup (see bench/common.py); prints the tables, writes the result files."""
     steps = args.steps or (16 if args.quick else 600)
     base = setup.preset.train
-    cfg = dataclasses.replace(base, steps=steps, ttt=dataclasses.replace(base.ttt, ttt_steps=args.ttt),
-                              checkpoint_every=steps,
-                              eval_every=args.eval_every or (4 if args.quick else 25),
-                              holdout_seqs=4 if args.quick else args.holdout, select="best_tau")
+    cfg = dataclasses.replace(
+        base,
+        steps=steps,
+        ttt=dataclasses.replace(base.ttt, ttt_steps=args.ttt),
+        checkpoint_every=steps,
+        eval_every=args.eval_every or (4 if args.quick else 25),
+        holdout_seqs=4 if args.quick else args.holdout,
+        select="best_tau",
+    )
     if args.quick:
         args.prompts = 0
     heads = train_both(setup, cfg)
@@ -124,29 +165,57 @@ def run(setup: Setup, args: argparse.Namespace, load0: list[float]) -> None:
     decode(setup, heads, args)
     for r in curve:
         r["best"] = "*" if r["step"] == heads["best"]["step"] else ""
-    curve_table = print_table(curve, ["step", "train_loss", "train_sim_tau", "heldout_loss", "heldout_acc_0",
-                                      "heldout_tau", "best"],
-                              f"held-out slice ({cfg.holdout_seqs} sequences held out of training): TTT loss and "
-                              f"simulated tau, K={cfg.ttt.ttt_steps}, every {cfg.eval_every} steps (* selected)")
-    rows = [{"head": n, "step": h["step"], "heldout_tau": h["heldout_tau"], "tau": h["tau"], "a1": h["a1"],
-             f"a{args.depth}": h[f"a{args.depth}"], "speedup": h["speedup"], "identical": h["identical"]}
-            for n, h in heads.items()]
-    heads_table = print_table(rows, ["head", "step", "heldout_tau", "tau", "a1", f"a{args.depth}", "speedup",
-                                     "identical"],
-                              f"best-by-tau vs last: decoded on {heads['best']['prompts']} held-out prompts, chain "
-                              f"depth {args.depth}, T=0 (heldout_tau: simulated, on the selection slice)")
+    curve_table = print_table(
+        curve,
+        ["step", "train_loss", "train_sim_tau", "heldout_loss", "heldout_acc_0", "heldout_tau", "best"],
+        f"held-out slice ({cfg.holdout_seqs} sequences held out of training): TTT loss and "
+        f"simulated tau, K={cfg.ttt.ttt_steps}, every {cfg.eval_every} steps (* selected)",
+    )
+    rows = [
+        {
+            "head": n,
+            "step": h["step"],
+            "heldout_tau": h["heldout_tau"],
+            "tau": h["tau"],
+            "a1": h["a1"],
+            f"a{args.depth}": h[f"a{args.depth}"],
+            "speedup": h["speedup"],
+            "identical": h["identical"],
+        }
+        for n, h in heads.items()
+    ]
+    heads_table = print_table(
+        rows,
+        ["head", "step", "heldout_tau", "tau", "a1", f"a{args.depth}", "speedup", "identical"],
+        f"best-by-tau vs last: decoded on {heads['best']['prompts']} held-out prompts, chain "
+        f"depth {args.depth}, T=0 (heldout_tau: simulated, on the selection slice)",
+    )
     b, last = heads["best"], heads["last"]
-    verdict = ("the best was the last step: the same head" if b["step"] == last["step"] else
-               f"best-by-tau {'beats' if b['tau'] > last['tau'] else 'does not beat'} last: decoded tau "
-               f"{b['tau']:.3f} (step {b['step']}) vs {last['tau']:.3f} (step {last['step']}), "
-               f"ratio {b['tau'] / last['tau']:.3f}")
+    verdict = (
+        "the best was the last step: the same head"
+        if b["step"] == last["step"]
+        else f"best-by-tau {'beats' if b['tau'] > last['tau'] else 'does not beat'} last: decoded tau "
+        f"{b['tau']:.3f} (step {b['step']}) vs {last['tau']:.3f} (step {last['step']}), "
+        f"ratio {b['tau'] / last['tau']:.3f}"
+    )
     print(f"answer: {verdict}; selection: {b['rule']}", flush=True)
     png = results_dir(args.quick) / "checkpoint_by_tau.png"
     plot(curve, heads, png)
-    write_results("checkpoint_by_tau", args.quick,
-                  {"args": vars(args), "train_config": dataclasses.asdict(cfg), "heldout": curve, "heads": heads,
-                   "selected_step": b["step"], "answer": verdict, "tables": [curve_table, heads_table],
-                   "plot": str(png)}, load0)
+    write_results(
+        "checkpoint_by_tau",
+        args.quick,
+        {
+            "args": vars(args),
+            "train_config": dataclasses.asdict(cfg),
+            "heldout": curve,
+            "heads": heads,
+            "selected_step": b["step"],
+            "answer": verdict,
+            "tables": [curve_table, heads_table],
+            "plot": str(png),
+        },
+        load0,
+    )
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """Shared setup of the benchmarks: the embedded target, its traffic regenerated and extracted once, heads trained
-once per config, held-out prompts, interleaved timing, tables and result files.
+once per config, held-out prompts, tables and result files (the interleaved timing: bench/timing.py).
 
 Purpose: every benchmark starts with `setup = prepare(quick)`:
 - the embedded default (`EmbeddedConfig.default()`), reused from `.eagle/embedded` when a finished build with that
@@ -29,7 +29,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 for _p in (ROOT, ROOT / "bench"):  # the repository (eagle/, components/) and bench/ (report.py)
@@ -67,23 +67,45 @@ class Preset:
 
     @classmethod
     def quick(cls) -> "Preset":
-        return cls("quick", EmbeddedConfig.tiny(),
-                   RegenerateConfig(max_new_tokens=24, batch_size=8, shard_size=16, limit=24),
-                   ExtractConfig(max_len=128, seqs_per_shard=16),
-                   TrainConfig(steps=8, batch_size=4, draft_vocab_size=128, checkpoint_every=1000, log_every=4,
-                               ttt=TTTConfig(ttt_steps=3), optim=OptimConfig(lr=3e-3, warmup_steps=2),
-                               ray=RayConfig(num_workers=0)),
-                   eval_prompts=3, max_new_tokens=16)
+        return cls(
+            "quick",
+            EmbeddedConfig.tiny(),
+            RegenerateConfig(max_new_tokens=24, batch_size=8, shard_size=16, limit=24),
+            ExtractConfig(max_len=128, seqs_per_shard=16),
+            TrainConfig(
+                steps=8,
+                batch_size=4,
+                draft_vocab_size=128,
+                checkpoint_every=1000,
+                log_every=4,
+                ttt=TTTConfig(ttt_steps=3),
+                optim=OptimConfig(lr=3e-3, warmup_steps=2),
+                ray=RayConfig(num_workers=0),
+            ),
+            eval_prompts=3,
+            max_new_tokens=16,
+        )
 
     @classmethod
     def default(cls) -> "Preset":
-        return cls("default", EmbeddedConfig.default(),
-                   RegenerateConfig(max_new_tokens=96, batch_size=32, shard_size=64, limit=512),
-                   ExtractConfig(max_len=320, seqs_per_shard=128),
-                   TrainConfig(steps=150, batch_size=8, draft_vocab_size=2048, checkpoint_every=1000, log_every=25,
-                               ttt=TTTConfig(ttt_steps=7), optim=OptimConfig(lr=2e-3, warmup_steps=15),
-                               ray=RayConfig(num_workers=0)),
-                   eval_prompts=24, max_new_tokens=96)
+        return cls(
+            "default",
+            EmbeddedConfig.default(),
+            RegenerateConfig(max_new_tokens=96, batch_size=32, shard_size=64, limit=512),
+            ExtractConfig(max_len=320, seqs_per_shard=128),
+            TrainConfig(
+                steps=150,
+                batch_size=8,
+                draft_vocab_size=2048,
+                checkpoint_every=1000,
+                log_every=25,
+                ttt=TTTConfig(ttt_steps=7),
+                optim=OptimConfig(lr=2e-3, warmup_steps=15),
+                ray=RayConfig(num_workers=0),
+            ),
+            eval_prompts=24,
+            max_new_tokens=96,
+        )
 
     @classmethod
     def get(cls, quick: bool) -> "Preset":
@@ -134,8 +156,9 @@ def embedded(preset: Preset, wait_s: float = 3600) -> EmbeddedResult:
     """The finished build of the preset's config; waits for one in progress (another process) before building."""
     root = EMBEDDED_ROOT if preset.name == "default" else CACHE / "embedded"
     deadline = time.time() + wait_s
-    while (res := find_embedded(preset.embedded, root)) is None and _live_partial_builds(root) \
-            and time.time() < deadline:
+    while (
+        (res := find_embedded(preset.embedded, root)) is None and _live_partial_builds(root) and time.time() < deadline
+    ):
         _say(f"bench: waiting for the embedded build in progress ({_live_partial_builds(root)[0].name})")
         time.sleep(30)
     if res is None:
@@ -173,10 +196,20 @@ def prepare(quick: bool, role: str = "target", conversations: int = 0) -> Setup:
         with setup_threads():
             regenerate(preset.regenerate, str(target_dir), str(traffic.train), str(regen_dir), progress=_quiet)
             ext = extract(preset.extract, str(target_dir), str(regen_dir), str(ext_dir), progress=_quiet)
-        done.write_text(json.dumps({"key": key, "n_seqs": ext.n_seqs, "n_tokens": ext.n_tokens,
-                                    "seconds": round(time.perf_counter() - t0, 1)}) + "\n")
-    return Setup(preset, emb, Path(target_dir), Path(traffic.train), Path(traffic.heldout), work, regen_dir, ext_dir,
-                 shared)
+        done.write_text(
+            json.dumps(
+                {
+                    "key": key,
+                    "n_seqs": ext.n_seqs,
+                    "n_tokens": ext.n_tokens,
+                    "seconds": round(time.perf_counter() - t0, 1),
+                }
+            )
+            + "\n"
+        )
+    return Setup(
+        preset, emb, Path(target_dir), Path(traffic.train), Path(traffic.heldout), work, regen_dir, ext_dir, shared
+    )
 
 
 def setup_threads():
@@ -223,8 +256,9 @@ def train_or_reuse_head(setup: Setup, name: str, cfg: TrainConfig, extract_dir: 
     with setup_threads():
         res = train(cfg, str(ext), str(out), target_dir=str(setup.target_dir))
         threads = torch.get_num_threads()
-    info.write_text(json.dumps({"seconds": res.seconds, "final_metrics": res.final_metrics,
-                                "torch_threads": threads}) + "\n")
+    info.write_text(
+        json.dumps({"seconds": res.seconds, "final_metrics": res.final_metrics, "torch_threads": threads}) + "\n"
+    )
     return TrainedHead(Path(res.head_dir), res.seconds, res.final_metrics, False)
 
 
@@ -239,8 +273,9 @@ def speed_head(setup: Setup, head_steps: int, conversations: int) -> tuple[Train
     cfg = speed_head_config(setup, head_steps)
     steps = cfg.steps
     head = train_or_reuse_head(setup, "eagle3-ttt7", cfg)
-    suffix = (f"-head{steps}" if steps != setup.preset.train.steps else "") + \
-        (f"-conv{conversations}" if conversations else "")
+    suffix = (f"-head{steps}" if steps != setup.preset.train.steps else "") + (
+        f"-conv{conversations}" if conversations else ""
+    )
     return head, suffix
 
 
@@ -252,7 +287,7 @@ def heldout_prompts(tokenizer, path: Path, limit: int, max_prompt_tokens: int = 
     out = []
     for conv in load_traffic(path).conversations:
         first = next(i for i, m in enumerate(conv.messages) if m.role == "user")
-        ids = prompt_ids(tokenizer, [{"role": m.role, "content": m.content} for m in conv.messages[:first + 1]])
+        ids = prompt_ids(tokenizer, [{"role": m.role, "content": m.content} for m in conv.messages[: first + 1]])
         if len(ids) <= max_prompt_tokens:
             out.append(ids)
         if len(out) >= limit:
@@ -263,7 +298,7 @@ def heldout_prompts(tokenizer, path: Path, limit: int, max_prompt_tokens: int = 
 def until_eos(tokens: list[int], eos: int | tuple[int, ...] | None) -> list[int]:
     """`tokens` up to and including the first end-of-sequence id (transformers pads after it)."""
     ends = eos if isinstance(eos, tuple) else (eos,)
-    return tokens[:next((i + 1 for i, t in enumerate(tokens) if t in ends), len(tokens))]
+    return tokens[: next((i + 1 for i, t in enumerate(tokens) if t in ends), len(tokens))]
 
 
 def eos_of(target) -> int | tuple[int, ...] | None:
@@ -271,43 +306,8 @@ def eos_of(target) -> int | tuple[int, ...] | None:
     return tuple(eos) if isinstance(eos, list) else eos
 
 
-# ---- timing ----------------------------------------------------------------------------------------------------
-
-@dataclass
-class Run:
-    """What one method produced on one prompt."""
-
-    seconds: float
-    tokens: list[int]
-    extra: dict
-
-
-def interleaved(methods: dict[str, Callable[[list[int]], tuple[list[int], dict]]], prompts: list[list[int]],
-                warmup: int = 1) -> dict[str, list[Run]]:
-    """Run every method on every prompt, prompt by prompt, rotating the order, so all see the same machine state.
-
-    A method takes prompt ids and returns (new token ids, extra stats). The first `warmup` prompts run once
-    untimed per method first (first-call costs out of the timing).
-    """
-    for ids in prompts[:warmup]:
-        for fn in methods.values():
-            fn(ids)
-    names = list(methods)
-    out: dict[str, list[Run]] = {n: [] for n in names}
-    for i, ids in enumerate(prompts):
-        order = names[i % len(names):] + names[:i % len(names)]
-        for n in order:
-            t0 = time.perf_counter()
-            toks, extra = methods[n](ids)
-            out[n].append(Run(time.perf_counter() - t0, toks, extra))
-    return out
-
-
-def tokens_per_s(runs: list[Run]) -> float:
-    return sum(len(r.tokens) for r in runs) / max(sum(r.seconds for r in runs), 1e-9)
-
-
 # ---- reporting (bench/report.py) -------------------------------------------------------------------------------
+
 
 def results_dir(quick: bool) -> Path:
     d = CACHE / "results-quick" if quick else RESULTS
@@ -333,16 +333,32 @@ def pyplot():
 def base_args(description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--quick", action="store_true", help="tiny embedded preset, under 2 minutes (for tests)")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch CPU threads (default 1: on a shared 2-core machine two threads oversubscribe the "
-                        "cores and every op runs several times slower; 0 keeps torch's default)")
-    p.add_argument("--setup-threads", type=int, default=0,
-                   help="torch threads for the cached setup (regenerate, extract, training heads): not measured, so "
-                        "2 halves the first run on a quiet 2-core machine (default 0: as --threads)")
-    p.add_argument("--conversations", type=int, default=0,
-                   help="training conversations to regenerate (0: the preset's 512; the embedded traffic has 2,000)")
-    p.add_argument("--cache", default="", help=f"cache directory (default {CACHE.relative_to(ROOT)}; the embedded "
-                   "default is still looked for in .eagle/embedded)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads (default 1: on a shared 2-core machine two threads oversubscribe the "
+        "cores and every op runs several times slower; 0 keeps torch's default)",
+    )
+    p.add_argument(
+        "--setup-threads",
+        type=int,
+        default=0,
+        help="torch threads for the cached setup (regenerate, extract, training heads): not measured, so "
+        "2 halves the first run on a quiet 2-core machine (default 0: as --threads)",
+    )
+    p.add_argument(
+        "--conversations",
+        type=int,
+        default=0,
+        help="training conversations to regenerate (0: the preset's 512; the embedded traffic has 2,000)",
+    )
+    p.add_argument(
+        "--cache",
+        default="",
+        help=f"cache directory (default {CACHE.relative_to(ROOT)}; the embedded "
+        "default is still looked for in .eagle/embedded)",
+    )
     return p
 
 
@@ -356,23 +372,6 @@ def start(args: argparse.Namespace) -> list[float]:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     return list(os.getloadavg())
-
-
-def fresh_runs(script: str, argv: list[str], runs: int, say: Callable[[int, dict], None]) -> list[dict]:
-    """`--runs N` of a benchmark: `script` with `argv` (its own `--runs` replaced by 1, `--out` added) in N fresh
-    processes, one after the other; each child's JSON payload, in order. `say(i, payload)` after each."""
-    import subprocess
-    import tempfile
-
-    out: list[dict] = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for i in range(runs):
-            path = Path(tmp) / f"run{i}.json"
-            cmd = [sys.executable, script, *argv_without(argv, "--runs"), "--runs", "1", "--out", str(path)]
-            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-            out.append(json.loads(path.read_text()))
-            say(i, out[-1])
-    return out
 
 
 def argv_without(argv: list[str], flag: str) -> list[str]:
@@ -392,5 +391,9 @@ if __name__ == "__main__":
     a = base_args(__doc__.splitlines()[0]).parse_args()
     start(a)
     s = prepare(a.quick, conversations=a.conversations)
-    print(json.dumps({"build": str(s.emb.build_dir), "work": str(s.work),
-                      **json.loads((s.work / "prepared.json").read_text())}, indent=2))
+    print(
+        json.dumps(
+            {"build": str(s.emb.build_dir), "work": str(s.work), **json.loads((s.work / "prepared.json").read_text())},
+            indent=2,
+        )
+    )

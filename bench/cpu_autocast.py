@@ -65,8 +65,10 @@ def main() -> None:
     p.set_defaults(threads=2)
     args = p.parse_args()
     if args.reps < 1 or args.steps < 1 or not 0 <= args.warmup < args.steps:
-        p.error(f"--reps and --steps must be >= 1 and --warmup in [0, --steps), got --reps {args.reps} --steps "
-                f"{args.steps} --warmup {args.warmup}")
+        p.error(
+            f"--reps and --steps must be >= 1 and --warmup in [0, --steps), got --reps {args.reps} --steps "
+            f"{args.steps} --warmup {args.warmup}"
+        )
     if args.extract and not (Path(args.extract) / "manifest.json").is_file():
         p.error(f"--extract {args.extract}: not an extract stage's output (no manifest.json in it)")
     load_before = start(args)
@@ -83,28 +85,55 @@ def main() -> None:
     rows = []
     for rep in range(args.reps):
         order = ("fp32", "bf16") if rep % 2 == 0 else ("bf16", "fp32")
-        got = {m: steps_of(extract_dir, cfg, torch.bfloat16 if m == "bf16" else None, args.steps, args.warmup)
-               for m in order}
-        rows.append({"rep": rep, "order": list(order), "fp32_step_s": got["fp32"][0], "bf16_step_s": got["bf16"][0],
-                     "ratio": got["fp32"][0] / got["bf16"][0], "fp32_loss": got["fp32"][1],
-                     "bf16_loss": got["bf16"][1]})
-        print(f"cpu_autocast: rep {rep + 1}/{args.reps}: fp32 {got['fp32'][0]:.3f} s/step, bf16 {got['bf16'][0]:.3f} "
-              f"s/step ({rows[-1]['ratio']:.2f}x); last loss {got['fp32'][1]:.4f} / {got['bf16'][1]:.4f}", flush=True)
+        got = {
+            m: steps_of(extract_dir, cfg, torch.bfloat16 if m == "bf16" else None, args.steps, args.warmup)
+            for m in order
+        }
+        rows.append(
+            {
+                "rep": rep,
+                "order": list(order),
+                "fp32_step_s": got["fp32"][0],
+                "bf16_step_s": got["bf16"][0],
+                "ratio": got["fp32"][0] / got["bf16"][0],
+                "fp32_loss": got["fp32"][1],
+                "bf16_loss": got["bf16"][1],
+            }
+        )
+        print(
+            f"cpu_autocast: rep {rep + 1}/{args.reps}: fp32 {got['fp32'][0]:.3f} s/step, bf16 {got['bf16'][0]:.3f} "
+            f"s/step ({rows[-1]['ratio']:.2f}x); last loss {got['fp32'][1]:.4f} / {got['bf16'][1]:.4f}",
+            flush=True,
+        )
     ratios = [r["ratio"] for r in rows]
     loss_gap = max(abs(r["bf16_loss"] / r["fp32_loss"] - 1) for r in rows)
-    summary = {"amx": amx, "ratio_median": statistics.median(ratios), "ratio_min": min(ratios),
-               "loss_gap_max": loss_gap, "extract_dir": extract_dir, "steps": args.steps, "warmup": args.warmup,
-               "threads": torch.get_num_threads()}
-    print_table([{**r, "order": "/".join(r["order"])} for r in rows],
-                ["rep", "order", "fp32_step_s", "bf16_step_s", "ratio", "fp32_loss", "bf16_loss"],
-                f"fp32 against bf16 autocast, {args.steps} steps a head (AMX: {'yes' if amx else 'no'})")
-    goal = goal_line("bf16 step speed-up (fp32 s / bf16 s, median over repetitions)", summary["ratio_median"],
-                     GOAL_RATIO, 0 if loss_gap <= LOSS_BAND else 1,
-                     method=f"min {summary['ratio_min']:.2f}x; last losses within {100 * loss_gap:.2f}% (a loss "
-                            f"gap over {100 * LOSS_BAND:.0f}% counts as a mismatch)")
+    summary = {
+        "amx": amx,
+        "ratio_median": statistics.median(ratios),
+        "ratio_min": min(ratios),
+        "loss_gap_max": loss_gap,
+        "extract_dir": extract_dir,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "threads": torch.get_num_threads(),
+    }
+    print_table(
+        [{**r, "order": "/".join(r["order"])} for r in rows],
+        ["rep", "order", "fp32_step_s", "bf16_step_s", "ratio", "fp32_loss", "bf16_loss"],
+        f"fp32 against bf16 autocast, {args.steps} steps a head (AMX: {'yes' if amx else 'no'})",
+    )
+    goal = goal_line(
+        "bf16 step speed-up (fp32 s / bf16 s, median over repetitions)",
+        summary["ratio_median"],
+        GOAL_RATIO,
+        0 if loss_gap <= LOSS_BAND else 1,
+        method=f"min {summary['ratio_min']:.2f}x; last losses within {100 * loss_gap:.2f}% (a loss "
+        f"gap over {100 * LOSS_BAND:.0f}% counts as a mismatch)",
+    )
     runs = whole_runs(cfg, extract_dir) if args.whole_run else {}
-    write_results("cpu_autocast", args.quick, {"summary": summary, "goal": goal, "rows": rows, "whole_runs": runs},
-                  load_before)
+    write_results(
+        "cpu_autocast", args.quick, {"summary": summary, "goal": goal, "rows": rows, "whole_runs": runs}, load_before
+    )
 
 
 def whole_runs(cfg, extract_dir: str) -> dict[str, list]:
@@ -122,8 +151,11 @@ def whole_runs(cfg, extract_dir: str) -> dict[str, list]:
             train(dataclasses.replace(cfg, autocast=mode, ray=RayConfig(num_workers=0)), extract_dir, tmp, None)
             rows = [json.loads(line) for line in Path(tmp, "history.jsonl").read_text().splitlines()]
         out[mode] = [(r["step"], r["heldout_tau"]) for r in rows if "heldout_tau" in r]
-        print(f"cpu_autocast: whole run, autocast {mode}: held-out tau "
-              + ", ".join(f"{t:.3f} at {s}" for s, t in out[mode]), flush=True)
+        print(
+            f"cpu_autocast: whole run, autocast {mode}: held-out tau "
+            + ", ".join(f"{t:.3f} at {s}" for s, t in out[mode]),
+            flush=True,
+        )
     return out
 
 

@@ -37,7 +37,7 @@ def curve(extract_dir: str, fraction: float, steps: int, eval_every: int) -> tup
     cfg = dataclasses.replace(PipelineConfig.preset("default").train, steps=steps)
     data = TrainingData.open(extract_dir)
     train_ids, held_ids = heldout_split(data.n_seqs, holdout_size(cfg, data.n_seqs), cfg.seed)
-    train_ids = train_ids[:max(cfg.batch_size, round(len(train_ids) * fraction))]
+    train_ids = train_ids[: max(cfg.batch_size, round(len(train_ids) * fraction))]
     sizes = (data.offsets[1:] - data.offsets[:-1]).tolist()
     torch.manual_seed(cfg.seed)
     draft = new_head(LoopArgs(cfg, extract_dir, "", None), data)
@@ -49,17 +49,32 @@ def curve(extract_dir: str, fraction: float, steps: int, eval_every: int) -> tup
     for step, pos in batches(len(train_ids), cfg.batch_size, cfg.seed, 0, 0, 1, lengths):
         if step >= steps:
             break
-        batch = ttt_batch(data, [train_ids[i] for i in pos], draft.draft_ids(), "cpu",
-                          every_token=cfg.loss_on == "all", teacher_cache=cache)
+        batch = ttt_batch(
+            data,
+            [train_ids[i] for i in pos],
+            draft.draft_ids(),
+            "cpu",
+            every_token=cfg.loss_on == "all",
+            teacher_cache=cache,
+        )
         train_step(model, draft, batch, cfg.ttt, opt, sched, cfg.optim.grad_clip, amp)
         if (step + 1) % eval_every == 0 or step + 1 == steps:
-            chunks = (held_ids[i:i + cfg.batch_size] for i in range(0, len(held_ids), cfg.batch_size))
-            held = heldout_metrics(draft, (ttt_batch(data, c, draft.draft_ids(), "cpu", teacher_cache=cache)
-                                           for c in chunks), cfg.ttt, amp)
-            rows.append({"step": step + 1, "heldout_tau": round(held["heldout_tau"], 3),
-                         "seconds": round(time.perf_counter() - t0, 1)})
-            print(f"data_curve: {fraction:g} of the data ({len(train_ids)} sequences), step {step + 1}: held-out tau "
-                  f"{held['heldout_tau']:.2f} ({rows[-1]['seconds']:.0f} s)", flush=True)
+            chunks = (held_ids[i : i + cfg.batch_size] for i in range(0, len(held_ids), cfg.batch_size))
+            held = heldout_metrics(
+                draft, (ttt_batch(data, c, draft.draft_ids(), "cpu", teacher_cache=cache) for c in chunks), cfg.ttt, amp
+            )
+            rows.append(
+                {
+                    "step": step + 1,
+                    "heldout_tau": round(held["heldout_tau"], 3),
+                    "seconds": round(time.perf_counter() - t0, 1),
+                }
+            )
+            print(
+                f"data_curve: {fraction:g} of the data ({len(train_ids)} sequences), step {step + 1}: held-out tau "
+                f"{held['heldout_tau']:.2f} ({rows[-1]['seconds']:.0f} s)",
+                flush=True,
+            )
     return len(train_ids), rows
 
 
@@ -80,16 +95,23 @@ def main() -> None:
     for f in sorted(args.fractions):
         n, rows = curve(args.extract, f, args.steps, args.eval_every)
         out.extend({"fraction": f, "sequences": n, **r} for r in rows)
-    print_table(out, ["fraction", "sequences", "step", "heldout_tau", "seconds"],
-                f"held-out tau by data and steps ({args.extract})")
+    print_table(
+        out,
+        ["fraction", "sequences", "step", "heldout_tau", "seconds"],
+        f"held-out tau by data and steps ({args.extract})",
+    )
     path = write_results("data_curve", args.quick, {"extract_dir": args.extract, "rows": out}, load_before)
     plt = pyplot()
     if plt is not None:
         fig, ax = plt.subplots(figsize=(6, 4))
         for f in sorted(args.fractions):
             pts = [r for r in out if r["fraction"] == f]
-            ax.plot([r["step"] for r in pts], [r["heldout_tau"] for r in pts], marker="o",
-                    label=f"{pts[0]['sequences']} sequences" if pts else str(f))
+            ax.plot(
+                [r["step"] for r in pts],
+                [r["heldout_tau"] for r in pts],
+                marker="o",
+                label=f"{pts[0]['sequences']} sequences" if pts else str(f),
+            )
         ax.set_xlabel("training step")
         ax.set_ylabel("held-out tau (simulated)")
         ax.set_title("held-out tau by data and steps")

@@ -37,8 +37,15 @@ def shape_for(target_cfg):
     hidden = target_cfg.hidden_size // 2
     head_dim = target_cfg.hidden_size // target_cfg.num_heads
     heads = max(1, hidden // head_dim)
-    return dataclasses.replace(target_cfg, num_layers=2, hidden_size=hidden, intermediate_size=3 * hidden,
-                               num_heads=heads, num_kv_heads=heads, tie_word_embeddings=True)
+    return dataclasses.replace(
+        target_cfg,
+        num_layers=2,
+        hidden_size=hidden,
+        intermediate_size=3 * hidden,
+        num_heads=heads,
+        num_kv_heads=heads,
+        tie_word_embeddings=True,
+    )
 
 
 def per_token_macs(config) -> int:
@@ -68,7 +75,7 @@ def _windows(ext_dir: Path) -> torch.Tensor:
     if seq_len < 16:
         raise ValueError(f"{ext_dir}: {ids.numel()} tokens, too few to train a draft model on")
     n = ids.numel() // seq_len
-    return ids[:n * seq_len].view(n, seq_len)
+    return ids[: n * seq_len].view(n, seq_len)
 
 
 @dataclass
@@ -138,7 +145,7 @@ def train_for(model, windows_NT: torch.Tensor, budget_s: float, beside: Beside |
         for group in opt.param_groups:
             group["lr"] = _lr(elapsed, budget_s, step)
         at = (step * BATCH) % max(1, len(order) - BATCH + 1)
-        x = windows_NT[order[at:at + BATCH]]
+        x = windows_NT[order[at : at + BATCH]]
         loss = model(input_ids=x, labels=x).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -147,10 +154,16 @@ def train_for(model, windows_NT: torch.Tensor, budget_s: float, beside: Beside |
         losses.append(loss.item())
         step += 1
     model.eval()
-    tail = losses[-max(1, len(losses) // 10):]
-    return {"steps": step, "seconds": round(time.perf_counter() - t0, 1), "tokens": step * x.numel() if step else 0,
-            "loss_first": losses[0] if losses else None, "loss_last": sum(tail) / len(tail) if tail else None,
-            "epochs": round(step * BATCH / len(windows_NT), 2), "torch_threads": torch.get_num_threads()}
+    tail = losses[-max(1, len(losses) // 10) :]
+    return {
+        "steps": step,
+        "seconds": round(time.perf_counter() - t0, 1),
+        "tokens": step * x.numel() if step else 0,
+        "loss_first": losses[0] if losses else None,
+        "loss_last": sum(tail) / len(tail) if tail else None,
+        "epochs": round(step * BATCH / len(windows_NT), 2),
+        "torch_threads": torch.get_num_threads(),
+    }
 
 
 def _cache_dir(setup: Setup, shape, budget_s: float) -> tuple[Path, float]:
@@ -176,8 +189,10 @@ def ensure(setup: Setup, budget_s: float, beside: Beside | None = None) -> tuple
     tokenizer = AutoTokenizer.from_pretrained(setup.emb.tokenizer_dir)
     model = lm_train.make_target(shape, tokenizer, SEED)
     until = f"beside the head in {beside.head_dir}, until it is done" if beside else f"for {budget_s:.0f} s"
-    common._say(f"bench: training the draft model ({shape.num_layers} layers, hidden {shape.hidden_size}, tied) "
-                f"{until} on {setup.extract_dir}")
+    common._say(
+        f"bench: training the draft model ({shape.num_layers} layers, hidden {shape.hidden_size}, tied) "
+        f"{until} on {setup.extract_dir}"
+    )
     with common.setup_threads():
         stats = train_for(model, _windows(setup.extract_dir), budget_s, beside)
     extra = {}
@@ -188,11 +203,17 @@ def ensure(setup: Setup, budget_s: float, beside: Beside | None = None) -> tuple
         extra = {"side_by_side": {"head_dir": str(beside.head_dir), "head_seconds": round(head_s, 1)}}
     lm_train.save_target(model, tokenizer, out)
     target_cfg = AutoConfig.from_pretrained(setup.target_dir)
-    info = {**stats, **extra, "shape": dataclasses.asdict(shape), "budget_s": budget_s,
-            "parameters": sum(p.numel() for p in model.parameters()),
-            "macs_per_token": per_token_macs(model.config), "target_macs_per_token": per_token_macs(target_cfg),
-            "x_target_compute": round(per_token_macs(model.config) / per_token_macs(target_cfg), 3),
-            "data": str(setup.extract_dir)}
+    info = {
+        **stats,
+        **extra,
+        "shape": dataclasses.asdict(shape),
+        "budget_s": budget_s,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "macs_per_token": per_token_macs(model.config),
+        "target_macs_per_token": per_token_macs(target_cfg),
+        "x_target_compute": round(per_token_macs(model.config) / per_token_macs(target_cfg), 3),
+        "data": str(setup.extract_dir),
+    }
     info_path.write_text(json.dumps(info, indent=1) + "\n")
     return out, info
 
@@ -208,8 +229,11 @@ def main(argv: list[str] | None = None) -> None:
     common.start(args)
     setup = common.prepare(args.quick, conversations=args.conversations)
     out, info = ensure(setup, args.guess, Beside(Path(args.beside), args.head_steps))
-    print(f"draft model {out}: {info['seconds']:.0f} s beside the head's {info['side_by_side']['head_seconds']:.0f} s, "
-          f"{info['steps']} steps", flush=True)
+    print(
+        f"draft model {out}: {info['seconds']:.0f} s beside the head's {info['side_by_side']['head_seconds']:.0f} s, "
+        f"{info['steps']} steps",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -49,7 +49,7 @@ class Eagle1Draft(Eagle3Draft):
     """The EAGLE-3 head whose input feature is the top feature itself (no fusion; `fc` is unused)."""
 
     def fuse(self, aux_BT3H: torch.Tensor) -> torch.Tensor:
-        return aux_BT3H[..., -self.cfg.hidden_size:].to(self.lm_head.weight.dtype)
+        return aux_BT3H[..., -self.cfg.hidden_size :].to(self.lm_head.weight.dtype)
 
     def trainable_parameters(self):
         return [p for n, p in self.named_parameters() if not n.startswith(("embed_tokens", "fc."))]
@@ -60,8 +60,10 @@ def eagle1_head(target: nn.Module, token_counts_V: torch.Tensor, draft_vocab_siz
     cfg = eagle1_config(DraftConfig.from_target(target.config, draft_vocab_size))
     draft = Eagle1Draft(cfg)
     draft.set_draft_vocab(select_draft_vocab(token_counts_V, cfg.draft_vocab_size))
-    draft.init_from_target(target.get_input_embeddings().weight.detach().float().cpu(),
-                           target.get_output_embeddings().weight.detach().float().cpu())
+    draft.init_from_target(
+        target.get_input_embeddings().weight.detach().float().cpu(),
+        target.get_output_embeddings().weight.detach().float().cpu(),
+    )
     return draft
 
 
@@ -74,8 +76,13 @@ class Eagle1Batch:
 
 
 @torch.no_grad()
-def eagle1_batch(target: nn.Module, draft: Eagle1Draft, input_ids_BS: torch.Tensor, loss_mask_BS: torch.Tensor,
-                 attention_mask_BS: torch.Tensor) -> Eagle1Batch:
+def eagle1_batch(
+    target: nn.Module,
+    draft: Eagle1Draft,
+    input_ids_BS: torch.Tensor,
+    loss_mask_BS: torch.Tensor,
+    attention_mask_BS: torch.Tensor,
+) -> Eagle1Batch:
     """Run the target over a right-padded batch: its top feature and the teacher on the draft vocabulary."""
     top = draft.cfg.aux_layer_ids[-1]
     step = target_forward(target, input_ids_BS, (top,), attention_mask=attention_mask_BS)
@@ -104,13 +111,17 @@ def eagle1_loss(draft: Eagle1Draft, batch: Eagle1Batch, cfg: Eagle1LossConfig = 
     n = S - 2  # position i predicts row i+1; the last two positions have no trained next token
     w = batch.loss_mask_BS[:, 2:].float() * t.in_vocab_BT[:, 1:-1].float()
     valid = batch.loss_mask_BS[:, 2:].float()
-    reg = F.smooth_l1_loss(out_BSH[:, :n], f[:, 1:n + 1], reduction="none").mean(-1)
+    reg = F.smooth_l1_loss(out_BSH[:, :n], f[:, 1 : n + 1], reduction="none").mean(-1)
     logp = F.log_softmax(logits_BSV[:, :n].float(), -1)
-    ce = -(t.probs_BTVd[:, 1:n + 1] * logp).sum(-1)
+    ce = -(t.probs_BTVd[:, 1 : n + 1] * logp).sum(-1)
     reg_loss = (reg * valid).sum() / valid.sum().clamp(min=1)
     ce_loss = (ce * w).sum() / w.sum().clamp(min=1)
     loss = cfg.regression_weight * reg_loss + cfg.token_weight * ce_loss
-    right = (draft.to_target_ids(logp.argmax(-1)) == t.argmax_BT[:, 1:n + 1]).float()
+    right = (draft.to_target_ids(logp.argmax(-1)) == t.argmax_BT[:, 1 : n + 1]).float()
     acc = float((right * valid).sum() / valid.sum().clamp(min=1))
-    return loss, {"loss": float(loss.detach()), "regression": float(reg_loss.detach()), "ce": float(ce_loss.detach()),
-                  "acc_0": acc}
+    return loss, {
+        "loss": float(loss.detach()),
+        "regression": float(reg_loss.detach()),
+        "ce": float(ce_loss.detach()),
+        "acc_0": acc,
+    }

@@ -45,22 +45,39 @@ SHARD = re.compile(r"shard (\d+)/\d+, (\d+) tokens \(([\d.]+) s\)")
 def run(setup, engine: str, dtype: str, out: Path, replicas: int = 1, seqs_per_shard: int = 0) -> dict:
     """One extraction from scratch into `out`: its timings from the progress lines."""
     shutil.rmtree(out, ignore_errors=True)
-    cfg = dataclasses.replace(setup.preset.extract, engine=engine, dtype=dtype, num_workers=0,
-                              engine_replicas=replicas,
-                              seqs_per_shard=seqs_per_shard or setup.preset.extract.seqs_per_shard)
+    cfg = dataclasses.replace(
+        setup.preset.extract,
+        engine=engine,
+        dtype=dtype,
+        num_workers=0,
+        engine_replicas=replicas,
+        seqs_per_shard=seqs_per_shard or setup.preset.extract.seqs_per_shard,
+    )
     lines: list[tuple[float, str]] = []
     t0 = time.perf_counter()
-    res = extract(cfg, str(setup.target_dir), str(setup.regen_dir), str(out),
-                  progress=lambda s: lines.append((time.perf_counter(), s)),
-                  context=StageContext(settings=Settings.from_env()))
+    res = extract(
+        cfg,
+        str(setup.target_dir),
+        str(setup.regen_dir),
+        str(out),
+        progress=lambda s: lines.append((time.perf_counter(), s)),
+        context=StageContext(settings=Settings.from_env()),
+    )
     total = time.perf_counter() - t0
     shards = {int(m[1]): (int(m[2]), t - float(m[3]), t) for t, s in lines if (m := SHARD.search(s))}
     first = min(begin for _, begin, _ in shards.values()) - t0  # loading, tokenising, the first engine's start
     steady = [shards[k] for k in sorted(shards)[replicas:]]  # each replica's first shard holds its engine's start
     steady_s = max(end for _, _, end in steady) - min(begin for _, begin, _ in steady)
     label = engine if replicas == 1 else f"{engine} x{replicas}"
-    return {"engine": label, "tokens": res.n_tokens, "shards": len(shards), "total_s": total, "start_s": first,
-            "steady_s": steady_s, "tokens_per_s": sum(n for n, _, _ in steady) / max(steady_s, 1e-9)}
+    return {
+        "engine": label,
+        "tokens": res.n_tokens,
+        "shards": len(shards),
+        "total_s": total,
+        "start_s": first,
+        "steady_s": steady_s,
+        "tokens_per_s": sum(n for n, _, _ in steady) / max(steady_s, 1e-9),
+    }
 
 
 def max_rel_diff(a_dir: Path, b_dir: Path) -> float:
@@ -92,18 +109,27 @@ def main() -> None:
                 row["max_rel_diff"] = f"{max_rel_diff(setup.work / 'extract-engine-local-1', out):.1e}"
             rows.append({**row, "repeat": r})
     cols = ["repeat", "engine", "tokens", "shards", "total_s", "start_s", "steady_s", "tokens_per_s", "max_rel_diff"]
-    print_table(rows, cols, f"extraction of {rows[0]['tokens']} tokens in {args.dtype}, local vs vLLM "
-                f"({setup.preset.name} preset, torch threads {torch.get_num_threads()}, {os.cpu_count()} CPUs)")
-    med = {row["engine"]: sorted(x["tokens_per_s"] for x in rows if x["engine"] == row["engine"])[args.repeats // 2]
-           for row in rows}
+    print_table(
+        rows,
+        cols,
+        f"extraction of {rows[0]['tokens']} tokens in {args.dtype}, local vs vLLM "
+        f"({setup.preset.name} preset, torch threads {torch.get_num_threads()}, {os.cpu_count()} CPUs)",
+    )
+    med = {
+        row["engine"]: sorted(x["tokens_per_s"] for x in rows if x["engine"] == row["engine"])[args.repeats // 2]
+        for row in rows
+    }
     ratios = {"vllm_over_local": med["vllm"] / med["local"]}
     print(f"vLLM/local tokens/s, steady state (median): {ratios['vllm_over_local']:.2f}x")
     if args.replicas > 1:
         ratios["replicas_over_one"] = med[f"vllm x{args.replicas}"] / med["vllm"]
-        print(f"{args.replicas} vLLM replicas / one vLLM tokens/s, steady state (median): "
-              f"{ratios['replicas_over_one']:.2f}x")
-    write_results("extract_engine", args.quick, {"dtype": args.dtype, "replicas": args.replicas, "rows": rows,
-                                                 **ratios}, load)
+        print(
+            f"{args.replicas} vLLM replicas / one vLLM tokens/s, steady state (median): "
+            f"{ratios['replicas_over_one']:.2f}x"
+        )
+    write_results(
+        "extract_engine", args.quick, {"dtype": args.dtype, "replicas": args.replicas, "rows": rows, **ratios}, load
+    )
 
 
 if __name__ == "__main__":

@@ -42,8 +42,13 @@ def extract_dir(setup: Setup, dtype: str) -> tuple[Path, float | None]:
     out, written = setup.work / f"extract-{dtype}", []
     t0 = time.perf_counter()
     with setup_threads():
-        extract(dataclasses.replace(setup.preset.extract, dtype=dtype), str(setup.target_dir), str(setup.regen_dir),
-                str(out), progress=written.append)
+        extract(
+            dataclasses.replace(setup.preset.extract, dtype=dtype),
+            str(setup.target_dir),
+            str(setup.regen_dir),
+            str(out),
+            progress=written.append,
+        )
     return out, (round(time.perf_counter() - t0, 1) if written else None)
 
 
@@ -64,14 +69,18 @@ def fidelity(dirs: dict[str, Path], max_tokens: int = 4096) -> dict[str, dict]:
             (aux, last), (aux0, last0) = dat.features(i), ref.features(i)
             aux, last, aux0, last0 = (t.float()[m] for t in (aux, last, aux0, last0))
             num += float(((aux - aux0) ** 2).sum())
-            den += float((aux0 ** 2).sum())
+            den += float((aux0**2).sum())
             row_err = max(row_err, float(((aux - aux0).abs().amax(-1) / aux0.abs().amax(-1)).max()))
             same += int(((last @ lm_head.T).argmax(-1) == (last0 @ lm_head.T).argmax(-1)).sum())
             n += int(m.sum())
             if n >= max_tokens:
                 break
-        out[dtype] = {"feature_rel_rms": (num / den) ** 0.5, "feature_row_max_err": row_err,
-                      "teacher_top1_agree": same / n, "fidelity_tokens": n}
+        out[dtype] = {
+            "feature_rel_rms": (num / den) ** 0.5,
+            "feature_row_max_err": row_err,
+            "teacher_top1_agree": same / n,
+            "fidelity_tokens": n,
+        }
     return out
 
 
@@ -80,18 +89,30 @@ def decode(setup: Setup, dtype: str, head_dir: Path, args: argparse.Namespace) -
     from components.evaluate.stage import EvaluateConfig, HeadEval, NotLosslessError, evaluate
     from eagle.speculative import SpecConfig
 
-    cfg = EvaluateConfig(spec=SpecConfig(method="chain", depth=args.depth, max_new_tokens=setup.preset.max_new_tokens),
-                         limit=args.prompts or setup.preset.eval_prompts, engine="local")
+    cfg = EvaluateConfig(
+        spec=SpecConfig(method="chain", depth=args.depth, max_new_tokens=setup.preset.max_new_tokens),
+        limit=args.prompts or setup.preset.eval_prompts,
+        engine="local",
+    )
     out = setup.work / "feature_dtype" / f"eval-{dtype}-{head_dir.parent.name}-d{args.depth}-p{cfg.limit}"
     try:
-        evaluate(cfg, HeadEval(str(setup.target_dir), str(head_dir), str(setup.heldout_traffic), str(out)),
-                 progress=lambda _m: None)
+        evaluate(
+            cfg,
+            HeadEval(str(setup.target_dir), str(head_dir), str(setup.heldout_traffic), str(out)),
+            progress=lambda _m: None,
+        )
     except NotLosslessError:  # the report is written first; the table shows the count
         pass
     report = json.loads((out / "evaluation.json").read_text())
     r = report["result"]
-    return {"tau": r["tau"], "tau_raw": r["tau_raw"], "a1": r["acceptance"][0], "prompts": r["n_samples"],
-            "tokens": r["n_tokens"], "mismatches": sum(not s["identical"] for s in report["samples"])}
+    return {
+        "tau": r["tau"],
+        "tau_raw": r["tau_raw"],
+        "a1": r["acceptance"][0],
+        "prompts": r["n_samples"],
+        "tokens": r["n_tokens"],
+        "mismatches": sum(not s["identical"] for s in report["samples"]),
+    }
 
 
 def projected_bytes_per_token(dtype: str, hidden: int) -> int:
@@ -115,8 +136,11 @@ def main(argv: list[str] | None = None) -> None:
 def run(setup: Setup, args: argparse.Namespace, load0: list[float]) -> None:
     """The benchmark on a prepared setup (see bench/common.py); prints the table, writes the result file."""
     base = setup.preset.train
-    cfg = dataclasses.replace(base, steps=args.steps or base.steps,
-                              ttt=dataclasses.replace(base.ttt, ttt_steps=args.ttt or base.ttt.ttt_steps))
+    cfg = dataclasses.replace(
+        base,
+        steps=args.steps or base.steps,
+        ttt=dataclasses.replace(base.ttt, ttt_steps=args.ttt or base.ttt.ttt_steps),
+    )
     dirs, rows = {}, []
     for dtype in DTYPES:
         dirs[dtype], extract_s = extract_dir(setup, dtype)
@@ -124,36 +148,75 @@ def run(setup: Setup, args: argparse.Namespace, load0: list[float]) -> None:
         assert manifest["dtype"] == dtype, (dirs[dtype], manifest["dtype"])
         head = train_or_reuse_head(setup, f"eagle3-ttt{cfg.ttt.ttt_steps}", cfg, dirs[dtype])
         lineage = json.loads((head.head_dir / "eagle_head.json").read_text())["lineage"]
-        rows.append({"dtype": dtype, "bytes_per_token": manifest["bytes_per_token"],
-                     "gb_per_1m_tokens": manifest["bytes_per_token"] * 1e6 / 1e9, "n_tokens": manifest["n_tokens"],
-                     "shard_bytes": sum(s["bytes"] for s in manifest["shards"]), "extract_s": extract_s,
-                     "heldout_tau": lineage.get("selected_heldout_tau") or float("nan"),
-                     "selected_step": lineage["selected_step"],
-                     "train_s": head.seconds, "train_loss": head.final_metrics.get("loss"),
-                     **decode(setup, dtype, head.head_dir, args)})
+        rows.append(
+            {
+                "dtype": dtype,
+                "bytes_per_token": manifest["bytes_per_token"],
+                "gb_per_1m_tokens": manifest["bytes_per_token"] * 1e6 / 1e9,
+                "n_tokens": manifest["n_tokens"],
+                "shard_bytes": sum(s["bytes"] for s in manifest["shards"]),
+                "extract_s": extract_s,
+                "heldout_tau": lineage.get("selected_heldout_tau") or float("nan"),
+                "selected_step": lineage["selected_step"],
+                "train_s": head.seconds,
+                "train_loss": head.final_metrics.get("loss"),
+                **decode(setup, dtype, head.head_dir, args),
+            }
+        )
     for r, f in zip(rows, fidelity(dirs).values()):
         r.update(f)
-    table = print_table(rows, ["dtype", "bytes_per_token", "gb_per_1m_tokens", "feature_rel_rms",
-                               "teacher_top1_agree", "heldout_tau", "tau", "a1", "mismatches"],
-                        f"feature storage: same {rows[0]['n_tokens']} tokens, same head config ({cfg.steps} steps, "
-                        f"K={cfg.ttt.ttt_steps}); decoded on {rows[0]['prompts']} held-out prompts, chain depth "
-                        f"{args.depth}, T=0 (tau: emitted tokens; heldout_tau: simulated, the selected step)")
+    table = print_table(
+        rows,
+        [
+            "dtype",
+            "bytes_per_token",
+            "gb_per_1m_tokens",
+            "feature_rel_rms",
+            "teacher_top1_agree",
+            "heldout_tau",
+            "tau",
+            "a1",
+            "mismatches",
+        ],
+        f"feature storage: same {rows[0]['n_tokens']} tokens, same head config ({cfg.steps} steps, "
+        f"K={cfg.ttt.ttt_steps}); decoded on {rows[0]['prompts']} held-out prompts, chain depth "
+        f"{args.depth}, T=0 (tau: emitted tokens; heldout_tau: simulated, the selected step)",
+    )
     bf, f8 = rows
     hidden = int(json.loads((setup.target_dir / "config.json").read_text())["hidden_size"])
     proj = {d: projected_bytes_per_token(d, 4096) for d in DTYPES}
-    answer = (f"fp8/bf16: bytes per token {f8['bytes_per_token'] / bf['bytes_per_token']:.3f} "
-              f"({f8['bytes_per_token']:.0f} vs {bf['bytes_per_token']:.0f} at hidden {hidden}), decoded tau "
-              f"{f8['tau'] / bf['tau']:.3f} ({f8['tau']:.3f} vs {bf['tau']:.3f}), held-out simulated tau "
-              f"{f8['heldout_tau'] / bf['heldout_tau']:.3f}; mismatches {bf['mismatches'] + f8['mismatches']}. "
-              f"At hidden 4096: {proj[FP8]} vs {proj['bfloat16']} bytes per token, "
-              f"{proj[FP8] * 1e6 / 1e9:.1f} vs {proj['bfloat16'] * 1e6 / 1e9:.1f} GB per 1M tokens")
+    answer = (
+        f"fp8/bf16: bytes per token {f8['bytes_per_token'] / bf['bytes_per_token']:.3f} "
+        f"({f8['bytes_per_token']:.0f} vs {bf['bytes_per_token']:.0f} at hidden {hidden}), decoded tau "
+        f"{f8['tau'] / bf['tau']:.3f} ({f8['tau']:.3f} vs {bf['tau']:.3f}), held-out simulated tau "
+        f"{f8['heldout_tau'] / bf['heldout_tau']:.3f}; mismatches {bf['mismatches'] + f8['mismatches']}. "
+        f"At hidden 4096: {proj[FP8]} vs {proj['bfloat16']} bytes per token, "
+        f"{proj[FP8] * 1e6 / 1e9:.1f} vs {proj['bfloat16'] * 1e6 / 1e9:.1f} GB per 1M tokens"
+    )
     print(f"answer: {answer}", flush=True)
-    name = "feature_dtype" + "".join(f"-{k}{v}" for k, v in (("conv", args.conversations), ("steps", args.steps),
-                                                              ("ttt", args.ttt), ("depth", args.depth
-                                                                                  if args.depth != 4 else 0)) if v)
-    write_results(name, args.quick, {"args": vars(args), "train_config": dataclasses.asdict(cfg), "rows": rows,
-                                     "projected_bytes_per_token_h4096": proj, "answer": answer, "table": table},
-                  load0)
+    name = "feature_dtype" + "".join(
+        f"-{k}{v}"
+        for k, v in (
+            ("conv", args.conversations),
+            ("steps", args.steps),
+            ("ttt", args.ttt),
+            ("depth", args.depth if args.depth != 4 else 0),
+        )
+        if v
+    )
+    write_results(
+        name,
+        args.quick,
+        {
+            "args": vars(args),
+            "train_config": dataclasses.asdict(cfg),
+            "rows": rows,
+            "projected_bytes_per_token_h4096": proj,
+            "answer": answer,
+            "table": table,
+        },
+        load0,
+    )
 
 
 if __name__ == "__main__":

@@ -36,8 +36,21 @@ from pathlib import Path
 import common  # noqa: F401  (puts the repo root on sys.path)
 import torch
 
-from common import (base_args, eos_of, goal_line, heldout_prompts, prepare, print_table, pyplot, results_dir,
-                    spec_figures, speed_head_config, start, train_or_reuse_head, write_results)
+from common import (
+    base_args,
+    eos_of,
+    goal_line,
+    heldout_prompts,
+    prepare,
+    print_table,
+    pyplot,
+    results_dir,
+    spec_figures,
+    speed_head_config,
+    start,
+    train_or_reuse_head,
+    write_results,
+)
 from components.extract.stage import extract
 from components.targets.runtime import StageContext
 from extract_engine import max_rel_diff
@@ -51,8 +64,14 @@ def engine_features(setup) -> Path:
     out = setup.work / "extract-vllm"
     cfg = dataclasses.replace(setup.preset.extract, engine="vllm", num_workers=0)
     common._say(f"bench: extracting features through vLLM into {out} (once)")
-    extract(cfg, str(setup.target_dir), str(setup.regen_dir), str(out), progress=lambda s: None,
-            context=StageContext(settings=Settings.from_env()))
+    extract(
+        cfg,
+        str(setup.target_dir),
+        str(setup.regen_dir),
+        str(out),
+        progress=lambda s: None,
+        context=StageContext(settings=Settings.from_env()),
+    )
     return out
 
 
@@ -63,8 +82,13 @@ def tau_local(setup, heads: dict[tuple[str, int], Path], prompts, depth: int) ->
     from eagle.speculative import SpecConfig, generate_plain, generate_speculative
 
     target = load_target(str(setup.target_dir))[0]
-    cfg = SpecConfig(method="chain", depth=depth, temperature=0.0, max_new_tokens=setup.preset.max_new_tokens,
-                     eos_token_id=eos_of(target))
+    cfg = SpecConfig(
+        method="chain",
+        depth=depth,
+        temperature=0.0,
+        max_new_tokens=setup.preset.max_new_tokens,
+        eos_token_id=eos_of(target),
+    )
     out = {}
     with torch.no_grad():
         plain = [generate_plain(target, torch.tensor([ids]), None, cfg).sequences for ids in prompts]
@@ -91,8 +115,12 @@ def tau_vllm(setup, heads: dict[tuple[str, int], Path], prompts, depth: int) -> 
     out = {}
     for key, head_dir in heads.items():
         r = engine_run("eagle3", setup, head_dir, prompts, depth, max_new, settings)
-        out[key] = {"tau": r["tau"], "tau_raw": r["tau"], "alpha": r["acceptance"],
-                    "mismatches": sum(a != b for a, b in zip(plain, r["outputs"]))}
+        out[key] = {
+            "tau": r["tau"],
+            "tau_raw": r["tau"],
+            "alpha": r["acceptance"],
+            "mismatches": sum(a != b for a, b in zip(plain, r["outputs"])),
+        }
         common._say(f"bench: {key[0]} seed {key[1]}: tau in vLLM {r['tau']:.3f}")
     return out
 
@@ -101,8 +129,14 @@ def summary(taus: dict[tuple[str, int], dict]) -> dict[str, dict]:
     out = {}
     for f in FEATURES:
         xs = [r["tau"] for (g, _), r in taus.items() if g == f]
-        out[f] = {"features": f, "seeds": len(xs), "median": statistics.median(xs), "min": min(xs), "max": max(xs),
-                  "range": max(xs) - min(xs)}
+        out[f] = {
+            "features": f,
+            "seeds": len(xs),
+            "median": statistics.median(xs),
+            "min": min(xs),
+            "max": max(xs),
+            "range": max(xs) - min(xs),
+        }
     return out
 
 
@@ -127,8 +161,12 @@ def plot(rows: list[dict], summ: dict[str, dict], label: str, path: Path) -> Non
 def main(argv: list[str] | None = None) -> None:
     p = base_args(__doc__.splitlines()[0])
     p.add_argument("--seeds", type=int, default=3, help="training seeds per feature set (0..N-1)")
-    p.add_argument("--engine", choices=("local", "vllm"), default="local",
-                   help="where tau is measured: our decoder (local) or vLLM serving each head (one server per head)")
+    p.add_argument(
+        "--engine",
+        choices=("local", "vllm"),
+        default="local",
+        help="where tau is measured: our decoder (local) or vLLM serving each head (one server per head)",
+    )
     p.add_argument("--steps", type=int, default=0, help="training steps per head (0: the preset's)")
     p.add_argument("--depth", type=int, default=5, help="chain depth / speculative tokens per step")
     p.add_argument("--prompts", type=int, default=0, help="held-out prompts (0: the preset's)")
@@ -148,31 +186,65 @@ def main(argv: list[str] | None = None) -> None:
     tok = AutoTokenizer.from_pretrained(setup.target_dir)
     prompts = heldout_prompts(tok, setup.heldout_traffic, args.prompts or setup.preset.eval_prompts)
     taus = (tau_vllm if args.engine == "vllm" else tau_local)(setup, heads, prompts, args.depth)
-    rows = [{"features": f, "seed": s, "tau": r["tau"], "tau_raw": r["tau_raw"], "mismatch": r["mismatches"],
-             "train_s": trained[(f, s)].seconds, "final_acc_0": trained[(f, s)].final_metrics.get("acc_0")}
-            for (f, s), r in sorted(taus.items(), key=lambda kv: (FEATURES.index(kv[0][0]), kv[0][1]))]
+    rows = [
+        {
+            "features": f,
+            "seed": s,
+            "tau": r["tau"],
+            "tau_raw": r["tau_raw"],
+            "mismatch": r["mismatches"],
+            "train_s": trained[(f, s)].seconds,
+            "final_acc_0": trained[(f, s)].final_metrics.get("acc_0"),
+        }
+        for (f, s), r in sorted(taus.items(), key=lambda kv: (FEATURES.index(kv[0][0]), kv[0][1]))
+    ]
     label = "tau emitted (our decoder)" if args.engine == "local" else "tau raw (vLLM's counters)"
-    print_table(rows, ["features", "seed", "tau", "tau_raw", "mismatch", "train_s", "final_acc_0"],
-                f"{label}, chain depth {args.depth}, T=0, {len(prompts)} held-out prompts, heads of {base.steps} "
-                f"steps ({setup.preset.name} preset); features max rel diff engine/local {diff:.1e}")
+    print_table(
+        rows,
+        ["features", "seed", "tau", "tau_raw", "mismatch", "train_s", "final_acc_0"],
+        f"{label}, chain depth {args.depth}, T=0, {len(prompts)} held-out prompts, heads of {base.steps} "
+        f"steps ({setup.preset.name} preset); features max rel diff engine/local {diff:.1e}",
+    )
     summ = summary(taus)
     print_table(list(summ.values()), ["features", "seeds", "median", "min", "max", "range"], "tau over seeds")
     ratio = summ["vllm"]["median"] / summ["local"]["median"]
     spread = max(summ["vllm"]["range"], summ["local"]["range"]) / summ["local"]["median"]
     print(f"ratio of medians engine/local: {ratio:.3f}; seed-to-seed range / local median: {spread:.3f}")
     bad = sum(r["mismatches"] for r in taus.values())
-    goal = goal_line("seed range - |engine/local - 1| >= 0", spread - abs(ratio - 1), 0.0, bad,
-                     method="heads on engine vs local features", label="goal")  # |ratio - 1| <= range
+    goal = goal_line(
+        "seed range - |engine/local - 1| >= 0",
+        spread - abs(ratio - 1),
+        0.0,
+        bad,
+        method="heads on engine vs local features",
+        label="goal",
+    )  # |ratio - 1| <= range
     name = "features_tau" + (f"-steps{base.steps}" if args.steps else "") + ("-vllm" if args.engine == "vllm" else "")
     png = results_dir(args.quick) / f"{name}.png"
     plot(rows, summ, label, png)
-    write_results(name, args.quick,
-                  {"args": vars(args), "train_config": dataclasses.asdict(base), "tau_engine": args.engine,
-                   "tau_kind": label, "depth": args.depth, "n_prompts": len(prompts),
-                   "max_new_tokens": setup.preset.max_new_tokens, "features_max_rel_diff": diff,
-                   "feature_dirs": {f: str(d) for f, d in dirs.items()}, "rows": rows, "summary": summ,
-                   "engine_over_local": ratio, "seed_range_rel": spread, "mismatches": bad,
-                   "goals": {"engine_same_as_local": goal}, "plot": str(png)}, load)
+    write_results(
+        name,
+        args.quick,
+        {
+            "args": vars(args),
+            "train_config": dataclasses.asdict(base),
+            "tau_engine": args.engine,
+            "tau_kind": label,
+            "depth": args.depth,
+            "n_prompts": len(prompts),
+            "max_new_tokens": setup.preset.max_new_tokens,
+            "features_max_rel_diff": diff,
+            "feature_dirs": {f: str(d) for f, d in dirs.items()},
+            "rows": rows,
+            "summary": summ,
+            "engine_over_local": ratio,
+            "seed_range_rel": spread,
+            "mismatches": bad,
+            "goals": {"engine_same_as_local": goal},
+            "plot": str(png),
+        },
+        load,
+    )
 
 
 if __name__ == "__main__":

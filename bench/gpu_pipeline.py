@@ -59,9 +59,12 @@ def stage_configs(quick: bool, device: str) -> dict[str, Any]:
     """The preset's stage sections (`tiny` with --quick, else `gpu`), each on `device`."""
     s = tiny_stages() if quick else gpu_stages()
     rep = dataclasses.replace
-    return {"regenerate": rep(s["regenerate"], device=device), "extract": rep(s["extract"], device=device),
-            "train": rep(s["train"], ray=rep(s["train"].ray, num_workers=0, use_gpu=device == "cuda")),
-            "evaluate": rep(s["evaluate"], device=device)}
+    return {
+        "regenerate": rep(s["regenerate"], device=device),
+        "extract": rep(s["extract"], device=device),
+        "train": rep(s["train"], ray=rep(s["train"].ray, num_workers=0, use_gpu=device == "cuda")),
+        "evaluate": rep(s["evaluate"], device=device),
+    }
 
 
 def embedded_config(quick: bool, device: str, target_steps: int) -> EmbeddedConfig:
@@ -87,8 +90,10 @@ class Record:
         print(f"gpu_pipeline: {name} ({time.perf_counter() - self.t0:.0f} s in)", flush=True)
         t = time.perf_counter()
         res = fn()
-        self.data["stages"][name] = {"seconds": round(time.perf_counter() - t, 2),
-                                     "result": dataclasses.asdict(res) if dataclasses.is_dataclass(res) else res}
+        self.data["stages"][name] = {
+            "seconds": round(time.perf_counter() - t, 2),
+            "result": dataclasses.asdict(res) if dataclasses.is_dataclass(res) else res,
+        }
         self.write()
         return res
 
@@ -102,26 +107,47 @@ def run(args: argparse.Namespace, cfgs: dict[str, Any], rec: Record) -> None:
     dirs = {s: str(run_dir / s) for s in ("regenerate", "extract", "train", "evaluate")}
     rec.stage("regenerate", lambda: regenerate(cfgs["regenerate"], target, str(traffic.train), dirs["regenerate"]))
     rec.stage("extract", lambda: extract(cfgs["extract"], target, dirs["regenerate"], dirs["extract"]))
-    tr = rec.stage("train", lambda: train(cfgs["train"], dirs["extract"], dirs["train"], target,
-                                          {"target_name": "embedded-gpu", "bench": "gpu_pipeline"}))
+    tr = rec.stage(
+        "train",
+        lambda: train(
+            cfgs["train"],
+            dirs["extract"],
+            dirs["train"],
+            target,
+            {"target_name": "embedded-gpu", "bench": "gpu_pipeline"},
+        ),
+    )
     if args.more:  # the same head drafting a tree, and sampling (T = 1), instead of the greedy chain
         summary = {}
         for name, ev_cfg in more_evaluations(cfgs["evaluate"]).items():
             head = HeadEval(target, tr.head_dir, str(traffic.heldout), str(run_dir / name))
             ev = rec.stage(name, lambda c=ev_cfg, h=head: evaluate(c, h))
-            summary[name] = {"tau": ev.tau, "speedup": ev.speedup, "speedup_lo": ev.speedup_lo,
-                             "speedup_hi": ev.speedup_hi, "identical": ev.identical, "acceptance": ev.acceptance}
+            summary[name] = {
+                "tau": ev.tau,
+                "speedup": ev.speedup,
+                "speedup_lo": ev.speedup_lo,
+                "speedup_hi": ev.speedup_hi,
+                "identical": ev.identical,
+                "acceptance": ev.acceptance,
+            }
         batches = (1, 4) if args.quick else (1, 8, 32, 64)
-        rec.stage("batch", lambda: batch_throughput(cfgs["evaluate"], target, tr.head_dir, str(traffic.heldout),
-                                                    batches))
+        rec.stage(
+            "batch", lambda: batch_throughput(cfgs["evaluate"], target, tr.head_dir, str(traffic.heldout), batches)
+        )
         summary["batch"] = rec.data["stages"]["batch"]["result"]
         rec.data["summary"] = summary
         return
     head = HeadEval(target, tr.head_dir, str(traffic.heldout), dirs["evaluate"], history_file=tr.history_file)
     ev = rec.stage("evaluate", lambda: evaluate(cfgs["evaluate"], head))
-    rec.data["summary"] = {"tau": ev.tau, "speedup": ev.speedup, "speedup_lo": ev.speedup_lo,
-                           "speedup_hi": ev.speedup_hi, "identical": ev.identical, "acceptance": ev.acceptance,
-                           "train_tokens_per_s": tr.final_metrics.get("tokens_per_s")}
+    rec.data["summary"] = {
+        "tau": ev.tau,
+        "speedup": ev.speedup,
+        "speedup_lo": ev.speedup_lo,
+        "speedup_hi": ev.speedup_hi,
+        "identical": ev.identical,
+        "acceptance": ev.acceptance,
+        "train_tokens_per_s": tr.final_metrics.get("tokens_per_s"),
+    }
 
 
 def more_evaluations(ev_cfg: Any) -> dict[str, Any]:
@@ -130,12 +156,15 @@ def more_evaluations(ev_cfg: Any) -> dict[str, Any]:
     half the prompts (at least 2) to fit the device call beside a rebuild."""
     rep = dataclasses.replace
     limit = max(2, (ev_cfg.limit or 32) // 2)
-    return {"evaluate_tree": rep(ev_cfg, limit=limit, spec=rep(ev_cfg.spec, method="tree", topk=4, budget=16)),
-            "evaluate_sampled": rep(ev_cfg, limit=limit, spec=rep(ev_cfg.spec, temperature=1.0))}
+    return {
+        "evaluate_tree": rep(ev_cfg, limit=limit, spec=rep(ev_cfg.spec, method="tree", topk=4, budget=16)),
+        "evaluate_sampled": rep(ev_cfg, limit=limit, spec=rep(ev_cfg.spec, temperature=1.0)),
+    }
 
 
-def batch_throughput(ev_cfg: Any, target_dir: str, head_dir: str, traffic: str, batches: tuple[int, ...],
-                     runs: int = 3) -> dict[str, Any]:
+def batch_throughput(
+    ev_cfg: Any, target_dir: str, head_dir: str, traffic: str, batches: tuple[int, ...], runs: int = 3
+) -> dict[str, Any]:
     """--more: the greedy chain against plain decoding at each batch size B on the device, as bench/batch.py measures
     it (`padded`, `measure_batch`: B held-out prompts cycled and left-padded, a warm-up, then `runs` blocks plain,
     spec, spec, plain): per B tokens/s of each, their ratio (median, min, max), τ, rows differing from plain."""
@@ -153,9 +182,12 @@ def batch_throughput(ev_cfg: Any, target_dir: str, head_dir: str, traffic: str, 
         ids, mask = (t.to(ev_cfg.device) for t in padded(prompts, B, spec.pad_token_id))
         with torch.no_grad():
             r = result[str(B)] = measure_batch(target, draft, ids, mask, spec, runs)
-        print(f"gpu_pipeline: batch {B}: plain {r['plain_tok_s']:.0f} tok/s, speculative {r['spec_tok_s']:.0f} "
-              f"tok/s, ratio {r['ratio']:.2f} [{r['ratio_min']:.2f}, {r['ratio_max']:.2f}], tau {r['tau']:.2f}, "
-              f"{r['mismatch_rows']} rows differ", flush=True)
+        print(
+            f"gpu_pipeline: batch {B}: plain {r['plain_tok_s']:.0f} tok/s, speculative {r['spec_tok_s']:.0f} "
+            f"tok/s, ratio {r['ratio']:.2f} [{r['ratio_min']:.2f}, {r['ratio_max']:.2f}], tau {r['tau']:.2f}, "
+            f"{r['mismatch_rows']} rows differ",
+            flush=True,
+        )
     return result
 
 
@@ -163,13 +195,17 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny embedded target, `tiny` preset sections (tests)")
     p.add_argument("--device", default="", help="cuda or cpu (default: cuda when available); cpu runs 1 thread")
-    p.add_argument("--out", default="", help="gpu_pipeline.json's directory (bench/results; quick: "
-                                             ".eagle/bench/results-quick)")
+    p.add_argument(
+        "--out", default="", help="gpu_pipeline.json's directory (bench/results; quick: .eagle/bench/results-quick)"
+    )
     p.add_argument("--work", default=str(ROOT / ".eagle" / "gpu-pipeline"), help="builds and stage outputs")
-    p.add_argument("--more", action="store_true", help="after training, evaluate a tree, sampling (T = 1) and "
-                                                      "batches instead of the greedy chain (stage outputs re-used)")
-    p.add_argument("--target-steps", type=int, default=0, help="the embedded target's training steps (0: its "
-                                                                "preset's)")
+    p.add_argument(
+        "--more",
+        action="store_true",
+        help="after training, evaluate a tree, sampling (T = 1) and "
+        "batches instead of the greedy chain (stage outputs re-used)",
+    )
+    p.add_argument("--target-steps", type=int, default=0, help="the embedded target's training steps (0: its preset's)")
     a = p.parse_args(argv)
     a.device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     a.out = a.out or str(ROOT / ".eagle" / "bench" / "results-quick" if a.quick else ROOT / "bench" / "results")
@@ -184,12 +220,24 @@ def main(argv: list[str] | None = None) -> int:
         _without_plots()
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # `timeout` TERMs first: keep what was measured
     cfgs = stage_configs(args.quick, args.device)
-    env = {"device": args.device, "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-           "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
-           "date": time.strftime("%Y-%m-%d %H:%M:%S %z")}
-    rec = Record(Path(args.out) / ("gpu_pipeline_more.json" if args.more else "gpu_pipeline.json"),
-                 {"benchmark": "gpu_pipeline", "preset": "tiny" if args.quick else "gpu", "environment": env,
-                  "config": {k: dataclasses.asdict(v) for k, v in cfgs.items()}, "args": vars(args)})
+    env = {
+        "device": args.device,
+        "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+    }
+    rec = Record(
+        Path(args.out) / ("gpu_pipeline_more.json" if args.more else "gpu_pipeline.json"),
+        {
+            "benchmark": "gpu_pipeline",
+            "preset": "tiny" if args.quick else "gpu",
+            "environment": env,
+            "config": {k: dataclasses.asdict(v) for k, v in cfgs.items()},
+            "args": vars(args),
+        },
+    )
     try:
         run(args, cfgs, rec)
         rec.data["status"] = "complete"
@@ -200,10 +248,14 @@ def main(argv: list[str] | None = None) -> int:
     rec.write()
     s = rec.data.get("summary", {})
     runs = {k: v for k, v in s.items() if k.startswith("evaluate")} if args.more else {"evaluate": s}
-    said = "; ".join(f"{k}: tau={v.get('tau')} speedup={v.get('speedup')} identical={v.get('identical')}"
-                     for k, v in runs.items())
-    print(f"gpu_pipeline: {rec.data['status']} in {rec.data['elapsed_s']} s; {said}; wrote {rec.path}"
-          + (f"\n{rec.data['error']}" if "error" in rec.data else ""), flush=True)
+    said = "; ".join(
+        f"{k}: tau={v.get('tau')} speedup={v.get('speedup')} identical={v.get('identical')}" for k, v in runs.items()
+    )
+    print(
+        f"gpu_pipeline: {rec.data['status']} in {rec.data['elapsed_s']} s; {said}; wrote {rec.path}"
+        + (f"\n{rec.data['error']}" if "error" in rec.data else ""),
+        flush=True,
+    )
     return 0 if rec.data["status"] == "complete" else 1
 
 

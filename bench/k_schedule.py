@@ -56,8 +56,9 @@ def resolve(args, settings) -> tuple[str, str, str, str]:
     return str(setup.target_dir), str(head.head_dir), str(setup.heldout_traffic), "speedhead" + suffix
 
 
-def serve_ways(plan, ways: dict[int, object], r: int, together: bool, settings,
-               tmp: Path) -> tuple[list[dict], list[dict]]:
+def serve_ways(
+    plan, ways: dict[int, object], r: int, together: bool, settings, tmp: Path
+) -> tuple[list[dict], list[dict]]:
     """Round `r`: fresh servers of `ways` ({k: EngineSpec}, k 0 plain, -1 the schedule) measured at every level,
     all up at once when `together`, else one after the other (rotating by round); returns the samples and the
     rounds' orders it measured (components/evaluate/load_sweep.py `measure_rounds`)."""
@@ -74,7 +75,7 @@ def serve_ways(plan, ways: dict[int, object], r: int, together: bool, settings,
             return measure_rounds(one, plan, settings, servers, dataset, "ways", first_round=r)
     keys = list(ways)
     samples, rounds = [], []
-    for k in keys[r % len(keys):] + keys[:r % len(keys)]:
+    for k in keys[r % len(keys) :] + keys[: r % len(keys)]:
         with VllmServer(ways[k], settings, log_dir=tmp) as srv:
             got = measure_rounds(one, plan, settings, {k: srv}, dataset, "ways", first_round=r)
         samples, rounds = samples + got[0], rounds + got[1]
@@ -107,9 +108,16 @@ def main(argv: list[str] | None = None) -> dict:
         args.concurrency, args.k_values, args.requests, args.output_len = (1, 4), (2, 3), 4, 16
         args.sweep_repeats = min(args.sweep_repeats, 2)
     target, head, heldout, name = resolve(args, settings)
-    cfg = EvaluateConfig(spec=SpecConfig(depth=max(args.k_values), max_new_tokens=args.output_len),
-                         load=LoadConfig(concurrency=args.concurrency, k_values=args.k_values, requests=args.requests,
-                                         repeats=args.sweep_repeats, verify_schedule=False))
+    cfg = EvaluateConfig(
+        spec=SpecConfig(depth=max(args.k_values), max_new_tokens=args.output_len),
+        load=LoadConfig(
+            concurrency=args.concurrency,
+            k_values=args.k_values,
+            requests=args.requests,
+            repeats=args.sweep_repeats,
+            verify_schedule=False,
+        ),
+    )
     with tempfile.TemporaryDirectory() as tmp:
         sweep = load_sweep(cfg, HeadEval(target, head, heldout, str(Path(tmp) / "sweep")), settings)
         k_sum = {k: sum(c["output_tokens_per_s"] for c in sweep.cells if c["k"] == k) for k in args.k_values}
@@ -121,24 +129,51 @@ def main(argv: list[str] | None = None) -> dict:
         base = EngineSpec(target, None, method=None, max_model_len=max_len)
         top = max(r[2] for r in sweep.schedule)
         ways = {0: base, best_k: replace(base, head_dir=head, method="eagle3", num_speculative_tokens=best_k)}
-        ways[-1] = replace(base, head_dir=head, method="eagle3", num_speculative_tokens=max(top, 1),
-                           k_schedule=tuple(tuple(r) for r in sweep.schedule)) if top > 0 else base
+        ways[-1] = (
+            replace(
+                base,
+                head_dir=head,
+                method="eagle3",
+                num_speculative_tokens=max(top, 1),
+                k_schedule=tuple(tuple(r) for r in sweep.schedule),
+            )
+            if top > 0
+            else base
+        )
         changes, why = memory_fit(base, len(ways), target)
         ways = {k: replace(s, **changes) for k, s in ways.items()} if not why else ways
-        plan = SweepPlan(prompts, target, head, Path(tmp), args.output_len, 0.0, max_len,
-                         extra={"levels": args.concurrency, "dataset": str(dataset)})
-        print(f"k_schedule: {'the three ways up at once' if not why else 'one way at a time (' + why + ')'}",
-              flush=True)
+        plan = SweepPlan(
+            prompts,
+            target,
+            head,
+            Path(tmp),
+            args.output_len,
+            0.0,
+            max_len,
+            extra={"levels": args.concurrency, "dataset": str(dataset)},
+        )
+        print(
+            f"k_schedule: {'the three ways up at once' if not why else 'one way at a time (' + why + ')'}", flush=True
+        )
         samples: list[dict] = []
         rounds: list[dict] = []
         for r in range(args.repeats):
             got = serve_ways(plan, ways, r, not why, settings, Path(tmp))
             samples, rounds = samples + got[0], rounds + got[1]
     key = {0: "plain", best_k: "best_k", -1: "schedule"}
-    runs = {w: [{s["concurrency"]: s for s in samples if key[s["k"]] == w and s["round"] == r}
-                for r in range(args.repeats)] for w in WAYS}
-    return report(args, name, sweep, best_k, runs, load_before, {"mode": "all" if not why else "one_at_a_time",
-                                                                 "mode_reason": why, "rounds": rounds})
+    runs = {
+        w: [{s["concurrency"]: s for s in samples if key[s["k"]] == w and s["round"] == r} for r in range(args.repeats)]
+        for w in WAYS
+    }
+    return report(
+        args,
+        name,
+        sweep,
+        best_k,
+        runs,
+        load_before,
+        {"mode": "all" if not why else "one_at_a_time", "mode_reason": why, "rounds": rounds},
+    )
 
 
 def report(args, name: str, sweep, best_k: int, runs, load_before, how: dict) -> dict:
@@ -149,30 +184,57 @@ def report(args, name: str, sweep, best_k: int, runs, load_before, how: dict) ->
         plain_t = [run[c]["output_tokens_per_s"] for run in runs["plain"]]
         noise = max(plain_t) / min(plain_t) - 1.0
         for w in ("best_k", "schedule"):
-            mism += sum(t != p for run, prun in zip(runs[w], runs["plain"])
-                        for t, p in zip(run[c]["texts"], prun[c]["texts"]))
-        rows.append({"concurrency": c, **{f"{w}_tok_s": med[w] for w in WAYS},
-                     **{f"{w}_min": min(run[c]["output_tokens_per_s"] for run in runs[w]) for w in WAYS},
-                     **{f"{w}_max": max(run[c]["output_tokens_per_s"] for run in runs[w]) for w in WAYS},
-                     "plain_noise": noise,
-                     "schedule_vs_best": med["schedule"] / max(med["plain"], med["best_k"]),
-                     "schedule_vs_plain": med["schedule"] / med["plain"]})
-    print_table(rows, ["concurrency", *[f"{w}_tok_s" for w in WAYS], "plain_noise", "schedule_vs_best",
-                       "schedule_vs_plain"])
+            mism += sum(
+                t != p for run, prun in zip(runs[w], runs["plain"]) for t, p in zip(run[c]["texts"], prun[c]["texts"])
+            )
+        rows.append(
+            {
+                "concurrency": c,
+                **{f"{w}_tok_s": med[w] for w in WAYS},
+                **{f"{w}_min": min(run[c]["output_tokens_per_s"] for run in runs[w]) for w in WAYS},
+                **{f"{w}_max": max(run[c]["output_tokens_per_s"] for run in runs[w]) for w in WAYS},
+                "plain_noise": noise,
+                "schedule_vs_best": med["schedule"] / max(med["plain"], med["best_k"]),
+                "schedule_vs_plain": med["schedule"] / med["plain"],
+            }
+        )
+    print_table(
+        rows, ["concurrency", *[f"{w}_tok_s" for w in WAYS], "plain_noise", "schedule_vs_best", "schedule_vs_plain"]
+    )
     worst = min(r["schedule_vs_best"] for r in rows)
-    goals["schedule_vs_best"] = goal_line("the schedule's tokens/s within 3% of the better of plain and the best fixed"
-                                          " K at every level (worst ratio)", worst, 0.97, mism)
+    goals["schedule_vs_best"] = goal_line(
+        "the schedule's tokens/s within 3% of the better of plain and the best fixed K at every level (worst ratio)",
+        worst,
+        0.97,
+        mism,
+    )
     below = min(r["schedule_vs_plain"] - (1 - r["plain_noise"]) for r in rows)
-    goals["never_below_plain"] = goal_line("the schedule never below plain by more than plain's own spread (worst "
-                                           "margin)", below, 0.0, mism)
+    goals["never_below_plain"] = goal_line(
+        "the schedule never below plain by more than plain's own spread (worst margin)", below, 0.0, mism
+    )
     out = name if not args.quick else "k_schedule"
     per_round = {w: [{c: run[c]["output_tokens_per_s"] for c in args.concurrency} for run in runs[w]] for w in WAYS}
-    path = write_results(out if out == "k_schedule" else f"k_schedule-{out}", args.quick, {
-        "head": name, "schedule": sweep.schedule, "crossover": sweep.crossover, "best_k": best_k,
-        "sweep_mode": sweep.mode, "sweep_repeats": sweep.repeats,
-        "sweep_cells": [{k: v for k, v in c.items() if k not in ("texts", "texts_by_round")} for c in sweep.cells],
-        "sweep_rounds": list(sweep.rounds), "levels": rows, "repeats": args.repeats, "ways_tok_s": per_round,
-        **how, "goals": goals, "mismatches": mism}, load_before)
+    path = write_results(
+        out if out == "k_schedule" else f"k_schedule-{out}",
+        args.quick,
+        {
+            "head": name,
+            "schedule": sweep.schedule,
+            "crossover": sweep.crossover,
+            "best_k": best_k,
+            "sweep_mode": sweep.mode,
+            "sweep_repeats": sweep.repeats,
+            "sweep_cells": [{k: v for k, v in c.items() if k not in ("texts", "texts_by_round")} for c in sweep.cells],
+            "sweep_rounds": list(sweep.rounds),
+            "levels": rows,
+            "repeats": args.repeats,
+            "ways_tok_s": per_round,
+            **how,
+            "goals": goals,
+            "mismatches": mism,
+        },
+        load_before,
+    )
     plot(rows, sweep.schedule, best_k, path.with_suffix(".png"))
     return {"rows": rows, "goals": goals, "mismatches": mism}
 
@@ -183,8 +245,14 @@ def plot(rows: list[dict], schedule, best_k: int, path: Path) -> None:
     xs = [r["concurrency"] for r in rows]
     for w, label in (("plain", "plain"), ("best_k", f"fixed K = {best_k}"), ("schedule", f"schedule {schedule}")):
         ys = [r[f"{w}_tok_s"] for r in rows]
-        ax.errorbar(xs, ys, yerr=[[y - r[f"{w}_min"] for y, r in zip(ys, rows)],
-                                  [r[f"{w}_max"] - y for y, r in zip(ys, rows)]], marker="o", capsize=3, label=label)
+        ax.errorbar(
+            xs,
+            ys,
+            yerr=[[y - r[f"{w}_min"] for y, r in zip(ys, rows)], [r[f"{w}_max"] - y for y, r in zip(ys, rows)]],
+            marker="o",
+            capsize=3,
+            label=label,
+        )
     ax.set_xscale("log", base=2)
     ax.set_xlabel("concurrent requests")
     ax.set_ylabel("output tokens/s (median of repeats, min-max)")

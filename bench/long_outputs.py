@@ -84,8 +84,10 @@ def run_one(stage: str, S: int, target_dir: Path, tokens: list[int], ttt_steps: 
     layer_ids = list(default_aux_layer_ids(target.config.num_hidden_layers))
     ids = tokens[:S]
     if stage == "extract":
-        extract = lambda n: len(shard_bytes(target, layer_ids, [(ids[:n], [1] * n)],  # noqa: E731
-                                            ExtractConfig(max_len=n, batch_size=1)))
+
+        def extract(n: int) -> int:
+            return len(shard_bytes(target, layer_ids, [(ids[:n], [1] * n)], ExtractConfig(max_len=n, batch_size=1)))
+
         extract(WARMUP)
         base = _reset_peak()
         t0 = time.perf_counter()
@@ -97,15 +99,19 @@ def run_one(stage: str, S: int, target_dir: Path, tokens: list[int], ttt_steps: 
             step = target_forward(target, ids_BS, layer_ids)
         counts = torch.bincount(ids_BS[0], minlength=target.config.vocab_size).float()
         lm_w = target.get_output_embeddings().weight.detach()
-        draft = head_from_tensors(target.config, counts, target.get_input_embeddings().weight, lm_w, 2048,
-                                  aux_layer_ids=layer_ids)
+        draft = head_from_tensors(
+            target.config, counts, target.get_input_embeddings().weight, lm_w, 2048, aux_layer_ids=layer_ids
+        )
         aux, last = step.aux_BT3H.detach(), step.last_hidden_BTH.detach()
         del step
 
         def train_step(n: int):
             teacher = teacher_targets(last[:, :n], lm_w, draft.draft_ids())
-            out = ttt_loss(draft, TTTBatch(ids_BS[:, :n], aux[:, :n], torch.ones_like(ids_BS[:, :n]), teacher),
-                           TTTConfig(ttt_steps=ttt_steps))
+            out = ttt_loss(
+                draft,
+                TTTBatch(ids_BS[:, :n], aux[:, :n], torch.ones_like(ids_BS[:, :n]), teacher),
+                TTTConfig(ttt_steps=ttt_steps),
+            )
             out.loss.backward()
             return out
 
@@ -117,15 +123,20 @@ def run_one(stage: str, S: int, target_dir: Path, tokens: list[int], ttt_steps: 
         extra = {"ttt_steps": ttt_steps, "loss": float(out.loss)}
     seconds = time.perf_counter() - t0
     hwm = _status_kb("VmHWM") * 1024
-    return {"stage": stage, "seq_len": S, "peak_bytes": hwm - base, "process_peak_bytes": hwm,
-            "seconds": round(seconds, 3), **extra}
+    return {
+        "stage": stage,
+        "seq_len": S,
+        "peak_bytes": hwm - base,
+        "process_peak_bytes": hwm,
+        "seconds": round(seconds, 3),
+        **extra,
+    }
 
 
 def _default_target() -> Path:
     builds = sorted((ROOT / ".eagle" / "embedded").glob("*/target/config.json"), key=lambda p: p.stat().st_mtime)
     if not builds:
-        raise SystemExit("no embedded build under .eagle/embedded: run `python -m embedded` or pass "
-                         "--target")
+        raise SystemExit("no embedded build under .eagle/embedded: run `python -m embedded` or pass --target")
     return builds[-1].parent
 
 
@@ -154,6 +165,7 @@ def main() -> None:
     target = a.target or _default_target()
     if a.one:
         import torch
+
         torch.set_num_threads(a.threads)
         tokens = json.loads(Path(a.one[2]).read_text())
         print(json.dumps(run_one(a.one[0], int(a.one[1]), target, tokens, a.ttt_steps)))
@@ -165,8 +177,20 @@ def main() -> None:
     try:
         for stage in ("extract", "train"):
             for S in a.lengths:
-                cmd = [sys.executable, __file__, "--target", str(target), "--ttt-steps", str(a.ttt_steps),
-                       "--threads", str(a.threads), "--one", stage, str(S), str(tokens_path)]
+                cmd = [
+                    sys.executable,
+                    __file__,
+                    "--target",
+                    str(target),
+                    "--ttt-steps",
+                    str(a.ttt_steps),
+                    "--threads",
+                    str(a.threads),
+                    "--one",
+                    stage,
+                    str(S),
+                    str(tokens_path),
+                ]
                 res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
                 if res.returncode != 0:
                     rows.append({"stage": stage, "seq_len": S, "peak_bytes": None, "error": res.stderr[-500:]})
@@ -174,8 +198,11 @@ def main() -> None:
                     continue
                 rows.append(json.loads(res.stdout.strip().splitlines()[-1]))
                 r = rows[-1]
-                print(f"{stage:7s} S={S:5d}  +{r['peak_bytes'] / 2**20:8.1f} MiB  process peak "
-                      f"{r['process_peak_bytes'] / 2**20:8.1f} MiB  {r['seconds']:.2f} s", flush=True)
+                print(
+                    f"{stage:7s} S={S:5d}  +{r['peak_bytes'] / 2**20:8.1f} MiB  process peak "
+                    f"{r['process_peak_bytes'] / 2**20:8.1f} MiB  {r['seconds']:.2f} s",
+                    flush=True,
+                )
     finally:
         tokens_path.unlink(missing_ok=True)
     report(rows, a, target, load0)
@@ -185,15 +212,21 @@ def report(rows: list[dict], a, target: Path, load0: list[float]) -> None:
     exps = {stage: _exponents(rows, stage) for stage in ("extract", "train")}
     slopes = {stage: _slopes(rows, stage) for stage in ("extract", "train")}
     by = {(r["stage"], r["seq_len"]): r for r in rows}
-    print("\nseq_len | extract MiB | KiB/extra token |  exp | train MiB | KiB/extra token |  exp | process peak MiB "
-          "(train)")
+    print(
+        "\nseq_len | extract MiB | KiB/extra token |  exp | train MiB | KiB/extra token |  exp | process peak MiB "
+        "(train)"
+    )
     for S in a.lengths:
         cells = []
         for stage in ("extract", "train"):
             b = by.get((stage, S), {}).get("peak_bytes")
             e, d = exps[stage].get(S), slopes[stage].get(S)
-            cells.append(f"{b / 2**20:11.1f} | {d / 1024 if d is not None else float('nan'):15.1f} | "
-                         f"{e if e is not None else '-':>4}" if b else "          - |               - |    -")
+            cells.append(
+                f"{b / 2**20:11.1f} | {d / 1024 if d is not None else float('nan'):15.1f} | "
+                f"{e if e is not None else '-':>4}"
+                if b
+                else "          - |               - |    -"
+            )
         peak = by.get(("train", S), {}).get("process_peak_bytes")
         print(f"{S:7d} | {cells[0]} | {cells[1]} | {peak / 2**20 if peak else float('nan'):8.1f}")
     import platform
@@ -202,10 +235,17 @@ def report(rows: list[dict], a, target: Path, load0: list[float]) -> None:
     from transformers import AutoConfig
 
     c = AutoConfig.from_pretrained(target)
-    meta = {"date": time.strftime("%Y-%m-%d"), "machine": platform.processor() or platform.machine(),
-            "torch": torch.__version__, "target": str(target), "threads": a.threads, "ttt_steps": a.ttt_steps,
-            "target_shape": {"layers": c.num_hidden_layers, "hidden": c.hidden_size, "vocab": c.vocab_size},
-            "growth_exponents": exps, "bytes_per_extra_token": slopes}
+    meta = {
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "target": str(target),
+        "threads": a.threads,
+        "ttt_steps": a.ttt_steps,
+        "target_shape": {"layers": c.num_hidden_layers, "hidden": c.hidden_size, "vocab": c.vocab_size},
+        "growth_exponents": exps,
+        "bytes_per_extra_token": slopes,
+    }
     from report import write_results  # metadata, earlier runs kept (bench/report.py)
 
     out = Path(a.out)

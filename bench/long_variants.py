@@ -27,6 +27,7 @@ Measured, greedy, chain of depth `--depth`, on the same `--prompts` held-out pro
 Goals (met only with 0 mismatches, ours and vLLM's): the best variant (highest median vLLM speedup) keeps its last
 bucket's tau (vLLM) >= 0.9x its first; its vLLM speedup >= 1.2x EAGLE-3's.
 Writes long_variants*.json + .png (bench/results/, or .eagle/bench/results-quick/ with --quick).
+Its sizes, the long traffic and target, the heads' features: bench/long_variants_setup.py.
 Not measured here: memory (bench/long_outputs.py), batches > 1, T > 0, trees, the parallel variant unless listed.
 """
 
@@ -39,147 +40,35 @@ import time
 from pathlib import Path
 
 import common  # noqa: F401  (puts the repo root on sys.path)
-import torch
 
-from common import (Preset, Setup, base_args, embedded, fingerprint, goal_line, print_table, pyplot, results_dir,
-                    start, train_or_reuse_head, write_results)
+from common import (
+    Setup,
+    base_args,
+    goal_line,
+    print_table,
+    pyplot,
+    results_dir,
+    start,
+    train_or_reuse_head,
+    write_results,
+)
+from long_variants_setup import SIZES, Sizes, prepare_long
 
 EDGES = (0, 128, 512, 2048)
-LOSS_EDGES = (0, 256, 512, 1024, 2048)  # held-out loss buckets of the long-context target
 MEMORY_SHARE = 0.06  # of host memory, per vLLM server (three side by side; the tiny targets need far less)
-
-
-@dataclasses.dataclass(frozen=True)
-class Sizes:
-    """What differs between the quick and the full run."""
-
-    min_new: int  # long traffic: answers of at least this many tokens
-    prompt_lines: int
-    train_convs: int  # long train conversations whose features train the heads
-    prompts: int
-    depth: int
-    runs: int
-    steps: int
-    batch: int
-
-
-SIZES = {"quick": Sizes(min_new=96, prompt_lines=6, train_convs=16, prompts=2, depth=3, runs=1, steps=8, batch=2),
-         "default": Sizes(min_new=1000, prompt_lines=24, train_convs=48, prompts=4, depth=5, runs=3, steps=150,
-                          batch=2)}
-
-
-def long_traffic(emb, target_dir: Path, context: int, sizes: Sizes, out: Path) -> tuple[Path, Path]:
-    """The long kind's train and held-out files for this target's tokenizer and context (cached in `out`)."""
-    from transformers import AutoTokenizer
-
-    from components.data.traffic_io import write_openai_jsonl
-    from embedded.build import load_domains
-    from embedded.config import TrafficConfig
-    from embedded.long_traffic import long_conversations
-
-    paths = out / "long-train.jsonl", out / "long-heldout.jsonl"
-    if all(p.is_file() for p in paths):
-        return paths
-    tok = AutoTokenizer.from_pretrained(target_dir)
-    base, _ = load_domains(emb.config)
-    t = TrafficConfig(kind="long", long_prompt_lines=sizes.prompt_lines, long_min_new_tokens=sizes.min_new)
-    out.mkdir(parents=True, exist_ok=True)
-    for path, files in zip(paths, (base.train, base.heldout)):
-        convs = long_conversations(files, base.name, tok, t, context, seed=0)
-        if not convs:
-            raise ValueError(f"no long conversation of >= {sizes.min_new} tokens fits a context of {context}")
-        write_openai_jsonl(path, convs)
-    return paths
-
-
-def loss_by_position(model, windows_NT: torch.Tensor, edges=LOSS_EDGES) -> dict[str, float]:
-    """Mean next-token loss per position bucket of held-out windows (the buckets that start inside them)."""
-    import torch.nn.functional as F
-
-    edges = [e for e in edges if e < windows_NT.shape[1] - 1] + [windows_NT.shape[1] - 1]
-    sums = torch.zeros(len(edges) - 1)
-    model.eval()
-    with torch.no_grad():
-        for x in windows_NT.split(1):
-            logits = model(input_ids=x).logits[0, :-1].float()
-            nll = F.cross_entropy(logits, x[0, 1:], reduction="none")
-            for b in range(len(edges) - 1):
-                sums[b] += nll[edges[b]:edges[b + 1]].mean()
-    return {f"{edges[b]}-{edges[b + 1]}": float(sums[b] / windows_NT.shape[0]) for b in range(len(edges) - 1)}
-
-
-def long_target(emb, train_traffic: Path, steps: int, batch: int, out: Path) -> tuple[Path, dict]:
-    """The embedded target trained `steps` more steps on 2,048-token windows (cached): (target dir, report)."""
-    from transformers import AutoTokenizer, LlamaForCausalLM
-
-    from components.data.traffic_io import load_traffic
-    from embedded import lm_train
-    from embedded.build import load_domains
-    from embedded.config import LMTrainConfig
-    from embedded.tokenizer import render_chat
-
-    report_file = out / "long_target.json"
-    if report_file.is_file() and (out / "target" / "config.json").is_file():
-        return out / "target", json.loads(report_file.read_text())
-    tok = AutoTokenizer.from_pretrained(emb.target_dir)
-    model = LlamaForCausalLM.from_pretrained(emb.target_dir)
-    S = int(model.config.max_position_embeddings)
-    base, _ = load_domains(emb.config)
-    doc = lambda text: [tok.bos_token_id] + tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
-    raw = [doc(f.text) for f in base.train]
-    chat = [tok(render_chat([{"role": m.role, "content": m.content} for m in c.messages]),
-                add_special_tokens=False)["input_ids"] for c in load_traffic(train_traffic).conversations]
-    cfg = LMTrainConfig(steps=steps, batch_size=batch, seq_len=S, lr=1e-3, warmup_steps=max(1, steps // 10),
-                        num_threads=common.SETUP_THREADS)
-    windows = lm_train.pack_windows(chat, raw, steps * batch, S, 0.5, seed=1)
-    held = lm_train.pack_windows([], [doc(f.text) for f in base.heldout], 4, S, 1.0, seed=2)
-    t0 = time.perf_counter()
-    before = loss_by_position(model, held)
-    stats = lm_train.train(model, windows, cfg, seed=1, desc="long-context target", progress=False)
-    after = loss_by_position(model, held)
-    lm_train.save_target(model, tok, out / "target")
-    model.generation_config.save_pretrained(out / "target")
-    report = {"steps": steps, "batch": batch, "seq_len": S, "train_seconds": round(stats.seconds, 1),
-              "tokens_per_s": round(stats.tokens_per_second, 1), "first_loss": stats.first_loss,
-              "last_loss": stats.last_loss, "heldout_loss_before": before, "heldout_loss_after": after,
-              "seconds_total": round(time.perf_counter() - t0, 1), "torch_threads": torch.get_num_threads()}
-    report_file.write_text(json.dumps(report, indent=2) + "\n")
-    return out / "target", report
-
-
-def prepare_long(args, sizes: Sizes) -> tuple[Setup, str, dict]:
-    """Target, long traffic and features, cached: (setup for `train_or_reuse_head`, target label, long report)."""
-    from components.extract.stage import extract
-    from components.targets.target import target_context
-
-    preset = Preset.get(args.quick)
-    emb = embedded(preset)
-    work = common.CACHE / f"{emb.build_hash[:12]}-long-{preset.name}"
-    target_dir, label, report = Path(emb.target_dir), "base+ignore_eos", {}
-    traffic = long_traffic(emb, target_dir, target_context(target_dir), sizes, work)
-    if args.target == "long":
-        out = common.CACHE / f"long-target-{emb.build_hash[:12]}-{fingerprint(args.long_steps, args.long_batch)}"
-        with common.setup_threads():
-            target_dir, report = long_target(emb, traffic[0], args.long_steps, args.long_batch, out)
-        label, work = "long-context+ignore_eos", out
-    regen, ext = work / "reference", work / "extract"
-    if not (ext / "done.json").is_file():  # the reference answers, as a regenerated shard: what the heads learn
-        from components.data.traffic_io import load_traffic, write_openai_jsonl
-
-        regen.mkdir(parents=True, exist_ok=True)
-        write_openai_jsonl(regen / "shard-00000.jsonl", load_traffic(traffic[0]).conversations[:sizes.train_convs])
-        ecfg = dataclasses.replace(preset.extract, max_len=target_context(target_dir), seqs_per_shard=16)
-        with common.setup_threads():
-            res = extract(ecfg, str(target_dir), str(regen), str(ext), progress=lambda s: None)
-        (ext / "done.json").write_text(json.dumps({"n_seqs": res.n_seqs, "n_tokens": res.n_tokens}) + "\n")
-    setup = Setup(preset, emb, target_dir, traffic[0], traffic[1], work, regen, ext, work)
-    return setup, label, report
 
 
 def head_config(setup: Setup, sizes: Sizes, variant: str, steps: int):
     base = setup.preset.train
-    return dataclasses.replace(base, steps=steps, batch_size=sizes.batch, variant=variant, eval_every=0,
-                               select="last", ttt=dataclasses.replace(base.ttt, ttt_steps=min(7, base.ttt.ttt_steps)))
+    return dataclasses.replace(
+        base,
+        steps=steps,
+        batch_size=sizes.batch,
+        variant=variant,
+        eval_every=0,
+        select="last",
+        ttt=dataclasses.replace(base.ttt, ttt_steps=min(7, base.ttt.ttt_steps)),
+    )
 
 
 def ours(setup: Setup, heads: dict[str, Path], n_prompts: int, depth: int) -> dict[str, dict]:
@@ -188,18 +77,31 @@ def ours(setup: Setup, heads: dict[str, Path], n_prompts: int, depth: int) -> di
     from components.evaluate.stage import EvaluateConfig, HeadEval, evaluate
     from eagle.run_config import SpecConfig
 
-    cfg = EvaluateConfig(spec=SpecConfig(depth=depth, max_new_tokens=64), limit=n_prompts, max_prompt_tokens=1024,
-                         ignore_eos=True, position_edges=EDGES,
-                         speed=SpeedupConfig(min_rounds=1, max_rounds=1, budget_s=3600.0))
+    cfg = EvaluateConfig(
+        spec=SpecConfig(depth=depth, max_new_tokens=64),
+        limit=n_prompts,
+        max_prompt_tokens=1024,
+        ignore_eos=True,
+        position_edges=EDGES,
+        speed=SpeedupConfig(min_rounds=1, max_rounds=1, budget_s=3600.0),
+    )
     out = {}
     for v, head in heads.items():
         common._say(f"bench: our loop, {v}")
-        res = evaluate(cfg, HeadEval(str(setup.target_dir), str(head), str(setup.heldout_traffic),
-                                     str(setup.work / "eval" / v)), progress=lambda s: None)
+        res = evaluate(
+            cfg,
+            HeadEval(str(setup.target_dir), str(head), str(setup.heldout_traffic), str(setup.work / "eval" / v)),
+            progress=lambda s: None,
+        )
         samples = json.loads(Path(res.report_file).read_text())["samples"]
-        out[v] = {"tau": res.tau, "by_position": res.by_position, "identical": res.identical,
-                  "speedup_ours": res.speedup, "outputs": [s["output_ids"] for s in samples],
-                  "limits": [s["max_new_tokens"] for s in samples]}
+        out[v] = {
+            "tau": res.tau,
+            "by_position": res.by_position,
+            "identical": res.identical,
+            "speedup_ours": res.speedup,
+            "outputs": [s["output_ids"] for s in samples],
+            "limits": [s["max_new_tokens"] for s in samples],
+        }
     return out
 
 
@@ -208,12 +110,19 @@ def engine_spec(setup: Setup, method: str, head: Path | None, depth: int):
     metrics, a small memory share (the servers of a round run side by side)."""
     from components.targets.target import target_context
     from eagle.config import PARALLEL_VARIANTS
-    from infra.vllm_server import PER_REQUEST_METRICS, EngineSpec
+    from infra.vllm_engine_spec import EngineSpec
+    from infra.vllm_server import PER_REQUEST_METRICS
 
-    spec = EngineSpec(str(setup.target_dir), str(head) if head else None, method="eagle3" if head else None,
-                      num_speculative_tokens=depth, max_model_len=target_context(setup.target_dir),
-                      extra_args=PER_REQUEST_METRICS if head else (), cpu_memory_share=MEMORY_SHARE,
-                      served_model_name=method)
+    spec = EngineSpec(
+        str(setup.target_dir),
+        str(head) if head else None,
+        method="eagle3" if head else None,
+        num_speculative_tokens=depth,
+        max_model_len=target_context(setup.target_dir),
+        extra_args=PER_REQUEST_METRICS if head else (),
+        cpu_memory_share=MEMORY_SHARE,
+        served_model_name=method,
+    )
     if method in PARALLEL_VARIANTS:
         spec = dataclasses.replace(spec, parallel_drafting=True)  # EngineSpec's field for P-EAGLE (issue 25 item 3)
     return spec
@@ -238,7 +147,7 @@ def engine_round(setup: Setup, heads: dict[str, Path], order: list[str], prompts
             srv.complete(prompts[0].ids, 4)  # warm-up, before the counters
         before = {m: servers[m].spec_counters() for m in order if m in heads}
         for i, p in enumerate(prompts):
-            for m in order[i % len(order):] + order[:i % len(order)]:
+            for m in order[i % len(order) :] + order[: i % len(order)]:
                 pause(m)
                 t0 = time.perf_counter()
                 c = servers[m].complete(p.ids, p.max_new_tokens, 0.0, ignore_eos=True)
@@ -248,8 +157,11 @@ def engine_round(setup: Setup, heads: dict[str, Path], order: list[str], prompts
         for m in before:
             steps = rows[m]["steps"]
             rows[m]["tau"] = (servers[m].spec_counters() - before[m]).tau
-            rows[m]["by_position"] = acceptance_by_position([raw_steps(s) for s in steps], EDGES) \
-                if all(s is not None for s in steps) else []
+            rows[m]["by_position"] = (
+                acceptance_by_position([raw_steps(s) for s in steps], EDGES)
+                if all(s is not None for s in steps)
+                else []
+            )
     for r in rows.values():
         r["tokens"] = sum(map(len, r["outputs"]))
         r.pop("steps")
@@ -261,11 +173,15 @@ def vllm_rounds(setup: Setup, heads: dict[str, Path], prompts, depth: int, runs:
 
     settings, methods, out = Settings.from_env(), ["plain", *heads], []
     for r in range(runs):
-        order = methods[r % len(methods):] + methods[:r % len(methods)]
+        order = methods[r % len(methods) :] + methods[: r % len(methods)]
         out.append(engine_round(setup, heads, order, prompts, depth, settings))
         rd = out[-1]
-        common._say(f"bench: vLLM round {r + 1}/{runs} done: " + ", ".join(
-            f"{m} {rd['plain']['seconds'] / rd[m]['seconds']:.2f}x plain, tau {rd[m]['tau']:.2f}" for m in heads))
+        common._say(
+            f"bench: vLLM round {r + 1}/{runs} done: "
+            + ", ".join(
+                f"{m} {rd['plain']['seconds'] / rd[m]['seconds']:.2f}x plain, tau {rd[m]['tau']:.2f}" for m in heads
+            )
+        )
     return out
 
 
@@ -280,9 +196,17 @@ def rows_of(heads, mine, rounds) -> list[dict]:
     for v in heads:
         x = [r["plain"]["seconds"] / r[v]["seconds"] * r[v]["tokens"] / r["plain"]["tokens"] for r in rounds]
         bad = sum(a != b for r in rounds for a, b in zip(r["plain"]["outputs"], r[v]["outputs"]))
-        row = {"variant": v, "tau ours": mine[v]["tau"], "tau vLLM": rounds[0][v]["tau"],
-               "x vLLM plain": statistics.median(x), "min": min(x), "max": max(x), "mismatch vLLM": bad,
-               "mismatch ours": 0 if mine[v]["identical"] else 1, "x ours (1 round)": mine[v]["speedup_ours"]}
+        row = {
+            "variant": v,
+            "tau ours": mine[v]["tau"],
+            "tau vLLM": rounds[0][v]["tau"],
+            "x vLLM plain": statistics.median(x),
+            "min": min(x),
+            "max": max(x),
+            "mismatch vLLM": bad,
+            "mismatch ours": 0 if mine[v]["identical"] else 1,
+            "x ours (1 round)": mine[v]["speedup_ours"],
+        }
         for name, bp in (("ours", mine[v]["by_position"]), ("vLLM", rounds[0][v]["by_position"])):
             for b in bp:
                 row[f"tau {name} {b['lo']}-{b['hi']}"] = b["tau"]
@@ -298,9 +222,11 @@ def goals(rows: list[dict], rounds: list[dict], mine: dict) -> dict:
     e3 = next((r for r in rows if r["variant"] == "eagle3"), None)
     gain = best["x vLLM plain"] / e3["x vLLM plain"] if e3 else None
     b = best["variant"]
-    return {"best_variant": b,
-            "flat": goal_line(f"{b}: last-bucket tau / first-bucket tau (vLLM) >= 0.9", flat, 0.9, bad),
-            "vs_eagle3": goal_line(f"{b}: vLLM speedup / EAGLE-3's >= 1.2", gain, 1.2, bad)}
+    return {
+        "best_variant": b,
+        "flat": goal_line(f"{b}: last-bucket tau / first-bucket tau (vLLM) >= 0.9", flat, 0.9, bad),
+        "vs_eagle3": goal_line(f"{b}: vLLM speedup / EAGLE-3's >= 1.2", gain, 1.2, bad),
+    }
 
 
 def plot(rows: list[dict], mine: dict, rounds: list[dict], title: str, path: Path) -> None:
@@ -327,17 +253,24 @@ def main(argv: list[str] | None = None) -> None:
 
     p = base_args(__doc__.splitlines()[0])
     p.add_argument("--variants", nargs="+", default=["eagle3", "eagle3.1"], choices=VARIANTS)
-    p.add_argument("--target", choices=("base", "long"), default="base",
-                   help="base: the built target with ignore_eos; long: continued on 2,048-token windows first")
+    p.add_argument(
+        "--target",
+        choices=("base", "long"),
+        default="base",
+        help="base: the built target with ignore_eos; long: continued on 2,048-token windows first",
+    )
     p.add_argument("--long-steps", type=int, default=150, help="steps of the long-context training (--target long)")
     p.add_argument("--long-batch", type=int, default=2, help="windows per step of the long-context training")
     p.add_argument("--runs", type=int, default=0, help="rounds of fresh vLLM servers (0: 3, quick 1)")
     p.add_argument("--prompts", type=int, default=0, help="held-out prompts (0: 4, quick 2)")
     p.add_argument("--steps", type=int, default=0, help="head training steps (0: 150, quick 8)")
     p.add_argument("--depth", type=int, default=0, help="chain depth / speculative tokens (0: 5, quick 3)")
-    p.add_argument("--setup-only", action="store_true",
-                   help="prepare target, traffic, features and the heads (cached), then stop: e.g. one process per "
-                        "variant at once, then the measuring run finds them all")
+    p.add_argument(
+        "--setup-only",
+        action="store_true",
+        help="prepare target, traffic, features and the heads (cached), then stop: e.g. one process per "
+        "variant at once, then the measuring run finds them all",
+    )
     args = p.parse_args(argv)
     load = start(args)
     sizes = SIZES["quick" if args.quick else "default"]
@@ -365,34 +298,60 @@ def main(argv: list[str] | None = None) -> None:
     from components.evaluate.stage import EvaluateConfig
     from infra.settings import Settings
 
-    prompts = engine_samples(EvaluateConfig(limit=n_prompts, max_prompt_tokens=1024), str(setup.target_dir),
-                             str(setup.heldout_traffic), Settings.from_env())
+    prompts = engine_samples(
+        EvaluateConfig(limit=n_prompts, max_prompt_tokens=1024),
+        str(setup.target_dir),
+        str(setup.heldout_traffic),
+        Settings.from_env(),
+    )
     rounds = vllm_rounds(setup, heads, prompts, depth, runs)
     phase("vLLM")
     rows = rows_of(heads, mine, rounds)
     for r, v in zip(rows, heads):
         r["train_s"] = train_s[v]
-    title = (f"{label}: {len(prompts)} held-out long prompts ({min(x.max_new_tokens for x in prompts)}-"
-             f"{max(x.max_new_tokens for x in prompts)} new tokens), chain K={depth}, heads of {steps} steps, "
-             f"{runs} vLLM round(s)")
-    cols = ["variant", "tau ours", "tau vLLM", "x vLLM plain", "min", "max", "mismatch vLLM", "mismatch ours",
-            "x ours (1 round)", "train_s"] + [f"tau {n} {a}-{b}" for n in ("ours", "vLLM")
-                                              for a, b in zip(EDGES, EDGES[1:])]
+    title = (
+        f"{label}: {len(prompts)} held-out long prompts ({min(x.max_new_tokens for x in prompts)}-"
+        f"{max(x.max_new_tokens for x in prompts)} new tokens), chain K={depth}, heads of {steps} steps, "
+        f"{runs} vLLM round(s)"
+    )
+    cols = [
+        "variant",
+        "tau ours",
+        "tau vLLM",
+        "x vLLM plain",
+        "min",
+        "max",
+        "mismatch vLLM",
+        "mismatch ours",
+        "x ours (1 round)",
+        "train_s",
+    ] + [f"tau {n} {a}-{b}" for n in ("ours", "vLLM") for a, b in zip(EDGES, EDGES[1:])]
     print_table(rows, cols, title)
     ours_vs_vllm = sum(a != b for v in heads for a, b in zip(mine[v]["outputs"], rounds[0]["plain"]["outputs"]))
     print(f"our outputs vs vLLM plain (information: fp32 kernels differ): {ours_vs_vllm} differ")
     g = goals(rows, rounds, mine)
-    name = "long_variants" + ("-long" if args.target == "long" else "") + (f"-runs{runs}" if runs != sizes.runs
-                                                                          else "")
+    name = "long_variants" + ("-long" if args.target == "long" else "") + (f"-runs{runs}" if runs != sizes.runs else "")
     png = results_dir(args.quick) / f"{name}.png"
     plot(rows, mine, rounds, title, png)
-    payload = {"args": vars(args), "target": label, "target_dir": str(setup.target_dir), "long_target": long_report,
-               "edges": EDGES, "depth": depth, "runs": runs, "head_steps": steps, "n_prompts": len(prompts),
-               "limits": [x.max_new_tokens for x in prompts], "rows": rows, "goals": g,
-               "ours_vs_vllm_plain_differ": ours_vs_vllm, "seconds": round(time.perf_counter() - t0, 1),
-               "phase_seconds": phases,
-               "per_round": [{m: {k: x for k, x in r.items() if k != "outputs"} for m, r in rd.items()}
-                             for rd in rounds], "plot": str(png)}
+    payload = {
+        "args": vars(args),
+        "target": label,
+        "target_dir": str(setup.target_dir),
+        "long_target": long_report,
+        "edges": EDGES,
+        "depth": depth,
+        "runs": runs,
+        "head_steps": steps,
+        "n_prompts": len(prompts),
+        "limits": [x.max_new_tokens for x in prompts],
+        "rows": rows,
+        "goals": g,
+        "ours_vs_vllm_plain_differ": ours_vs_vllm,
+        "seconds": round(time.perf_counter() - t0, 1),
+        "phase_seconds": phases,
+        "per_round": [{m: {k: x for k, x in r.items() if k != "outputs"} for m, r in rd.items()} for rd in rounds],
+        "plot": str(png),
+    }
     print(write_results(name, args.quick, payload, load))
 
 

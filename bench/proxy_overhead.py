@@ -44,7 +44,7 @@ def prompt_texts(target_dir: Path, heldout: Path, n: int) -> list[str]:
     out = []
     for c in load_traffic(heldout).conversations:
         first_user = next(i for i, m in enumerate(c.messages) if m.role == "user")
-        msgs = [{"role": m.role, "content": m.content} for m in c.messages[:first_user + 1]]
+        msgs = [{"role": m.role, "content": m.content} for m in c.messages[: first_user + 1]]
         text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
         if len(tok(text)["input_ids"]) <= 256:
             out.append(text)
@@ -62,12 +62,22 @@ def summarize(keys: list[tuple[int, str]], cells: list) -> dict[int, dict]:
         by = {m: [cell for k, cell in zip(keys, cells) if k == (c, m)] for m in ("direct", "proxy")}
         if len(by["direct"]) != len(by["proxy"]) or not by["direct"]:
             raise ValueError(f"concurrency {c}: {len(by['direct'])} direct and {len(by['proxy'])} proxy cells")
-        fig = {m: {"tok_s": statistics.median(x.output_tokens_per_s for x in xs),
-                   "ttft_ms": statistics.median(x.median_ttft_ms for x in xs)} for m, xs in by.items()}
+        fig = {
+            m: {
+                "tok_s": statistics.median(x.output_tokens_per_s for x in xs),
+                "ttft_ms": statistics.median(x.median_ttft_ms for x in xs),
+            }
+            for m, xs in by.items()
+        }
         per_round = [p.output_tokens_per_s / d.output_tokens_per_s for d, p in zip(by["direct"], by["proxy"])]
-        out[c] = {**fig, "tok_s_ratio": statistics.median(per_round), "tok_s_ratio_min": min(per_round),
-                  "tok_s_ratio_max": max(per_round), "tok_s_ratio_by_round": per_round,
-                  "ttft_ratio": fig["proxy"]["ttft_ms"] / fig["direct"]["ttft_ms"]}
+        out[c] = {
+            **fig,
+            "tok_s_ratio": statistics.median(per_round),
+            "tok_s_ratio_min": min(per_round),
+            "tok_s_ratio_max": max(per_round),
+            "tok_s_ratio_by_round": per_round,
+            "ttft_ratio": fig["proxy"]["ttft_ms"] / fig["direct"]["ttft_ms"],
+        }
     return out
 
 
@@ -90,47 +100,81 @@ def main(argv: list[str] | None = None) -> int:
     if a.rounds < 1 or a.prompts < 16 or a.output_len < 1:
         p.error("--rounds and --output-len must be >= 1 and --prompts >= 16 (concurrency 16 needs 16 requests)")
     load_before = common.start(a)
-    emb = (SimpleNamespace(target_dir=Path(a.target), target_traffic=SimpleNamespace(heldout=Path(a.heldout)))
-           if a.target else common.embedded(common.Preset.get(a.quick)))
+    emb = (
+        SimpleNamespace(target_dir=Path(a.target), target_traffic=SimpleNamespace(heldout=Path(a.heldout)))
+        if a.target
+        else common.embedded(common.Preset.get(a.quick))
+    )
     settings = Settings.from_env()
-    spec = EngineSpec(str(emb.target_dir), a.head, method="eagle3" if a.head else None, num_speculative_tokens=3,
-                      served_model_name="target")
+    spec = EngineSpec(
+        str(emb.target_dir),
+        a.head,
+        method="eagle3" if a.head else None,
+        num_speculative_tokens=3,
+        served_model_name="target",
+    )
     with tempfile.TemporaryDirectory() as tmp, VllmServer(spec, settings) as srv:
         capture = None if a.no_capture else CaptureWriter(Path(tmp) / "capture", CaptureConfig(), print).start()
         meta = {"head": a.head or "", "target_name": "target", "target_version": ""}
         with ServeProxy(Backend(srv.base_url, meta), record=capture.submit if capture else None) as proxy:
-            ends = {"direct": srv, "proxy": SimpleNamespace(base_url=proxy.base_url, spec=srv.spec,
-                                                             log_path=srv.log_path)}
-            data = write_dataset(prompt_texts(emb.target_dir, emb.target_traffic.heldout, a.prompts),
-                                 Path(tmp) / "prompts.json")
+            ends = {
+                "direct": srv,
+                "proxy": SimpleNamespace(base_url=proxy.base_url, spec=srv.spec, log_path=srv.log_path),
+            }
+            data = write_dataset(
+                prompt_texts(emb.target_dir, emb.target_traffic.heldout, a.prompts), Path(tmp) / "prompts.json"
+            )
             jobs, keys = [], []
             for r in range(a.rounds):
                 for c in LEVELS:
-                    for mode in (("direct", "proxy") if r % 2 == 0 else ("proxy", "direct")):
+                    for mode in ("direct", "proxy") if r % 2 == 0 else ("proxy", "direct"):
                         req = LoadRequest(str(data), str(emb.target_dir), c, max(a.prompts, c), a.output_len)
                         jobs.append((ends[mode], req))
                         keys.append((c, mode))
-            cells = bench_serve_many(jobs, settings, on_cell=lambda i, cell: print(
-                f"  cell {i + 1}/{len(jobs)}: concurrency {keys[i][0]} {keys[i][1]}: "
-                f"{cell.output_tokens_per_s:.0f} tok/s, TTFT {cell.median_ttft_ms:.0f} ms", file=sys.stderr))
+            cells = bench_serve_many(
+                jobs,
+                settings,
+                on_cell=lambda i, cell: print(
+                    f"  cell {i + 1}/{len(jobs)}: concurrency {keys[i][0]} {keys[i][1]}: "
+                    f"{cell.output_tokens_per_s:.0f} tok/s, TTFT {cell.median_ttft_ms:.0f} ms",
+                    file=sys.stderr,
+                ),
+            )
         if capture is not None:
             capture.close()
             captured = capture.stats()
     levels = summarize(keys, cells)
-    payload = {"target": str(emb.target_dir), "levels": levels, "rounds": a.rounds,
-               "capture": None if a.no_capture else captured, "head": a.head}
-    rows = [{"concurrency": c, "direct tok/s": f["direct"]["tok_s"], "proxy tok/s": f["proxy"]["tok_s"],
-             "tok/s ratio": f["tok_s_ratio"], "ratio min": f["tok_s_ratio_min"], "ratio max": f["tok_s_ratio_max"],
-             "direct TTFT ms": f["direct"]["ttft_ms"], "proxy TTFT ms": f["proxy"]["ttft_ms"],
-             "TTFT ratio": f["ttft_ratio"]} for c, f in levels.items()]
+    payload = {
+        "target": str(emb.target_dir),
+        "levels": levels,
+        "rounds": a.rounds,
+        "capture": None if a.no_capture else captured,
+        "head": a.head,
+    }
+    rows = [
+        {
+            "concurrency": c,
+            "direct tok/s": f["direct"]["tok_s"],
+            "proxy tok/s": f["proxy"]["tok_s"],
+            "tok/s ratio": f["tok_s_ratio"],
+            "ratio min": f["tok_s_ratio_min"],
+            "ratio max": f["tok_s_ratio_max"],
+            "direct TTFT ms": f["direct"]["ttft_ms"],
+            "proxy TTFT ms": f["proxy"]["ttft_ms"],
+            "TTFT ratio": f["ttft_ratio"],
+        }
+        for c, f in levels.items()
+    ]
     common.print_table(rows, list(rows[0]), "proxy overhead (medians over rounds; ratio = proxy / direct)")
     payload["goals"] = {}
     for c, f in levels.items():  # outputs are not compared here (the proxy passes bytes): tests/test_serve_proxy.py
         met = f["tok_s_ratio"] >= GOAL
         payload["goals"][c] = {"measured": f["tok_s_ratio"], "goal": GOAL, "met": met}
-        print(f"goal proxy tok/s >= {GOAL}x direct at concurrency {c}: median {f['tok_s_ratio']:.3f} "
-              f"[{f['tok_s_ratio_min']:.3f}, {f['tok_s_ratio_max']:.3f}] over {a.rounds} rounds -> "
-              + ("met" if met else f"MISSED by {GOAL - f['tok_s_ratio']:.3f}"))
+        print(
+            f"goal proxy tok/s >= {GOAL}x direct at concurrency {c}: median {f['tok_s_ratio']:.3f} "
+            f"[{f['tok_s_ratio_min']:.3f}, {f['tok_s_ratio_max']:.3f}] over {a.rounds} rounds -> "
+            + ("met" if met else f"MISSED by {GOAL - f['tok_s_ratio']:.3f}")
+        )
     name = f"proxy_overhead-{Path(a.target).resolve().parent.name}" if a.target else "proxy_overhead"
     common.write_results(name, a.quick, payload, load_before)
     return 0

@@ -31,8 +31,13 @@ from common import ROOT, base_args, print_table, pyplot, start, write_results
 
 def embedded_default(root: Path) -> tuple[Path, Path, Path]:
     """(base target dir, training traffic, held-out traffic) of the embedded default, built once under `root`."""
-    out = subprocess.run([sys.executable, "-m", "embedded", "--quiet", "--root", str(root)], cwd=ROOT,
-                         check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "embedded", "--quiet", "--root", str(root)],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     report = json.loads(out)
     build = Path(report["build_dir"])
     full = json.loads((build / "report.json").read_text())
@@ -42,11 +47,19 @@ def embedded_default(root: Path) -> tuple[Path, Path, Path]:
 
 def overrides(args) -> list[str]:
     """The `--set` flags that turn the demo's `default` preset into this benchmark's run."""
-    sets = {"regenerate.limit": args.conversations, "regenerate.shard_size": 160,
-            "train.steps": args.steps, "train.eval_every": args.eval_every, "train.checkpoint_every": args.eval_every,
-            "train.log_every": 25, "train.teacher_cache_mib": args.teacher_cache_mib,
-            "train.draft_vocab_size": args.draft_vocab, "train.optim.warmup_steps": 30,
-            "evaluate.limit": 8, "evaluate.spec.max_new_tokens": 96}
+    sets = {
+        "regenerate.limit": args.conversations,
+        "regenerate.shard_size": 160,
+        "train.steps": args.steps,
+        "train.eval_every": args.eval_every,
+        "train.checkpoint_every": args.eval_every,
+        "train.log_every": 25,
+        "train.teacher_cache_mib": args.teacher_cache_mib,
+        "train.draft_vocab_size": args.draft_vocab,
+        "train.optim.warmup_steps": 30,
+        "evaluate.limit": 8,
+        "evaluate.spec.max_new_tokens": 96,
+    }
     return [f for k, v in sets.items() for f in ("--set", f"{k}={v}")]
 
 
@@ -56,11 +69,26 @@ def train(args, target: Path, traffic: Path, heldout: Path) -> tuple[dict, float
 
     home = Path(args.home).resolve()
     # its own registry and Prefect in its own state dir, never the user's
-    env = {k: v for k, v in env_with({"EAGLE_HOME": str(home), "OMP_WAIT_POLICY": "PASSIVE"}).items()
-           if k not in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL")}
-    cmd = [str(Path(sys.executable).with_name("eagle-heads")), "train", "--preset", "default", "--target",
-           str(target), "--traffic", str(traffic), "--heldout", str(heldout), "--name", "smollm2-bench",
-           *overrides(args)]
+    env = {
+        k: v
+        for k, v in env_with({"EAGLE_HOME": str(home), "OMP_WAIT_POLICY": "PASSIVE"}).items()
+        if k not in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL")
+    }
+    cmd = [
+        str(Path(sys.executable).with_name("eagle-heads")),
+        "train",
+        "--preset",
+        "default",
+        "--target",
+        str(target),
+        "--traffic",
+        str(traffic),
+        "--heldout",
+        str(heldout),
+        "--name",
+        "smollm2-bench",
+        *overrides(args),
+    ]
     print("+", " ".join(cmd), flush=True)
     t0 = time.perf_counter()
     subprocess.run(cmd, cwd=ROOT, env=env, check=True)
@@ -77,17 +105,35 @@ def history(summary: dict) -> list[dict]:
     for line in Path(summary["train"]["history_file"]).read_text().splitlines():
         rec = json.loads(line)
         if "heldout_tau" in rec:
-            rows.append({"step": rec["step"], "heldout_tau": round(rec["heldout_tau"], 3),
-                         "train_tau": round(rec.get("tau", float("nan")), 3),
-                         "tokens_per_s": round(rec.get("tokens_per_s", float("nan")))})
+            rows.append(
+                {
+                    "step": rec["step"],
+                    "heldout_tau": round(rec["heldout_tau"], 3),
+                    "train_tau": round(rec.get("tau", float("nan")), 3),
+                    "tokens_per_s": round(rec.get("tokens_per_s", float("nan"))),
+                }
+            )
     return rows
 
 
 def served(args, target: Path, heldout: Path, head: Path) -> dict:
     """bench/vllm_speedup.py on the head: its results file's record."""
-    cmd = [sys.executable, str(ROOT / "bench" / "vllm_speedup.py"), "--target", str(target), "--head", str(head),
-           "--heldout", str(heldout), "--prompts", str(args.prompts), "--max-new", str(args.max_new),
-           "--runs", str(args.runs)]
+    cmd = [
+        sys.executable,
+        str(ROOT / "bench" / "vllm_speedup.py"),
+        "--target",
+        str(target),
+        "--head",
+        str(head),
+        "--heldout",
+        str(heldout),
+        "--prompts",
+        str(args.prompts),
+        "--max-new",
+        str(args.max_new),
+        "--runs",
+        str(args.runs),
+    ]
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, cwd=ROOT, check=True)
     name = f"vllm_speedup-{target.name}" + (f"-runs{args.runs}" if args.runs > 1 else "")
@@ -107,8 +153,11 @@ def main() -> None:
     p.add_argument("--home", default=str(ROOT / ".eagle" / "bench" / "real_head"), help="state directory (fresh)")
     p.add_argument("--embedded", default=str(ROOT / ".eagle" / "embedded"), help="embedded default's cache root")
     p.add_argument("--head", default="", help="skip training: measure this exported head of the base target")
-    p.add_argument("--summary", default="",
-                   help="skip training: a finished run's summary.json (its curve, gate and head are reported)")
+    p.add_argument(
+        "--summary",
+        default="",
+        help="skip training: a finished run's summary.json (its curve, gate and head are reported)",
+    )
     args = p.parse_args()
     for name in ("steps", "eval_every", "draft_vocab", "prompts", "max_new"):
         if getattr(args, name) < 1:
@@ -133,14 +182,31 @@ def main() -> None:
         else:
             summary, seconds = train(args, target, traffic, heldout)
         head = Path(summary["train"]["head_dir"])
-        record.update(pipeline_seconds=round(seconds, 1), train_seconds=round(summary["train"]["seconds"], 1),
-                      curve=history(summary), head_uri=summary["head_uri"], gate=summary["gate"],
-                      pipeline_tau_vllm=summary.get("tau_vllm"), pipeline_speedup_vllm=summary.get("speedup_vllm"),
-                      pipeline_vllm={k: (summary.get("vllm") or {}).get(k) for k in
-                                     ("acceptance", "speedup_lo", "speedup_hi", "plain_tokens_per_s",
-                                      "spec_tokens_per_s", "identical_to_plain", "n_samples", "n_tokens")},
-                      k_schedule=summary.get("k_schedule"), crossover=summary.get("crossover"),
-                      selection=summary["train"]["selection_rule"])
+        record.update(
+            pipeline_seconds=round(seconds, 1),
+            train_seconds=round(summary["train"]["seconds"], 1),
+            curve=history(summary),
+            head_uri=summary["head_uri"],
+            gate=summary["gate"],
+            pipeline_tau_vllm=summary.get("tau_vllm"),
+            pipeline_speedup_vllm=summary.get("speedup_vllm"),
+            pipeline_vllm={
+                k: (summary.get("vllm") or {}).get(k)
+                for k in (
+                    "acceptance",
+                    "speedup_lo",
+                    "speedup_hi",
+                    "plain_tokens_per_s",
+                    "spec_tokens_per_s",
+                    "identical_to_plain",
+                    "n_samples",
+                    "n_tokens",
+                )
+            },
+            k_schedule=summary.get("k_schedule"),
+            crossover=summary.get("crossover"),
+            selection=summary["train"]["selection_rule"],
+        )
         print_table(record["curve"], ["step", "heldout_tau", "train_tau", "tokens_per_s"])
     record.update(head=str(head), served=served(args, target, heldout, head) if args.runs else None)
     write_results("real_head", False, record, load)
@@ -150,8 +216,11 @@ def main() -> None:
         steps = [r["step"] for r in record["curve"]]
         ax.plot(steps, [r["heldout_tau"] for r in record["curve"]], marker="o", label="held-out")
         ax.plot(steps, [r["train_tau"] for r in record["curve"]], marker=".", ls="--", label="training batches")
-        ax.set(xlabel="training step (batch 8)", ylabel="tau (simulated, K 5)",
-               title=f"SmolLM2-135M head, {args.conversations} conversations")
+        ax.set(
+            xlabel="training step (batch 8)",
+            ylabel="tau (simulated, K 5)",
+            title=f"SmolLM2-135M head, {args.conversations} conversations",
+        )
         ax.grid(alpha=0.3)
         ax.legend()
         fig.tight_layout()

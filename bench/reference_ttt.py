@@ -18,7 +18,7 @@ def naive_ttt(draft, input_ids, aux, loss_mask, last_hidden, lm_head_w, K, gamma
     B, S = input_ids.shape
     cfg = draft.cfg
     layer = draft.midlayer
-    logits_t = (last_hidden.float() @ lm_head_w.float().T)  # [B,S,V] full vocab, fp32
+    logits_t = last_hidden.float() @ lm_head_w.float().T  # [B,S,V] full vocab, fp32
     draft_ids = draft.draft_ids()
     target_argmax = logits_t.argmax(-1)
     target_probs = torch.softmax(logits_t[..., draft_ids], -1)
@@ -60,14 +60,14 @@ def naive_ttt(draft, input_ids, aux, loss_mask, last_hidden, lm_head_w, K, gamma
         rep = cfg.num_attention_heads // cfg.num_key_value_heads
         allk = allk.repeat_interleave(rep, dim=1)
         allv = allv.repeat_interleave(rep, dim=1)
-        scores = (q @ allk.transpose(-1, -2)) / cfg.head_dim ** 0.5
+        scores = (q @ allk.transpose(-1, -2)) / cfg.head_dim**0.5
         scores = scores.masked_fill(~mask, float("-inf"))
         attn = torch.softmax(scores.float(), -1) @ allv
         out = layer.finish(hidden, attn)
         logp = F.log_softmax(draft.logits(out).float(), -1)
         w = (scored & teacher_in).float()
         ce = -(teacher_p * logp).sum(-1)
-        loss = loss + gamma ** k * (ce * w).sum() / w.sum().clamp(min=1)
+        loss = loss + gamma**k * (ce * w).sum() / w.sum().clamp(min=1)
         pred = draft.draft_ids()[logp.argmax(-1)]
         correct_all.append(pred == teacher_arg)
         scored_all.append(scored)

@@ -42,8 +42,12 @@ def answer_tokens(out: Path, target_dir: Path) -> int:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(target_dir))
-    return sum(len(tok.encode(m.content, add_special_tokens=False))
-               for c in read_regenerated(str(out)) for m in c.messages if m.role == "assistant")
+    return sum(
+        len(tok.encode(m.content, add_special_tokens=False))
+        for c in read_regenerated(str(out))
+        for m in c.messages
+        if m.role == "assistant"
+    )
 
 
 SHARD_LINE = re.compile(r"regenerate: shard \d+/\d+: (\d+) ok, (\d+) failed")
@@ -68,12 +72,26 @@ def run_one(cfg: RegenerateConfig, workers: int, target_dir: Path, traffic: Path
             done.append((time.perf_counter() - t0, int(m[1]) + int(m[2])))
 
     t0 = time.perf_counter()
-    res = regenerate(dataclasses.replace(cfg, num_workers=workers), str(target_dir), str(traffic), str(out),
-                     progress=on_line, context=StageContext(settings=settings))
+    res = regenerate(
+        dataclasses.replace(cfg, num_workers=workers),
+        str(target_dir),
+        str(traffic),
+        str(out),
+        progress=on_line,
+        context=StageContext(settings=settings),
+    )
     wall = time.perf_counter() - t0
-    return {"workers": workers, "where": "in process" if workers == 0 else f"{workers} Ray worker(s)",
-            "wall_s": wall, "first_shard_s": done[0][0] if done else None, "steady_conv_s": steady_rate(done, workers),
-            "ok": res.ok, "failed": res.failed, "digests": digests(out), "out": out}
+    return {
+        "workers": workers,
+        "where": "in process" if workers == 0 else f"{workers} Ray worker(s)",
+        "wall_s": wall,
+        "first_shard_s": done[0][0] if done else None,
+        "steady_conv_s": steady_rate(done, workers),
+        "ok": res.ok,
+        "failed": res.failed,
+        "digests": digests(out),
+        "out": out,
+    }
 
 
 def main() -> None:
@@ -87,8 +105,9 @@ def main() -> None:
     setup = prepare(args.quick, conversations=n)
     base = setup.preset.regenerate
     shard = -(-n // args.shards)
-    cfg = dataclasses.replace(base, limit=n, shard_size=shard, batch_size=min(base.batch_size, shard),
-                              cpus_per_worker=1)
+    cfg = dataclasses.replace(
+        base, limit=n, shard_size=shard, batch_size=min(base.batch_size, shard), cpus_per_worker=1
+    )
     counts = [int(x) for x in args.workers.split(",")]
 
     from infra.ray_cluster import ray_session
@@ -99,7 +118,7 @@ def main() -> None:
     runs: list[dict] = []
     with ray_session(settings, num_cpus=2):  # Ray's own start stays out of the timing; actors start in each run
         for r in range(args.runs):
-            order = counts[r % len(counts):] + counts[:r % len(counts)]
+            order = counts[r % len(counts) :] + counts[: r % len(counts)]
             for w in order:
                 runs.append(run_one(cfg, w, setup.target_dir, setup.train_traffic, root, settings))
                 print(f"{runs[-1]['where']}: {runs[-1]['wall_s']:.1f} s", flush=True)
@@ -108,25 +127,53 @@ def main() -> None:
     rows = []
     for w in counts:
         best = min((x for x in runs if x["workers"] == w), key=lambda x: x["wall_s"])
-        rows.append({**{k: v for k, v in best.items() if k not in ("digests", "out")},
-                     "conv_s": n / best["wall_s"], "tok_s": tokens / best["wall_s"],
-                     "identical": all(x["digests"] == reference for x in runs if x["workers"] == w)})
+        rows.append(
+            {
+                **{k: v for k, v in best.items() if k not in ("digests", "out")},
+                "conv_s": n / best["wall_s"],
+                "tok_s": tokens / best["wall_s"],
+                "identical": all(x["digests"] == reference for x in runs if x["workers"] == w),
+            }
+        )
     one = next((r for r in rows if r["workers"] == 1), None)
     for r in rows:
         r["vs_1w"] = r["conv_s"] / one["conv_s"] if one else None
-        r["steady_vs_1w"] = (r["steady_conv_s"] / one["steady_conv_s"]
-                             if one and one["steady_conv_s"] and r["steady_conv_s"] else None)
+        r["steady_vs_1w"] = (
+            r["steady_conv_s"] / one["steady_conv_s"] if one and one["steady_conv_s"] and r["steady_conv_s"] else None
+        )
     for x in runs:
         shutil.rmtree(x["out"], ignore_errors=True)
-    table = print_table(rows, ["where", "wall_s", "first_shard_s", "conv_s", "tok_s", "vs_1w", "steady_conv_s",
-                               "steady_vs_1w", "ok", "identical"],
-                        f"regenerate {n} conversations ({setup.preset.name} target, {cfg.shard_size} per shard, "
-                        f"{cfg.max_new_tokens} new tokens, T={cfg.temperature}; {tokens} answer tokens), "
-                        "1 CPU per Ray worker")
-    write_results("regen_workers", args.quick, {"regenerate_config": dataclasses.asdict(cfg), "conversations": n,
-                                                "answer_tokens": tokens, "runs": [
-                                                    {k: v for k, v in x.items() if k not in ("digests", "out")}
-                                                    for x in runs], "rows": rows, "table": table}, load0)
+    table = print_table(
+        rows,
+        [
+            "where",
+            "wall_s",
+            "first_shard_s",
+            "conv_s",
+            "tok_s",
+            "vs_1w",
+            "steady_conv_s",
+            "steady_vs_1w",
+            "ok",
+            "identical",
+        ],
+        f"regenerate {n} conversations ({setup.preset.name} target, {cfg.shard_size} per shard, "
+        f"{cfg.max_new_tokens} new tokens, T={cfg.temperature}; {tokens} answer tokens), "
+        "1 CPU per Ray worker",
+    )
+    write_results(
+        "regen_workers",
+        args.quick,
+        {
+            "regenerate_config": dataclasses.asdict(cfg),
+            "conversations": n,
+            "answer_tokens": tokens,
+            "runs": [{k: v for k, v in x.items() if k not in ("digests", "out")} for x in runs],
+            "rows": rows,
+            "table": table,
+        },
+        load0,
+    )
     if not all(r["identical"] for r in rows):
         raise SystemExit("regen_workers: the shard files differ between worker counts")
 

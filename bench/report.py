@@ -34,12 +34,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # ---- run metadata ----------------------------------------------------------------------------------------------
 
+
 def _git(*args: str) -> str | None:
     """Output of a read-only git command in the repository, None when git or the repository is not there.
     `--no-optional-locks`: `status` must not take the index lock of a checkout others commit from."""
     try:
-        p = subprocess.run(["git", "--no-optional-locks", *args], cwd=ROOT, capture_output=True, text=True,
-                           timeout=20)
+        p = subprocess.run(["git", "--no-optional-locks", *args], cwd=ROOT, capture_output=True, text=True, timeout=20)
     except (OSError, subprocess.SubprocessError):
         return None
     return p.stdout if p.returncode == 0 else None
@@ -50,8 +50,11 @@ def cpu_info() -> dict[str, Any]:
     lot between the kinds of machine seen here."""
     name, caches = "unknown", {}
     try:
-        name = next(ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                    if ln.startswith("model name"))
+        name = next(
+            ln.split(":", 1)[1].strip()
+            for ln in Path("/proc/cpuinfo").read_text().splitlines()
+            if ln.startswith("model name")
+        )
     except (OSError, StopIteration):
         pass
     for d in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
@@ -81,20 +84,33 @@ def run_metadata() -> dict[str, Any]:
     status = _git("status", "--porcelain") if commit else None
     changed = [ln for ln in (status or "").splitlines() if ln.strip()]
     cpu = cpu_info()
-    return {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "commit": commit or "unknown",
-            "tree_clean": None if status is None else not changed, "changed_paths": changed[:30],
-            "n_changed_paths": len(changed), "cpu_model": cpu["model"], "cpu_caches": cpu["caches"],
-            "cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version()}
+    return {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "commit": commit or "unknown",
+        "tree_clean": None if status is None else not changed,
+        "changed_paths": changed[:30],
+        "n_changed_paths": len(changed),
+        "cpu_model": cpu["model"],
+        "cpu_caches": cpu["caches"],
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
 
 
 def machine(load_before: list[float]) -> dict[str, Any]:
     """The machine's state around the run: it is shared, so only ratios measured side by side compare."""
-    return {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "loadavg_before": load_before,
-            "loadavg": list(os.getloadavg()),
-            "note": "shared machine: other engineers' jobs ran at the same time; compare ratios within one run"}
+    return {
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "loadavg_before": load_before,
+        "loadavg": list(os.getloadavg()),
+        "note": "shared machine: other engineers' jobs ran at the same time; compare ratios within one run",
+    }
 
 
 # ---- result files ----------------------------------------------------------------------------------------------
+
 
 def _run_date(record: dict) -> str:
     """A record's date: `metadata.date`, or `machine.date` in files written before the metadata existed."""
@@ -120,36 +136,62 @@ def _earlier_runs(path: Path) -> list[dict]:
     return [*earlier, old]
 
 
-def write_results(name: str, quick: bool, payload: dict[str, Any], load_before: list[float],
-                  directory: Path) -> Path:
+def write_results(name: str, quick: bool, payload: dict[str, Any], load_before: list[float], directory: Path) -> Path:
     """Write this run's record to `<directory>/<name>.json`, keeping the earlier runs of that name (module docstring).
     bench/common.py's `write_results` passes the quick or the committed results directory."""
     Path(directory).mkdir(parents=True, exist_ok=True)
     path = Path(directory) / f"{name}.json"
     meta = run_metadata()
-    record = {"benchmark": name, "preset": "quick" if quick else "default", "metadata": meta,
-              "machine": machine(load_before), **payload}
+    record = {
+        "benchmark": name,
+        "preset": "quick" if quick else "default",
+        "metadata": meta,
+        "machine": machine(load_before),
+        **payload,
+    }
     earlier = _earlier_runs(path)
-    history = [{"date": _run_date(r), "commit": r.get("metadata", {}).get("commit", r.get("machine", {}).get("commit")),
-                "tree_clean": r.get("metadata", {}).get("tree_clean")} for r in [*earlier, record]]
+    history = [
+        {
+            "date": _run_date(r),
+            "commit": r.get("metadata", {}).get("commit", r.get("machine", {}).get("commit")),
+            "tree_clean": r.get("metadata", {}).get("tree_clean"),
+        }
+        for r in [*earlier, record]
+    ]
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps({**record, "history": history, "earlier_runs": earlier}, indent=2, default=str) + "\n")
     tmp.replace(path)
     clean = {True: "clean tree", False: f"{meta['n_changed_paths']} changed paths", None: "tree state unknown"}
-    kept = (f"; kept the {len(earlier)} earlier run(s) of {', '.join(_run_date(r) for r in earlier)} under "
-            f"earlier_runs" if earlier else "; no earlier run of that name")
-    print(f"wrote {path}: run {len(earlier) + 1} of {name} ({meta['date']}, commit {meta['commit'][:12]}, "
-          f"{clean[meta['tree_clean']]}){kept}", flush=True)
+    kept = (
+        f"; kept the {len(earlier)} earlier run(s) of {', '.join(_run_date(r) for r in earlier)} under earlier_runs"
+        if earlier
+        else "; no earlier run of that name"
+    )
+    print(
+        f"wrote {path}: run {len(earlier) + 1} of {name} ({meta['date']}, commit {meta['commit'][:12]}, "
+        f"{clean[meta['tree_clean']]}){kept}",
+        flush=True,
+    )
     if earlier and payload.get("plot"):
-        print(f"the plot {payload['plot']} now shows this run (it showed the one of {_run_date(earlier[-1])})",
-              flush=True)
+        print(
+            f"the plot {payload['plot']} now shows this run (it showed the one of {_run_date(earlier[-1])})", flush=True
+        )
     return path
 
 
 # ---- goals and acceptance figures ------------------------------------------------------------------------------
 
-def goal_line(name: str, measured: float | None, goal: float, mismatches: int | None, *, below: bool = False,
-              method: str = "", label: str = "goal") -> dict[str, Any]:
+
+def goal_line(
+    name: str,
+    measured: float | None,
+    goal: float,
+    mismatches: int | None,
+    *,
+    below: bool = False,
+    method: str = "",
+    label: str = "goal",
+) -> dict[str, Any]:
     """Goal `name` (measured >= goal; measured < goal with `below`) is met only when the figure reaches it and
     `mismatches` (greedy outputs of our lossless methods that differ from plain decoding) is 0: a method that changes
     the output measured nothing. Prints `<label> <name>: ... -> met | MISSED by x | NOT MET: n mismatches`."""
@@ -158,16 +200,27 @@ def goal_line(name: str, measured: float | None, goal: float, mismatches: int | 
     if met:
         verdict = "met"
     elif mismatches != 0:
-        verdict = (f"NOT MET: {'mismatches not checked' if mismatches is None else f'{mismatches} mismatches'}"
-                   + (" (the figure alone would reach the goal)" if reached else ""))
+        verdict = f"NOT MET: {'mismatches not checked' if mismatches is None else f'{mismatches} mismatches'}" + (
+            " (the figure alone would reach the goal)" if reached else ""
+        )
     else:
         verdict = f"MISSED by {abs(goal - measured):.2f}" if measured is not None else "MISSED (not measured)"
     shown = "n/a" if measured is None else f"{measured:.2f}"
-    print(f"{label} {name}: measured {shown}{f' ({method})' if method else ''}, {mismatches} mismatches -> {verdict}",
-          flush=True)
-    return {"measured": measured, "goal": goal, "below": below, "method": method or None, "mismatches": mismatches,
-            "reached": reached, "met": met,
-            "shortfall": 0.0 if reached or measured is None else abs(goal - measured), "verdict": verdict}
+    print(
+        f"{label} {name}: measured {shown}{f' ({method})' if method else ''}, {mismatches} mismatches -> {verdict}",
+        flush=True,
+    )
+    return {
+        "measured": measured,
+        "goal": goal,
+        "below": below,
+        "method": method or None,
+        "mismatches": mismatches,
+        "reached": reached,
+        "met": met,
+        "shortfall": 0.0 if reached or measured is None else abs(goal - measured),
+        "verdict": verdict,
+    }
 
 
 def spec_figures(parts: Sequence) -> dict[str, Any]:
@@ -180,16 +233,24 @@ def spec_figures(parts: Sequence) -> dict[str, Any]:
     s = SpecStats.cat(list(parts))
     live = s.accept_lengths >= 0
     emitted = s.emitted_lengths if s.emitted_lengths is not None else s.accept_lengths + 1
-    drafted = (s.drafted[:, None].expand_as(live) if s.drafted is not None
-               else torch.full_like(s.accept_lengths, s.depth))
+    drafted = (
+        s.drafted[:, None].expand_as(live) if s.drafted is not None else torch.full_like(s.accept_lengths, s.depth)
+    )
     reached = [int(((emitted >= k) & (drafted >= k) & live).sum()) for k in range(1, s.depth + 1)]
-    return {"tau": s.tau, "alpha": s.per_position_acceptance, "tau_raw": s.tau_raw,
-            "alpha_raw": s.per_position_acceptance_raw, "cumulative": s.cumulative_acceptance,
-            "verify_steps": int(live.sum()), "reached": reached}
+    return {
+        "tau": s.tau,
+        "alpha": s.per_position_acceptance,
+        "tau_raw": s.tau_raw,
+        "alpha_raw": s.per_position_acceptance_raw,
+        "cumulative": s.cumulative_acceptance,
+        "verify_steps": int(live.sum()),
+        "reached": reached,
+    }
 
 
 def print_table(rows: list[dict[str, Any]], cols: list[str], title: str = "") -> str:
     """Print rows as an aligned text table (floats with 3 significant decimals) and return it."""
+
     def fmt(v: Any) -> str:
         if isinstance(v, float):
             return f"{v:.3f}" if abs(v) < 100 else f"{v:.0f}"
@@ -197,8 +258,10 @@ def print_table(rows: list[dict[str, Any]], cols: list[str], title: str = "") ->
 
     cells = [[fmt(r.get(c)) for c in cols] for r in rows]
     width = [max(len(c), *(len(x[i]) for x in cells)) for i, c in enumerate(cols)]
-    lines = ([title] if title else []) + ["  ".join(c.rjust(w) for c, w in zip(cols, width)),
-                                          "  ".join("-" * w for w in width)]
+    lines = ([title] if title else []) + [
+        "  ".join(c.rjust(w) for c, w in zip(cols, width)),
+        "  ".join("-" * w for w in width),
+    ]
     lines += ["  ".join(x.rjust(w) for x, w in zip(row, width)) for row in cells]
     text = "\n".join(lines)
     print(text, flush=True)

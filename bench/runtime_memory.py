@@ -78,8 +78,7 @@ def target_size(target_dir: Path) -> dict:
                 for d in st.get_slice(name).get_shape():
                     n *= d
                 params += n
-    return {"file_mib": sum(f.stat().st_size for f in files) / 2**20, "fp32_mib": params * 4 / 2**20,
-            "params": params}
+    return {"file_mib": sum(f.stat().st_size for f in files) / 2**20, "fp32_mib": params * 4 / 2**20, "params": params}
 
 
 def main() -> None:
@@ -103,18 +102,42 @@ def main() -> None:
     rows = []
     for runtime in RUNTIMES:
         result = setup.work / f"runtime-memory-{runtime}.json"
-        subprocess.run([sys.executable, __file__, "--child", runtime, "--target", str(setup.target_dir), "--regen",
-                        str(setup.regen_dir), "--out", str(setup.work / f"runtime-memory-{runtime}"), "--dtype",
-                        args.dtype, "--max-len", str(ext.max_len), "--seqs-per-shard", str(ext.seqs_per_shard),
-                        "--result", str(result)], check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--child",
+                runtime,
+                "--target",
+                str(setup.target_dir),
+                "--regen",
+                str(setup.regen_dir),
+                "--out",
+                str(setup.work / f"runtime-memory-{runtime}"),
+                "--dtype",
+                args.dtype,
+                "--max-len",
+                str(ext.max_len),
+                "--seqs-per-shard",
+                str(ext.seqs_per_shard),
+                "--result",
+                str(result),
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
         row = json.loads(result.read_text())
         row["growth_mib"] = row["peak_mib"] - row["floor_mib"]
         row["growth_over_target_fp32"] = row["growth_mib"] / size["fp32_mib"]
         rows.append(row)
     cols = ["runtime", "tokens", "floor_mib", "peak_mib", "growth_mib", "growth_over_target_fp32"]
-    print_table(rows, cols, f"pipeline process's resident memory during extraction ({setup.preset.name} preset; "
-                f"target {size['params'] / 1e6:.1f}M parameters: {size['file_mib']:.1f} MiB on disk, "
-                f"{size['fp32_mib']:.1f} MiB in float32)")
+    print_table(
+        rows,
+        cols,
+        f"pipeline process's resident memory during extraction ({setup.preset.name} preset; "
+        f"target {size['params'] / 1e6:.1f}M parameters: {size['file_mib']:.1f} MiB on disk, "
+        f"{size['fp32_mib']:.1f} MiB in float32)",
+    )
     by = {r["runtime"]: r for r in rows}
     local, vllm = by["local"]["growth_mib"], by["vllm"]["growth_mib"]
     print(f"peak growth over the floor: local {local:.0f} MiB, vLLM {vllm:.0f} MiB ({vllm / max(local, 1e-9):.2f}x)")

@@ -50,6 +50,7 @@ def _say(msg: str) -> None:
 
 # ---- children: the flows, each in its own process with Prefect's local API ----------------------------------------
 
+
 def child(kind: str, p: dict) -> dict:
     from infra.prefect_env import apply_prefect_defaults, start_local_api
     from infra.settings import Settings
@@ -67,12 +68,24 @@ def child(kind: str, p: dict) -> dict:
     from infra.mlflow_store import MlflowStore
 
     store = MlflowStore.connect(settings)
-    tref = register_target(store, p["name"], p["target_dir"], role="base", base_model="",
-                           weights_sha256=weights_sha256(p["target_dir"]),
-                           extra_tags={"traffic_train": p["train"], "traffic_heldout": p["heldout"]})
+    tref = register_target(
+        store,
+        p["name"],
+        p["target_dir"],
+        role="base",
+        base_model="",
+        weights_sha256=weights_sha256(p["target_dir"]),
+        extra_tags={"traffic_train": p["train"], "traffic_heldout": p["heldout"]},
+    )
     run = train_head(f"models:/{p['name']}/{tref.version}", p["train"], p["heldout"], p["preset"], p["config"])
-    return {"head_uri": run.head_uri, "alias": run.alias, "tau": run.tau, "tau_raw": run.tau_raw,
-            "tau_vllm": run.tau_vllm, "target_version": tref.version}
+    return {
+        "head_uri": run.head_uri,
+        "alias": run.alias,
+        "tau": run.tau,
+        "tau_raw": run.tau_raw,
+        "tau_vllm": run.tau_vllm,
+        "target_version": tref.version,
+    }
 
 
 def run_child(kind: str, p: dict, env: dict) -> dict:
@@ -81,7 +94,7 @@ def run_child(kind: str, p: dict, env: dict) -> dict:
     out = None
     for line in proc.stdout:
         if line.startswith(RESULT):
-            out = json.loads(line[len(RESULT):])
+            out = json.loads(line[len(RESULT) :])
         else:
             _say(f"  {kind}: {line.rstrip()}")
     if proc.wait() != 0 or out is None:
@@ -90,6 +103,7 @@ def run_child(kind: str, p: dict, env: dict) -> dict:
 
 
 # ---- the cycle --------------------------------------------------------------------------------------------------
+
 
 def serve_events(serve: Serve, after: float) -> list[dict]:
     """What serve said after `after`: the alias moving, swaps, rollbacks (one event each)."""
@@ -111,18 +125,27 @@ def verdict(s: dict, swapped: bool, tags: dict) -> str:
     before, shifted, after = (s[k]["tau"] for k in ("before_shift", "after_shift", "after_swap"))
     if before is None or shifted is None:
         return "too few drafts to read tau before or after the shift"
-    drop = (f"the shift moved tau {before:.2f} -> {shifted:.2f} ({shifted / before:.2f}x)"
-            + ("" if shifted < before else ": it did not drop"))
+    drop = f"the shift moved tau {before:.2f} -> {shifted:.2f} ({shifted / before:.2f}x)" + (
+        "" if shifted < before else ": it did not drop"
+    )
     if not swapped:
         why = tags.get("shadow_reason") or tags.get("gate") or "no head registered"
         return f"{drop}; no swap: the retrained head was not promoted ({why}), so tau did not recover in this cycle"
     if after is None:
         return f"{drop}; swapped, but too few drafts after the swap to read tau"
-    how = ("no drop to recover from; the new head's tau is " + ("higher" if after > shifted else "NOT higher")
-           if shifted >= before else "recovered to the pre-shift tau" if after >= 0.95 * before else
-           "partly recovered" if after > shifted else "did NOT recover")
-    return (f"{drop}; after the swap {after:.2f} ({after / shifted:.2f}x the shifted tau, {after / before:.2f}x the "
-            f"pre-shift tau): {how}")
+    how = (
+        "no drop to recover from; the new head's tau is " + ("higher" if after > shifted else "NOT higher")
+        if shifted >= before
+        else "recovered to the pre-shift tau"
+        if after >= 0.95 * before
+        else "partly recovered"
+        if after > shifted
+        else "did NOT recover"
+    )
+    return (
+        f"{drop}; after the swap {after:.2f} ({after / shifted:.2f}x the shifted tau, {after / before:.2f}x the "
+        f"pre-shift tau): {how}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,23 +154,37 @@ def main(argv: list[str] | None = None) -> int:
         print(RESULT + json.dumps(child(argv[1], json.loads(argv[2])), default=str), flush=True)
         return 0
     p = common.base_args(__doc__.splitlines()[0])
-    p.add_argument("--shift", choices=["finetune", "explain"], default="finetune",
-                   help="finetune: the fine-tune's domain (the stdlib's tests); explain: the base domain's explain "
-                        "requests (the head's own traffic is then the code requests)")
+    p.add_argument(
+        "--shift",
+        choices=["finetune", "explain"],
+        default="finetune",
+        help="finetune: the fine-tune's domain (the stdlib's tests); explain: the base domain's explain "
+        "requests (the head's own traffic is then the code requests)",
+    )
     p.add_argument("--no-rollback", action="store_true", help="serve with --no-rollback")
-    p.add_argument("--retrain-pause", type=float, help="seconds between a client's requests while the retrain runs "
-                   "(default 1.5 quick, 2 otherwise): on 2 cores the live traffic disturbs the shadow test's timing")
-    p.add_argument("--promote-anyway", action="store_true",
-                   help="when the shadow test keeps the champion, move the alias to the new head anyway, to see the "
-                        "swap and the new head's live tau (a forced cycle: labelled so in the output, results under "
-                        "serving_loop-forced)")
+    p.add_argument(
+        "--retrain-pause",
+        type=float,
+        help="seconds between a client's requests while the retrain runs "
+        "(default 1.5 quick, 2 otherwise): on 2 cores the live traffic disturbs the shadow test's timing",
+    )
+    p.add_argument(
+        "--promote-anyway",
+        action="store_true",
+        help="when the shadow test keeps the champion, move the alias to the new head anyway, to see the "
+        "swap and the new head's live tau (a forced cycle: labelled so in the output, results under "
+        "serving_loop-forced)",
+    )
     a = p.parse_args(argv)
     load_before = common.start(a)
     sizes = QUICK if a.quick else DEFAULT
     if a.retrain_pause is not None:
         sizes = dataclasses.replace(sizes, retrain_pause_s=a.retrain_pause)
-    state = common.CACHE / ("serving-loop" + ("-quick" if a.quick else "") + ("-explain" if a.shift == "explain" else
-                                                                               "")) / ".eagle"
+    state = (
+        common.CACHE
+        / ("serving-loop" + ("-quick" if a.quick else "") + ("-explain" if a.shift == "explain" else ""))
+        / ".eagle"
+    )
     state.mkdir(parents=True, exist_ok=True)
     from transformers import AutoTokenizer
 
@@ -157,8 +194,11 @@ def main(argv: list[str] | None = None) -> int:
     from infra.settings import Settings, env_with
 
     # its own registry and Prefect in its own state dir, never the user's (their tracking or Prefect API ignored)
-    env = {k: v for k, v in env_with({"EAGLE_HOME": str(state), "PYTHONPATH": str(common.ROOT)}).items()
-           if k not in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL")}
+    env = {
+        k: v
+        for k, v in env_with({"EAGLE_HOME": str(state), "PYTHONPATH": str(common.ROOT)}).items()
+        if k not in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL")
+    }
 
     cfg_path = state.parent / "pipeline.json"
     cfg_path.write_text(json.dumps(sizes.config, indent=1) + "\n")
@@ -169,8 +209,18 @@ def main(argv: list[str] | None = None) -> int:
         train, heldout = (segments_file(f, CODE, state.parent / f"code-{f.name}") for f in (train, heldout))
     _say(f"serving-loop: target {emb.target_dir}; training (or finding) its champion head in {state}")
     t_setup = time.monotonic()
-    champ = run_child("champion", {"name": name, "target_dir": str(emb.target_dir), "preset": sizes.preset,
-                                   "train": str(train), "heldout": str(heldout), "config": str(cfg_path)}, env)
+    champ = run_child(
+        "champion",
+        {
+            "name": name,
+            "target_dir": str(emb.target_dir),
+            "preset": sizes.preset,
+            "train": str(train),
+            "heldout": str(heldout),
+            "config": str(cfg_path),
+        },
+        env,
+    )
     setup_s = time.monotonic() - t_setup
     head_name, v1 = champ["head_uri"].removeprefix("models:/").split("/")
     settings = Settings.local(state)
@@ -182,14 +232,35 @@ def main(argv: list[str] | None = None) -> int:
     base, base_source = prompts([train], tok, sizes.max_prompt_tokens, skip=limit), f"{train} past its first {limit}"
     if not base:
         base, base_source = prompts([heldout], tok, sizes.max_prompt_tokens), f"{heldout} (the registered held-out)"
-    shifted = ([emb.finetune_traffic.train, emb.finetune_traffic.heldout] if a.shift == "finetune" else
-               [emb.target_traffic.train, emb.target_traffic.heldout])
+    shifted = (
+        [emb.finetune_traffic.train, emb.finetune_traffic.heldout]
+        if a.shift == "finetune"
+        else [emb.target_traffic.train, emb.target_traffic.heldout]
+    )
     shift = prompts(shifted, tok, sizes.max_prompt_tokens, None if a.shift == "finetune" else {"explain"})
-    _say(f"serving-loop: {len(base)} prompts of the head's own traffic ({base_source}), {len(shift)} shifted "
-         f"({a.shift}); champion models:/{head_name}/{v1} (registered tau {champ['tau']})")
-    cmd = [sys.executable, "-m", "flows.cli", "serve", "--head", f"models:/{head_name}@champion", "--k",
-           str(cfg.evaluate.spec.depth), "--capture", "--follow-alias", "--follow-interval", "2", "--preset",
-           sizes.preset, "--config", str(cfg_path), *(["--no-rollback"] if a.no_rollback else [])]
+    _say(
+        f"serving-loop: {len(base)} prompts of the head's own traffic ({base_source}), {len(shift)} shifted "
+        f"({a.shift}); champion models:/{head_name}/{v1} (registered tau {champ['tau']})"
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "flows.cli",
+        "serve",
+        "--head",
+        f"models:/{head_name}@champion",
+        "--k",
+        str(cfg.evaluate.spec.depth),
+        "--capture",
+        "--follow-alias",
+        "--follow-interval",
+        "2",
+        "--preset",
+        sizes.preset,
+        "--config",
+        str(cfg_path),
+        *(["--no-rollback"] if a.no_rollback else []),
+    ]
     events: list[dict] = []
     t0, started_utc = time.monotonic(), time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
@@ -220,14 +291,21 @@ def main(argv: list[str] | None = None) -> int:
         traffic.pause_s = sizes.retrain_pause_s
         traffic.retrain_started()
         at["retrain"] = ev("retrain start")
-        result = run_child("retrain", {"name": name, "version": champ["target_version"], "preset": sizes.preset,
-                                       "config": str(cfg_path)}, env)
+        result = run_child(
+            "retrain",
+            {"name": name, "version": champ["target_version"], "preset": sizes.preset, "config": str(cfg_path)},
+            env,
+        )
         if result.get("head_uri"):
             hn, hv = result["head_uri"].removeprefix("models:/").split("/")
-            tags = {k: v for k, v in store.get_version(hn, int(hv)).tags.items()
-                    if k.startswith(("shadow", "capture_", "tau", "gate", "speedup", "init_from"))}
-        at["retrain_end"] = ev("retrain end", head=result.get("head_uri"), alias=result.get("alias"),
-                               shadow=tags.get("shadow_verdict"))
+            tags = {
+                k: v
+                for k, v in store.get_version(hn, int(hv)).tags.items()
+                if k.startswith(("shadow", "capture_", "tau", "gate", "speedup", "init_from"))
+            }
+        at["retrain_end"] = ev(
+            "retrain end", head=result.get("head_uri"), alias=result.get("alias"), shadow=tags.get("shadow_verdict")
+        )
         traffic.pause_s = sizes.pause_s
         if result.get("plan"):  # from now on only shifted prompts the new head was not trained on
             trained = traffic.mark_trained(CapturePlan.read(result["plan"]).captured_file)
@@ -238,8 +316,11 @@ def main(argv: list[str] | None = None) -> int:
             ev("alias forced", version=int(hv))
         if result.get("alias") == "champion" or forced:
             deadline = time.monotonic() + 900
-            while (t := serve.find("serve: swapped", at["retrain"])) is None and time.monotonic() < deadline \
-                    and serve.proc.poll() is None:
+            while (
+                (t := serve.find("serve: swapped", at["retrain"])) is None
+                and time.monotonic() < deadline
+                and serve.proc.poll() is None
+            ):
                 time.sleep(1)
             if t is not None:
                 at["swap"] = t
@@ -269,40 +350,78 @@ def main(argv: list[str] | None = None) -> int:
             return {"tau": None, "drafts": 0}
         return sampler.span(at[key_from] + pad, at[key_to], engine)
 
-    summary = {"before_shift": span("ready", "shift"), "after_shift": span("shift", "retrain", sizes.sample_s),
-               "during_retrain": span("retrain", "swap" if t_swap is not None else "end"),
-               "after_swap": span("swap", "end", 0.0, after_engine)}
+    summary = {
+        "before_shift": span("ready", "shift"),
+        "after_shift": span("shift", "retrain", sizes.sample_s),
+        "during_retrain": span("retrain", "swap" if t_swap is not None else "end"),
+        "after_swap": span("swap", "end", 0.0, after_engine),
+    }
     failed = [r for r in traffic.results if r["error"] or r["finish_reason"] is None]
     _say("serving-loop: checking served greedy outputs against a plain vLLM of the target")
-    check = plain_check(str(emb.target_dir), model, traffic.pools, traffic.results, t_swap, sizes.check,
-                        sizes.max_tokens, settings)
-    line = ((f"ERROR: {error}; " if error else "") + ("FORCED: the shadow test kept the champion, the bench moved "
-            "the alias itself (--promote-anyway); " if forced else "") + verdict(summary, t_swap is not None, tags))
+    check = plain_check(
+        str(emb.target_dir), model, traffic.pools, traffic.results, t_swap, sizes.check, sizes.max_tokens, settings
+    )
+    line = (
+        (f"ERROR: {error}; " if error else "")
+        + (
+            "FORCED: the shadow test kept the champion, the bench moved the alias itself (--promote-anyway); "
+            if forced
+            else ""
+        )
+        + verdict(summary, t_swap is not None, tags)
+    )
     rows = [{"span": k, "tau": v["tau"], "drafts": v["drafts"]} for k, v in summary.items()]
     common.print_table(rows, ["span", "tau", "drafts"], "live tau through one serving-loop cycle (vLLM's counters)")
-    print(f"requests: {len(traffic.results)}, failed {len(failed)}; greedy outputs of {check['prompts_checked']} "
-          f"prompts ({check['requests_checked']} requests) against plain vLLM: {check['mismatched_requests']} "
-          f"mismatched\n{line}\nretrain: {result.get('head_uri')} alias {result.get('alias')}; shadow "
-          f"{tags.get('shadow_verdict')}: {tags.get('shadow_reason')}", flush=True)
+    print(
+        f"requests: {len(traffic.results)}, failed {len(failed)}; greedy outputs of {check['prompts_checked']} "
+        f"prompts ({check['requests_checked']} requests) against plain vLLM: {check['mismatched_requests']} "
+        f"mismatched\n{line}\nretrain: {result.get('head_uri')} alias {result.get('alias')}; shadow "
+        f"{tags.get('shadow_verdict')}: {tags.get('shadow_reason')}",
+        flush=True,
+    )
     out_name = "serving_loop" + ("" if a.shift == "finetune" else f"-{a.shift}") + ("-forced" if forced else "")
     png = common.results_dir(a.quick) / f"{out_name}.png"
     what = "--quick: the tiny toy target" if a.quick else "SmolLM2-135M"
-    plot(png, sampler.points, events, f"one serving-loop cycle ({what}, shift: {a.shift}, "
-         f"{time.strftime('%Y-%m-%d')}, {common.cpu_info().get('model', '')})",
-         f"{line}; {len(traffic.results)} requests, {len(failed)} failed, {check['mismatched_requests']} of "
-         f"{check['requests_checked']} checked greedy outputs differ from plain vLLM")
-    payload = {"plot": str(png), "started_utc": started_utc, "shift": a.shift, "sizes": dataclasses.asdict(sizes),
-               "target": str(emb.target_dir),
-               "base_prompts": base_source, "champion": champ, "champion_setup_s": round(setup_s, 1),
-               "retrain": result, "retrained_tags": tags, "summary": summary, "verdict": line, "error": error,
-               "forced_promotion": bool(forced),
-               "shifted_prompts": len(shift), "shifted_prompts_trained_on": trained,
-               "requests": len(traffic.results), "failed_requests": len(failed), "failures": failed[:10],
-               "plain_check": check, "serve_exit": rc, "events": events, "points": sampler.points,
-               "serve_log": [[round(t, 2), ln] for t, ln in serve.lines],
-               "request_log": [{k: r[k] for k in ("phase", "prompt", "fresh", "start", "end", "error",
-                                                  "finish_reason")} | {"tokens": len(r["token_ids"])}
-                               for r in traffic.results]}
+    plot(
+        png,
+        sampler.points,
+        events,
+        f"one serving-loop cycle ({what}, shift: {a.shift}, "
+        f"{time.strftime('%Y-%m-%d')}, {common.cpu_info().get('model', '')})",
+        f"{line}; {len(traffic.results)} requests, {len(failed)} failed, {check['mismatched_requests']} of "
+        f"{check['requests_checked']} checked greedy outputs differ from plain vLLM",
+    )
+    payload = {
+        "plot": str(png),
+        "started_utc": started_utc,
+        "shift": a.shift,
+        "sizes": dataclasses.asdict(sizes),
+        "target": str(emb.target_dir),
+        "base_prompts": base_source,
+        "champion": champ,
+        "champion_setup_s": round(setup_s, 1),
+        "retrain": result,
+        "retrained_tags": tags,
+        "summary": summary,
+        "verdict": line,
+        "error": error,
+        "forced_promotion": bool(forced),
+        "shifted_prompts": len(shift),
+        "shifted_prompts_trained_on": trained,
+        "requests": len(traffic.results),
+        "failed_requests": len(failed),
+        "failures": failed[:10],
+        "plain_check": check,
+        "serve_exit": rc,
+        "events": events,
+        "points": sampler.points,
+        "serve_log": [[round(t, 2), ln] for t, ln in serve.lines],
+        "request_log": [
+            {k: r[k] for k in ("phase", "prompt", "fresh", "start", "end", "error", "finish_reason")}
+            | {"tokens": len(r["token_ids"])}
+            for r in traffic.results
+        ],
+    }
     common.write_results(out_name, a.quick, payload, load_before)
     return 0 if not error and not failed and not check["mismatched_requests"] else 1
 

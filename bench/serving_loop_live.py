@@ -50,6 +50,7 @@ class Sizes:
 
 # ---- traffic ----------------------------------------------------------------------------------------------------
 
+
 def prompts(paths: list[Path], tok, max_tokens: int, segments: set[str] | None = None, skip: int = 0) -> list:
     """Distinct requests (messages up to the last user turn) of the traffic files, at most `max_tokens` long."""
     from components.data.chat import prompt_ids
@@ -61,7 +62,7 @@ def prompts(paths: list[Path], tok, max_tokens: int, segments: set[str] | None =
             if segments is not None and c.segment not in segments:
                 continue
             last = max(i for i, m in enumerate(c.messages) if m.role == "user")
-            msgs = [{"role": m.role, "content": m.content} for m in c.messages[:last + 1]]
+            msgs = [{"role": m.role, "content": m.content} for m in c.messages[: last + 1]]
             key = json.dumps(msgs)
             if key not in seen and len(prompt_ids(tok, msgs)) <= max_tokens:
                 seen.add(key)
@@ -99,8 +100,10 @@ class Traffic:
         """The shifted prompts among the conversations a retrain trained on (its plan's captured.jsonl)."""
         from components.data.traffic_io import load_traffic
 
-        asked = {json.dumps([{"role": m.role, "content": m.content} for m in c.messages[:-1]])
-                 for c in load_traffic(captured_file).conversations}
+        asked = {
+            json.dumps([{"role": m.role, "content": m.content} for m in c.messages[:-1]])
+            for c in load_traffic(captured_file).conversations
+        }
         with self.lock:
             self.trained = {i for i, msgs in enumerate(self.pools["shift"]) if json.dumps(msgs) in asked}
             self.queue = [i for i in self.queue if i not in self.trained]
@@ -116,8 +119,11 @@ class Traffic:
                 return "base", (self.next_base - 1) % len(self.pools["base"]), self.next_base <= len(self.pools["base"])
             if not self.queue:
                 every = range(len(self.pools["shift"]))
-                self.queue = ([i for i in self.late if i not in self.trained]
-                              or [i for i in every if i not in self.trained] or list(every))
+                self.queue = (
+                    [i for i in self.late if i not in self.trained]
+                    or [i for i in every if i not in self.trained]
+                    or list(every)
+                )
             i = self.queue.pop(0)
             fresh = i not in self.sent
             self.sent.add(i)
@@ -131,10 +137,22 @@ class Traffic:
         with httpx.Client(timeout=900) as http:
             while not self.stop.is_set():
                 phase, i, fresh = self._pick()
-                body = {"model": self.model, "messages": self.pools[phase][i], "max_tokens": self.sizes.max_tokens,
-                        "temperature": 0, "return_token_ids": True}
-                r = {"phase": phase, "prompt": i, "fresh": fresh, "start": time.monotonic() - self.t0,
-                     "error": None, "finish_reason": None, "token_ids": []}
+                body = {
+                    "model": self.model,
+                    "messages": self.pools[phase][i],
+                    "max_tokens": self.sizes.max_tokens,
+                    "temperature": 0,
+                    "return_token_ids": True,
+                }
+                r = {
+                    "phase": phase,
+                    "prompt": i,
+                    "fresh": fresh,
+                    "start": time.monotonic() - self.t0,
+                    "error": None,
+                    "finish_reason": None,
+                    "token_ids": [],
+                }
                 try:
                     resp = http.post(self.url + "/v1/chat/completions", json=body)
                     if resp.status_code != 200:
@@ -151,6 +169,7 @@ class Traffic:
 
 
 # ---- serve and the live τ ---------------------------------------------------------------------------------------
+
 
 class Serve:
     """`eagle-heads serve` as a subprocess; its lines kept with the time they came."""
@@ -218,9 +237,17 @@ class Sampler:
         if http.get(self.url + "/eagle/status").json()["backend"] != st["backend"]:
             return  # swapped between the two: the page may be either engine's
         t, engine, head = time.monotonic() - self.t0, st["backend"], st["meta"].get("head") or "plain"
-        point = {"t": round(t, 2), "utc": time.strftime("%H:%M:%S", time.gmtime()), "phase": self.phase(),
-                 "head": head, "engine": engine, "captured_rows": (st.get("capture") or {}).get("rows_written"),
-                 "tau_interval": None, "tau_window": None, "window_drafts": 0}
+        point = {
+            "t": round(t, 2),
+            "utc": time.strftime("%H:%M:%S", time.gmtime()),
+            "phase": self.phase(),
+            "head": head,
+            "engine": engine,
+            "captured_rows": (st.get("capture") or {}).get("rows_written"),
+            "tau_interval": None,
+            "tau_window": None,
+            "window_drafts": 0,
+        }
         try:
             c = SpecCounters.parse(text)
         except EngineError:  # plain decoding serves (a rollback to no head): no acceptance to read
@@ -230,7 +257,7 @@ class Sampler:
         if len(mine) > 1:
             step = window_counts([mine[-2][1], c])
             point["tau_interval"] = round(step.tau, 4) if step.drafts else None
-            w = window_counts([rc for _, rc in mine[window_start([rt for rt, _ in mine], t, self.sizes.window_s):]])
+            w = window_counts([rc for _, rc in mine[window_start([rt for rt, _ in mine], t, self.sizes.window_s) :]])
             point["tau_window"], point["window_drafts"] = (round(w.tau, 4) if w.drafts else None), w.drafts
         point.update(drafts_total=c.drafts, accepted_total=c.accepted)
         self.raw.append((t, engine, c))
@@ -241,12 +268,24 @@ class Sampler:
         rows = [(t, e, c) for t, e, c in self.raw if t_from <= t <= t_to]
         engine = engine or (rows[0][1] if rows else None)
         counts = window_counts([c for _, e, c in rows if e == engine])
-        return {"tau": round(counts.tau, 4) if counts.drafts else None, "drafts": counts.drafts,
-                "from_s": round(t_from, 1), "to_s": round(t_to, 1)}
+        return {
+            "tau": round(counts.tau, 4) if counts.drafts else None,
+            "drafts": counts.drafts,
+            "from_s": round(t_from, 1),
+            "to_s": round(t_to, 1),
+        }
 
 
-def plain_check(target_dir: str, model: str, pools: dict, results: list[dict], t_swap: float | None, n: int,
-                max_tokens: int, settings) -> dict:
+def plain_check(
+    target_dir: str,
+    model: str,
+    pools: dict,
+    results: list[dict],
+    t_swap: float | None,
+    n: int,
+    max_tokens: int,
+    settings,
+) -> dict:
     """Every served greedy output of up to `n` distinct prompts (0: all; half served before the swap, half after)
     against a plain vLLM of the same target: mismatching requests and prompts."""
     from components.targets.target import target_context
@@ -262,18 +301,23 @@ def plain_check(target_dir: str, model: str, pools: dict, results: list[dict], t
         cut = t_swap if t_swap is not None else float("inf")
         early = [k for k in keys if served[k][0]["start"] < cut]
         late = [k for k in keys if served[k][0]["start"] >= cut]
-        pick = lambda ks, m: ks[::max(1, len(ks) // m)][:m] if m else []  # noqa: E731  (spread over time)
+        pick = lambda ks, m: ks[:: max(1, len(ks) // m)][:m] if m else []  # noqa: E731  (spread over time)
         keys = pick(late, n // 2) + pick(early, n - min(n // 2, len(late)))
-    spec = EngineSpec(target_dir, None, method=None, max_model_len=min(target_context(target_dir), 4096),
-                      served_model_name=model)
+    spec = EngineSpec(
+        target_dir, None, method=None, max_model_len=min(target_context(target_dir), 4096), served_model_name=model
+    )
     bad_requests = bad_prompts = 0
     with VllmServer(spec, settings) as srv:
         for k in keys:
             ref = srv.chat(pools[k[0]][k[1]], max_tokens=max_tokens).token_ids
             wrong = sum(r["token_ids"] != ref for r in served[k])
             bad_requests, bad_prompts = bad_requests + wrong, bad_prompts + bool(wrong)
-    return {"prompts_checked": len(keys), "requests_checked": sum(len(served[k]) for k in keys),
-            "mismatched_requests": bad_requests, "mismatched_prompts": bad_prompts}
+    return {
+        "prompts_checked": len(keys),
+        "requests_checked": sum(len(served[k]) for k in keys),
+        "mismatched_requests": bad_requests,
+        "mismatched_prompts": bad_prompts,
+    }
 
 
 def plot(path: Path, points: list[dict], events: list[dict], title: str, note: str) -> None:
@@ -286,8 +330,13 @@ def plot(path: Path, points: list[dict], events: list[dict], title: str, note: s
     for n, head in enumerate(heads):
         mine = [p for p in points if p["head"] == head and p["tau_window"] is not None]
         color = f"C{n}"
-        ax.plot([p["t"] / 60 for p in mine], [p["tau_window"] for p in mine], "-", color=color,
-                label=f"window tau, {head.removeprefix('models:/')}")
+        ax.plot(
+            [p["t"] / 60 for p in mine],
+            [p["tau_window"] for p in mine],
+            "-",
+            color=color,
+            label=f"window tau, {head.removeprefix('models:/')}",
+        )
         dots = [p for p in points if p["head"] == head and p["tau_interval"] is not None]
         ax.plot([p["t"] / 60 for p in dots], [p["tau_interval"] for p in dots], ".", color=color, alpha=0.35)
     top = max([p["tau_interval"] or 0 for p in points] + [p["tau_window"] or 0 for p in points] + [1.5])

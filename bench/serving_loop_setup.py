@@ -23,14 +23,30 @@ from serving_loop_live import Sizes
 CODE = {"complete", "continue", "followup"}  # the segments that are not `explain`
 
 
-QUICK = Sizes("tiny", {"regenerate": {"max_new_tokens": 32, "limit": 32},
-                       "train": {"steps": 120, "checkpoint_every": 120, "warm_start_steps": 60, "eval_every": 20},
-                       "evaluate": {"spec": {"depth": 3, "max_new_tokens": 32}, "limit": 4},
-                       "capture": {"heldout": 4, "trigger_new": 24, "mix": 0.5},
-                       "monitor": {"rollback": {"window_s": 10.0, "min_drafts": 30}}},
-              32, 200, 2, 0.3, 1.5, 3.0, 15.0, 60.0, 24, 60.0, 64)
-DEFAULT = Sizes("default", {"capture": {"heldout": 8, "trigger_new": 96}},
-                64, 400, 2, 0.5, 2.0, 10.0, 60.0, 300.0, 96, 300.0, 32)
+QUICK = Sizes(
+    "tiny",
+    {
+        "regenerate": {"max_new_tokens": 32, "limit": 32},
+        "train": {"steps": 120, "checkpoint_every": 120, "warm_start_steps": 60, "eval_every": 20},
+        "evaluate": {"spec": {"depth": 3, "max_new_tokens": 32}, "limit": 4},
+        "capture": {"heldout": 4, "trigger_new": 24, "mix": 0.5},
+        "monitor": {"rollback": {"window_s": 10.0, "min_drafts": 30}},
+    },
+    32,
+    200,
+    2,
+    0.3,
+    1.5,
+    3.0,
+    15.0,
+    60.0,
+    24,
+    60.0,
+    64,
+)
+DEFAULT = Sizes(
+    "default", {"capture": {"heldout": 8, "trigger_new": 96}}, 64, 400, 2, 0.5, 2.0, 10.0, 60.0, 300.0, 96, 300.0, 32
+)
 
 
 def _say(msg: str) -> None:
@@ -47,9 +63,12 @@ def build(quick: bool):
     from embedded.config import EmbeddedConfig
 
     c = EmbeddedConfig.tiny()
-    c = dataclasses.replace(c, train=dataclasses.replace(c.train, steps=800),
-                            corpus=dataclasses.replace(c.corpus, max_base_files=40, finetune_bytes=120_000),
-                            traffic=dataclasses.replace(c.traffic, train_conversations=240, heldout_conversations=16))
+    c = dataclasses.replace(
+        c,
+        train=dataclasses.replace(c.train, steps=800),
+        corpus=dataclasses.replace(c.corpus, max_base_files=40, finetune_bytes=120_000),
+        traffic=dataclasses.replace(c.traffic, train_conversations=240, heldout_conversations=16),
+    )
     root = common.CACHE / "embedded"
     return common.find_embedded(c, root) or build_embedded(c, root, progress=False), "loop-llama"
 
@@ -57,6 +76,11 @@ def build(quick: bool):
 def segments_file(src: Path, segments: set[str], dest: Path) -> Path:
     """The conversations of `src` (JSONL) in `segments`, written to `dest` once."""
     if not dest.is_file():
-        dest.write_text("".join(ln for ln in src.read_text().splitlines(keepends=True)
-                                if ln.strip() and json.loads(ln).get("segment") in segments))
+        dest.write_text(
+            "".join(
+                ln
+                for ln in src.read_text().splitlines(keepends=True)
+                if ln.strip() and json.loads(ln).get("segment") in segments
+            )
+        )
     return dest

@@ -43,9 +43,20 @@ import common  # noqa: F401  (puts the repo root on sys.path)
 import draft_model
 import torch
 
-from common import (Setup, base_args, fresh_runs, heldout_prompts, interleaved, prepare, print_table, pyplot,
-                    results_dir, speed_head, start, write_results)
+from common import (
+    Setup,
+    base_args,
+    heldout_prompts,
+    prepare,
+    print_table,
+    pyplot,
+    results_dir,
+    speed_head,
+    start,
+    write_results,
+)
 from speedup_methods import CallCounter, goals, methods, summarize
+from timing import fresh_runs, interleaved
 
 
 def plot(tables: dict[str, list[dict]], path: Path) -> None:
@@ -53,9 +64,14 @@ def plot(tables: dict[str, list[dict]], path: Path) -> None:
     fig, axes = plt.subplots(1, len(tables), figsize=(5.2 * len(tables), 3.8), squeeze=False)
     for ax, (temp, rows) in zip(axes[0], tables.items()):
         names = [r["method"] for r in rows]
-        ax.bar(names, [r["x_plain"] for r in rows],
-               color=["#888" if "plain" in n else "#3a7" if "eagle" in n else "#c84" if n.startswith("hf-")
-                      else "#58b" for n in names])
+        ax.bar(
+            names,
+            [r["x_plain"] for r in rows],
+            color=[
+                "#888" if "plain" in n else "#3a7" if "eagle" in n else "#c84" if n.startswith("hf-") else "#58b"
+                for n in names
+            ],
+        )
         ax.axhline(1.0, color="k", lw=0.8)
         ax.set_ylabel("speedup over plain (tokens/s ratio)")
         ax.set_title(f"T = {temp}")
@@ -72,32 +88,70 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompts", type=int, default=0, help="held-out prompts (0: the preset's)")
     p.add_argument("--depth", type=int, default=5, help="chain depth")
     p.add_argument("--tree", default="5,4,12", help="tree depth,topk,budget")
-    p.add_argument("--lookup", type=int, default=10,
-                   help="prompt lookup's draft length (hf: prompt_lookup_num_tokens; ours: chain depth)")
-    p.add_argument("--lookup-ngram", type=int, default=2,
-                   help="longest n-gram prompt lookup matches (hf: max_matching_ngram_size, its default 2)")
-    p.add_argument("--assistant-threshold", type=float, default=0.4,
-                   help="the draft model in our loop stops drafting below this top probability (transformers' "
-                        "assistant_confidence_threshold default)")
+    p.add_argument(
+        "--lookup",
+        type=int,
+        default=10,
+        help="prompt lookup's draft length (hf: prompt_lookup_num_tokens; ours: chain depth)",
+    )
+    p.add_argument(
+        "--lookup-ngram",
+        type=int,
+        default=2,
+        help="longest n-gram prompt lookup matches (hf: max_matching_ngram_size, its default 2)",
+    )
+    p.add_argument(
+        "--assistant-threshold",
+        type=float,
+        default=0.4,
+        help="the draft model in our loop stops drafting below this top probability (transformers' "
+        "assistant_confidence_threshold default)",
+    )
     p.add_argument("--temperatures", default="0,1")
-    p.add_argument("--draft-dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="the head's weights at inference (the target stays float32)")
-    p.add_argument("--min-draft-prob", type=float, default=0.0,
-                   help="also run the chain with early exit at this draft confidence (row eagle-chain-exit)")
-    p.add_argument("--head-steps", type=int, default=0,
-                   help="train the head this many steps instead of the preset's (results go to speedup-head<N>.*)")
-    p.add_argument("--setup-only", action="store_true",
-                   help="prepare the data, the head and the assistant draft LM (cached), then stop without measuring: "
-                        "run the setup while the machine is busy, measure later on quiet cores")
-    p.add_argument("--draft-model-seconds", type=float, default=0.0,
-                   help="train the draft model this long instead of the head's training time (0): not like for "
-                        "like, so the result name says -dm<S> and the draft-model goal line names the ratio")
-    p.add_argument("--side-by-side", action="store_true",
-                   help="train the head and the draft model at the same time, half the cores each, the draft model "
-                        "until the head is done: the same CPU-minutes for both in the time of one training")
-    p.add_argument("--runs", type=int, default=1,
-                   help="repeat the measurement in N fresh processes (after one setup); the table gives each ratio's "
-                        "median and minimum, the goals use the medians (results in <name>-runs<N>.*)")
+    p.add_argument(
+        "--draft-dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="the head's weights at inference (the target stays float32)",
+    )
+    p.add_argument(
+        "--min-draft-prob",
+        type=float,
+        default=0.0,
+        help="also run the chain with early exit at this draft confidence (row eagle-chain-exit)",
+    )
+    p.add_argument(
+        "--head-steps",
+        type=int,
+        default=0,
+        help="train the head this many steps instead of the preset's (results go to speedup-head<N>.*)",
+    )
+    p.add_argument(
+        "--setup-only",
+        action="store_true",
+        help="prepare the data, the head and the assistant draft LM (cached), then stop without measuring: "
+        "run the setup while the machine is busy, measure later on quiet cores",
+    )
+    p.add_argument(
+        "--draft-model-seconds",
+        type=float,
+        default=0.0,
+        help="train the draft model this long instead of the head's training time (0): not like for "
+        "like, so the result name says -dm<S> and the draft-model goal line names the ratio",
+    )
+    p.add_argument(
+        "--side-by-side",
+        action="store_true",
+        help="train the head and the draft model at the same time, half the cores each, the draft model "
+        "until the head is done: the same CPU-minutes for both in the time of one training",
+    )
+    p.add_argument(
+        "--runs",
+        type=int,
+        default=1,
+        help="repeat the measurement in N fresh processes (after one setup); the table gives each ratio's "
+        "median and minimum, the goals use the medians (results in <name>-runs<N>.*)",
+    )
     p.add_argument("--out", default="", help=argparse.SUPPRESS)  # where a child process of --runs writes its JSON
     args = p.parse_args(argv)
     if args.side_by_side and args.draft_model_seconds:
@@ -128,10 +182,22 @@ def _draft_model_beside(setup: Setup, args: argparse.Namespace):
         return None
     half = max(1, (os.cpu_count() or 2) // 2)
     common.SETUP_THREADS = half
-    cmd = [sys.executable, str(Path(__file__).with_name("draft_model.py")), "--beside", str(work),
-           "--head-steps", str(cfg.steps), "--setup-threads", str(half), "--threads", str(half),
-           "--conversations", str(args.conversations), *(["--quick"] if args.quick else []),
-           *(["--cache", args.cache] if args.cache else [])]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).with_name("draft_model.py")),
+        "--beside",
+        str(work),
+        "--head-steps",
+        str(cfg.steps),
+        "--setup-threads",
+        str(half),
+        "--threads",
+        str(half),
+        "--conversations",
+        str(args.conversations),
+        *(["--quick"] if args.quick else []),
+        *(["--cache", args.cache] if args.cache else []),
+    ]
     print(f"side by side: the head and the draft model train at once, {half} torch thread(s) each", flush=True)
     ready = draft_model.Beside(work, cfg.steps).ready_file
     ready.unlink(missing_ok=True)
@@ -172,8 +238,10 @@ def repeat(args: argparse.Namespace, argv: list[str], load0: list[float]) -> Non
 
     def say(i: int, payload: dict) -> None:
         t0 = {r["method"]: r for r in payload["tables"].get("0", [])}
-        print(f"run {i + 1}/{args.runs}: " + ", ".join(f"{m} {r['x_plain']:.3f}" for m, r in t0.items()
-                                                       if m != "plain"), flush=True)
+        print(
+            f"run {i + 1}/{args.runs}: " + ", ".join(f"{m} {r['x_plain']:.3f}" for m, r in t0.items() if m != "plain"),
+            flush=True,
+        )
 
     runs = fresh_runs(__file__, argv, args.runs, say)
     first = runs[0]
@@ -185,24 +253,48 @@ def repeat(args: argparse.Namespace, argv: list[str], load0: list[float]) -> Non
             agg = {**row, "tau_runs": [x["tau"] for x in per], "runs": args.runs}
             for key in RATIOS:
                 xs = sorted(x[key] for x in per)
-                agg.update({key: statistics.median(xs), f"{key}_min": xs[0], f"{key}_max": xs[-1],
-                            f"{key}_runs": xs})
+                agg.update({key: statistics.median(xs), f"{key}_min": xs[0], f"{key}_max": xs[-1], f"{key}_runs": xs})
             if row["mismatch"] is not None:
                 agg["mismatch"] = max(x["mismatch"] for x in per)
             rows.append(agg)
         tables[temp] = rows
-        texts.append(print_table(rows, ["method", "tok_s", "x_plain", "x_plain_min", "x_own", "x_own_min",
-                                        "x_hf_plain", "tok_per_call", "tau", "mismatch"],
-                                 f"T={temp}, batch 1, {first['n_prompts']} held-out prompts, median and minimum of "
-                                 f"{args.runs} fresh processes"))
+        texts.append(
+            print_table(
+                rows,
+                [
+                    "method",
+                    "tok_s",
+                    "x_plain",
+                    "x_plain_min",
+                    "x_own",
+                    "x_own_min",
+                    "x_hf_plain",
+                    "tok_per_call",
+                    "tau",
+                    "mismatch",
+                ],
+                f"T={temp}, batch 1, {first['n_prompts']} held-out prompts, median and minimum of "
+                f"{args.runs} fresh processes",
+            )
+        )
     g = goals(tables["0"], first["draft_model"]["seconds"] / first["head_train_seconds"]) if "0" in tables else {}
     name = first["name"] + f"-runs{args.runs}"
     png = results_dir(args.quick) / f"{name}.png"
     plot(tables, png)
-    write_results(name, args.quick, {**{k: v for k, v in first.items() if k not in ("tables", "text", "name")},
-                                     "args": vars(args), "tables": tables, "goals_T0": g, "text": texts,
-                                     "target_path_runs": [r.get("target_path") for r in runs],
-                                     "plot": str(png)}, load0)
+    write_results(
+        name,
+        args.quick,
+        {
+            **{k: v for k, v in first.items() if k not in ("tables", "text", "name")},
+            "args": vars(args),
+            "tables": tables,
+            "goals_T0": g,
+            "text": texts,
+            "target_path_runs": [r.get("target_path") for r in runs],
+            "plot": str(png),
+        },
+        load0,
+    )
 
 
 def run(setup: Setup, args: argparse.Namespace, load0: list[float]) -> None:
@@ -228,8 +320,11 @@ def run(setup: Setup, args: argparse.Namespace, load0: list[float]) -> None:
         name += f"-dm{args.draft_model_seconds:g}"
     lm_dir, lm_info = draft_model.ensure(setup, args.draft_model_seconds or head.seconds)
     if args.setup_only:
-        print(f"setup done: head {head.head_dir} ({head.seconds:.0f} s of training), draft model {lm_dir} "
-              f"({lm_info['seconds']:.0f} s, {lm_info['x_target_compute']}x the target's compute)", flush=True)
+        print(
+            f"setup done: head {head.head_dir} ({head.seconds:.0f} s of training), draft model {lm_dir} "
+            f"({lm_info['seconds']:.0f} s, {lm_info['x_target_compute']}x the target's compute)",
+            flush=True,
+        )
         return
 
     from components.targets.target import load_target
@@ -246,17 +341,26 @@ def run(setup: Setup, args: argparse.Namespace, load0: list[float]) -> None:
             ms = methods(target, draft, assistant, temp, args, setup.preset.max_new_tokens, counter)
             rows = summarize(interleaved(ms, prompts), temp == 0)
             tables[f"{temp:g}"] = rows
-            texts.append(print_table(rows, ["method", "tok_s", "x_plain", "x_own", "x_hf_plain", "tok_per_call",
-                                            "tau", "tokens", "mismatch"],
-                                     f"T={temp:g}, batch 1, {len(prompts)} held-out prompts, "
-                                     f"max {setup.preset.max_new_tokens} new tokens"))
+            texts.append(
+                print_table(
+                    rows,
+                    ["method", "tok_s", "x_plain", "x_own", "x_hf_plain", "tok_per_call", "tau", "tokens", "mismatch"],
+                    f"T={temp:g}, batch 1, {len(prompts)} held-out prompts, "
+                    f"max {setup.preset.max_new_tokens} new tokens",
+                )
+            )
     from eagle import target_path
 
-    payload = {"args": vars(args), "n_prompts": len(prompts), "tables": tables, "head_train_seconds": head.seconds,
-               "target_path": target_path.record(target),  # how our loop ran the target (timed at its first pass)
-               "draft_model": {"dir": str(lm_dir), **lm_info},
-               "head_x_target_compute": round(draft_model.head_macs(draft.cfg) / lm_info["target_macs_per_token"], 3),
-               "text": texts}
+    payload = {
+        "args": vars(args),
+        "n_prompts": len(prompts),
+        "tables": tables,
+        "head_train_seconds": head.seconds,
+        "target_path": target_path.record(target),  # how our loop ran the target (timed at its first pass)
+        "draft_model": {"dir": str(lm_dir), **lm_info},
+        "head_x_target_compute": round(draft_model.head_macs(draft.cfg) / lm_info["target_macs_per_token"], 3),
+        "text": texts,
+    }
     if args.out:  # a child of --runs: its parent aggregates, checks the goals and writes the result files
         Path(args.out).write_text(json.dumps({**payload, "name": name}, default=str))
         return

@@ -17,7 +17,8 @@ from contextlib import contextmanager
 import common  # noqa: F401  (puts the repo root on sys.path)
 import torch
 
-from common import eos_of, goal_line, spec_figures, tokens_per_s, until_eos
+from common import eos_of, goal_line, spec_figures, until_eos
+from timing import tokens_per_s
 
 
 class CallCounter:
@@ -51,8 +52,9 @@ def methods(target, draft, assistant, temperature: float, args, max_new: int, co
 
     eos, greedy = eos_of(target), temperature == 0
     depth, topk, budget = (int(x) for x in args.tree.split(","))
-    chain = SpecConfig(method="chain", depth=args.depth, temperature=temperature, max_new_tokens=max_new,
-                       eos_token_id=eos)
+    chain = SpecConfig(
+        method="chain", depth=args.depth, temperature=temperature, max_new_tokens=max_new, eos_token_id=eos
+    )
     tree = dataclasses.replace(chain, method="tree", depth=depth, topk=topk, budget=budget)
     gen = torch.Generator().manual_seed(0)
     pad = target.generation_config.pad_token_id or 0
@@ -66,6 +68,7 @@ def methods(target, draft, assistant, temperature: float, args, max_new: int, co
                 return out.sequences[0, :n].tolist(), {"calls": n}
             steps = int((out.stats.accept_lengths >= 0).sum())
             return out.sequences[0, :n].tolist(), {"calls": 1 + steps, "stats": out.stats}
+
         return run
 
     def hf(**kw):
@@ -73,13 +76,25 @@ def methods(target, draft, assistant, temperature: float, args, max_new: int, co
             c0 = counter.n
             x = torch.tensor([ids])
             with counter.counting():
-                out = target.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_new,
-                                      do_sample=not greedy, eos_token_id=eos, pad_token_id=pad, **sample, **kw)
-            return until_eos(out[0, x.shape[1]:].tolist(), eos), {"calls": counter.n - c0}
+                out = target.generate(
+                    input_ids=x,
+                    attention_mask=torch.ones_like(x),
+                    max_new_tokens=max_new,
+                    do_sample=not greedy,
+                    eos_token_id=eos,
+                    pad_token_id=pad,
+                    **sample,
+                    **kw,
+                )
+            return until_eos(out[0, x.shape[1] :].tolist(), eos), {"calls": counter.n - c0}
+
         return run
 
-    ms = {"plain": ours(generate_plain, chain), "eagle-chain": ours(generate_speculative, draft, chain),
-          "eagle-tree": ours(generate_speculative, draft, tree)}
+    ms = {
+        "plain": ours(generate_plain, chain),
+        "eagle-chain": ours(generate_speculative, draft, chain),
+        "eagle-tree": ours(generate_speculative, draft, tree),
+    }
     if args.min_draft_prob:  # the chain with early exit, side by side with the full-depth chain
         exit_cfg = dataclasses.replace(chain, min_draft_prob=args.min_draft_prob)
         ms["eagle-chain-exit"] = ours(generate_speculative, draft, exit_cfg)
@@ -87,9 +102,12 @@ def methods(target, draft, assistant, temperature: float, args, max_new: int, co
     model_cfg = dataclasses.replace(chain, min_draft_prob=args.assistant_threshold)
     ms["lookup"] = ours(generate_drafted, PromptLookupDrafter(max_ngram=args.lookup_ngram), lookup_cfg)
     ms["draft-model"] = ours(generate_drafted, ModelDrafter(assistant), model_cfg)
-    return {**ms, "hf-plain": hf(),
-            "hf-lookup": hf(prompt_lookup_num_tokens=args.lookup, max_matching_ngram_size=args.lookup_ngram),
-            "hf-assisted": hf(assistant_model=assistant)}
+    return {
+        **ms,
+        "hf-plain": hf(),
+        "hf-lookup": hf(prompt_lookup_num_tokens=args.lookup, max_matching_ngram_size=args.lookup_ngram),
+        "hf-assisted": hf(assistant_model=assistant),
+    }
 
 
 def ours_method(name: str) -> bool:
@@ -106,11 +124,21 @@ def summarize(runs: dict, greedy: bool) -> list[dict]:
         stats = [r.extra["stats"] for r in rs if "stats" in r.extra]
         fig = spec_figures(stats) if stats else {}
         own = hf_base if name.startswith("hf-") else base
-        rows.append({"method": name, "tok_s": tps, "x_plain": tps / base, "x_own": tps / own,
-                     "x_hf_plain": tps / hf_base,
-                     "tok_per_call": toks / max(calls, 1), "tau": fig.get("tau"), "tau_raw": fig.get("tau_raw"),
-                     "alpha": fig.get("alpha"), "tokens": toks,
-                     "mismatch": sum(r.tokens != p.tokens for r, p in zip(rs, plain)) if greedy else None})
+        rows.append(
+            {
+                "method": name,
+                "tok_s": tps,
+                "x_plain": tps / base,
+                "x_own": tps / own,
+                "x_hf_plain": tps / hf_base,
+                "tok_per_call": toks / max(calls, 1),
+                "tau": fig.get("tau"),
+                "tau_raw": fig.get("tau_raw"),
+                "alpha": fig.get("alpha"),
+                "tokens": toks,
+                "mismatch": sum(r.tokens != p.tokens for r, p in zip(rs, plain)) if greedy else None,
+            }
+        )
     return rows
 
 
@@ -123,15 +151,21 @@ def goals(rows: list[dict], draft_x_head: float = 1.0) -> dict:
     best = max(ours, key=lambda r: r["tok_s"])  # our fastest method
     top_tau = max(ours, key=lambda r: r["tau"])
     bad = sum(r["mismatch"] for r in rows if ours_method(r["method"]))
-    out = {"best_ours": best["method"], "mismatches_ours": bad,
-           "tau >= 4": goal_line("tau >= 4", top_tau["tau"], 4.0, bad, method=top_tau["method"]),
-           "tau >= 5.5 (best head)": goal_line("tau >= 5.5 (best head)", top_tau["tau"], 5.5, bad,
-                                               method=top_tau["method"]),
-           "speedup vs plain >= 2.0": goal_line("speedup vs plain >= 2.0", best["x_plain"], 2.0, bad,
-                                                method=best["method"])}
+    out = {
+        "best_ours": best["method"],
+        "mismatches_ours": bad,
+        "tau >= 4": goal_line("tau >= 4", top_tau["tau"], 4.0, bad, method=top_tau["method"]),
+        "tau >= 5.5 (best head)": goal_line(
+            "tau >= 5.5 (best head)", top_tau["tau"], 5.5, bad, method=top_tau["method"]
+        ),
+        "speedup vs plain >= 2.0": goal_line(
+            "speedup vs plain >= 2.0", best["x_plain"], 2.0, bad, method=best["method"]
+        ),
+    }
     if "x_plain_min" in best:  # --runs: the ratios are medians; the minimum has a goal of its own
-        out["minimum speedup vs plain >= 1.9"] = goal_line("minimum speedup vs plain >= 1.9", best["x_plain_min"],
-                                                           1.9, bad, method=best["method"])
+        out["minimum speedup vs plain >= 1.9"] = goal_line(
+            "minimum speedup vs plain >= 1.9", best["x_plain_min"], 1.9, bad, method=best["method"]
+        )
     for alt in ("hf-plain", "hf-lookup", "hf-assisted"):
         name = f"vs {alt} >= 1.5"
         out[name] = goal_line(name, best["tok_s"] / by[alt]["tok_s"], 1.5, bad, method=best["method"])

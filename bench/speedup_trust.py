@@ -41,8 +41,10 @@ from eagle import target_path
 from infra.settings import env_with
 
 BAND = 0.10
-LOAD_JOB = ("import torch, sys; torch.set_num_threads(int(sys.argv[1])); a = torch.randn(384, 384)\n"
-            "while True:\n    a = (a @ a).tanh()")
+LOAD_JOB = (
+    "import torch, sys; torch.set_num_threads(int(sys.argv[1])); a = torch.randn(384, 384)\n"
+    "while True:\n    a = (a @ a).tanh()"
+)
 
 
 def eval_config(quick: bool) -> EvaluateConfig:
@@ -76,27 +78,50 @@ def child(args: argparse.Namespace) -> None:
         report = json.loads(Path(res.report_file).read_text())
         mismatches = sum(not s["identical"] for s in report["samples"])
         path = report.get("target_path", {})
-        row = {"target_path": f"decode {path.get('decode', path).get('chosen', '')}, verify {path.get('chosen', '')}",
-               "path_ms": {role: path[role].get("ms_per_pass") for role in ("decode", "verify") if role in path},
-               "path_timings_kept": path.get("measurements_kept", 0),
-               "plain_s_per_round": statistics.median(sum(r) for r in report["speed"]["plain_s"]),
-               "spec_s_per_round": statistics.median(sum(r) for r in report["speed"]["spec_s"]),
-               "speedup": res.speedup, "lo": res.speedup_lo, "hi": res.speedup_hi, "reliable": res.speedup_reliable,
-               "note": res.speedup_note, "rounds": res.speedup_rounds, "tau": res.tau, "mismatches": mismatches,
-               "single_pass": report["speed"]["round_ratios"][0], "other_load": report["speed"].get("other_load")}
+        row = {
+            "target_path": f"decode {path.get('decode', path).get('chosen', '')}, verify {path.get('chosen', '')}",
+            "path_ms": {role: path[role].get("ms_per_pass") for role in ("decode", "verify") if role in path},
+            "path_timings_kept": path.get("measurements_kept", 0),
+            "plain_s_per_round": statistics.median(sum(r) for r in report["speed"]["plain_s"]),
+            "spec_s_per_round": statistics.median(sum(r) for r in report["speed"]["spec_s"]),
+            "speedup": res.speedup,
+            "lo": res.speedup_lo,
+            "hi": res.speedup_hi,
+            "reliable": res.speedup_reliable,
+            "note": res.speedup_note,
+            "rounds": res.speedup_rounds,
+            "tau": res.tau,
+            "mismatches": mismatches,
+            "single_pass": report["speed"]["round_ratios"][0],
+            "other_load": report["speed"].get("other_load"),
+        }
         if args.engine == "vllm":
             from components.evaluate.engine import evaluate_in_vllm, our_outputs
             from infra.settings import Settings
 
-            v = evaluate_in_vllm(cfg, HeadEval(target, head_dir, heldout, str(Path(tmp) / "vllm")), Settings.from_env(),
-                                 ours=our_outputs(res.report_file), progress=lambda s: None)
+            v = evaluate_in_vllm(
+                cfg,
+                HeadEval(target, head_dir, heldout, str(Path(tmp) / "vllm")),
+                Settings.from_env(),
+                ours=our_outputs(res.report_file),
+                progress=lambda s: None,
+            )
             speed = json.loads(Path(v.report_file).read_text())["speed"]
-            row = {**{k: row[k] for k in ("target_path", "path_ms", "path_timings_kept")}, "speedup": v.speedup,
-                   "lo": v.speedup_lo, "hi": v.speedup_hi, "reliable": v.speedup_reliable,
-                   "note": v.speedup_note, "rounds": v.speedup_rounds, "tau": v.tau,
-                   "mismatches": sum(not s["identical_to_plain"] for s in
-                                     json.loads(Path(v.report_file).read_text())["samples"]),
-                   "single_pass": speed["round_ratios"][0], "other_load": speed.get("other_load")}
+            row = {
+                **{k: row[k] for k in ("target_path", "path_ms", "path_timings_kept")},
+                "speedup": v.speedup,
+                "lo": v.speedup_lo,
+                "hi": v.speedup_hi,
+                "reliable": v.speedup_reliable,
+                "note": v.speedup_note,
+                "rounds": v.speedup_rounds,
+                "tau": v.tau,
+                "mismatches": sum(
+                    not s["identical_to_plain"] for s in json.loads(Path(v.report_file).read_text())["samples"]
+                ),
+                "single_pass": speed["round_ratios"][0],
+                "other_load": speed.get("other_load"),
+            }
     Path(args.out).write_text(json.dumps(row) + "\n")
 
 
@@ -119,23 +144,29 @@ def fresh(argv: list[str], runs: int, load_threads: int, label: str, env: dict[s
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(runs):
             out = Path(tmp) / f"{label}{i}.json"
-            load = (subprocess.Popen([sys.executable, "-c", LOAD_JOB, str(load_threads)])
-                    if load_threads else None)
+            load = subprocess.Popen([sys.executable, "-c", LOAD_JOB, str(load_threads)]) if load_threads else None
             try:
-                subprocess.run([sys.executable, __file__, *argv, "--child", "--out", str(out)], check=True,
-                               stdout=subprocess.DEVNULL, env=env)
+                subprocess.run(
+                    [sys.executable, __file__, *argv, "--child", "--out", str(out)],
+                    check=True,
+                    stdout=subprocess.DEVNULL,
+                    env=env,
+                )
             finally:
                 if load is not None:
                     load.kill()
                     load.wait()
             rows.append({"condition": label, **json.loads(out.read_text())})
             r = rows[-1]
-            print(f"  {label} {i + 1}/{runs}: {r['speedup']:.3f}x [{r['lo']:.3f}, {r['hi']:.3f}] "
-                  f"{'reliable' if r['reliable'] else 'UNRELIABLE'} in {r['rounds']} rounds; "
-                  f"single pass {r['single_pass']:.3f}x; other load {_cores(r.get('other_load'))}; "
-                  f"mismatches {r['mismatches']}; target path "
-                  f"{r.get('target_path') or '-'} {r.get('path_ms', {})} (timings kept over "
-                  f"{r.get('path_timings_kept', 0)} processes)", flush=True)
+            print(
+                f"  {label} {i + 1}/{runs}: {r['speedup']:.3f}x [{r['lo']:.3f}, {r['hi']:.3f}] "
+                f"{'reliable' if r['reliable'] else 'UNRELIABLE'} in {r['rounds']} rounds; "
+                f"single pass {r['single_pass']:.3f}x; other load {_cores(r.get('other_load'))}; "
+                f"mismatches {r['mismatches']}; target path "
+                f"{r.get('target_path') or '-'} {r.get('path_ms', {})} (timings kept over "
+                f"{r.get('path_timings_kept', 0)} processes)",
+                flush=True,
+            )
     return rows
 
 
@@ -148,11 +179,16 @@ def verdict(rows: list[dict]) -> dict:
         dev = [abs(r["speedup"] / ref - 1) for r in rs if r["reliable"]]
         single = [abs(r["single_pass"] / ref - 1) for r in rs]
         out["by_condition"][cond] = {
-            "runs": len(rs), "reliable": len(dev), "flagged_unreliable": len(rs) - len(dev),
-            "reliable_within_band": sum(d <= BAND for d in dev), "max_deviation": max(dev, default=None),
-            "single_pass_within_band": sum(d <= BAND for d in single), "single_pass_max_deviation": max(single),
+            "runs": len(rs),
+            "reliable": len(dev),
+            "flagged_unreliable": len(rs) - len(dev),
+            "reliable_within_band": sum(d <= BAND for d in dev),
+            "max_deviation": max(dev, default=None),
+            "single_pass_within_band": sum(d <= BAND for d in single),
+            "single_pass_max_deviation": max(single),
             "median": statistics.median(r["speedup"] for r in rs),
-            "single_pass_median": statistics.median(r["single_pass"] for r in rs)}
+            "single_pass_median": statistics.median(r["single_pass"] for r in rs),
+        }
     return out
 
 
@@ -166,8 +202,15 @@ def plot(rows: list[dict], v: dict, path: Path, engine: str) -> None:
     ax.axhline(ref, color="0.5", lw=1)
     for i, r in enumerate(rows):
         color = "C0" if r["condition"] == "quiet" else "C3"
-        ax.errorbar([i], [r["speedup"]], yerr=[[r["speedup"] - r["lo"]], [r["hi"] - r["speedup"]]], fmt="o",
-                    color=color, mfc=color if r["reliable"] else "white", capsize=3)
+        ax.errorbar(
+            [i],
+            [r["speedup"]],
+            yerr=[[r["speedup"] - r["lo"]], [r["hi"] - r["speedup"]]],
+            fmt="o",
+            color=color,
+            mfc=color if r["reliable"] else "white",
+            capsize=3,
+        )
         ax.plot([i], [r["single_pass"]], "x", color="0.3")
     ax.set_xticks(range(len(rows)), [f"{r['condition'][0]}{i}" for i, r in enumerate(rows)])
     ax.set_ylabel("speedup over plain")
@@ -188,9 +231,13 @@ def main(argv: list[str] | None = None) -> dict | None:
     p.add_argument("--target", default="", help="the head's target (directory or models:/...), with --head")
     p.add_argument("--heldout", default="", help="held-out traffic, with --head")
     p.add_argument("--name", default="", help="suffix of the result file (e.g. demo-finetune)")
-    p.add_argument("--timings", choices=("run", "state", "off"), default="run",
-                   help="where target-path timings are kept across processes: a new file for this run (default), the "
-                        "state dir's (as the CLI), or nowhere")
+    p.add_argument(
+        "--timings",
+        choices=("run", "state", "off"),
+        default="run",
+        help="where target-path timings are kept across processes: a new file for this run (default), the "
+        "state dir's (as the CLI), or nowhere",
+    )
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", default="", help=argparse.SUPPRESS)
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -208,15 +255,34 @@ def main(argv: list[str] | None = None) -> dict | None:
     mism = sum(r["mismatches"] for r in rows)
     cols = ["condition", "speedup", "lo", "hi", "reliable", "rounds", "single_pass", "other_load", "tau", "mismatches"]
     print_table([{k: r.get(k) for k in cols} for r in rows], cols)
-    goals = {cond: goal_line(f"{cond}: largest deviation of a reliable figure from the quiet median "
-                             f"{v['reference']:.3f}x "
-                       f"({c['reliable']}/{c['runs']} reliable, {c['flagged_unreliable']} flagged unreliable; the "
-                       f"single pass: {c['single_pass_max_deviation']:.1%})", c["max_deviation"], BAND + 1e-9, mism,
-                       below=True, label="goal") for cond, c in v["by_condition"].items()}
+    goals = {
+        cond: goal_line(
+            f"{cond}: largest deviation of a reliable figure from the quiet median "
+            f"{v['reference']:.3f}x "
+            f"({c['reliable']}/{c['runs']} reliable, {c['flagged_unreliable']} flagged unreliable; the "
+            f"single pass: {c['single_pass_max_deviation']:.1%})",
+            c["max_deviation"],
+            BAND + 1e-9,
+            mism,
+            below=True,
+            label="goal",
+        )
+        for cond, c in v["by_condition"].items()
+    }
     name = "speedup_trust" + ("-vllm" if args.engine == "vllm" else "") + ("-" + args.name if args.name else "")
-    path = write_results(name, args.quick, {"engine": args.engine, "timings": args.timings, "runs": rows,
-                                            "verdict": v, "goals": goals,
-                                            "mismatches": mism}, load_before)
+    path = write_results(
+        name,
+        args.quick,
+        {
+            "engine": args.engine,
+            "timings": args.timings,
+            "runs": rows,
+            "verdict": v,
+            "goals": goals,
+            "mismatches": mism,
+        },
+        load_before,
+    )
     plot(rows, v, path.with_suffix(".png"), args.engine)
     return {"verdict": v, "goals": goals, "mismatches": mism}
 

@@ -26,8 +26,21 @@ from pathlib import Path
 import common  # noqa: F401  (puts the repo root on sys.path)
 import torch
 
-from common import (base_args, eos_of, fresh_runs, goal_line, heldout_prompts, interleaved, prepare, print_table,
-                    pyplot, results_dir, speed_head, start, tokens_per_s, until_eos, write_results)
+from common import (
+    base_args,
+    eos_of,
+    goal_line,
+    heldout_prompts,
+    prepare,
+    print_table,
+    pyplot,
+    results_dir,
+    speed_head,
+    start,
+    until_eos,
+    write_results,
+)
+from timing import fresh_runs, interleaved, tokens_per_s
 
 
 def methods(target, draft, args, max_new: int) -> dict:
@@ -40,14 +53,21 @@ def methods(target, draft, args, max_new: int) -> dict:
     def ours(fn, *a):
         def run(ids):
             out = fn(target, *a[:-1], torch.tensor([ids]), None, a[-1])
-            return out.sequences[0, :int(out.lengths[0])].tolist(), {}
+            return out.sequences[0, : int(out.lengths[0])].tolist(), {}
+
         return run
 
     def hf(ids):
         x = torch.tensor([ids])
-        out = target.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_new,
-                              do_sample=False, eos_token_id=eos, pad_token_id=pad)
-        return until_eos(out[0, x.shape[1]:].tolist(), eos), {}
+        out = target.generate(
+            input_ids=x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=max_new,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=pad,
+        )
+        return until_eos(out[0, x.shape[1] :].tolist(), eos), {}
 
     ms = {}
     for p in PATHS:
@@ -59,19 +79,31 @@ def methods(target, draft, args, max_new: int) -> dict:
 
 def summarize(runs: dict) -> list[dict]:
     ref, base, hf = runs["plain:lean-packed"], tokens_per_s(runs["plain:lean-packed"]), tokens_per_s(runs["hf-plain"])
-    return [{"method": name, "tok_s": tokens_per_s(rs), "x_default": tokens_per_s(rs) / base,
-             "x_hf_plain": tokens_per_s(rs) / hf, "tokens": sum(len(r.tokens) for r in rs),
-             "mismatch": sum(r.tokens != p.tokens for r, p in zip(rs, ref))} for name, rs in runs.items()]
+    return [
+        {
+            "method": name,
+            "tok_s": tokens_per_s(rs),
+            "x_default": tokens_per_s(rs) / base,
+            "x_hf_plain": tokens_per_s(rs) / hf,
+            "tokens": sum(len(r.tokens) for r in rs),
+            "mismatch": sum(r.tokens != p.tokens for r, p in zip(rs, ref)),
+        }
+        for name, rs in runs.items()
+    ]
 
 
 def verdict(rows: list[dict], chosen: str) -> dict:
     """What auto's pick cost in this process: its plain tokens/s over the fastest plain path's, and over hf-plain."""
     by = {r["method"]: r for r in rows}
-    plain = {m[len("plain:"):]: r["tok_s"] for m, r in by.items() if m.startswith("plain:")}
+    plain = {m[len("plain:") :]: r["tok_s"] for m, r in by.items() if m.startswith("plain:")}
     fastest = max(plain, key=plain.__getitem__)
-    return {"chosen": chosen, "fastest_plain": fastest, "chosen_x_fastest": plain[chosen] / plain[fastest],
-            "chosen_x_hf_plain": plain[chosen] / by["hf-plain"]["tok_s"],
-            "mismatches": sum(r["mismatch"] for m, r in by.items() if m != "hf-plain")}
+    return {
+        "chosen": chosen,
+        "fastest_plain": fastest,
+        "chosen_x_fastest": plain[chosen] / plain[fastest],
+        "chosen_x_hf_plain": plain[chosen] / by["hf-plain"]["tok_s"],
+        "mismatches": sum(r["mismatch"] for m, r in by.items() if m != "hf-plain"),
+    }
 
 
 def goals(picks: list[dict]) -> dict:
@@ -79,12 +111,17 @@ def goals(picks: list[dict]) -> dict:
     bad = max(p["mismatches"] for p in picks)
     x_fast = sorted(p["chosen_x_fastest"] for p in picks)
     x_hf = sorted(p["chosen_x_hf_plain"] for p in picks)
-    return {"auto within 5% of the fastest plain path": goal_line(
-                "auto within 5% of the fastest plain path (median)", statistics.median(x_fast), 0.95, bad),
-            "auto within 5% of the fastest plain path, worst run": goal_line(
-                "auto within 5% of the fastest plain path (worst run)", x_fast[0], 0.95, bad),
-            "our plain on auto's path >= 1.0x hf-plain": goal_line(
-                "our plain on auto's path >= 1.0x hf-plain (median)", statistics.median(x_hf), 1.0, bad)}
+    return {
+        "auto within 5% of the fastest plain path": goal_line(
+            "auto within 5% of the fastest plain path (median)", statistics.median(x_fast), 0.95, bad
+        ),
+        "auto within 5% of the fastest plain path, worst run": goal_line(
+            "auto within 5% of the fastest plain path (worst run)", x_fast[0], 0.95, bad
+        ),
+        "our plain on auto's path >= 1.0x hf-plain": goal_line(
+            "our plain on auto's path >= 1.0x hf-plain (median)", statistics.median(x_hf), 1.0, bad
+        ),
+    }
 
 
 def plot(rows: list[dict], chosen: list[str], path: Path) -> Path:
@@ -114,28 +151,55 @@ def main(argv: list[str] | None = None) -> None:
     setup = prepare(args.quick)
     speed_head(setup, 0, 0)  # train (or find) the head once, outside the measured processes
     if args.runs > 1:
-        children = fresh_runs(__file__, argv if argv is not None else sys.argv[1:], args.runs,
-                              lambda i, d: print(f"run {i + 1}/{args.runs}: auto chose {d['pick']['chosen']}, "
-                                                 f"{d['pick']['chosen_x_fastest']:.3f}x the fastest plain path "
-                                                 f"({d['pick']['fastest_plain']}), "
-                                                 f"{d['pick']['chosen_x_hf_plain']:.3f}x hf-plain", flush=True))
+        children = fresh_runs(
+            __file__,
+            argv if argv is not None else sys.argv[1:],
+            args.runs,
+            lambda i, d: print(
+                f"run {i + 1}/{args.runs}: auto chose {d['pick']['chosen']}, "
+                f"{d['pick']['chosen_x_fastest']:.3f}x the fastest plain path "
+                f"({d['pick']['fastest_plain']}), "
+                f"{d['pick']['chosen_x_hf_plain']:.3f}x hf-plain",
+                flush=True,
+            ),
+        )
         rows = []
         for j, row in enumerate(children[0]["rows"]):
             per = sorted(c["rows"][j]["x_default"] for c in children)
             tps = sorted(c["rows"][j]["tok_s"] for c in children)
-            rows.append({**row, "tok_s": statistics.median(tps), "x_default": statistics.median(per),
-                         "x_default_min": per[0], "x_default_max": per[-1],
-                         "x_hf_plain": statistics.median(c["rows"][j]["x_hf_plain"] for c in children),
-                         "mismatch": max(c["rows"][j]["mismatch"] for c in children)})
-        text = print_table(rows, ["method", "tok_s", "x_default", "x_default_min", "x_hf_plain", "tokens", "mismatch"],
-                           f"batch 1, greedy, {children[0]['n_prompts']} held-out prompts, median of {args.runs} "
-                           "fresh processes")
+            rows.append(
+                {
+                    **row,
+                    "tok_s": statistics.median(tps),
+                    "x_default": statistics.median(per),
+                    "x_default_min": per[0],
+                    "x_default_max": per[-1],
+                    "x_hf_plain": statistics.median(c["rows"][j]["x_hf_plain"] for c in children),
+                    "mismatch": max(c["rows"][j]["mismatch"] for c in children),
+                }
+            )
+        text = print_table(
+            rows,
+            ["method", "tok_s", "x_default", "x_default_min", "x_hf_plain", "tokens", "mismatch"],
+            f"batch 1, greedy, {children[0]['n_prompts']} held-out prompts, median of {args.runs} fresh processes",
+        )
         picks = [c["pick"] for c in children]
         name = f"target_path-runs{args.runs}"
         png = plot(rows, [p["chosen"] for p in picks], results_dir(args.quick) / f"{name}.png")
-        write_results(name, args.quick, {"args": vars(args), "rows": rows, "picks": picks,
-                                         "auto": [c["auto"] for c in children], "goals": goals(picks), "text": text,
-                                         "plot": str(png)}, load0)
+        write_results(
+            name,
+            args.quick,
+            {
+                "args": vars(args),
+                "rows": rows,
+                "picks": picks,
+                "auto": [c["auto"] for c in children],
+                "goals": goals(picks),
+                "text": text,
+                "plot": str(png),
+            },
+            load0,
+        )
         return
     run(setup, args, load0)
 
@@ -155,17 +219,21 @@ def run(setup, args: argparse.Namespace, load0: list[float]) -> None:
         rows = summarize(interleaved(methods(target, draft, args, setup.preset.max_new_tokens), prompts))
     decode = auto.by_role["decode"]  # plain decoding runs on the "decode" role's pick (1-token passes)
     pick = verdict(rows, decode.chosen)
-    text = print_table(rows, ["method", "tok_s", "x_default", "x_hf_plain", "tokens", "mismatch"],
-                       f"batch 1, greedy, {len(prompts)} held-out prompts, max {setup.preset.max_new_tokens} new "
-                       f"tokens; auto chose {decode.chosen} to decode ({decode.reason}), {auto.chosen} to verify "
-                       f"({auto.reason})")
+    text = print_table(
+        rows,
+        ["method", "tok_s", "x_default", "x_hf_plain", "tokens", "mismatch"],
+        f"batch 1, greedy, {len(prompts)} held-out prompts, max {setup.preset.max_new_tokens} new "
+        f"tokens; auto chose {decode.chosen} to decode ({decode.reason}), {auto.chosen} to verify "
+        f"({auto.reason})",
+    )
     payload = {"n_prompts": len(prompts), "rows": rows, "auto": auto.as_dict(), "pick": pick, "text": text}
     if args.out:
         Path(args.out).write_text(json.dumps(payload, default=str))
         return
     png = plot(rows, [decode.chosen], results_dir(args.quick) / "target_path.png")
-    write_results("target_path", args.quick, {"args": vars(args), **payload, "goals": goals([pick]),
-                                              "plot": str(png)}, load0)
+    write_results(
+        "target_path", args.quick, {"args": vars(args), **payload, "goals": goals([pick]), "plot": str(png)}, load0
+    )
 
 
 if __name__ == "__main__":

@@ -78,22 +78,43 @@ def main() -> None:
     load_before = start(args)
     rows = []
     for rep in range(args.reps):
-        for way in WAYS[rep % len(WAYS):] + WAYS[:rep % len(WAYS)]:
+        for way in WAYS[rep % len(WAYS) :] + WAYS[: rep % len(WAYS)]:
             got = iterations(args.extract, way, args.steps, args.warmup)
             rows.append({"rep": rep, "way": way, **{k: round(v, 3) for k, v in got.items()}})
-            print(f"train_step: rep {rep + 1}/{args.reps} {way}: {got['tokens_per_s']:.0f} sequence tokens/s, "
-                  f"{100 * got['padding']:.0f}% padding", flush=True)
+            print(
+                f"train_step: rep {rep + 1}/{args.reps} {way}: {got['tokens_per_s']:.0f} sequence tokens/s, "
+                f"{100 * got['padding']:.0f}% padding",
+                flush=True,
+            )
     med = {w: statistics.median(r["tokens_per_s"] for r in rows if r["way"] == w) for w in WAYS}
-    summary = [{"way": w, "tokens_per_s": round(med[w]), "min": round(min(r["tokens_per_s"] for r in rows
-                                                                            if r["way"] == w)),
-                "padding": statistics.median(r["padding"] for r in rows if r["way"] == w),
-                "vs_fp32": round(med[w] / med["fp32"], 2)} for w in WAYS]
-    print_table(summary, ["way", "tokens_per_s", "min", "padding", "vs_fp32"],
-                f"training iterations, sequence tokens/s (median of {args.reps}), {args.extract}")
-    goal = goal_line("the default preset's iteration against fp32 (median)", med[WAYS[-1]] / med["fp32"], 2.0, 0,
-                     method=f"{args.reps} repetitions of {args.steps - args.warmup} timed iterations a way")
-    write_results("train_step", args.quick, {"summary": summary, "rows": rows, "goal": goal,
-                                            "extract_dir": args.extract}, load_before)
+    summary = [
+        {
+            "way": w,
+            "tokens_per_s": round(med[w]),
+            "min": round(min(r["tokens_per_s"] for r in rows if r["way"] == w)),
+            "padding": statistics.median(r["padding"] for r in rows if r["way"] == w),
+            "vs_fp32": round(med[w] / med["fp32"], 2),
+        }
+        for w in WAYS
+    ]
+    print_table(
+        summary,
+        ["way", "tokens_per_s", "min", "padding", "vs_fp32"],
+        f"training iterations, sequence tokens/s (median of {args.reps}), {args.extract}",
+    )
+    goal = goal_line(
+        "the default preset's iteration against fp32 (median)",
+        med[WAYS[-1]] / med["fp32"],
+        2.0,
+        0,
+        method=f"{args.reps} repetitions of {args.steps - args.warmup} timed iterations a way",
+    )
+    write_results(
+        "train_step",
+        args.quick,
+        {"summary": summary, "rows": rows, "goal": goal, "extract_dir": args.extract},
+        load_before,
+    )
 
 
 if __name__ == "__main__":

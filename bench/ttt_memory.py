@@ -44,9 +44,17 @@ def run_one(impl: str, S: int, device: str) -> dict:
 
     torch.manual_seed(0)
     s = SHAPE
-    cfg = DraftConfig(hidden_size=s["hidden"], num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"],
-                      head_dim=s["head_dim"], intermediate_size=3 * s["hidden"], vocab_size=s["vocab"],
-                      draft_vocab_size=s["draft_vocab"], target_num_layers=s["layers"], max_position_embeddings=16384)
+    cfg = DraftConfig(
+        hidden_size=s["hidden"],
+        num_attention_heads=s["heads"],
+        num_key_value_heads=s["kv_heads"],
+        head_dim=s["head_dim"],
+        intermediate_size=3 * s["hidden"],
+        vocab_size=s["vocab"],
+        draft_vocab_size=s["draft_vocab"],
+        target_num_layers=s["layers"],
+        max_position_embeddings=16384,
+    )
     draft = Eagle3Draft(cfg).to(device)
     ids = torch.randint(0, s["vocab"], (1, S), device=device)
     aux = torch.randn(1, S, 3 * s["hidden"], device=device)
@@ -96,8 +104,14 @@ def main() -> None:
     for S in a.lengths:
         for impl in ("ours", "naive"):
             if impl == "naive" and naive_estimate_gb(S) > a.max_naive_gb:
-                rows.append({"impl": impl, "seq_len": S, "peak_bytes": None,
-                             "skipped": f"estimated {naive_estimate_gb(S):.0f} GB > --max-naive-gb"})
+                rows.append(
+                    {
+                        "impl": impl,
+                        "seq_len": S,
+                        "peak_bytes": None,
+                        "skipped": f"estimated {naive_estimate_gb(S):.0f} GB > --max-naive-gb",
+                    }
+                )
                 print(f"{impl:5s} S={S:5d}  skipped (estimated {naive_estimate_gb(S):.0f} GB)", flush=True)
                 continue
             cmd = [sys.executable, __file__, "--device", a.device, "--one", impl, str(S)]
@@ -126,15 +140,24 @@ def report(rows: list[dict], a, load0: list[float]) -> None:
         fmt = lambda b: f"{b / 2**20:9.1f}" if b else "        -"  # noqa: E731
         ratio = f"{n / o:10.1f}" if (o and n) else "         -"
         eo, en = exps["ours"].get(S), exps["naive"].get(S)
-        print(f"{S:7d} | {fmt(o)} | {fmt(n)} | {ratio} | {eo if eo is None else round(eo, 2)!s:>15} | "
-              f"{en if en is None else round(en, 2)!s:>16}")
+        print(
+            f"{S:7d} | {fmt(o)} | {fmt(n)} | {ratio} | {eo if eo is None else round(eo, 2)!s:>15} | "
+            f"{en if en is None else round(en, 2)!s:>16}"
+        )
     import platform
 
     import torch
+
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"date": time.strftime("%Y-%m-%d"), "device": a.device, "machine": platform.processor() or
-            platform.machine(), "torch": torch.__version__, "shape": SHAPE, "growth_exponents": exps}
+    meta = {
+        "date": time.strftime("%Y-%m-%d"),
+        "device": a.device,
+        "machine": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "shape": SHAPE,
+        "growth_exponents": exps,
+    }
     if a.device == "cuda":
         meta["gpu"] = torch.cuda.get_device_name()
     from report import write_results  # metadata, earlier runs kept (bench/report.py); torch is loaded by now
@@ -146,8 +169,10 @@ def report(rows: list[dict], a, load0: list[float]) -> None:
 
 def _plot(rows: list[dict], path: Path, meta: dict) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(6, 4))
     for impl, style in (("ours", "o-"), ("naive", "s--")):
         pts = [(r["seq_len"], r["peak_bytes"] / 2**20) for r in rows if r["impl"] == impl and r.get("peak_bytes")]

@@ -42,7 +42,7 @@ def nll_per_token(target, prompt: list[int], out: list[int]) -> list[float]:
     if not out:
         return []
     with torch.inference_mode():
-        logits = target(torch.tensor([prompt + out])).logits[0, len(prompt) - 1:-1].float()
+        logits = target(torch.tensor([prompt + out])).logits[0, len(prompt) - 1 : -1].float()
     lp = torch.log_softmax(logits, -1)
     return (-lp[torch.arange(len(out)), torch.tensor(out)]).tolist()
 
@@ -50,8 +50,10 @@ def nll_per_token(target, prompt: list[int], out: list[int]) -> list[float]:
 def in_vllm(cfg: EvaluateConfig, args, prompts, temps, settings) -> dict:
     """Per temperature: the head server's counter deltas and both servers' outputs."""
     res: dict = {}
-    with VllmServer(eval_spec(cfg, args.target, max_new_tokens=args.max_new), settings) as plain, \
-            VllmServer(eval_spec(cfg, args.target, args.head, max_new_tokens=args.max_new), settings) as head:
+    with (
+        VllmServer(eval_spec(cfg, args.target, max_new_tokens=args.max_new), settings) as plain,
+        VllmServer(eval_spec(cfg, args.target, args.head, max_new_tokens=args.max_new), settings) as head,
+    ):
         for t in temps:
             before = head.spec_counters()
             outs = {"plain": [], "head": []}
@@ -66,8 +68,14 @@ def in_vllm(cfg: EvaluateConfig, args, prompts, temps, settings) -> dict:
 
 def in_our_loop(target, draft, args, prompts, t: float) -> dict:
     eos = target.generation_config.eos_token_id  # each output stops at the end-of-turn token, as vLLM's do
-    cfg = SpecConfig(method="chain", depth=args.depth, temperature=t, top_p=1.0, max_new_tokens=args.max_new,
-                     eos_token_id=tuple(eos) if isinstance(eos, list) else eos)
+    cfg = SpecConfig(
+        method="chain",
+        depth=args.depth,
+        temperature=t,
+        top_p=1.0,
+        max_new_tokens=args.max_new,
+        eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
+    )
     drafted = accepted = 0
     outs = []
     for i, p in enumerate(prompts):
@@ -77,7 +85,7 @@ def in_our_loop(target, draft, args, prompts, t: float) -> dict:
             steps = o.stats.accept_lengths[o.stats.accept_lengths >= 0]
             accepted += int(steps.sum())
             drafted += int(o.stats.drafted.sum()) if o.stats.drafted is not None else steps.numel() * args.depth
-            outs.append((p.ids, o.sequences[0, :int(o.lengths[0])].tolist()))
+            outs.append((p.ids, o.sequences[0, : int(o.lengths[0])].tolist()))
     return {"drafted": drafted, "accepted": accepted, "outputs": outs}
 
 
@@ -107,7 +115,7 @@ def main() -> None:
         a.error(f"--heldout {args.heldout}: no such file")
     settings = Settings.from_env()
     cfg = EvaluateConfig(spec=SpecConfig(method="chain", depth=args.depth, max_new_tokens=args.max_new))
-    prompts = engine_samples(cfg, args.target, args.heldout, settings)[:args.prompts]
+    prompts = engine_samples(cfg, args.target, args.heldout, settings)[: args.prompts]
     t0 = time.time()
     engine = in_vllm(cfg, args, prompts, temps, settings)
     target = load_target(args.target)[0]
@@ -116,21 +124,25 @@ def main() -> None:
     print(f"{'T':>4} {'who':<12} {'accepted/drafted':>17} {'alpha':>6} {'NLL/token':>9} {'tokens':>6}")
     for t in temps:
         ours = in_our_loop(target, draft, args, prompts, t)
-        cells = {"vLLM plain": {"outputs": engine[t]["outputs"]["plain"]},
-                 "vLLM + head": {k: engine[t][k] for k in ("drafted", "accepted")} | {
-                     "outputs": engine[t]["outputs"]["head"]},
-                 "ours + head": ours}
+        cells = {
+            "vLLM plain": {"outputs": engine[t]["outputs"]["plain"]},
+            "vLLM + head": {k: engine[t][k] for k in ("drafted", "accepted")}
+            | {"outputs": engine[t]["outputs"]["head"]},
+            "ours + head": ours,
+        }
         for who, c in cells.items():
             nll = [x for p, o in c["outputs"] for x in nll_per_token(target, p, o)]
             row = {"temperature": t, "who": who, "tokens": len(nll), "nll_per_token": statistics.mean(nll)}
             if "drafted" in c:
-                row |= {"drafted": c["drafted"], "accepted": c["accepted"],
-                        "alpha": c["accepted"] / max(c["drafted"], 1)}
+                row |= {
+                    "drafted": c["drafted"],
+                    "accepted": c["accepted"],
+                    "alpha": c["accepted"] / max(c["drafted"], 1),
+                }
             rows.append(row)
             acc = f"{row['accepted']}/{row['drafted']}" if "drafted" in row else "-"
             alpha = f"{row['alpha']:.3f}" if "alpha" in row else "-"
-            print(f"{t:>4g} {who:<12} {acc:>17} {alpha:>6} {row['nll_per_token']:>9.3f} {row['tokens']:>6}",
-                  flush=True)
+            print(f"{t:>4g} {who:<12} {acc:>17} {alpha:>6} {row['nll_per_token']:>9.3f} {row['tokens']:>6}", flush=True)
     dest = Path(settings.state_dir) / "bench" / "vllm_sampled.json"
     dest.parent.mkdir(parents=True, exist_ok=True)
     dest.write_text(json.dumps({"args": vars(args), "seconds": time.time() - t0, "rows": rows}, indent=1))

@@ -26,8 +26,18 @@ from pathlib import Path
 
 import common  # noqa: F401  (puts the repo root on sys.path)
 
-from common import (base_args, eos_of, goal_line, heldout_prompts, prepare, print_table, spec_figures, speed_head,
-                    start, write_results)
+from common import (
+    base_args,
+    eos_of,
+    goal_line,
+    heldout_prompts,
+    prepare,
+    print_table,
+    spec_figures,
+    speed_head,
+    start,
+    write_results,
+)
 
 METHODS = ("plain", "eagle3", "ngram")
 
@@ -38,9 +48,13 @@ def engine_run(method: str, setup, head_dir: Path, prompts, depth: int, max_new:
     from infra.vllm_engine_spec import EngineSpec
     from infra.vllm_server import VllmServer
 
-    spec = EngineSpec(str(setup.target_dir), str(head_dir) if method == "eagle3" else None,
-                      method=None if method == "plain" else method, num_speculative_tokens=depth,
-                      max_model_len=min(target_context(setup.target_dir), 1024))
+    spec = EngineSpec(
+        str(setup.target_dir),
+        str(head_dir) if method == "eagle3" else None,
+        method=None if method == "plain" else method,
+        num_speculative_tokens=depth,
+        max_model_len=min(target_context(setup.target_dir), 1024),
+    )
     with VllmServer(spec, settings) as srv:
         srv.complete(prompts[0], 4)  # warm-up: first-request costs out of the timing
         before = srv.spec_counters() if method != "plain" else None
@@ -48,8 +62,12 @@ def engine_run(method: str, setup, head_dir: Path, prompts, depth: int, max_new:
         counters = (srv.spec_counters() - before) if before is not None else None
     row = {"outputs": outs, "seconds": seconds, "tokens": sum(len(o) for o in outs)}
     if counters is not None:
-        row.update(tau=counters.tau, acceptance=counters.acceptance, drafts=counters.drafts,
-                   accepted_per_pos=list(counters.accepted_per_pos))
+        row.update(
+            tau=counters.tau,
+            acceptance=counters.acceptance,
+            drafts=counters.drafts,
+            accepted_per_pos=list(counters.accepted_per_pos),
+        )
     return row
 
 
@@ -68,13 +86,19 @@ def ours(setup, head_dir: Path, prompts, depth: int, max_new: int) -> dict:
     outs, steps, stats = [], [], []
     for ids in prompts:
         g = generate_speculative(target, draft, torch.tensor([ids]), None, cfg)
-        outs.append(g.sequences[0, :int(g.lengths[0])].tolist())
+        outs.append(g.sequences[0, : int(g.lengths[0])].tolist())
         steps += [int(a) for a in g.stats.accept_lengths[:, 0] if a >= 0]
         stats.append(g.stats)
     fig = spec_figures(stats)
-    return {"outputs": outs, "tau_raw": fig["tau_raw"], "alpha_raw": fig["alpha_raw"], "tau": fig["tau"],
-            "alpha": fig["alpha"], "drafts": len(steps), "accepted_per_pos": [sum(a > k for a in steps)
-                                                                             for k in range(depth)]}
+    return {
+        "outputs": outs,
+        "tau_raw": fig["tau_raw"],
+        "alpha_raw": fig["alpha_raw"],
+        "tau": fig["tau"],
+        "alpha": fig["alpha"],
+        "drafts": len(steps),
+        "accepted_per_pos": [sum(a > k for a in steps) for k in range(depth)],
+    }
 
 
 def summarise(runs: list[dict], mine: dict) -> list[dict]:
@@ -84,18 +108,30 @@ def summarise(runs: list[dict], mine: dict) -> list[dict]:
         ratios = [r[m]["tokens"] / r[m]["seconds"] / (r["plain"]["tokens"] / r["plain"]["seconds"]) for r in runs]
         plain_outs = [r["plain"]["outputs"] for r in runs]
         bad = sum(a != b for pr, r in zip(plain_outs, per_run) for a, b in zip(pr, r["outputs"]))
-        row = {"method": f"vLLM {m}", "tok/s": statistics.median(x["tokens"] / x["seconds"] for x in per_run),
-               "x vLLM plain (median)": statistics.median(ratios), "min": min(ratios), "mismatches": bad}
+        row = {
+            "method": f"vLLM {m}",
+            "tok/s": statistics.median(x["tokens"] / x["seconds"] for x in per_run),
+            "x vLLM plain (median)": statistics.median(ratios),
+            "min": min(ratios),
+            "mismatches": bad,
+        }
         if m != "plain":  # the engine's counters: raw (drafts accepted past EOS or the token budget included)
             row.update({"tau raw": per_run[0]["tau"], "alpha raw": _alphas(per_run[0]["acceptance"])})
         rows.append(row)
     e = runs[0]["eagle3"]
-    rows.append({"method": "ours (same head, eagle/)", "tau raw": mine["tau_raw"],
-                 "alpha raw": _alphas(mine["alpha_raw"]), "tau emitted": mine["tau"],
-                 "alpha emitted": _alphas(mine["alpha"]),
-                 "mismatches": sum(a != b for a, b in zip(runs[0]["plain"]["outputs"], mine["outputs"])),
-                 "counts": "equal vLLM's" if (mine["drafts"], mine["accepted_per_pos"]) ==
-                 (e["drafts"], e["accepted_per_pos"]) else f"differ: {mine['accepted_per_pos']}"})
+    rows.append(
+        {
+            "method": "ours (same head, eagle/)",
+            "tau raw": mine["tau_raw"],
+            "alpha raw": _alphas(mine["alpha_raw"]),
+            "tau emitted": mine["tau"],
+            "alpha emitted": _alphas(mine["alpha"]),
+            "mismatches": sum(a != b for a, b in zip(runs[0]["plain"]["outputs"], mine["outputs"])),
+            "counts": "equal vLLM's"
+            if (mine["drafts"], mine["accepted_per_pos"]) == (e["drafts"], e["accepted_per_pos"])
+            else f"differ: {mine['accepted_per_pos']}",
+        }
+    )
     return rows
 
 
@@ -105,9 +141,10 @@ def goals(rows: list[dict]) -> dict:
     by = {r["method"]: r for r in rows}
     bad = sum(r["mismatches"] for r in rows)
     head, ngram = by["vLLM eagle3"]["x vLLM plain (median)"], by["vLLM ngram"]["x vLLM plain (median)"]
-    return {"eagle3 >= 1.8x vLLM plain": goal_line("eagle3 >= 1.8x vLLM plain (median)", head, 1.8, bad),
-            "eagle3 gain >= 1.5x ngram gain": goal_line("eagle3 gain >= 1.5x vLLM ngram gain", head / ngram, 1.5,
-                                                        bad)}
+    return {
+        "eagle3 >= 1.8x vLLM plain": goal_line("eagle3 >= 1.8x vLLM plain (median)", head, 1.8, bad),
+        "eagle3 gain >= 1.5x ngram gain": goal_line("eagle3 gain >= 1.5x vLLM ngram gain", head / ngram, 1.5, bad),
+    }
 
 
 def _alphas(alpha: list[float]) -> str:
@@ -134,8 +171,11 @@ def main() -> None:
     if args.head:
         from types import SimpleNamespace
 
-        setup = SimpleNamespace(target_dir=Path(args.target), heldout_traffic=Path(args.heldout),
-                                preset=SimpleNamespace(eval_prompts=args.prompts, max_new_tokens=args.max_new))
+        setup = SimpleNamespace(
+            target_dir=Path(args.target),
+            heldout_traffic=Path(args.heldout),
+            preset=SimpleNamespace(eval_prompts=args.prompts, max_new_tokens=args.max_new),
+        )
         head, suffix = SimpleNamespace(head_dir=Path(args.head)), f"-{Path(args.target).name}"
     else:
         setup = prepare(args.quick, conversations=args.conversations)
@@ -148,20 +188,42 @@ def main() -> None:
     settings = Settings.from_env()
     runs = []
     for r in range(args.runs):
-        order = METHODS[r % 3:] + METHODS[:r % 3]
+        order = METHODS[r % 3 :] + METHODS[: r % 3]
         runs.append({m: engine_run(m, setup, head.head_dir, prompts, args.depth, max_new, settings) for m in order})
         print(f"run {r + 1}/{args.runs} done", file=sys.stderr, flush=True)
     mine = ours(setup, head.head_dir, prompts, args.depth, max_new)
     rows = summarise(runs, mine)
-    cols = ["method", "tok/s", "x vLLM plain (median)", "min", "tau raw", "tau emitted", "mismatches", "alpha raw",
-            "alpha emitted", "counts"]
-    print_table(rows, cols, f"vLLM on {len(prompts)} held-out prompts, {max_new} new tokens, K={args.depth}, "
-                            f"{args.runs} run(s)")
-    name = "vllm_speedup" + suffix + (f"-depth{args.depth}" if args.depth != 5 else "") + \
-        (f"-runs{args.runs}" if args.runs > 1 else "")
-    payload = {"rows": rows, "goals": goals(rows), "depth": args.depth, "runs": args.runs, "head": str(head.head_dir),
-               "prompts": len(prompts), "max_new_tokens": max_new,
-               "per_run": [{m: {k: v for k, v in x.items() if k != "outputs"} for m, x in r.items()} for r in runs]}
+    cols = [
+        "method",
+        "tok/s",
+        "x vLLM plain (median)",
+        "min",
+        "tau raw",
+        "tau emitted",
+        "mismatches",
+        "alpha raw",
+        "alpha emitted",
+        "counts",
+    ]
+    print_table(
+        rows, cols, f"vLLM on {len(prompts)} held-out prompts, {max_new} new tokens, K={args.depth}, {args.runs} run(s)"
+    )
+    name = (
+        "vllm_speedup"
+        + suffix
+        + (f"-depth{args.depth}" if args.depth != 5 else "")
+        + (f"-runs{args.runs}" if args.runs > 1 else "")
+    )
+    payload = {
+        "rows": rows,
+        "goals": goals(rows),
+        "depth": args.depth,
+        "runs": args.runs,
+        "head": str(head.head_dir),
+        "prompts": len(prompts),
+        "max_new_tokens": max_new,
+        "per_run": [{m: {k: v for k, v in x.items() if k != "outputs"} for m, x in r.items()} for r in runs],
+    }
     print(write_results(name, args.quick, payload, load))
 
 

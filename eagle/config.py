@@ -77,8 +77,10 @@ def check_aux_layer_ids(ids: Any, num_layers: int) -> tuple[int, int, int]:
     except TypeError:
         ok = False
     if not (ok and 1 <= ids[0] < ids[1] < ids[2] <= num_layers - 1):
-        raise ValueError(f"aux_layer_ids {list(ids)} are not three distinct ascending layer ids within "
-                         f"1..{num_layers - 1} (the target has {num_layers} decoder layers)")
+        raise ValueError(
+            f"aux_layer_ids {list(ids)} are not three distinct ascending layer ids within "
+            f"1..{num_layers - 1} (the target has {num_layers} decoder layers)"
+        )
     return ids  # type: ignore[return-value]
 
 
@@ -145,13 +147,22 @@ class DraftConfig:
 
     @classmethod
     def tiny(cls, vocab_size: int = 256, draft_vocab_size: int = 128) -> "DraftConfig":
-        return cls(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                   intermediate_size=128, vocab_size=vocab_size, draft_vocab_size=draft_vocab_size,
-                   target_num_layers=6, max_position_embeddings=512)
+        return cls(
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            intermediate_size=128,
+            vocab_size=vocab_size,
+            draft_vocab_size=draft_vocab_size,
+            target_num_layers=6,
+            max_position_embeddings=512,
+        )
 
     @classmethod
-    def from_target(cls, target_config: Any, draft_vocab_size: int,
-                    aux_layer_ids: Sequence[int] = (), variant: str = "eagle3") -> "DraftConfig":
+    def from_target(
+        cls, target_config: Any, draft_vocab_size: int, aux_layer_ids: Sequence[int] = (), variant: str = "eagle3"
+    ) -> "DraftConfig":
         """Shapes and dtype from a HF `PretrainedConfig` of the Llama, Qwen2/3 or Mistral families; fused layer
         ids `aux_layer_ids` (empty: `default_aux_layer_ids` of the target's depth); the head's `variant`."""
         c = target_config
@@ -162,15 +173,26 @@ class DraftConfig:
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
         rope = _rope_of(c)
         mask = default_mask_token_id(c) if variant in PARALLEL_VARIANTS else None
-        return cls(hidden_size=c.hidden_size, num_attention_heads=heads,
-                   num_key_value_heads=getattr(c, "num_key_value_heads", None) or heads, head_dim=head_dim,
-                   intermediate_size=c.intermediate_size, vocab_size=c.vocab_size,
-                   draft_vocab_size=min(draft_vocab_size, c.vocab_size), target_num_layers=c.num_hidden_layers,
-                   rms_norm_eps=float(getattr(c, "rms_norm_eps", 1e-6)), rope_theta=rope[0], rope_scaling=rope[1],
-                   max_position_embeddings=int(getattr(c, "max_position_embeddings", 2048)),
-                   hidden_act=getattr(c, "hidden_act", "silu"), aux_layer_ids=tuple(aux_layer_ids),
-                   target_model_type=getattr(c, "model_type", "llama"), target_dtype=dtype_name(c), variant=variant,
-                   mask_token_id=mask)
+        return cls(
+            hidden_size=c.hidden_size,
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(c, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            intermediate_size=c.intermediate_size,
+            vocab_size=c.vocab_size,
+            draft_vocab_size=min(draft_vocab_size, c.vocab_size),
+            target_num_layers=c.num_hidden_layers,
+            rms_norm_eps=float(getattr(c, "rms_norm_eps", 1e-6)),
+            rope_theta=rope[0],
+            rope_scaling=rope[1],
+            max_position_embeddings=int(getattr(c, "max_position_embeddings", 2048)),
+            hidden_act=getattr(c, "hidden_act", "silu"),
+            aux_layer_ids=tuple(aux_layer_ids),
+            target_model_type=getattr(c, "model_type", "llama"),
+            target_dtype=dtype_name(c),
+            variant=variant,
+            mask_token_id=mask,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

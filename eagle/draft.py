@@ -156,8 +156,9 @@ class Eagle3Layer(nn.Module):
             hit = self._stacked[name] = _Stacked(parts)
         return hit
 
-    def project_qkv(self, emb_BTH: torch.Tensor, hidden_BTH: torch.Tensor, pos_BT: torch.Tensor,
-                    emb_normed: bool = False):
+    def project_qkv(
+        self, emb_BTH: torch.Tensor, hidden_BTH: torch.Tensor, pos_BT: torch.Tensor, emb_normed: bool = False
+    ):
         """Rotated q [B,h,T,D], k and v [B,g,T,D]. `emb_normed`: `emb_BTH` has been through `input_layernorm`."""
         B, T, _ = hidden_BTH.shape
         emb_BTH = emb_BTH if emb_normed else self.input_layernorm(emb_BTH)
@@ -173,8 +174,8 @@ class Eagle3Layer(nn.Module):
             return rotate(q_BhTD, cos_B1TD, sin_B1TD), rotate(k_BgTD, cos_B1TD, sin_B1TD), v_BgTD
         qkv_w = self.stacked("qkv", a.q_proj.weight, a.k_proj.weight, a.v_proj.weight)
         qkv_BTsD = linear(x_BT2H, qkv_w).view(B, T, -1, D)
-        qk_BsTD = rotate(qkv_BTsD[:, :, :h + g], cos_BTD[:, :, None], sin_BTD[:, :, None]).transpose(1, 2)
-        return qk_BsTD[:, :h], qk_BsTD[:, h:], qkv_BTsD[:, :, h + g:].transpose(1, 2)
+        qk_BsTD = rotate(qkv_BTsD[:, :, : h + g], cos_BTD[:, :, None], sin_BTD[:, :, None]).transpose(1, 2)
+        return qk_BsTD[:, :h], qk_BsTD[:, h:], qkv_BTsD[:, :, h + g :].transpose(1, 2)
 
     def finish(self, hidden_BTH: torch.Tensor, attn_BhTD: torch.Tensor) -> torch.Tensor:
         """Output projection, residual on the un-normalised input feature, then the MLP block."""
@@ -227,8 +228,10 @@ class Eagle3Draft(nn.Module):
         Call after `set_draft_vocab`.
         """
         if embed_VH.shape != self.embed_tokens.weight.shape or lm_head_VH.shape != embed_VH.shape:
-            raise ValueError(f"target embedding {tuple(embed_VH.shape)} / lm_head {tuple(lm_head_VH.shape)} do not "
-                             f"match the head's {tuple(self.embed_tokens.weight.shape)}")
+            raise ValueError(
+                f"target embedding {tuple(embed_VH.shape)} / lm_head {tuple(lm_head_VH.shape)} do not "
+                f"match the head's {tuple(self.embed_tokens.weight.shape)}"
+            )
         self.embed_tokens.weight.copy_(embed_VH)
         self.lm_head.weight.copy_(lm_head_VH[self.draft_ids()])
 
@@ -282,9 +285,16 @@ class Eagle3Draft(nn.Module):
         `norm(output)` with `norm_output`."""
         return self.norm(out_BTH) if self.cfg.norm_output else out_BTH
 
-    def forward(self, input_ids_BT: torch.Tensor | None, hidden_BTH: torch.Tensor, pos_BT: torch.Tensor,
-                cache: KVStore | None = None, attn_mask_BTL: torch.Tensor | None = None,
-                select_B: torch.Tensor | None = None, normed_emb_BTH: torch.Tensor | None = None):
+    def forward(
+        self,
+        input_ids_BT: torch.Tensor | None,
+        hidden_BTH: torch.Tensor,
+        pos_BT: torch.Tensor,
+        cache: KVStore | None = None,
+        attn_mask_BTL: torch.Tensor | None = None,
+        select_B: torch.Tensor | None = None,
+        normed_emb_BTH: torch.Tensor | None = None,
+    ):
         """Run T positions. `hidden_BTH` is a fused feature (see `fuse`) or the head's own previous output.
 
         Returns (the hidden state the next step reads [B,T,H] (`carry`), logits [B,T,Vd]). `attn_mask_BTL` is
@@ -312,8 +322,9 @@ class Eagle3Draft(nn.Module):
         return [p for n, p in self.named_parameters() if not n.startswith("embed_tokens")]
 
 
-def _select(q_BhTD: torch.Tensor, hidden_BTH: torch.Tensor, mask_BTL: torch.Tensor | None, L: int,
-            select_B: torch.Tensor):
+def _select(
+    q_BhTD: torch.Tensor, hidden_BTH: torch.Tensor, mask_BTL: torch.Tensor | None, L: int, select_B: torch.Tensor
+):
     """Row b's queries, input features and mask rows at new positions `select_B[b]` (one, [B], or K, [B, K]):
     [B,h,K,D], [B,K,H], [B,K,L]. A missing mask means causal: new position i (of T) sees keys 0..L-T+i."""
     B, h, T, D = q_BhTD.shape
@@ -329,8 +340,9 @@ def _select(q_BhTD: torch.Tensor, hidden_BTH: torch.Tensor, mask_BTL: torch.Tens
     return q_BhKD, hidden_BKH, mask_BKL
 
 
-def sdpa(q_BhTD: torch.Tensor, k_BgLD: torch.Tensor, v_BgLD: torch.Tensor,
-         mask_BTL: torch.Tensor | None) -> torch.Tensor:
+def sdpa(
+    q_BhTD: torch.Tensor, k_BgLD: torch.Tensor, v_BgLD: torch.Tensor, mask_BTL: torch.Tensor | None
+) -> torch.Tensor:
     """Grouped-query attention over L keys; the last T keys are the queries' own positions. `mask_BTL` may also come
     as [B, 1, T, L]; None means causal."""
     T, L = q_BhTD.shape[2], k_BgLD.shape[2]

@@ -41,9 +41,15 @@ from eagle.tree import draft_chain, draft_parallel, draft_tree, draft_tree_sampl
 from eagle.verify import DraftSetup, Drafter, History, Proposal
 
 
-def commit_head(head: HeadRunner, draft: Eagle3Draft, prefix: Prefix, tokens_BA: torch.Tensor,
-                aux_BA3H: torch.Tensor, n_B: torch.Tensor,
-                masked: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def commit_head(
+    head: HeadRunner,
+    draft: Eagle3Draft,
+    prefix: Prefix,
+    tokens_BA: torch.Tensor,
+    aux_BA3H: torch.Tensor,
+    n_B: torch.Tensor,
+    masked: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Commit (token x_{i+1}, target feature f_i) to the head's cache at positions lengths+i; returns the head's
     (output hidden [B, H], logits [B, Vd]) at each row's n-th new entry (where its next draft starts).
 
@@ -59,8 +65,9 @@ def commit_head(head: HeadRunner, draft: Eagle3Draft, prefix: Prefix, tokens_BA:
         slot_BT = torch.arange(T, device=tokens_BA.device)[None] >= n_B[:, None]  # masked from the (n+1)-th on
         ids_BT = torch.cat([tokens_BA, tokens_BA.new_zeros(B, masked)], 1)
         ids_BT = ids_BT.masked_fill(slot_BT, draft.cfg.mask_token_id)
-        hidden_BAH = torch.where(slot_BT[..., None], mask_hidden_BTH,
-                                 torch.cat([hidden_BAH, mask_hidden_BTH[:, :masked]], 1))
+        hidden_BAH = torch.where(
+            slot_BT[..., None], mask_hidden_BTH, torch.cat([hidden_BAH, mask_hidden_BTH[:, :masked]], 1)
+        )
         tokens_BA, A = ids_BT, T
     pos_BA = prefix.lengths_B[:, None] + torch.arange(A, device=tokens_BA.device)
     select = (n_B - 1).clamp(0, A - 1)
@@ -84,8 +91,9 @@ class HeadDrafter(Drafter):
         if cfg.method == "tree" and cfg.topk > self.draft.cfg.draft_vocab_size:
             raise ValueError("topk exceeds the draft vocabulary")
         if self.draft.cfg.parallel and cfg.method != "chain":
-            raise ValueError(f"a parallel head drafts chains (vLLM's parallel drafting), not a {cfg.method}: set "
-                             "method chain")
+            raise ValueError(
+                f"a parallel head drafts chains (vLLM's parallel drafting), not a {cfg.method}: set method chain"
+            )
 
     def reach(self, cfg: SpecConfig) -> int:
         return max(cfg.verify_width, cfg.depth * cfg.topk)  # a tree's head passes write depth x topk entries
@@ -103,13 +111,14 @@ class HeadDrafter(Drafter):
     def commit(self, prefix: Prefix, tokens_BA: torch.Tensor, aux_BA3H: torch.Tensor, n_B: torch.Tensor) -> None:
         """Commit (token x_{i+1}, feature f_i) at positions lengths+i; keeps the head's output at the n-th entry
         (and, for a parallel head, at the masked slots after it), where the next draft starts."""
-        self.hidden_BH, self.logits_BVd = commit_head(self.head, self.draft, prefix, tokens_BA, aux_BA3H, n_B,
-                                                      self.masked)
+        self.hidden_BH, self.logits_BVd = commit_head(
+            self.head, self.draft, prefix, tokens_BA, aux_BA3H, n_B, self.masked
+        )
 
     def begin(self, history: History, aux_BT3H: torch.Tensor | None) -> None:
         T = aux_BT3H.shape[1]
         n_B = history.lengths_B - 1  # prompt lengths (the root follows them)
-        shifted_BT = history.tokens_BC[:, 1:T + 1]  # (x_{i+1}, f_i); x at each row's prompt length is the root
+        shifted_BT = history.tokens_BC[:, 1 : T + 1]  # (x_{i+1}, f_i); x at each row's prompt length is the root
         self.commit(Prefix(torch.zeros_like(n_B), 0), shifted_BT, aux_BT3H, n_B)
 
     def propose(self, prefix: Prefix, root_B: torch.Tensor, history: History) -> Proposal:
@@ -117,23 +126,30 @@ class HeadDrafter(Drafter):
         if self.masked is not None:
             drafts_BK, q_BKVd = draft_parallel(self.logits_BVd, self.draft, self.pick, cfg.min_draft_prob)
         elif cfg.method == "chain":
-            drafts_BK, q_BKVd = draft_chain(self.head, prefix, self.hidden_BH, self.logits_BVd, cfg.depth, self.pick,
-                                            cfg.min_draft_prob)
+            drafts_BK, q_BKVd = draft_chain(
+                self.head, prefix, self.hidden_BH, self.logits_BVd, cfg.depth, self.pick, cfg.min_draft_prob
+            )
         elif cfg.greedy:
             shape = (cfg.depth, cfg.topk, cfg.budget)
             return Proposal(tree=draft_tree(self.head, prefix, root_B, self.hidden_BH, self.logits_BVd, shape))
         else:
-            tree, q_BNVd = draft_tree_sampled(self.head, prefix, self.hidden_BH, self._probs(self.logits_BVd),
-                                              root_B, (cfg.depth, cfg.topk, cfg.budget), self._probs,
-                                              self.setup.generator)
+            tree, q_BNVd = draft_tree_sampled(
+                self.head,
+                prefix,
+                self.hidden_BH,
+                self._probs(self.logits_BVd),
+                root_B,
+                (cfg.depth, cfg.topk, cfg.budget),
+                self._probs,
+                self.setup.generator,
+            )
             return Proposal(tree=tree, q=q_BNVd, q_ids=self.draft.draft_ids())
         return Proposal(drafts_BK, q=q_BKVd, q_ids=None if q_BKVd is None else self.draft.draft_ids())
 
     def _probs(self, logits_BTVd: torch.Tensor) -> torch.Tensor:
         return sampling.probs(logits_BTVd, self.setup.cfg.temperature, self.setup.cfg.top_p)
 
-    def accepted(self, prefix: Prefix, kept_BA: torch.Tensor, aux_BA3H: torch.Tensor | None,
-                 n_B: torch.Tensor) -> None:
+    def accepted(self, prefix: Prefix, kept_BA: torch.Tensor, aux_BA3H: torch.Tensor | None, n_B: torch.Tensor) -> None:
         A = int(n_B.max()) + 1
         self.commit(prefix, kept_BA[:, :A], aux_BA3H[:, :A], n_B + 1)
 
@@ -153,12 +169,12 @@ class PromptLookupDrafter(Drafter):
         the latest match with `depth` tokens after it, else the earliest (the longest continuation there is)."""
         L = h_L.shape[0]
         for n in range(min(self.max_ngram, L - 1), self.min_ngram - 1, -1):
-            windows_WN = h_L[:L - 1].unfold(0, n, 1)  # starts 0..L-1-n: each has a following token
-            starts = (windows_WN == h_L[L - n:]).all(1).nonzero()[:, 0] + n  # where each continuation starts
+            windows_WN = h_L[: L - 1].unfold(0, n, 1)  # starts 0..L-1-n: each has a following token
+            starts = (windows_WN == h_L[L - n :]).all(1).nonzero()[:, 0] + n  # where each continuation starts
             if starts.numel():
                 full = starts[starts + depth <= L]
                 start = int(full[-1]) if full.numel() else int(starts[0])
-                return h_L[start:start + depth]
+                return h_L[start : start + depth]
         return h_L[:0]
 
     def propose(self, prefix: Prefix, root_B: torch.Tensor, history: History) -> Proposal:
@@ -169,7 +185,7 @@ class PromptLookupDrafter(Drafter):
         for b, f in enumerate(found):
             fill = f[-1] if len(f) else history.row(b)[-1]
             drafts_BK[b] = fill
-            drafts_BK[b, :len(f)] = f
+            drafts_BK[b, : len(f)] = f
         q_BKV = None if self.setup.cfg.greedy else torch.nn.functional.one_hot(drafts_BK, self.setup.vocab).float()
         return Proposal(drafts_BK, q=q_BKV)
 
@@ -189,8 +205,10 @@ class ModelDrafter(Drafter):
     def _session(self, setup: DraftSetup) -> Iterator[None]:
         rows = self.model.get_output_embeddings().weight.shape[0]
         if rows != setup.vocab:
-            raise ValueError(f"the draft model's vocabulary has {rows} tokens, the target's {setup.vocab}: a draft "
-                             "model must share the target's tokenizer")
+            raise ValueError(
+                f"the draft model's vocabulary has {rows} tokens, the target's {setup.vocab}: a draft "
+                "model must share the target's tokenizer"
+            )
         self.runner = TargetRunner(self.model, setup.capacity, path=setup.cfg.path, role="decode")
         with self.runner.session():
             yield
@@ -224,6 +242,5 @@ class ModelDrafter(Drafter):
         self.proposed_at_B, self.fed = L_B, len(picks) - 1 if len(picks) == depth else len(picks)
         return Proposal(torch.stack(picks, 1), q=None if dists[0] is None else torch.stack(dists, 1))
 
-    def accepted(self, prefix: Prefix, kept_BA: torch.Tensor, aux_BA3H: torch.Tensor | None,
-                 n_B: torch.Tensor) -> None:
+    def accepted(self, prefix: Prefix, kept_BA: torch.Tensor, aux_BA3H: torch.Tensor | None, n_B: torch.Tensor) -> None:
         self.cached_B = self.proposed_at_B + n_B.clamp(max=self.fed)

@@ -103,8 +103,9 @@ def engine_config(cfg: DraftConfig, dtype: torch.dtype) -> dict[str, Any]:
 
 def vllm_capture_layers(config: dict[str, Any], target_num_layers: int) -> list[int]:
     """The target layers whose inputs vLLM fuses for a head with this config.json (its lookup order)."""
-    ids = config.get("eagle_aux_hidden_state_layer_ids") or \
-        (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    ids = config.get("eagle_aux_hidden_state_layer_ids") or (config.get("eagle_config") or {}).get(
+        "eagle_aux_hidden_state_layer_ids"
+    )
     n = target_num_layers
     return list(ids) if ids else sorted({2, n // 2, n - 3})
 
@@ -155,8 +156,9 @@ def _holding(draft: Eagle3Draft, tensors: dict[str, torch.Tensor]) -> Iterator[E
         draft.load_state_dict(saved, strict=False)
 
 
-def export_head(draft: Eagle3Draft, out_dir: str | Path, lineage: dict[str, Any] | None = None,
-                dtype: torch.dtype | None = None) -> Path:
+def export_head(
+    draft: Eagle3Draft, out_dir: str | Path, lineage: dict[str, Any] | None = None, dtype: torch.dtype | None = None
+) -> Path:
     """Write the head to `out_dir` (replaced atomically if it exists) and return the path.
 
     Float tensors are written in `dtype`, by default the target's (`draft.cfg.target_dtype`)."""
@@ -213,17 +215,22 @@ def read_head_meta(head_dir: str | Path) -> dict[str, Any]:
 
 def check_head_fits(cfg: DraftConfig, target_config: Any, where: str = "head") -> None:
     """Refuse a head whose shapes do not belong to this target."""
-    checks = [("hidden_size", cfg.hidden_size, getattr(target_config, "hidden_size", None)),
-              ("vocab_size", cfg.vocab_size, getattr(target_config, "vocab_size", None)),
-              ("num_hidden_layers", cfg.target_num_layers, getattr(target_config, "num_hidden_layers", None))]
+    checks = [
+        ("hidden_size", cfg.hidden_size, getattr(target_config, "hidden_size", None)),
+        ("vocab_size", cfg.vocab_size, getattr(target_config, "vocab_size", None)),
+        ("num_hidden_layers", cfg.target_num_layers, getattr(target_config, "num_hidden_layers", None)),
+    ]
     bad = [f"{n}: head expects {a}, target has {b}" for n, a, b in checks if a != b]
     if bad:
-        raise HeadMismatchError(f"{where} was trained for another target ({'; '.join(bad)}); "
-                                "train a head for this target or pass the target it was trained for")
+        raise HeadMismatchError(
+            f"{where} was trained for another target ({'; '.join(bad)}); "
+            "train a head for this target or pass the target it was trained for"
+        )
 
 
-def fold_duplicate_aux(draft_config: dict[str, Any], tensors: dict[str, torch.Tensor]
-                       ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def fold_duplicate_aux(
+    draft_config: dict[str, Any], tensors: dict[str, torch.Tensor]
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """The same head with three distinct ascending layer ids, when its draft config repeats or misorders ids.
 
     `fc` is linear in the concatenated features, so the column blocks of a repeated id are summed into one block;
@@ -238,7 +245,7 @@ def fold_duplicate_aux(draft_config: dict[str, Any], tensors: dict[str, torch.Te
         raise ValueError(f"fc.weight {tuple(fc_HX.shape)} does not fit aux_layer_ids {ids} of hidden size {H}")
     blocks: dict[int, torch.Tensor] = {}
     for j, i in enumerate(ids):
-        blocks[i] = blocks.get(i, 0) + fc_HX[:, j * H:(j + 1) * H].float()
+        blocks[i] = blocks.get(i, 0) + fc_HX[:, j * H : (j + 1) * H].float()
     for i in range(1, n):
         if len(blocks) >= NUM_AUX:
             break
@@ -248,8 +255,12 @@ def fold_duplicate_aux(draft_config: dict[str, Any], tensors: dict[str, torch.Te
     return {**draft_config, "aux_layer_ids": new_ids}, {**tensors, "fc.weight": fc.contiguous()}
 
 
-def load_head(head_dir: str | Path, target: torch.nn.Module | None = None,
-              device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> Eagle3Draft:
+def load_head(
+    head_dir: str | Path,
+    target: torch.nn.Module | None = None,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+) -> Eagle3Draft:
     """Rebuild an exported head. With `target`, check it matches and install the target's embedding."""
     head_dir = Path(head_dir)
     meta = read_head_meta(head_dir)
@@ -262,8 +273,9 @@ def load_head(head_dir: str | Path, target: torch.nn.Module | None = None,
     expected = set(head_state_dict(draft))
     optional = set(VOCAB_MAP) if cfg.draft_vocab_size == cfg.vocab_size else set()
     if set(tensors) - optional != expected:
-        raise ValueError(f"{head_dir / WEIGHTS}: tensors {sorted((set(tensors) - optional) ^ expected)} missing "
-                         "or unexpected")
+        raise ValueError(
+            f"{head_dir / WEIGHTS}: tensors {sorted((set(tensors) - optional) ^ expected)} missing or unexpected"
+        )
     if dtype is not None:
         draft = draft.to(dtype)
     draft.load_state_dict(tensors, strict=False)
@@ -278,6 +290,9 @@ def verify_probe(draft: Eagle3Draft, head_dir: str | Path) -> float:
     probe = load_file(str(path if path.is_file() else Path(head_dir) / LEGACY_PROBE))
     p = next(draft.parameters())
     with torch.no_grad():
-        _, logits = draft(probe["input_ids"].to(p.device), draft.fuse(probe["aux_hidden_states"].to(p.device, p.dtype)),
-                          probe["position_ids"].to(p.device))
+        _, logits = draft(
+            probe["input_ids"].to(p.device),
+            draft.fuse(probe["aux_hidden_states"].to(p.device, p.dtype)),
+            probe["position_ids"].to(p.device),
+        )
     return float((logits.float().cpu() - probe["draft_logits"]).abs().max())

@@ -45,10 +45,14 @@ _MIN_PACKED = 1 << 16
 
 
 def _packable(x: torch.Tensor, w: torch.Tensor) -> bool:
-    return (x.device.type == "cpu" and x.dtype == w.dtype and w.device.type == "cpu" and not torch.is_grad_enabled()
-            and (w.dtype == torch.float32
-                 or (w.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()))
-            and torch.backends.mkldnn.is_available())
+    return (
+        x.device.type == "cpu"
+        and x.dtype == w.dtype
+        and w.device.type == "cpu"
+        and not torch.is_grad_enabled()
+        and (w.dtype == torch.float32 or (w.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+        and torch.backends.mkldnn.is_available()
+    )
 
 
 def version(t: torch.Tensor) -> int:
@@ -101,8 +105,15 @@ class LeanDecoder:
     reproduced it."""
 
     FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-    LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-               "mlp.up_proj", "mlp.down_proj")
+    LINEARS = (
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "self_attn.o_proj",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+        "mlp.down_proj",
+    )
     NORMS = ("input_layernorm", "post_attention_layernorm")
 
     def __init__(self, target: nn.Module):
@@ -117,8 +128,16 @@ class LeanDecoder:
 
     def confirm(self, hf: Sequence[torch.Tensor | None], lean: Sequence[torch.Tensor | None]) -> bool:
         """Trust this decoder for its model iff its outputs match HF's forward on the same pass."""
-        ok = all((a is None and b is None) or (a is not None and b is not None and a.shape == b.shape and bool(
-            (a.float() - b.float()).abs().max() <= 1e-3 * a.float().abs().max() + 1e-6)) for a, b in zip(hf, lean))
+        ok = all(
+            (a is None and b is None)
+            or (
+                a is not None
+                and b is not None
+                and a.shape == b.shape
+                and bool((a.float() - b.float()).abs().max() <= 1e-3 * a.float().abs().max() + 1e-6)
+            )
+            for a, b in zip(hf, lean)
+        )
         if not ok:
             warnings.warn("eagle: the lean decoder does not reproduce this target's HF forward; using HF's")
         _LEAN_VERDICTS[self.target()] = self.trusted = ok
@@ -130,24 +149,36 @@ class LeanDecoder:
         if any(m._forward_hooks or m._forward_pre_hooks for m in target.modules()):
             if target not in _HOOK_WARNED:  # someone watches or alters the forward: leave it to HF, say so once
                 _HOOK_WARNED.add(target)
-                warnings.warn(f"eagle: {type(target).__name__} has forward hooks, so decoding runs through HF's "
-                              "forward instead of the lean decoder (slower); remove them to get the lean path")
+                warnings.warn(
+                    f"eagle: {type(target).__name__} has forward hooks, so decoding runs through HF's "
+                    "forward instead of the lean decoder (slower); remove them to get the lean path"
+                )
             return None
-        if _LEAN_VERDICTS.get(target) is False or c.model_type not in cls.FAMILIES \
-                or getattr(c, "_attn_implementation", None) != "sdpa" \
-                or getattr(c, "pretraining_tp", 1) != 1 or getattr(c, "hidden_act", "silu") != "silu":
+        if (
+            _LEAN_VERDICTS.get(target) is False
+            or c.model_type not in cls.FAMILIES
+            or getattr(c, "_attn_implementation", None) != "sdpa"
+            or getattr(c, "pretraining_tp", 1) != 1
+            or getattr(c, "hidden_act", "silu") != "silu"
+        ):
             return None
         try:
             layers = decoder_layers(target)
-            ok = all(type(layer.get_submodule(n)) is nn.Linear for layer in layers for n in cls.LINEARS) \
-                and all(type(layer.get_submodule(n)).__name__.endswith("RMSNorm")
-                        for layer in layers for n in cls.NORMS)
+            ok = all(type(layer.get_submodule(n)) is nn.Linear for layer in layers for n in cls.LINEARS) and all(
+                type(layer.get_submodule(n)).__name__.endswith("RMSNorm") for layer in layers for n in cls.NORMS
+            )
         except AttributeError:
             return None
         return cls(target) if ok else None
 
-    def __call__(self, ids_BT: torch.Tensor, pos_BT: torch.Tensor, mask_B1TL: torch.Tensor, cache_layers: Sequence[Any],
-                 layer_ids: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def __call__(
+        self,
+        ids_BT: torch.Tensor,
+        pos_BT: torch.Tensor,
+        mask_B1TL: torch.Tensor,
+        cache_layers: Sequence[Any],
+        layer_ids: Sequence[int] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(final normed hidden [B, T, H], inputs of `layer_ids` concatenated [B, T, 3H] or None)."""
         h_BTH = self.base.embed_tokens(ids_BT)
         cos_sin = self.base.rotary_emb(h_BTH, pos_BT)
@@ -159,8 +190,9 @@ class LeanDecoder:
         aux_BT3H = torch.cat([seen[i] for i in layer_ids], dim=-1) if layer_ids else None
         return _norm(self.base.norm, h_BTH), aux_BT3H
 
-    def _layer(self, layer: nn.Module, h_BTH: torch.Tensor, cos_sin, mask_B1TL: torch.Tensor,
-               cache_layer: Any) -> torch.Tensor:
+    def _layer(
+        self, layer: nn.Module, h_BTH: torch.Tensor, cos_sin, mask_B1TL: torch.Tensor, cache_layer: Any
+    ) -> torch.Tensor:
         a, m = layer.self_attn, layer.mlp
         x_BTH = _norm(layer.input_layernorm, h_BTH)
         heads = (*x_BTH.shape[:-1], -1, a.head_dim)

@@ -30,8 +30,10 @@ def decoder_layers(target: nn.Module) -> nn.ModuleList:
     base = target.get_decoder() if hasattr(target, "get_decoder") else getattr(target, "model", None)
     layers = getattr(base, "layers", None)
     if not isinstance(layers, nn.ModuleList) or target.get_output_embeddings() is None:
-        raise ValueError(f"{type(target).__name__} is not a decoder-only causal LM with `model.layers` and an "
-                         "output embedding; EAGLE-3 heads need one (Llama, Qwen2/3, Mistral families)")
+        raise ValueError(
+            f"{type(target).__name__} is not a decoder-only causal LM with `model.layers` and an "
+            "output embedding; EAGLE-3 heads need one (Llama, Qwen2/3, Mistral families)"
+        )
     return layers
 
 
@@ -65,16 +67,28 @@ class TargetStep:
     past_key_values: Any
 
 
-def target_forward(target: nn.Module, input_ids_BT: torch.Tensor, layer_ids: Sequence[int], *,
-                   past_key_values: Any = None, attention_mask: torch.Tensor | None = None,
-                   position_ids: torch.Tensor | None = None, use_cache: bool = False) -> TargetStep:
+def target_forward(
+    target: nn.Module,
+    input_ids_BT: torch.Tensor,
+    layer_ids: Sequence[int],
+    *,
+    past_key_values: Any = None,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    use_cache: bool = False,
+) -> TargetStep:
     """Run the target's decoder (no lm_head) and capture the three layer inputs."""
     base = target.get_decoder()
     cache_name = _cache_kwarg(base)  # transformers >= 5.2x names it `cache` (the old name is deprecated there)
     kwargs: dict[str, Any] = {} if past_key_values is None else {cache_name: past_key_values}
     with capture_layer_inputs(target, layer_ids) as store:
-        out = base(input_ids=input_ids_BT, attention_mask=attention_mask, position_ids=position_ids,
-                   use_cache=use_cache, **kwargs)
+        out = base(
+            input_ids=input_ids_BT,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=use_cache,
+            **kwargs,
+        )
     aux_BT3H = torch.cat([store[i] for i in layer_ids], dim=-1)
     return TargetStep(aux_BT3H, out.last_hidden_state, out.get(cache_name, None))
 
@@ -98,8 +112,9 @@ class Teacher:
 
 
 @torch.no_grad()
-def teacher_targets(last_hidden_BTH: torch.Tensor, lm_head_VH: torch.Tensor, draft_ids_Vd: torch.Tensor,
-                    chunk: int = 1024) -> Teacher:
+def teacher_targets(
+    last_hidden_BTH: torch.Tensor, lm_head_VH: torch.Tensor, draft_ids_Vd: torch.Tensor, chunk: int = 1024
+) -> Teacher:
     """Teacher signal from the target's final hidden state; full-vocab logits exist for `chunk` rows at a time."""
     B, T, H = last_hidden_BTH.shape
     flat_NH = last_hidden_BTH.reshape(B * T, H)
@@ -108,7 +123,7 @@ def teacher_targets(last_hidden_BTH: torch.Tensor, lm_head_VH: torch.Tensor, dra
     probs, in_vocab, argmax = [], [], []
     w_VH = lm_head_VH.to(flat_NH.device)
     for s in range(0, B * T, chunk):
-        logits_nV = (flat_NH[s:s + chunk].to(w_VH.dtype) @ w_VH.T).float()
+        logits_nV = (flat_NH[s : s + chunk].to(w_VH.dtype) @ w_VH.T).float()
         top_n = logits_nV.argmax(-1)
         argmax.append(top_n)
         in_vocab.append(t2d_V[top_n])

@@ -22,8 +22,8 @@ DTYPE_NAME = "float8_e4m3fn"
 DTYPE = torch.float8_e4m3fn
 E4M3_MAX = 448.0  # largest finite e4m3fn value
 SCALE_DTYPE = torch.float32
-REL_STEP = 2.0 ** -4  # half an ulp of a normal e4m3 number, relative to it
-SUBNORMAL_STEP = 2.0 ** -10  # half the subnormal spacing, in units of the row scale
+REL_STEP = 2.0**-4  # half an ulp of a normal e4m3 number, relative to it
+SUBNORMAL_STEP = 2.0**-10  # half the subnormal spacing, in units of the row scale
 
 
 def quantize_rows(x_NC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,7 +51,7 @@ def max_abs_error(x_NC: torch.Tensor, scale_N: torch.Tensor) -> torch.Tensor:
     division and product around the rounding."""
     x = x_NC.float().abs()
     bound = torch.maximum(REL_STEP * x, SUBNORMAL_STEP * scale_N.float()[:, None])
-    return bound + 2.0 ** -20 * x + torch.finfo(torch.float32).tiny
+    return bound + 2.0**-20 * x + torch.finfo(torch.float32).tiny
 
 
 def check_scale(shape: tuple[int, ...] | list[int] | None, dtype: str | None, n_rows: int) -> str | None:

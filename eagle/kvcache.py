@@ -60,12 +60,12 @@ class SlotLayer(CacheLayerMixin):
         p = self.plan
         if p.start is not None:
             T = key_states.shape[2]
-            self.keys[:, :, p.start:p.start + T] = key_states
-            self.values[:, :, p.start:p.start + T] = value_states
+            self.keys[:, :, p.start : p.start + T] = key_states
+            self.values[:, :, p.start : p.start + T] = value_states
         else:
             self.keys[p.rows_B1, :, p.slots_BT] = key_states.transpose(1, 2)
             self.values[p.rows_B1, :, p.slots_BT] = value_states.transpose(1, 2)
-        return self.keys[:, :, :p.span], self.values[:, :, :p.span]
+        return self.keys[:, :, : p.span], self.values[:, :, : p.span]
 
     def move(self, src_BT: torch.Tensor, dst_BT: torch.Tensor) -> None:
         rows = torch.arange(src_BT.shape[0], device=src_BT.device)[:, None]
@@ -157,7 +157,7 @@ class CausalMask:
     def __call__(self, L: int, T: int) -> torch.Tensor:
         """[1, 1, T, L + T]: column C - L + j of row t is visible iff j <= L + t."""
         C = self.capacity
-        m = self.mask[:, :, :T, C - L:C + T]
+        m = self.mask[:, :, :T, C - L : C + T]
         # CUDA's memory-efficient attention reads the mask with aligned vector loads: a slice starting C - L columns
         # in (not a multiple of 16) faults with "misaligned address" (seen on an H200, torch 2.11). A fresh copy is
         # aligned; on the CPU the slice is kept (no per-pass allocation).
@@ -173,5 +173,7 @@ def check_no_sliding_window(config: Any, total_length: int) -> None:
     if layer_types is not None and "sliding_attention" not in layer_types:
         window = None
     if window is not None and total_length > window:
-        raise ValueError(f"sequences of up to {total_length} tokens exceed the target's sliding window {window}; "
-                         "sliding-window attention is not supported here")
+        raise ValueError(
+            f"sequences of up to {total_length} tokens exceed the target's sliding window {window}; "
+            "sliding-window attention is not supported here"
+        )

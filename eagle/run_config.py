@@ -54,8 +54,11 @@ class OptimConfig:
         finite(self, "weight_decay", lambda x: x >= 0, ">= 0")
         finite(self, "grad_clip", lambda x: x > 0, "> 0")
         b = self.betas
-        if not (isinstance(b, (tuple, list)) and len(b) == 2
-                and all(not isinstance(x, bool) and isinstance(x, (int, float)) and 0 <= x < 1 for x in b)):
+        if not (
+            isinstance(b, (tuple, list))
+            and len(b) == 2
+            and all(not isinstance(x, bool) and isinstance(x, (int, float)) and 0 <= x < 1 for x in b)
+        ):
             raise FieldError(self, "betas", f"must be two numbers in [0, 1), got {b!r}")
         object.__setattr__(self, "betas", tuple(b))
 
@@ -91,10 +94,11 @@ class SpecConfig:
         one_of(self, "method", ("chain", "tree"))
         one_of(self, "path", ("auto",) + TARGET_PATHS)
         at_least(self, {"depth": 1, "topk": 1, "budget": 1, "max_new_tokens": 1, "pad_token_id": -1})
-        most = self.topk + (self.depth - 1) * self.topk ** 2
+        most = self.topk + (self.depth - 1) * self.topk**2
         if self.method == "tree" and self.budget > most:
-            raise FieldError(self, "budget", f"must be in 1..topk + (depth-1)*topk^2 = {most} for a tree, "
-                             f"got {self.budget}")
+            raise FieldError(
+                self, "budget", f"must be in 1..topk + (depth-1)*topk^2 = {most} for a tree, got {self.budget}"
+            )
         finite(self, "temperature", lambda x: x >= 0, ">= 0")
         finite(self, "top_p", lambda x: 0 < x <= 1, "in (0, 1]")
         finite(self, "min_draft_prob", lambda x: 0 <= x < 1, "in [0, 1)")

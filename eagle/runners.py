@@ -28,8 +28,7 @@ from eagle import fastpath, target_path
 from eagle.draft import Eagle3Draft
 from eagle.fastpath import LeanDecoder, packed_linears
 from eagle.features import capture_layer_inputs, decoder_layers
-from eagle.kvcache import (CausalMask, SlotCache, additive_mask, causal_region, check_no_sliding_window,
-                           visibility_mask)
+from eagle.kvcache import CausalMask, SlotCache, additive_mask, causal_region, check_no_sliding_window, visibility_mask
 
 
 @dataclass
@@ -58,8 +57,14 @@ class HeadRunner:
         self.cache.plan_after(prefix.lengths_B, prefix.longest, T, offset)
         return prefix.longest + offset + T
 
-    def extend(self, prefix: Prefix, tokens_BT: torch.Tensor, hidden_BTH: torch.Tensor, pos_BT: torch.Tensor,
-               select_B: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def extend(
+        self,
+        prefix: Prefix,
+        tokens_BT: torch.Tensor,
+        hidden_BTH: torch.Tensor,
+        pos_BT: torch.Tensor,
+        select_B: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Commit T entries (token, fused feature) right after each row's prefix, causal among themselves. With
         `select_B` only new entry `select_B[b]`'s outputs per row ([B, 1, H], [B, 1, Vd])."""
         B, T = hidden_BTH.shape[0], hidden_BTH.shape[1]
@@ -70,8 +75,9 @@ class HeadRunner:
             mask_BTL = visibility_mask(prefix.lengths_B, causal_region(T, hidden_BTH.device), span)
         return self.draft(tokens_BT, hidden_BTH, pos_BT, self.cache.layers[0], mask_BTL, select_B)
 
-    def chain_step(self, prefix: Prefix, normed_emb_B1H: torch.Tensor, hidden_B1H: torch.Tensor,
-                   pos_B1: torch.Tensor, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def chain_step(
+        self, prefix: Prefix, normed_emb_B1H: torch.Tensor, hidden_B1H: torch.Tensor, pos_B1: torch.Tensor, offset: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One drafted entry per row after the `offset` drafted before it; it sees the prefix and all of them.
         `normed_emb_B1H` (rows of `Eagle3Draft.draft_inputs`) stands for the drafted tokens."""
         span = self._plan(prefix, 1, offset)
@@ -81,8 +87,15 @@ class HeadRunner:
             mask_B1L = (self.cache.slot_index(span)[None] < (prefix.lengths_B + offset + 1)[:, None])[:, None]
         return self.draft(None, hidden_B1H, pos_B1, self.cache.layers[0], mask_B1L, None, normed_emb_B1H)
 
-    def tree_step(self, prefix: Prefix, tokens_BT: torch.Tensor, hidden_BTH: torch.Tensor, pos_BT: torch.Tensor,
-                  seen_BTR: torch.Tensor, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def tree_step(
+        self,
+        prefix: Prefix,
+        tokens_BT: torch.Tensor,
+        hidden_BTH: torch.Tensor,
+        pos_BT: torch.Tensor,
+        seen_BTR: torch.Tensor,
+        offset: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """T frontier entries per row after the `offset` drafted before them; `seen_BTR` (boolean, R = offset + T)
         says which of the slots after the prefix each one sees (its ancestors and itself)."""
         span = self._plan(prefix, hidden_BTH.shape[1], offset)
@@ -101,8 +114,14 @@ class TargetRunner:
 
     CAUSAL_ROWS = 64  # passes of up to this many tokens of one row slice a prebuilt causal mask
 
-    def __init__(self, target: nn.Module, capacity: int, layer_ids: tuple[int, ...] = (), path: str = "auto",
-                 role: str = "verify"):
+    def __init__(
+        self,
+        target: nn.Module,
+        capacity: int,
+        layer_ids: tuple[int, ...] = (),
+        path: str = "auto",
+        role: str = "verify",
+    ):
         check_no_sliding_window(target.config, capacity)
         self.path = target_path.resolve(target, path, role, time_paths)
         self.target, self.layer_ids = target, tuple(layer_ids)
@@ -145,8 +164,9 @@ class TargetRunner:
         if lean is not None and lean.trusted:
             return lean(ids_BT, pos_BT, mask_B1TL, self.cache.layers, self.layer_ids)
         out = self._hf(ids_BT, pos_BT, mask_B1TL)
-        if lean is not None and not lean.confirm(out, lean(ids_BT, pos_BT, mask_B1TL, self.cache.layers,
-                                                           self.layer_ids)):
+        if lean is not None and not lean.confirm(
+            out, lean(ids_BT, pos_BT, mask_B1TL, self.cache.layers, self.layer_ids)
+        ):
             self._hf(ids_BT, pos_BT, mask_B1TL)  # put HF's own entries back into the cache
             self._lean = None
         return out
@@ -157,8 +177,11 @@ class TargetRunner:
         if not self.layer_ids:
             return self._base(**kwargs).last_hidden_state, None
         with ExitStack() as stack:
-            store = self._store if self._store is not None else \
-                stack.enter_context(capture_layer_inputs(self.target, self.layer_ids))
+            store = (
+                self._store
+                if self._store is not None
+                else stack.enter_context(capture_layer_inputs(self.target, self.layer_ids))
+            )
             out = self._base(**kwargs)
         return out.last_hidden_state, torch.cat([store[i] for i in self.layer_ids], dim=-1)
 
@@ -210,13 +233,13 @@ def time_paths(target: nn.Module, paths: list[str]) -> dict[str, dict[str, float
         t_start, i = time.perf_counter(), 0
         while i < WARMUP + MIN_ROUNDS or (i < WARMUP + MAX_ROUNDS and time.perf_counter() - t_start < BUDGET_S):
             names = list(runners)
-            for q in names[i % len(names):] + names[:i % len(names)]:
+            for q in names[i % len(names) :] + names[: i % len(names)]:
                 r = runners[q]
                 with r.session():
                     for role, width in target_path.ROLES.items():
                         sync()
                         t0 = time.perf_counter()
-                        h, _ = r(prefix, ids[:, PREFIX:PREFIX + width], pos[:, :width], None)
+                        h, _ = r(prefix, ids[:, PREFIX : PREFIX + width], pos[:, :width], None)
                         r.logits(h[:, -1])
                         sync()
                         if i >= WARMUP:

@@ -42,8 +42,9 @@ def sample(p: torch.Tensor, generator: torch.Generator | None = None) -> torch.T
     return torch.multinomial(flat, 1, generator=generator).view(p.shape[:-1])
 
 
-def pick(logits_BV: torch.Tensor, temperature: float, top_p: float,
-         generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def pick(
+    logits_BV: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(token [B], the distribution it was drawn from [B, V] or None): the argmax at temperature 0, else a draw
     from `probs`. The target's picks and every drafter's own picks go through here."""
     if temperature == 0:
@@ -66,8 +67,9 @@ def accept_chain_greedy(target_logits_BKV: torch.Tensor, draft_BK: torch.Tensor)
     return n_B, best_BK.gather(1, n_B[:, None])[:, 0]
 
 
-def accept_chain(p_BKV: torch.Tensor, q_BKV: torch.Tensor, draft_BK: torch.Tensor,
-                 generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def accept_chain(
+    p_BKV: torch.Tensor, q_BKV: torch.Tensor, draft_BK: torch.Tensor, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Standard speculative rule for drafts sampled from q (K positions); p has K+1 positions (the last for the bonus).
 
     Returns (accepted count n [B], next token [B]): the residual draw at position n, or the bonus from p when n = K.
@@ -85,8 +87,9 @@ def accept_chain(p_BKV: torch.Tensor, q_BKV: torch.Tensor, draft_BK: torch.Tenso
     return n_B, sample(residual(p_n, q_n), generator)
 
 
-def walk_tree(tokens_BN: torch.Tensor, parent_BN: torch.Tensor, choice_BN: torch.Tensor,
-              depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def walk_tree(
+    tokens_BN: torch.Tensor, parent_BN: torch.Tensor, choice_BN: torch.Tensor, depth: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Follow, from the root, the child whose token equals the target's choice at the current node.
 
     `choice_BN` is the target's token at every node (argmax, or one draw from p per node). Returns
@@ -109,9 +112,15 @@ def walk_tree(tokens_BN: torch.Tensor, parent_BN: torch.Tensor, choice_BN: torch
     return n_B, path_BA, choice_BN.gather(1, cur_B[:, None])[:, 0]
 
 
-def walk_tree_sampled(tokens_BN: torch.Tensor, parent_BN: torch.Tensor, p_BNV: torch.Tensor, q_BNVd: torch.Tensor,
-                      draft_ids_Vd: torch.Tensor, depth: int, generator: torch.Generator | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def walk_tree_sampled(
+    tokens_BN: torch.Tensor,
+    parent_BN: torch.Tensor,
+    p_BNV: torch.Tensor,
+    q_BNVd: torch.Tensor,
+    draft_ids_Vd: torch.Tensor,
+    depth: int,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Recursive rejection over a tree whose children were drawn i.i.d. from their parent's draft distribution
     (`eagle.tree.draft_tree_sampled`; multi-draft speculative sampling as in SpecInfer).
 

@@ -28,9 +28,18 @@ def tiny_target(device: str, vocab: int = 512, seed: int = 0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=6,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                      eos_token_id=vocab - 1, bos_token_id=0, pad_token_id=0)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        eos_token_id=vocab - 1,
+        bos_token_id=0,
+        pad_token_id=0,
+    )
     target = LlamaForCausalLM(cfg)
     with torch.no_grad():
         target.lm_head.weight.mul_(12.0)  # a confident target: low-entropy next-token distributions
@@ -43,8 +52,16 @@ def self_generated_data(target, n: int, prompt_len: int, new_tokens: int, seed: 
     g = torch.Generator(device="cpu").manual_seed(seed)
     device = next(target.parameters()).device
     prompts = torch.randint(1, target.config.vocab_size - 1, (n, prompt_len), generator=g).to(device)
-    out = target.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=True, temperature=0.8,
-                          max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0, top_k=0)
+    out = target.generate(
+        prompts,
+        attention_mask=torch.ones_like(prompts),
+        do_sample=True,
+        temperature=0.8,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        pad_token_id=0,
+        top_k=0,
+    )
     mask = torch.zeros_like(out)
     mask[:, prompt_len:] = 1
     return out, mask
@@ -65,8 +82,11 @@ def train_online_head(target, ids, mask, steps: int, batch_size: int, device: st
         if step % log_every == 0 or step == steps - 1:
             m = out.metrics()
             history.append({"step": step, **m})
-            print(f"  step {step:4d}  loss {m['loss']:.3f}  acc_0 {m['acc_0']:.2f}  acc_4 {m['acc_4']:.2f}  "
-                  f"tau(sim) {m['tau']:.2f}", flush=True)
+            print(
+                f"  step {step:4d}  loss {m['loss']:.3f}  acc_0 {m['acc_0']:.2f}  acc_4 {m['acc_4']:.2f}  "
+                f"tau(sim) {m['tau']:.2f}",
+                flush=True,
+            )
     return draft, history
 
 
@@ -84,9 +104,12 @@ def lossless_check(target, draft, prompts, max_new_tokens: int) -> dict:
         cfg = SpecConfig(method=method, depth=5, topk=4, budget=16, max_new_tokens=max_new_tokens, eos_token_id=eos)
         t0 = time.perf_counter()
         spec = generate_speculative(target, draft, prompts, attn, cfg)
-        report[method] = {"identical": bool(torch.equal(spec.sequences, plain.sequences)), "tau": spec.stats.tau,
-                          "seconds": time.perf_counter() - t0,
-                          "per_position_acceptance": [round(a, 3) for a in spec.stats.per_position_acceptance]}
+        report[method] = {
+            "identical": bool(torch.equal(spec.sequences, plain.sequences)),
+            "tau": spec.stats.tau,
+            "seconds": time.perf_counter() - t0,
+            "per_position_acceptance": [round(a, 3) for a in spec.stats.per_position_acceptance],
+        }
     return report
 
 
@@ -121,14 +144,22 @@ def main(argv: list[str] | None = None) -> int:
     print("[5/5] lossless check: speculative vs plain greedy", flush=True)
     held_out, _ = self_generated_data(target2, n=4, prompt_len=8, new_tokens=1, seed=99)
     check = lossless_check(target2, draft2, held_out[:, :8], max_new_tokens=a.new_tokens)
-    report = {"device": a.device, "train_steps": a.steps, "train_seconds": round(train_s, 1),
-              "final_metrics": history[-1], "probe_max_abs_diff": probe_err, **check,
-              "total_seconds": round(time.perf_counter() - t_start, 1)}
+    report = {
+        "device": a.device,
+        "train_steps": a.steps,
+        "train_seconds": round(train_s, 1),
+        "final_metrics": history[-1],
+        "probe_max_abs_diff": probe_err,
+        **check,
+        "total_seconds": round(time.perf_counter() - t_start, 1),
+    }
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     ok = probe_err < 1e-4 and check["chain"]["identical"] and check["tree"]["identical"]
     print(json.dumps(report, indent=2))
-    print(f"selfcheck: {'PASS' if ok else 'FAIL'} tau(chain)={check['chain']['tau']:.2f} "
-          f"tau(tree)={check['tree']['tau']:.2f} probe_diff={probe_err:.2e}")
+    print(
+        f"selfcheck: {'PASS' if ok else 'FAIL'} tau(chain)={check['chain']['tau']:.2f} "
+        f"tau(tree)={check['tree']['tau']:.2f} probe_diff={probe_err:.2e}"
+    )
     return 0 if ok else 1
 
 

@@ -39,8 +39,13 @@ from eagle.runners import Prefix, TargetRunner
 from eagle.verify import Emitted, GenOutput, generate_drafted, outside_inference_mode, pack_left
 
 
-def generate_plain(target: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                   cfg: SpecConfig, generator: torch.Generator | None = None) -> GenOutput:
+def generate_plain(
+    target: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    cfg: SpecConfig,
+    generator: torch.Generator | None = None,
+) -> GenOutput:
     """One token per target pass (greedy or temperature/top-p sampling), with the speculative path's helpers."""
     with torch.inference_mode():
         ids_BT, n_B = pack_left(input_ids, attention_mask)
@@ -50,8 +55,9 @@ def generate_plain(target: nn.Module, input_ids: torch.Tensor, attention_mask: t
     return outside_inference_mode(out)
 
 
-def _plain_loop(runner: TargetRunner, ids_BT: torch.Tensor, n_B: torch.Tensor, cfg: SpecConfig,
-                generator: torch.Generator | None) -> GenOutput:
+def _plain_loop(
+    runner: TargetRunner, ids_BT: torch.Tensor, n_B: torch.Tensor, cfg: SpecConfig, generator: torch.Generator | None
+) -> GenOutput:
     out = Emitted(ids_BT.shape[0], cfg, ids_BT.device)
     logits_BV, _ = runner.prefill(ids_BT, n_B)
     one_B = torch.ones_like(n_B)
@@ -68,8 +74,13 @@ def _plain_loop(runner: TargetRunner, ids_BT: torch.Tensor, n_B: torch.Tensor, c
         lengths_B = lengths_B + active_B.long()
 
 
-def generate_speculative(target: nn.Module, draft: Eagle3Draft, input_ids: torch.Tensor,
-                         attention_mask: torch.Tensor | None, cfg: SpecConfig,
-                         generator: torch.Generator | None = None) -> GenOutput:
+def generate_speculative(
+    target: nn.Module,
+    draft: Eagle3Draft,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    cfg: SpecConfig,
+    generator: torch.Generator | None = None,
+) -> GenOutput:
     """Speculative generation whose output is distributed exactly as `generate_plain`'s (identical when greedy)."""
     return generate_drafted(target, HeadDrafter(draft), input_ids, attention_mask, cfg, generator)

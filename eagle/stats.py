@@ -41,8 +41,12 @@ class SpecStats:
         if any(p.depth != depth or p.accept_lengths.shape[1:] != parts[0].accept_lengths.shape[1:] for p in parts):
             raise ValueError("SpecStats.cat: the runs differ in depth or batch size")
         drafted = [p.drafted.cpu() if p.drafted is not None else torch.full((p.n_verify_steps,), depth) for p in parts]
-        return cls(torch.cat([p.accept_lengths.cpu() for p in parts]), depth, torch.cat(drafted).long(),
-                   torch.cat([p._emitted().cpu() for p in parts]))
+        return cls(
+            torch.cat([p.accept_lengths.cpu() for p in parts]),
+            depth,
+            torch.cat(drafted).long(),
+            torch.cat([p._emitted().cpu() for p in parts]),
+        )
 
     @property
     def n_verify_steps(self) -> int:
@@ -92,10 +96,15 @@ class SpecStats:
 
     def _alphas(self, accepted: torch.Tensor, reach: torch.Tensor, live: torch.Tensor) -> list[float]:
         """Per depth k: (accepted >= k) / (reach >= k and drafted >= k), over the live pairs."""
-        d = (self.drafted.to(live.device)[:, None].expand_as(live)[live] if self.drafted is not None
-             else torch.full_like(accepted, self.depth))
-        return [float((accepted >= k).sum() / ((reach >= k) & (d >= k)).sum().clamp_min(1))
-                for k in range(1, self.depth + 1)]
+        d = (
+            self.drafted.to(live.device)[:, None].expand_as(live)[live]
+            if self.drafted is not None
+            else torch.full_like(accepted, self.depth)
+        )
+        return [
+            float((accepted >= k).sum() / ((reach >= k) & (d >= k)).sum().clamp_min(1))
+            for k in range(1, self.depth + 1)
+        ]
 
 
 POSITION_EDGES = (0, 128, 512, 2048)  # default output-position buckets [0, 128), [128, 512), [512, 2048)
@@ -111,8 +120,9 @@ def step_starts(emitted: Sequence[int]) -> list[int]:
     return starts
 
 
-def acceptance_by_position(sequences: Sequence[tuple[Sequence[int], Sequence[int]]],
-                           edges: Sequence[int] = POSITION_EDGES) -> list[dict]:
+def acceptance_by_position(
+    sequences: Sequence[tuple[Sequence[int], Sequence[int]]], edges: Sequence[int] = POSITION_EDGES
+) -> list[dict]:
     """tau and alpha_1 per output-position bucket [edges[i], edges[i+1]) over the verification steps of several
     sequences, each given as (accepted, emitted) per step in output order; a step belongs to the bucket of the
     output position where it starts (`step_starts`); steps starting at or past the last edge are in no bucket.
@@ -127,8 +137,10 @@ def acceptance_by_position(sequences: Sequence[tuple[Sequence[int], Sequence[int
                 sums[b][0] += 1
                 sums[b][1] += int(e)
                 sums[b][2] += int(min(a, e) >= 1)
-    return [{"lo": int(lo), "hi": int(hi), "steps": n, "tau": em / n if n else None, "alpha_1": one / n if n else None}
-            for lo, hi, (n, em, one) in zip(edges[:-1], edges[1:], sums)]
+    return [
+        {"lo": int(lo), "hi": int(hi), "steps": n, "tau": em / n if n else None, "alpha_1": one / n if n else None}
+        for lo, hi, (n, em, one) in zip(edges[:-1], edges[1:], sums)
+    ]
 
 
 def raw_steps(accepted: Sequence[int]) -> tuple[list[int], list[int]]:

@@ -82,13 +82,19 @@ class PathTiming:
     def as_dict(self) -> dict:
         def one(t: "PathTiming") -> dict:
             base = t.seconds.get(DEFAULT)
-            out = {"chosen": t.chosen, "reason": t.reason,
-                   "ms_per_pass": {p: round(s * 1e3, 3) for p, s in t.seconds.items()},
-                   "x_default": {p: round(base / s, 3) for p, s in t.seconds.items()} if base else {}}
+            out = {
+                "chosen": t.chosen,
+                "reason": t.reason,
+                "ms_per_pass": {p: round(s * 1e3, 3) for p, s in t.seconds.items()},
+                "x_default": {p: round(base / s, 3) for p, s in t.seconds.items()} if base else {},
+            }
             if t.kept:
-                out |= {"measurements_kept": t.kept,
-                        "ms_this_process": {p: round(s * 1e3, 3) for p, s in t.measured.items()}}
+                out |= {
+                    "measurements_kept": t.kept,
+                    "ms_this_process": {p: round(s * 1e3, 3) for p, s in t.measured.items()},
+                }
             return out
+
         return {**one(self), **{role: one(t) for role, t in self.by_role.items()}}
 
 
@@ -181,8 +187,11 @@ def measure(target: nn.Module, timer: Timer) -> PathTiming:
             reason = "the lean decoder did not reproduce HF's forward; "
         else:
             reason = ""
-        reason += f"no path faster than {default} by more than {MARGIN:.0%}" if chosen == default else \
-            f"{seconds[default] / seconds[chosen]:.2f}x as fast as {default}"
+        reason += (
+            f"no path faster than {default} by more than {MARGIN:.0%}"
+            if chosen == default
+            else f"{seconds[default] / seconds[chosen]:.2f}x as fast as {default}"
+        )
         if n_kept > 1:
             reason += f" (fastest passes kept over {n_kept} measurements on this machine)"
         by_role[role] = PathTiming(chosen=chosen, seconds=seconds, reason=reason, measured=measured, kept=n_kept)
@@ -194,8 +203,18 @@ def measure(target: nn.Module, timer: Timer) -> PathTiming:
 def _store_key(target: nn.Module) -> str:
     """What a kept timing is valid for: the machine, the target's shape, device, dtype, threads, torch, protocol."""
     cfg = getattr(target, "config", None)
-    shape = {k: getattr(cfg, k, None) for k in ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
-                                                 "num_attention_heads", "num_key_value_heads", "vocab_size")}
+    shape = {
+        k: getattr(cfg, k, None)
+        for k in (
+            "model_type",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "vocab_size",
+        )
+    }
     cpu = ""
     try:
         with open("/proc/cpuinfo") as f:
@@ -203,9 +222,20 @@ def _store_key(target: nn.Module) -> str:
     except OSError:
         cpu = platform.processor()
     device, dtype, threads = _key(target)
-    return json.dumps({"v": STORE_VERSION, "host": platform.node(), "cpu": cpu, "cores": os.cpu_count(),
-                       "shape": shape, "device": device, "dtype": str(dtype), "threads": threads,
-                       "torch": torch.__version__}, sort_keys=True)
+    return json.dumps(
+        {
+            "v": STORE_VERSION,
+            "host": platform.node(),
+            "cpu": cpu,
+            "cores": os.cpu_count(),
+            "shape": shape,
+            "device": device,
+            "dtype": str(dtype),
+            "threads": threads,
+            "torch": torch.__version__,
+        },
+        sort_keys=True,
+    )
 
 
 def _keep(target: nn.Module, timed: dict[str, dict[str, float]]) -> tuple[dict[str, dict[str, float]], int]:
@@ -239,17 +269,29 @@ def _keep(target: nn.Module, timed: dict[str, dict[str, float]]) -> tuple[dict[s
         kept = {}
         for role, seconds in timed.items():
             before = old.get(role) if isinstance(old.get(role), dict) else {}
-            kept[role] = {p: min(s, float(before[p])) if isinstance(before.get(p), (int, float)) and before[p] > 0
-                          else s for p, s in seconds.items()}
-        merged = {role: {**(old.get(role) if isinstance(old.get(role), dict) else {}), **kept.get(role, {})}
-                  for role in set(old) | set(kept)}
+            kept[role] = {
+                p: min(s, float(before[p])) if isinstance(before.get(p), (int, float)) and before[p] > 0 else s
+                for p, s in seconds.items()
+            }
+        merged = {
+            role: {**(old.get(role) if isinstance(old.get(role), dict) else {}), **kept.get(role, {})}
+            for role in set(old) | set(kept)
+        }
         n = int(entry.get("measurements", 0)) + 1 if isinstance(entry.get("measurements", 0), int) else 1
         entries[key] = {"seconds": merged, "measurements": n, "updated": time.strftime("%Y-%m-%dT%H:%M:%S")}
         tmp = f"{store}.{os.getpid()}.tmp"
         try:
             with open(tmp, "w") as f:
-                json.dump({"what": "eagle/target_path.py: each target path's fastest pass (s) per role, kept "
-                                   "across processes", "entries": entries}, f, indent=1, sort_keys=True)
+                json.dump(
+                    {
+                        "what": "eagle/target_path.py: each target path's fastest pass (s) per role, kept "
+                        "across processes",
+                        "entries": entries,
+                    },
+                    f,
+                    indent=1,
+                    sort_keys=True,
+                )
             os.replace(tmp, store)
         except OSError:
             if os.path.exists(tmp):

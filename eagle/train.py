@@ -29,19 +29,38 @@ from eagle.ttt import TTTBatch, TTTOutput, ttt_loss
 from eagle.vocab import select_draft_vocab
 
 
-def init_head(target: nn.Module, token_counts_V: torch.Tensor, draft_vocab_size: int,
-              always_include: Iterable[int] = (), aux_layer_ids: Sequence[int] = (),
-              variant: str = "eagle3") -> Eagle3Draft:
+def init_head(
+    target: nn.Module,
+    token_counts_V: torch.Tensor,
+    draft_vocab_size: int,
+    always_include: Iterable[int] = (),
+    aux_layer_ids: Sequence[int] = (),
+    variant: str = "eagle3",
+) -> Eagle3Draft:
     """A fresh head for `target`: draft vocabulary from counts, frozen target embedding, lm_head from its rows;
     fused layers `aux_layer_ids` (empty: the default rule for the target's depth); `variant` (eagle/config.py)."""
-    return head_from_tensors(target.config, token_counts_V, target.get_input_embeddings().weight,
-                             target.get_output_embeddings().weight, draft_vocab_size, always_include, aux_layer_ids,
-                             variant)
+    return head_from_tensors(
+        target.config,
+        token_counts_V,
+        target.get_input_embeddings().weight,
+        target.get_output_embeddings().weight,
+        draft_vocab_size,
+        always_include,
+        aux_layer_ids,
+        variant,
+    )
 
 
-def head_from_tensors(target_config, token_counts_V: torch.Tensor, embed_VH: torch.Tensor, lm_head_VH: torch.Tensor,
-                      draft_vocab_size: int, always_include: Iterable[int] = (),
-                      aux_layer_ids: Sequence[int] = (), variant: str = "eagle3") -> Eagle3Draft:
+def head_from_tensors(
+    target_config,
+    token_counts_V: torch.Tensor,
+    embed_VH: torch.Tensor,
+    lm_head_VH: torch.Tensor,
+    draft_vocab_size: int,
+    always_include: Iterable[int] = (),
+    aux_layer_ids: Sequence[int] = (),
+    variant: str = "eagle3",
+) -> Eagle3Draft:
     """As `init_head`, from the target's config, embedding and lm_head alone (offline training, where the
     layer ids are those the features were extracted at)."""
     cfg = DraftConfig.from_target(target_config, draft_vocab_size, aux_layer_ids, variant)
@@ -61,14 +80,20 @@ def as_variant(draft: Eagle3Draft, variant: str, mask_token_id: int | None = Non
     mask = (draft.cfg.mask_token_id if draft.cfg.parallel else mask_token_id) if variant in PARALLEL_VARIANTS else None
     out = Eagle3Draft(replace(draft.cfg, variant=variant, mask_token_id=mask))
     own = out.state_dict()
-    out.load_state_dict({k: v for k, v in draft.state_dict().items() if k in own and v.shape == own[k].shape},
-                        strict=False)
+    out.load_state_dict(
+        {k: v for k, v in draft.state_dict().items() if k in own and v.shape == own[k].shape}, strict=False
+    )
     return out
 
 
 @torch.no_grad()
-def online_batch(target: nn.Module, draft: Eagle3Draft, input_ids_BS: torch.Tensor, loss_mask_BS: torch.Tensor,
-                 attention_mask_BS: torch.Tensor | None = None) -> TTTBatch:
+def online_batch(
+    target: nn.Module,
+    draft: Eagle3Draft,
+    input_ids_BS: torch.Tensor,
+    loss_mask_BS: torch.Tensor,
+    attention_mask_BS: torch.Tensor | None = None,
+) -> TTTBatch:
     """Run the target over a right-padded batch and package its features and teacher signal."""
     step = target_forward(target, input_ids_BS, draft.cfg.aux_layer_ids, attention_mask=attention_mask_BS)
     teacher = teacher_targets(step.last_hidden_BTH, target.get_output_embeddings().weight, draft.draft_ids())
@@ -79,8 +104,13 @@ def cpu_has_bf16_units() -> bool:
     """Whether this CPU multiplies bf16 matrices in hardware: Intel AMX tiles (Sapphire Rapids and later) or
     AVX512-BF16 (AMD Zen 4 and later, Intel Cooper Lake). Both outrun fp32 in a head's step (1.3-1.45x with AMX,
     1.68x on Zen 4: bench/README.md); without either, bf16 autocast is slower than fp32."""
-    return any(bool(probe and probe()) for probe in (getattr(torch.cpu, "_is_amx_tile_supported", None),
-                                                     getattr(torch.cpu, "_is_avx512_bf16_supported", None)))
+    return any(
+        bool(probe and probe())
+        for probe in (
+            getattr(torch.cpu, "_is_amx_tile_supported", None),
+            getattr(torch.cpu, "_is_avx512_bf16_supported", None),
+        )
+    )
 
 
 def autocast_dtype(mode: str, device_type: str) -> torch.dtype | None:
@@ -106,16 +136,26 @@ def make_optimizer(params, cfg: OptimConfig, total_steps: int):
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
 
 
-def train_step(model: nn.Module, draft: Eagle3Draft, batch: TTTBatch, ttt: TTTConfig, opt, sched,
-               grad_clip: float, autocast_dtype: torch.dtype | None = None) -> TTTOutput:
+def train_step(
+    model: nn.Module,
+    draft: Eagle3Draft,
+    batch: TTTBatch,
+    ttt: TTTConfig,
+    opt,
+    sched,
+    grad_clip: float,
+    autocast_dtype: torch.dtype | None = None,
+) -> TTTOutput:
     """One optimisation step. `model` is the head itself or a DDP wrapper of it (used only for its hooks)."""
     opt.zero_grad(set_to_none=True)
     device_type = batch.input_ids_BS.device.type
     with torch.autocast(device_type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
         out = ttt_loss(draft, batch, ttt) if model is draft else model(batch)
     if not torch.isfinite(out.loss):
-        raise FloatingPointError(f"non-finite TTT loss {out.loss.item()}: lower the learning rate or check the "
-                                 "features (NaN/inf in the stored hidden states?)")
+        raise FloatingPointError(
+            f"non-finite TTT loss {out.loss.item()}: lower the learning rate or check the "
+            "features (NaN/inf in the stored hidden states?)"
+        )
     out.loss.backward()
     torch.nn.utils.clip_grad_norm_(draft.trainable_parameters(), grad_clip)
     opt.step()
@@ -124,8 +164,9 @@ def train_step(model: nn.Module, draft: Eagle3Draft, batch: TTTBatch, ttt: TTTCo
 
 
 @torch.no_grad()
-def heldout_metrics(draft: Eagle3Draft, batches: Iterable[TTTBatch], ttt: TTTConfig,
-                    autocast_dtype: torch.dtype | None = None) -> dict[str, float]:
+def heldout_metrics(
+    draft: Eagle3Draft, batches: Iterable[TTTBatch], ttt: TTTConfig, autocast_dtype: torch.dtype | None = None
+) -> dict[str, float]:
     """`heldout_loss` (TTT loss, batches weighted by their scored positions), `heldout_acc_0` and `heldout_tau`
     (simulated tau) of `draft` pooled over every position of `batches`; no gradients, the weights untouched."""
     loss_sum = scored = correct = tau_sum = tau_count = 0.0
@@ -136,8 +177,11 @@ def heldout_metrics(draft: Eagle3Draft, batches: Iterable[TTTBatch], ttt: TTTCon
         n = float(out.counted[0])
         loss_sum, scored, correct = loss_sum + float(out.loss) * n, scored + n, correct + float(out.correct[0])
         tau_sum, tau_count = tau_sum + float(out.tau_sum), tau_count + float(out.tau_count)
-    return {"heldout_loss": loss_sum / max(scored, 1.0), "heldout_acc_0": correct / max(scored, 1.0),
-            "heldout_tau": tau_sum / max(tau_count, 1.0)}
+    return {
+        "heldout_loss": loss_sum / max(scored, 1.0),
+        "heldout_acc_0": correct / max(scored, 1.0),
+        "heldout_tau": tau_sum / max(tau_count, 1.0),
+    }
 
 
 @dataclass(frozen=True)
@@ -162,13 +206,17 @@ class Selection:
         if not self.best_step:
             return steps, f"last step {steps} (no held-out evaluation)"
         if rule == "last":
-            return steps, (f"last step {steps} (held-out tau {self.last_tau:.2f}; best {self.best_tau:.2f} at step "
-                           f"{self.best_step})")
+            return steps, (
+                f"last step {steps} (held-out tau {self.last_tau:.2f}; best {self.best_tau:.2f} at step "
+                f"{self.best_step})"
+            )
         if self.best_step == self.last_step:
-            return self.best_step, (f"best held-out tau at step {self.best_step} of {steps}, the last "
-                                    f"({self.best_tau:.2f})")
-        return self.best_step, (f"best held-out tau at step {self.best_step} of {steps} ({self.best_tau:.2f} vs "
-                                f"last {self.last_tau:.2f})")
+            return self.best_step, (
+                f"best held-out tau at step {self.best_step} of {steps}, the last ({self.best_tau:.2f})"
+            )
+        return self.best_step, (
+            f"best held-out tau at step {self.best_step} of {steps} ({self.best_tau:.2f} vs last {self.last_tau:.2f})"
+        )
 
     def lineage(self, rule: str, steps: int) -> dict[str, Any]:
         """What the exported head's lineage and the TrainResult record of the choice."""
@@ -176,8 +224,12 @@ class Selection:
         out = {"selected_step": step, "selection_rule": reason, "best_step": self.best_step}
         if not self.best_step:
             return {**out, "selected_heldout_tau": None, "last_heldout_tau": None, "best_heldout_tau": None}
-        return {**out, "selected_heldout_tau": self.best_tau if step == self.best_step else self.last_tau,
-                "last_heldout_tau": self.last_tau, "best_heldout_tau": self.best_tau}
+        return {
+            **out,
+            "selected_heldout_tau": self.best_tau if step == self.best_step else self.last_tau,
+            "last_heldout_tau": self.last_tau,
+            "best_heldout_tau": self.best_tau,
+        }
 
 
 @dataclass

@@ -41,8 +41,15 @@ class Tree:
 Pick = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
 
 
-def draft_chain(head: HeadRunner, prefix: Prefix, root_hidden_BH: torch.Tensor, root_logits_BVd: torch.Tensor,
-                depth: int, pick: Pick, min_prob: float = 0.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+def draft_chain(
+    head: HeadRunner,
+    prefix: Prefix,
+    root_hidden_BH: torch.Tensor,
+    root_logits_BVd: torch.Tensor,
+    depth: int,
+    pick: Pick,
+    min_prob: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Up to `depth` drafted target ids [B, d]; `pick(logits)` returns (draft index [B], the draft distribution or
     None). With `min_prob` > 0 drafting stops (after at least one token) as soon as the head's top probability for
     the next draft is below `min_prob` in every row, so d may be less than `depth`.
@@ -62,15 +69,17 @@ def draft_chain(head: HeadRunner, prefix: Prefix, root_hidden_BH: torch.Tensor, 
         dists.append(q_BVd)
         if j + 1 == depth:
             break
-        hidden_B1H, logits_B1Vd = head.chain_step(prefix, inputs_VdH[idx_B][:, None], hidden_B1H,
-                                                  pos_BD[:, j:j + 1], offset=j)
+        hidden_B1H, logits_B1Vd = head.chain_step(
+            prefix, inputs_VdH[idx_B][:, None], hidden_B1H, pos_BD[:, j : j + 1], offset=j
+        )
         logits_BVd = logits_B1Vd[:, 0]
     q_BdVd = None if dists[0] is None else torch.stack(dists, dim=1)
     return head.draft.to_target_ids(torch.stack(picks, dim=1).view(B, len(picks))), q_BdVd
 
 
-def draft_parallel(logits_BKVd: torch.Tensor, draft: Eagle3Draft, pick: Pick,
-                   min_prob: float = 0.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+def draft_parallel(
+    logits_BKVd: torch.Tensor, draft: Eagle3Draft, pick: Pick, min_prob: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The K drafted target ids [B, d] of parallel drafting from one head pass's outputs `logits_BKVd` (slot 0: the
     last committed entry, slot k: masked slot k; `commit_head` with `masked`): slot k's pick is draft k+1. With
     `min_prob` > 0 the drafts end (after at least one) at the first slot whose top probability is below `min_prob`
@@ -101,8 +110,15 @@ class _Candidates:
 Expand = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
-def _grow(head: HeadRunner, prefix: Prefix, root_hidden_BH: torch.Tensor, idx_Bk: torch.Tensor,
-          score_Bk: torch.Tensor, depth: int, expand: Expand) -> _Candidates:
+def _grow(
+    head: HeadRunner,
+    prefix: Prefix,
+    root_hidden_BH: torch.Tensor,
+    idx_Bk: torch.Tensor,
+    score_Bk: torch.Tensor,
+    depth: int,
+    expand: Expand,
+) -> _Candidates:
     """The frontier loop shared by both trees: from the root's k children (`idx_Bk`, log-probabilities
     `score_Bk`), per depth run the frontier through the head, give each frontier node k children (`expand`), and
     make the best k of those k*k by cumulative score the next frontier."""
@@ -129,12 +145,19 @@ def _grow(head: HeadRunner, prefix: Prefix, root_hidden_BH: torch.Tensor, idx_Bk
             node_Bk = n_nodes + sel_Bk
             hid_BkH, seen_BkR = _next_frontier(out_BkH, seen_BkR, sel_Bk, j)
         n_nodes += k * k
-    return _Candidates(torch.cat(cand_idx, 1), torch.cat(cand_score, 1), torch.cat(cand_parent, 1),
-                       torch.cat(cand_depth, 1))
+    return _Candidates(
+        torch.cat(cand_idx, 1), torch.cat(cand_score, 1), torch.cat(cand_parent, 1), torch.cat(cand_depth, 1)
+    )
 
 
-def draft_tree(head: HeadRunner, prefix: Prefix, root_B: torch.Tensor, root_hidden_BH: torch.Tensor,
-               root_logits_BVd: torch.Tensor, shape: tuple[int, int, int]) -> Tree:
+def draft_tree(
+    head: HeadRunner,
+    prefix: Prefix,
+    root_B: torch.Tensor,
+    root_hidden_BH: torch.Tensor,
+    root_logits_BVd: torch.Tensor,
+    shape: tuple[int, int, int],
+) -> Tree:
     """EAGLE-2 dynamic tree of `budget` drafted nodes; `shape` = (depth, topk, budget)."""
     depth, k, budget = shape
 
@@ -144,13 +167,19 @@ def draft_tree(head: HeadRunner, prefix: Prefix, root_B: torch.Tensor, root_hidd
 
     score_Bk, idx_Bk = torch.log_softmax(root_logits_BVd.float(), -1).topk(k, dim=-1)
     c = _grow(head, prefix, root_hidden_BH, idx_Bk, score_Bk, depth, top_k)
-    return _rerank(root_B, head.draft.to_target_ids(c.idx_BC), c.score_BC, c.parent_BC, c.depth_BC, budget,
-                   depth)[0]
+    return _rerank(root_B, head.draft.to_target_ids(c.idx_BC), c.score_BC, c.parent_BC, c.depth_BC, budget, depth)[0]
 
 
-def draft_tree_sampled(head: HeadRunner, prefix: Prefix, root_hidden_BH: torch.Tensor, root_q_BVd: torch.Tensor,
-                       root_B: torch.Tensor, shape: tuple[int, int, int], probs: Callable[[torch.Tensor], torch.Tensor],
-                       generator: torch.Generator | None) -> tuple[Tree, torch.Tensor]:
+def draft_tree_sampled(
+    head: HeadRunner,
+    prefix: Prefix,
+    root_hidden_BH: torch.Tensor,
+    root_q_BVd: torch.Tensor,
+    root_B: torch.Tensor,
+    shape: tuple[int, int, int],
+    probs: Callable[[torch.Tensor], torch.Tensor],
+    generator: torch.Generator | None,
+) -> tuple[Tree, torch.Tensor]:
     """A tree for sampling (T > 0): every expanded node gets `topk` children drawn i.i.d. from its own draft
     distribution, so `sampling.walk_tree_sampled` can verify them with recursive rejection (exact).
 
@@ -163,7 +192,8 @@ def draft_tree_sampled(head: HeadRunner, prefix: Prefix, root_hidden_BH: torch.T
     depth, k, budget = shape
     B, Vd = root_q_BVd.shape
     frontier_q: list[tuple[torch.Tensor, torch.Tensor]] = [
-        (torch.zeros(B, 1, dtype=torch.long, device=root_B.device), root_q_BVd[:, None])]
+        (torch.zeros(B, 1, dtype=torch.long, device=root_B.device), root_q_BVd[:, None])
+    ]
 
     def draw_k(node_Bk: torch.Tensor, logits_BkVd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         q_BkVd = probs(logits_BkVd)
@@ -177,8 +207,9 @@ def draft_tree_sampled(head: HeadRunner, prefix: Prefix, root_hidden_BH: torch.T
     # a sibling group ranks by its parent's score (the root's children: 0), so groups are kept or dropped whole
     group_BC = torch.cat([torch.zeros_like(c.score_BC[:, :1]), c.score_BC], 1).gather(1, c.parent_BC)
     groups = max(1, budget // k)  # whole sibling groups that fit the budget
-    tree, keep_Bn = _rerank(root_B, head.draft.to_target_ids(c.idx_BC), group_BC, c.parent_BC, c.depth_BC,
-                            groups * k, depth)
+    tree, keep_Bn = _rerank(
+        root_B, head.draft.to_target_ids(c.idx_BC), group_BC, c.parent_BC, c.depth_BC, groups * k, depth
+    )
     # the draft distribution each kept node's children were drawn from, in the tree's numbering
     q_BCVd = root_q_BVd.new_zeros(B, 1 + c.idx_BC.shape[1], Vd)  # node index (0 = root) -> distribution
     for node_BF, q_BFVd in frontier_q:
@@ -199,8 +230,15 @@ def _next_frontier(out_BkH: torch.Tensor, seen_BkR: torch.Tensor, sel_Bk: torch.
     return hid_BkH, torch.cat([seen_BkR.gather(1, parent_Bk[..., None].expand(B, k, j * k)), grown], -1)
 
 
-def _rerank(root_B: torch.Tensor, tok_BC: torch.Tensor, score_BC: torch.Tensor, parent_BC: torch.Tensor,
-            depth_BC: torch.Tensor, budget: int, depth: int) -> tuple[Tree, torch.Tensor]:
+def _rerank(
+    root_B: torch.Tensor,
+    tok_BC: torch.Tensor,
+    score_BC: torch.Tensor,
+    parent_BC: torch.Tensor,
+    depth_BC: torch.Tensor,
+    budget: int,
+    depth: int,
+) -> tuple[Tree, torch.Tensor]:
     """Keep the `budget` best candidates in creation order; parent indices renumbered to the kept nodes.
     Also returns the kept candidates' indices [B, budget] (candidate c is node c + 1 before renumbering)."""
     B, C = tok_BC.shape

@@ -102,8 +102,14 @@ def _attn_chunk(q_BhCD, k0_BkLD, v0_BkLD, dk_BkCnD, dv_BkCnD, start: int):
     return p[..., :L] @ v0 + (p[..., L:, None] * dv).sum(-2)
 
 
-def ttt_attention(q_BhSD: torch.Tensor, k0_BkSD: torch.Tensor, v0_BkSD: torch.Tensor,
-                  dk_BkSnD: torch.Tensor, dv_BkSnD: torch.Tensor, chunk: int) -> torch.Tensor:
+def ttt_attention(
+    q_BhSD: torch.Tensor,
+    k0_BkSD: torch.Tensor,
+    v0_BkSD: torch.Tensor,
+    dk_BkSnD: torch.Tensor,
+    dv_BkSnD: torch.Tensor,
+    chunk: int,
+) -> torch.Tensor:
     """Step-k attention: causal over the step-0 keys, plus the n = k diagonal keys of steps 1..k."""
     S = q_BhSD.shape[2]
     outs = []
@@ -135,7 +141,7 @@ def _step_loss(draft: Eagle3Draft, out_BSH, probs_BSV, offset: int, weight_BS, c
         src = rows + offset
         inside = (rows % S) + offset < S  # rows past their sequence's end have weight 0
         p = probs[src.clamp(max=B * S - 1)] * inside[:, None]
-        args = (flat[s:s + rows.numel()], p, w[s:s + rows.numel()])
+        args = (flat[s : s + rows.numel()], p, w[s : s + rows.numel()])
         if torch.is_grad_enabled():
             loss, am = checkpoint(_loss_chunk, draft, *args, use_reentrant=False)
         else:
@@ -180,7 +186,7 @@ def ttt_loss(draft: Eagle3Draft, batch: TTTBatch, cfg: TTTConfig) -> TTTOutput:
         weight = (scored & _shift(t.in_vocab_BT, 1 + k)).to(torch.float32)
         ce_sum, am = _step_loss(draft, out, t.probs_BTVd, 1 + k, weight, cfg.loss_chunk)
         step = ce_sum / weight.sum().clamp(min=1.0)
-        loss = loss + (cfg.gamma ** k) * step
+        loss = loss + (cfg.gamma**k) * step
         right = draft.to_target_ids(am) == _shift(t.argmax_BT, 1 + k)
         stats["prev"][k] = (chain & scored).sum()
         chain = chain & right
@@ -192,5 +198,13 @@ def ttt_loss(draft: Eagle3Draft, batch: TTTBatch, cfg: TTTConfig) -> TTTOutput:
         stats["counted"][k] = scored.sum()
         hidden = draft.carry(out)  # what drafting step k+1 reads (eagle3.1: norm(out))
     tau_sum = ((1.0 + run_len) * valid_all).sum()
-    return TTTOutput(loss, stats["step_loss"], stats["correct"], stats["chain"], stats["counted"], stats["prev"],
-                     tau_sum, valid_all.sum().float())
+    return TTTOutput(
+        loss,
+        stats["step_loss"],
+        stats["correct"],
+        stats["chain"],
+        stats["counted"],
+        stats["prev"],
+        tau_sum,
+        valid_all.sum().float(),
+    )

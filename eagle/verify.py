@@ -97,8 +97,11 @@ def outside_inference_mode(out: GenOutput) -> GenOutput:
     def copy(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t.clone()
 
-    stats = None if st is None else SpecStats(st.accept_lengths.clone(), st.depth, copy(st.drafted),
-                                              copy(st.emitted_lengths))
+    stats = (
+        None
+        if st is None
+        else SpecStats(st.accept_lengths.clone(), st.depth, copy(st.drafted), copy(st.emitted_lengths))
+    )
     return GenOutput(out.sequences.clone(), out.lengths.clone(), stats)
 
 
@@ -136,7 +139,7 @@ class History:
         self.lengths_B = self.lengths_B + n_B
 
     def row(self, b: int) -> torch.Tensor:
-        return self.tokens_BC[b, :int(self.lengths_B[b])]
+        return self.tokens_BC[b, : int(self.lengths_B[b])]
 
 
 @dataclass(frozen=True)
@@ -161,8 +164,10 @@ class Drafter:
 
     def check(self, cfg: SpecConfig) -> None:
         if cfg.method != "chain":
-            raise ValueError(f"{type(self).__name__} drafts chains; method {cfg.method!r} needs the EAGLE-3 head "
-                             "(HeadDrafter, generate_speculative)")
+            raise ValueError(
+                f"{type(self).__name__} drafts chains; method {cfg.method!r} needs the EAGLE-3 head "
+                "(HeadDrafter, generate_speculative)"
+            )
 
     def reach(self, cfg: SpecConfig) -> int:
         """Cache slots past the root that one step may write (the target's verification pass, the drafter's own)."""
@@ -179,8 +184,7 @@ class Drafter:
         """Drafts to follow each row's root (`root_B`; for a finished row the loop's last pick) after `prefix`."""
         raise NotImplementedError
 
-    def accepted(self, prefix: Prefix, kept_BA: torch.Tensor, aux_BA3H: torch.Tensor | None,
-                 n_B: torch.Tensor) -> None:
+    def accepted(self, prefix: Prefix, kept_BA: torch.Tensor, aux_BA3H: torch.Tensor | None, n_B: torch.Tensor) -> None:
         """Row b's verification kept its first n_B[b] drafts, then `kept_BA[b, n_B[b]]` (the next root);
         `aux_BA3H`: the target's fused features at the root and the kept drafts (None without `layer_ids`)."""
 
@@ -192,8 +196,9 @@ class Verifier:
     def __init__(self, runner: TargetRunner, setup: DraftSetup):
         self.runner, self.setup = runner, setup
 
-    def __call__(self, prefix: Prefix, root_B: torch.Tensor,
-                 proposal: Proposal) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def __call__(
+        self, prefix: Prefix, root_B: torch.Tensor, proposal: Proposal
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Returns (accepted drafts n [B], kept tokens [B, K+1]: the accepted drafts, the next token at index n,
         the target's fused features at the root and along the kept path [B, K+1, 3H] or None); K = the drafted
         depth (a chain's length, a tree's depth)."""
@@ -211,14 +216,16 @@ class Verifier:
             slots_B1 = prefix.lengths_B[:, None]
             self.runner.cache.move(slots_B1 + path_BA, slots_B1 + torch.arange(path_BA.shape[1], device=n_B.device))
             drafts_BK = tree.tokens_BN.gather(1, path_BA[:, 1:])
-            aux_BA3H = None if aux_BN3H is None else \
-                aux_BN3H.gather(1, path_BA[..., None].expand(-1, -1, aux_BN3H.shape[-1]))
+            aux_BA3H = (
+                None if aux_BN3H is None else aux_BN3H.gather(1, path_BA[..., None].expand(-1, -1, aux_BN3H.shape[-1]))
+            )
         kept_BA = torch.cat([drafts_BK, torch.zeros_like(n_B)[:, None]], 1)
         kept_BA.scatter_(1, n_B[:, None], next_B[:, None])
         return n_B, kept_BA, aux_BA3H
 
-    def accept_chain(self, logits_BNV: torch.Tensor, drafts_BK: torch.Tensor,
-                     proposal: Proposal) -> tuple[torch.Tensor, torch.Tensor]:
+    def accept_chain(
+        self, logits_BNV: torch.Tensor, drafts_BK: torch.Tensor, proposal: Proposal
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(accepted count [B], next token [B]): greedy exact match, or the standard rule on q put on the target's
         vocabulary."""
         cfg = self.setup.cfg
@@ -231,21 +238,28 @@ class Verifier:
             q_BKV = q_BKV.new_zeros(B, K, self.setup.vocab).scatter_(2, proposal.q_ids.expand(B, K, Vd), q_BKV)
         return sampling.accept_chain(p_BNV, q_BKV, drafts_BK, self.setup.generator)
 
-    def walk_tree(self, logits_BNV: torch.Tensor,
-                  proposal: Proposal) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def walk_tree(
+        self, logits_BNV: torch.Tensor, proposal: Proposal
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(accepted count [B], path of node indices [B, depth+1], next token [B]): along the target's argmax, or
         by recursive rejection."""
         cfg, tree = self.setup.cfg, proposal.tree
         if cfg.greedy:
             return sampling.walk_tree(tree.tokens_BN, tree.parent_BN, logits_BNV.argmax(-1), cfg.depth)
         p_BNV = sampling.probs(logits_BNV, cfg.temperature, cfg.top_p)
-        return sampling.walk_tree_sampled(tree.tokens_BN, tree.parent_BN, p_BNV, proposal.q, proposal.q_ids,
-                                          cfg.depth, self.setup.generator)
+        return sampling.walk_tree_sampled(
+            tree.tokens_BN, tree.parent_BN, p_BNV, proposal.q, proposal.q_ids, cfg.depth, self.setup.generator
+        )
 
 
-def generate_drafted(target: nn.Module, drafter: Drafter, input_ids: torch.Tensor,
-                     attention_mask: torch.Tensor | None, cfg: SpecConfig,
-                     generator: torch.Generator | None = None) -> GenOutput:
+def generate_drafted(
+    target: nn.Module,
+    drafter: Drafter,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    cfg: SpecConfig,
+    generator: torch.Generator | None = None,
+) -> GenOutput:
     """Speculative generation with any drafter; its output is distributed exactly as `generate_plain`'s (identical
     when greedy)."""
     drafter.check(cfg)

@@ -20,8 +20,9 @@ def count_tokens(counts_V: torch.Tensor, input_ids: torch.Tensor, loss_mask: tor
     return counts_V
 
 
-def select_draft_vocab(counts_V: torch.Tensor, draft_vocab_size: int,
-                       always_include: Iterable[int] = ()) -> torch.Tensor:
+def select_draft_vocab(
+    counts_V: torch.Tensor, draft_vocab_size: int, always_include: Iterable[int] = ()
+) -> torch.Tensor:
     """Sorted target ids of the draft vocabulary (length `draft_vocab_size`)."""
     V = counts_V.numel()
     if not 0 < draft_vocab_size <= V:

@@ -12,10 +12,21 @@ import importlib
 # (build.py imports its siblings through the package) never runs this package's imports of it: no import cycle
 _EXPORTS = {
     **dict.fromkeys(("DEFAULT_ROOT", "build_embedded", "build_hash", "load_domains"), "build"),
-    **dict.fromkeys(("CorpusConfig", "EmbeddedConfig", "EvalConfig", "LMTrainConfig", "TargetConfig",
-                     "TokenizerConfig", "TrafficConfig"), "config"),
-    **dict.fromkeys(("Continuation", "DomainInfo", "EmbeddedResult", "Metrics", "TrafficFiles", "load_result"),
-                    "result"),
+    **dict.fromkeys(
+        (
+            "CorpusConfig",
+            "EmbeddedConfig",
+            "EvalConfig",
+            "LMTrainConfig",
+            "TargetConfig",
+            "TokenizerConfig",
+            "TrafficConfig",
+        ),
+        "config",
+    ),
+    **dict.fromkeys(
+        ("Continuation", "DomainInfo", "EmbeddedResult", "Metrics", "TrafficFiles", "load_result"), "result"
+    ),
 }
 __all__ = list(_EXPORTS)
 

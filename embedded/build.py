@@ -43,8 +43,16 @@ from embedded import lm_train
 from embedded.config import EmbeddedConfig, LMTrainConfig
 from embedded.corpus import Domain
 from embedded.long_traffic import long_conversations
-from embedded.result import (REPORT, Continuation, DomainInfo, EmbeddedResult, Metrics, TrafficFiles,
-                                        load_result, write_report)
+from embedded.result import (
+    REPORT,
+    Continuation,
+    DomainInfo,
+    EmbeddedResult,
+    Metrics,
+    TrafficFiles,
+    load_result,
+    write_report,
+)
 from embedded.tokenizer import BOS, encode_texts, render_chat, train_tokenizer
 from embedded.traffic import domain_conversations, sample_traffic
 
@@ -80,9 +88,13 @@ def code_digest(source: str) -> bytes:
     tree = ast.parse(source)
     for node in ast.walk(tree):
         body = getattr(node, "body", None)
-        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
-                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
-                and isinstance(body[0].value.value, str)):
+        if (
+            isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and body
+            and isinstance(body[0], ast.Expr)
+            and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)
+        ):
             node.body = body[1:] or [ast.Pass()]
     return ast.dump(tree, annotate_fields=False).encode()
 
@@ -99,13 +111,18 @@ def code_sha256() -> str:
 
 
 def build_hash(cfg: EmbeddedConfig, base: Domain, finetune: Domain) -> str:
-    payload = {"config": cfg.to_dict(), "corpus": [base.sha256, finetune.sha256], "code": code_sha256(),
-               "versions": [torch.__version__, transformers.__version__, tokenizers.__version__]}
+    payload = {
+        "config": cfg.to_dict(),
+        "corpus": [base.sha256, finetune.sha256],
+        "code": code_sha256(),
+        "versions": [torch.__version__, transformers.__version__, tokenizers.__version__],
+    }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
-def build_embedded(config: EmbeddedConfig | None = None, root: Path | str = DEFAULT_ROOT, *, force: bool = False,
-                   progress: bool = True) -> EmbeddedResult:
+def build_embedded(
+    config: EmbeddedConfig | None = None, root: Path | str = DEFAULT_ROOT, *, force: bool = False, progress: bool = True
+) -> EmbeddedResult:
     """Build (or find in the cache) the embedded default; see the module docstring for what lands where."""
     cfg = config or EmbeddedConfig.default()
     start = time.perf_counter()
@@ -115,6 +132,7 @@ def build_embedded(config: EmbeddedConfig | None = None, root: Path | str = DEFA
     if not force and (out / REPORT).is_file():
         log.info("embedded build %s found in %s; skipping", full_hash[:HASH_CHARS], out)
         return load_result(out, cached=True)
+
     def build(tmp: Path) -> None:
         with cpu_threads(cfg.train.num_threads):  # evaluation too; the fine-tune sets its own
             _build_into(tmp, cfg, base, finetune, full_hash, start, progress)
@@ -138,11 +156,13 @@ def build_whole(out: Path, build) -> None:
     tmp.rename(out)
 
 
-def _build_into(tmp: Path, cfg: EmbeddedConfig, base: Domain, finetune: Domain, full_hash: str, start: float,
-                progress: bool) -> EmbeddedResult:
+def _build_into(
+    tmp: Path, cfg: EmbeddedConfig, base: Domain, finetune: Domain, full_hash: str, start: float, progress: bool
+) -> EmbeddedResult:
     t0 = time.perf_counter()
-    tokenizer = train_tokenizer([f.text for f in base.train], cfg.tokenizer, progress,
-                                model_max_length=cfg.target.max_position_embeddings)
+    tokenizer = train_tokenizer(
+        [f.text for f in base.train], cfg.tokenizer, progress, model_max_length=cfg.target.max_position_embeddings
+    )
     tokenizer_seconds = time.perf_counter() - t0
     tokenizer.save_pretrained(tmp / "tokenizer")
     data = [_domain_data(d, cfg, tokenizer, progress) for d in (base, finetune)]
@@ -154,36 +174,58 @@ def _build_into(tmp: Path, cfg: EmbeddedConfig, base: Domain, finetune: Domain, 
     finetune_stats = _train_on(tuned, data[1], cfg.finetune, cfg.seed + 1, "finetune", progress)
     weights["finetune"] = lm_train.save_target(tuned, tokenizer, tmp / "finetune")
 
-    traffic = [_write_traffic(tmp / "traffic", role, d, cfg, tokenizer) for role, d in (("target", data[0]),
-                                                                                      ("finetune", data[1]))]
+    traffic = [
+        _write_traffic(tmp / "traffic", role, d, cfg, tokenizer)
+        for role, d in (("target", data[0]), ("finetune", data[1]))
+    ]
     loss, agreement = _evaluate(target, tuned, data, cfg)
     heldout = sum(loss["target"][base.name].values()) / len(loss["target"][base.name])
     continuations = _continuations(target, tuned, tokenizer, data, cfg)
-    metrics = Metrics(build_seconds=round(time.perf_counter() - start, 1),
-                      tokenizer_seconds=round(tokenizer_seconds, 2),
-                      target_train=target_stats, finetune_train=finetune_stats, heldout_loss=heldout,
-                      heldout_perplexity=math.exp(heldout), loss=loss, top1_agreement=agreement,
-                      continuations=tuple(continuations))
+    metrics = Metrics(
+        build_seconds=round(time.perf_counter() - start, 1),
+        tokenizer_seconds=round(tokenizer_seconds, 2),
+        target_train=target_stats,
+        finetune_train=finetune_stats,
+        heldout_loss=heldout,
+        heldout_perplexity=math.exp(heldout),
+        loss=loss,
+        top1_agreement=agreement,
+        continuations=tuple(continuations),
+    )
     result = EmbeddedResult(
-        build_dir=tmp, build_hash=full_hash, cached=False, tokenizer_dir=tmp / "tokenizer",
-        target_dir=tmp / "target", finetune_dir=tmp / "finetune", target_traffic=traffic[0],
-        finetune_traffic=traffic[1], weights_sha256=weights,
+        build_dir=tmp,
+        build_hash=full_hash,
+        cached=False,
+        tokenizer_dir=tmp / "tokenizer",
+        target_dir=tmp / "target",
+        finetune_dir=tmp / "finetune",
+        target_traffic=traffic[0],
+        finetune_traffic=traffic[1],
+        weights_sha256=weights,
         domains=tuple(DomainInfo(d.name, len(d.train), len(d.heldout), d.sha256) for d in (base, finetune)),
-        metrics=metrics, config=cfg, environment=_environment(cfg))
+        metrics=metrics,
+        config=cfg,
+        environment=_environment(cfg),
+    )
     write_report(result)
     return result
 
 
 def _environment(cfg: EmbeddedConfig) -> dict[str, str]:
     """What the timings depend on. The CPU count is the machine's; other processes may share those cores."""
-    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "tokenizers": tokenizers.__version__, "device": cfg.train.device,
-            "torch_threads": str(torch.get_num_threads()),
-            "cpu_count": str(os.cpu_count()), "load_average_1m": f"{os.getloadavg()[0]:.2f}"}
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "tokenizers": tokenizers.__version__,
+        "device": cfg.train.device,
+        "torch_threads": str(torch.get_num_threads()),
+        "cpu_count": str(os.cpu_count()),
+        "load_average_1m": f"{os.getloadavg()[0]:.2f}",
+    }
 
 
-def _domain_data(domain: Domain, cfg: EmbeddedConfig, tokenizer: PreTrainedTokenizerBase,
-                 progress: bool) -> DomainData:
+def _domain_data(domain: Domain, cfg: EmbeddedConfig, tokenizer: PreTrainedTokenizerBase, progress: bool) -> DomainData:
     pools, chat, raw = {}, {}, {}
     for split, files in (("train", domain.train), ("heldout", domain.heldout)):
         pools[split] = domain_conversations(files, domain.name, domain.is_code, cfg.corpus, cfg.traffic, cfg.seed)
@@ -194,18 +236,32 @@ def _domain_data(domain: Domain, cfg: EmbeddedConfig, tokenizer: PreTrainedToken
     return DomainData(domain, pools, chat, raw)
 
 
-def _train_on(model: LlamaForCausalLM, data: DomainData, tcfg: LMTrainConfig, seed: int, desc: str,
-              progress: bool) -> lm_train.TrainStats:
-    windows_NT = lm_train.pack_windows(data.chat_ids["train"], data.raw_ids["train"], tcfg.steps * tcfg.batch_size,
-                                       tcfg.seq_len, tcfg.raw_fraction, seed)
+def _train_on(
+    model: LlamaForCausalLM, data: DomainData, tcfg: LMTrainConfig, seed: int, desc: str, progress: bool
+) -> lm_train.TrainStats:
+    windows_NT = lm_train.pack_windows(
+        data.chat_ids["train"],
+        data.raw_ids["train"],
+        tcfg.steps * tcfg.batch_size,
+        tcfg.seq_len,
+        tcfg.raw_fraction,
+        seed,
+    )
     stats = lm_train.train(model, windows_NT, tcfg, seed, f"{desc} ({data.domain.name})", progress)
-    log.info("%s: %d steps, %.0f tokens/s, loss %.3f -> %.3f", desc, stats.steps, stats.tokens_per_second,
-             stats.first_loss, stats.last_loss)
+    log.info(
+        "%s: %d steps, %.0f tokens/s, loss %.3f -> %.3f",
+        desc,
+        stats.steps,
+        stats.tokens_per_second,
+        stats.first_loss,
+        stats.last_loss,
+    )
     return stats
 
 
-def _write_traffic(out: Path, role: str, data: DomainData, cfg: EmbeddedConfig,
-                   tokenizer: PreTrainedTokenizerBase) -> TrafficFiles:
+def _write_traffic(
+    out: Path, role: str, data: DomainData, cfg: EmbeddedConfig, tokenizer: PreTrainedTokenizerBase
+) -> TrafficFiles:
     pools = data.pools if cfg.traffic.kind == "chat" else _long_pools(data.domain, cfg, tokenizer)
     train = sample_traffic(pools["train"], cfg.traffic.train_conversations, cfg.seed, f"{role}-train")
     held = sample_traffic(pools["heldout"], cfg.traffic.heldout_conversations, cfg.seed, f"{role}-heldout")
@@ -214,25 +270,30 @@ def _write_traffic(out: Path, role: str, data: DomainData, cfg: EmbeddedConfig,
     return TrafficFiles(paths[0], paths[1], shas[0], shas[1], len(train), len(held))
 
 
-def _long_pools(domain: Domain, cfg: EmbeddedConfig, tokenizer: PreTrainedTokenizerBase
-                ) -> dict[str, list[Conversation]]:
+def _long_pools(
+    domain: Domain, cfg: EmbeddedConfig, tokenizer: PreTrainedTokenizerBase
+) -> dict[str, list[Conversation]]:
     """The `long` kind's conversations per split; an error when a split has none (the context is too short for
     `long_min_new_tokens`, or no file is long enough)."""
     t = cfg.traffic
-    pools = {split: long_conversations(files, domain.name, tokenizer, t, cfg.target.max_position_embeddings,
-                                       cfg.seed) for split, files in (("train", domain.train),
-                                                                      ("heldout", domain.heldout))}
+    pools = {
+        split: long_conversations(files, domain.name, tokenizer, t, cfg.target.max_position_embeddings, cfg.seed)
+        for split, files in (("train", domain.train), ("heldout", domain.heldout))
+    }
     for split, pool in pools.items():
         if not pool:
-            raise ValueError(f"traffic.kind 'long': no {split} file of {domain.name!r} has an answer of "
-                             f">= {t.long_min_new_tokens} tokens after its first {t.long_prompt_lines} lines "
-                             f"within the target's {cfg.target.max_position_embeddings} positions; lower "
-                             "traffic.long_min_new_tokens or raise target.max_position_embeddings")
+            raise ValueError(
+                f"traffic.kind 'long': no {split} file of {domain.name!r} has an answer of "
+                f">= {t.long_min_new_tokens} tokens after its first {t.long_prompt_lines} lines "
+                f"within the target's {cfg.target.max_position_embeddings} positions; lower "
+                "traffic.long_min_new_tokens or raise target.max_position_embeddings"
+            )
     return pools
 
 
-def _evaluate(target: LlamaForCausalLM, tuned: LlamaForCausalLM, data: list[DomainData],
-              cfg: EmbeddedConfig) -> tuple[dict, dict[str, float]]:
+def _evaluate(
+    target: LlamaForCausalLM, tuned: LlamaForCausalLM, data: list[DomainData], cfg: EmbeddedConfig
+) -> tuple[dict, dict[str, float]]:
     """Held-out losses of both models per domain and kind, and their top-1 agreement per domain."""
     loss: dict[str, dict[str, dict[str, float]]] = {"target": {}, "finetune": {}}
     agreement = {}
@@ -251,14 +312,19 @@ def _evaluate(target: LlamaForCausalLM, tuned: LlamaForCausalLM, data: list[Doma
     return loss, agreement
 
 
-def _continuations(target: LlamaForCausalLM, tuned: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase,
-                   data: list[DomainData], cfg: EmbeddedConfig) -> list[Continuation]:
+def _continuations(
+    target: LlamaForCausalLM,
+    tuned: LlamaForCausalLM,
+    tokenizer: PreTrainedTokenizerBase,
+    data: list[DomainData],
+    cfg: EmbeddedConfig,
+) -> list[Continuation]:
     out = []
     for d in data:
         pool = sorted(d.pools["heldout"], key=lambda c: (c.segment != "complete", c.id))
-        for conv in pool[:cfg.eval.continuations]:
+        for conv in pool[: cfg.eval.continuations]:
             last_user = max(i for i, m in enumerate(conv.messages) if m.role == "user")
-            prompt = [{"role": m.role, "content": m.content} for m in conv.messages[:last_user + 1]]
+            prompt = [{"role": m.role, "content": m.content} for m in conv.messages[: last_user + 1]]
             ids = tokenizer(render_chat(prompt, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
             reference = conv.messages[last_user + 1].content if last_user + 1 < len(conv.messages) else ""
             gen = [lm_train.greedy(m, tokenizer, ids, cfg.eval.max_new_tokens) for m in (target, tuned)]

@@ -37,8 +37,10 @@ class CorpusConfig:
 
     def __post_init__(self) -> None:
         if not 0 <= self.heldout_fraction <= 1:  # the split keeps at least one file on each side whatever it is
-            raise EmbeddedConfigError(f"corpus.heldout_fraction must be in [0, 1] (the share of each domain's files "
-                                      f"held out), got {self.heldout_fraction!r}")
+            raise EmbeddedConfigError(
+                f"corpus.heldout_fraction must be in [0, 1] (the share of each domain's files "
+                f"held out), got {self.heldout_fraction!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -61,8 +63,14 @@ class TargetConfig:
     tie_word_embeddings: bool = False
 
     def __post_init__(self) -> None:
-        for key in ("num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads",
-                    "max_position_embeddings"):
+        for key in (
+            "num_layers",
+            "hidden_size",
+            "intermediate_size",
+            "num_heads",
+            "num_kv_heads",
+            "max_position_embeddings",
+        ):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise EmbeddedConfigError(f"target.{key} must be an integer >= 1, got {value!r}")
@@ -108,15 +116,15 @@ class TrafficConfig:
 
     def __post_init__(self) -> None:
         if self.kind not in TRAFFIC_KINDS:
-            raise EmbeddedConfigError(f"traffic.kind: unknown kind {self.kind!r}; choose one of "
-                                      f"{list(TRAFFIC_KINDS)}")
+            raise EmbeddedConfigError(f"traffic.kind: unknown kind {self.kind!r}; choose one of {list(TRAFFIC_KINDS)}")
         for key in ("train_conversations", "heldout_conversations", "long_prompt_lines", "long_min_new_tokens"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise EmbeddedConfigError(f"traffic.{key} must be an integer >= 1, got {value!r}")
         if not 0 <= self.system_prompt_fraction <= 1:
-            raise EmbeddedConfigError(f"traffic.system_prompt_fraction must be in [0, 1], got "
-                                      f"{self.system_prompt_fraction!r}")
+            raise EmbeddedConfigError(
+                f"traffic.system_prompt_fraction must be in [0, 1], got {self.system_prompt_fraction!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -133,26 +141,32 @@ class EmbeddedConfig:
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     target: TargetConfig = field(default_factory=TargetConfig)
     train: LMTrainConfig = field(default_factory=LMTrainConfig)
-    finetune: LMTrainConfig = field(default_factory=lambda: LMTrainConfig(steps=80, batch_size=16, lr=1e-3,
-                                                                           warmup_steps=8))
+    finetune: LMTrainConfig = field(
+        default_factory=lambda: LMTrainConfig(steps=80, batch_size=16, lr=1e-3, warmup_steps=8)
+    )
     traffic: TrafficConfig = field(default_factory=TrafficConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self) -> None:
         t = self.target
         if t.hidden_size % t.num_heads or t.num_heads % t.num_kv_heads:
-            raise EmbeddedConfigError(f"target: hidden_size ({t.hidden_size}) must be a multiple of num_heads "
-                                      f"({t.num_heads}), and num_heads a multiple of num_kv_heads ({t.num_kv_heads})")
+            raise EmbeddedConfigError(
+                f"target: hidden_size ({t.hidden_size}) must be a multiple of num_heads "
+                f"({t.num_heads}), and num_heads a multiple of num_kv_heads ({t.num_kv_heads})"
+            )
         for key in ("train", "finetune"):
             if getattr(self, key).seq_len > t.max_position_embeddings:
-                raise EmbeddedConfigError(f"{key}.seq_len {getattr(self, key).seq_len} is longer than the target's "
-                                          f"context (target.max_position_embeddings {t.max_position_embeddings})")
+                raise EmbeddedConfigError(
+                    f"{key}.seq_len {getattr(self, key).seq_len} is longer than the target's "
+                    f"context (target.max_position_embeddings {t.max_position_embeddings})"
+                )
         room = self.target.max_position_embeddings - 2  # at least one prompt token and the end-of-turn token
         if self.traffic.kind == "long" and self.traffic.long_min_new_tokens > room:
             raise EmbeddedConfigError(
                 f"traffic.long_min_new_tokens {self.traffic.long_min_new_tokens} does not fit the target's context "
                 f"(target.max_position_embeddings {self.target.max_position_embeddings}: at most {room} new tokens "
-                "after a prompt); no long sample could be kept: lower it or raise the context")
+                "after a prompt); no long sample could be kept: lower it or raise the context"
+            )
 
     @classmethod
     def default(cls) -> "EmbeddedConfig":
@@ -170,12 +184,19 @@ class EmbeddedConfig:
     def tiny(cls) -> "EmbeddedConfig":
         """For tests: a handful of small modules, vocab 512, hidden 64; builds in a few seconds."""
         return cls(
-            corpus=CorpusConfig(max_base_files=12, max_file_bytes=12_000, finetune_bytes=40_000,
-                                heldout_fraction=0.25, chunk_lines=30),
+            corpus=CorpusConfig(
+                max_base_files=12, max_file_bytes=12_000, finetune_bytes=40_000, heldout_fraction=0.25, chunk_lines=30
+            ),
             tokenizer=TokenizerConfig(vocab_size=512),
             # head_dim 32: vLLM's CPU attention refuses 16 (it takes 32, 64, 80, ...), and engine tests serve this
-            target=TargetConfig(num_layers=6, hidden_size=64, intermediate_size=128, num_heads=2, num_kv_heads=1,
-                                max_position_embeddings=512),
+            target=TargetConfig(
+                num_layers=6,
+                hidden_size=64,
+                intermediate_size=128,
+                num_heads=2,
+                num_kv_heads=1,
+                max_position_embeddings=512,
+            ),
             # one thread: a tiny model gains nothing from two, and loses a lot when other work shares the cores
             train=LMTrainConfig(steps=10, batch_size=4, seq_len=64, lr=3e-3, warmup_steps=2, num_threads=1),
             finetune=LMTrainConfig(steps=5, batch_size=4, seq_len=64, lr=3e-3, warmup_steps=1, num_threads=1),
@@ -194,8 +215,14 @@ class EmbeddedConfig:
         return cls(
             corpus=CorpusConfig(finetune_bytes=12_000_000),
             tokenizer=TokenizerConfig(vocab_size=16384),
-            target=TargetConfig(num_layers=12, hidden_size=768, intermediate_size=2048, num_heads=12,
-                                num_kv_heads=4, max_position_embeddings=4096),
+            target=TargetConfig(
+                num_layers=12,
+                hidden_size=768,
+                intermediate_size=2048,
+                num_heads=12,
+                num_kv_heads=4,
+                max_position_embeddings=4096,
+            ),
             train=LMTrainConfig(steps=600, batch_size=32, seq_len=512, lr=1e-3, warmup_steps=50, device="cuda"),
             finetune=LMTrainConfig(steps=100, batch_size=32, seq_len=512, lr=2e-4, warmup_steps=10, device="cuda"),
             traffic=TrafficConfig(train_conversations=8000, heldout_conversations=600),

@@ -20,8 +20,19 @@ from pathlib import Path
 
 from embedded.config import CorpusConfig
 
-DROPPED_DIRS = frozenset({"encodings", "pydoc_data", "ensurepip", "site-packages", "test", "tests", "idle_test",
-                          "__pycache__", "lib-dynload"})
+DROPPED_DIRS = frozenset(
+    {
+        "encodings",
+        "pydoc_data",
+        "ensurepip",
+        "site-packages",
+        "test",
+        "tests",
+        "idle_test",
+        "__pycache__",
+        "lib-dynload",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -80,8 +91,9 @@ def _read(root: Path, path: Path) -> SourceFile | None:
     return SourceFile(path.relative_to(root).as_posix(), text, hashlib.sha256(data).hexdigest())
 
 
-def _candidates(root: Path, rel_paths: list[str], cfg: CorpusConfig, max_files: int | None,
-                max_bytes: int | None) -> list[SourceFile]:
+def _candidates(
+    root: Path, rel_paths: list[str], cfg: CorpusConfig, max_files: int | None, max_bytes: int | None
+) -> list[SourceFile]:
     """Files in a fixed pseudo-random order (by hash of path), within the count and byte budgets."""
     out, total = [], 0
     for rel in sorted(rel_paths, key=_path_key):
@@ -107,8 +119,11 @@ def base_files(cfg: CorpusConfig, root: Path | None = None) -> list[SourceFile]:
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in DROPPED_DIRS and not d.startswith("config-"))
         rel_dir = Path(dirpath).relative_to(root)
-        keep += [(rel_dir / n).as_posix() for n in filenames if n.endswith(".py") and not n.startswith(
-            ("test_", "_sysconfigdata"))]
+        keep += [
+            (rel_dir / n).as_posix()
+            for n in filenames
+            if n.endswith(".py") and not n.startswith(("test_", "_sysconfigdata"))
+        ]
     return _candidates(root, keep, cfg, cfg.max_base_files, None)
 
 
@@ -127,9 +142,12 @@ def finetune_files(cfg: CorpusConfig, root: Path | None = None) -> tuple[str, li
 def _docstring_files(cfg: CorpusConfig, root: Path) -> list[SourceFile]:
     out, total = [], 0
     for f in base_files(cfg, root):
-        docs = [inspect.cleandoc(d) for n in ast.walk(ast.parse(f.text))
-                if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
-                and (d := ast.get_docstring(n, clean=False))]
+        docs = [
+            inspect.cleandoc(d)
+            for n in ast.walk(ast.parse(f.text))
+            if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and (d := ast.get_docstring(n, clean=False))
+        ]
         text = "\n\n".join(docs) + "\n"
         if len(docs) < 2 or total + len(text) > cfg.finetune_bytes:
             continue
@@ -205,8 +223,9 @@ def _dedent(lines: list[str], col: int) -> str:
     return "".join(out)
 
 
-def _pair(rel: str, lines: list[str], node: ast.FunctionDef | ast.AsyncFunctionDef, owner: str,
-          cfg: CorpusConfig) -> FunctionPair | None:
+def _pair(
+    rel: str, lines: list[str], node: ast.FunctionDef | ast.AsyncFunctionDef, owner: str, cfg: CorpusConfig
+) -> FunctionPair | None:
     start = min([node.lineno] + [d.lineno for d in node.decorator_list]) - 1
     doc = ast.get_docstring(node, clean=False)
     stmts = node.body[1:] if doc is not None else node.body
@@ -217,11 +236,15 @@ def _pair(rel: str, lines: list[str], node: ast.FunctionDef | ast.AsyncFunctionD
     body_start = stmts[0].lineno - 1
     while body_start > header_end and lines[body_start - 1].strip().startswith("#"):
         body_start -= 1  # keep comments that lead into the first statement
-    body_lines = lines[body_start:node.end_lineno]
+    body_lines = lines[body_start : node.end_lineno]
     if not cfg.min_body_lines <= len(body_lines) <= cfg.max_body_lines:
         return None
     col = node.col_offset
     return FunctionPair(
-        source_file=rel, qualname=f"{owner}.{node.name}" if owner else node.name,
-        signature=_dedent(lines[start:sig_end], col), docstring=inspect.cleandoc(doc) if doc is not None else None,
-        header=_dedent(lines[start:header_end], col), body=_dedent(body_lines, col))
+        source_file=rel,
+        qualname=f"{owner}.{node.name}" if owner else node.name,
+        signature=_dedent(lines[start:sig_end], col),
+        docstring=inspect.cleandoc(doc) if doc is not None else None,
+        header=_dedent(lines[start:header_end], col),
+        body=_dedent(body_lines, col),
+    )

@@ -44,22 +44,37 @@ def make_target(cfg: TargetConfig, tokenizer: PreTrainedTokenizerBase, seed: int
     if cfg.hidden_size % cfg.num_heads or cfg.num_heads % cfg.num_kv_heads:
         raise ValueError(f"hidden {cfg.hidden_size} / heads {cfg.num_heads} / kv heads {cfg.num_kv_heads} mismatch")
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-        head_dim=cfg.hidden_size // cfg.num_heads, max_position_embeddings=cfg.max_position_embeddings,
-        rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
-        tie_word_embeddings=cfg.tie_word_embeddings, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        vocab_size=len(tokenizer),
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.hidden_size // cfg.num_heads,
+        max_position_embeddings=cfg.max_position_embeddings,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
-    model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id,
-                                               eos_token_id=tokenizer.eos_token_id,
-                                               pad_token_id=tokenizer.pad_token_id)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
     return model
 
 
-def pack_windows(chat: Sequence[Sequence[int]], raw: Sequence[Sequence[int]], n_windows: int, seq_len: int,
-                 raw_fraction: float, seed: int) -> torch.Tensor:
+def pack_windows(
+    chat: Sequence[Sequence[int]],
+    raw: Sequence[Sequence[int]],
+    n_windows: int,
+    seq_len: int,
+    raw_fraction: float,
+    seed: int,
+) -> torch.Tensor:
     """`n_windows` x `seq_len` token ids (int64): raw_fraction of the tokens from `raw` documents, the rest from
     `chat`, each drawn in seeded random order (cycling when a source is short), then shuffled and concatenated."""
     rng = np.random.default_rng(seed)
@@ -101,33 +116,38 @@ def _autocast(cfg: LMTrainConfig):
     return torch.autocast(device_type, dtype=torch.bfloat16, enabled=cfg.bf16_autocast)
 
 
-def train(model: LlamaForCausalLM, windows_NT: torch.Tensor, cfg: LMTrainConfig, seed: int, desc: str,
-          progress: bool = True) -> TrainStats:
+def train(
+    model: LlamaForCausalLM, windows_NT: torch.Tensor, cfg: LMTrainConfig, seed: int, desc: str, progress: bool = True
+) -> TrainStats:
     """`cfg.steps` AdamW steps over consecutive batches of `windows_NT` (needs steps * batch_size windows)."""
     if windows_NT.shape[0] < cfg.steps * cfg.batch_size:
         raise ValueError(f"{windows_NT.shape[0]} windows for {cfg.steps} steps of batch {cfg.batch_size}")
     with cpu_threads(cfg.num_threads), kept_heap(torch.device(cfg.device).type == "cpu"):  # eagle/heap.py
         losses, seconds = _train_loop(model, windows_NT, cfg, seed, desc, progress)
     model.eval()
-    tail = losses[-max(1, len(losses) // 10):]
+    tail = losses[-max(1, len(losses) // 10) :]
     tokens = cfg.steps * cfg.batch_size * cfg.seq_len
     return TrainStats(cfg.steps, tokens, seconds, tokens / seconds, losses[0], float(np.mean(tail)))
 
 
-def _train_loop(model: LlamaForCausalLM, windows_NT: torch.Tensor, cfg: LMTrainConfig, seed: int, desc: str,
-                progress: bool) -> tuple[list[float], float]:
+def _train_loop(
+    model: LlamaForCausalLM, windows_NT: torch.Tensor, cfg: LMTrainConfig, seed: int, desc: str, progress: bool
+) -> tuple[list[float], float]:
     torch.manual_seed(seed)
     model.to(cfg.device).train()
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr,
+        betas=(0.9, 0.95),
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, cfg))
     losses: list[float] = []
     start, tokens = time.perf_counter(), 0
     bar = tqdm(range(cfg.steps), desc=desc, unit="step", disable=not progress, mininterval=2.0)
     for step in bar:
-        x_BT = windows_NT[step * cfg.batch_size:(step + 1) * cfg.batch_size].to(cfg.device)
+        x_BT = windows_NT[step * cfg.batch_size : (step + 1) * cfg.batch_size].to(cfg.device)
         with _autocast(cfg):
             loss = model(input_ids=x_BT, labels=x_BT).loss
         loss.backward()
@@ -143,22 +163,25 @@ def _train_loop(model: LlamaForCausalLM, windows_NT: torch.Tensor, cfg: LMTrainC
 
 
 @torch.no_grad()
-def compare(a: LlamaForCausalLM, b: LlamaForCausalLM, windows_NT: torch.Tensor,
-            cfg: LMTrainConfig) -> tuple[float, float, float]:
+def compare(
+    a: LlamaForCausalLM, b: LlamaForCausalLM, windows_NT: torch.Tensor, cfg: LMTrainConfig
+) -> tuple[float, float, float]:
     """(mean next-token loss of a, of b, fraction of positions where their argmax tokens agree) on the windows."""
     a.to(cfg.device).eval()
     b.to(cfg.device).eval()
     loss_a, loss_b, same, count = 0.0, 0.0, 0, 0
     for i in range(0, windows_NT.shape[0], cfg.batch_size):
-        x_BT = windows_NT[i:i + cfg.batch_size].to(cfg.device)
+        x_BT = windows_NT[i : i + cfg.batch_size].to(cfg.device)
         with _autocast(cfg):
             logits_a_BTV = a(input_ids=x_BT).logits
             logits_b_BTV = b(input_ids=x_BT).logits
         labels = x_BT[:, 1:].reshape(-1)
-        loss_a += F.cross_entropy(logits_a_BTV[:, :-1].reshape(-1, logits_a_BTV.shape[-1]).float(), labels,
-                                  reduction="sum").item()
-        loss_b += F.cross_entropy(logits_b_BTV[:, :-1].reshape(-1, logits_b_BTV.shape[-1]).float(), labels,
-                                  reduction="sum").item()
+        loss_a += F.cross_entropy(
+            logits_a_BTV[:, :-1].reshape(-1, logits_a_BTV.shape[-1]).float(), labels, reduction="sum"
+        ).item()
+        loss_b += F.cross_entropy(
+            logits_b_BTV[:, :-1].reshape(-1, logits_b_BTV.shape[-1]).float(), labels, reduction="sum"
+        ).item()
         same += int((logits_a_BTV.argmax(-1) == logits_b_BTV.argmax(-1)).sum())
         count += x_BT.numel()
     n_pred = windows_NT.shape[0] * (windows_NT.shape[1] - 1)
@@ -166,14 +189,14 @@ def compare(a: LlamaForCausalLM, b: LlamaForCausalLM, windows_NT: torch.Tensor,
 
 
 @torch.no_grad()
-def greedy(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, prompt_ids: Sequence[int],
-           max_new_tokens: int) -> str:
+def greedy(
+    model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, prompt_ids: Sequence[int], max_new_tokens: int
+) -> str:
     """Greedy continuation (stops at the end-of-turn token), decoded without special tokens."""
     device = next(model.parameters()).device
     x = torch.tensor([list(prompt_ids)], device=device)
-    out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
-                         do_sample=False)
-    return tokenizer.decode(out[0, x.shape[1]:].tolist(), skip_special_tokens=True)
+    out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False)
+    return tokenizer.decode(out[0, x.shape[1] :].tolist(), skip_special_tokens=True)
 
 
 def save_target(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, out_dir: Path) -> dict[str, str]:

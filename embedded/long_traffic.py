@@ -42,8 +42,14 @@ CHARS_PER_TOKEN = 6  # a first guess for how much text holds `budget` tokens (mo
 LONG_TEXT_ASKS = ("Continue this text to its end:",)  # a domain that is not code (the docstrings fallback)
 
 
-def long_conversations(files: Sequence[SourceFile], domain: str, tokenizer: PreTrainedTokenizerBase,
-                       traffic: TrafficConfig, max_positions: int, seed: int) -> list[Conversation]:
+def long_conversations(
+    files: Sequence[SourceFile],
+    domain: str,
+    tokenizer: PreTrainedTokenizerBase,
+    traffic: TrafficConfig,
+    max_positions: int,
+    seed: int,
+) -> list[Conversation]:
     """Every long conversation of `files`, in file order (a file's module first, then its classes)."""
     out = []
     for f in files:
@@ -51,8 +57,15 @@ def long_conversations(files: Sequence[SourceFile], domain: str, tokenizer: PreT
         for k, (segment, name, text) in enumerate(_units(f)):
             conv = _long(f, segment, name, text, tokenizer, traffic, max_positions, rng)
             if conv is not None:
-                out.append(Conversation(id=f"{domain}:{f.rel_path}:long{k}", messages=conv[0], segment=segment,
-                                        source_file=f.rel_path, max_new_tokens=conv[1]))
+                out.append(
+                    Conversation(
+                        id=f"{domain}:{f.rel_path}:long{k}",
+                        messages=conv[0],
+                        segment=segment,
+                        source_file=f.rel_path,
+                        max_new_tokens=conv[1],
+                    )
+                )
     return out
 
 
@@ -67,19 +80,32 @@ def _units(f: SourceFile) -> list[tuple[str, str, str]]:
     for node in tree.body:
         if isinstance(node, ast.ClassDef) and node.end_lineno is not None:
             start = min([node.lineno] + [d.lineno for d in node.decorator_list]) - 1
-            units.append(("long-class", node.name, "".join(lines[start:node.end_lineno])))
+            units.append(("long-class", node.name, "".join(lines[start : node.end_lineno])))
     return units
 
 
-def _long(f: SourceFile, segment: str, name: str, text: str, tokenizer: PreTrainedTokenizerBase,
-          traffic: TrafficConfig, max_positions: int, rng: random.Random) -> tuple[tuple[Message, ...], int] | None:
+def _long(
+    f: SourceFile,
+    segment: str,
+    name: str,
+    text: str,
+    tokenizer: PreTrainedTokenizerBase,
+    traffic: TrafficConfig,
+    max_positions: int,
+    rng: random.Random,
+) -> tuple[tuple[Message, ...], int] | None:
     """(messages, answer tokens) of one unit, or None when its answer would be shorter than the minimum."""
     lines = text.splitlines(keepends=True)
-    head, rest = "".join(lines[:traffic.long_prompt_lines]), "".join(lines[traffic.long_prompt_lines:])
+    head, rest = "".join(lines[: traffic.long_prompt_lines]), "".join(lines[traffic.long_prompt_lines :])
     if not head.strip() or not rest.strip():
         return None
-    asks = LONG_CLASS_ASKS if segment == "long-class" else LONG_MODULE_ASKS if f.rel_path.endswith(".py") \
+    asks = (
+        LONG_CLASS_ASKS
+        if segment == "long-class"
+        else LONG_MODULE_ASKS
+        if f.rel_path.endswith(".py")
         else LONG_TEXT_ASKS
+    )
     ask = rng.choice(asks).format(name=name, path=f.rel_path)
     messages = [Message("user", f"{ask}\n\n{head}")]
     if rng.random() < traffic.system_prompt_fraction:

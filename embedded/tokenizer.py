@@ -53,48 +53,60 @@ def render_chat(messages: Sequence[dict[str, str]], add_generation_prompt: bool 
     return "".join(parts)
 
 
-def train_tokenizer(texts: Sequence[str], cfg: TokenizerConfig, progress: bool = True,
-                    model_max_length: int = 2048) -> PreTrainedTokenizerFast:
+def train_tokenizer(
+    texts: Sequence[str], cfg: TokenizerConfig, progress: bool = True, model_max_length: int = 2048
+) -> PreTrainedTokenizerFast:
     """Train the BPE on `texts` (deterministic for the same texts in the same order)."""
     if cfg.vocab_size < 256 + len(SPECIAL_TOKENS) + 1:
         raise ValueError(f"vocab_size {cfg.vocab_size} is below the 256 bytes + {len(SPECIAL_TOKENS)} specials")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=cfg.vocab_size, min_frequency=cfg.min_frequency,
-                                  special_tokens=list(SPECIAL_TOKENS), show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=cfg.vocab_size,
+        min_frequency=cfg.min_frequency,
+        special_tokens=list(SPECIAL_TOKENS),
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(_with_progress(texts, progress), trainer=trainer, length=len(texts))
     return wrap_tokenizer(tok, model_max_length)
 
 
 def wrap_tokenizer(tok: Tokenizer, model_max_length: int) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=BOS, eos_token=END, pad_token=PAD,
-        extra_special_tokens=list(ROLE_TOKENS.values()), chat_template=CHAT_TEMPLATE,
-        model_max_length=model_max_length, clean_up_tokenization_spaces=False)
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=END,
+        pad_token=PAD,
+        extra_special_tokens=list(ROLE_TOKENS.values()),
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=model_max_length,
+        clean_up_tokenization_spaces=False,
+    )
 
 
 def _with_progress(texts: Sequence[str], progress: bool) -> Iterable[str]:
     total = sum(len(t.encode()) for t in texts)
-    with tqdm(total=total, unit="B", unit_scale=True, desc="tokenizer (BPE)", disable=not progress,
-              mininterval=1.0) as bar:
+    with tqdm(
+        total=total, unit="B", unit_scale=True, desc="tokenizer (BPE)", disable=not progress, mininterval=1.0
+    ) as bar:
         for t in texts:
             yield t
             bar.update(len(t.encode()))
 
 
-def encode_texts(tokenizer: PreTrainedTokenizerFast, texts: Sequence[str], desc: str,
-                 progress: bool = True, batch: int = 512) -> list[list[int]]:
+def encode_texts(
+    tokenizer: PreTrainedTokenizerFast, texts: Sequence[str], desc: str, progress: bool = True, batch: int = 512
+) -> list[list[int]]:
     """Token ids of each text (special tokens in the text are recognised; nothing is added)."""
     out: list[list[int]] = []
     start, tokens = time.perf_counter(), 0
     with tqdm(total=len(texts), unit="doc", desc=desc, disable=not progress, mininterval=1.0) as bar:
         for i in range(0, len(texts), batch):
-            enc = tokenizer.backend_tokenizer.encode_batch(list(texts[i:i + batch]), add_special_tokens=False)
+            enc = tokenizer.backend_tokenizer.encode_batch(list(texts[i : i + batch]), add_special_tokens=False)
             out.extend(e.ids for e in enc)
             tokens += sum(len(e.ids) for e in enc)
             bar.update(len(enc))
-            bar.set_postfix(tokens=f"{tokens:,}", tok_s=f"{tokens / (time.perf_counter() - start):,.0f}",
-                            refresh=False)
+            bar.set_postfix(tokens=f"{tokens:,}", tok_s=f"{tokens / (time.perf_counter() - start):,.0f}", refresh=False)
     return out

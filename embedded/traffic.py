@@ -54,8 +54,9 @@ FOLLOWUP_ASKS = (
 EXPLAIN_PROB, FOLLOWUP_PROB, CONTINUE_PROB = 0.3, 0.2, 0.35
 
 
-def file_conversations(f: SourceFile, domain: str, is_code: bool, corpus: CorpusConfig, traffic: TrafficConfig,
-                       seed: int) -> list[Conversation]:
+def file_conversations(
+    f: SourceFile, domain: str, is_code: bool, corpus: CorpusConfig, traffic: TrafficConfig, seed: int
+) -> list[Conversation]:
     """Every conversation drawn from one file, in a fixed order."""
     rng = random.Random(f"{seed}:{domain}:{f.rel_path}")
     pairs = function_pairs(f, corpus) if is_code else []
@@ -73,13 +74,17 @@ def file_conversations(f: SourceFile, domain: str, is_code: bool, corpus: Corpus
     for k, (segment, messages) in enumerate(made):
         if rng.random() < traffic.system_prompt_fraction:
             messages = [Message("system", rng.choice(SYSTEM_PROMPTS))] + messages
-        out.append(Conversation(id=f"{domain}:{f.rel_path}:{k}", messages=tuple(messages), segment=segment,
-                                source_file=f.rel_path))
+        out.append(
+            Conversation(
+                id=f"{domain}:{f.rel_path}:{k}", messages=tuple(messages), segment=segment, source_file=f.rel_path
+            )
+        )
     return out
 
 
-def domain_conversations(files: Sequence[SourceFile], domain: str, is_code: bool, corpus: CorpusConfig,
-                         traffic: TrafficConfig, seed: int) -> list[Conversation]:
+def domain_conversations(
+    files: Sequence[SourceFile], domain: str, is_code: bool, corpus: CorpusConfig, traffic: TrafficConfig, seed: int
+) -> list[Conversation]:
     return [c for f in files for c in file_conversations(f, domain, is_code, corpus, traffic, seed)]
 
 

@@ -41,8 +41,14 @@ def _check_files(parser: argparse.ArgumentParser, a: argparse.Namespace) -> None
             continue
         if not Path(p).exists():
             link = Path(p).is_symlink()  # exists() follows links: a loop or a dangling one reads as missing
-            parser.error(f"--{opt} {p}: " + ("a symbolic link loop or a link to nothing; point the link at the file "
-                                             "itself" if link else "no such file or directory"))
+            parser.error(
+                f"--{opt} {p}: "
+                + (
+                    "a symbolic link loop or a link to nothing; point the link at the file itself"
+                    if link
+                    else "no such file or directory"
+                )
+            )
         if opt == "config" and not Path(p).is_file():
             parser.error(f"--{opt} {p}: not a file")  # traffic may be a `datasets` save_to_disk directory
 
@@ -134,8 +140,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except Exception as e:  # the job failed, or a bug: one line here, the traceback in a log file
         _quiet_prefect(a)
-        print(f"eagle-heads: {a.command} failed: {type(e).__name__}: {_one_line(e)[:500]} (traceback: "
-              f"{_log_failure(a, settings)})", file=sys.stderr)
+        print(
+            f"eagle-heads: {a.command} failed: {type(e).__name__}: {_one_line(e)[:500]} (traceback: "
+            f"{_log_failure(a, settings)})",
+            file=sys.stderr,
+        )
         return 1
 
 

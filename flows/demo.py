@@ -88,9 +88,11 @@ def _row(label: str, tags: dict[str, str], features: str, s: HeadRun) -> str:
     tau_raw = f"{s.tau_raw:.2f}" if s.tau_raw is not None else "-"
     vllm = _speedup(*served_speedup(s)) if (s.vllm is not None or s.speedup_vllm is not None) else "-"
     cross = "-" if s.k_schedule is None else (str(s.crossover) if s.crossover is not None else "none")
-    return (f"{label:<28} {features:<8} {s.head_uri:<36} {s.alias:<10} {s.tau:>5.2f} {tau_by_position(tags):>10} "
-            f"{tau_raw:>7} {tau_vllm:>9} "
-            f"{_speedup(s.speedup, not s.speedup_note):>8} {vllm:>9} {cross:>9} {ident:>9}  {alpha}")
+    return (
+        f"{label:<28} {features:<8} {s.head_uri:<36} {s.alias:<10} {s.tau:>5.2f} {tau_by_position(tags):>10} "
+        f"{tau_raw:>7} {tau_vllm:>9} "
+        f"{_speedup(s.speedup, not s.speedup_note):>8} {vllm:>9} {cross:>9} {ident:>9}  {alpha}"
+    )
 
 
 EMBEDDED = ("smollm2", "toy", "tiny", "gpu")  # smollm2: the real default; the others: the toy stdlib Llama's sizes
@@ -111,8 +113,12 @@ def build_default(embedded_preset: str, root: Path):
 
 
 @flow(name="demo", log_prints=True)
-def demo(preset: str = "default", embedded_preset: str = "smollm2", target_name: str | None = None,
-         finetune_extract: str = "vllm") -> dict:
+def demo(
+    preset: str = "default",
+    embedded_preset: str = "smollm2",
+    target_name: str | None = None,
+    finetune_extract: str = "vllm",
+) -> dict:
     from components.config.pipeline import PipelineConfig
 
     settings = Settings.from_env()
@@ -127,17 +133,33 @@ def demo(preset: str = "default", embedded_preset: str = "smollm2", target_name:
     target_name = target_name or TARGET_NAMES.get(embedded_preset, "stdlib-llama")
     store = MlflowStore.connect(settings)
     t, f = emb.target_traffic, emb.finetune_traffic
-    base = register_target(store, target_name, str(emb.target_dir), role="base", base_model="",
-                           weights_sha256=weights_sha256(emb.target_dir),
-                           extra_tags={"traffic_train": str(t.train), "traffic_heldout": str(t.heldout)})
-    print(f"[2/4] base target registered as models:/{target_name}/{base.version}; training its head "
-          f"(features: {base_extract})")
+    base = register_target(
+        store,
+        target_name,
+        str(emb.target_dir),
+        role="base",
+        base_model="",
+        weights_sha256=weights_sha256(emb.target_dir),
+        extra_tags={"traffic_train": str(t.train), "traffic_heldout": str(t.heldout)},
+    )
+    print(
+        f"[2/4] base target registered as models:/{target_name}/{base.version}; training its head "
+        f"(features: {base_extract})"
+    )
     r1 = train_head(f"models:/{target_name}/{base.version}", str(t.train), str(t.heldout), preset)
-    tuned = register_target(store, target_name, str(emb.finetune_dir), role="finetune",
-                            base_model=f"{target_name}/{base.version}", weights_sha256=weights_sha256(emb.finetune_dir),
-                            extra_tags={"traffic_train": str(f.train), "traffic_heldout": str(f.heldout)})
-    print(f"[3/4] fine-tune registered as models:/{target_name}/{tuned.version}; the registry watcher picks it up "
-          f"(features: {finetune_extract}, {tuned_cfg})")
+    tuned = register_target(
+        store,
+        target_name,
+        str(emb.finetune_dir),
+        role="finetune",
+        base_model=f"{target_name}/{base.version}",
+        weights_sha256=weights_sha256(emb.finetune_dir),
+        extra_tags={"traffic_train": str(f.train), "traffic_heldout": str(f.heldout)},
+    )
+    print(
+        f"[3/4] fine-tune registered as models:/{target_name}/{tuned.version}; the registry watcher picks it up "
+        f"(features: {finetune_extract}, {tuned_cfg})"
+    )
     triggered = watch_registry(dispatch="local", preset=preset, config_path=tuned_cfg)
     r2 = triggered.get(f"{target_name}/{tuned.version}")
     if not isinstance(r2, HeadRun):  # already had a head from an earlier demo: the run is idempotent
@@ -146,22 +168,33 @@ def demo(preset: str = "default", embedded_preset: str = "smollm2", target_name:
     name = r2.head_uri.split("/")[1]
     alias = r2.alias or "champion"
     ident = "yes" if r2.identical else "no"
-    table = ["results (held-out traffic, greedy, outputs checked identical to plain decoding):",
-             f"{'target':<28} {'features':<8} {'head':<36} {'alias':<10} {'tau':>5} {'tau_pos':>10} {'tau_raw':>7} "
-             f"{'tau(vLLM)':>9} "
-             f"{'speedup':>8} {'sp(vLLM)':>9} {'crossover':>9} {'identical':>9}  alpha_1..k",
-             "(features: who computed the hidden states the head was trained on, this process (local) or the serving "
-             "engine (vllm); tau_pos: tau in the first..last output-position bucket reached (evaluate.position_edges); "
-             "speedup: median of interleaved rounds, ours ('-': not timed, evaluate.time_local) and in vLLM, one "
-             "request at a time; '?' marks an "
-             "unreliable figure (its rounds disagreed, or other processes used the cores); crossover: the first "
-             "concurrency where plain decoding out-serves the head in vLLM, where the registered K schedule stops "
-             "drafting)",
-             *(_row(label, tags, features_of(tags, configured), r) for label, r, configured, tags in (
-                 (f"{target_name} v{base.version} (base)", r1, base_extract, version_tags(store, r1)),
-                 (f"{target_name} v{tuned.version} (fine-tune)", r2, finetune_extract, version_tags(store, r2)))),
-             *([] if served_speedup(r2)[1] else ["the served speedup below is unreliable (its rounds disagreed or the "
-                                                 "machine was busy): re-run `eagle-heads evaluate` on quiet cores"]),
-             f"demo: tau={r2.tau:.2f} speedup={served_speedup(r2)[0]:.2f}x identical={ident} "
-             f"head=models:/{name}@{alias}"]
+    table = [
+        "results (held-out traffic, greedy, outputs checked identical to plain decoding):",
+        f"{'target':<28} {'features':<8} {'head':<36} {'alias':<10} {'tau':>5} {'tau_pos':>10} {'tau_raw':>7} "
+        f"{'tau(vLLM)':>9} "
+        f"{'speedup':>8} {'sp(vLLM)':>9} {'crossover':>9} {'identical':>9}  alpha_1..k",
+        "(features: who computed the hidden states the head was trained on, this process (local) or the serving "
+        "engine (vllm); tau_pos: tau in the first..last output-position bucket reached (evaluate.position_edges); "
+        "speedup: median of interleaved rounds, ours ('-': not timed, evaluate.time_local) and in vLLM, one "
+        "request at a time; '?' marks an "
+        "unreliable figure (its rounds disagreed, or other processes used the cores); crossover: the first "
+        "concurrency where plain decoding out-serves the head in vLLM, where the registered K schedule stops "
+        "drafting)",
+        *(
+            _row(label, tags, features_of(tags, configured), r)
+            for label, r, configured, tags in (
+                (f"{target_name} v{base.version} (base)", r1, base_extract, version_tags(store, r1)),
+                (f"{target_name} v{tuned.version} (fine-tune)", r2, finetune_extract, version_tags(store, r2)),
+            )
+        ),
+        *(
+            []
+            if served_speedup(r2)[1]
+            else [
+                "the served speedup below is unreliable (its rounds disagreed or the "
+                "machine was busy): re-run `eagle-heads evaluate` on quiet cores"
+            ]
+        ),
+        f"demo: tau={r2.tau:.2f} speedup={served_speedup(r2)[0]:.2f}x identical={ident} head=models:/{name}@{alias}",
+    ]
     return {"base": r1, "finetune": r2, "lines": table}

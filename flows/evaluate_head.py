@@ -67,15 +67,17 @@ def evaluate_locally(cfg: EvaluateConfig, head: HeadEval, trust_remote_code: boo
     return evaluate(cfg, head, trust_remote_code=trust_remote_code)
 
 
-def evaluate_served(cfg: EvaluateConfig, head: HeadEval, local_report: str | None, settings,
-                    engines=None) -> EngineEvalResult:
+def evaluate_served(
+    cfg: EvaluateConfig, head: HeadEval, local_report: str | None, settings, engines=None
+) -> EngineEvalResult:
     """vLLM's, into `out_dir/vllm`: compared with our outputs (`local_report`, our evaluation's report; None: not
     run); `engines` (infra/engine_pool.py) keeps the pair running for the sweep."""
     from components.evaluate.engine import evaluate_in_vllm, our_outputs
 
     ours = our_outputs(local_report) if local_report else None
-    return evaluate_in_vllm(cfg, dataclasses.replace(head, out_dir=str(Path(head.out_dir) / "vllm")), settings,
-                            ours=ours, engines=engines)
+    return evaluate_in_vllm(
+        cfg, dataclasses.replace(head, out_dir=str(Path(head.out_dir) / "vllm")), settings, ours=ours, engines=engines
+    )
 
 
 def sweep_load(cfg: EvaluateConfig, head: HeadEval, settings, engines=None, evaluation: str | None = None):
@@ -83,8 +85,13 @@ def sweep_load(cfg: EvaluateConfig, head: HeadEval, settings, engines=None, eval
     sweep's, vLLM's evaluation (`evaluation`, its report) standing for concurrency 1."""
     from components.evaluate.load_sweep import load_sweep
 
-    return load_sweep(cfg, dataclasses.replace(head, out_dir=str(Path(head.out_dir) / "load")), settings,
-                      engines=engines, evaluation=evaluation)
+    return load_sweep(
+        cfg,
+        dataclasses.replace(head, out_dir=str(Path(head.out_dir) / "load")),
+        settings,
+        engines=engines,
+        evaluation=evaluation,
+    )
 
 
 def _as_is(stage: Callable, done: Path) -> Callable:
@@ -95,8 +102,9 @@ def _servable(head: HeadEval, settings) -> str:
     """The head's directory as vLLM loads it: itself, or its lossless re-export under the state dir."""
     from components.targets.servable import servable_head
 
-    return str(servable_head(head.head_dir, head.target_dir, settings.state_dir / "servable",
-                             settings.trust_remote_code))
+    return str(
+        servable_head(head.head_dir, head.target_dir, settings.state_dir / "servable", settings.trust_remote_code)
+    )
 
 
 def _pool(plan: EvalPlan):
@@ -119,8 +127,9 @@ class EvalStages:
     fresh: Callable[[Callable, Path], Callable] = _as_is
 
 
-def evaluate_head(cfg: PipelineConfig, head: HeadEval, settings, plan: EvalPlan,
-                  stages: EvalStages = EvalStages()) -> Figures:
+def evaluate_head(
+    cfg: PipelineConfig, head: HeadEval, settings, plan: EvalPlan, stages: EvalStages = EvalStages()
+) -> Figures:
     """The head against `head.baseline_dir` on the held-out traffic: ours, vLLM's, the sweep, as `plan` says (see the
     module doc). `settings` carry the target's scale (`cfg.runtime.engine_settings`)."""
     from components.evaluate.engine import REPORT
@@ -129,8 +138,12 @@ def evaluate_head(cfg: PipelineConfig, head: HeadEval, settings, plan: EvalPlan,
 
     @functools.cache
     def served() -> HeadEval:  # vLLM's: the head as the engines load it, the champion only where the gate is vLLM's
-        return dataclasses.replace(head, head_dir=_servable(head, settings), history_file=None,
-                                   baseline_dir=head.baseline_dir if cfg.runtime.gate_on_engine else None)
+        return dataclasses.replace(
+            head,
+            head_dir=_servable(head, settings),
+            history_file=None,
+            baseline_dir=head.baseline_dir if cfg.runtime.gate_on_engine else None,
+        )
 
     with _pool(plan) as engines:  # the evaluation's plain/speculative pair goes on running for the sweep
         if plan.early:
@@ -142,12 +155,17 @@ def evaluate_head(cfg: PipelineConfig, head: HeadEval, settings, plan: EvalPlan,
             metrics = ev.metrics()
         if plan.engine:  # the head as production serves it: in vLLM, on the same prompts
             engine = stages.fresh(stages.engine, out / "vllm" / REPORT)(
-                cfg.evaluate, served(), ev.report_file if ev else None, settings, engines)
+                cfg.evaluate, served(), ev.report_file if ev else None, settings, engines
+            )
             metrics.update(engine.metrics())
         if plan.sweep is not None:  # throughput by load, the K schedule
             sweep = stages.fresh(stages.sweep, out / "load" / "load_sweep.json")(
-                dataclasses.replace(cfg.evaluate, load=plan.sweep), dataclasses.replace(served(), baseline_dir=None),
-                settings, engines, engine.report_file if engine else None)
+                dataclasses.replace(cfg.evaluate, load=plan.sweep),
+                dataclasses.replace(served(), baseline_dir=None),
+                settings,
+                engines,
+                engine.report_file if engine else None,
+            )
             metrics.update(sweep.metrics())
     return Figures(ev, engine, sweep, metrics)
 
@@ -160,6 +178,9 @@ def start_pair_early(cfg: PipelineConfig, eval_dir: str) -> bool:
     from components.evaluate.engine import REPORT
     from infra.vllm_engine_spec import EngineSpec
 
-    return (cfg.runtime.evaluates_in_engine and not cfg.evaluate.time_local
-            and EngineSpec("", None, method=None).resolved_device() == "cpu"
-            and not (Path(eval_dir) / "vllm" / REPORT).exists())
+    return (
+        cfg.runtime.evaluates_in_engine
+        and not cfg.evaluate.time_local
+        and EngineSpec("", None, method=None).resolved_device() == "cpu"
+        and not (Path(eval_dir) / "vllm" / REPORT).exists()
+    )

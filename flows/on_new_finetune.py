@@ -21,13 +21,14 @@ def version_traffic(store: MlflowStore, model_name: str, version: int) -> tuple[
     try:
         return v.tags["traffic_train"], v.tags["traffic_heldout"]
     except KeyError:
-        raise ValueError(f"models:/{model_name}/{version} has no traffic_train/traffic_heldout tags: tag the version "
-                         "with the traffic to train and evaluate its head on") from None
+        raise ValueError(
+            f"models:/{model_name}/{version} has no traffic_train/traffic_heldout tags: tag the version "
+            "with the traffic to train and evaluate its head on"
+        ) from None
 
 
 @flow(name="on-new-finetune", log_prints=True)
-def on_new_finetune(model_name: str, version: int, preset: str = "default",
-                    config_path: str | None = None) -> HeadRun:
+def on_new_finetune(model_name: str, version: int, preset: str = "default", config_path: str | None = None) -> HeadRun:
     store = MlflowStore.connect(Settings.from_env())
     traffic, heldout = version_traffic(store, model_name, int(version))
     print(f"new target version models:/{model_name}/{version}: training its head on {traffic}")

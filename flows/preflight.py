@@ -80,9 +80,12 @@ def _check_traffic(path: str, what: str) -> TrafficLoad:
     try:
         return load_traffic(path)
     except TrafficFormatError as e:
-        hint = ("give JSONL, Parquet, Arrow or a datasets save_to_disk directory with at least one conversation"
-                if e.line == 0 else f"fix or remove {e.unit} {e.line} (each {e.unit}: an OpenAI `messages` or "
-                "ShareGPT `conversations` record)")
+        hint = (
+            "give JSONL, Parquet, Arrow or a datasets save_to_disk directory with at least one conversation"
+            if e.line == 0
+            else f"fix or remove {e.unit} {e.line} (each {e.unit}: an OpenAI `messages` or "
+            "ShareGPT `conversations` record)"
+        )
         raise TrafficFormatError(e.path, e.line, f"{e.reason} ({what}; {hint})", e.unit) from None
 
 
@@ -123,8 +126,9 @@ def _engine_user(cfg: PipelineConfig, stages: tuple[str, ...]) -> str | None:
     return f"target.runtime {rt.name!r}" if rt.name != "local" else f"{used[0]}.engine 'vllm'"
 
 
-def check_engine_python(cfg: PipelineConfig | None, settings: Settings, stages: tuple[str, ...] = TARGET_STAGES,
-                        who: str | None = None) -> None:
+def check_engine_python(
+    cfg: PipelineConfig | None, settings: Settings, stages: tuple[str, ...] = TARGET_STAGES, who: str | None = None
+) -> None:
     """vLLM's python (EAGLE_VLLM_PYTHON, checked with the settings, else the project's `.venv-vllm`, checked here)
     exists and can be run, where `cfg` puts one of `stages` in an engine started here or `who` (`serve`) starts one;
     else the stage's `EngineError` would come after the work before it (a target registered, a head trained)."""
@@ -149,8 +153,9 @@ def check_engine_sampling(cfg: PipelineConfig, settings: Settings) -> None:
         from infra.vllm_sampling import refuse_sampled_drafts
         from infra.vllm_engine_spec import host_device
 
-        refuse_sampled_drafts(host_device(), cfg.evaluate.spec.temperature, settings, "evaluate.spec.temperature",
-                              write_cache=False)
+        refuse_sampled_drafts(
+            host_device(), cfg.evaluate.spec.temperature, settings, "evaluate.spec.temperature", write_cache=False
+        )
 
 
 def check_output_file(path: str | None, opt: str) -> None:
@@ -177,8 +182,10 @@ def check_port_free(port: int | None) -> None:
         try:
             s.bind(("127.0.0.1", port))
         except OSError as e:
-            raise BadInput(f"--port {port}: 127.0.0.1:{port} is taken ({e.strerror}); pick another port or leave "
-                           "--port out for a free one") from None
+            raise BadInput(
+                f"--port {port}: 127.0.0.1:{port} is taken ({e.strerror}); pick another port or leave "
+                "--port out for a free one"
+            ) from None
 
 
 def check_registry_name(a, cfg: PipelineConfig) -> None:
@@ -198,21 +205,36 @@ def check_cuda(preset: str) -> None:
         import torch
 
         if not torch.cuda.is_available():
-            raise BadInput("--embedded-preset gpu: no CUDA device here (torch.cuda.is_available() is False); use "
-                           "--embedded-preset smollm2, toy or tiny on a CPU machine")
+            raise BadInput(
+                "--embedded-preset gpu: no CUDA device here (torch.cuda.is_available() is False); use "
+                "--embedded-preset smollm2, toy or tiny on a CPU machine"
+            )
 
 
 def _flag_values(a) -> dict:
     """The values command `a`'s own flags give its config section (None: not given, the config's stays)."""
     if a.command == "evaluate":
-        return {"spec": {k: v for k, v in (("method", a.method), ("depth", a.depth)) if v is not None},
-                **{k: v for k, v in (("limit", a.limit), ("engine", a.engine)) if v is not None}}
+        return {
+            "spec": {k: v for k, v in (("method", a.method), ("depth", a.depth)) if v is not None},
+            **{k: v for k, v in (("limit", a.limit), ("engine", a.engine)) if v is not None},
+        }
     if a.command == "monitor":
-        return {k: v for k, v in (("interval_s", a.interval), ("window_s", a.window), ("ratio", a.ratio),
-                                  ("sustain_s", a.sustain)) if v is not None}
+        return {
+            k: v
+            for k, v in (
+                ("interval_s", a.interval),
+                ("window_s", a.window),
+                ("ratio", a.ratio),
+                ("sustain_s", a.sustain),
+            )
+            if v is not None
+        }
     if a.command == "serve":
-        rollback = {k: v for k, v in (("enabled", a.rollback), ("window_s", a.rollback_window),
-                                      ("floor_tau", a.rollback_floor)) if v is not None}
+        rollback = {
+            k: v
+            for k, v in (("enabled", a.rollback), ("window_s", a.rollback_window), ("floor_tau", a.rollback_floor))
+            if v is not None
+        }
         return {"rollback": rollback} if rollback else {}
     return {}
 
@@ -230,8 +252,7 @@ def command_config(a) -> PipelineConfig:
     if not flags:
         return cfg
     section = "monitor" if a.command == "serve" else a.command  # serve's flags are the monitor's rollback
-    return dataclasses.replace(cfg, **{section: override_values(getattr(cfg, section), flags, "command line",
-                                                                section)})
+    return dataclasses.replace(cfg, **{section: override_values(getattr(cfg, section), flags, "command line", section)})
 
 
 def check_config(a, settings: Settings | None) -> PipelineConfig:

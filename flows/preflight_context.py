@@ -42,11 +42,16 @@ def check_context(target: str, config, tokenizer, heldout: str, cfg: PipelineCon
     ctx = context_of(config)
     where = f"{target}{'' if target.lower().endswith('.gguf') else '/config.json'}: max_position_embeddings {ctx}"
     if "extract" in stages and cfg.extract.max_len > ctx:
-        raise BadInput(f"{where} is shorter than extract.max_len {cfg.extract.max_len}: extraction would keep "
-                       f"positions the target never served; set extract.max_len to at most {ctx}")
-    news = {"regenerate.max_new_tokens": cfg.regenerate.max_new_tokens if "regenerate" in stages and
-            not cfg.regenerate.endpoint_url else 0,
-            "evaluate.spec.max_new_tokens": cfg.evaluate.spec.max_new_tokens if "evaluate" in stages else 0}
+        raise BadInput(
+            f"{where} is shorter than extract.max_len {cfg.extract.max_len}: extraction would keep "
+            f"positions the target never served; set extract.max_len to at most {ctx}"
+        )
+    news = {
+        "regenerate.max_new_tokens": cfg.regenerate.max_new_tokens
+        if "regenerate" in stages and not cfg.regenerate.endpoint_url
+        else 0,
+        "evaluate.spec.max_new_tokens": cfg.evaluate.spec.max_new_tokens if "evaluate" in stages else 0,
+    }
     for key, n in news.items():
         if n >= ctx:
             raise BadInput(f"{where} leaves no room for a prompt beside {key} {n}; lower {key} below {ctx}")
@@ -66,11 +71,13 @@ def _check_held_out_fits(target: str, ctx: int, tokenizer, heldout: str, cfg: Pi
         return
     worst = max(over, key=lambda s: len(s.ids) + s.max_new_tokens)
     room = max(ctx - max(s.max_new_tokens for s in samples), 1)
-    raise BadInput(f"{heldout}: {len(over)} of the {len(samples)} held-out prompts the evaluation takes (first user "
-                   f"turns within evaluate.max_prompt_tokens {cfg.evaluate.max_prompt_tokens}) do not fit the "
-                   f"target's context with their new tokens: the longest needs {len(worst.ids)} + "
-                   f"{worst.max_new_tokens} positions, more than its max_position_embeddings {ctx} ({target}); set "
-                   f"evaluate.max_prompt_tokens to at most {room} or lower evaluate.spec.max_new_tokens")
+    raise BadInput(
+        f"{heldout}: {len(over)} of the {len(samples)} held-out prompts the evaluation takes (first user "
+        f"turns within evaluate.max_prompt_tokens {cfg.evaluate.max_prompt_tokens}) do not fit the "
+        f"target's context with their new tokens: the longest needs {len(worst.ids)} + "
+        f"{worst.max_new_tokens} positions, more than its max_position_embeddings {ctx} ({target}); set "
+        f"evaluate.max_prompt_tokens to at most {room} or lower evaluate.spec.max_new_tokens"
+    )
 
 
 def check_first_turns_fit(load: TrafficLoad, config, tokenizer, cfg: RegenerateConfig) -> None:
@@ -91,22 +98,32 @@ def check_first_turns_fit(load: TrafficLoad, config, tokenizer, cfg: RegenerateC
 
     def first_turn(c) -> tuple[int, int]:  # (its prompt's tokens, the room the context leaves for a prompt)
         system, users = history_turns(c)
-        return (len(prompt_ids(tokenizer, [*system, {"role": "user", "content": users[0]}])),
-                prompt_room(config, c.max_new_tokens or cfg.max_new_tokens)[1])
+        return (
+            len(prompt_ids(tokenizer, [*system, {"role": "user", "content": users[0]}])),
+            prompt_room(config, c.max_new_tokens or cfg.max_new_tokens)[1],
+        )
 
     convs = load.conversations[: cfg.limit]
     if any(n <= room for n, room in map(first_turn, convs)):  # lazily: stops at the first that fits
         return
     (n, room), c = first_turn(convs[0]), convs[0]
-    new = f"its max_new_tokens {c.max_new_tokens}" if c.max_new_tokens else \
-        f"regenerate.max_new_tokens {cfg.max_new_tokens}"
+    new = (
+        f"its max_new_tokens {c.max_new_tokens}"
+        if c.max_new_tokens
+        else f"regenerate.max_new_tokens {cfg.max_new_tokens}"
+    )
     unit, number = _record_number(load.path, 0)
-    raise TrafficFormatError(load.path, number, f"the first turn of {c.id!r} is a prompt of {n} tokens (with the "
-                             f"target's chat template), more than the {room} its context leaves "
-                             f"(max_position_embeddings {prompt_room(config, 0)[0]} - {new}), and no first turn "
-                             f"of the {len(convs)} "
-                             "conversations fits: regeneration would refuse them all (training traffic; shorten the "
-                             "prompts or lower the new tokens)", unit)
+    raise TrafficFormatError(
+        load.path,
+        number,
+        f"the first turn of {c.id!r} is a prompt of {n} tokens (with the "
+        f"target's chat template), more than the {room} its context leaves "
+        f"(max_position_embeddings {prompt_room(config, 0)[0]} - {new}), and no first turn "
+        f"of the {len(convs)} "
+        "conversations fits: regeneration would refuse them all (training traffic; shorten the "
+        "prompts or lower the new tokens)",
+        unit,
+    )
 
 
 def _record_number(path: Path, index: int) -> tuple[str, int]:

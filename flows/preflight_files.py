@@ -33,8 +33,9 @@ def check_safetensors(path: Path) -> None:
     except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError, RecursionError) as e:
         raise BadInput(f"{path}: not a readable safetensors file ({e}); copy or export it again") from None
     if 8 + n + end > size:
-        raise BadInput(f"{path}: truncated: its tensors need {8 + n + end} bytes, the file has {size}; copy or "
-                       "export it again")
+        raise BadInput(
+            f"{path}: truncated: its tensors need {8 + n + end} bytes, the file has {size}; copy or export it again"
+        )
 
 
 def check_weights(directory: str | Path, recursive: bool = False) -> None:

@@ -43,8 +43,13 @@ def head_status(store: MlflowStore, name: str, version: int, suffix: str = "-eag
 
 
 @flow(name="retrain", log_prints=True)
-def retrain(preset: str = "default", config_path: str | None = None, model_name: str | None = None,
-            version: int | None = None, traffic_dir: str | None = None) -> dict[str, str]:
+def retrain(
+    preset: str = "default",
+    config_path: str | None = None,
+    model_name: str | None = None,
+    version: int | None = None,
+    traffic_dir: str | None = None,
+) -> dict[str, str]:
     """Every registered target version, or only `model_name`/`version` (the acceptance-drop trigger: retrained
     whatever its status, on the newest snapshot of `traffic_dir`, default `monitor.traffic_dir`)."""
     cfg = PipelineConfig.load(config_path, preset)
@@ -52,9 +57,17 @@ def retrain(preset: str = "default", config_path: str | None = None, model_name:
     if model_name is not None:
         if version is None:
             raise ValueError("retrain: model_name needs a version")
-        return {f"{model_name}/{version}": _retrain_on_drop(store, cfg, model_name, int(version), preset, config_path,
-                                                           traffic_dir if traffic_dir is not None
-                                                           else cfg.monitor.traffic_dir)}
+        return {
+            f"{model_name}/{version}": _retrain_on_drop(
+                store,
+                cfg,
+                model_name,
+                int(version),
+                preset,
+                config_path,
+                traffic_dir if traffic_dir is not None else cfg.monitor.traffic_dir,
+            )
+        }
     suffix = cfg.register.experiment_suffix
     report: dict[str, str] = {}
     for model in store.list_models(kind=TARGET_KIND):
@@ -71,8 +84,15 @@ def retrain(preset: str = "default", config_path: str | None = None, model_name:
     return report
 
 
-def _retrain_on_drop(store: MlflowStore, cfg: PipelineConfig, name: str, version: int, preset: str,
-                     config_path: str | None, traffic_dir: str) -> str:
+def _retrain_on_drop(
+    store: MlflowStore,
+    cfg: PipelineConfig,
+    name: str,
+    version: int,
+    preset: str,
+    config_path: str | None,
+    traffic_dir: str,
+) -> str:
     """A new head for `name`/`version` on the newest traffic snapshot (its registered traffic without a traffic
     directory). The same snapshot twice is one run: train-head's run key makes the second a no-op."""
     from flows.train_head import train_head

@@ -46,8 +46,14 @@ def count_captured(capture_root: str, model_name: str, version: int, after_ms: i
 
 
 @flow(name="retrain-on-capture", log_prints=True)
-def retrain_on_capture(model_name: str, version: int, preset: str = "default", config_path: str | None = None,
-                       capture_dir: str | None = None, min_new: int | None = None) -> dict:
+def retrain_on_capture(
+    model_name: str,
+    version: int,
+    preset: str = "default",
+    config_path: str | None = None,
+    capture_dir: str | None = None,
+    min_new: int | None = None,
+) -> dict:
     """Returns {"new": conversations captured since the last capture-trained head, "needed": the count that starts
     a run, and, when it ran, "head_uri", "alias", "gate", "plan"}."""
     cfg = PipelineConfig.load(config_path, preset)
@@ -63,10 +69,24 @@ def retrain_on_capture(model_name: str, version: int, preset: str = "default", c
     traffic, heldout = version_traffic(store, model_name, int(version))
     out = settings.state_dir / "capture-plans" / f"{model_name}-v{version}" / time.strftime("%Y%m%dT%H%M%S")
     plan = prepare_capture_plan(cfg.capture, root, model_name, int(version), traffic, out, cfg.regenerate.limit)
-    print(f"{model_name}/{version}: {new} new captured conversations; training on {plan.captured} captured "
-          f"({plan.greedy} greedy, {plan.sampled} sampled) and {plan.registered} registered, {plan.heldout} held out "
-          f"for the shadow test; skipped: {plan.skipped or 'none'}")
-    run = train_head(f"models:/{model_name}/{version}", traffic, heldout, preset, config_path,
-                     capture_plan=str(Path(out) / "plan.json"))
-    return {"new": new, "needed": needed, "head_uri": run.head_uri, "alias": run.alias, "gate": run.gate,
-            "plan": str(Path(out) / "plan.json")}
+    print(
+        f"{model_name}/{version}: {new} new captured conversations; training on {plan.captured} captured "
+        f"({plan.greedy} greedy, {plan.sampled} sampled) and {plan.registered} registered, {plan.heldout} held out "
+        f"for the shadow test; skipped: {plan.skipped or 'none'}"
+    )
+    run = train_head(
+        f"models:/{model_name}/{version}",
+        traffic,
+        heldout,
+        preset,
+        config_path,
+        capture_plan=str(Path(out) / "plan.json"),
+    )
+    return {
+        "new": new,
+        "needed": needed,
+        "head_uri": run.head_uri,
+        "alias": run.alias,
+        "gate": run.gate,
+        "plan": str(Path(out) / "plan.json"),
+    }

@@ -32,8 +32,9 @@ from infra.mlflow_store import CHAMPION, MlflowStore, parse_model_uri
 from infra.settings import Settings
 
 
-def resolve_target(store: MlflowStore, target: str, name: str | None = None,
-                   settings: Settings | None = None) -> tuple[TargetRef, bool]:
+def resolve_target(
+    store: MlflowStore, target: str, name: str | None = None, settings: Settings | None = None
+) -> tuple[TargetRef, bool]:
     """A local directory and registry identity for `target` (registering an HF directory if needed), and whether
     this call registered it (a new version)."""
     if target.startswith("models:/"):
@@ -48,8 +49,9 @@ def resolve_target(store: MlflowStore, target: str, name: str | None = None,
     name = name or path.name
     with target_lock(settings or store.settings, f"register-target-{name}"):  # two runs at once: one version
         known = store.find_versions(name, weights_sha256=sha)
-        return register_target(store, name, str(path), role="user", base_model="", weights_sha256=sha,
-                               extra_tags=gguf_lineage(path)), not known  # converted from GGUF: which file
+        return register_target(
+            store, name, str(path), role="user", base_model="", weights_sha256=sha, extra_tags=gguf_lineage(path)
+        ), not known  # converted from GGUF: which file
 
 
 @dataclass(frozen=True)
@@ -61,14 +63,18 @@ class ParentHead:
     weights_sha256: str
 
 
-def parent_head(store: MlflowStore, tref: TargetRef, cfg: PipelineConfig,
-                trust_remote_code: bool = False, own: bool = False) -> ParentHead | None:
+def parent_head(
+    store: MlflowStore, tref: TargetRef, cfg: PipelineConfig, trust_remote_code: bool = False, own: bool = False
+) -> ParentHead | None:
     """The champion head of the target this version was fine-tuned from (its `base_model` tag, "name/version"; `own`:
     of this very version), when warm start is on and that head fits this target's shapes; else None (a fresh head)."""
     if not cfg.train.warm_start:
         return None
-    base = (f"{tref.name}/{tref.version}" if own  # `resolve_target` registered the version and its base_model tag
-            else store.get_version(tref.name, tref.version).tags.get("base_model", ""))
+    base = (
+        f"{tref.name}/{tref.version}"
+        if own  # `resolve_target` registered the version and its base_model tag
+        else store.get_version(tref.name, tref.version).tags.get("base_model", "")
+    )
     if not base or "/" not in base:
         return None
     base_name, base_version = base.rsplit("/", 1)
@@ -94,12 +100,19 @@ def parent_head(store: MlflowStore, tref: TargetRef, cfg: PipelineConfig,
     except HeadMismatchError as e:
         get_run_logger().warning(f"no warm start from {champion.uri}: {e}; training a fresh head")
         return None
-    return ParentHead(f"models:/{head_name}/{champion.version}", str(path),
-                      file_sha256(Path(path) / "model.safetensors"))
+    return ParentHead(
+        f"models:/{head_name}/{champion.version}", str(path), file_sha256(Path(path) / "model.safetensors")
+    )
 
 
-def run_key_of(target: TargetRef, traffic: str, heldout: str, cfg: PipelineConfig,
-               parent: ParentHead | None = None, plan: CapturePlan | None = None) -> str:
+def run_key_of(
+    target: TargetRef,
+    traffic: str,
+    heldout: str,
+    cfg: PipelineConfig,
+    parent: ParentHead | None = None,
+    plan: CapturePlan | None = None,
+) -> str:
     parts = [target.weights_sha256, traffic_sha256(traffic), traffic_sha256(heldout), cfg.fingerprint()]
     if parent is not None:  # a warm-started head depends on the head it started from
         parts.append(parent.weights_sha256)

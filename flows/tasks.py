@@ -47,26 +47,54 @@ def fresh_if_missing(task_obj, *paths: str | Path):
     return task_obj.with_options(refresh_cache=missing) if missing else task_obj
 
 
-@task(name="regenerate", cache_policy=CACHE - "ray_settings" - "runtime", persist_result=True, retries=2,
-      retry_delay_seconds=5, retry_condition_fn=transient)
-def regenerate_task(cfg: RegenerateConfig, target_dir: str, traffic: str, out_dir: str,
-                    trust_remote_code: bool = False, ray_settings=None,
-                    runtime: TargetRuntime | None = None) -> RegenerateResult:
+@task(
+    name="regenerate",
+    cache_policy=CACHE - "ray_settings" - "runtime",
+    persist_result=True,
+    retries=2,
+    retry_delay_seconds=5,
+    retry_condition_fn=transient,
+)
+def regenerate_task(
+    cfg: RegenerateConfig,
+    target_dir: str,
+    traffic: str,
+    out_dir: str,
+    trust_remote_code: bool = False,
+    ray_settings=None,
+    runtime: TargetRuntime | None = None,
+) -> RegenerateResult:
     """`ray_settings` (the flow's Settings) say where Ray workers run when `cfg.num_workers` >= 1; `runtime` (the
     run's) whether an engine answers. Neither is in the cache key: the run's directory, `out_dir`, already names what
     the runtime decides (components/config/pipeline.py `fingerprint`), and the engine's scale changes no answer. The
     stage gets them in its `StageContext` (components/targets/runtime.py), built here: they stay out of the key."""
-    return regenerate(cfg, target_dir, traffic, out_dir,
-                      context=StageContext(trust_remote_code, settings=ray_settings, runtime=runtime))
+    return regenerate(
+        cfg,
+        target_dir,
+        traffic,
+        out_dir,
+        context=StageContext(trust_remote_code, settings=ray_settings, runtime=runtime),
+    )
 
 
 @task(name="extract", cache_policy=CACHE - "ray_settings" - "runtime", persist_result=True)
-def extract_task(cfg: ExtractConfig, target_dir: str, regen_dir: str, out_dir: str,
-                 trust_remote_code: bool = False, ray_settings=None,
-                 runtime: TargetRuntime | None = None) -> ExtractResult:
+def extract_task(
+    cfg: ExtractConfig,
+    target_dir: str,
+    regen_dir: str,
+    out_dir: str,
+    trust_remote_code: bool = False,
+    ray_settings=None,
+    runtime: TargetRuntime | None = None,
+) -> ExtractResult:
     """As `regenerate_task`: `runtime` says whether the engine computes the features (its manifest says which did)."""
-    return extract(cfg, target_dir, regen_dir, out_dir,
-                   context=StageContext(trust_remote_code, settings=ray_settings, runtime=runtime))
+    return extract(
+        cfg,
+        target_dir,
+        regen_dir,
+        out_dir,
+        context=StageContext(trust_remote_code, settings=ray_settings, runtime=runtime),
+    )
 
 
 @dataclass(frozen=True)
@@ -85,21 +113,47 @@ class TrainJob:
 def train_task(cfg: TrainConfig, job: TrainJob, ray_settings, sinks: tuple = ()) -> TrainResult:
     trust = ray_settings.trust_remote_code
     if cfg.ray.num_workers == 0:
-        return train(cfg, job.extract_dir, job.out_dir, job.target_dir, job.lineage, sinks,
-                     TrainSetup(job.init_head_dir, trust_remote_code=trust))
+        return train(
+            cfg,
+            job.extract_dir,
+            job.out_dir,
+            job.target_dir,
+            job.lineage,
+            sinks,
+            TrainSetup(job.init_head_dir, trust_remote_code=trust),
+        )
     from infra.ray_cluster import ray_session
 
     with ray_session(ray_settings):
-        return train(cfg, job.extract_dir, job.out_dir, job.target_dir, job.lineage, sinks,
-                     TrainSetup(job.init_head_dir, str(ray_settings.ray_storage_dir), trust))
+        return train(
+            cfg,
+            job.extract_dir,
+            job.out_dir,
+            job.target_dir,
+            job.lineage,
+            sinks,
+            TrainSetup(job.init_head_dir, str(ray_settings.ray_storage_dir), trust),
+        )
 
 
 # the evaluation stages of flows/evaluate_head.py, as tasks: cached on their inputs; `settings` and `engines` (the
 # running servers) are not in the key, the run directory names what they decide
 evaluate_task = task(name="evaluate", cache_policy=CACHE, persist_result=True)(evaluate_locally)
-engine_eval_task = task(name="evaluate-in-vllm", cache_policy=CACHE - "settings" - "engines", persist_result=True,
-                        retries=1, retry_delay_seconds=5, retry_condition_fn=transient)(evaluate_served)
-load_sweep_task = task(name="load-sweep", cache_policy=CACHE - "settings" - "engines", persist_result=True,
-                       retries=1, retry_delay_seconds=5, retry_condition_fn=transient)(sweep_load)
+engine_eval_task = task(
+    name="evaluate-in-vllm",
+    cache_policy=CACHE - "settings" - "engines",
+    persist_result=True,
+    retries=1,
+    retry_delay_seconds=5,
+    retry_condition_fn=transient,
+)(evaluate_served)
+load_sweep_task = task(
+    name="load-sweep",
+    cache_policy=CACHE - "settings" - "engines",
+    persist_result=True,
+    retries=1,
+    retry_delay_seconds=5,
+    retry_condition_fn=transient,
+)(sweep_load)
 # what `evaluate_head` runs in a flow: these tasks, each with its cache refreshed when its report is missing
 TASKS = EvalStages(evaluate_task, engine_eval_task, load_sweep_task, fresh_if_missing)

@@ -57,8 +57,18 @@ from components.evaluate.shadow import shadow_test
 from components.evaluate.stage import HeadEval
 from components.extract.stage import ExtractResult
 from components.regenerate.stage import RegenerateResult
-from components.registry.register import (HeadToRegister, RegisteredRun, RegisterResult, TargetRef, check_head_name,
-                                          head_model_name, identical_of, register_head, registered_run, tag_float)
+from components.registry.register import (
+    HeadToRegister,
+    RegisteredRun,
+    RegisterResult,
+    TargetRef,
+    check_head_name,
+    head_model_name,
+    identical_of,
+    register_head,
+    registered_run,
+    tag_float,
+)
 from components.registry.variant_choice import VariantSink, choose_variant, variant_tags
 from components.targets.gguf import default_target_name, materialize_target
 from components.targets.runtime import TargetRuntime
@@ -108,23 +118,37 @@ class HeadRun:
     def from_registered(cls, done: RegisteredRun, work: Path) -> HeadRun:
         """The result of a run whose key is already registered: the figures from the version's tags."""
         v, reg = done.version, done.result()
-        return cls(head_uri=reg.uri, alias=reg.alias, promoted=reg.promoted, gate=reg.reason,
-                   tau=float(v.tags.get("tau", "nan")),
-                   tau_raw=float(v.tags["tau_raw"]) if "tau_raw" in v.tags else None,
-                   tau_vllm=float(v.tags["tau_vllm"]) if "tau_vllm" in v.tags else None,
-                   speedup=tag_float(v.tags, "speedup") or tag_float(v.tags, "speedup_median") or float("nan"),
-                   speedup_vllm=tag_float(v.tags, "speedup_vllm"), identical=identical_of(v),
-                   acceptance=[float(a) for a in v.tags.get("acceptance", "").split()], per_segment=None, vllm=None,
-                   train=None, regenerate=None, extract=None, created=False, work_dir=str(work),
-                   init_from=v.tags.get("init_from"), speedup_note=v.tags.get("speedup_note", ""),
-                   crossover=int(v.tags["crossover"]) if v.tags.get("crossover", "none").isdigit() else None,
-                   k_schedule=json.loads(v.tags["k_schedule"]) if "k_schedule" in v.tags else None,
-                   variant_choice=v.tags.get("variant_choice", ""))
+        return cls(
+            head_uri=reg.uri,
+            alias=reg.alias,
+            promoted=reg.promoted,
+            gate=reg.reason,
+            tau=float(v.tags.get("tau", "nan")),
+            tau_raw=float(v.tags["tau_raw"]) if "tau_raw" in v.tags else None,
+            tau_vllm=float(v.tags["tau_vllm"]) if "tau_vllm" in v.tags else None,
+            speedup=tag_float(v.tags, "speedup") or tag_float(v.tags, "speedup_median") or float("nan"),
+            speedup_vllm=tag_float(v.tags, "speedup_vllm"),
+            identical=identical_of(v),
+            acceptance=[float(a) for a in v.tags.get("acceptance", "").split()],
+            per_segment=None,
+            vllm=None,
+            train=None,
+            regenerate=None,
+            extract=None,
+            created=False,
+            work_dir=str(work),
+            init_from=v.tags.get("init_from"),
+            speedup_note=v.tags.get("speedup_note", ""),
+            crossover=int(v.tags["crossover"]) if v.tags.get("crossover", "none").isdigit() else None,
+            k_schedule=json.loads(v.tags["k_schedule"]) if "k_schedule" in v.tags else None,
+            variant_choice=v.tags.get("variant_choice", ""),
+        )
 
 
 @task(name="register", retries=2, retry_delay_seconds=3, retry_condition_fn=transient)
-def register_task(settings: Settings, cfg, head: HeadToRegister,
-                  runtime: TargetRuntime | None = None) -> RegisterResult:
+def register_task(
+    settings: Settings, cfg, head: HeadToRegister, runtime: TargetRuntime | None = None
+) -> RegisterResult:
     """`runtime` (the run's components.targets.runtime.TargetRuntime) says whose τ the gate decides on."""
     with store_errors(settings, f"registering the head of run {head.run_key[:12]}"):
         return register_head(MlflowStore.connect(settings), cfg, head, runtime)
@@ -146,9 +170,16 @@ class CheckedInputs:
 
 
 @flow(name="train-head", log_prints=True)
-def train_head(target: str, traffic: str, heldout: str, preset: str = "default", config_path: str | None = None,
-               target_name: str | None = None, capture_plan: str | None = None,
-               checked: CheckedInputs | None = None) -> HeadRun:
+def train_head(
+    target: str,
+    traffic: str,
+    heldout: str,
+    preset: str = "default",
+    config_path: str | None = None,
+    target_name: str | None = None,
+    capture_plan: str | None = None,
+    checked: CheckedInputs | None = None,
+) -> HeadRun:
     """`checked`: the config `preset` and `config_path` resolve to, with these inputs already checked (the CLI's);
     None: the flow resolves and checks them itself (deployments, other flows)."""
     log = get_run_logger()
@@ -219,60 +250,113 @@ def forget_refused_run(store: MlflowStore, settings: Settings, tref: TargetRef |
 
 
 def _run(cfg: PipelineConfig, settings: Settings, store: MlflowStore, run: RunSpec) -> HeadRun:
-    tref, key, work, traffic, heldout, parent, plan = (run.tref, run.key, run.work, run.traffic, run.heldout,
-                                                       run.parent, run.plan)
+    tref, key, work, traffic, heldout, parent, plan = (
+        run.tref,
+        run.key,
+        run.work,
+        run.traffic,
+        run.heldout,
+        run.parent,
+        run.plan,
+    )
     name = head_model_name(tref, cfg.register.experiment_suffix)
     if (done := registered_run(store, name, key)) is not None:
         print(f"run {key[:12]} already registered as {done.uri}; nothing to do")
         return HeadRun.from_registered(done, work)
     regen_dir, ext_dir = str(work / "regenerate"), str(work / "extract")
     trust = settings.trust_remote_code
-    regen = fresh_if_missing(regenerate_task, regen_dir)(cfg.regenerate, tref.path, traffic, regen_dir, trust,
-                                                         ray_settings=settings, runtime=cfg.runtime)
+    regen = fresh_if_missing(regenerate_task, regen_dir)(
+        cfg.regenerate, tref.path, traffic, regen_dir, trust, ray_settings=settings, runtime=cfg.runtime
+    )
     print(f"regenerate: {regen.ok} ok, {regen.failed} failed, {regen.skipped} skipped of {regen.total}")
     if plan is not None:  # the target's own served answers, beside the regenerated ones: nothing to regenerate
         print(f"capture: {plan.add_to(regen_dir)} captured conversations as served ({plan.greedy} greedy)")
-    ext = fresh_if_missing(extract_task, Path(ext_dir) / "manifest.json")(cfg.extract, tref.path, regen_dir, ext_dir,
-                                                                           trust, ray_settings=settings,
-                                                                           runtime=cfg.runtime)
+    ext = fresh_if_missing(extract_task, Path(ext_dir) / "manifest.json")(
+        cfg.extract, tref.path, regen_dir, ext_dir, trust, ray_settings=settings, runtime=cfg.runtime
+    )
     with store.run(f"{name}-{key[:12]}", tags={"run_key": key, "target": f"{tref.name}/{tref.version}"}) as run_id:
-        lineage = {"target_name": tref.name, "target_version": tref.version,
-                   "target_weights_sha256": tref.weights_sha256, "traffic_sha256": traffic_sha256(traffic),
-                   "run_key": key, **({"init_from": parent.uri} if parent else {}), **(plan.tags() if plan else {})}
+        lineage = {
+            "target_name": tref.name,
+            "target_version": tref.version,
+            "target_weights_sha256": tref.weights_sha256,
+            "traffic_sha256": traffic_sha256(traffic),
+            "run_key": key,
+            **({"init_from": parent.uri} if parent else {}),
+            **(plan.tags() if plan else {}),
+        }
         champion = store.get_alias(name, CHAMPION)
-        job = HeadJob(cfg, settings, tref, work, heldout, lineage, MlflowSink(store.tracking_uri, run_id), parent,
-                      str(store.resolve(champion.uri)) if champion else None)
+        job = HeadJob(
+            cfg,
+            settings,
+            tref,
+            work,
+            heldout,
+            lineage,
+            MlflowSink(store.tracking_uri, run_id),
+            parent,
+            str(store.resolve(champion.uri)) if champion else None,
+        )
         chosen, choice_tags = _choose([_train_and_evaluate(job, v) for v in cfg.train.variants or (None,)])
         tr, fig, eval_dir = chosen.train, chosen.figures, chosen.eval_dir
         ev, engine, sweep = fig.local, fig.engine, fig.sweep
-        head = HeadToRegister(head_dir=tr.head_dir, target=tref, traffic_sha256=traffic_sha256(traffic),
-                              run_key=key, run_id=run_id, metrics=fig.metrics,
-                              champion_tau=ev.baseline_tau if ev else None,
-                              evaluation_dir=eval_dir, params={"config": cfg.to_dict()},
-                              init_from=parent.uri if parent else None,
-                              champion_tau_engine=engine.baseline_tau if engine else None,
-                              checkpoint={k: getattr(tr, k, None) for k in CHOICE_KEYS},
-                              notes={"speedup_note": ev.speedup_note if ev else "",
-                                     "speedup_vllm_note": engine.speedup_note if engine else "",
-                                     "target_runtime": cfg.runtime.tag(),
-                                     "extract_engine": cfg.runtime.engine_of("extract"),  # who computed the features
-                                     **(sweep.tags() if sweep else {}), **choice_tags,
-                                     **(plan.tags() if plan else {})})
+        head = HeadToRegister(
+            head_dir=tr.head_dir,
+            target=tref,
+            traffic_sha256=traffic_sha256(traffic),
+            run_key=key,
+            run_id=run_id,
+            metrics=fig.metrics,
+            champion_tau=ev.baseline_tau if ev else None,
+            evaluation_dir=eval_dir,
+            params={"config": cfg.to_dict()},
+            init_from=parent.uri if parent else None,
+            champion_tau_engine=engine.baseline_tau if engine else None,
+            checkpoint={k: getattr(tr, k, None) for k in CHOICE_KEYS},
+            notes={
+                "speedup_note": ev.speedup_note if ev else "",
+                "speedup_vllm_note": engine.speedup_note if engine else "",
+                "target_runtime": cfg.runtime.tag(),
+                "extract_engine": cfg.runtime.engine_of("extract"),  # who computed the features
+                **(sweep.tags() if sweep else {}),
+                **choice_tags,
+                **(plan.tags() if plan else {}),
+            },
+        )
         if plan is not None and champion is not None:  # the shadow test: an extra gate before the alias moves
-            shadow = shadow_task(cfg.evaluate, HeadEval(tref.path, tr.head_dir, plan.heldout_file, str(work / "shadow"),
-                                                         job.champ_dir), settings, champion.uri)
+            shadow = shadow_task(
+                cfg.evaluate,
+                HeadEval(tref.path, tr.head_dir, plan.heldout_file, str(work / "shadow"), job.champ_dir),
+                settings,
+                champion.uri,
+            )
             head = dataclasses.replace(head, extra_gate=shadow.gate(), notes={**head.notes, **shadow.tags()})
         reg = register_task(settings, cfg.register, head, cfg.runtime)
     nan = float("nan")  # a figure of this project's decoding, not measured when vLLM runs the target
-    summary = HeadRun(head_uri=reg.uri, alias=reg.alias, promoted=reg.promoted, gate=reg.reason,
-                      tau=ev.tau if ev else nan, tau_raw=ev.tau_raw if ev else None,
-                      tau_vllm=engine.tau if engine else None, speedup=ev.speedup if ev else nan,
-                      speedup_vllm=engine.speedup if engine else None, identical=ev.identical if ev else None,
-                      acceptance=ev.acceptance if ev else [], per_segment=ev.per_segment if ev else None,
-                      vllm=engine, train=tr, regenerate=regen, extract=ext, created=True, work_dir=str(work),
-                      init_from=parent.uri if parent else None, speedup_note=ev.speedup_note if ev else "",
-                      crossover=sweep.crossover if sweep else None, k_schedule=sweep.schedule if sweep else None,
-                      variant_choice=choice_tags.get("variant_choice", ""))
+    summary = HeadRun(
+        head_uri=reg.uri,
+        alias=reg.alias,
+        promoted=reg.promoted,
+        gate=reg.reason,
+        tau=ev.tau if ev else nan,
+        tau_raw=ev.tau_raw if ev else None,
+        tau_vllm=engine.tau if engine else None,
+        speedup=ev.speedup if ev else nan,
+        speedup_vllm=engine.speedup if engine else None,
+        identical=ev.identical if ev else None,
+        acceptance=ev.acceptance if ev else [],
+        per_segment=ev.per_segment if ev else None,
+        vllm=engine,
+        train=tr,
+        regenerate=regen,
+        extract=ext,
+        created=True,
+        work_dir=str(work),
+        init_from=parent.uri if parent else None,
+        speedup_note=ev.speedup_note if ev else "",
+        crossover=sweep.crossover if sweep else None,
+        k_schedule=sweep.schedule if sweep else None,
+        variant_choice=choice_tags.get("variant_choice", ""),
+    )
     atomic_write_text(work / "summary.json", json.dumps(asdict(summary), indent=2, default=str) + "\n")
     print(f"registered {reg.uri} as {reg.alias}: {reg.reason}")
     return summary
@@ -310,9 +394,13 @@ def _train_and_evaluate(job: HeadJob, variant: str | None) -> Candidate:
     train_cfg = dataclasses.replace(cfg.train, variant=variant, variants=()) if variant else cfg.train
     train_dir, eval_dir = str(job.work / f"train{suffix}"), str(job.work / f"evaluate{suffix}")
     tr = fresh_if_missing(train_task, Path(train_dir) / "head" / "model.safetensors")(
-        train_cfg, TrainJob(str(job.work / "extract"), train_dir, job.tref.path, job.lineage,
-                            job.parent.path if job.parent else None),
-        job.settings, sinks=(VariantSink(job.sink, variant) if variant else job.sink,))
+        train_cfg,
+        TrainJob(
+            str(job.work / "extract"), train_dir, job.tref.path, job.lineage, job.parent.path if job.parent else None
+        ),
+        job.settings,
+        sinks=(VariantSink(job.sink, variant) if variant else job.sink,),
+    )
     head = HeadEval(job.tref.path, tr.head_dir, job.heldout, eval_dir, job.champ_dir, tr.history_file)
     fig = evaluate_head(cfg, head, job.settings, EvalPlan.of_run(cfg, eval_dir), TASKS)
     return Candidate(variant, tr, fig, eval_dir)

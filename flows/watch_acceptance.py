@@ -47,11 +47,13 @@ def scrape(metrics_url: str) -> tuple[SpecCounters, float | None]:
         text = read_metrics(metrics_url)
         return SpecCounters.parse(text), running_requests(text)
     except http.client.HTTPException as e:
-        raise EngineError(f"cannot read {metrics_url}: not an HTTP answer ({type(e).__name__}): is this a vLLM "
-                          "server's /metrics?") from None
+        raise EngineError(
+            f"cannot read {metrics_url}: not an HTTP answer ({type(e).__name__}): is this a vLLM server's /metrics?"
+        ) from None
     except (ValueError, OverflowError, IndexError) as e:
-        raise EngineError(f"{metrics_url}: a spec-decode counter is not a finite number ({e}): is this a vLLM "
-                          "server's /metrics?") from None
+        raise EngineError(
+            f"{metrics_url}: a spec-decode counter is not a finite number ({e}): is this a vLLM server's /metrics?"
+        ) from None
 
 
 def check_acceptance(monitor: Monitor, metrics_url: str, say: Callable[[str], None] = print) -> WindowReport:
@@ -64,16 +66,19 @@ def check_acceptance(monitor: Monitor, metrics_url: str, say: Callable[[str], No
         sent = emit_event(EVENT, f"mlflow.model_version.{name}.{version}", payload=report.payload())
         if sent:
             monitor.mark_announced()
-            say(f"announced {EVENT} for {report.baseline.target}: window tau {report.window_tau:.2f} < "
-                f"{monitor.cfg.ratio} x {report.registered_tau:.2f}")
+            say(
+                f"announced {EVENT} for {report.baseline.target}: window tau {report.window_tau:.2f} < "
+                f"{monitor.cfg.ratio} x {report.registered_tau:.2f}"
+            )
         else:
             say(f"{EVENT} for {report.baseline.target} not sent (no Prefect API); the next scrape tries again")
     return report
 
 
 @flow(name="watch-acceptance", log_prints=True)
-def watch_acceptance(metrics_url: str, target: str, scrapes: int = 1, preset: str = "default",
-                     config_path: str | None = None) -> list[dict]:
+def watch_acceptance(
+    metrics_url: str, target: str, scrapes: int = 1, preset: str = "default", config_path: str | None = None
+) -> list[dict]:
     """`scrapes` scrapes, `monitor.interval_s` apart; returns each window's report as a dict."""
     if scrapes < 1:
         raise ValueError(f"scrapes must be >= 1, got {scrapes}")

@@ -48,8 +48,16 @@ def local_cpus(cfg: Any, settings: Any) -> int | None:
     return max(LOCAL_NUM_CPUS, cfg.num_workers * cfg.cpus_per_worker)
 
 
-def run_on_ray(cfg: Any, worker_cls: type, args: tuple, pending: dict[int, Any], finish: Finish, stage: str,
-               settings: Any = None, progress: Callable[[str], None] = print) -> None:
+def run_on_ray(
+    cfg: Any,
+    worker_cls: type,
+    args: tuple,
+    pending: dict[int, Any],
+    finish: Finish,
+    stage: str,
+    settings: Any = None,
+    progress: Callable[[str], None] = print,
+) -> None:
     """`run_actors` in a Ray session of `settings` (infra.settings.Settings; None: from the environment)."""
     from infra.ray_cluster import ray_session
     from infra.settings import Settings
@@ -59,8 +67,16 @@ def run_on_ray(cfg: Any, worker_cls: type, args: tuple, pending: dict[int, Any],
         run_actors(cfg, worker_cls, args, pending, finish, stage, progress)
 
 
-def run_actors(cfg: Any, worker_cls: type, args: tuple, pending: dict[int, Any], finish: Finish, stage: str,
-               progress: Callable[[str], None], wait_s: float = 30.0) -> None:
+def run_actors(
+    cfg: Any,
+    worker_cls: type,
+    args: tuple,
+    pending: dict[int, Any],
+    finish: Finish,
+    stage: str,
+    progress: Callable[[str], None],
+    wait_s: float = 30.0,
+) -> None:
     """`cfg.num_workers` actors of `worker_cls(worker_cfg, *args)` (fewer if the cluster holds fewer) answer the
     pending shards; the actors are ended afterwards, so their CPUs are free for the next stage. Resources that
     another job (a finished stage's actors, a Ray Train run) is still releasing are waited for up to `wait_s`."""
@@ -72,13 +88,16 @@ def run_actors(cfg: Any, worker_cls: type, args: tuple, pending: dict[int, Any],
     while (n := fitting_workers(cfg, wanted, ray.available_resources())) < 1 and time.monotonic() < deadline:
         time.sleep(0.5)
     if n < 1:
-        raise RuntimeError(f"the Ray cluster has no room for one {stage} worker ({need}; free: "
-                           f"{ray.available_resources()}): lower {stage}.cpus_per_worker or free the cluster")
+        raise RuntimeError(
+            f"the Ray cluster has no room for one {stage} worker ({need}; free: "
+            f"{ray.available_resources()}): lower {stage}.cpus_per_worker or free the cluster"
+        )
     if n < wanted:
         progress(f"{stage}: the Ray cluster holds {n} of {cfg.num_workers} workers ({need} each); using {n}")
     worker_cfg = dataclasses.replace(cfg, device="cuda") if uses_gpu(cfg) else cfg  # Ray shows it one device
-    actor = ray.remote(num_cpus=cfg.cpus_per_worker, num_gpus=1 if uses_gpu(cfg) else 0,
-                       max_restarts=1, max_task_retries=1)(worker_cls)
+    actor = ray.remote(
+        num_cpus=cfg.cpus_per_worker, num_gpus=1 if uses_gpu(cfg) else 0, max_restarts=1, max_task_retries=1
+    )(worker_cls)
     actors = [actor.remote(worker_cfg, *args) for _ in range(n)]
     try:
         _dispatch(actors, dict(pending), finish)

@@ -70,7 +70,7 @@ def _stat_fields(path: Path) -> list[str] | None:
         text = path.read_text(encoding="ascii", errors="replace")
     except OSError:
         return None
-    return text[text.rfind(")") + 2:].split()
+    return text[text.rfind(")") + 2 :].split()
 
 
 @dataclass
@@ -103,5 +103,8 @@ if __name__ == "__main__":
     probe = OtherLoad.start()
     time.sleep(seconds)
     cores = probe.cores()
-    print("other load: not measurable here (no /proc)" if cores is None else
-          f"other load: {cores:.2f} of {os.cpu_count()} cores over {seconds:g} s")
+    print(
+        "other load: not measurable here (no /proc)"
+        if cores is None
+        else f"other load: {cores:.2f} of {os.cpu_count()} cores over {seconds:g} s"
+    )

@@ -69,19 +69,29 @@ def store_errors(settings: Settings, doing: str) -> Iterator[None]:
     except MlflowException as err:
         if err.error_code not in _TRANSIENT:
             raise
-        raise TrackingUnreachable(f"MLflow at {redact_uri(settings.mlflow_tracking_uri)} failed while {doing}: "
-                                  f"{str(err.message).splitlines()[0][:300]}. {_RETRY_HINT}") from err
+        raise TrackingUnreachable(
+            f"MLflow at {redact_uri(settings.mlflow_tracking_uri)} failed while {doing}: "
+            f"{str(err.message).splitlines()[0][:300]}. {_RETRY_HINT}"
+        ) from err
     except (ConnectionError, TimeoutError) as err:
         if isinstance(err, TrackingUnreachable):
             raise
-        raise TrackingUnreachable(f"MLflow at {redact_uri(settings.mlflow_tracking_uri)} is unreachable while "
-                                  f"{doing}: {err}. {_RETRY_HINT}") from err
+        raise TrackingUnreachable(
+            f"MLflow at {redact_uri(settings.mlflow_tracking_uri)} is unreachable while {doing}: {err}. {_RETRY_HINT}"
+        ) from err
 
 
-_TRANSIENT = {"TEMPORARILY_UNAVAILABLE", "INTERNAL_ERROR", "REQUEST_LIMIT_EXCEEDED", "DEADLINE_EXCEEDED",
-              "SERVICE_UNDER_MAINTENANCE"}
-_RETRY_HINT = ("Bring the store back and re-run the same command: finished stages are reused and the head is "
-               "registered exactly once.")
+_TRANSIENT = {
+    "TEMPORARILY_UNAVAILABLE",
+    "INTERNAL_ERROR",
+    "REQUEST_LIMIT_EXCEEDED",
+    "DEADLINE_EXCEEDED",
+    "SERVICE_UNDER_MAINTENANCE",
+}
+_RETRY_HINT = (
+    "Bring the store back and re-run the same command: finished stages are reused and the head is "
+    "registered exactly once."
+)
 
 
 @contextmanager

@@ -140,9 +140,7 @@ class MlflowStore:
         self.experiment_id = experiment_id
 
     @classmethod
-    def connect(
-        cls, settings: Settings, experiment: str = DEFAULT_EXPERIMENT, timeout_s: float = 5.0
-    ) -> MlflowStore:
+    def connect(cls, settings: Settings, experiment: str = DEFAULT_EXPERIMENT, timeout_s: float = 5.0) -> MlflowStore:
         """Open the store named by `settings`, creating the SQLite directory and the experiment when missing."""
         uri = settings.mlflow_tracking_uri
         if uri.startswith(("http://", "https://")):
@@ -280,14 +278,21 @@ class MlflowStore:
             try:
                 return self._register_once(name, run_id, artifact_path, run_key, tags, kind)
             except ConnectionError as err:  # the probe's TrackingUnreachable; MLflow's answers are MlflowException
-                logger.warning("registering a version of %s: try %d of %d failed (%s); retrying in %.0f s", name,
-                               attempt, REGISTER_ATTEMPTS, err, delay)
+                logger.warning(
+                    "registering a version of %s: try %d of %d failed (%s); retrying in %.0f s",
+                    name,
+                    attempt,
+                    REGISTER_ATTEMPTS,
+                    err,
+                    delay,
+                )
                 time.sleep(delay)
                 delay *= 2
         return self._register_once(name, run_id, artifact_path, run_key, tags, kind)  # the last try raises
 
-    def _register_once(self, name: str, run_id: str, artifact_path: str, run_key: str,
-                       tags: Mapping[str, str] | None, kind: str | None) -> ModelVersionRef:
+    def _register_once(
+        self, name: str, run_id: str, artifact_path: str, run_key: str, tags: Mapping[str, str] | None, kind: str | None
+    ) -> ModelVersionRef:
         if self.tracking_uri.startswith(("http://", "https://")):
             probe_http(self.tracking_uri, 5.0)  # fails in seconds; MLflow's client would retry silently for minutes
         self.ensure_model(name, kind)
@@ -301,8 +306,14 @@ class MlflowStore:
         # died after committing it). Keep the oldest.
         found = self.find_versions(name, **{RUN_KEY_TAG: run_key})
         for extra in found[1:]:
-            logger.warning("%s: deleting version %d, a second one of run_key %s (a create re-sent after its answer "
-                           "was lost); keeping version %d", name, extra.version, run_key[:12], found[0].version)
+            logger.warning(
+                "%s: deleting version %d, a second one of run_key %s (a create re-sent after its answer "
+                "was lost); keeping version %d",
+                name,
+                extra.version,
+                run_key[:12],
+                found[0].version,
+            )
             self.client.delete_model_version(name, str(extra.version))
         return found[0] if found else mv
 

@@ -41,7 +41,7 @@ def parse_model_uri(uri: str) -> tuple[str, int | None, str | None]:
     """`models:/name/3` -> (name, 3, None); `models:/name@champion` -> (name, None, 'champion')."""
     if not uri.startswith(PREFIX):
         raise _bad(uri, "it must start with models:/")
-    rest = uri[len(PREFIX):]
+    rest = uri[len(PREFIX) :]
     if any(c in rest for c in "?#"):
         raise _bad(uri, "a query or fragment (?, #) is not part of one")
     name, at, alias = rest.partition("@")
@@ -86,8 +86,10 @@ def lookup(client, uri: str, store: str) -> int:
     except MlflowException as err:
         if not _missing(err):
             raise
-        raise UnknownModel(f"{uri}: no registered model {name!r} in {store}; check the name "
-                           "(`python -m infra.mlflow_store` lists the models)") from None
+        raise UnknownModel(
+            f"{uri}: no registered model {name!r} in {store}; check the name "
+            "(`python -m infra.mlflow_store` lists the models)"
+        ) from None
     aliases = dict(model.aliases or {})
     if alias is not None:
         if alias not in aliases:
@@ -101,8 +103,10 @@ def lookup(client, uri: str, store: str) -> int:
             raise
         found = client.search_model_versions(f"name='{name}'", max_results=1000) if "'" not in name else []
         have = sorted(int(v.version) for v in found)
-        raise UnknownModel(f"{uri}: registered model {name!r} has no version {version} (its versions: "
-                           f"{', '.join(map(str, have)) or 'none'})") from None
+        raise UnknownModel(
+            f"{uri}: registered model {name!r} has no version {version} (its versions: "
+            f"{', '.join(map(str, have)) or 'none'})"
+        ) from None
     return int(version)
 
 
@@ -118,10 +122,12 @@ def check_registered(settings, uris: list[str]) -> None:
     from infra.settings import redact_uri
 
     tracking = settings.mlflow_tracking_uri
-    if tracking.startswith("sqlite:///") and not Path(tracking[len("sqlite:///"):]).expanduser().is_file():
+    if tracking.startswith("sqlite:///") and not Path(tracking[len("sqlite:///") :]).expanduser().is_file():
         name = parse_model_uri(uris[0])[0]
-        raise UnknownModel(f"{uris[0]}: no registered model {name!r} in {tracking}: that registry holds no model "
-                           "yet (its database does not exist); train or register one first, or fix MLFLOW_TRACKING_URI")
+        raise UnknownModel(
+            f"{uris[0]}: no registered model {name!r} in {tracking}: that registry holds no model "
+            "yet (its database does not exist); train or register one first, or fix MLFLOW_TRACKING_URI"
+        )
     probe_tracking(settings)
     client = open_client(tracking)
     for uri in uris:

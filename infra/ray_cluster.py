@@ -197,9 +197,11 @@ def storage_refusal(paths: Mapping[str, str], nodes: Sequence[dict], sees: Calla
             problems.append(f"{what} {path} is a local path that host {', '.join(blind)} does not see")
     if not problems:
         return None
-    return (f"Ray Train workers may run on any of {len(hosts)} hosts ({', '.join(sorted(hosts))}), but "
-            f"{'; '.join(problems)}. Put it on a shared filesystem mounted at the same path on every node (e.g. "
-            "EAGLE_HOME on NFS), or give the checkpoint storage as an object-store URI (s3://..., gs://...)")
+    return (
+        f"Ray Train workers may run on any of {len(hosts)} hosts ({', '.join(sorted(hosts))}), but "
+        f"{'; '.join(problems)}. Put it on a shared filesystem mounted at the same path on every node (e.g. "
+        "EAGLE_HOME on NFS), or give the checkpoint storage as an object-store URI (s3://..., gs://...)"
+    )
 
 
 def _node_sees(node: dict, path: str) -> bool:
@@ -208,8 +210,9 @@ def _node_sees(node: dict, path: str) -> bool:
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     pinned = NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)
-    return bool(ray.get(ray.remote(num_cpus=0)(os.path.exists).options(scheduling_strategy=pinned).remote(path),
-                        timeout=120))
+    return bool(
+        ray.get(ray.remote(num_cpus=0)(os.path.exists).options(scheduling_strategy=pinned).remote(path), timeout=120)
+    )
 
 
 def check_shared_paths(paths: Mapping[str, str]) -> None:
@@ -281,9 +284,7 @@ def _env_var(name: str, value: str | None) -> Iterator[None]:
 
 
 @contextmanager
-def ray_session(
-    settings: Settings, num_cpus: int | None = None, timeout_s: float = 5.0
-) -> Iterator[RaySessionInfo]:
+def ray_session(settings: Settings, num_cpus: int | None = None, timeout_s: float = 5.0) -> Iterator[RaySessionInfo]:
     """Connected Ray for the block: the cluster at `settings.ray_address`, else a local Ray started here.
 
     If Ray is already initialised in this process, the block uses it and leaves it running.
@@ -313,8 +314,13 @@ def ray_session(
         _reread_auth_mode()
         # address "local": a new Ray of this process's own, even where `ray start` left a cluster on the machine
         # (ray.init would otherwise join that one)
-        ray.init(address="local", num_cpus=num_cpus or LOCAL_NUM_CPUS, include_dashboard=False,
-                 runtime_env=_runtime_env(True, auth), logging_level=logging.WARNING)
+        ray.init(
+            address="local",
+            num_cpus=num_cpus or LOCAL_NUM_CPUS,
+            include_dashboard=False,
+            runtime_env=_runtime_env(True, auth),
+            logging_level=logging.WARNING,
+        )
         try:
             yield RaySessionInfo(address=ray.get_runtime_context().gcs_address, started=True)
         finally:

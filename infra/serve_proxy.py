@@ -36,8 +36,20 @@ from infra.settings import BIND_HOST
 
 CAPTURED_PATHS = ("/v1/chat/completions", "/v1/completions")
 # hop-by-hop headers (RFC 9110 7.6.1) and the ones aiohttp sets itself for each leg (Expect: it answers 100-continue)
-_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection", "te", "trailer",
-        "transfer-encoding", "upgrade", "host", "content-length", "expect"}
+_HOP = {
+    "connection",
+    "keep-alive",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+    "host",
+    "content-length",
+    "expect",
+}
 MAX_BODY = 256 << 20  # aiohttp refuses bodies over 1 MiB by default; long chats exceed that
 
 
@@ -65,8 +77,14 @@ class Exchange:
 
 
 class ServeProxy:
-    def __init__(self, backend: Backend, port: int = 0, record: Callable[[Exchange], None] | None = None,
-                 rate: float = 1.0, status_extra: Callable[[], dict[str, Any]] | None = None):
+    def __init__(
+        self,
+        backend: Backend,
+        port: int = 0,
+        record: Callable[[Exchange], None] | None = None,
+        rate: float = 1.0,
+        status_extra: Callable[[], dict[str, Any]] | None = None,
+    ):
         self._backend, self._known = backend, [backend]
         self.port, self._record, self._rate, self._extra = port, record, rate, status_extra
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -160,9 +178,12 @@ class ServeProxy:
         return old
 
     def _status(self) -> dict[str, Any]:
-        return {"backend": self._backend.url, "meta": dict(self._backend.meta),
-                "in_flight": {b.url: b.in_flight for b in self._known},
-                "capture": self._extra() if self._extra else None}
+        return {
+            "backend": self._backend.url,
+            "meta": dict(self._backend.meta),
+            "in_flight": {b.url: b.in_flight for b in self._known},
+            "capture": self._extra() if self._extra else None,
+        }
 
     # ---- the loop's thread -----------------------------------------------------------------------------------
     def _run(self, started: Future) -> None:
@@ -183,8 +204,11 @@ class ServeProxy:
         app.router.add_route("*", "/{tail:.*}", self._forward)
         runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=5.0)
         # no read timeout: a long generation streams for as long as it takes; answers are passed on as they come
-        self._session = aiohttp.ClientSession(auto_decompress=False, timeout=aiohttp.ClientTimeout(
-            total=None, sock_connect=10), connector=aiohttp.TCPConnector(limit=0))
+        self._session = aiohttp.ClientSession(
+            auto_decompress=False,
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
+            connector=aiohttp.TCPConnector(limit=0),
+        )
         try:
             sock = socket.socket()
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -216,23 +240,37 @@ class ServeProxy:
         kept: list[bytes] | None = None
         try:
             body = await request.read()
-            if (self._record is not None and request.method == "POST" and request.path in CAPTURED_PATHS
-                    and random.random() < self._rate):
+            if (
+                self._record is not None
+                and request.method == "POST"
+                and request.path in CAPTURED_PATHS
+                and random.random() < self._rate
+            ):
                 kept = []
             headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP]
             try:
-                upstream = await self._session.request(request.method, backend.url + request.raw_path,
-                                                       data=body if body else None, headers=headers)
+                upstream = await self._session.request(
+                    request.method, backend.url + request.raw_path, data=body if body else None, headers=headers
+                )
             except (aiohttp.ClientError, OSError) as e:
-                return web.json_response({"error": {"message": f"the engine at {backend.url} did not answer: {e}",
-                                                    "type": "bad_gateway", "code": 502}}, status=502)
+                return web.json_response(
+                    {
+                        "error": {
+                            "message": f"the engine at {backend.url} did not answer: {e}",
+                            "type": "bad_gateway",
+                            "code": 502,
+                        }
+                    },
+                    status=502,
+                )
             async with upstream:
                 resp = web.StreamResponse(status=upstream.status, reason=upstream.reason)
                 for k, v in upstream.headers.items():
                     if k.lower() not in _HOP:
                         resp.headers.add(k, v)
                 if upstream.content_length is not None and "chunked" not in upstream.headers.get(
-                        "Transfer-Encoding", ""):
+                    "Transfer-Encoding", ""
+                ):
                     resp.content_length = upstream.content_length
                 await resp.prepare(request)
                 try:
@@ -249,8 +287,9 @@ class ServeProxy:
                         request.transport.abort()
                     return resp
                 if kept is not None and upstream.status == 200:
-                    self._hand_over(Exchange(request.path, body, b"".join(kept), backend.meta, wall,
-                                             time.perf_counter() - t0))
+                    self._hand_over(
+                        Exchange(request.path, body, b"".join(kept), backend.meta, wall, time.perf_counter() - t0)
+                    )
                 return resp
         finally:
             backend.in_flight -= 1

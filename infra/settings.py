@@ -54,12 +54,39 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"", "0", "false", "no", "off"}
 _SECRET_FIELDS = ("mlflow_tracking_token", "mlflow_tracking_username", "mlflow_tracking_password", "prefect_api_key")
 # MLflow's tracking stores: a directory (file), SQLAlchemy databases (`dialect+driver://`), a server, Databricks
-_TRACKING_SCHEMES = {"", "file", "sqlite", "postgresql", "mysql", "mssql", "http", "https", "databricks",
-                     "databricks-uc", "uc"}
+_TRACKING_SCHEMES = {
+    "",
+    "file",
+    "sqlite",
+    "postgresql",
+    "mysql",
+    "mssql",
+    "http",
+    "https",
+    "databricks",
+    "databricks-uc",
+    "uc",
+}
 # the folders the project makes under the state dir (each made on first use); one that is a file, or read-only, would
 # fail the stage that first writes there, after the work before it
-STATE_DIRS = ("configs", "demo", "embedded", "evaluations", "gguf", "locks", "logs", "mlartifacts", "models",
-              "monitor", "prefect", "ray_results", "runs", "servable", "vllm", "watcher")
+STATE_DIRS = (
+    "configs",
+    "demo",
+    "embedded",
+    "evaluations",
+    "gguf",
+    "locks",
+    "logs",
+    "mlartifacts",
+    "models",
+    "monitor",
+    "prefect",
+    "ray_results",
+    "runs",
+    "servable",
+    "vllm",
+    "watcher",
+)
 # a state dir or temporary space with less free than this is full: a run writes shards, checkpoints and copies of
 # the target there, and a full disk would fail it in the middle (the stages leave nothing half-written, but the work
 # is lost)
@@ -186,10 +213,12 @@ def check_http_url(url: str, what: str) -> str:
 def _check_sqlite_dir(uri: str, default: str) -> None:
     """A sqlite URI whose directory does not exist would silently start a new, empty registry: refused (but the
     default store under the state dir, which is made on first use)."""
-    path = Path(uri[len("sqlite:///"):]).expanduser() if uri.startswith("sqlite:///") else None
+    path = Path(uri[len("sqlite:///") :]).expanduser() if uri.startswith("sqlite:///") else None
     if path is not None and uri != default and not path.parent.is_dir():
-        raise BadSetting(f"MLFLOW_TRACKING_URI={uri!r}: the directory {path.parent} does not exist; fix the path "
-                         "(a new store needs its directory created first) or unset it for the default store")
+        raise BadSetting(
+            f"MLFLOW_TRACKING_URI={uri!r}: the directory {path.parent} does not exist; fix the path "
+            "(a new store needs its directory created first) or unset it for the default store"
+        )
 
 
 @dataclass(frozen=True, repr=False)
@@ -274,15 +303,19 @@ class Settings:
         self._check_temp_dir()
         problem = program_problem(Path(self.vllm_python)) if self.vllm_python else None
         if problem:
-            raise BadSetting(f"EAGLE_VLLM_PYTHON={self.vllm_python}: {problem}; point it at the python of an "
-                             "environment with vLLM (its venv's bin/python) or unset it for the project's .venv-vllm")
+            raise BadSetting(
+                f"EAGLE_VLLM_PYTHON={self.vllm_python}: {problem}; point it at the python of an "
+                "environment with vLLM (its venv's bin/python) or unset it for the project's .venv-vllm"
+            )
         uri = self.mlflow_tracking_uri
         scheme = uri.partition("://")[0].split("+")[0].lower() if "://" in uri else urlsplit(uri).scheme
         problem = http_url_problem(uri) if scheme in ("http", "https") else None
         if scheme not in _TRACKING_SCHEMES and len(scheme) != 1:
-            problem = (f"unknown scheme {scheme}://; use sqlite:///PATH, http(s)://HOST:PORT (a tracking server), a "
-                       "database URI (postgresql://, mysql://, mssql://) or a directory; unset it for the local store "
-                       "under EAGLE_HOME")
+            problem = (
+                f"unknown scheme {scheme}://; use sqlite:///PATH, http(s)://HOST:PORT (a tracking server), a "
+                "database URI (postgresql://, mysql://, mssql://) or a directory; unset it for the local store "
+                "under EAGLE_HOME"
+            )
         if problem:
             shown = redact_uri(uri) if "@" not in uri or not problem.startswith("not a URL") else "(credentials)@..."
             raise BadSetting(f"MLFLOW_TRACKING_URI={shown!r}: {problem}")
@@ -298,14 +331,17 @@ class Settings:
             probe = probe.parent
         problem = _folder_problem(probe)
         if problem:
-            raise BadSetting(f"EAGLE_HOME={home}: {probe} is {problem}; point EAGLE_HOME at a writable directory with "
-                             "room")
+            raise BadSetting(
+                f"EAGLE_HOME={home}: {probe} is {problem}; point EAGLE_HOME at a writable directory with room"
+            )
         for name in STATE_DIRS if probe == home else ():
             sub = home / name
             problem = _folder_problem(sub) if sub.exists() or sub.is_symlink() else None
             if problem:
-                raise BadSetting(f"EAGLE_HOME={home}: its folder {name}/ is {problem}; make {sub} a writable directory "
-                                 "(or move it away: the project makes it on first use)")
+                raise BadSetting(
+                    f"EAGLE_HOME={home}: its folder {name}/ is {problem}; make {sub} a writable directory "
+                    "(or move it away: the project makes it on first use)"
+                )
 
     def _check_temp_dir(self) -> None:
         """TMPDIR when set (Python would quietly use another, the libraries that read it would fail), else the
@@ -314,14 +350,16 @@ class Settings:
             tmp = Path(self.temp_dir)
             problem = _folder_problem(tmp) if tmp.exists() or tmp.is_symlink() else "no such directory"
             if problem:
-                raise BadSetting(f"TMPDIR={self.temp_dir}: {problem}; point TMPDIR at a writable directory with room "
-                                 "or unset it")
+                raise BadSetting(
+                    f"TMPDIR={self.temp_dir}: {problem}; point TMPDIR at a writable directory with room or unset it"
+                )
             return
         tmp = Path(tempfile.gettempdir())
         problem = _folder_problem(tmp)
         if problem:
-            raise BadSetting(f"the temporary directory {tmp} is {problem}; set TMPDIR to a writable directory with "
-                             "room")
+            raise BadSetting(
+                f"the temporary directory {tmp} is {problem}; set TMPDIR to a writable directory with room"
+            )
 
     def describe(self) -> dict[str, str]:
         """Printable summary: URIs with credentials redacted, secrets only as 'set'/'unset'."""

@@ -88,8 +88,11 @@ def write_dataset(prompts: list[str], path: str | Path) -> Path:
     return Path(path)
 
 
-def bench_serve_many(jobs: list[tuple[VllmServer, LoadRequest]], settings: Settings,
-                     on_cell: Callable[[int, LoadCell], None] | None = None) -> list[LoadCell]:
+def bench_serve_many(
+    jobs: list[tuple[VllmServer, LoadRequest]],
+    settings: Settings,
+    on_cell: Callable[[int, LoadCell], None] | None = None,
+) -> list[LoadCell]:
     """The cells of `jobs` measured in their order by one client process; `on_cell(i, cell)` after each one."""
     with tempfile.TemporaryDirectory() as tmp:
         argvs = [_argv(srv, req, tmp, f"cell{i}.json") for i, (srv, req) in enumerate(jobs)]
@@ -99,8 +102,14 @@ def bench_serve_many(jobs: list[tuple[VllmServer, LoadRequest]], settings: Setti
         env.pop("PYTHONPATH", None)
         cells: list[LoadCell] = []
         with open(log, "a") as err:
-            proc = subprocess.Popen([str(vllm_python(settings)), "-c", RUNNER, str(Path(tmp, "jobs.json")), str(log)],
-                                    stdout=subprocess.PIPE, stderr=err, text=True, env=env, cwd=tmp)
+            proc = subprocess.Popen(
+                [str(vllm_python(settings)), "-c", RUNNER, str(Path(tmp, "jobs.json")), str(log)],
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+                env=env,
+                cwd=tmp,
+            )
             timer = threading.Timer(CELL_TIMEOUT_S * len(jobs), proc.kill)
             timer.start()
             try:
@@ -120,20 +129,50 @@ def bench_serve_many(jobs: list[tuple[VllmServer, LoadRequest]], settings: Setti
             lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
             last = [ln for ln in lines if "Error" in ln][-1:] or lines[-1:] or ["(no output)"]
             req = jobs[len(cells)][1] if len(cells) < len(jobs) else jobs[-1][1]
-            raise EngineError(f"vLLM's load client failed at concurrency {req.concurrency} (exit "
-                              f"{proc.returncode}): {last[0][-400:]}")
+            raise EngineError(
+                f"vLLM's load client failed at concurrency {req.concurrency} (exit {proc.returncode}): {last[0][-400:]}"
+            )
     return cells
 
 
 def _argv(server: VllmServer, req: LoadRequest, result_dir: str, name: str) -> list[str]:
-    args = ["--base-url", server.base_url, "--model", server.spec.served_model_name, "--tokenizer",
-            local_path(req.tokenizer_dir), "--dataset-name", "sharegpt", "--dataset-path", local_path(req.dataset),
-            "--sharegpt-output-len", req.output_len, "--num-prompts", req.num_prompts,
-            "--max-concurrency", req.concurrency, "--disable-shuffle", "--seed", req.seed,
-            "--temperature", req.temperature, *(["--ignore-eos"] if req.ignore_eos else []),
-            "--num-warmups", "1", "--disable-tqdm",
-            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99", "--save-result",
-            "--save-detailed", "--result-dir", result_dir, "--result-filename", name]
+    args = [
+        "--base-url",
+        server.base_url,
+        "--model",
+        server.spec.served_model_name,
+        "--tokenizer",
+        local_path(req.tokenizer_dir),
+        "--dataset-name",
+        "sharegpt",
+        "--dataset-path",
+        local_path(req.dataset),
+        "--sharegpt-output-len",
+        req.output_len,
+        "--num-prompts",
+        req.num_prompts,
+        "--max-concurrency",
+        req.concurrency,
+        "--disable-shuffle",
+        "--seed",
+        req.seed,
+        "--temperature",
+        req.temperature,
+        *(["--ignore-eos"] if req.ignore_eos else []),
+        "--num-warmups",
+        "1",
+        "--disable-tqdm",
+        "--percentile-metrics",
+        "ttft,tpot,itl,e2el",
+        "--metric-percentiles",
+        "50,99",
+        "--save-result",
+        "--save-detailed",
+        "--result-dir",
+        result_dir,
+        "--result-filename",
+        name,
+    ]
     return [str(a) for a in args]  # paths given as Path objects too
 
 
@@ -141,20 +180,27 @@ def _read_cell(path: Path, server: VllmServer, req: LoadRequest) -> LoadCell:
     r = json.loads(path.read_text())
     if r.get("failed"):
         errors = sorted({e for e in r.get("errors", []) if e})
-        raise EngineError(f"{r['failed']} of {req.num_prompts} requests failed at concurrency {req.concurrency}: "
-                          f"{'; '.join(errors)[:300]} (server log: {server.log_path})")
+        raise EngineError(
+            f"{r['failed']} of {req.num_prompts} requests failed at concurrency {req.concurrency}: "
+            f"{'; '.join(errors)[:300]} (server log: {server.log_path})"
+        )
     return _cell(r, req)
 
 
 def _cell(r: dict, req: LoadRequest) -> LoadCell:
     drafts = r.get("spec_decode_num_drafts")
     return LoadCell(
-        concurrency=req.concurrency, requests=int(r["completed"]),
-        output_tokens_per_s=float(r["output_throughput"]), median_ttft_ms=float(r["median_ttft_ms"]),
-        p99_ttft_ms=float(r["p99_ttft_ms"]), median_itl_ms=float(r["median_itl_ms"]),
-        p99_itl_ms=float(r["p99_itl_ms"]), duration_s=float(r["duration"]),
+        concurrency=req.concurrency,
+        requests=int(r["completed"]),
+        output_tokens_per_s=float(r["output_throughput"]),
+        median_ttft_ms=float(r["median_ttft_ms"]),
+        p99_ttft_ms=float(r["p99_ttft_ms"]),
+        median_itl_ms=float(r["median_itl_ms"]),
+        p99_itl_ms=float(r["p99_itl_ms"]),
+        duration_s=float(r["duration"]),
         drafts=int(drafts) if drafts is not None else None,
         accepted=int(r["spec_decode_accepted_tokens"]) if drafts is not None else None,
         acceptance_length=float(r["spec_decode_acceptance_length"]) if drafts is not None else None,
         per_position=[float(x) for x in r.get("spec_decode_per_position_acceptance_rates") or []] or None,
-        texts=list(r.get("generated_texts") or []))
+        texts=list(r.get("generated_texts") or []),
+    )

@@ -63,10 +63,17 @@ class EngineSpec:
         if self.method is None:
             return None
         if self.method == "ngram":
-            return {"method": "ngram", "num_speculative_tokens": self.num_speculative_tokens,
-                    "prompt_lookup_max": 4, "prompt_lookup_min": 1}
-        spec: dict[str, Any] = {"method": "eagle3", "model": local_path(self.head_dir),
-                                "num_speculative_tokens": self.num_speculative_tokens}
+            return {
+                "method": "ngram",
+                "num_speculative_tokens": self.num_speculative_tokens,
+                "prompt_lookup_max": 4,
+                "prompt_lookup_min": 1,
+            }
+        spec: dict[str, Any] = {
+            "method": "eagle3",
+            "model": local_path(self.head_dir),
+            "num_speculative_tokens": self.num_speculative_tokens,
+        }
         if self.drafts_in_parallel():
             spec["parallel_drafting"] = True
         if self.k_schedule:
@@ -84,12 +91,23 @@ class EngineSpec:
 
     def server_args(self, port: int, host: str | None = BIND_HOST) -> list[str]:
         """Arguments of vLLM's OpenAI server; `host=None` leaves the interface to vLLM (printed commands only)."""
-        args = ["--model", local_path(self.target_dir), "--served-model-name", self.served_model_name,
-                "--dtype", self.dtype, "--max-model-len", str(self.max_model_len), "--port", str(port)]
+        args = [
+            "--model",
+            local_path(self.target_dir),
+            "--served-model-name",
+            self.served_model_name,
+            "--dtype",
+            self.dtype,
+            "--max-model-len",
+            str(self.max_model_len),
+            "--port",
+            str(port),
+        ]
         args += ["--host", host] if host is not None else []
         if self.resolved_device() == "cpu":  # the KV cache the pipeline's requests need, at most the share
-            kv = cpu_kv_cache_bytes(self.target_dir, self.head_dir, self.dtype, self.max_model_len,
-                                    self.cpu_memory_share)
+            kv = cpu_kv_cache_bytes(
+                self.target_dir, self.head_dir, self.dtype, self.max_model_len, self.cpu_memory_share
+            )
             args += ["--gpu-memory-utilization", str(self.cpu_memory_share), "--enforce-eager"]
             args += ["--kv-cache-memory-bytes", str(kv)] if kv else []
         spec = self.speculative_config()

@@ -31,16 +31,26 @@ CPU_CONNECTOR = ("CpuHiddenStatesConnector", "cpu_hidden_states_connector")  # c
 GPU_CONNECTOR = "ExampleHiddenStatesConnector"  # vLLM's own, registered by name
 
 
-def hidden_states_spec(target_dir: str, layer_ids: list[int], storage_dir: Path, max_model_len: int, dtype: str,
-                       context: int | None = None, device: str = "auto",
-                       kv_cache_bytes: int | None = None) -> EngineSpec:
+def hidden_states_spec(
+    target_dir: str,
+    layer_ids: list[int],
+    storage_dir: Path,
+    max_model_len: int,
+    dtype: str,
+    context: int | None = None,
+    device: str = "auto",
+    kv_cache_bytes: int | None = None,
+) -> EngineSpec:
     """The engine that writes the hidden states at `layer_ids` of every request under `storage_dir`, running the
     target in `dtype` (state it: vLLM's "auto" runs a float32 target in 16 bits). `context`: the target's
     `max_position_embeddings`; a `max_model_len` one past it (room for the one token a request generates, never an
     input of a feature) is allowed explicitly. `kv_cache_bytes`: on the CPU build, the engine's KV cache
     (`--kv-cache-memory-bytes`) instead of a share of host memory, so that several engines fit one host."""
-    spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
-            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}}}
+    spec = {
+        "method": "extract_hidden_states",
+        "num_speculative_tokens": 1,
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}},
+    }
     kv = {"kv_role": "kv_producer", "kv_connector_extra_config": {"shared_storage_path": str(storage_dir)}}
     env: list[tuple[str, str]] = []
     memory: tuple[str, ...] = ()
@@ -52,21 +62,39 @@ def hidden_states_spec(target_dir: str, layer_ids: list[int], storage_dir: Path,
         memory = ("--kv-cache-memory-bytes", str(kv_cache_bytes)) if kv_cache_bytes else ()
     else:
         kv["kv_connector"] = GPU_CONNECTOR
-    args = ("--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv),
-            "--no-enable-chunked-prefill", *memory)
-    return EngineSpec(str(target_dir), method=None, dtype=dtype, max_model_len=max_model_len,
-                      device=device, extra_args=args, env=tuple(env))  # type: ignore[arg-type]
+    args = (
+        "--speculative-config",
+        json.dumps(spec),
+        "--kv-transfer-config",
+        json.dumps(kv),
+        "--no-enable-chunked-prefill",
+        *memory,
+    )
+    return EngineSpec(
+        str(target_dir),
+        method=None,
+        dtype=dtype,
+        max_model_len=max_model_len,
+        device=device,
+        extra_args=args,
+        env=tuple(env),
+    )  # type: ignore[arg-type]
 
 
 def request_hidden_states(server: VllmServer, ids: list[int], timeout_s: float = 600.0) -> str:
     """Prefill `ids` in the engine; the path of the file its connector writes the hidden states to."""
-    r = server._post("/v1/completions", {"model": server.spec.served_model_name, "prompt": list(ids),
-                                         "max_tokens": 1, "temperature": 0.0}, timeout_s=timeout_s)
+    r = server._post(
+        "/v1/completions",
+        {"model": server.spec.served_model_name, "prompt": list(ids), "max_tokens": 1, "temperature": 0.0},
+        timeout_s=timeout_s,
+    )
     path = (r.get("kv_transfer_params") or {}).get("hidden_states_path")
     if not path:
-        raise EngineError(f"vLLM at {server.base_url} returned no kv_transfer_params.hidden_states_path: is it "
-                          f"running with the extract_hidden_states method and a hidden-states connector? "
-                          f"(log: {server.log_path})")
+        raise EngineError(
+            f"vLLM at {server.base_url} returned no kv_transfer_params.hidden_states_path: is it "
+            f"running with the extract_hidden_states method and a hidden-states connector? "
+            f"(log: {server.log_path})"
+        )
     return str(path)
 
 
@@ -84,8 +112,10 @@ def load_hidden_states(path: str, ids: list[int]):
     except OSError as e:
         raise EngineError(f"vLLM did not write its hidden states ({e}): did the engine die? see its log") from None
     if data["token_ids"].tolist() != list(ids):
-        raise EngineError(f"{path}: the engine's token ids differ from the {len(ids)} sent; is another client using "
-                          "this engine's storage directory?")
+        raise EngineError(
+            f"{path}: the engine's token ids differ from the {len(ids)} sent; is another client using "
+            "this engine's storage directory?"
+        )
     return data["hidden_states"]
 
 

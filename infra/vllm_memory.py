@@ -32,8 +32,12 @@ def host_memory(device: str) -> tuple[int, int]:
         except (OSError, KeyError, ValueError):
             return 0, 0
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total,memory.free", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=30).stdout.splitlines()[0]
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.total,memory.free", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout.splitlines()[0]
         total, free = (int(x) * 2**20 for x in out.split(","))
         return total, free
     except (OSError, IndexError, ValueError, subprocess.SubprocessError):
@@ -53,10 +57,12 @@ def kv_bytes_per_token(config: dict, dtype: str) -> int | None:
         return None
 
 
-def cpu_kv_cache_bytes(target_dir: str, head_dir: str | None, dtype: str, max_model_len: int,
-                       share: float) -> int | None:
+def cpu_kv_cache_bytes(
+    target_dir: str, head_dir: str | None, dtype: str, max_model_len: int, share: float
+) -> int | None:
     """The KV cache a CPU engine of this target (and head) needs for `KV_SEQS` sequences of `max_model_len` tokens,
     at most `share` of host memory; None (vLLM's share then) when a config cannot be read."""
+
     def config(d: str | None) -> dict | None:
         try:
             return json.loads((Path(d) / "config.json").read_text()) if d else None

@@ -57,8 +57,9 @@ class SampledDraftsBroken(BadInput):
 
 def _kernel_file(python: Path) -> Path | None:
     """vLLM's `utils/cpu_triton_utils.py` in the venv of `python`, found without importing vLLM."""
-    found = sorted(python.resolve().parent.parent.glob("lib/python3*/site-packages/vllm/utils/cpu_triton_utils.py")) \
-        or sorted(python.parent.parent.glob("lib/python3*/site-packages/vllm/utils/cpu_triton_utils.py"))
+    found = sorted(
+        python.resolve().parent.parent.glob("lib/python3*/site-packages/vllm/utils/cpu_triton_utils.py")
+    ) or sorted(python.parent.parent.glob("lib/python3*/site-packages/vllm/utils/cpu_triton_utils.py"))
     return found[0] if found else None
 
 
@@ -82,8 +83,13 @@ def sampled_drafts_ok(settings: Settings, write_cache: bool = True) -> bool:
     except (OSError, ValueError, AttributeError):
         pass
     try:
-        proc = subprocess.run([str(python), "-I", "-c", PROBE], capture_output=True, text=True,
-                              timeout=PROBE_TIMEOUT_S, cwd=str(kernel.parent))
+        proc = subprocess.run(
+            [str(python), "-I", "-c", PROBE],
+            capture_output=True,
+            text=True,
+            timeout=PROBE_TIMEOUT_S,
+            cwd=str(kernel.parent),
+        )
         answer = json.loads(proc.stdout.strip().splitlines()[-1])
     except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
         return True  # the probe could not run: nothing to say (the engine's own start reports a broken install)
@@ -96,8 +102,9 @@ def sampled_drafts_ok(settings: Settings, write_cache: bool = True) -> bool:
     return answer["ok"]
 
 
-def refuse_sampled_drafts(device: str, temperature: float, settings: Settings, key: str,
-                          write_cache: bool = True) -> None:
+def refuse_sampled_drafts(
+    device: str, temperature: float, settings: Settings, key: str, write_cache: bool = True
+) -> None:
     """Raise `SampledDraftsBroken` when a speculative vLLM on `device` ('cpu' / 'cuda', resolved) would serve
     requests sampled at `temperature` > 0 and this installation's sampled verification is wrong; `key` names the
     setting (e.g. 'evaluate.spec.temperature'); `write_cache`: as in `sampled_drafts_ok`."""
@@ -107,4 +114,5 @@ def refuse_sampled_drafts(device: str, temperature: float, settings: Settings, k
         f"{key} {temperature:g} with vLLM on the CPU: this vLLM's CPU build verifies sampled drafts against an "
         "unset per-token temperature (vllm/utils/cpu_triton_utils.py _expand_kernel_impl writes an int64 copy), so "
         "its sampled acceptance and outputs are wrong; evaluate greedy (temperature 0) in vLLM, sampled with "
-        "evaluate.engine 'local', or on a GPU build (infra/vllm_sampling.py)")
+        "evaluate.engine 'local', or on a GPU build (infra/vllm_sampling.py)"
+    )

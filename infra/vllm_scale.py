@@ -32,9 +32,11 @@ class EngineScale:
 
     def args(self) -> list[str]:
         """The flags that differ from vLLM's defaults (none for one device)."""
-        sizes = (("--tensor-parallel-size", self.tensor_parallel_size),
-                 ("--pipeline-parallel-size", self.pipeline_parallel_size),
-                 ("--data-parallel-size", self.data_parallel_size))
+        sizes = (
+            ("--tensor-parallel-size", self.tensor_parallel_size),
+            ("--pipeline-parallel-size", self.pipeline_parallel_size),
+            ("--data-parallel-size", self.data_parallel_size),
+        )
         out = [a for flag, n in sizes if n != 1 for a in (flag, str(n))]
         if self.distributed_executor_backend:
             out += ["--distributed-executor-backend", self.distributed_executor_backend]

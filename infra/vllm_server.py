@@ -40,8 +40,11 @@ from infra import vllm_zygote
 from infra.settings import BIND_HOST, Settings, program_problem
 from infra.vllm_engine_spec import EngineSpec
 
-SPEC_COUNTERS = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
-                 "vllm:spec_decode_num_accepted_tokens_total")
+SPEC_COUNTERS = (
+    "vllm:spec_decode_num_drafts_total",
+    "vllm:spec_decode_num_draft_tokens_total",
+    "vllm:spec_decode_num_accepted_tokens_total",
+)
 PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 # After each request a vLLM worker keeps polling its input queue in a busy loop for 1 s before it sleeps on a socket
 # (vLLM 0.32 distributed/device_communicators/shm_broadcast.py: `SpinCondition`, `busy_loop_s` = 1): nearly a whole
@@ -59,8 +62,10 @@ def vllm_python(settings: Settings) -> Path:
     """The interpreter of vLLM's environment: EAGLE_VLLM_PYTHON, else `.venv-vllm/bin/python` in the project."""
     path = Path(settings.vllm_python or Path(__file__).resolve().parents[1] / ".venv-vllm/bin/python")
     if problem := program_problem(path):  # missing, a directory, a dangling link, not executable: not an OSError later
-        raise EngineError(f"vLLM is not installed at {path} ({problem}): run `make vllm` (its own venv, ~3 min, "
-                          "3.5 GB) or set EAGLE_VLLM_PYTHON to a python that has vllm (the `vllm` package on a GPU)")
+        raise EngineError(
+            f"vLLM is not installed at {path} ({problem}): run `make vllm` (its own venv, ~3 min, "
+            "3.5 GB) or set EAGLE_VLLM_PYTHON to a python that has vllm (the `vllm` package on a GPU)"
+        )
     return path
 
 
@@ -73,8 +78,14 @@ def free_port(host: str = BIND_HOST) -> int:
 class VllmServer:
     """One vLLM OpenAI-compatible server on loopback; `with VllmServer(spec, settings) as srv: srv.chat(...)`."""
 
-    def __init__(self, spec: EngineSpec, settings: Settings, port: int | None = None, start_timeout_s: float = 600.0,
-                 log_dir: Path | None = None):
+    def __init__(
+        self,
+        spec: EngineSpec,
+        settings: Settings,
+        port: int | None = None,
+        start_timeout_s: float = 600.0,
+        log_dir: Path | None = None,
+    ):
         if spec.scale is None and settings.engine_scale is not None:  # the run's scale reaches every engine it starts
             spec = dataclasses.replace(spec, scale=settings.engine_scale)
         self.spec, self.settings, self.start_timeout_s = spec, settings, start_timeout_s
@@ -91,8 +102,14 @@ class VllmServer:
         """Start the engine's process, not waiting for it (`wait_ready()`); it dies with the thread that launched it."""
         python = vllm_python(self.settings)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "VLLM_CONFIGURE_LOGGING": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-               "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+        env = {
+            **os.environ,
+            "VLLM_CONFIGURE_LOGGING": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+        }
         env.pop("PYTHONPATH", None)  # our venv's packages must not shadow vLLM's pinned ones
         env.update(dict(self.spec.env))
         cmd = [str(python), "-m", vllm_zygote.SERVER, *self.spec.server_args(self.port)]
@@ -102,8 +119,16 @@ class VllmServer:
         proc = vllm_zygote.launch(str(python), cmd[3:], env, cwd, self.log_path) if forked else None
         if proc is None:  # not forked from a zygote (infra/vllm_zygote.py): an interpreter of its own
             with open(self.log_path, "a") as log:
-                proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                        cwd=cwd, start_new_session=True, preexec_fn=vllm_zygote.die_with_parent)
+                proc = subprocess.Popen(
+                    cmd,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    env=env,
+                    cwd=cwd,
+                    start_new_session=True,
+                    preexec_fn=vllm_zygote.die_with_parent,
+                )
         self.proc = proc
         return self
 
@@ -118,8 +143,10 @@ class VllmServer:
             if self.proc is None:  # stop() ran while it started (`running`: another server failed, or Ctrl-C)
                 raise EngineError(f"vLLM was stopped while starting (log: {self.log_path})")
             if self.proc.poll() is not None:
-                raise EngineError(f"vLLM exited with code {self.proc.returncode} while starting: {self.last_error()} "
-                                  f"(full log: {self.log_path})")
+                raise EngineError(
+                    f"vLLM exited with code {self.proc.returncode} while starting: {self.last_error()} "
+                    f"(full log: {self.log_path})"
+                )
             try:
                 with urllib.request.urlopen(self.base_url + "/health", timeout=2) as r:
                     if r.status == 200 and self._listening():
@@ -148,8 +175,10 @@ class VllmServer:
         errors = [ln for ln in lines if "Error" in ln or "error:" in ln]
         family = [ln for ln in lines if UNSUPPORTED in ln]  # its list of every supported architecture left out
         if family:
-            return (family[-1].split(" Supported architectures:", 1)[0][-400:] + " (this vLLM does not run the "
-                    "target's family: run it in our process, target.runtime 'local', or use a vLLM that has it)")
+            return (
+                family[-1].split(" Supported architectures:", 1)[0][-400:] + " (this vLLM does not run the "
+                "target's family: run it in our process, target.runtime 'local', or use a vLLM that has it)"
+            )
         return (errors or lines or ["(empty log)"])[-1][-500:]
 
     def stop(self) -> None:
@@ -178,8 +207,9 @@ class VllmServer:
 
     # ---- requests ---------------------------------------------------------------------------------------------
     def _post(self, path: str, body: dict[str, Any], timeout_s: float = 300.0) -> dict[str, Any]:
-        req = urllib.request.Request(self.base_url + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            self.base_url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
         try:
             with urllib.request.urlopen(req, timeout=timeout_s) as r:
                 return json.loads(r.read())
@@ -188,26 +218,50 @@ class VllmServer:
             raise EngineError(f"vLLM refused {path} (HTTP {e.code}): {detail}") from None
         except (urllib.error.URLError, OSError, http.client.HTTPException) as e:  # IncompleteRead: died mid-answer
             dead = self.proc is None or self.proc.poll() is not None
-            raise EngineError(f"vLLM at {self.base_url} {'has died' if dead else 'did not answer'} ({e}); "
-                              f"{self.last_error()} (log: {self.log_path})") from None
+            raise EngineError(
+                f"vLLM at {self.base_url} {'has died' if dead else 'did not answer'} ({e}); "
+                f"{self.last_error()} (log: {self.log_path})"
+            ) from None
 
     def chat(self, messages: list[dict[str, str]], max_tokens: int, temperature: float = 0.0) -> "Completion":
-        r = self._post("/v1/chat/completions", {"model": self.spec.served_model_name, "messages": messages,
-                                                "max_tokens": max_tokens, "temperature": temperature,
-                                                "return_token_ids": True})
+        r = self._post(
+            "/v1/chat/completions",
+            {
+                "model": self.spec.served_model_name,
+                "messages": messages,
+                "max_tokens": max_tokens,
+                "temperature": temperature,
+                "return_token_ids": True,
+            },
+        )
         c = r["choices"][0]
-        return Completion(list(r.get("prompt_token_ids") or c.get("prompt_token_ids") or []), list(c["token_ids"]),
-                          c["message"]["content"] or "", c.get("finish_reason"))
+        return Completion(
+            list(r.get("prompt_token_ids") or c.get("prompt_token_ids") or []),
+            list(c["token_ids"]),
+            c["message"]["content"] or "",
+            c.get("finish_reason"),
+        )
 
-    def complete(self, prompt_ids: list[int], max_tokens: int, temperature: float = 0.0,
-                 ignore_eos: bool = False) -> "Completion":
+    def complete(
+        self, prompt_ids: list[int], max_tokens: int, temperature: float = 0.0, ignore_eos: bool = False
+    ) -> "Completion":
         """`ignore_eos`: decode `max_tokens` tokens, past the end-of-sequence ids (vLLM's sampling parameter)."""
-        body = {"model": self.spec.served_model_name, "prompt": list(prompt_ids), "max_tokens": max_tokens,
-                "temperature": temperature, "return_token_ids": True}
+        body = {
+            "model": self.spec.served_model_name,
+            "prompt": list(prompt_ids),
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "return_token_ids": True,
+        }
         r = self._post("/v1/completions", {**body, "ignore_eos": True} if ignore_eos else body)
         c = r["choices"][0]
-        return Completion(list(c.get("prompt_token_ids") or prompt_ids), list(c["token_ids"]), c["text"],
-                          c.get("finish_reason"), accepted_per_step(r))
+        return Completion(
+            list(c.get("prompt_token_ids") or prompt_ids),
+            list(c["token_ids"]),
+            c["text"],
+            c.get("finish_reason"),
+            accepted_per_step(r),
+        )
 
     def metrics_text(self) -> str:
         return read_metrics(self.base_url + "/metrics")
@@ -235,8 +289,11 @@ def running(*servers: VllmServer) -> Iterator[list[VllmServer]]:
 
 def running_requests(text: str) -> float | None:
     """`vllm:num_requests_running` summed over engines (the load at the moment of the scrape); None when absent."""
-    values = [float(ln.rpartition(" ")[2]) for ln in text.splitlines()
-              if ln.startswith("vllm:num_requests_running") and not ln.startswith("#")]
+    values = [
+        float(ln.rpartition(" ")[2])
+        for ln in text.splitlines()
+        if ln.startswith("vllm:num_requests_running") and not ln.startswith("#")
+    ]
     return sum(values) if values else None
 
 
@@ -299,10 +356,16 @@ class SpecCounters:
             elif name in SPEC_COUNTERS:
                 totals[name] = totals.get(name, 0.0) + float(value)
         if not all(n in totals for n in SPEC_COUNTERS):
-            raise EngineError("the metrics page has no vLLM speculative-decoding counters "
-                              f"({', '.join(SPEC_COUNTERS)}): is this a vLLM server started with a speculative config?")
-        return cls(int(totals[SPEC_COUNTERS[0]]), int(totals[SPEC_COUNTERS[1]]), int(totals[SPEC_COUNTERS[2]]),
-                   tuple(int(per_pos[k]) for k in sorted(per_pos)))
+            raise EngineError(
+                "the metrics page has no vLLM speculative-decoding counters "
+                f"({', '.join(SPEC_COUNTERS)}): is this a vLLM server started with a speculative config?"
+            )
+        return cls(
+            int(totals[SPEC_COUNTERS[0]]),
+            int(totals[SPEC_COUNTERS[1]]),
+            int(totals[SPEC_COUNTERS[2]]),
+            tuple(int(per_pos[k]) for k in sorted(per_pos)),
+        )
 
     def __sub__(self, other: "SpecCounters") -> "SpecCounters":
         return self._combine(other, -1)
@@ -314,13 +377,20 @@ class SpecCounters:
         n = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
         a = list(self.accepted_per_pos) + [0] * (n - len(self.accepted_per_pos))
         b = list(other.accepted_per_pos) + [0] * (n - len(other.accepted_per_pos))
-        return SpecCounters(self.drafts + sign * other.drafts, self.draft_tokens + sign * other.draft_tokens,
-                            self.accepted + sign * other.accepted, tuple(x + sign * y for x, y in zip(a, b)))
+        return SpecCounters(
+            self.drafts + sign * other.drafts,
+            self.draft_tokens + sign * other.draft_tokens,
+            self.accepted + sign * other.accepted,
+            tuple(x + sign * y for x, y in zip(a, b)),
+        )
 
     def went_back(self, earlier: "SpecCounters") -> bool:
         """Whether any counter is lower than in the `earlier` reading: the engine restarted in between."""
-        return (self.drafts < earlier.drafts or self.accepted < earlier.accepted
-                or any(x < y for x, y in zip(self.accepted_per_pos, earlier.accepted_per_pos)))
+        return (
+            self.drafts < earlier.drafts
+            or self.accepted < earlier.accepted
+            or any(x < y for x, y in zip(self.accepted_per_pos, earlier.accepted_per_pos))
+        )
 
     @property
     def tau(self) -> float:
@@ -337,8 +407,9 @@ class SpecCounters:
 if __name__ == "__main__":
     import sys
 
-    spec = EngineSpec(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None,
-                      method="eagle3" if len(sys.argv) > 2 else None)
+    spec = EngineSpec(
+        sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None, method="eagle3" if len(sys.argv) > 2 else None
+    )
     with VllmServer(spec, Settings.from_env()) as srv:
         print(f"vLLM serving {spec.target_dir} at {srv.base_url} (log {srv.log_path}); Ctrl-C stops it", flush=True)
         try:

@@ -21,8 +21,15 @@ import time
 
 # the targets' families (embedded default, tests/test_families.py), the heads (EAGLE-3 and its parallel variant
 # share a class), the engine's hidden-states extraction (components/extract/engine.py)
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                 "Qwen3MoeForCausalLM", "Eagle3LlamaForCausalLM", "ExtractHiddenStatesModel")
+ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "Eagle3LlamaForCausalLM",
+    "ExtractHiddenStatesModel",
+)
 
 
 def warm(architectures: tuple[str, ...] | list[str]) -> list[str]:

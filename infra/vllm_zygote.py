@@ -33,6 +33,7 @@ Run: imported by infra/vllm_server.py; `python infra/vllm_zygote.py [MODULE]` is
 imports only the standard library; MODULE, default vLLM's server, lets tests use a module of their own).
 Not here: the server's arguments and its life cycle (infra/vllm_server.py).
 """
+
 from __future__ import annotations
 
 import json
@@ -50,8 +51,14 @@ MAX_ZYGOTES = 3  # per process: each holds an imported vLLM (~0.6 GB) until the 
 VOLATILE = ("PYTEST_", "EAGLE_", "MLFLOW_", "PREFECT_")
 # imported by a zygote of vLLM's server after it, for the engine core forked from each child (optional: a module
 # that vLLM does not have is left out, its error in the zygote's log)
-PRELOAD = ("setproctitle", "vllm.v1.engine.core", "vllm.v1.worker.cpu_worker", "vllm.v1.worker.cpu_model_runner",
-           "vllm.model_executor.models.llama", "vllm.model_executor.models.llama_eagle3")
+PRELOAD = (
+    "setproctitle",
+    "vllm.v1.engine.core",
+    "vllm.v1.worker.cpu_worker",
+    "vllm.v1.worker.cpu_model_runner",
+    "vllm.model_executor.models.llama",
+    "vllm.model_executor.models.llama_eagle3",
+)
 FORKED_CORE = "vllm_zygote: the engine core is forked from this server"  # the server's log says so
 READY_TIMEOUT_S = 300.0
 STOP_WAIT_S = 10.0
@@ -123,9 +130,15 @@ class Zygote:
         self.lock = threading.Lock()
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as log:
-            self.proc = subprocess.Popen([python, str(Path(__file__).resolve()), module], stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, stderr=log, env=env, start_new_session=True,
-                                         cwd=str(log_path.parent))
+            self.proc = subprocess.Popen(
+                [python, str(Path(__file__).resolve()), module],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                env=env,
+                start_new_session=True,
+                cwd=str(log_path.parent),
+            )
         reply = self._reply(READY_TIMEOUT_S)
         if reply.get("ready") is not True:
             self.close()
@@ -168,8 +181,9 @@ _zygotes: dict[tuple, Zygote | None] = {}  # (python, environment) -> its zygote
 _registry_lock = threading.Lock()
 
 
-def launch(python: str, argv: list[str], env: dict[str, str], cwd: str, log_path: Path,
-           module: str = SERVER) -> ZygoteChild | None:
+def launch(
+    python: str, argv: list[str], env: dict[str, str], cwd: str, log_path: Path, module: str = SERVER
+) -> ZygoteChild | None:
     """`python -m MODULE ARGV` (vLLM's server) forked from a zygote for this interpreter, environment and module
     (started on first use); None when no zygote can take it (the caller then starts it directly)."""
     key = (python, module, tuple(sorted((k, v) for k, v in env.items() if not k.startswith(VOLATILE))))

@@ -49,8 +49,10 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 # A line Ray's driver prints for one of its processes: an optional colour, then "(raylet)", "(pid=12)",
 # "(RayTrainWorker pid=12, ip=10.0.0.1)" and the like; our own lines never start with a parenthesis.
-RAY_LINE = re.compile(r"^(?:\x1b\[[0-9;]*m)?\((?:raylet|gcs_server|autoscaler|monitor|dashboard|[\w.:-]* ?pid=\d+)"
-                      r"[^)\n]*\)")
+RAY_LINE = re.compile(
+    r"^(?:\x1b\[[0-9;]*m)?\((?:raylet|gcs_server|autoscaler|monitor|dashboard|[\w.:-]* ?pid=\d+)"
+    r"[^)\n]*\)"
+)
 
 
 def without_ray_lines(text: str) -> str:
@@ -202,10 +204,20 @@ def engine_head(engine_target, tmp_path_factory: pytest.TempPathFactory) -> Engi
         if done.is_file():  # another worker made it
             return EngineHead(**json.loads(done.read_text()))
         quiet = dict(progress=lambda s: None)
-        regenerate(RegenerateConfig(max_new_tokens=32, batch_size=8, shard_size=8, limit=24),
-                   engine_target.target_dir, str(engine_target.target_traffic.train), str(root / "regen"), **quiet)
-        extract(ExtractConfig(max_len=192, dtype="float32", seqs_per_shard=8), engine_target.target_dir,
-                str(root / "regen"), str(root / "extract"), **quiet)
+        regenerate(
+            RegenerateConfig(max_new_tokens=32, batch_size=8, shard_size=8, limit=24),
+            engine_target.target_dir,
+            str(engine_target.target_traffic.train),
+            str(root / "regen"),
+            **quiet,
+        )
+        extract(
+            ExtractConfig(max_len=192, dtype="float32", seqs_per_shard=8),
+            engine_target.target_dir,
+            str(root / "regen"),
+            str(root / "extract"),
+            **quiet,
+        )
         cfg = dataclasses.replace(TrainConfig.tiny(), steps=60, checkpoint_every=60)
         head = train(cfg, str(root / "extract"), str(root / "train"), engine_target.target_dir).head_dir
         made = EngineHead(str(root / "regen"), str(root / "extract"), head)

@@ -101,8 +101,11 @@ def resolves(name: str, modules: list[str]) -> bool:
 
 
 def _calls(path: str, func: str) -> list[ast.Call]:
-    return [n for n in ast.walk(tree(path)) if isinstance(n, ast.Call)
-            and (getattr(n.func, "id", None) == func or getattr(n.func, "attr", None) == func)]
+    return [
+        n
+        for n in ast.walk(tree(path))
+        if isinstance(n, ast.Call) and (getattr(n.func, "id", None) == func or getattr(n.func, "attr", None) == func)
+    ]
 
 
 def _const(node: ast.AST) -> object:

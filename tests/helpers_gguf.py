@@ -14,11 +14,17 @@ from pathlib import Path
 
 import numpy as np
 
-CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
-          "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+    "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-_CORPUS = ["the quick brown fox jumps over the lazy dog", "hello world, how are you today?",
-           "speculative decoding drafts tokens that the target verifies", "user assistant system: 12345 67890"] * 8
+_CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "hello world, how are you today?",
+    "speculative decoding drafts tokens that the target verifies",
+    "user assistant system: 12345 67890",
+] * 8
 
 
 def tiny_tokenizer(vocab_size: int = 320):
@@ -29,11 +35,20 @@ def tiny_tokenizer(vocab_size: int = 320):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIALS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(_CORPUS, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|im_end|>",
-                                   pad_token="<|endoftext|>", chat_template=CHATML)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|endoftext|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHATML,
+    )
 
 
 def tiny_llama(tokenizer, tied: bool = True, seed: int = 0):
@@ -42,10 +57,21 @@ def tiny_llama(tokenizer, tied: bool = True, seed: int = 0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=8,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=256,
-                         rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=tied,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=8,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=tied,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():  # random norms, so that a norm mapped to the wrong tensor shows in the logits
         for name, p in model.named_parameters():
@@ -81,8 +107,7 @@ def _tokenizer_fields(writer, tokenizer) -> None:
         writer.add_chat_template(tokenizer.chat_template)
 
 
-def write_tiny_gguf(model, tokenizer, path: str | Path, name: str = "tiny-llama",
-                    architecture: str = "llama") -> Path:
+def write_tiny_gguf(model, tokenizer, path: str | Path, name: str = "tiny-llama", architecture: str = "llama") -> Path:
     """`model` (a LlamaForCausalLM) and `tokenizer` as one F32 GGUF file at `path`; `architecture` other than
     "llama" writes the same tensors under another `general.architecture` (for refusal tests)."""
     import gguf

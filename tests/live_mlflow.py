@@ -79,20 +79,41 @@ class LiveMlflow:
             env["PYTHONPATH"] = os.pathsep.join([str(FAULTS), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
             env["EAGLE_TEST_FAULT"] = json.dumps(fault)
         self.starts += 1
-        cmd = [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1",
-               "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",
-               "--artifacts-destination", str(self.artifacts), "--serve-artifacts"]
+        cmd = [
+            str(BIN / "mlflow"),
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--workers",
+            "1",
+            "--backend-store-uri",
+            f"sqlite:///{self.root / 'mlflow.db'}",
+            "--artifacts-destination",
+            str(self.artifacts),
+            "--serve-artifacts",
+        ]
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(cmd, cwd=self.root, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
+            self.proc = subprocess.Popen(
+                cmd,
+                cwd=self.root,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         self.wait_healthy()
 
     def wait_healthy(self, timeout: float = READY_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                pytest.fail(f"mlflow server exited {self.proc.returncode} before it was healthy:\n{self.log()[-3000:]}",
-                            pytrace=False)
+                pytest.fail(
+                    f"mlflow server exited {self.proc.returncode} before it was healthy:\n{self.log()[-3000:]}",
+                    pytrace=False,
+                )
             try:
                 with urllib.request.urlopen(self.uri + "/health", timeout=5) as r:
                     if r.status == 200:
@@ -101,8 +122,10 @@ class LiveMlflow:
                 pass
             time.sleep(0.25)
         self.stop()
-        pytest.fail(f"mlflow server not healthy at {self.uri}/health after {timeout:.0f} s:\n{self.log()[-3000:]}",
-                    pytrace=False)
+        pytest.fail(
+            f"mlflow server not healthy at {self.uri}/health after {timeout:.0f} s:\n{self.log()[-3000:]}",
+            pytrace=False,
+        )
 
     def _signal_group(self, sig: int, wait_s: float) -> bool:
         """Send `sig` to the server's process group; True once the group is gone within `wait_s`."""

@@ -90,8 +90,14 @@ class LivePrefect:
 
     def start(self, name: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
         log = open(self.logs / f"{name}.log", "wb")
-        proc = subprocess.Popen(args, cwd=ROOT, env=self.env if env is None else env, stdout=log,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            args,
+            cwd=ROOT,
+            env=self.env if env is None else env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
         log.close()
         self.procs[name] = proc
         return proc
@@ -109,11 +115,13 @@ class LivePrefect:
     def cli(self, *args: str, timeout: float = 120.0) -> str:
         """Run a command to the end in the live environment; fail with its output (and the logs) unless rc 0."""
         try:
-            res = subprocess.run(args, cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout,
-                                 stdin=subprocess.DEVNULL)
+            res = subprocess.run(
+                args, cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL
+            )
         except subprocess.TimeoutExpired as e:
-            output = "\n".join(o.decode(errors="replace") if isinstance(o, bytes) else o or ""
-                               for o in (e.stdout, e.stderr))
+            output = "\n".join(
+                o.decode(errors="replace") if isinstance(o, bytes) else o or "" for o in (e.stdout, e.stderr)
+            )
             self.fail(f"`{' '.join(args)}` still running after {timeout:.0f} s; output:\n{output}")
         if res.returncode != 0:
             self.fail(f"`{' '.join(args)}` exited {res.returncode}:\n{res.stdout}\n{res.stderr}")
@@ -121,8 +129,9 @@ class LivePrefect:
 
     def api(self, method: str, path: str, body: dict | None = None):
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.api_url + path, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            self.api_url + path, data=data, method=method, headers={"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(req, timeout=10) as resp:
             return json.loads(resp.read() or b"null")
 
@@ -168,20 +177,24 @@ class LivePrefect:
 
 def _live_env(home: Path, eagle_home: Path, port: int) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "RAY_"))}
-    env.update({
-        "PWD": str(ROOT),  # prefect.yaml's pull step is `{{ $PWD }}` at deploy time; subprocess cwd= does not set it
-        "PREFECT_HOME": str(home),
-        "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED": "false",
-        "PREFECT_CLI_PROMPT": "false",
-        "PREFECT_WORKER_QUERY_SECONDS": "1",
-        "PREFECT_WORKER_PREFETCH_SECONDS": "1",
-        "EAGLE_HOME": str(eagle_home),
-        "RAY_AUTH_MODE": "disabled",
-        "OMP_WAIT_POLICY": "PASSIVE",
-        "OMP_NUM_THREADS": "1",
-    })
+    env.update(
+        {
+            "PWD": str(
+                ROOT
+            ),  # prefect.yaml's pull step is `{{ $PWD }}` at deploy time; subprocess cwd= does not set it
+            "PREFECT_HOME": str(home),
+            "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED": "false",
+            "PREFECT_CLI_PROMPT": "false",
+            "PREFECT_WORKER_QUERY_SECONDS": "1",
+            "PREFECT_WORKER_PREFETCH_SECONDS": "1",
+            "EAGLE_HOME": str(eagle_home),
+            "RAY_AUTH_MODE": "disabled",
+            "OMP_WAIT_POLICY": "PASSIVE",
+            "OMP_NUM_THREADS": "1",
+        }
+    )
     return env
 
 
@@ -191,11 +204,22 @@ def live_prefect(tmp_path: Path, mlflow_settings):
     port = _free_port()
     logs = tmp_path / "logs"
     logs.mkdir()
-    live = LivePrefect(f"http://127.0.0.1:{port}/api", _live_env(tmp_path / "prefect-home", mlflow_settings.state_dir,
-                                                                  port), logs)
+    live = LivePrefect(
+        f"http://127.0.0.1:{port}/api", _live_env(tmp_path / "prefect-home", mlflow_settings.state_dir, port), logs
+    )
     server_env = {k: v for k, v in live.env.items() if k != "PREFECT_API_URL"}
-    live.start("server", str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port),
-               "--no-ui", env=server_env)
+    live.start(
+        "server",
+        str(BIN / "prefect"),
+        "server",
+        "start",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--no-ui",
+        env=server_env,
+    )
     try:
         yield live
     finally:

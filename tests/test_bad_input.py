@@ -45,14 +45,20 @@ def cli(tmp_path, monkeypatch, capsys, tiny_embedded):
     monkeypatch.setenv("EAGLE_HOME", str(home))
     monkeypatch.setattr("infra.prefect_env.apply_prefect_defaults", lambda settings: {})  # no flow runs here
 
-    good = {"--target": str(tiny_embedded.target_dir), "--traffic": str(tiny_embedded.target_traffic.train),
-            "--heldout": str(tiny_embedded.target_traffic.heldout), "--preset": "tiny"}
+    good = {
+        "--target": str(tiny_embedded.target_dir),
+        "--traffic": str(tiny_embedded.target_traffic.train),
+        "--heldout": str(tiny_embedded.target_traffic.heldout),
+        "--preset": "tiny",
+    }
 
     def run(*args: str, env: dict[str, str] | None = None, **opts: str) -> tuple[int, str]:
         for k, v in (env or {}).items():
             monkeypatch.setenv(k, v)
-        argv = list(args) or ["train", *[x for k, v in {**good, **{f"--{k}": v for k, v in opts.items()}}.items()
-                                         for x in (k, v)]]
+        argv = list(args) or [
+            "train",
+            *[x for k, v in {**good, **{f"--{k}": v for k, v in opts.items()}}.items() for x in (k, v)],
+        ]
         try:
             rc = cli_mod.main(argv)
         except SystemExit as e:  # argparse
@@ -93,7 +99,7 @@ def test_bad_heldout_traffic_is_named_as_such(cli, tmp_path):
 
 def test_traffic_that_is_not_utf8(cli, tmp_path):
     path = tmp_path / "latin1.jsonl"
-    path.write_bytes(json.dumps({"messages": [USER]}).encode()[:-2] + b"\xe9\xff\"}]}\n")
+    path.write_bytes(json.dumps({"messages": [USER]}).encode()[:-2] + b'\xe9\xff"}]}\n')
     rc, err = cli(traffic=str(path))
     assert rc == 2 and str(path) in err and "not UTF-8" in err, err
 
@@ -104,11 +110,15 @@ def test_traffic_that_is_a_directory_but_not_a_saved_dataset(cli, tmp_path):
     assert len(err.strip().splitlines()) == 1, err
 
 
-@pytest.mark.parametrize("content, needle", [
-    ('{"train": {"stepz": 3}}', "unknown key train.stepz; known: ["),
-    ('{"train": {"steps": 3}', "cannot read the config"),
-    ('{"evaluate": {"spec": {"depth": "deep"}}}', "evaluate.spec.depth: 'deep' is not of type int"),
-], ids=["unknown-key", "not-json", "wrong-type"])
+@pytest.mark.parametrize(
+    "content, needle",
+    [
+        ('{"train": {"stepz": 3}}', "unknown key train.stepz; known: ["),
+        ('{"train": {"steps": 3}', "cannot read the config"),
+        ('{"evaluate": {"spec": {"depth": "deep"}}}', "evaluate.spec.depth: 'deep' is not of type int"),
+    ],
+    ids=["unknown-key", "not-json", "wrong-type"],
+)
 def test_bad_config(cli, tmp_path, content, needle):
     path = tmp_path / "cfg.json"
     path.write_text(content)
@@ -116,15 +126,21 @@ def test_bad_config(cli, tmp_path, content, needle):
     assert rc == 2 and str(path) in err and needle in err, err
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["train", "--traffic", "x.jsonl"], "required: --target"),
-    (["train", "--target", "d", "--traffic", "t", "--heldout", "h", "--preset", "huge"], "invalid choice: 'huge'"),
-    (["watch", "--interval", "0"], "the interval must be > 0 seconds"),
-    (["watch", "--interval", "soon"], "'soon' is not a number of seconds"),
-    (["frobnicate"], "invalid choice: 'frobnicate'"),
-    (["train", "--target", "/nonexistent/model", "--traffic", "t", "--heldout", "h"],
-     "--target /nonexistent/model: no such"),
-], ids=["missing-target", "bad-preset", "zero-interval", "bad-interval", "unknown-command", "missing-target-dir"])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["train", "--traffic", "x.jsonl"], "required: --target"),
+        (["train", "--target", "d", "--traffic", "t", "--heldout", "h", "--preset", "huge"], "invalid choice: 'huge'"),
+        (["watch", "--interval", "0"], "the interval must be > 0 seconds"),
+        (["watch", "--interval", "soon"], "'soon' is not a number of seconds"),
+        (["frobnicate"], "invalid choice: 'frobnicate'"),
+        (
+            ["train", "--target", "/nonexistent/model", "--traffic", "t", "--heldout", "h"],
+            "--target /nonexistent/model: no such",
+        ),
+    ],
+    ids=["missing-target", "bad-preset", "zero-interval", "bad-interval", "unknown-command", "missing-target-dir"],
+)
 def test_bad_arguments(cli, args, needle):
     rc, err = cli(*args)
     assert rc == 2 and needle in err, err

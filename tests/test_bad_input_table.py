@@ -25,8 +25,20 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers_bad_input import (BAD_CONFIGS, CONFIG_ON_EVALUATE, EMPTY, EVAL, FILE_ROWS, MON, REGISTRY,
-                                     ROW_LIMIT_S, SERVE, TRAIN, argv_with as _with, time_limit)
+from tests.helpers_bad_input import (
+    BAD_CONFIGS,
+    CONFIG_ON_EVALUATE,
+    EMPTY,
+    EVAL,
+    FILE_ROWS,
+    MON,
+    REGISTRY,
+    ROW_LIMIT_S,
+    SERVE,
+    TRAIN,
+    argv_with as _with,
+    time_limit,
+)
 from tests.helpers_bad_input_files import files, homes  # noqa: F401  (the fixtures)
 
 # id -> (state dir, argv (templated with the paths of `files`), environment, needle the one error line must contain)
@@ -38,19 +50,31 @@ ROWS: dict[str, tuple[str, list[str], dict[str, str], str]] = {
     "train-target-weights-truncated": (EMPTY, _with(TRAIN, target="{t_trunc}"), {}, "model.safetensors: truncated"),
     "train-target-weights-garbage": (EMPTY, _with(TRAIN, target="{t_garbage}"), {}, "not a readable safetensors"),
     "train-target-config-broken": (EMPTY, _with(TRAIN, target="{t_badcfg}"), {}, "config.json: cannot be read"),
-    "train-target-no-lm-head": (EMPTY, _with(TRAIN, target="{t_nohead}"), {}, "no lm_head.weight and config.json "
-                                "does not tie it"),
+    "train-target-no-lm-head": (
+        EMPTY,
+        _with(TRAIN, target="{t_nohead}"),
+        {},
+        "no lm_head.weight and config.json does not tie it",
+    ),
     "train-target-gguf-truncated": (EMPTY, _with(TRAIN, target="{g_trunc}"), {}, "truncated or corrupt GGUF file"),
     "train-target-gguf-not-gguf": (EMPTY, _with(TRAIN, target="{g_text}"), {}, "not a GGUF file"),
     "train-target-gguf-architecture": (EMPTY, _with(TRAIN, target="{g_arch}"), {}, "architecture 'mamba2'"),
-    "train-target-shard-missing": (EMPTY, _with(TRAIN, target="{t_shard}"), {}, "the index names shard(s) "
-                                   "model-00002-of-00002.safetensors that are not there"),
+    "train-target-shard-missing": (
+        EMPTY,
+        _with(TRAIN, target="{t_shard}"),
+        {},
+        "the index names shard(s) model-00002-of-00002.safetensors that are not there",
+    ),
     "train-target-is-a-file": (EMPTY, _with(TRAIN, target="{traffic}"), {}, "not a Hugging Face model directory"),
     "train-name-with-slash": (EMPTY, _with(TRAIN, name="a/b"), {}, "--name 'a/b' is not valid for the MLflow"),
     "train-name-with-colon": (EMPTY, _with(TRAIN, name="a:b"), {}, "--name 'a:b' is not valid"),
     "train-name-empty": (EMPTY, _with(TRAIN, name=""), {}, "--name '' is not valid"),
-    "train-folder-name-invalid": (EMPTY, _with(TRAIN, target="{t_colon}"), {},
-                                  "folder name (the default --name) 'x:y'"),
+    "train-folder-name-invalid": (
+        EMPTY,
+        _with(TRAIN, target="{t_colon}"),
+        {},
+        "folder name (the default --name) 'x:y'",
+    ),
     "train-head-suffix-invalid": (EMPTY, _with(TRAIN, config="{c_suffix}"), {}, "head name"),
     "train-uri-no-version": (EMPTY, _with(TRAIN, target="models:/x"), {}, "'models:/x' is not a model URI"),
     "train-uri-no-name": (EMPTY, _with(TRAIN, target="models:/"), {}, "the model name is missing"),
@@ -61,8 +85,12 @@ ROWS: dict[str, tuple[str, list[str], dict[str, str], str]] = {
     "train-uri-version-word": (EMPTY, _with(TRAIN, target="models:/a/latest"), {}, "the version 'latest'"),
     "train-uri-no-registry-yet": (EMPTY, _with(TRAIN, target="models:/nope/3"), {}, "models:/nope/3: no registered"),
     "train-uri-unknown-model": (REGISTRY, _with(TRAIN, target="models:/nope/3"), {}, "no registered model 'nope'"),
-    "train-uri-unknown-version": (REGISTRY, _with(TRAIN, target="models:/t/9"), {}, "models:/t/9: registered model "
-                                  "'t' has no version 9 (its versions: 1)"),
+    "train-uri-unknown-version": (
+        REGISTRY,
+        _with(TRAIN, target="models:/t/9"),
+        {},
+        "models:/t/9: registered model 't' has no version 9 (its versions: 1)",
+    ),
     "train-uri-unknown-alias": (REGISTRY, _with(TRAIN, target="models:/t@champion"), {}, "has no alias 'champion'"),
     "train-config-is-a-directory": (EMPTY, _with(TRAIN, config="{dir}"), {}, "--config {dir}: not a file"),
     "train-config-not-an-object": (EMPTY, _with(TRAIN, config="{c_list}"), {}, "must be a JSON object"),
@@ -73,23 +101,43 @@ ROWS: dict[str, tuple[str, list[str], dict[str, str], str]] = {
     "train-traffic-missing": (EMPTY, _with(TRAIN, traffic="/no/such.jsonl"), {}, "--traffic /no/such.jsonl"),
     "train-heldout-empty": (EMPTY, _with(TRAIN, heldout="{empty_jsonl}"), {}, "held-out traffic"),
     "train-traffic-bad-line": (EMPTY, _with(TRAIN, traffic="{bad_jsonl}"), {}, "bad.jsonl:1: malformed JSON"),
-    "train-traffic-first-turn-too-long": (EMPTY, _with(TRAIN, traffic="{long_jsonl}"), {}, "long.jsonl:2: the first "
-                                          "turn of 'long-0' is a prompt of"),
-    "train-traffic-first-turn-too-long-engine": (EMPTY, [*_with(TRAIN, traffic="{long_jsonl}"), "--set",
-                                                  "regenerate.engine=vllm"], {}, "long.jsonl:2: the first turn of"),
+    "train-traffic-first-turn-too-long": (
+        EMPTY,
+        _with(TRAIN, traffic="{long_jsonl}"),
+        {},
+        "long.jsonl:2: the first turn of 'long-0' is a prompt of",
+    ),
+    "train-traffic-first-turn-too-long-engine": (
+        EMPTY,
+        [*_with(TRAIN, traffic="{long_jsonl}"), "--set", "regenerate.engine=vllm"],
+        {},
+        "long.jsonl:2: the first turn of",
+    ),
     # settings (the environment), met by every command
     "tracking-uri-unknown-scheme": (EMPTY, TRAIN, {"MLFLOW_TRACKING_URI": "foo://bar"}, "unknown scheme foo://"),
-    "tracking-uri-sqlite-dir-missing": (EMPTY, TRAIN, {"MLFLOW_TRACKING_URI": "sqlite:////no/such/dir/x.db"},
-                                        "the directory /no/such/dir does not exist"),
+    "tracking-uri-sqlite-dir-missing": (
+        EMPTY,
+        TRAIN,
+        {"MLFLOW_TRACKING_URI": "sqlite:////no/such/dir/x.db"},
+        "the directory /no/such/dir does not exist",
+    ),
     "tracking-uri-bad-ipv6": (EMPTY, TRAIN, {"MLFLOW_TRACKING_URI": "http://[::1:5000"}, "Invalid IPv6 URL"),
     "tracking-uri-no-host": (EMPTY, TRAIN, {"MLFLOW_TRACKING_URI": "http:///x"}, "MLFLOW_TRACKING_URI='http:///x'"),
-    "tracking-uri-unreachable": (EMPTY, TRAIN, {"MLFLOW_TRACKING_URI": "http://127.0.0.1:9"}, "127.0.0.1:9 is "
-                                 "unreachable"),
+    "tracking-uri-unreachable": (
+        EMPTY,
+        TRAIN,
+        {"MLFLOW_TRACKING_URI": "http://127.0.0.1:9"},
+        "127.0.0.1:9 is unreachable",
+    ),
     "eagle-home-is-a-file": ("file", TRAIN, {}, "a file, not a directory"),
     "eagle-home-not-writable": ("/proc/eagle-home", TRAIN, {}, "EAGLE_HOME=/proc/eagle-home: /proc is not writable"),
     "trust-remote-code-malformed": (EMPTY, TRAIN, {"EAGLE_TRUST_REMOTE_CODE": "maybe"}, "'maybe' is not a boolean"),
-    "vllm-zygote-malformed": (EMPTY, TRAIN, {"EAGLE_VLLM_ZYGOTE": "sometimes"},
-                              "EAGLE_VLLM_ZYGOTE='sometimes' is not a boolean"),
+    "vllm-zygote-malformed": (
+        EMPTY,
+        TRAIN,
+        {"EAGLE_VLLM_ZYGOTE": "sometimes"},
+        "EAGLE_VLLM_ZYGOTE='sometimes' is not a boolean",
+    ),
     # evaluate
     "evaluate-json-is-a-directory": (EMPTY, _with(EVAL, json="{dir}"), {}, "--json {dir}: a directory"),
     "evaluate-json-dir-missing": (EMPTY, _with(EVAL, json="/no/such/dir/r.json"), {}, "/no/such/dir does not exist"),
@@ -102,8 +150,12 @@ ROWS: dict[str, tuple[str, list[str], dict[str, str], str]] = {
     "evaluate-target-weights-truncated": (EMPTY, _with(EVAL, target="{t_trunc}"), {}, "model.safetensors: truncated"),
     "evaluate-traffic-empty": (EMPTY, _with(EVAL, traffic="{empty_jsonl}"), {}, "empty.jsonl:0: empty file"),
     "evaluate-head-uri-malformed": (EMPTY, _with(EVAL, head="models:/h"), {}, "'models:/h' is not a model URI"),
-    "evaluate-head-unknown-model": (REGISTRY, _with(EVAL, head="models:/nope@champion"), {}, "no registered model "
-                                    "'nope'"),
+    "evaluate-head-unknown-model": (
+        REGISTRY,
+        _with(EVAL, head="models:/nope@champion"),
+        {},
+        "no registered model 'nope'",
+    ),
     "evaluate-depth-zero": (EMPTY, _with(EVAL, depth="0"), {}, "'0': must be >= 1"),
     "evaluate-unknown-method": (EMPTY, _with(EVAL, method="beam"), {}, "'beam'"),
     "evaluate-unknown-engine": (EMPTY, _with(EVAL, engine="tpu"), {}, "'tpu'"),
@@ -111,13 +163,25 @@ ROWS: dict[str, tuple[str, list[str], dict[str, str], str]] = {
     "serve-k-too-large": (EMPTY, _with(SERVE, k="1000"), {}, "'1000': at most 16 speculative tokens"),
     "serve-k-zero": (EMPTY, _with(SERVE, k="0"), {}, "'0': must be >= 1"),
     "serve-concurrency-zero": (EMPTY, _with(SERVE, concurrency="0"), {}, "'0': must be >= 1"),
-    "serve-k-and-concurrency": (EMPTY, _with(SERVE, k="2", concurrency="8"), {}, "serve: --k pins K, --concurrency "
-                                "picks it from the registered schedule: give one of them"),
+    "serve-k-and-concurrency": (
+        EMPTY,
+        _with(SERVE, k="2", concurrency="8"),
+        {},
+        "serve: --k pins K, --concurrency picks it from the registered schedule: give one of them",
+    ),
     "serve-port-out-of-range": (EMPTY, _with(SERVE, port="70000"), {}, "'70000': a port is 1..65535"),
-    "serve-port-taken": (EMPTY, _with(SERVE, port="{taken_port}"), {}, "--port {taken_port}: 127.0.0.1:{taken_port}"
-                         " is taken"),
-    "serve-print-only-truncated-head": (EMPTY, [*_with(SERVE, head="{h_trunc}"), "--print-only"], {},
-                                        "model.safetensors: truncated"),
+    "serve-port-taken": (
+        EMPTY,
+        _with(SERVE, port="{taken_port}"),
+        {},
+        "--port {taken_port}: 127.0.0.1:{taken_port} is taken",
+    ),
+    "serve-print-only-truncated-head": (
+        EMPTY,
+        [*_with(SERVE, head="{h_trunc}"), "--print-only"],
+        {},
+        "model.safetensors: truncated",
+    ),
     "serve-head-uri-empty-alias": (EMPTY, _with(SERVE, head="models:/t@"), {}, "the alias after @ is missing"),
     "serve-head-unknown-version": (REGISTRY, _with(SERVE, head="models:/t/9"), {}, "has no version 9"),
     "serve-head-unknown-alias": (REGISTRY, _with(SERVE, head="models:/t@champion"), {}, "has no alias 'champion'"),
@@ -136,8 +200,12 @@ ROWS: dict[str, tuple[str, list[str], dict[str, str], str]] = {
     "monitor-target-not-a-version": (EMPTY, _with(MON, target="models:/t"), {}, "'models:/t' is not a model URI"),
     "monitor-target-no-registry-yet": (EMPTY, MON, {}, "models:/t/1: no registered model 't'"),
     "monitor-target-unknown-version": (REGISTRY, _with(MON, target="models:/t/9"), {}, "has no version 9"),
-    "monitor-target-unknown-model": (REGISTRY, _with(MON, target="models:/nope@champion"), {}, "no registered model "
-                                     "'nope'"),
+    "monitor-target-unknown-model": (
+        REGISTRY,
+        _with(MON, target="models:/nope@champion"),
+        {},
+        "no registered model 'nope'",
+    ),
     # watch and demo
     "watch-interval-inf": (EMPTY, ["watch", "--interval", "inf"], {}, "'inf': the interval must be > 0"),
     "watch-interval-nan": (EMPTY, ["watch", "--interval", "nan"], {}, "'nan': the interval must be > 0"),
@@ -161,32 +229,54 @@ for _id, (_, _needle) in BAD_CONFIGS.items():
 # `python -m embedded --config <f>` (the embedded build): row id -> (the file's text, needle). Each is
 # refused before the build starts: exit 2, one line `embedded: error: <f>: ...`, nothing under the cache root.
 EMBEDDED_ROWS: dict[str, tuple[str, str]] = {
-    "embedded-traffic-unknown-kind": ('{"traffic": {"kind": "longer"}}', "traffic.kind: unknown kind 'longer'; "
-                                      "choose one of ['chat', 'long']"),
-    "embedded-long-prompt-lines-zero": ('{"traffic": {"kind": "long", "long_prompt_lines": 0}}',
-                                        "traffic.long_prompt_lines must be an integer >= 1, got 0"),
-    "embedded-long-prompt-lines-fraction": ('{"traffic": {"long_prompt_lines": 2.5}}',
-                                            "EmbeddedConfig.traffic.long_prompt_lines: expected <class 'int'>"),
-    "embedded-long-min-new-tokens-negative": ('{"traffic": {"kind": "long", "long_min_new_tokens": -5}}',
-                                              "traffic.long_min_new_tokens must be an integer >= 1, got -5"),
-    "embedded-long-min-new-tokens-bool": ('{"traffic": {"long_min_new_tokens": true}}',
-                                          "EmbeddedConfig.traffic.long_min_new_tokens: expected <class 'int'>, got a "
-                                          "bool"),
-    "embedded-long-min-new-tokens-above-context": ('{"traffic": {"kind": "long", "long_min_new_tokens": 4000}}',
-                                                   "traffic.long_min_new_tokens 4000 does not fit the target's "
-                                                   "context (target.max_position_embeddings 2048"),
-    "embedded-heldout-fraction-above-one": ('{"corpus": {"heldout_fraction": 1.5}}',
-                                            "corpus.heldout_fraction must be in [0, 1]"),
-    "embedded-train-conversations-zero": ('{"traffic": {"train_conversations": 0}}',
-                                          "traffic.train_conversations must be an integer >= 1, got 0"),
-    "embedded-system-prompt-fraction-above-one": ('{"traffic": {"system_prompt_fraction": 1.5}}',
-                                                  "traffic.system_prompt_fraction must be in [0, 1], got 1.5"),
-    "embedded-target-kv-heads-zero": ('{"target": {"num_kv_heads": 0}}',
-                                      "target.num_kv_heads must be an integer >= 1, got 0"),
-    "embedded-target-heads-not-dividing": ('{"target": {"num_heads": 3}}',
-                                           "target: hidden_size (256) must be a multiple of num_heads (3)"),
-    "embedded-seq-len-above-context": ('{"train": {"seq_len": 4096}}',
-                                       "train.seq_len 4096 is longer than the target's context"),
+    "embedded-traffic-unknown-kind": (
+        '{"traffic": {"kind": "longer"}}',
+        "traffic.kind: unknown kind 'longer'; choose one of ['chat', 'long']",
+    ),
+    "embedded-long-prompt-lines-zero": (
+        '{"traffic": {"kind": "long", "long_prompt_lines": 0}}',
+        "traffic.long_prompt_lines must be an integer >= 1, got 0",
+    ),
+    "embedded-long-prompt-lines-fraction": (
+        '{"traffic": {"long_prompt_lines": 2.5}}',
+        "EmbeddedConfig.traffic.long_prompt_lines: expected <class 'int'>",
+    ),
+    "embedded-long-min-new-tokens-negative": (
+        '{"traffic": {"kind": "long", "long_min_new_tokens": -5}}',
+        "traffic.long_min_new_tokens must be an integer >= 1, got -5",
+    ),
+    "embedded-long-min-new-tokens-bool": (
+        '{"traffic": {"long_min_new_tokens": true}}',
+        "EmbeddedConfig.traffic.long_min_new_tokens: expected <class 'int'>, got a bool",
+    ),
+    "embedded-long-min-new-tokens-above-context": (
+        '{"traffic": {"kind": "long", "long_min_new_tokens": 4000}}',
+        "traffic.long_min_new_tokens 4000 does not fit the target's context (target.max_position_embeddings 2048",
+    ),
+    "embedded-heldout-fraction-above-one": (
+        '{"corpus": {"heldout_fraction": 1.5}}',
+        "corpus.heldout_fraction must be in [0, 1]",
+    ),
+    "embedded-train-conversations-zero": (
+        '{"traffic": {"train_conversations": 0}}',
+        "traffic.train_conversations must be an integer >= 1, got 0",
+    ),
+    "embedded-system-prompt-fraction-above-one": (
+        '{"traffic": {"system_prompt_fraction": 1.5}}',
+        "traffic.system_prompt_fraction must be in [0, 1], got 1.5",
+    ),
+    "embedded-target-kv-heads-zero": (
+        '{"target": {"num_kv_heads": 0}}',
+        "target.num_kv_heads must be an integer >= 1, got 0",
+    ),
+    "embedded-target-heads-not-dividing": (
+        '{"target": {"num_heads": 3}}',
+        "target: hidden_size (256) must be a multiple of num_heads (3)",
+    ),
+    "embedded-seq-len-above-context": (
+        '{"train": {"seq_len": 4096}}',
+        "train.seq_len 4096 is longer than the target's context",
+    ),
     "embedded-unknown-key": ('{"traffic": {"knd": "long"}}', "EmbeddedConfig.traffic: unknown keys ['knd']"),
     "embedded-config-not-json": ('{"traffic": ', "Expecting value"),
 }

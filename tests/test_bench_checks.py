@@ -33,8 +33,16 @@ def test_call_counter_hooks_the_target_only_while_counting() -> None:
 
     from eagle.fastpath import LeanDecoder
 
-    target = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                                          num_attention_heads=2, num_key_value_heads=2, vocab_size=64)).eval()
+    target = LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            vocab_size=64,
+        )
+    ).eval()
     counter = CallCounter(target)
     assert LeanDecoder.of(target) is not None
     with counter.counting(), torch.no_grad():
@@ -43,15 +51,23 @@ def test_call_counter_hooks_the_target_only_while_counting() -> None:
     assert LeanDecoder.of(target) is not None
 
 
-@pytest.mark.parametrize("argv, says", [
-    (["--steps", "0"], "--steps must be at least 1"),
-    (["--runs", "-1"], "--runs must not be negative"),
-    (["--summary", "/no/such/summary.json"], "does not exist"),
-    (["--head", ".", "--summary", "."], "give one"),
-])
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["--steps", "0"], "--steps must be at least 1"),
+        (["--runs", "-1"], "--runs must not be negative"),
+        (["--summary", "/no/such/summary.json"], "does not exist"),
+        (["--head", ".", "--summary", "."], "give one"),
+    ],
+)
 def test_real_head_refuses_bad_arguments_in_one_line_before_any_work(argv, says):
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "real_head.py"), *argv], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "real_head.py"), *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2 and says in out.stderr.strip().splitlines()[-1], out.stderr
 
 
@@ -66,12 +82,34 @@ def test_proxy_overhead_ratios_pair_the_cells_of_each_round() -> None:
     def cell(tok_s, ttft):
         return SimpleNamespace(output_tokens_per_s=tok_s, median_ttft_ms=ttft)
 
-    keys = [(1, "direct"), (1, "proxy"), (16, "direct"), (16, "proxy"),
-            (1, "proxy"), (1, "direct"), (16, "proxy"), (16, "direct"),
-            (1, "direct"), (1, "proxy"), (16, "direct"), (16, "proxy")]
-    cells = [cell(100, 10), cell(98, 12), cell(400, 50), cell(400, 60),
-             cell(90, 10), cell(80, 10), cell(380, 50), cell(400, 50),
-             cell(110, 10), cell(110, 14), cell(500, 50), cell(450, 50)]
+    keys = [
+        (1, "direct"),
+        (1, "proxy"),
+        (16, "direct"),
+        (16, "proxy"),
+        (1, "proxy"),
+        (1, "direct"),
+        (16, "proxy"),
+        (16, "direct"),
+        (1, "direct"),
+        (1, "proxy"),
+        (16, "direct"),
+        (16, "proxy"),
+    ]
+    cells = [
+        cell(100, 10),
+        cell(98, 12),
+        cell(400, 50),
+        cell(400, 60),
+        cell(90, 10),
+        cell(80, 10),
+        cell(380, 50),
+        cell(400, 50),
+        cell(110, 10),
+        cell(110, 14),
+        cell(500, 50),
+        cell(450, 50),
+    ]
     out = summarize(keys, cells)
     assert out[1]["tok_s_ratio_by_round"] == [0.98, 90 / 80, 1.0]  # rounds pair by order of each mode's cells
     assert (out[1]["tok_s_ratio"], out[1]["tok_s_ratio_min"], out[1]["tok_s_ratio_max"]) == (1.0, 0.98, 90 / 80)
@@ -80,15 +118,23 @@ def test_proxy_overhead_ratios_pair_the_cells_of_each_round() -> None:
         summarize([(1, "direct")], [cell(1, 1)])
 
 
-@pytest.mark.parametrize("script, argv, says", [
-    ("capture_mix", ["--mixes", "1.0"], "must lie in (0, 1)"),
-    ("capture_mix", ["--build", "/no/such/build"], "not a real build of the embedded default"),
-    ("capture_mix", ["--quick", "--build", "."], "exclude each other"),
-    ("proxy_overhead", ["--target", "."], "go together"),
-    ("proxy_overhead", ["--target", ".", "--heldout", "/no/such.jsonl"], "not a model directory"),
-    ("proxy_overhead", ["--prompts", "8"], "--prompts >= 16"),
-])
+@pytest.mark.parametrize(
+    "script, argv, says",
+    [
+        ("capture_mix", ["--mixes", "1.0"], "must lie in (0, 1)"),
+        ("capture_mix", ["--build", "/no/such/build"], "not a real build of the embedded default"),
+        ("capture_mix", ["--quick", "--build", "."], "exclude each other"),
+        ("proxy_overhead", ["--target", "."], "go together"),
+        ("proxy_overhead", ["--target", ".", "--heldout", "/no/such.jsonl"], "not a model directory"),
+        ("proxy_overhead", ["--prompts", "8"], "--prompts >= 16"),
+    ],
+)
 def test_bench_serving_scripts_refuse_bad_arguments_in_one_line_before_any_work(script, argv, says):
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / f"{script}.py"), *argv], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / f"{script}.py"), *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2 and says in out.stderr.strip().splitlines()[-1], out.stderr

@@ -75,8 +75,11 @@ def dependency_closure(roots: tuple[str, ...]) -> set[str]:
 def not_on_the_device() -> list[str]:
     """Top-level import names of installed packages outside the device's closure, and the always-blocked ones."""
     allowed = dependency_closure(DEVICE_PACKAGES) | {PROJECT}
-    names = {name for name, dists in metadata.packages_distributions().items()
-             if not {_norm(d) for d in dists} & allowed and not name.startswith(("__editable__", "_distutils_hack"))}
+    names = {
+        name
+        for name, dists in metadata.packages_distributions().items()
+        if not {_norm(d) for d in dists} & allowed and not name.startswith(("__editable__", "_distutils_hack"))
+    }
     return sorted(names | set(ALWAYS_BLOCKED))
 
 
@@ -91,14 +94,35 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, list[str]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     runs = []
     for more in ((), ("--more",)):
-        proc = subprocess.run([sys.executable, "-c", runner, "--quick", "--device", "cpu", "--out", str(tmp / "out"),
-                               "--work", str(tmp / "work"), *more], cwd=ROOT, env=env, capture_output=True,
-                              text=True, timeout=300)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                runner,
+                "--quick",
+                "--device",
+                "cpu",
+                "--out",
+                str(tmp / "out"),
+                "--work",
+                str(tmp / "work"),
+                *more,
+            ],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         log = proc.stdout[-3000:] + proc.stderr[-4000:]
         assert proc.returncode == 0, f"bench/gpu_pipeline.py --quick {' '.join(more)} failed:\n{log}"
         runs.append((json.loads(imports.read_text()), log))
-    return (json.loads((tmp / "out" / "gpu_pipeline.json").read_text()), runs[0][0], runs[0][1],
-            json.loads((tmp / "out" / "gpu_pipeline_more.json").read_text()))
+    return (
+        json.loads((tmp / "out" / "gpu_pipeline.json").read_text()),
+        runs[0][0],
+        runs[0][1],
+        json.loads((tmp / "out" / "gpu_pipeline_more.json").read_text()),
+    )
 
 
 def test_every_stage_ran_through_the_components(quick_run: tuple[dict, list[str], str, dict]) -> None:
@@ -120,8 +144,15 @@ def test_more_reuses_the_stages_and_evaluates_a_tree_and_sampling(quick_run: tup
     the tree is greedy (outputs identical to plain), sampling is not compared token for token."""
     first, more = quick_run[0], quick_run[3]
     assert more["status"] == "complete", quick_run[2]
-    assert list(more["stages"]) == ["build", "regenerate", "extract", "train", "evaluate_tree", "evaluate_sampled",
-                                    "batch"]
+    assert list(more["stages"]) == [
+        "build",
+        "regenerate",
+        "extract",
+        "train",
+        "evaluate_tree",
+        "evaluate_sampled",
+        "batch",
+    ]
     st = {k: v["result"] for k, v in more["stages"].items()}
     assert st["build"]["cached"] is True and st["regenerate"]["skipped"] == st["regenerate"]["total"]
     assert st["train"]["resumed_from_step"] == first["stages"]["train"]["result"]["steps"]
@@ -136,9 +167,11 @@ def test_more_reuses_the_stages_and_evaluates_a_tree_and_sampling(quick_run: tup
 def test_imports_stay_within_what_the_device_has(quick_run: tuple[dict, list[str], str, dict]) -> None:
     allowed = dependency_closure(DEVICE_PACKAGES) | {PROJECT}
     owners = metadata.packages_distributions()
-    outside = {m: owners.get(m, ["?"]) for m in quick_run[1]
-               if not m.startswith(("__editable__", "_distutils_hack")) and not {_norm(d) for d in owners.get(m, [])}
-               & allowed}
+    outside = {
+        m: owners.get(m, ["?"])
+        for m in quick_run[1]
+        if not m.startswith(("__editable__", "_distutils_hack")) and not {_norm(d) for d in owners.get(m, [])} & allowed
+    }
     assert not outside, f"bench/gpu_pipeline.py imported packages the device does not have: {outside}"
     assert not set(quick_run[1]) & set(ALWAYS_BLOCKED)
     assert {"torch", "transformers", "tokenizers"} <= set(quick_run[1])

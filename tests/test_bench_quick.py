@@ -35,8 +35,13 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def run_quick(name: str, cache: Path, timeout_s: int = 240, *extra: str, result_name: str = "") -> dict:
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / f"{name}.py"), "--quick", "--cache", str(cache),
-                           *extra], cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / f"{name}.py"), "--quick", "--cache", str(cache), *extra],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
     assert proc.returncode == 0, f"{name} --quick failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     if "--setup-only" in extra:
         return {"stdout": proc.stdout}
@@ -72,8 +77,16 @@ def test_speedup_quick(cache: Path) -> None:
         assert row["x_plain_min"] == min(row["x_plain_runs"]) and row["x_own_min"] <= row["x_own"], row
     assert greedy["plain"]["x_plain"] == 1.0 and greedy["hf-plain"]["x_own"] == 1.0
     assert "minimum speedup vs plain >= 1.9" in r["goals_T0"]
-    assert set(greedy) == {"plain", "eagle-chain", "eagle-tree", "lookup", "draft-model", "hf-plain", "hf-lookup",
-                           "hf-assisted"}
+    assert set(greedy) == {
+        "plain",
+        "eagle-chain",
+        "eagle-tree",
+        "lookup",
+        "draft-model",
+        "hf-plain",
+        "hf-lookup",
+        "hf-assisted",
+    }
     assert r["draft_model"]["x_target_compute"] <= 0.25 and r["draft_model"]["shape"]["tie_word_embeddings"]
     assert all(greedy[name]["mismatch"] == 0 for name in OURS), greedy
     assert all(row["tok_s"] > 0 and row["tok_per_call"] >= 1.0 for row in greedy.values())
@@ -84,8 +97,9 @@ def test_speedup_quick(cache: Path) -> None:
     check_goals(r["goals_T0"], 0)
 
 
-def test_speedup_with_a_broken_acceptance_rule_meets_no_goal(cache: Path, monkeypatch: pytest.MonkeyPatch,
-                                                             capsys: pytest.CaptureFixture) -> None:
+def test_speedup_with_a_broken_acceptance_rule_meets_no_goal(
+    cache: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
     """The greedy rule made to keep every draft (right or wrong) and to emit the target's runner-up as the bonus
     token (the tiny quick target is so repetitive that its head drafts right every time, so keeping every draft
     alone changes nothing): the chain's outputs differ from plain decoding, the table says so, and no goal is met,
@@ -118,8 +132,9 @@ def test_speedup_with_a_broken_acceptance_rule_meets_no_goal(cache: Path, monkey
     assert "-> met" not in out and f"{bad} mismatches -> NOT MET" in out, out[-3000:]
 
 
-def test_write_results_keeps_earlier_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                          capsys: pytest.CaptureFixture) -> None:
+def test_write_results_keeps_earlier_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
     monkeypatch.syspath_prepend(str(ROOT / "bench"))
     import common
 
@@ -167,20 +182,29 @@ def test_speedup_setup_only_with_more_conversations(cache: Path) -> None:
     assert not (cache / "results-quick" / "speedup-head4-conv12.json").exists()
 
 
-
 def test_speedup_side_by_side_trains_the_draft_model_for_the_heads_time(cache: Path) -> None:
     """`--side-by-side`: the draft model trains in a second process while the head trains, half the cores each,
     and stops when the head is done; the measurement then finds both cached and names the time ratio."""
     import os
 
-    r = run_quick("speedup", cache, 300, "--side-by-side", "--head-steps", "6", "--temperatures", "0",
-                  result_name="speedup-head6-T0")
+    r = run_quick(
+        "speedup",
+        cache,
+        300,
+        "--side-by-side",
+        "--head-steps",
+        "6",
+        "--temperatures",
+        "0",
+        result_name="speedup-head6-T0",
+    )
     dm, half = r["draft_model"], max(1, (os.cpu_count() or 2) // 2)
     assert dm["side_by_side"]["head_seconds"] == pytest.approx(r["head_train_seconds"], abs=0.1)
     assert dm["steps"] > 0 and dm["torch_threads"] == half, dm
     assert dm["budget_s"] == max(10.0, round(r["head_train_seconds"]))  # cached where ensure(head.seconds) looks
-    assert r["args"]["side_by_side"] and all(row["mismatch"] == 0 for row in r["tables"]["0"]
-                                            if row["method"] in OURS), r["tables"]["0"]
+    assert r["args"]["side_by_side"] and all(
+        row["mismatch"] == 0 for row in r["tables"]["0"] if row["method"] in OURS
+    ), r["tables"]["0"]
 
 
 def test_chain_depth_quick(cache: Path) -> None:
@@ -196,8 +220,11 @@ def test_checkpoint_by_tau_quick(cache: Path) -> None:
     r = run_quick("checkpoint_by_tau", cache)
     assert [row["step"] for row in r["heldout"]] == [4, 8, 12, 16]  # --quick: 16 steps, evaluated every 4
     best, last = r["heads"]["best"], r["heads"]["last"]
-    assert best["step"] == r["selected_step"] == max(r["heldout"], key=lambda x: (x["heldout_tau"],
-                                                                                 -x["heldout_loss"]))["step"]
+    assert (
+        best["step"]
+        == r["selected_step"]
+        == max(r["heldout"], key=lambda x: (x["heldout_tau"], -x["heldout_loss"]))["step"]
+    )
     assert last["step"] == 16 and last["rule"].startswith("last step 16")
     assert all(h["identical"] and h["tau"] >= 1.0 and 0 <= h["a1"] <= 1 for h in (best, last)), r["heads"]
 
@@ -218,14 +245,30 @@ def test_target_path_quick(cache: Path) -> None:
     assert r["auto"]["chosen"] == r["auto"]["verify"]["chosen"]
     pick = r["pick"]  # plain decoding runs on the decode role's pick
     assert pick["chosen"] == r["auto"]["decode"]["chosen"] and 0 < pick["chosen_x_fastest"] <= 1.0
-    assert pick["chosen_x_fastest"] == pytest.approx(rows[f"plain:{pick['chosen']}"]["tok_s"]
-                                                     / rows[f"plain:{pick['fastest_plain']}"]["tok_s"])
+    assert pick["chosen_x_fastest"] == pytest.approx(
+        rows[f"plain:{pick['chosen']}"]["tok_s"] / rows[f"plain:{pick['fastest_plain']}"]["tok_s"]
+    )
     check_goals(r["goals"], 0)
 
 
 def test_chain_depth_runs_in_fresh_processes(cache: Path) -> None:
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "chain_depth.py"), "--quick", "--cache", str(cache),
-                           "--depths", "2", "--runs", "2"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "chain_depth.py"),
+            "--quick",
+            "--cache",
+            str(cache),
+            "--depths",
+            "2",
+            "--runs",
+            "2",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert proc.stdout.count("run ") >= 2 and "median of 2 runs" in proc.stdout
     r = json.loads((cache / "results-quick" / "chain_depth-runs2.json").read_text())
@@ -252,8 +295,12 @@ def test_features_tau_quick(cache: Path) -> None:
     per-features summary; starts vLLM for the engine extraction (a missing `.venv-vllm` fails with its line)."""
     r = run_quick("features_tau", cache, 400, "--seeds", "2")
     check_metadata(r)
-    assert [(row["features"], row["seed"]) for row in r["rows"]] == [("local", 0), ("local", 1), ("vllm", 0),
-                                                                     ("vllm", 1)]
+    assert [(row["features"], row["seed"]) for row in r["rows"]] == [
+        ("local", 0),
+        ("local", 1),
+        ("vllm", 0),
+        ("vllm", 1),
+    ]
     assert all(row["mismatch"] == 0 and 1.0 <= row["tau"] <= row["tau_raw"] for row in r["rows"]), r["rows"]
     for s in r["summary"].values():
         assert s["seeds"] == 2 and s["min"] <= s["median"] <= s["max"] and s["range"] == s["max"] - s["min"]
@@ -294,5 +341,3 @@ def test_capture_mix_quick(cache: Path) -> None:
         assert row["identical_shift"] and row["identical_base"] and row["tau_shift"] >= 1 and row["tau_base"] >= 1
         assert row["x_offline_shift"] == round(row["tau_shift"] / offline["tau_shift"], 3)
     assert r["goal"]["met"] == (r["goal"]["measured"] >= 0.95)
-
-

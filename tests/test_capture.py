@@ -26,24 +26,35 @@ META = {"head": "models:/h/2", "target_name": "tgt", "target_version": "3"}
 
 
 def chat(i: int, stream: bool = False, finish: str | None = "stop", meta=META) -> Exchange:
-    req = {"model": "tgt", "messages": [{"role": "user", "content": f"q{i}"}], "max_tokens": 8, "temperature": 0,
-           "stream": stream, "stop": ["\n\n"]}
+    req = {
+        "model": "tgt",
+        "messages": [{"role": "user", "content": f"q{i}"}],
+        "max_tokens": 8,
+        "temperature": 0,
+        "stream": stream,
+        "stop": ["\n\n"],
+    }
     if not stream:
-        body = {"choices": [{"index": 0, "message": {"role": "assistant", "content": f"a{i}"},
-                             "finish_reason": finish}], "usage": {"prompt_tokens": 5, "completion_tokens": 2}}
+        body = {
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": f"a{i}"}, "finish_reason": finish}],
+            "usage": {"prompt_tokens": 5, "completion_tokens": 2},
+        }
         resp = json.dumps(body).encode()
     else:
-        events = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
-                  {"choices": [{"index": 0, "delta": {"content": "a"}}]},
-                  {"choices": [{"index": 0, "delta": {"content": f"{i}"}, "finish_reason": finish}]}]
+        events = [
+            {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+            {"choices": [{"index": 0, "delta": {"content": "a"}}]},
+            {"choices": [{"index": 0, "delta": {"content": f"{i}"}, "finish_reason": finish}]},
+        ]
         resp = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
     return Exchange("/v1/chat/completions", json.dumps(req).encode(), resp, meta, time.time(), 0.01)
 
 
 def writer(tmp_path: Path, **kw) -> CaptureWriter:
     said: list[str] = []
-    w = CaptureWriter(tmp_path / "capture", CaptureConfig(**{"flush_s": 30.0, "retry_s": 0.2, "min_free_bytes": 0,
-                                                            **kw}), said.append)
+    w = CaptureWriter(
+        tmp_path / "capture", CaptureConfig(**{"flush_s": 30.0, "retry_s": 0.2, "min_free_bytes": 0, **kw}), said.append
+    )
     w.said = said  # type: ignore[attr-defined]
     return w
 
@@ -58,12 +69,21 @@ def test_rows_are_what_was_served_and_readable_as_traffic():
     assert streamed["completion"] == "a7" and streamed["stream"] is True and streamed["finish_reason"] == "stop"
     assert exchange_record(chat(2, stream=True, finish=None)) is None  # cut short: no finished completion
     assert exchange_record(chat(2, finish=None)) is None
-    done = Exchange("/v1/completions", json.dumps({"prompt": "def f(", "max_tokens": 4}).encode(),
-                    json.dumps({"choices": [{"text": "x):", "finish_reason": "length", "token_ids": [1, 2]}]}).encode(),
-                    META, time.time(), 0.1)
+    done = Exchange(
+        "/v1/completions",
+        json.dumps({"prompt": "def f(", "max_tokens": 4}).encode(),
+        json.dumps({"choices": [{"text": "x):", "finish_reason": "length", "token_ids": [1, 2]}]}).encode(),
+        META,
+        time.time(),
+        0.1,
+    )
     rec = exchange_record(done)
     assert (rec["endpoint"], rec["prompt"], rec["messages"], rec["completion_token_ids"]) == (
-        "completions", "def f(", None, [1, 2])
+        "completions",
+        "def f(",
+        None,
+        [1, 2],
+    )
 
 
 def test_rotation_metadata_and_atomic_files(tmp_path):
@@ -90,8 +110,10 @@ def test_a_new_target_version_starts_a_new_file(tmp_path):
     with writer(tmp_path, rows_per_file=10) as w:
         w.submit(chat(0))
         w.submit(chat(1, meta={**META, "target_version": "4"}))
-    versions = [json.loads(pq.read_schema(f).metadata[META_KEY])["target_version"]
-                for f in sorted((tmp_path / "capture" / "tgt").glob("*.parquet"))]
+    versions = [
+        json.loads(pq.read_schema(f).metadata[META_KEY])["target_version"]
+        for f in sorted((tmp_path / "capture" / "tgt").glob("*.parquet"))
+    ]
     assert versions == ["3", "4"]
 
 

@@ -17,8 +17,17 @@ from pathlib import Path
 
 import pytest
 
-from components.data.captured_traffic import (SHARD, CaptureError, CapturedTrafficConfig, mix_counts, new_conversations,
-                                              prepare_capture_plan, prompt_key, select_captured, split_heldout)
+from components.data.captured_traffic import (
+    SHARD,
+    CaptureError,
+    CapturedTrafficConfig,
+    mix_counts,
+    new_conversations,
+    prepare_capture_plan,
+    prompt_key,
+    select_captured,
+    split_heldout,
+)
 from components.data.traffic_io import Conversation, Message, load_traffic
 from components.serving.capture import CaptureConfig, CaptureWriter
 from infra.serve_proxy import Exchange
@@ -27,16 +36,23 @@ TARGET = {"head": "models:/t-v3-eagle3/1", "target_name": "t", "target_version":
 _ARRIVALS = itertools.count(int(time.time() * 1000), 5)  # ms apart: rows are ordered by their arrival time (ms)
 
 
-def exchange(q: str, a: str, temperature: float | None = 0.0, meta=TARGET, path="/v1/chat/completions",
-             finish="stop", history=()) -> Exchange:
-    req = {"model": "t", "messages": [*history, {"role": "user", "content": q}], "max_tokens": 16,
-           "temperature": temperature}
+def exchange(
+    q: str, a: str, temperature: float | None = 0.0, meta=TARGET, path="/v1/chat/completions", finish="stop", history=()
+) -> Exchange:
+    req = {
+        "model": "t",
+        "messages": [*history, {"role": "user", "content": q}],
+        "max_tokens": 16,
+        "temperature": temperature,
+    }
     if path.endswith("/completions") and "chat" not in path:
         req = {"model": "t", "prompt": q, "max_tokens": 16}
         body = {"choices": [{"text": a, "finish_reason": finish}]}
     else:
-        body = {"choices": [{"index": 0, "message": {"role": "assistant", "content": a}, "finish_reason": finish}],
-                "usage": {"prompt_tokens": 4, "completion_tokens": 5}}
+        body = {
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": a}, "finish_reason": finish}],
+            "usage": {"prompt_tokens": 4, "completion_tokens": 5},
+        }
     return Exchange(path, json.dumps(req).encode(), json.dumps(body).encode(), meta, next(_ARRIVALS) / 1000, 0.01)
 
 
@@ -49,16 +65,26 @@ def capture(root: Path, exchanges: list[Exchange]) -> None:
 def served(root: Path, n: int = 10) -> None:
     """`n` greedy and sampled chats of target t/3, plus rows that must be skipped."""
     other = {**TARGET, "target_version": "2"}
-    capture(root, [*(exchange(f"q{i}", f"a{i}", 0.0 if i % 2 == 0 else 0.8) for i in range(n)),
-                   exchange("old", "x", meta=other), exchange("old2", "y", meta=other),
-                   exchange("p", "c", path="/v1/completions"), exchange("q-empty", ""),
-                   exchange("q-len", "cut", 0.8, finish="length")])
+    capture(
+        root,
+        [
+            *(exchange(f"q{i}", f"a{i}", 0.0 if i % 2 == 0 else 0.8) for i in range(n)),
+            exchange("old", "x", meta=other),
+            exchange("old2", "y", meta=other),
+            exchange("p", "c", path="/v1/completions"),
+            exchange("q-empty", ""),
+            exchange("q-len", "cut", 0.8, finish="length"),
+        ],
+    )
 
 
 def registered(tmp_path: Path, n: int = 20) -> str:
     path = tmp_path / "registered.jsonl"
-    path.write_text("".join(json.dumps({"id": f"r{i}", "messages": [{"role": "user", "content": f"r{i}"}]}) + "\n"
-                            for i in range(n)))
+    path.write_text(
+        "".join(
+            json.dumps({"id": f"r{i}", "messages": [{"role": "user", "content": f"r{i}"}]}) + "\n" for i in range(n)
+        )
+    )
     return str(path)
 
 
@@ -69,10 +95,14 @@ def test_captured_rows_become_training_conversations_of_that_target_only(tmp_pat
     assert [c.messages[-1].content for c in sel.conversations] == [*(f"a{i}" for i in range(10)), "cut"]
     assert sel.conversations[0].messages == (Message("user", "q0"), Message("assistant", "a0"))
     assert {c.segment for c in sel.conversations} == {"captured"}
-    assert len(sel.greedy) == 5 and all(int(c.messages[-1].content[1:]) % 2 == 0 for c in sel.conversations
-                                        if c.id in sel.greedy)
-    assert sel.skipped == {"served by t/2, not t/3": 2, "a /v1/completions request (no chat messages)": 1,
-                           "empty completion": 1}
+    assert len(sel.greedy) == 5 and all(
+        int(c.messages[-1].content[1:]) % 2 == 0 for c in sel.conversations if c.id in sel.greedy
+    )
+    assert sel.skipped == {
+        "served by t/2, not t/3": 2,
+        "a /v1/completions request (no chat messages)": 1,
+        "empty completion": 1,
+    }
     assert all(Path(f).parent.name == "t" for f in sel.files) and sel.limits[sel.conversations[0].id] == 5
     assert new_conversations(tmp_path / "cap", "t", 3, after_ms=sel.times[sel.conversations[7].id]) == 3
     assert select_captured(tmp_path / "nothing", "t", 3).conversations == []
@@ -83,8 +113,15 @@ def _conv(i: int, q: str, a: str = "a") -> Conversation:
 
 
 def test_the_newest_distinct_prompts_are_held_out_and_never_trained_on():
-    convs = [_conv(0, "x"), _conv(1, "y"), _conv(2, "x", "b"), _conv(3, "z"), _conv(4, "y"), _conv(5, "z"),
-             _conv(6, "w")]
+    convs = [
+        _conv(0, "x"),
+        _conv(1, "y"),
+        _conv(2, "x", "b"),
+        _conv(3, "z"),
+        _conv(4, "y"),
+        _conv(5, "z"),
+        _conv(6, "w"),
+    ]
     train, held = split_heldout(convs, 2)
     assert [c.id for c in held] == ["c6", "c5"]  # newest first, distinct prompts
     assert [c.id for c in train] == ["c0", "c1", "c2"]  # z and w are held out; c4 repeats c1
@@ -93,9 +130,18 @@ def test_the_newest_distinct_prompts_are_held_out_and_never_trained_on():
     assert len(held) == 4 and train == []  # only four distinct prompts
 
 
-@pytest.mark.parametrize("captured, registered, mix, want", [
-    (10, 100, 0.5, (10, 10)), (10, 100, 0.8, (10, 2)), (10, 100, 0.2, (10, 40)),
-    (10, 4, 0.5, (4, 4)), (10, 3, 0.25, (1, 3)), (1, 100, 0.9, (1, 1)), (3, 1, 0.9, (3, 1))])
+@pytest.mark.parametrize(
+    "captured, registered, mix, want",
+    [
+        (10, 100, 0.5, (10, 10)),
+        (10, 100, 0.8, (10, 2)),
+        (10, 100, 0.2, (10, 40)),
+        (10, 4, 0.5, (4, 4)),
+        (10, 3, 0.25, (1, 3)),
+        (1, 100, 0.9, (1, 1)),
+        (3, 1, 0.9, (3, 1)),
+    ],
+)
 def test_the_mix_ratio(captured, registered, mix, want):
     got = mix_counts(captured, registered, mix)
     assert got == want and got[0] <= captured and got[1] <= registered
@@ -134,10 +180,14 @@ def test_a_plan_uses_captures_as_served_and_says_what_it_used(tmp_path):
 
 def test_too_few_captured_conversations_is_one_clear_line(tmp_path):
     capture(tmp_path / "cap", [exchange("q", "a"), exchange("q", "a")])  # one distinct prompt, held out
-    with pytest.raises(CaptureError, match=r"2 usable captured conversations of t/3 \(none skipped\); the newest "
-                                           r"capture.heldout 1 distinct prompts are held out"):
-        prepare_capture_plan(CapturedTrafficConfig(heldout=1), tmp_path / "cap", "t", 3, registered(tmp_path),
-                             tmp_path / "plan")
+    with pytest.raises(
+        CaptureError,
+        match=r"2 usable captured conversations of t/3 \(none skipped\); the newest "
+        r"capture.heldout 1 distinct prompts are held out",
+    ):
+        prepare_capture_plan(
+            CapturedTrafficConfig(heldout=1), tmp_path / "cap", "t", 3, registered(tmp_path), tmp_path / "plan"
+        )
 
 
 def test_capture_settings_are_checked_and_out_of_the_runs_identity():

@@ -38,27 +38,53 @@ def capture_run(engine_target, engine_head, prefect_harness, tmp_path_factory):
     vllm_python(Settings.local(state))  # a missing vLLM venv fails here with the line that says how to make it
     traffic, heldout = str(engine_target.target_traffic.train), str(engine_target.target_traffic.heldout)
     cfg = state.parent / "pipeline.json"
-    cfg.write_text(json.dumps({"evaluate": {"limit": 3, "spec": {"depth": 3, "max_new_tokens": 16}},
-                               "capture": {"heldout": 3, "trigger_new": 6, "mix": 0.5}}))
+    cfg.write_text(
+        json.dumps(
+            {
+                "evaluate": {"limit": 3, "spec": {"depth": 3, "max_new_tokens": 16}},
+                "capture": {"heldout": 3, "trigger_new": 6, "mix": 0.5},
+            }
+        )
+    )
     with state_dir_env(state):
         from flows.retrain_capture import retrain_on_capture
 
         store = MlflowStore.connect(Settings.from_env())
-        tref = register_target(store, NAME, str(engine_target.target_dir), role="base", base_model="",
-                               weights_sha256=weights_sha256(engine_target.target_dir),
-                               extra_tags={"traffic_train": traffic, "traffic_heldout": heldout})
+        tref = register_target(
+            store,
+            NAME,
+            str(engine_target.target_dir),
+            role="base",
+            base_model="",
+            weights_sha256=weights_sha256(engine_target.target_dir),
+            extra_tags={"traffic_train": traffic, "traffic_heldout": heldout},
+        )
         with store.run("seed-champion") as run_id:  # the head being served: the engine tests' own
-            champ = register_head(store, RegisterConfig(tau_floor=0.0, gate_speedup="off"), HeadToRegister(
-                engine_head.head_dir, tref, "seed", "seed-run", run_id, {"tau": 2.0}, None))
+            champ = register_head(
+                store,
+                RegisterConfig(tau_floor=0.0, gate_speedup="off"),
+                HeadToRegister(engine_head.head_dir, tref, "seed", "seed-run", run_id, {"tau": 2.0}, None),
+            )
         meta = {"head": champ.uri, "target_name": NAME, "target_version": str(tref.version)}
         chats = [c for c in load_traffic(traffic).conversations if c.messages[-1].content][:12]
-        capture(state / "capture", [
-            *(exchange(c.messages[-2].content, c.messages[-1].content, 0.0 if i % 3 else 0.7, meta,
-                       history=[{"role": m.role, "content": m.content} for m in c.messages[:-2]])
-              for i, c in enumerate(chats)),
-            exchange("q", "a", meta={**meta, "target_version": "9"}), exchange("q2", "a", meta={**meta,
-                                                                                              "target_version": "9"}),
-            exchange("def f(", "x", meta=meta, path="/v1/completions")])
+        capture(
+            state / "capture",
+            [
+                *(
+                    exchange(
+                        c.messages[-2].content,
+                        c.messages[-1].content,
+                        0.0 if i % 3 else 0.7,
+                        meta,
+                        history=[{"role": m.role, "content": m.content} for m in c.messages[:-2]],
+                    )
+                    for i, c in enumerate(chats)
+                ),
+                exchange("q", "a", meta={**meta, "target_version": "9"}),
+                exchange("q2", "a", meta={**meta, "target_version": "9"}),
+                exchange("def f(", "x", meta=meta, path="/v1/completions"),
+            ],
+        )
         first = retrain_on_capture(NAME, tref.version, "tiny", str(cfg))
         second = retrain_on_capture(NAME, tref.version, "tiny", str(cfg))
     yield first, second, champ, MlflowStore.connect(Settings.local(state)), state

@@ -12,22 +12,32 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _cli(*args, env=None, timeout=120):
     e = {**os.environ, **(env or {})}
-    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=ROOT, env=e, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "flows.cli", *args], cwd=ROOT, env=e, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_help_imports_nothing_heavy():
     r = _cli("--help")
     assert r.returncode == 0 and "demo" in r.stdout and "train" in r.stdout and "watch" in r.stdout
-    code = ("import sys, flows.cli; flows.cli._parser(); "
-            "print(sorted(m for m in ('torch', 'prefect', 'mlflow', 'ray') if m in sys.modules))")
+    code = (
+        "import sys, flows.cli; flows.cli._parser(); "
+        "print(sorted(m for m in ('torch', 'prefect', 'mlflow', 'ray') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True).stdout
     assert out.strip() == "[]"
 
 
 def test_bad_arguments_exit_2_with_a_message(tmp_path):
-    r = _cli("train", "--target", str(tmp_path / "nope"), "--traffic", str(tmp_path / "t.jsonl"),
-             "--heldout", str(tmp_path / "h.jsonl"))
+    r = _cli(
+        "train",
+        "--target",
+        str(tmp_path / "nope"),
+        "--traffic",
+        str(tmp_path / "t.jsonl"),
+        "--heldout",
+        str(tmp_path / "h.jsonl"),
+    )
     assert r.returncode == 2 and "no such file or directory" in r.stderr
     r = _cli("train", "--traffic", "x")
     assert r.returncode == 2 and "--target" in r.stderr
@@ -52,14 +62,21 @@ def test_an_untimed_speedup_prints_as_a_dash_with_its_reason():
     timed = {"speedup": 1.5, "speedup_lo": 1.4, "speedup_hi": 1.6, "speedup_reliable": True, "speedup_note": ""}
     assert _speed_text(timed) == "1.50x [1.40, 1.60]"
     assert _speed_text({**timed, "speedup_reliable": False, "speedup_note": "busy"}) == (
-        "1.50x [1.40, 1.60] (unreliable: busy)")
-    untimed = {"speedup": float("nan"), "speedup_lo": None, "speedup_hi": None, "speedup_reliable": False,
-               "speedup_note": "not timed (evaluate.time_local false)"}
+        "1.50x [1.40, 1.60] (unreliable: busy)"
+    )
+    untimed = {
+        "speedup": float("nan"),
+        "speedup_lo": None,
+        "speedup_hi": None,
+        "speedup_reliable": False,
+        "speedup_note": "not timed (evaluate.time_local false)",
+    }
     assert _speed_text(untimed) == "- (not timed (evaluate.time_local false))"
 
 
-def test_train_resolves_its_config_and_checks_its_inputs_once(prefect_harness, tiny_embedded, tmp_path, monkeypatch,
-                                                               capsys):
+def test_train_resolves_its_config_and_checks_its_inputs_once(
+    prefect_harness, tiny_embedded, tmp_path, monkeypatch, capsys
+):
     """`eagle-heads train` in this process (tiny preset, a `--set`): the preflight resolves the config and checks the
     inputs, the flow is handed both (flows/train_head.py `CheckedInputs`): one `PipelineConfig.load` (every
     resolution goes through it) and one `check_inputs` for the whole command. Second turns too long for the target's
@@ -85,14 +102,30 @@ def test_train_resolves_its_config_and_checks_its_inputs_once(prefect_harness, t
     monkeypatch.setattr(PipelineConfig, "load", classmethod(counted_load))
     monkeypatch.setattr(flows.preflight, "check_inputs", counted_check)
     monkeypatch.setattr(flows.train_head, "check_inputs", counted_check)
-    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
-             {"role": "user", "content": "x = 1\n" * 400}]
+    turns = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "x = 1\n" * 400},
+    ]
     traffic = tmp_path / "long.jsonl"
     traffic.write_text("".join(json.dumps({"id": f"long-{i}", "messages": turns}) + "\n" for i in range(3)))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "EAGLE_", "RAY_ADDRESS"))}
     with mock.patch.dict(os.environ, {**env, "EAGLE_HOME": str(tmp_path / "home")}, clear=True):
-        rc = cli.main(["train", "--preset", "tiny", "--target", str(tiny_embedded.target_dir), "--traffic",
-                       str(traffic), "--heldout", str(tiny_embedded.target_traffic.heldout), "--set", "train.steps=3"])
+        rc = cli.main(
+            [
+                "train",
+                "--preset",
+                "tiny",
+                "--target",
+                str(tiny_embedded.target_dir),
+                "--traffic",
+                str(traffic),
+                "--heldout",
+                str(tiny_embedded.target_traffic.heldout),
+                "--set",
+                "train.steps=3",
+            ]
+        )
     err = capsys.readouterr().err
     assert rc == 2 and "turn 2: prompt of" in err, err[-2000:]  # the regenerate stage's refusal: the flow ran
     assert calls == {"load": 1, "check_inputs": 1}

@@ -47,19 +47,33 @@ def test_config_show_layers_preset_file_and_set(tmp_path, capsys):
     assert rc == 0 and shown == json.loads(json.dumps(PipelineConfig.tiny().to_dict()))
     f = tmp_path / "c.json"
     f.write_text(json.dumps({"train": {"steps": 7, "batch_size": 2}}))
-    rc, shown, _ = _show(capsys, "--preset", "tiny", "--config", str(f), "--set", "train.steps=9",
-                         "--set", "train.optim.lr=0.01", "--set", "evaluate.spec.method=tree")
+    rc, shown, _ = _show(
+        capsys,
+        "--preset",
+        "tiny",
+        "--config",
+        str(f),
+        "--set",
+        "train.steps=9",
+        "--set",
+        "train.optim.lr=0.01",
+        "--set",
+        "evaluate.spec.method=tree",
+    )
     assert rc == 0 and shown["train"]["steps"] == 9 and shown["train"]["batch_size"] == 2  # --set wins over the file
     assert shown["train"]["optim"]["lr"] == 0.01 and shown["evaluate"]["spec"]["method"] == "tree"
 
 
-@pytest.mark.parametrize("assignment, needle", [
-    ("train.stepz=5", "--set: unknown key train.stepz"),
-    ("train.optim.lrr=1", "--set: unknown key train.optim.lrr"),
-    ("train.steps=many", "--set: train.steps: 'many' is not of type int"),
-    ("train.steps=0", "--set: train.steps"),
-    ("nosection.x=1", "--set: unknown section 'nosection'"),
-])
+@pytest.mark.parametrize(
+    "assignment, needle",
+    [
+        ("train.stepz=5", "--set: unknown key train.stepz"),
+        ("train.optim.lrr=1", "--set: unknown key train.optim.lrr"),
+        ("train.steps=many", "--set: train.steps: 'many' is not of type int"),
+        ("train.steps=0", "--set: train.steps"),
+        ("nosection.x=1", "--set: unknown section 'nosection'"),
+    ],
+)
 def test_a_bad_set_is_refused_in_one_line_naming_the_key(assignment, needle, capsys):
     rc, _, err = _show(capsys, "--preset", "tiny", "--set", assignment)
     lines = [x for x in err.splitlines() if "error:" in x]
@@ -77,8 +91,23 @@ def test_the_resolved_config_loads_back_as_the_file_a_flow_takes(tmp_path):
     from flows.command_runs import config_file
     from flows.preflight import command_config
 
-    a = parser().parse_args(["train", "--target", "t", "--traffic", "x", "--heldout", "y", "--preset", "default",
-                             "--set", "train.steps=33", "--set", "evaluate.load.concurrency=[1, 2]"])
+    a = parser().parse_args(
+        [
+            "train",
+            "--target",
+            "t",
+            "--traffic",
+            "x",
+            "--heldout",
+            "y",
+            "--preset",
+            "default",
+            "--set",
+            "train.steps=33",
+            "--set",
+            "evaluate.load.concurrency=[1, 2]",
+        ]
+    )
     settings = SimpleNamespace(state_dir=tmp_path)
     path = config_file(a, settings, command_config(a))
     assert path == config_file(a, settings, command_config(a)) and path.startswith(str(tmp_path / "configs"))
@@ -90,12 +119,40 @@ def test_the_resolved_config_loads_back_as_the_file_a_flow_takes(tmp_path):
 def test_set_then_the_commands_own_flags():
     from flows.preflight import command_config
 
-    a = parser().parse_args(["evaluate", "--head", "h", "--traffic", "t", "--preset", "tiny", "--set",
-                             "evaluate.limit=2", "--set", "evaluate.spec.depth=2", "--depth", "4"])
+    a = parser().parse_args(
+        [
+            "evaluate",
+            "--head",
+            "h",
+            "--traffic",
+            "t",
+            "--preset",
+            "tiny",
+            "--set",
+            "evaluate.limit=2",
+            "--set",
+            "evaluate.spec.depth=2",
+            "--depth",
+            "4",
+        ]
+    )
     cfg = command_config(a).evaluate
     assert cfg.limit == 2 and cfg.spec.depth == 4
-    a = parser().parse_args(["monitor", "--metrics-url", "http://h/metrics", "--target", "models:/t/1", "--preset",
-                             "tiny", "--set", "monitor.ratio=0.5", "--interval", "3"])
+    a = parser().parse_args(
+        [
+            "monitor",
+            "--metrics-url",
+            "http://h/metrics",
+            "--target",
+            "models:/t/1",
+            "--preset",
+            "tiny",
+            "--set",
+            "monitor.ratio=0.5",
+            "--interval",
+            "3",
+        ]
+    )
     assert command_config(a).monitor.ratio == 0.5 and command_config(a).monitor.interval_s == 3.0
 
 
@@ -112,8 +169,9 @@ def test_the_command_table_is_the_only_list_of_commands():
     assert all("--set" in options[n] for n in takes_config)
 
 
-@pytest.mark.parametrize("error, retried", [("bad input", False), ("value error", True), ("outage", True),
-                                            ("none", True)])
+@pytest.mark.parametrize(
+    "error, retried", [("bad input", False), ("value error", True), ("outage", True), ("none", True)]
+)
 def test_tasks_retry_anything_but_bad_input(error, retried):
     from eagle.errors import BadInput
     from flows.tasks import transient

@@ -58,11 +58,15 @@ def _documented() -> dict[str, set[str]]:
 def test_the_knob_index_lists_every_config_field():
     actual = _sections(PipelineConfig.preset("tiny"), "", {})
     documented = _documented()
-    assert set(documented) == set(actual), f"sections: missing {set(actual) - set(documented)}, " \
-                                           f"stale {set(documented) - set(actual)}"
+    assert set(documented) == set(actual), (
+        f"sections: missing {set(actual) - set(documented)}, stale {set(documented) - set(actual)}"
+    )
     for section, fields in actual.items():
-        assert documented[section] == fields, (section, f"undocumented {fields - documented[section]}",
-                                               f"stale {documented[section] - fields}")
+        assert documented[section] == fields, (
+            section,
+            f"undocumented {fields - documented[section]}",
+            f"stale {documented[section] - fields}",
+        )
 
 
 NUMBERS = {"two": 2, "three": 3, "four": 4, "five": 5}
@@ -114,13 +118,23 @@ def _choices(cls: type) -> dict[str, tuple]:
     takes the class) and evaluated there."""
     module = importlib.import_module(cls.__module__)
     src = ast.parse(inspect.getsource(module))
-    scopes = [n for n in src.body if (isinstance(n, ast.ClassDef) and n.name == cls.__name__)
-              or (isinstance(n, ast.FunctionDef) and any(a.annotation is not None
-                                                         and ast.unparse(a.annotation) == cls.__name__
-                                                         for a in n.args.args))]
+    scopes = [
+        n
+        for n in src.body
+        if (isinstance(n, ast.ClassDef) and n.name == cls.__name__)
+        or (
+            isinstance(n, ast.FunctionDef)
+            and any(a.annotation is not None and ast.unparse(a.annotation) == cls.__name__ for a in n.args.args)
+        )
+    ]
     names = dict(vars(module))
-    local = {a.asname or a.name: (imp.module, a.name) for s in scopes for imp in ast.walk(s)
-             if isinstance(imp, ast.ImportFrom) for a in imp.names}  # function-level imports
+    local = {
+        a.asname or a.name: (imp.module, a.name)
+        for s in scopes
+        for imp in ast.walk(s)
+        if isinstance(imp, ast.ImportFrom)
+        for a in imp.names
+    }  # function-level imports
     out = {}
     for call in (c for s in scopes for c in ast.walk(s) if isinstance(c, ast.Call)):
         if getattr(call.func, "id", None) == "one_of" and isinstance(call.args[1], ast.Constant):
@@ -162,9 +176,9 @@ def test_every_field_note_holds(section):
         assert all((ROOT / p).exists() for p in paths_in(note)), (where, paths_in(note))
         if IDENTITY in note:
             start = max([j + 1 for j in range(i) if notes[j][1]], default=0)
-            identity_free |= {n for n, _ in notes[start:i + 1]}
+            identity_free |= {n for n, _ in notes[start : i + 1]}
         if m := re.search(r"none of the (\w+) is part of a run's identity", note):
-            identity_free |= {n for n, _ in notes[i + 1 - NUMBERS[m.group(1)]:i + 1]}
+            identity_free |= {n for n, _ in notes[i + 1 - NUMBERS[m.group(1)] : i + 1]}
     assert listed >= {f for f, c in choices.items() if c}, (section, "choices not listed", set(choices) - listed)
     if section.split(".")[0] == "monitor":  # the fingerprint leaves the whole section out: the claim holds one way
         assert TINY.override({"monitor": {"ratio": 0.5}}, where="test").fingerprint() == TINY.fingerprint()

@@ -18,8 +18,19 @@ import re
 
 import pytest
 
-from tests.helpers_docs import (ROOT, NAME_RE, backticked, cli_mention_problems, defines, flow_names, has_member,
-                                paths_in, resolves, tables, tree)
+from tests.helpers_docs import (
+    ROOT,
+    NAME_RE,
+    backticked,
+    cli_mention_problems,
+    defines,
+    flow_names,
+    has_member,
+    paths_in,
+    resolves,
+    tables,
+    tree,
+)
 
 LAYERS = tables("Layers and what each may import")
 ROOMS_TABLE = tables("Rooms of components/")
@@ -37,11 +48,19 @@ def _unresolved(cell: str, modules: list[str]) -> list[str]:
     classes = [n for n in names if n[0].isupper() and "." not in n and resolves(n, modules)]
     out = []
     for name in names:
-        if (resolves(name, modules) or _is_key(name) or _is_parameter(modules, name)
-                or (name.islower() and "." in name and _says(modules, name))):
+        if (
+            resolves(name, modules)
+            or _is_key(name)
+            or _is_parameter(modules, name)
+            or (name.islower() and "." in name and _says(modules, name))
+        ):
             continue
-        if any(has_member(p, c, name.removesuffix("()")) for c in classes for p in modules if p.endswith(".py")
-               and defines(p, c)):
+        if any(
+            has_member(p, c, name.removesuffix("()"))
+            for c in classes
+            for p in modules
+            if p.endswith(".py") and defines(p, c)
+        ):
             continue
         out.append(name)
     return out
@@ -55,14 +74,22 @@ def _is_key(name: str) -> bool:
 
 def _is_parameter(modules: list[str], name: str) -> bool:
     """`name` is a parameter of a top-level function of one of `modules` (`capture_plan` of train_head)."""
-    return any(isinstance(n, ast.FunctionDef) and name in {a.arg for a in n.args.args + n.args.kwonlyargs}
-               for p in modules if p.endswith(".py") and (ROOT / p).is_file() for n in tree(p).body)
+    return any(
+        isinstance(n, ast.FunctionDef) and name in {a.arg for a in n.args.args + n.args.kwonlyargs}
+        for p in modules
+        if p.endswith(".py") and (ROOT / p).is_file()
+        for n in tree(p).body
+    )
 
 
 def _says(modules: list[str], text: str) -> bool:
     """One of `modules` holds the string constant `text` (an event's name, `eagle.head.rolled_back`)."""
-    return any(isinstance(n, ast.Constant) and n.value == text for p in modules if p.endswith(".py")
-               and (ROOT / p).is_file() for n in ast.walk(tree(p)))
+    return any(
+        isinstance(n, ast.Constant) and n.value == text
+        for p in modules
+        if p.endswith(".py") and (ROOT / p).is_file()
+        for n in ast.walk(tree(p))
+    )
 
 
 def _forbidden_imports() -> dict[str, set[str]]:
@@ -85,8 +112,11 @@ def _class_paths() -> dict[str, str]:
 def _fields(cls: str) -> dict[str, str]:
     """A config class's fields -> their annotations (source text)."""
     node = next(n for n in tree(_class_paths()[cls]).body if isinstance(n, ast.ClassDef) and n.name == cls)
-    return {i.target.id: ast.unparse(i.annotation) for i in node.body
-            if isinstance(i, ast.AnnAssign) and isinstance(i.target, ast.Name)}
+    return {
+        i.target.id: ast.unparse(i.annotation)
+        for i in node.body
+        if isinstance(i, ast.AnnAssign) and isinstance(i.target, ast.Name)
+    }
 
 
 def section_class(path: str) -> str | None:
@@ -168,7 +198,8 @@ def test_rooms_table():
     for room, holds, _, imports in ROOMS_TABLE:
         name = room.strip("`/")
         modules = {f"components/{name}/{p.name}" for p in (ROOT / "components" / name).glob("*.py")} - {
-            f"components/{name}/__init__.py"}
+            f"components/{name}/__init__.py"
+        }
         assert set(paths_in(holds)) == modules, (room, "modules", sorted(modules ^ set(paths_in(holds))))
         unresolved = _unresolved(holds, sorted(modules))
         assert not unresolved, f"{room}: {unresolved} not defined in the modules its row names"

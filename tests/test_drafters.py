@@ -139,8 +139,10 @@ def _sampled_errors(target, drafter) -> tuple[list[float], float]:
         out = generate_drafted(target, drafter, ids.repeat(rep, 1), mask.repeat(rep, 1), SAMPLED, generator=g)
         cells.append((out.sequences[:, 1] * E2E_VOCAB + out.sequences[:, 2]).view(rep, len(PROMPTS)))
         taus.append(out.stats.tau)
-    errs = [tv(c, _exact_tokens_2_3(target, p[None], SAMPLED)) / tv_bound(E2E_VOCAB ** 2, c.numel())
-            for c, p in zip(torch.cat(cells).T, PROMPTS)]
+    errs = [
+        tv(c, _exact_tokens_2_3(target, p[None], SAMPLED)) / tv_bound(E2E_VOCAB**2, c.numel())
+        for c, p in zip(torch.cat(cells).T, PROMPTS)
+    ]
     return errs, sum(taus) / len(taus)
 
 

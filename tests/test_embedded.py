@@ -33,8 +33,12 @@ def test_tiny_build_loads_with_auto_classes(built):
         model = AutoModelForCausalLM.from_pretrained(model_dir)
         assert model.config.model_type == "llama" and model.config.num_hidden_layers == 6
         assert model.generation_config.eos_token_id == tok.convert_tokens_to_ids("<|end|>") == tok.eos_token_id
-        ids = tok.apply_chat_template([{"role": "user", "content": "def f(x):"}], add_generation_prompt=True,
-                                      return_tensors="pt", return_dict=True)["input_ids"]
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": "def f(x):"}],
+            add_generation_prompt=True,
+            return_tensors="pt",
+            return_dict=True,
+        )["input_ids"]
         out = model.generate(input_ids=ids, max_new_tokens=4, do_sample=False)
         assert out.shape[1] > ids.shape[1]
         (weights,) = model_dir.glob("*.safetensors")
@@ -68,8 +72,10 @@ def test_rebuild_from_scratch_is_bitwise_identical(built, tmp_path):
     again = build_embedded(EmbeddedConfig.tiny(), tmp_path, force=True, progress=False)
     assert not again.cached and again.build_hash == first.build_hash
     assert again.weights_sha256 == first.weights_sha256
-    assert (again.target_traffic.train_sha256, again.finetune_traffic.heldout_sha256) == \
-        (first.target_traffic.train_sha256, first.finetune_traffic.heldout_sha256)
+    assert (again.target_traffic.train_sha256, again.finetune_traffic.heldout_sha256) == (
+        first.target_traffic.train_sha256,
+        first.finetune_traffic.heldout_sha256,
+    )
     tok = "tokenizer.json"
     assert (again.tokenizer_dir / tok).read_bytes() == (first.tokenizer_dir / tok).read_bytes()
 
@@ -77,8 +83,12 @@ def test_rebuild_from_scratch_is_bitwise_identical(built, tmp_path):
 def test_chat_template_round_trips(built):
     _, result = built
     tok = AutoTokenizer.from_pretrained(result.tokenizer_dir)
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "def add(a, b):"},
-                {"role": "assistant", "content": "    return a + b\n"}, {"role": "user", "content": "and sub?"}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "def add(a, b):"},
+        {"role": "assistant", "content": "    return a + b\n"},
+        {"role": "user", "content": "and sub?"},
+    ]
     text = tok.apply_chat_template(messages, tokenize=False)
     assert text == render_chat(messages)
     assert tok.decode(tok(text, add_special_tokens=False)["input_ids"]) == text

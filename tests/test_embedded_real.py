@@ -64,10 +64,14 @@ def test_the_finetune_moved_the_upper_layers_only(real):
     assert f["heldout_loss_before"] > 0 and f["heldout_loss_after"] > 0
     model = AutoModelForCausalLM.from_pretrained(res.finetune_dir, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(res.finetune_dir)
-    enc = tok.apply_chat_template([{"role": "user", "content": "def add(a, b):"}], add_generation_prompt=True,
-                                  return_tensors="pt", return_dict=True)
+    enc = tok.apply_chat_template(
+        [{"role": "user", "content": "def add(a, b):"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
     with torch.no_grad():
-        new = model.generate(**enc, max_new_tokens=8, do_sample=False)[0, enc["input_ids"].shape[1]:]
+        new = model.generate(**enc, max_new_tokens=8, do_sample=False)[0, enc["input_ids"].shape[1] :]
     assert tok.decode(new, skip_special_tokens=True).strip()
 
 

@@ -109,7 +109,7 @@ def test_length_limit_inside_a_step(llama_pair, method, temperature):
     assert points, "the test pair should accept drafts in some step"
     cfg = dataclasses.replace(base, max_new_tokens=points[0] + 1)
     out = _run(llama_pair, cfg, batch=1)
-    assert torch.equal(out.sequences[0], free.sequences[0, :points[0] + 1])
+    assert torch.equal(out.sequences[0], free.sequences[0, : points[0] + 1])
     _cut_inside_its_last_step(llama_pair, out, cfg, batch=1)
 
 
@@ -142,8 +142,9 @@ def test_acceptance_by_output_position_buckets_steps_where_they_start():
     raw = acceptance_by_position([raw_steps(accepted)], edges=(0, 4, 9, 20, 40))
     assert raw[2]["tau"] == 4.0 and raw[3] == {"lo": 20, "hi": 40, "steps": 0, "tau": None, "alpha_1": None}
     assert acceptance_by_position([(accepted, emitted)], edges=(0, 2))[0]["steps"] == 1  # later steps: no bucket
-    tags = _acceptance_tags({"tau_pos_128_512": 2.5, "tau_pos_0_128": 3.0, "tau_vllm_pos_0_128": 3.0,
-                             "alpha_1_pos_0_128": 0.9})
+    tags = _acceptance_tags(
+        {"tau_pos_128_512": 2.5, "tau_pos_0_128": 3.0, "tau_vllm_pos_0_128": 3.0, "alpha_1_pos_0_128": 0.9}
+    )
     assert tags["tau_by_position"] == "0-128:3.0000 128-512:2.5000" and tags["tau_by_position_vllm"] == "0-128:3.0000"
 
 

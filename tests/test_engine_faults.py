@@ -77,13 +77,19 @@ def test_engine_killed_mid_extraction_resumes_at_the_shard_it_was_on(tiny_embedd
     settings = Settings.local(tmp_path / ".eagle")
     vllm_python(settings)
     regen, out, ref = tmp_path / "regen", tmp_path / "vllm", tmp_path / "local"
-    regenerate(RegenerateConfig(max_new_tokens=32, batch_size=8, shard_size=8, limit=24), tiny_embedded.target_dir,
-               str(tiny_embedded.target_traffic.train), str(regen), **QUIET)
+    regenerate(
+        RegenerateConfig(max_new_tokens=32, batch_size=8, shard_size=8, limit=24),
+        tiny_embedded.target_dir,
+        str(tiny_embedded.target_traffic.train),
+        str(regen),
+        **QUIET,
+    )
     extract(CFG, tiny_embedded.target_dir, str(regen), str(ref), **QUIET)  # the uninterrupted reference
     cfg = dataclasses.replace(CFG, engine="vllm")
     first, killed = threading.Event(), []
-    watcher = threading.Thread(target=_kill_when_next_shard_starts,
-                               args=(out / "engine-hidden-states", first, killed), daemon=True)
+    watcher = threading.Thread(
+        target=_kill_when_next_shard_starts, args=(out / "engine-hidden-states", first, killed), daemon=True
+    )
     watcher.start()
 
     def progress(line: str) -> None:
@@ -91,8 +97,14 @@ def test_engine_killed_mid_extraction_resumes_at_the_shard_it_was_on(tiny_embedd
             first.set()
 
     with pytest.raises(EngineError) as e:
-        extract(cfg, tiny_embedded.target_dir, str(regen), str(out), progress=progress,
-                context=StageContext(settings=settings))
+        extract(
+            cfg,
+            tiny_embedded.target_dir,
+            str(regen),
+            str(out),
+            progress=progress,
+            context=StageContext(settings=settings),
+        )
     watcher.join(10)
     assert killed, "the engine was not killed"
     assert "\n" not in str(e.value) and "vLLM" in str(e.value)
@@ -103,8 +115,14 @@ def test_engine_killed_mid_extraction_resumes_at_the_shard_it_was_on(tiny_embedd
     assert sorted(p.name for p in out.glob("features-*.safetensors")) == done  # no half-written shard
 
     lines: list[str] = []
-    extract(cfg, tiny_embedded.target_dir, str(regen), str(out), progress=lines.append,
-            context=StageContext(settings=settings))
+    extract(
+        cfg,
+        tiny_embedded.target_dir,
+        str(regen),
+        str(out),
+        progress=lines.append,
+        context=StageContext(settings=settings),
+    )
     written = [ln for ln in lines if ln.startswith("extract: shard ")]
     assert len(written) == 3 - len(done), lines  # resumed at the shard it was on: each other shard written once
     assert all((out / f).read_bytes() == b for f, b in kept.items())
@@ -125,8 +143,15 @@ def test_engine_killed_mid_extraction_resumes_at_the_shard_it_was_on(tiny_embedd
 def _tiny_target(root: Path, tied: bool, drop_lm_head: bool) -> tuple[Path, object]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=2,
-                         num_key_value_heads=2, vocab_size=256, tie_word_embeddings=tied)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=8,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=256,
+        tie_word_embeddings=tied,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     model.save_pretrained(root)
@@ -161,8 +186,15 @@ def test_heads_and_final_norm_of_a_sharded_target_are_read_through_its_index(tmp
 
     from components.extract.engine import target_final_norm, target_heads
 
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=2,
-                         num_key_value_heads=2, vocab_size=256, tie_word_embeddings=False)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=8,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=256,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     model.save_pretrained(tmp_path, max_shard_size="100KB")

@@ -53,19 +53,28 @@ def _head(tmp_path: Path) -> HeadEval:
 
 
 def test_each_stage_runs_as_the_plan_says_with_the_reports_before_it(tmp_path):
-    cfg = PipelineConfig.tiny().override({"evaluate": {"engine": "vllm", "load": {"concurrency": [1, 4]}},
-                                          "register": {"gate_tau": "engine"}})
+    cfg = PipelineConfig.tiny().override(
+        {"evaluate": {"engine": "vllm", "load": {"concurrency": [1, 4]}}, "register": {"gate_tau": "engine"}}
+    )
     head, settings = _head(tmp_path), SimpleNamespace(trust_remote_code=True, state_dir=tmp_path)
     calls, done = [], []
     fig = evaluate_head(cfg, head, settings, EvalPlan(True, True, cfg.evaluate.load), _stages(calls, done))
-    assert calls == [("local", head.head_dir, "champion", "history.jsonl", True),
-                     ("engine", head.head_dir, "champion", "ours.json", True),  # the gate is vLLM's: champion too
-                     ("sweep", head.head_dir, None, (1, 4), "vllm.json")]
+    assert calls == [
+        ("local", head.head_dir, "champion", "history.jsonl", True),
+        ("engine", head.head_dir, "champion", "ours.json", True),  # the gate is vLLM's: champion too
+        ("sweep", head.head_dir, None, (1, 4), "vllm.json"),
+    ]
     assert [Path(p).relative_to(tmp_path / "eval").as_posix() for p in done] == [
-        "evaluation.json", "vllm/engine_evaluation.json", "load/load_sweep.json"]
+        "evaluation.json",
+        "vllm/engine_evaluation.json",
+        "load/load_sweep.json",
+    ]
     assert fig.metrics == {"tau": 2.0, "tau_vllm": 1.9, "speedup_at_4": 1.5}
-    assert (fig.local.report_file, fig.engine.report_file, fig.sweep.report_file) == ("ours.json", "vllm.json",
-                                                                                        "load.json")
+    assert (fig.local.report_file, fig.engine.report_file, fig.sweep.report_file) == (
+        "ours.json",
+        "vllm.json",
+        "load.json",
+    )
     local_gate = cfg.override({"register": {"gate_tau": "local"}})
     calls.clear()
     evaluate_head(local_gate, head, settings, EvalPlan(False, True), _stages(calls, []))

@@ -11,19 +11,40 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 
 from eagle.config import DraftConfig, default_aux_layer_ids
 from eagle.draft import Eagle3Draft
-from eagle.export import (HeadFileError, HeadMismatchError, export_head, fold_duplicate_aux, load_head,
-                          sglang_capture_layers, verify_probe, vllm_capture_layers)
+from eagle.export import (
+    HeadFileError,
+    HeadMismatchError,
+    export_head,
+    fold_duplicate_aux,
+    load_head,
+    sglang_capture_layers,
+    verify_probe,
+    vllm_capture_layers,
+)
 from eagle.features import target_forward
 
 
 def _target(kind="llama", hidden=64, layers=6, vocab=256):
     torch.manual_seed(0)
     if kind == "qwen3":
-        c = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=128, num_hidden_layers=layers,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+        c = Qwen3Config(
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=128,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+        )
         return Qwen3ForCausalLM(c).eval()
-    c = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=128, num_hidden_layers=layers,
-                    num_attention_heads=4, num_key_value_heads=2)
+    c = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     return LlamaForCausalLM(c).eval()
 
 
@@ -62,9 +83,20 @@ def test_engine_format(tmp_path):
     assert cfg["max_position_embeddings"] >= target.config.max_position_embeddings
     t = load_file(str(out / "model.safetensors"))
     expected = {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} | {
-        f"midlayer.{n}.weight" for n in ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                                         "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
-                                         "input_layernorm", "hidden_norm", "post_attention_layernorm"]}
+        f"midlayer.{n}.weight"
+        for n in [
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+            "input_layernorm",
+            "hidden_norm",
+            "post_attention_layernorm",
+        ]
+    }
     assert set(t) == expected
     assert t["d2t"].dtype == torch.int64 and t["t2d"].dtype == torch.bool
     assert t["fc.weight"].shape == (64, 192) and t["midlayer.self_attn.q_proj.weight"].shape == (64, 128)
@@ -100,8 +132,14 @@ def test_default_layer_ids_are_three_distinct_ascending_ids_for_every_depth():
     for n in range(4, 13):
         ids = default_aux_layer_ids(n)
         assert len(ids) == 3 and 1 <= ids[0] < ids[1] < ids[2] <= n - 1, (n, ids)
-    assert [default_aux_layer_ids(n) for n in (4, 5, 6, 7, 8, 32)] == \
-        [(1, 2, 3), (1, 2, 4), (1, 3, 5), (2, 3, 4), (2, 4, 5), (2, 16, 29)]
+    assert [default_aux_layer_ids(n) for n in (4, 5, 6, 7, 8, 32)] == [
+        (1, 2, 3),
+        (1, 2, 4),
+        (1, 3, 5),
+        (2, 3, 4),
+        (2, 4, 5),
+        (2, 16, 29),
+    ]
     with pytest.raises(ValueError, match="at least 4 decoder layers"):
         default_aux_layer_ids(3)
 
@@ -109,8 +147,11 @@ def test_default_layer_ids_are_three_distinct_ascending_ids_for_every_depth():
 @pytest.mark.parametrize("ids", [(2, 3, 3), (3, 2, 4), (0, 2, 4), (1, 2, 6), (1, 2)])
 def test_draft_config_refuses_bad_layer_ids(ids):
     base = DraftConfig.tiny()  # a 6-layer target
-    with pytest.raises(ValueError, match=r"aux_layer_ids \[.*\] are not three distinct ascending .* 1\.\.5 "
-                                         r"\(the target has 6 decoder layers\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"aux_layer_ids \[.*\] are not three distinct ascending .* 1\.\.5 "
+        r"\(the target has 6 decoder layers\)",
+    ):
         DraftConfig(**{**base.to_dict(), "aux_layer_ids": ids})
 
 
@@ -134,8 +175,10 @@ def test_both_engines_fuse_the_layers_the_head_was_trained_on(tmp_path, layers):
     cfg = json.loads((out / "config.json").read_text())
     ids = list(d.cfg.aux_layer_ids)
     assert cfg["eagle_aux_hidden_state_layer_ids"] == ids and cfg["num_aux_hidden_states"] == 3
-    assert cfg["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in ids],
-                                   "use_aux_hidden_state": True}
+    assert cfg["eagle_config"] == {
+        "eagle_aux_hidden_state_layer_ids": [i - 1 for i in ids],
+        "use_aux_hidden_state": True,
+    }
     assert vllm_capture_layers(cfg, layers) == ids == sglang_capture_layers(cfg, layers)
     x = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -171,12 +214,13 @@ def test_legacy_head_with_a_repeated_layer_id_is_folded_losslessly(tmp_path):
 def test_fold_sorts_and_fills_with_zero_blocks():
     H = 4
     fc = torch.arange(H * 3 * H, dtype=torch.float32).reshape(H, 3 * H)
-    cfg, t = fold_duplicate_aux({"hidden_size": H, "target_num_layers": 8, "aux_layer_ids": [5, 2, 5]},
-                                {"fc.weight": fc})
+    cfg, t = fold_duplicate_aux(
+        {"hidden_size": H, "target_num_layers": 8, "aux_layer_ids": [5, 2, 5]}, {"fc.weight": fc}
+    )
     assert cfg["aux_layer_ids"] == [1, 2, 5]
     blocks = t["fc.weight"].split(H, dim=1)
-    assert torch.equal(blocks[0], torch.zeros(H, H)) and torch.equal(blocks[1], fc[:, H:2 * H])
-    assert torch.equal(blocks[2], fc[:, :H] + fc[:, 2 * H:])
+    assert torch.equal(blocks[0], torch.zeros(H, H)) and torch.equal(blocks[1], fc[:, H : 2 * H])
+    assert torch.equal(blocks[2], fc[:, :H] + fc[:, 2 * H :])
     same = {"hidden_size": H, "target_num_layers": 8, "aux_layer_ids": [2, 4, 5]}
     assert fold_duplicate_aux(same, {"fc.weight": fc}) == (same, {"fc.weight": fc})
 
@@ -200,8 +244,15 @@ def test_full_draft_vocabulary_has_no_vocab_map(tmp_path):
 
 def test_exported_in_the_targets_dtype_unless_told(tmp_path):
     torch.manual_seed(0)
-    c = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                    num_attention_heads=4, num_key_value_heads=2, dtype="bfloat16")
+    c = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        dtype="bfloat16",
+    )
     target = LlamaForCausalLM(c).float().eval()  # a bf16 target, run here in fp32
     target.config.dtype = torch.bfloat16
     d = _head(target)
@@ -214,8 +265,10 @@ def test_exported_in_the_targets_dtype_unless_told(tmp_path):
     fp32 = export_head(d, tmp_path / "fp32", dtype=torch.float32)
     assert json.loads((fp32 / "config.json").read_text())["torch_dtype"] == "float32"
     assert load_file(str(fp32 / "model.safetensors"))["lm_head.weight"].dtype == torch.float32
-    assert DraftConfig.from_dict({k: v for k, v in d.cfg.to_dict().items() if k != "target_dtype"}).target_dtype \
+    assert (
+        DraftConfig.from_dict({k: v for k, v in d.cfg.to_dict().items() if k != "target_dtype"}).target_dtype
         == "float32"
+    )
 
 
 def test_eagle3_1_head_exports_vllms_keys_and_round_trips(tmp_path):
@@ -233,7 +286,11 @@ def test_eagle3_1_head_exports_vllms_keys_and_round_trips(tmp_path):
     out = export_head(d, tmp_path / "head")
     cfg = json.loads((out / "config.json").read_text())
     assert (cfg["fc_norm"], cfg["norm_output"], cfg["norm_before_fc"], cfg["norm_before_residual"]) == (
-        True, True, False, False)
+        True,
+        True,
+        False,
+        False,
+    )
     base = json.loads((export_head(plain, tmp_path / "plain") / "config.json").read_text())
     assert (base["fc_norm"], base["norm_output"], base["norm_before_fc"]) == (False, False, False)
     t = load_file(str(out / "model.safetensors"))

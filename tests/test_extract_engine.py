@@ -52,13 +52,24 @@ def extracted(tiny_embedded, settings, tmp_path_factory) -> dict:
     """The same regenerated conversations extracted locally and through vLLM (one engine start), with timings."""
     root = tmp_path_factory.mktemp("extract-engine")
     regen = root / "regen"
-    regenerate(RegenerateConfig(max_new_tokens=32, batch_size=8, shard_size=8, limit=24), tiny_embedded.target_dir,
-               str(tiny_embedded.target_traffic.train), str(regen), **QUIET)
+    regenerate(
+        RegenerateConfig(max_new_tokens=32, batch_size=8, shard_size=8, limit=24),
+        tiny_embedded.target_dir,
+        str(tiny_embedded.target_traffic.train),
+        str(regen),
+        **QUIET,
+    )
     out: dict = {"root": root}
     for engine in ("local", "vllm"):
         t0, lines = time.perf_counter(), []
-        res = extract(dataclasses.replace(CFG, engine=engine), tiny_embedded.target_dir, str(regen),
-                      str(root / engine), progress=lines.append, context=StageContext(settings=settings))
+        res = extract(
+            dataclasses.replace(CFG, engine=engine),
+            tiny_embedded.target_dir,
+            str(regen),
+            str(root / engine),
+            progress=lines.append,
+            context=StageContext(settings=settings),
+        )
         out[engine] = (res, time.perf_counter() - t0, lines)
     return out
 
@@ -87,8 +98,9 @@ def test_engine_features_equal_local_features(extracted):
     for name in ("tokens.safetensors", "target_heads.safetensors"):
         ta, tb = load_file(str(local / name)), load_file(str(vllm / name))
         assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta), name
-    assert json.loads((local / "target_config/config.json").read_text()) \
-        == json.loads((vllm / "target_config/config.json").read_text())
+    assert json.loads((local / "target_config/config.json").read_text()) == json.loads(
+        (vllm / "target_config/config.json").read_text()
+    )
     ma, mb = (json.loads((d / "manifest.json").read_text()) for d in (local, vllm))
     assert (ma.pop("engine"), mb.pop("engine")) == ("local", "vllm")
     for m in (ma, mb):
@@ -97,8 +109,10 @@ def test_engine_features_equal_local_features(extracted):
     assert ma == mb  # same layer ids, dtype, sizes, tokens hashes, bytes per token
     assert not (vllm / "engine-hidden-states").exists()  # the engine's files are deleted with their shards
     (_, t_local, _), (res, t_vllm, lines) = extracted["local"], extracted["vllm"]
-    print(f"\nfeature max relative difference {worst}; {res.n_tokens} tokens: local {t_local:.1f} s, "
-          f"vLLM {t_vllm:.1f} s (engine start included); {lines}")
+    print(
+        f"\nfeature max relative difference {worst}; {res.n_tokens} tokens: local {t_local:.1f} s, "
+        f"vLLM {t_vllm:.1f} s (engine start included); {lines}"
+    )
 
 
 def test_engine_shards_are_interchangeable_with_local_ones(extracted, tiny_embedded):
@@ -114,8 +128,10 @@ def test_engine_shards_are_interchangeable_with_local_ones(extracted, tiny_embed
     assert torch.allclose(x.teacher.probs_BTVd, y.teacher.probs_BTVd, atol=1e-5)
     cfg = dataclasses.replace(TrainConfig.tiny(), steps=4, checkpoint_every=4, eval_every=4)
     root = extracted["root"]
-    losses = [train(cfg, extracted[e][0].out_dir, str(root / f"train-{e}"), tiny_embedded.target_dir)
-              .final_metrics for e in ("local", "vllm")]
+    losses = [
+        train(cfg, extracted[e][0].out_dir, str(root / f"train-{e}"), tiny_embedded.target_dir).final_metrics
+        for e in ("local", "vllm")
+    ]
     key = next(k for k in losses[0] if "loss" in k)
     assert losses[1][key] == pytest.approx(losses[0][key], rel=1e-3), (key, losses)
 
@@ -150,7 +166,12 @@ def test_rerun_keeps_shards_and_faults_are_one_clear_line(extracted, tiny_embedd
     assert (copy / "manifest.json").read_text() == manifest  # a later run resumes at the missing shard
 
     with pytest.raises(ValueError) as e:  # before any engine starts
-        extract(dataclasses.replace(cfg, aux_layer_ids=(2, 4, 6)), target, regen, str(tmp_path / "x"),
-                context=StageContext(settings=no_vllm), **QUIET)
+        extract(
+            dataclasses.replace(cfg, aux_layer_ids=(2, 4, 6)),
+            target,
+            regen,
+            str(tmp_path / "x"),
+            context=StageContext(settings=no_vllm),
+            **QUIET,
+        )
     assert "extract.aux_layer_ids" in _one_line(e) and "1..5" in str(e.value)
-

@@ -49,11 +49,18 @@ def runs(tiny_embedded, engine_settings, tmp_path_factory) -> dict:
     """Local and two replicas (one engine killed after the first shard) over the same conversations."""
     root = tmp_path_factory.mktemp("extract-replicas")
     regen = root / "regen"
-    regenerate(RegenerateConfig(max_new_tokens=32, batch_size=8, shard_size=8, limit=24), tiny_embedded.target_dir,
-               str(tiny_embedded.target_traffic.train), str(regen), **QUIET)
+    regenerate(
+        RegenerateConfig(max_new_tokens=32, batch_size=8, shard_size=8, limit=24),
+        tiny_embedded.target_dir,
+        str(tiny_embedded.target_traffic.train),
+        str(regen),
+        **QUIET,
+    )
     out: dict = {"root": root, "killed": [], "seen": set()}
-    for name, cfg in (("local", dataclasses.replace(CFG, engine="local")),
-                      ("two", dataclasses.replace(CFG, engine_replicas=2))):
+    for name, cfg in (
+        ("local", dataclasses.replace(CFG, engine="local")),
+        ("two", dataclasses.replace(CFG, engine_replicas=2)),
+    ):
         lines: list[str] = []
         target = root / name
 
@@ -68,8 +75,14 @@ def runs(tiny_embedded, engine_settings, tmp_path_factory) -> dict:
                 out["killed"].append(pids[0])
 
         t0 = time.perf_counter()
-        res = extract(cfg, tiny_embedded.target_dir, str(regen), str(target), progress=progress,
-                      context=StageContext(settings=engine_settings))
+        res = extract(
+            cfg,
+            tiny_embedded.target_dir,
+            str(regen),
+            str(target),
+            progress=progress,
+            context=StageContext(settings=engine_settings),
+        )
         out[name] = (res, time.perf_counter() - t0, lines)
     return out
 
@@ -108,14 +121,19 @@ def test_two_replicas_write_one_engines_shards_each_once(runs, engine_settings):
     started = [p for p in logs if "kv-transfer-config" in p.read_text(errors="replace")[:4000]]
     assert len(started) >= 3, [p.name for p in logs]  # two replicas and the killed one's successor
     (_, t_local, _), (res, t_two, _) = runs["local"], runs["two"]
-    print(f"\nreplicas vs local max relative difference {worst}; {res.n_tokens} tokens: local {t_local:.1f} s, "
-          f"two replicas {t_two:.1f} s (engine starts, Ray and one engine's restart included)")
+    print(
+        f"\nreplicas vs local max relative difference {worst}; {res.n_tokens} tokens: local {t_local:.1f} s, "
+        f"two replicas {t_two:.1f} s (engine starts, Ray and one engine's restart included)"
+    )
 
 
-@pytest.mark.parametrize("value, named", [
-    (0, "extract.engine_replicas must be an integer >= 1, got 0"),
-    ("two", "extract.engine_replicas"),
-])
+@pytest.mark.parametrize(
+    "value, named",
+    [
+        (0, "extract.engine_replicas must be an integer >= 1, got 0"),
+        ("two", "extract.engine_replicas"),
+    ],
+)
 def test_a_bad_engine_replicas_fails_at_config_load(tmp_path, value, named):
     path = tmp_path / "cfg.json"
     path.write_text(json.dumps({"extract": {"engine": "vllm", "engine_replicas": value}}))
@@ -139,8 +157,14 @@ def test_engine_replicas_need_the_engine(tmp_path):
 def test_a_replica_whose_engine_cannot_start_is_one_clear_line(runs, tiny_embedded, tmp_path):
     without = Settings.local(tmp_path / ".eagle", vllm_python=sys.executable)  # a python without vLLM
     with pytest.raises(EngineError) as e:
-        extract(dataclasses.replace(CFG, engine_replicas=2), tiny_embedded.target_dir, str(runs["root"] / "regen"),
-                str(tmp_path / "out"), context=StageContext(settings=without), **QUIET)
+        extract(
+            dataclasses.replace(CFG, engine_replicas=2),
+            tiny_embedded.target_dir,
+            str(runs["root"] / "regen"),
+            str(tmp_path / "out"),
+            context=StageContext(settings=without),
+            **QUIET,
+        )
     msg = str(e.value)
     assert "\n" not in msg and "exited with code" in msg and "vllm" in msg, msg
     assert not list((tmp_path / "out").glob("features-*.safetensors"))

@@ -50,15 +50,17 @@ def local_runs(tiny_embedded, regen_dir, tmp_path_factory) -> dict[str, Path]:
     runs = {}
     for dtype in ("bfloat16", "float8_e4m3fn"):
         runs[dtype] = root / dtype
-        extract(dataclasses.replace(BASE, dtype=dtype), tiny_embedded.target_dir, regen_dir, str(runs[dtype]),
-                **QUIET)
+        extract(dataclasses.replace(BASE, dtype=dtype), tiny_embedded.target_dir, regen_dir, str(runs[dtype]), **QUIET)
     return runs
 
 
 def _digests(out: Path) -> dict[str, str]:
     """sha256 of every file of an extract directory, by relative path."""
-    return {str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(out.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(out.rglob("*"))
+        if p.is_file()
+    }
 
 
 def _mtimes(out: Path) -> dict[str, int]:
@@ -77,8 +79,9 @@ def test_the_worker_fields_are_checked_and_not_part_of_the_run():
     assert faster.fingerprint() == base.fingerprint()
 
 
-def test_workers_finishing_out_of_order_write_what_one_process_writes(tiny_embedded, regen_dir, local_runs,
-                                                                      tmp_path, monkeypatch):
+def test_workers_finishing_out_of_order_write_what_one_process_writes(
+    tiny_embedded, regen_dir, local_runs, tmp_path, monkeypatch
+):
     """The driver's side of the Ray path, with `FeatureWorker`s run here, the last shard first."""
     import infra.actor_pool as actor_pool
 
@@ -92,8 +95,13 @@ def test_workers_finishing_out_of_order_write_what_one_process_writes(tiny_embed
 
     monkeypatch.setattr(actor_pool, "run_on_ray", run_here)
     out = tmp_path / "ext"
-    extract(dataclasses.replace(BASE, dtype="float8_e4m3fn", num_workers=2), tiny_embedded.target_dir, regen_dir,
-            str(out), **QUIET)
+    extract(
+        dataclasses.replace(BASE, dtype="float8_e4m3fn", num_workers=2),
+        tiny_embedded.target_dir,
+        regen_dir,
+        str(out),
+        **QUIET,
+    )
     assert len(calls) == 1 and calls[0][0] == "FeatureWorker" and len(calls[0][1]) >= 3
     assert _digests(out) == _digests(local_runs["float8_e4m3fn"])
 
@@ -108,8 +116,14 @@ def test_ray_workers_write_what_one_process_writes_and_resume(tiny_embedded, reg
     settings = Settings.local(tmp_path / ".eagle", ray_auth_mode="disabled")
     lines: list[str] = []
     out = tmp_path / "bfloat16"
-    res = extract(dataclasses.replace(BASE, num_workers=2), tiny_embedded.target_dir, regen_dir, str(out),
-                  progress=lines.append, context=StageContext(settings=settings))
+    res = extract(
+        dataclasses.replace(BASE, num_workers=2),
+        tiny_embedded.target_dir,
+        regen_dir,
+        str(out),
+        progress=lines.append,
+        context=StageContext(settings=settings),
+    )
     assert ray.is_initialized() == was_running, "extract left a Ray it started running"
     assert not any("holds" in line for line in lines), lines  # both workers fitted
     local = local_runs["bfloat16"]
@@ -122,20 +136,33 @@ def test_ray_workers_write_what_one_process_writes_and_resume(tiny_embedded, reg
 
     with ray_session(settings, num_cpus=2):  # one Ray for the rest (extract uses it and leaves it running)
         out8 = tmp_path / "float8_e4m3fn"
-        extract(dataclasses.replace(BASE, dtype="float8_e4m3fn", num_workers=2), tiny_embedded.target_dir, regen_dir,
-                str(out8), context=StageContext(settings=settings), **QUIET)
+        extract(
+            dataclasses.replace(BASE, dtype="float8_e4m3fn", num_workers=2),
+            tiny_embedded.target_dir,
+            regen_dir,
+            str(out8),
+            context=StageContext(settings=settings),
+            **QUIET,
+        )
         assert ray.is_initialized()
         assert _digests(out8) == _digests(local_runs["float8_e4m3fn"])
 
         mtimes = _mtimes(out)
         (out / "features-00001.safetensors").unlink()  # an interrupted run: one shard never written
         lines.clear()
-        extract(dataclasses.replace(BASE, num_workers=2), tiny_embedded.target_dir, regen_dir, str(out),
-                progress=lines.append, context=StageContext(settings=settings))
+        extract(
+            dataclasses.replace(BASE, num_workers=2),
+            tiny_embedded.target_dir,
+            regen_dir,
+            str(out),
+            progress=lines.append,
+            context=StageContext(settings=settings),
+        )
         assert [line.split(",")[0] for line in lines] == [f"extract: shard 2/{n_shards}"], lines  # only that one
         assert _digests(out) == before
-        assert {k: v for k, v in _mtimes(out).items() if k != "features-00001.safetensors"} == \
-            {k: v for k, v in mtimes.items() if k != "features-00001.safetensors"}
+        assert {k: v for k, v in _mtimes(out).items() if k != "features-00001.safetensors"} == {
+            k: v for k, v in mtimes.items() if k != "features-00001.safetensors"
+        }
     assert ray.is_initialized() == was_running
 
 
@@ -146,10 +173,14 @@ def test_stopping_the_engines_kills_what_outlived_its_leader_and_nothing_else(tm
     storage = tmp_path / "engine-hidden-states"
     (storage / "replica-1").mkdir(parents=True)
     sleep = [sys.executable, "-c", "import time; time.sleep(120)"]
-    ours = subprocess.Popen(sleep, env={**os.environ, ENGINE_MARK: str((storage / "replica-1").resolve())},
-                            start_new_session=True)
-    theirs = subprocess.Popen(sleep, env={**os.environ, ENGINE_MARK: str((tmp_path / "engine-hidden-states-2")
-                                                                        .resolve())}, start_new_session=True)
+    ours = subprocess.Popen(
+        sleep, env={**os.environ, ENGINE_MARK: str((storage / "replica-1").resolve())}, start_new_session=True
+    )
+    theirs = subprocess.Popen(
+        sleep,
+        env={**os.environ, ENGINE_MARK: str((tmp_path / "engine-hidden-states-2").resolve())},
+        start_new_session=True,
+    )
     try:
         assert marked_processes(storage) == [ours.pid]
         stop_engines(storage, wait_s=10)

@@ -5,11 +5,10 @@ shard, but one with another dtype rewrites them all; a corrupted shard is refuse
 features; the TTT batch is the same from stored features and from the target, and so is a training step; training
 exports a head the target accepts; held-out tau is logged every `eval_every` steps, the best held-out weights are
 exported (`select="last"`: the last), also after a kill and resume, past checkpoint rotation; bad config values are
-refused by name; chosen layer ids go from the config through the manifest into the head, and a warm-start head or
-checkpoint of other layer ids is refused; a run killed mid-way resumes from its last checkpoint and ends where an
-uninterrupted run ends; under Ray, FailureConfig restarts the failed worker group and the run completes.
+refused by name; a run killed mid-way resumes from its last checkpoint and ends where an uninterrupted run ends;
+under Ray, FailureConfig restarts the failed worker group and the run completes.
 Run: `python -m pytest tests/test_extract_train.py` (about 20 s; `-m "not slow"` skips the ~40 s Ray test).
-Not here: mocks. Ray is a real local Ray (the `ray_local` fixture).
+Not here: mocks (Ray is a real local Ray, the `ray_local` fixture); chosen layer ids (tests/test_layer_ids.py).
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 import shutil
 from pathlib import Path
 
@@ -29,7 +27,8 @@ from components.extract.stage import ExtractConfig, extract
 from components.regenerate.stage import RegenerateConfig, regenerate
 from components.targets.target import load_target
 from components.train.data import FeatureStoreError, TrainingData, heldout_split, ttt_batch
-from components.train.stage import RayConfig, TrainConfig, TrainSetup, holdout_size, latest_checkpoint, train
+from components.train.loop import holdout_size
+from components.train.stage import RayConfig, TrainConfig, TrainSetup, latest_checkpoint, train
 from components.train.state import read_best
 from eagle.config import default_aux_layer_ids
 from eagle.export import load_head, read_head_meta, verify_probe
@@ -51,16 +50,26 @@ def regen_dir(tiny_embedded, tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def offline_dir(tiny_embedded, regen_dir, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("stages") / "offline"
-    extract(ExtractConfig(max_len=160, dtype="float32", seqs_per_shard=4, batch_size=3), tiny_embedded.target_dir,
-            regen_dir, str(out), **QUIET)
+    extract(
+        ExtractConfig(max_len=160, dtype="float32", seqs_per_shard=4, batch_size=3),
+        tiny_embedded.target_dir,
+        regen_dir,
+        str(out),
+        **QUIET,
+    )
     return out
 
 
 @pytest.fixture(scope="module")
 def online_dir(tiny_embedded, regen_dir, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("stages") / "online"
-    extract(ExtractConfig(mode="online", max_len=160, dtype="float32"), tiny_embedded.target_dir, regen_dir, str(out),
-            **QUIET)
+    extract(
+        ExtractConfig(mode="online", max_len=160, dtype="float32"),
+        tiny_embedded.target_dir,
+        regen_dir,
+        str(out),
+        **QUIET,
+    )
     return out
 
 
@@ -111,14 +120,26 @@ def test_rerun_rewrites_no_shard_but_a_new_dtype_rewrites_all(offline_dir, tiny_
     out = _copy(offline_dir, tmp_path / "ext")
     before = _mtimes(out)
     written: list[str] = []
-    extract(ExtractConfig(max_len=160, dtype="float32", seqs_per_shard=4, batch_size=3), tiny_embedded.target_dir,
-            regen_dir, str(out), progress=written.append)
+    extract(
+        ExtractConfig(max_len=160, dtype="float32", seqs_per_shard=4, batch_size=3),
+        tiny_embedded.target_dir,
+        regen_dir,
+        str(out),
+        progress=written.append,
+    )
     assert written == [] and _mtimes(out) == before
-    assert json.loads((out / "manifest.json").read_text())["shards"] == \
-        json.loads((offline_dir / "manifest.json").read_text())["shards"]
+    assert (
+        json.loads((out / "manifest.json").read_text())["shards"]
+        == json.loads((offline_dir / "manifest.json").read_text())["shards"]
+    )
 
-    extract(ExtractConfig(max_len=160, dtype="bfloat16", seqs_per_shard=4, batch_size=3), tiny_embedded.target_dir,
-            regen_dir, str(out), progress=written.append)
+    extract(
+        ExtractConfig(max_len=160, dtype="bfloat16", seqs_per_shard=4, batch_size=3),
+        tiny_embedded.target_dir,
+        regen_dir,
+        str(out),
+        progress=written.append,
+    )
     assert len(written) == len(before)  # float32 shards are not bfloat16 shards
     assert all(load_file(str(p))["aux_hidden_states"].dtype == torch.bfloat16 for p in out.glob("features-*"))
     TrainingData.open(out)  # and the manifest matches them
@@ -229,8 +250,10 @@ def test_killed_run_resumes_from_its_last_checkpoint(offline_dir, trained, tmp_p
     assert steps == sorted(set(steps)) and steps[-1] == cfg.steps  # no step twice
     assert latest_checkpoint(out).name == f"step-{cfg.steps:07d}"
     # batches, optimiser, scheduler and RNG all resume: the same head as the uninterrupted run
-    a, b = load_file(str(Path(res.head_dir) / "model.safetensors")), load_file(str(Path(trained.head_dir) /
-                                                                                  "model.safetensors"))
+    a, b = (
+        load_file(str(Path(res.head_dir) / "model.safetensors")),
+        load_file(str(Path(trained.head_dir) / "model.safetensors")),
+    )
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0, msg=k)
 
@@ -296,6 +319,7 @@ def test_a_resumed_run_selects_what_an_uninterrupted_one_selects(offline_dir, sc
     class BestAt:  # what out/best holds when step 6 is logged
         def log(self, step, metrics):
             seen.extend([read_best(out)[0]["step"]] if step == 6 else [])
+
     res = train(cfg, str(offline_dir), str(out), sinks=(BestAt(),))
     assert seen == [4]  # the best of step 8 was dropped with the steps past the checkpoint, then found again
     assert (res.selected_step, res.selection_rule, res.resumed_from_step) == (8, ref.selection_rule, 5)
@@ -313,7 +337,9 @@ def test_selection_keeps_the_earliest_best_and_the_holdout_is_seeded():
     assert sel.choose("best_tau", 8) == (4, "best held-out tau at step 4 of 8 (2.25 vs last 1.75)")
     assert sel.choose("last", 8) == (8, "last step 8 (held-out tau 1.75; best 2.25 at step 4)")
     assert sel.record(9, 2.25, 1.5).best_step == 9 and sel.record(10, 2.5, 1.0).choose("best_tau", 10) == (
-        10, "best held-out tau at step 10 of 10, the last (2.50)")
+        10,
+        "best held-out tau at step 10 of 10, the last (2.50)",
+    )
     train_ids, held = heldout_split(40, holdout_size(TrainConfig(holdout_seqs=32), 40), seed=3)
     assert len(held) == 10 and sorted(train_ids + held) == list(range(40))  # at most a quarter
     assert (train_ids, held) == heldout_split(40, 10, seed=3) != heldout_split(40, 10, seed=4)
@@ -357,8 +383,12 @@ def test_warm_start_refuses_a_head_of_another_shape(trained, target):
     other = copy.deepcopy(target.config)
     other.hidden_size *= 2
     with pytest.raises(HeadMismatchError, match=r"warm-start head .*\(hidden_size: head expects 64, target has 128\)"):
-        warm_start_head(trained.head_dir, other, target.get_input_embeddings().weight,
-                        default_aux_layer_ids(target.config.num_hidden_layers))
+        warm_start_head(
+            trained.head_dir,
+            other,
+            target.get_input_embeddings().weight,
+            default_aux_layer_ids(target.config.num_hidden_layers),
+        )
 
 
 @pytest.mark.slow
@@ -375,8 +405,9 @@ def test_ray_failure_config_restarts_and_completes(offline_dir, ray_local, tmp_p
                 Path(self.marker).write_text("crashed")
                 raise RuntimeError(f"crashed at step {step}")
 
-    cfg = dataclasses.replace(TrainConfig.tiny(), steps=8, checkpoint_every=3, batch_size=2,
-                              ray=RayConfig(num_workers=2, max_failures=1))
+    cfg = dataclasses.replace(
+        TrainConfig.tiny(), steps=8, checkpoint_every=3, batch_size=2, ray=RayConfig(num_workers=2, max_failures=1)
+    )
     out, marker, ray = tmp_path / "train", tmp_path / "crashed", TrainSetup(storage_dir=str(tmp_path / "ray"))
     res = train(cfg, str(offline_dir), str(out), sinks=(CrashOnce(str(marker), 4),), setup=ray)
     assert marker.is_file()  # the worker group crashed at step 4, and fit() still returned: Ray restarted it
@@ -385,65 +416,3 @@ def test_ray_failure_config_restarts_and_completes(offline_dir, ray_local, tmp_p
     steps = _steps(res.history_file)
     assert steps == sorted(set(steps)) and steps[-1] == cfg.steps
     assert latest_checkpoint(out).name == f"step-{cfg.steps:07d}"
-
-
-# ---- chosen fused layers ----------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def custom_ids_dir(tiny_embedded, regen_dir, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("stages") / "custom-ids"
-    extract(ExtractConfig(max_len=160, dtype="float32", seqs_per_shard=8, aux_layer_ids=(1, 2, 4)),
-            tiny_embedded.target_dir, regen_dir, str(out), **QUIET)
-    return out
-
-
-def test_chosen_layer_ids_reach_the_trained_head(custom_ids_dir, target, tmp_path):
-    assert json.loads((custom_ids_dir / "manifest.json").read_text())["layer_ids"] == [1, 2, 4]
-    data = TrainingData.open(custom_ids_dir)
-    batch = ttt_batch(data, [0], torch.arange(64), "cpu")
-    from eagle.features import target_forward
-
-    ids = data.sequence(0)[0][None].long()
-    want = target_forward(target, ids, (1, 2, 4)).aux_BT3H
-    torch.testing.assert_close(batch.aux_BS3H[:, :ids.shape[1]], want, atol=1e-5, rtol=0)
-    res = train(dataclasses.replace(TrainConfig.tiny(), steps=2), str(custom_ids_dir), str(tmp_path / "train"))
-    cfg = json.loads((Path(res.head_dir) / "config.json").read_text())
-    assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 2, 4]
-    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 3]
-    assert load_head(res.head_dir, target).cfg.aux_layer_ids == (1, 2, 4)
-
-
-def test_other_layer_ids_are_refused(custom_ids_dir, offline_dir, trained, tiny_embedded, regen_dir, tmp_path):
-    from eagle.export import HeadMismatchError
-
-    cfg = dataclasses.replace(TrainConfig.tiny(), steps=2)
-    default = list(json.loads((offline_dir / "manifest.json").read_text())["layer_ids"])
-    with pytest.raises(HeadMismatchError, match=re.escape(f"fuses layers {default}, but the features are of layers "
-                                                          "[1, 2, 4]")):
-        train(cfg, str(custom_ids_dir), str(tmp_path / "warm"), setup=TrainSetup(trained.head_dir))
-    out = tmp_path / "resume"
-    shutil.copytree(Path(trained.head_dir).parent / "checkpoints", out / "checkpoints")
-    with pytest.raises(ValueError, match=re.escape(f"trained on features of layers {default}, but the features are "
-                                                   "of layers [1, 2, 4]")):
-        train(cfg, str(custom_ids_dir), str(out))
-    with pytest.raises(ValueError, match=r"aux_layer_ids \[1, 2, 6\] .* \(the target has 6 decoder layers\)"):
-        extract(ExtractConfig(aux_layer_ids=(1, 2, 6)), tiny_embedded.target_dir, regen_dir, str(tmp_path / "x"),
-                **QUIET)
-
-
-def test_pipeline_config_takes_layer_ids_and_refuses_bad_ones(tmp_path):
-    from components.config.pipeline import ConfigError, PipelineConfig
-
-    def load(values):
-        path = tmp_path / "pipeline.json"
-        path.write_text(json.dumps({"extract": {"aux_layer_ids": values}}))
-        return PipelineConfig.load(path, preset="tiny")
-
-    assert load([1, 3, 5]).extract.aux_layer_ids == (1, 3, 5)
-    for bad in ([1, 1, 3], [0, 2, 4], [3, 2, 1], [1, 2]):
-        with pytest.raises(ConfigError, match=r"extract.aux_layer_ids \[.*\] must be three distinct ascending"):
-            load(bad)
-    for bad in ([1, 2, "3"], [1, 2, 3.5], 3):
-        with pytest.raises(ConfigError, match="extract.aux_layer_ids"):
-            load(bad)

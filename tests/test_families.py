@@ -38,10 +38,23 @@ from tests.helpers import our_counts
 QUIET = dict(progress=lambda s: None)
 FAMILIES = ("mistral", "qwen2", "qwen3", "qwen3_moe", "llama")
 TIED = {"qwen3", "llama"}  # lm_head is the embedding (tie_word_embeddings), as in Qwen3-0.6B or SmolLM2
-SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=2,
-             num_key_value_heads=1, head_dim=32, max_position_embeddings=512, tie_word_embeddings=False)
-FAMILY_ARGS = {"mistral": dict(sliding_window=None), "qwen2": dict(use_sliding_window=False), "qwen3": {},
-               "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64), "llama": {}}
+SHAPE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=8,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=32,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+)
+FAMILY_ARGS = {
+    "mistral": dict(sliding_window=None),
+    "qwen2": dict(use_sliding_window=False),
+    "qwen3": {},
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64),
+    "llama": {},
+}
 # greedy answers: what the evaluation's (greedy) prompts will see, so few training steps give some acceptance
 REGENERATE = RegenerateConfig(max_new_tokens=32, temperature=0.0, batch_size=8, shard_size=8, limit=16)
 EVAL = dataclasses.replace(EvaluateConfig.tiny(), limit=4)
@@ -83,8 +96,7 @@ def build_target(family: str, tokenizer_dir: Path, out: Path, seed: int = 0) -> 
     return out
 
 
-def train_head(target_dir: Path, regen_dir: str, root: Path, extract_cfg: ExtractConfig = EXTRACT,
-               **extract_kw) -> str:
+def train_head(target_dir: Path, regen_dir: str, root: Path, extract_cfg: ExtractConfig = EXTRACT, **extract_kw) -> str:
     """Extract `regen_dir` with `extract_cfg` and train a head on it; returns the exported head's directory."""
     ext = root / f"extract-{extract_cfg.engine}"
     extract(extract_cfg, str(target_dir), regen_dir, str(ext), **QUIET, **extract_kw)
@@ -155,8 +167,14 @@ def serve_and_compare(fams: list[Family], heldout: str, settings, out: Path) -> 
     with plain_server(EVAL, str(fams[0].target_dir), settings) as plain:
         for i, (fam, local) in enumerate(zip(fams, ours)):
             assert fam.target_dir == fams[0].target_dir
-            res = evaluate_in_vllm(EVAL, HeadEval(str(fam.target_dir), fam.head_dir, heldout, str(out / f"vllm-{i}")),
-                                   settings, ours=our_outputs(local.report_file), plain=plain, **QUIET)
+            res = evaluate_in_vllm(
+                EVAL,
+                HeadEval(str(fam.target_dir), fam.head_dir, heldout, str(out / f"vllm-{i}")),
+                settings,
+                ours=our_outputs(local.report_file),
+                plain=plain,
+                **QUIET,
+            )
             assert res.identical_to_plain and res.identical_to_ours, fam.name
             steps, per_pos = our_counts(local.report_file, EVAL.spec.depth)
             assert (res.drafts, res.accepted_per_pos) == (steps, per_pos), fam.name
@@ -196,10 +214,17 @@ def qwen3_on_engine_features(built, engine_settings) -> tuple[Family, dict[str, 
     """Qwen3's regenerated traffic extracted by vLLM (`ExtractConfig(engine="vllm")`, one engine start) and a head
     trained on those features; with the max relative difference of the features to the local extraction's."""
     fam = built("qwen3")
-    head = train_head(fam.target_dir, str(fam.root / "regen"), fam.root, dataclasses.replace(EXTRACT, engine="vllm"),
-                      context=StageContext(settings=engine_settings))
-    return (Family("qwen3 on engine features", fam.target_dir, head, fam.root),
-            _max_rel_difference(fam.root / "extract-local", fam.root / "extract-vllm"))
+    head = train_head(
+        fam.target_dir,
+        str(fam.root / "regen"),
+        fam.root,
+        dataclasses.replace(EXTRACT, engine="vllm"),
+        context=StageContext(settings=engine_settings),
+    )
+    return (
+        Family("qwen3 on engine features", fam.target_dir, head, fam.root),
+        _max_rel_difference(fam.root / "extract-local", fam.root / "extract-vllm"),
+    )
 
 
 @pytest.mark.engine

@@ -69,8 +69,14 @@ def _work(home: Path) -> Path:
 def _child_env(home: Path, api_url: str | None, fault: dict | None) -> dict[str, str]:
     drop = ("PREFECT_", "MLFLOW_", "EAGLE_", "RAY_ADDRESS")
     env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
-    env.update(EAGLE_HOME=str(home), RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1",
-               PREFECT_SERVER_ANALYTICS_ENABLED="false", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+    env.update(
+        EAGLE_HOME=str(home),
+        RAY_AUTH_MODE="disabled",
+        PYTHONUNBUFFERED="1",
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        TOKENIZERS_PARALLELISM="false",
+        OMP_NUM_THREADS="1",
+    )
     if api_url:  # else Prefect's temporary local API, started by each process, as a user without a server gets
         env["PREFECT_API_URL"] = api_url
     if fault:
@@ -85,11 +91,26 @@ class Cli:
     def __init__(self, emb, api_url: str):
         self.emb, self.api_url = emb, api_url
 
-    def start(self, home: Path, fault: dict | None = None,
-              shared_api: bool = True) -> tuple[subprocess.Popen, list[str], threading.Event, threading.Thread]:
+    def start(
+        self, home: Path, fault: dict | None = None, shared_api: bool = True
+    ) -> tuple[subprocess.Popen, list[str], threading.Event, threading.Thread]:
         t = self.emb.target_traffic
-        cmd = [sys.executable, "-m", "flows.cli", "train", "--preset", "tiny", "--target", str(self.emb.target_dir),
-               "--traffic", str(t.train), "--heldout", str(t.heldout), "--name", "t"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "flows.cli",
+            "train",
+            "--preset",
+            "tiny",
+            "--target",
+            str(self.emb.target_dir),
+            "--traffic",
+            str(t.train),
+            "--heldout",
+            str(t.heldout),
+            "--name",
+            "t",
+        ]
         env = _child_env(home, self.api_url if shared_api else None, fault)
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         lines: list[str] = []
@@ -159,6 +180,7 @@ def _children(pid: int) -> list[int]:
 
 def _outlive(pids: list[int], timeout: float) -> list[str]:
     """The command lines of `pids` still running after `timeout` seconds (those are then killed: no leak)."""
+
     def alive(p: int) -> bool:
         return _state(p) not in ("", "Z")
 
@@ -212,8 +234,10 @@ def _look_regenerate(home: Path):
 
 def _look_extract(home: Path):
     ext = _work(home) / "extract"
-    return lambda: {"manifest_shards": [s["file"] for s in json.loads((ext / "manifest.json").read_text())["shards"]],
-                    "files": sorted(p.name for p in ext.iterdir())}
+    return lambda: {
+        "manifest_shards": [s["file"] for s in json.loads((ext / "manifest.json").read_text())["shards"]],
+        "files": sorted(p.name for p in ext.iterdir()),
+    }
 
 
 def _look_train(home: Path):
@@ -229,15 +253,24 @@ def _look_registry(home: Path):
 def chain(cli, reference, tmp_path_factory) -> tuple[Path, dict[str, Run]]:
     home = tmp_path_factory.mktemp("chain") / ".eagle"
     runs: dict[str, Run] = {}
-    runs["regenerate"] = cli.run(home, {"pause_rename": "shard-00001.jsonl", "truncate": True},
-                                 look=lambda: _look_regenerate(home)(), shared_api=False)  # local mode
-    runs["extract"] = cli.run(home, {"pause_rename": "features-00001.safetensors", "truncate": True},
-                              look=lambda: _look_extract(home)())
+    runs["regenerate"] = cli.run(
+        home,
+        {"pause_rename": "shard-00001.jsonl", "truncate": True},
+        look=lambda: _look_regenerate(home)(),
+        shared_api=False,
+    )  # local mode
+    runs["extract"] = cli.run(
+        home, {"pause_rename": "features-00001.safetensors", "truncate": True}, look=lambda: _look_extract(home)()
+    )
     runs["train"] = cli.run(home, {"pause_rename": "step-0000010"}, look=lambda: _look_train(home)())
-    runs["store_down"] = cli.run(home, {"fail_call": "mlflow.tracking.client:MlflowClient.create_model_version",
-                                        "times": 3})
-    runs["register"] = cli.run(home, {"pause_call": "mlflow.tracking.client:MlflowClient.set_registered_model_alias"},
-                               look=lambda: _look_registry(home)())
+    runs["store_down"] = cli.run(
+        home, {"fail_call": "mlflow.tracking.client:MlflowClient.create_model_version", "times": 3}
+    )
+    runs["register"] = cli.run(
+        home,
+        {"pause_call": "mlflow.tracking.client:MlflowClient.set_registered_model_alias"},
+        look=lambda: _look_registry(home)(),
+    )
     runs["final"] = cli.run(home)
     return home, runs
 
@@ -298,8 +331,11 @@ def test_resumed_run_equals_an_uninterrupted_one(chain, reference):
         mine = {p.name: _sha(p) for p in sorted((work / stage).glob(pattern))}
         theirs = {p.name: _sha(p) for p in sorted((ref / stage).glob(pattern))}
         assert mine == theirs and mine, stage
-    ids = [json.loads(x)["id"] for p in sorted((work / "regenerate").glob("shard-*.jsonl"))
-           for x in p.read_text().splitlines()]
+    ids = [
+        json.loads(x)["id"]
+        for p in sorted((work / "regenerate").glob("shard-*.jsonl"))
+        for x in p.read_text().splitlines()
+    ]
     assert len(ids) == len(set(ids)) > 0  # no conversation twice
     m, r = (json.loads((d / "extract" / "manifest.json").read_text()) for d in (work, ref))
     assert m["shards"] == r["shards"] and m["n_seqs"] == sum(s["n_seqs"] for s in m["shards"])
@@ -320,8 +356,9 @@ def test_resumed_run_equals_an_uninterrupted_one(chain, reference):
     got, want = store.resolve(v.uri), ref_store.resolve(rv.uri)
     assert _sha(got / "model.safetensors") == _sha(want / "model.safetensors")
 
-    stray = [str(p) for p in [*home.joinpath("runs").rglob("*"), *home.joinpath("models").rglob("*")]
-             if STRAY.search(p.name)]
+    stray = [
+        str(p) for p in [*home.joinpath("runs").rglob("*"), *home.joinpath("models").rglob("*")] if STRAY.search(p.name)
+    ]
     assert not stray, f"half-written leftovers: {stray}"
 
 
@@ -342,11 +379,17 @@ def test_a_killed_ray_worker_is_restarted_from_the_last_checkpoint(reference, ra
                 Path(self.marker).write_text(str(os.getpid()))
                 os.kill(os.getpid(), signal.SIGKILL)
 
-    cfg = dataclasses.replace(TrainConfig.tiny(), steps=8, checkpoint_every=3, batch_size=2,
-                              ray=RayConfig(num_workers=1, max_failures=1))  # the 2-worker restart: test_extract_train
+    cfg = dataclasses.replace(
+        TrainConfig.tiny(), steps=8, checkpoint_every=3, batch_size=2, ray=RayConfig(num_workers=1, max_failures=1)
+    )  # the 2-worker restart: test_extract_train
     marker, out = tmp_path / "killed-pid", tmp_path / "train"
-    res = train(cfg, str(_work(reference[0]) / "extract"), str(out), sinks=(KillWorker(str(marker), 4),),
-                setup=TrainSetup(storage_dir=str(tmp_path / "ray")))
+    res = train(
+        cfg,
+        str(_work(reference[0]) / "extract"),
+        str(out),
+        sinks=(KillWorker(str(marker), 4),),
+        setup=TrainSetup(storage_dir=str(tmp_path / "ray")),
+    )
     assert marker.is_file() and int(marker.read_text()) != os.getpid()  # a worker process really died
     assert read_head_meta(res.head_dir)["lineage"]["resumed_from_step"] == 3
     steps = [json.loads(x)["step"] for x in Path(res.history_file).read_text().splitlines()]

@@ -152,4 +152,3 @@ def test_the_engines_pair_starts_beside_our_evaluation_only_when_ours_is_untimed
     assert not _start_pair_early(demo, str(tmp_path))
     monkeypatch.setattr(EngineSpec, "resolved_device", lambda self: "cuda")
     assert not _start_pair_early(demo, str(tmp_path / "fresh"))
-

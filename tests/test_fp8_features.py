@@ -86,8 +86,10 @@ def test_fp8_shards_hold_e4m3_and_per_row_scales_in_about_half_the_bytes(extract
     H = target.config.hidden_size
     m8, m16 = _manifest(extracted[FP8]), _manifest(extracted["bfloat16"])
     assert m8["dtype"] == "float8_e4m3fn" == fp8.DTYPE_NAME and m8["scales"] == FP8_SCALES
-    assert m8["scales"]["tensors"] == {"aux_hidden_states": "aux_hidden_states_scale",
-                                       "last_hidden_state": "last_hidden_state_scale"}
+    assert m8["scales"]["tensors"] == {
+        "aux_hidden_states": "aux_hidden_states_scale",
+        "last_hidden_state": "last_hidden_state_scale",
+    }
     assert m16["scales"] is None and [s["n_tokens"] for s in m8["shards"]] == [s["n_tokens"] for s in m16["shards"]]
     for s8, s16 in zip(m8["shards"], m16["shards"]):
         t, ref = load_file(str(extracted[FP8] / s8["file"])), load_file(str(extracted["bfloat16"] / s16["file"]))
@@ -119,8 +121,8 @@ def test_dequantised_features_are_within_the_e4m3_bound(extracted):
             assert (err <= bound).all(), float((err / bound).max())
             worst = max(worst, float((err / bound).max()))
             # hence within 2^-4 of the row's amax, and within that plus bf16's own rounding of the bf16 features
-            assert (err <= 2.0 ** -4 * want.abs().amax(-1, keepdim=True)).all()
-            assert ((got - ref16.float()).abs() <= bound + 2.0 ** -8 * want.abs()).all()
+            assert (err <= 2.0**-4 * want.abs().amax(-1, keepdim=True)).all()
+            assert ((got - ref16.float()).abs() <= bound + 2.0**-8 * want.abs()).all()
             torch.testing.assert_close(got.abs().amax(-1), want.abs().amax(-1), atol=0, rtol=1e-6)  # amax kept
     assert worst > 0.5  # the bound is tight, not vacuous: some element is rounded by more than half of it
 
@@ -141,8 +143,9 @@ def test_quantize_rows_handles_zero_rows_and_saturates():
 
 def test_online_fp8_rounds_like_offline(extracted, tiny_embedded, regen_dir, target, tmp_path):
     online = tmp_path / "online"
-    extract(ExtractConfig(mode="online", dtype=FP8, max_len=160), tiny_embedded.target_dir, regen_dir, str(online),
-            **QUIET)
+    extract(
+        ExtractConfig(mode="online", dtype=FP8, max_len=160), tiny_embedded.target_dir, regen_dir, str(online), **QUIET
+    )
     assert _manifest(online)["scales"] == FP8_SCALES and not list(online.glob("features-*"))
     off, on = TrainingData.open(extracted[FP8]), TrainingData.open(online)
     idx, draft_ids = [0, 3, off.n_seqs - 1], torch.arange(64)  # other padding than the extraction's batches
@@ -188,10 +191,16 @@ def test_a_rerun_keeps_fp8_shards_and_rewrites_only_a_missing_one(extracted, tin
     extract(cfg, tiny_embedded.target_dir, regen_dir, str(out), progress=written.append)
     assert len(written) == 1 and "shard 2/" in written[0]
     assert _manifest(out)["shards"] == shards  # the same bytes again
-    assert {k: v for k, v in _mtimes(out).items() if k != "features-00001.safetensors"} == \
-        {k: v for k, v in before.items() if k != "features-00001.safetensors"}
-    extract(ExtractConfig(dtype="bfloat16", **SHARDING), tiny_embedded.target_dir, regen_dir, str(out),
-            progress=written.append)
+    assert {k: v for k, v in _mtimes(out).items() if k != "features-00001.safetensors"} == {
+        k: v for k, v in before.items() if k != "features-00001.safetensors"
+    }
+    extract(
+        ExtractConfig(dtype="bfloat16", **SHARDING),
+        tiny_embedded.target_dir,
+        regen_dir,
+        str(out),
+        progress=written.append,
+    )
     assert len(written) == 1 + len(before) and _manifest(out)["scales"] is None  # bf16 shards are not fp8 shards
     assert all("aux_hidden_states_scale" not in load_file(str(p)) for p in out.glob("features-*"))
     TrainingData.open(out)
@@ -204,8 +213,11 @@ def test_a_shard_with_missing_or_misshapen_scales_is_refused_by_name(extracted, 
     out = _copy(extracted[FP8], tmp_path / "ext")
     name = "features-00001.safetensors"
     _rewrite_shard(out, name, lambda t: t.pop("aux_hidden_states_scale"))
-    with pytest.raises(FeatureStoreError, match=rf"{name}: the per-row scales of aux_hidden_states "
-                                                r"\(aux_hidden_states_scale\) is missing"):
+    with pytest.raises(
+        FeatureStoreError,
+        match=rf"{name}: the per-row scales of aux_hidden_states "
+        r"\(aux_hidden_states_scale\) is missing",
+    ):
         TrainingData.open(out)
     with pytest.raises(FeatureStoreError, match=name):  # training fails fast, in the driver
         train(TrainConfig.tiny(), str(out), str(tmp_path / "train"))
@@ -219,8 +231,13 @@ def test_a_shard_with_missing_or_misshapen_scales_is_refused_by_name(extracted, 
     _rewrite_shard(out, name, lambda t: t.update(last_hidden_state_scale=t["last_hidden_state_scale"][:, None]))
     with pytest.raises(FeatureStoreError, match=rf"{name}: .* has shape \[\d+, 1\], expected \[\d+\]"):
         TrainingData.open(out)
-    _rewrite_shard(out, name, lambda t: t.update(last_hidden_state=t["last_hidden_state"].float(),
-                                                 last_hidden_state_scale=t["last_hidden_state_scale"][:, 0]))
+    _rewrite_shard(
+        out,
+        name,
+        lambda t: t.update(
+            last_hidden_state=t["last_hidden_state"].float(), last_hidden_state_scale=t["last_hidden_state_scale"][:, 0]
+        ),
+    )
     with pytest.raises(FeatureStoreError, match=rf"{name}: last_hidden_state is F32 .* expected F8_E4M3"):
         TrainingData.open(out)
 

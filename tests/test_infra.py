@@ -46,8 +46,13 @@ def test_settings_defaults_live_under_the_state_dir(tmp_path):
     assert (s.ray_address, s.prefect_api_url, s.trust_remote_code) == (None, None, False)
 
     s = Settings.from_env(
-        {"EAGLE_HOME": "st", "RAY_ADDRESS": "ray://h:10001", "EAGLE_TRUST_REMOTE_CODE": "1",
-         "MLFLOW_TRACKING_URI": "http://127.0.0.1:5000", "PREFECT_API_URL": "http://127.0.0.1:4200/api"},
+        {
+            "EAGLE_HOME": "st",
+            "RAY_ADDRESS": "ray://h:10001",
+            "EAGLE_TRUST_REMOTE_CODE": "1",
+            "MLFLOW_TRACKING_URI": "http://127.0.0.1:5000",
+            "PREFECT_API_URL": "http://127.0.0.1:4200/api",
+        },
         cwd=tmp_path,
     )
     assert s.state_dir == (tmp_path / "st").resolve()
@@ -93,7 +98,8 @@ def test_register_is_idempotent_and_aliases_move(mlflow_store, tmp_path):
     assert store.get_alias("tgt-eagle3", "champion").version == v2.version
     assert store.get_alias("tgt-eagle3", "nothing") is None
     assert [(v.version, v.aliases) for v in store.list_versions("tgt-eagle3")] == [
-        (v1.version, ()), (v2.version, ("challenger", "champion"))
+        (v1.version, ()),
+        (v2.version, ("challenger", "champion")),
     ]
     [model] = store.list_models(kind="eagle3-head")
     assert model.name == "tgt-eagle3" and model.aliases == {"champion": v2.version, "challenger": v2.version}
@@ -197,6 +203,7 @@ def test_prefect_defaults_respect_the_user(tmp_path, monkeypatch):
         assert applied["EAGLE_TARGET_PATH_TIMINGS"] == str(tmp_path / "target_paths.json")  # kept path timings
         assert "PREFECT_SERVER_ANALYTICS_ENABLED" not in applied
         from prefect.settings import get_current_settings
+
         assert get_current_settings().server.ephemeral.startup_timeout_seconds == 120
     assert "PREFECT_HOME" not in os.environ
     monkeypatch.setenv("EAGLE_TARGET_PATH_TIMINGS", "")  # set empty: the user turned keeping off
@@ -240,8 +247,9 @@ def test_emitted_event_reaches_the_prefect_api(prefect_harness):
     resource = "mlflow.model-version.tgt.7"
     event_id = emit_event("eagle.target.version-created", resource, payload={"uri": "models:/tgt/7"})
     assert event_id is not None
-    wanted = EventFilter(event=EventNameFilter(name=["eagle.target.version-created"]),
-                         resource=EventResourceFilter(id=[resource]))
+    wanted = EventFilter(
+        event=EventNameFilter(name=["eagle.target.version-created"]), resource=EventResourceFilter(id=[resource])
+    )
     deadline = time.monotonic() + 20
     with get_client(sync_client=True) as client:
         while not (events := client.read_events(filter=wanted, limit=10).events) and time.monotonic() < deadline:
@@ -311,8 +319,13 @@ def test_vllm_warm_fills_the_model_info_cache_as_vllm_does(tmp_path):
     root = Path(__file__).resolve().parent.parent
     env = {**os.environ, "VLLM_CACHE_ROOT": str(tmp_path / "cache")}
     env.pop("PYTHONPATH", None)
-    out = subprocess.run([str(python), str(root / "infra" / "vllm_warm.py"), *ARCHITECTURES, "NoSuchArch"],
-                         env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [str(python), str(root / "infra" / "vllm_warm.py"), *ARCHITECTURES, "NoSuchArch"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "NoSuchArch: not in this vLLM, skipped" in out.stdout
     cached = sorted(p.name for p in (tmp_path / "cache" / "modelinfos").glob("*.json"))
@@ -401,8 +414,16 @@ def test_processes_opening_a_new_sqlite_store_at_once_all_succeed(tmp_path):
     import sys
 
     home, go = tmp_path / ".eagle", time.time() + 4.0
-    procs = [subprocess.Popen([sys.executable, "-c", _OPEN_AT_ONCE, str(home), str(go)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, cwd=Path(__file__).parents[1]) for _ in range(3)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _OPEN_AT_ONCE, str(home), str(go)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=Path(__file__).parents[1],
+        )
+        for _ in range(3)
+    ]
     outs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0, 0], "\n".join(err[-2000:] for _, err in outs)
 
@@ -410,8 +431,12 @@ def test_processes_opening_a_new_sqlite_store_at_once_all_succeed(tmp_path):
 def test_rays_lines_in_the_capture_are_not_counted_as_ours(capsys):
     """The suite's shared Ray prints its raylet's warnings into whichever test's capture is open (CI: a disk over
     95 % full); `capsys` (tests/conftest.py) drops them, and nothing else."""
-    sys.stderr.write("\x1b[33m(raylet)\x1b[0m [2026-12-06 14:23:58,364 E 25212 25226] file_system_monitor.cc:116: "
-                     "/tmp/ray/session_x is over 95% full\n")
-    sys.stderr.write("(RayTrainWorker pid=123, ip=10.0.0.1) a worker's line\n(pid=5) another\n"
-                     "eagle-heads: error: x.json: not readable JSON (line 1)\n")
+    sys.stderr.write(
+        "\x1b[33m(raylet)\x1b[0m [2026-12-06 14:23:58,364 E 25212 25226] file_system_monitor.cc:116: "
+        "/tmp/ray/session_x is over 95% full\n"
+    )
+    sys.stderr.write(
+        "(RayTrainWorker pid=123, ip=10.0.0.1) a worker's line\n(pid=5) another\n"
+        "eagle-heads: error: x.json: not readable JSON (line 1)\n"
+    )
     assert capsys.readouterr().err == "eagle-heads: error: x.json: not readable JSON (line 1)\n"

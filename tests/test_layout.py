@@ -59,7 +59,7 @@ ENV_ALLOWLIST: dict[str, str] = {
     # eagle/ imports no infra, and the pin must reach every process that decodes (Ray workers, benchmark children,
     # the device's scripts), most of which never build a Settings
     "eagle/target_path.py": "EAGLE_TARGET_PATH, the process-wide pin of the target path, and "
-                            "EAGLE_TARGET_PATH_TIMINGS, the file its timings are kept in across processes",
+    "EAGLE_TARGET_PATH_TIMINGS, the file its timings are kept in across processes",
 }
 _ENV_ATTRS = {"environ", "environb", "getenv", "getenvb", "putenv", "unsetenv"}
 PRIVATE_RULE_PACKAGES = (*CYCLE_PACKAGES, "bench")  # tests/ is exempt: it tests internals
@@ -242,16 +242,23 @@ def private_imports(module: Module, ours: set[str]) -> list[str]:
             source = _absolute(module, node)
             if source.split(".")[0] not in ours or source == _module_name(module.rel):
                 continue
-            found += [f"{node.lineno}: from {source} import {alias.name}" for alias in node.names
-                      if alias.name.startswith("_") and not alias.name.endswith("__")]
+            found += [
+                f"{node.lineno}: from {source} import {alias.name}"
+                for alias in node.names
+                if alias.name.startswith("_") and not alias.name.endswith("__")
+            ]
     return sorted(found, key=lambda f: int(f.split(":")[0]))
 
 
 def test_the_rules_see_what_they_should():
     sample = Module(
-        ROOT / "eagle/x.py", "eagle/x.py", "eagle",
-        ast.parse("import os as o\nfrom . import y\nfrom ..infra import s\ndef f():\n"
-                  "    import mlflow.artifacts\n    importlib.import_module('ray')\n    return o.environ"),
+        ROOT / "eagle/x.py",
+        "eagle/x.py",
+        "eagle",
+        ast.parse(
+            "import os as o\nfrom . import y\nfrom ..infra import s\ndef f():\n"
+            "    import mlflow.artifacts\n    importlib.import_module('ray')\n    return o.environ"
+        ),
         7,
     )
     assert set(imported_roots(sample)) == {"os", "eagle", "infra", "mlflow", "ray"}
@@ -261,12 +268,18 @@ def test_the_rules_see_what_they_should():
 
 def test_the_cycle_rule_sees_what_it_should():
     ours = {"p", "p.a", "p.b", "p.c"}
-    src = {"p/__init__.py": "from p.a import x", "p/a.py": "def f():\n    from p import b",
-           "p/b.py": "import importlib\nimportlib.import_module('p.c.y')", "p/c.py": "from . import a"}
+    src = {
+        "p/__init__.py": "from p.a import x",
+        "p/a.py": "def f():\n    from p import b",
+        "p/b.py": "import importlib\nimportlib.import_module('p.c.y')",
+        "p/c.py": "from . import a",
+    }
 
     def graph() -> dict[str, dict[str, int]]:
-        return {_module_name(rel): imported_modules(Module(ROOT / rel, rel, "p", ast.parse(text), 1), ours)
-                for rel, text in src.items()}
+        return {
+            _module_name(rel): imported_modules(Module(ROOT / rel, rel, "p", ast.parse(text), 1), ours)
+            for rel, text in src.items()
+        }
 
     assert graph() == {"p": {"p.a": 1}, "p.a": {"p.b": 2}, "p.b": {"p.c": 2}, "p.c": {"p.a": 1}}
     assert import_cycles(graph()) == [["p.a", "p.b", "p.c", "p.a"]]  # a function-level import and importlib count
@@ -282,8 +295,10 @@ def test_no_import_cycles():
     graph = {_module_name(m.rel): imported_modules(m, ours) for m in mods}
     cycles = import_cycles(graph)
     text = [" -> ".join(f"{a} (line {graph[a][b]})" for a, b in zip(c, c[1:])) + f" -> {c[-1]}" for c in cycles]
-    assert not cycles, ("import cycles (move what both sides need into a module both import, or the worker into "
-                        "its stage's module):\n" + "\n".join(text))
+    assert not cycles, (
+        "import cycles (move what both sides need into a module both import, or the worker into "
+        "its stage's module):\n" + "\n".join(text)
+    )
 
 
 @pytest.mark.parametrize("package", sorted(FORBIDDEN_IMPORTS))
@@ -311,11 +326,16 @@ def test_only_infra_touches_the_environment():
 
 
 def test_the_private_import_rule_sees_what_it_should():
-    src = ("from eagle.speculative import GenOutput, _Emitted\nfrom . import _helper\nfrom mlflow.x import _y\n"
-           "from eagle.x import __version__\ndef f():\n    from common import _say as say\n")
+    src = (
+        "from eagle.speculative import GenOutput, _Emitted\nfrom . import _helper\nfrom mlflow.x import _y\n"
+        "from eagle.x import __version__\ndef f():\n    from common import _say as say\n"
+    )
     sample = Module(ROOT / "eagle/x.py", "eagle/x.py", "eagle", ast.parse(src), 6)
     assert private_imports(sample, {"eagle", "common"}) == [
-        "1: from eagle.speculative import _Emitted", "2: from eagle import _helper", "6: from common import _say"]
+        "1: from eagle.speculative import _Emitted",
+        "2: from eagle import _helper",
+        "6: from common import _say",
+    ]
     own = Module(ROOT / "eagle/x.py", "eagle/x.py", "eagle", ast.parse("from eagle.x import _self"), 1)
     assert private_imports(own, {"eagle"}) == []  # a module importing from itself crosses nothing
 
@@ -323,10 +343,16 @@ def test_the_private_import_rule_sees_what_it_should():
 def test_no_private_names_cross_modules():
     ours = {*CYCLE_PACKAGES, "bench", "tests"}
     scripts = {p.stem for p in (ROOT / "bench").glob("*.py")}  # bench/'s scripts import each other by bare name
-    bad = [f"{m.rel}:{hit}" for m in MODULES if m.package in PRIVATE_RULE_PACKAGES
-           for hit in private_imports(m, ours | scripts if m.package == "bench" else ours)]
-    assert not bad, ("private names imported across modules (make the name public where it is defined, or move it "
-                     "to a module both import):\n" + "\n".join(bad))
+    bad = [
+        f"{m.rel}:{hit}"
+        for m in MODULES
+        if m.package in PRIVATE_RULE_PACKAGES
+        for hit in private_imports(m, ours | scripts if m.package == "bench" else ours)
+    ]
+    assert not bad, (
+        "private names imported across modules (make the name public where it is defined, or move it "
+        "to a module both import):\n" + "\n".join(bad)
+    )
 
 
 def test_every_module_has_a_docstring():
@@ -343,13 +369,18 @@ def test_no_dates_in_the_code():
     """Comments say why, not when: a dated measurement belongs in bench/README.md ("Figures moved from code
     comments"), the code keeping the reason it supports."""
     date = re.compile(r"\b20\d\d-[01]\d-[0-3]\d\b")
-    dated = [f"{m.rel}:{i}" for m in MODULES if m.package in CYCLE_PACKAGES
-             for i, line in enumerate(m.path.read_text().splitlines(), 1) if date.search(line)]
+    dated = [
+        f"{m.rel}:{i}"
+        for m in MODULES
+        if m.package in CYCLE_PACKAGES
+        for i, line in enumerate(m.path.read_text().splitlines(), 1)
+        if date.search(line)
+    ]
     assert not dated, "dates in code (move the figure to bench/README.md):\n" + "\n".join(dated)
 
 
 def too_many_parameters(module: Module) -> dict[str, int]:
-    """"path:function" (methods as Class.method) -> its parameters (positional and keyword-only, *args and **kwargs
+    """ "path:function" (methods as Class.method) -> its parameters (positional and keyword-only, *args and **kwargs
     not counted, nor self/cls) of every function of `module` taking more than MAX_PARAMS."""
     found = {}
     for parent in ast.walk(module.tree):
@@ -364,41 +395,22 @@ def too_many_parameters(module: Module) -> dict[str, int]:
 
 
 def test_functions_take_few_parameters():
-    sample = Module(ROOT / "flows/x.py", "flows/x.py", "flows", ast.parse(
-        "def f(a, b, c, d, e, f, g, *, h): pass\ndef g(a, b, c, d, e, f, g, *args, **kw): pass\n"
-        "class C:\n    def m(self, a, b, c, d, e, f, g): pass\n    def n(self, a, b, c, d, e, f, g, h): pass"), 4)
+    sample = Module(
+        ROOT / "flows/x.py",
+        "flows/x.py",
+        "flows",
+        ast.parse(
+            "def f(a, b, c, d, e, f, g, *, h): pass\ndef g(a, b, c, d, e, f, g, *args, **kw): pass\n"
+            "class C:\n    def m(self, a, b, c, d, e, f, g): pass\n    def n(self, a, b, c, d, e, f, g, h): pass"
+        ),
+        4,
+    )
     assert too_many_parameters(sample) == {"flows/x.py:f": 8, "flows/x.py:C.n": 8}
     found = {k: n for m in MODULES if m.package in SIGNATURE_PACKAGES for k, n in too_many_parameters(m).items()}
     bad = [f"{k}: {n} parameters" for k, n in found.items() if k not in PARAMS_ALLOWLIST]
-    assert not bad, (f"more than {MAX_PARAMS} parameters (group related ones in a frozen dataclass, or a config "
-                     "section):\n" + "\n".join(bad))
+    assert not bad, (
+        f"more than {MAX_PARAMS} parameters (group related ones in a frozen dataclass, or a config "
+        "section):\n" + "\n".join(bad)
+    )
     stale = sorted(set(PARAMS_ALLOWLIST) - set(found))
     assert not stale, f"allowed more than {MAX_PARAMS} parameters but no longer takes them: {stale}"
-
-
-def test_module_seconds_sum_a_junit_run_by_module(tmp_path):
-    """tests/module_seconds.py: setup, call and teardown of every test summed per module (classes folded into their
-    module) from a JUnit XML; the committed figures load as module path -> seconds."""
-    from tests.module_seconds import from_junit, load
-
-    xml = tmp_path / "run.xml"
-    xml.write_text('<testsuites><testsuite name="pytest">'
-                   '<testcase classname="tests.test_a" name="t1" time="1.25"/>'
-                   '<testcase classname="tests.test_a.TestX" name="t2" time="2.5"/>'
-                   '<testcase classname="tests.test_b" name="t3" time="7"/></testsuite></testsuites>')
-    assert from_junit(xml) == {"tests/test_b.py": 7.0, "tests/test_a.py": 3.8}
-    committed = load()
-    assert committed and all(m.startswith("tests/test_") and s >= 0 for m, s in committed.items())
-
-
-def test_module_seconds_refuses_a_file_that_is_not_junit_in_one_line(tmp_path):
-    import subprocess
-    import sys
-
-    bad = tmp_path / "run.xml"
-    bad.write_text("not xml")
-    script = Path(__file__).resolve().parent / "module_seconds.py"
-    for arg in (str(bad), str(tmp_path / "missing.xml")):
-        proc = subprocess.run([sys.executable, str(script), arg], capture_output=True, text=True, timeout=60)
-        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
-        assert proc.stderr.startswith(f"{arg}: not a readable JUnit XML"), proc.stderr

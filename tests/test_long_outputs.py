@@ -38,10 +38,15 @@ GLOBAL = 11
 
 
 def _traffic(path: Path, limits=LIMITS) -> Path:
-    convs = [Conversation(id=f"c{i}", segment="long-module", max_new_tokens=n,
-                          messages=(Message("user", f"Continue this module:\n\nimport os{i}\n"),
-                                    Message("assistant", "x = 1\n")))
-             for i, n in enumerate(limits)]
+    convs = [
+        Conversation(
+            id=f"c{i}",
+            segment="long-module",
+            max_new_tokens=n,
+            messages=(Message("user", f"Continue this module:\n\nimport os{i}\n"), Message("assistant", "x = 1\n")),
+        )
+        for i, n in enumerate(limits)
+    ]
     write_openai_jsonl(path, convs)
     return path
 
@@ -101,8 +106,13 @@ def test_ignore_eos_goes_past_eos_and_speculative_equals_plain(tiny_embedded, ra
 
 def test_evaluation_decodes_each_sample_to_its_limit(tiny_embedded, random_head, tmp_path):
     traffic = _traffic(tmp_path / "heldout.jsonl")
-    cfg = EvaluateConfig(spec=SpecConfig(depth=3, max_new_tokens=GLOBAL), limit=None, ignore_eos=True,
-                         speed=EvaluateConfig.tiny().speed, position_edges=(0, 8, 64))
+    cfg = EvaluateConfig(
+        spec=SpecConfig(depth=3, max_new_tokens=GLOBAL),
+        limit=None,
+        ignore_eos=True,
+        speed=EvaluateConfig.tiny().speed,
+        position_edges=(0, 8, 64),
+    )
     res = evaluate(cfg, HeadEval(tiny_embedded.target_dir, random_head, str(traffic), str(tmp_path / "eval")), **QUIET)
     samples = json.loads(Path(res.report_file).read_text())["samples"]
     want = [n or GLOBAL for n in LIMITS]
@@ -114,8 +124,7 @@ def test_evaluation_decodes_each_sample_to_its_limit(tiny_embedded, random_head,
 
 def test_without_ignore_eos_the_limit_is_a_ceiling(tiny_embedded, random_head, tmp_path):
     traffic = _traffic(tmp_path / "heldout.jsonl")
-    cfg = EvaluateConfig(spec=SpecConfig(depth=3, max_new_tokens=GLOBAL), limit=None,
-                         speed=EvaluateConfig.tiny().speed)
+    cfg = EvaluateConfig(spec=SpecConfig(depth=3, max_new_tokens=GLOBAL), limit=None, speed=EvaluateConfig.tiny().speed)
     res = evaluate(cfg, HeadEval(tiny_embedded.target_dir, random_head, str(traffic), str(tmp_path / "eval")), **QUIET)
     samples = json.loads(Path(res.report_file).read_text())["samples"]
     assert all(s["tokens"] <= (n or GLOBAL) for s, n in zip(samples, LIMITS)) and res.identical is True
@@ -130,8 +139,14 @@ def test_local_regeneration_honours_each_samples_limit(tiny_embedded, tmp_path):
     spaces = tok.convert_tokens_to_ids(tok.tokenize("    "))[0]
     target.set_output_embeddings(_Biased(target.get_output_embeddings(), spaces, 1e4))
     cfg = RegenerateConfig(max_new_tokens=GLOBAL, temperature=0.0, batch_size=2, shard_size=8)
-    regenerate(cfg, tiny_embedded.target_dir, str(_traffic(tmp_path / "t.jsonl")), str(tmp_path / "regen"),
-               answer=hf_answerer(target, tok, cfg), **QUIET)
+    regenerate(
+        cfg,
+        tiny_embedded.target_dir,
+        str(_traffic(tmp_path / "t.jsonl")),
+        str(tmp_path / "regen"),
+        answer=hf_answerer(target, tok, cfg),
+        **QUIET,
+    )
     got = {c.id: c.messages[-1].content for c in read_regenerated(str(tmp_path / "regen"))}
     assert got == {f"c{i}": " " * 4 * (n or GLOBAL) for i, n in enumerate(LIMITS)}
 
@@ -144,8 +159,9 @@ def test_endpoint_regeneration_asks_each_samples_limit():
         asked[msgs[-1]["content"]] = max_new_tokens
         return "ok"
 
-    convs = [Conversation(id=f"c{i}", messages=(Message("user", f"q{i}"),), max_new_tokens=n)
-             for i, n in enumerate(LIMITS)]
+    convs = [
+        Conversation(id=f"c{i}", messages=(Message("user", f"q{i}"),), max_new_tokens=n) for i, n in enumerate(LIMITS)
+    ]
     records = answer_concurrently(convs, ask, concurrency=2)
     assert all("messages" in r for r in records)
     assert asked == {f"q{i}": n for i, n in enumerate(LIMITS)}
@@ -164,8 +180,7 @@ def test_ignore_eos_is_checked_at_config_load(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.engine
-def test_vllm_evaluation_runs_each_sample_to_its_limit_past_eos(engine_target, engine_head, engine_settings,
-                                                                tmp_path):
+def test_vllm_evaluation_runs_each_sample_to_its_limit_past_eos(engine_target, engine_head, engine_settings, tmp_path):
     """The engine evaluation asks each sample's limit with vLLM's `ignore_eos`: vLLM's plain and speculative outputs
     are that long, equal to each other and to ours (which went past EOS the same way)."""
     from components.evaluate.engine import evaluate_in_vllm, our_outputs
@@ -173,12 +188,22 @@ def test_vllm_evaluation_runs_each_sample_to_its_limit_past_eos(engine_target, e
 
     limits = (40, None, 64)
     traffic = _traffic(tmp_path / "heldout.jsonl", limits)
-    cfg = EvaluateConfig(spec=SpecConfig(depth=3, max_new_tokens=24), limit=None, ignore_eos=True,
-                         speed=SpeedupConfig.tiny(), position_edges=(0, 16, 128))
+    cfg = EvaluateConfig(
+        spec=SpecConfig(depth=3, max_new_tokens=24),
+        limit=None,
+        ignore_eos=True,
+        speed=SpeedupConfig.tiny(),
+        position_edges=(0, 16, 128),
+    )
     head = HeadEval(engine_target.target_dir, engine_head.head_dir, str(traffic), str(tmp_path / "ours"))
     ours = evaluate(cfg, head, **QUIET)
-    res = evaluate_in_vllm(cfg, dataclasses.replace(head, out_dir=str(tmp_path / "vllm")), engine_settings,
-                           ours=our_outputs(ours.report_file), **QUIET)
+    res = evaluate_in_vllm(
+        cfg,
+        dataclasses.replace(head, out_dir=str(tmp_path / "vllm")),
+        engine_settings,
+        ours=our_outputs(ours.report_file),
+        **QUIET,
+    )
     want = [n or 24 for n in limits]
     samples = json.loads(Path(res.report_file).read_text())["samples"]
     assert [s["max_new_tokens"] for s in samples] == want

@@ -32,14 +32,16 @@ def files() -> list[SourceFile]:
 
 @pytest.fixture(scope="module")
 def tok(files):
-    return train_tokenizer([f.text for f in files], TokenizerConfig(vocab_size=512), progress=False,
-                           model_max_length=CONTEXT)
+    return train_tokenizer(
+        [f.text for f in files], TokenizerConfig(vocab_size=512), progress=False, model_max_length=CONTEXT
+    )
 
 
 @pytest.fixture(scope="module")
 def convs(files, tok) -> list[Conversation]:
-    return long_conversations(files, "stdlib", tok, TrafficConfig(kind="long", long_min_new_tokens=MIN_NEW),
-                              CONTEXT, seed=0)
+    return long_conversations(
+        files, "stdlib", tok, TrafficConfig(kind="long", long_min_new_tokens=MIN_NEW), CONTEXT, seed=0
+    )
 
 
 def _ids(tok, text: str) -> list[int]:
@@ -50,7 +52,7 @@ def _unit(conv: Conversation, files: list[SourceFile]) -> str:
     """The source the conversation was made from: the whole file, or the class its prompt starts with."""
     text = next(f.text for f in files if f.rel_path == conv.source_file)
     head = conv.messages[-2].content.split("\n\n", 1)[1]
-    return text if conv.segment == "long-module" else text[text.index(head):]
+    return text if conv.segment == "long-module" else text[text.index(head) :]
 
 
 def test_prompts_are_first_lines_and_answers_the_real_rest(convs, files):
@@ -59,7 +61,7 @@ def test_prompts_are_first_lines_and_answers_the_real_rest(convs, files):
         assert [m.role for m in c.messages][-2:] == ["user", "assistant"]
         head, answer = c.messages[-2].content.split("\n\n", 1)[1], c.messages[-1].content
         unit = _unit(c, files)
-        assert head == "".join(unit.splitlines(keepends=True)[:TrafficConfig().long_prompt_lines])
+        assert head == "".join(unit.splitlines(keepends=True)[: TrafficConfig().long_prompt_lines])
         assert unit.startswith(head + answer)  # the real continuation, from the line after the prompt's last
         assert answer.endswith("\n") or head + answer == unit
 
@@ -67,12 +69,13 @@ def test_prompts_are_first_lines_and_answers_the_real_rest(convs, files):
 def test_lengths_fit_the_context_and_ask_for_long_answers(convs, tok, files):
     assert len(convs) >= 4
     for c in convs:
-        prompt = render_chat([{"role": m.role, "content": m.content} for m in c.messages[:-1]],
-                             add_generation_prompt=True)
+        prompt = render_chat(
+            [{"role": m.role, "content": m.content} for m in c.messages[:-1]], add_generation_prompt=True
+        )
         answer = c.messages[-1].content
         assert c.max_new_tokens == len(_ids(tok, answer)) >= MIN_NEW
         assert len(_ids(tok, prompt)) + c.max_new_tokens + 1 <= CONTEXT  # + the end-of-turn token
-        rest = _unit(c, files)[len(c.messages[-2].content.split("\n\n", 1)[1]) + len(answer):]
+        rest = _unit(c, files)[len(c.messages[-2].content.split("\n\n", 1)[1]) + len(answer) :]
         if rest:  # cut: one more line would not have fitted
             more = answer + rest.splitlines(keepends=True)[0]
             assert len(_ids(tok, prompt)) + len(_ids(tok, more)) + 1 > CONTEXT

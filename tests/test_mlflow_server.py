@@ -49,12 +49,20 @@ def _env(home: Path, uri: str, api_url: str, fault: dict | None = None) -> dict[
     """The environment of tests/test_faults.py's runs, with MLFLOW_TRACKING_URI naming the server."""
     drop = ("PREFECT_", "MLFLOW_", "EAGLE_", "RAY_ADDRESS")
     env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
-    env.update(EAGLE_HOME=str(home), MLFLOW_TRACKING_URI=uri, PREFECT_API_URL=api_url, RAY_AUTH_MODE="disabled",
-               PYTHONUNBUFFERED="1", PREFECT_SERVER_ANALYTICS_ENABLED="false", TOKENIZERS_PARALLELISM="false",
-               OMP_NUM_THREADS="1")
+    env.update(
+        EAGLE_HOME=str(home),
+        MLFLOW_TRACKING_URI=uri,
+        PREFECT_API_URL=api_url,
+        RAY_AUTH_MODE="disabled",
+        PYTHONUNBUFFERED="1",
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        TOKENIZERS_PARALLELISM="false",
+        OMP_NUM_THREADS="1",
+    )
     if fault:
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests" / "faultinject"), env.get("PYTHONPATH", "")]).rstrip(
-            os.pathsep)
+            os.pathsep
+        )
         env["EAGLE_TEST_FAULT"] = json.dumps(fault)
     return env
 
@@ -84,8 +92,15 @@ class Cli:
 
     @classmethod
     def start(cls, env: dict[str, str], *args: str) -> Cli:
-        proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=ROOT, env=env, text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "flows.cli", *args],
+            cwd=ROOT,
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
         lines: list[str] = []
 
         def read() -> None:
@@ -100,8 +115,9 @@ class Cli:
         return "".join(self.lines)
 
     def wait_for(self, text: str, timeout: float) -> None:
-        _wait_until(lambda: text in self.out() or self.proc.poll() is not None, timeout, f"{text!r} in the output",
-                    self.out)
+        _wait_until(
+            lambda: text in self.out() or self.proc.poll() is not None, timeout, f"{text!r} in the output", self.out
+        )
         assert text in self.out(), f"exited {self.proc.returncode} before printing {text!r}:\n{self.out()[-4000:]}"
 
     def finish(self, timeout: float = 300) -> tuple[int, str]:
@@ -118,8 +134,18 @@ class Cli:
 
 
 def _train_args(target: str, traffic, name: str | None = None) -> list[str]:
-    return ["train", "--preset", "tiny", "--target", target, "--traffic", str(traffic.train), "--heldout",
-            str(traffic.heldout), *(["--name", name] if name else [])]
+    return [
+        "train",
+        "--preset",
+        "tiny",
+        "--target",
+        target,
+        "--traffic",
+        str(traffic.train),
+        "--heldout",
+        str(traffic.heldout),
+        *(["--name", name] if name else []),
+    ]
 
 
 def _versions(client, name: str) -> list:
@@ -134,7 +160,7 @@ def _served_dir(live, client, run_id: str) -> Path:
     """Where the server's proxy stored the run's artifacts: `mlflow-artifacts:/<path>` under --artifacts-destination."""
     uri = client.get_run(run_id).info.artifact_uri
     assert uri.startswith("mlflow-artifacts:/"), f"artifacts not proxied: {uri}"
-    return live.artifacts / uri[len("mlflow-artifacts:/"):].lstrip("/")
+    return live.artifacts / uri[len("mlflow-artifacts:/") :].lstrip("/")
 
 
 @pytest.fixture(scope="module")
@@ -151,8 +177,10 @@ def home(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def first_run(live_mlflow, tiny_embedded, api_url, home) -> tuple[int, str]:
-    cli = Cli.start(_env(home, live_mlflow.uri, api_url), *_train_args(str(tiny_embedded.target_dir),
-                                                                        tiny_embedded.target_traffic, "t"))
+    cli = Cli.start(
+        _env(home, live_mlflow.uri, api_url),
+        *_train_args(str(tiny_embedded.target_dir), tiny_embedded.target_traffic, "t"),
+    )
     return cli.finish()
 
 
@@ -170,9 +198,15 @@ def finetune(first_run, live_mlflow, tiny_embedded, home):
     with restored_mlflow_uris():
         store = MlflowStore.connect(Settings.local(home, mlflow_tracking_uri=live_mlflow.uri))
         before = versions_without_head(store)
-        ref = register_target(store, "t", str(tiny_embedded.finetune_dir), role="finetune", base_model="t/1",
-                              weights_sha256=weights_sha256(tiny_embedded.finetune_dir),
-                              extra_tags={"traffic_train": str(ft.train), "traffic_heldout": str(ft.heldout)})
+        ref = register_target(
+            store,
+            "t",
+            str(tiny_embedded.finetune_dir),
+            role="finetune",
+            base_model="t/1",
+            weights_sha256=weights_sha256(tiny_embedded.finetune_dir),
+            extra_tags={"traffic_train": str(ft.train), "traffic_heldout": str(ft.heldout)},
+        )
     assert ref.version == 2
     return before
 
@@ -202,8 +236,10 @@ def test_train_registers_the_head_over_rest_with_proxied_artifacts(first_run, li
 
 def test_a_second_run_reuses_the_registered_version(first_run, live_mlflow, tiny_embedded, api_url, home):
     assert first_run[0] == 0
-    rc, out = Cli.start(_env(home, live_mlflow.uri, api_url), *_train_args(str(tiny_embedded.target_dir),
-                                                                            tiny_embedded.target_traffic, "t")).finish()
+    rc, out = Cli.start(
+        _env(home, live_mlflow.uri, api_url),
+        *_train_args(str(tiny_embedded.target_dir), tiny_embedded.target_traffic, "t"),
+    ).finish()
     assert rc == 0 and f"head=models:/{HEAD}/1" in out and "nothing to do" in out, out[-4000:]
     client = live_mlflow.client()
     assert [int(v.version) for v in _versions(client, HEAD)] == [1]
@@ -222,13 +258,17 @@ def test_the_watcher_polls_the_server_and_sees_a_new_target_version(finetune, li
 def _db_versions(live, name: str) -> list[int]:
     """The versions in the server's SQLite file, read directly (the server itself may be stopped)."""
     with sqlite3.connect(f"file:{live.root / 'mlflow.db'}?mode=ro", uri=True) as db:
-        rows = db.execute("SELECT version FROM model_versions WHERE name = ? AND current_stage != "
-                          "'Deleted_Internal' ORDER BY version", (name,)).fetchall()
+        rows = db.execute(
+            "SELECT version FROM model_versions WHERE name = ? AND current_stage != "
+            "'Deleted_Internal' ORDER BY version",
+            (name,),
+        ).fetchall()
     return [r[0] for r in rows]
 
 
-def test_server_killed_during_registration_retries_and_registers_once(finetune, live_mlflow, tiny_embedded,
-                                                                       api_url, home):
+def test_server_killed_during_registration_retries_and_registers_once(
+    finetune, live_mlflow, tiny_embedded, api_url, home
+):
     env = _env(home, live_mlflow.uri, api_url, {"pause_call": "infra.mlflow_store:MlflowStore.register"})
     cli = Cli.start(env, *_train_args("models:/t/2", tiny_embedded.finetune_traffic))
     try:
@@ -240,8 +280,12 @@ def test_server_killed_during_registration_retries_and_registers_once(finetune, 
         os.kill(cli.proc.pid, signal.SIGCONT)
         cli.wait_for(RETRY_LINE, 60)  # it noticed, and waits to try again
         live_mlflow.start(fault=AFTER_COMMIT)  # back, but pausing inside the create once the version is committed
-        _wait_until(lambda: "FAULT-PAUSE" in live_mlflow.log(), 120, "the server paused in the create",
-                    lambda: cli.out() + live_mlflow.log())
+        _wait_until(
+            lambda: "FAULT-PAUSE" in live_mlflow.log(),
+            120,
+            "the server paused in the create",
+            lambda: cli.out() + live_mlflow.log(),
+        )
         assert _db_versions(live_mlflow, FT_HEAD) == [1]  # committed; the answer never leaves
         live_mlflow.kill()  # 2: the server dies between committing the version and answering
         live_mlflow.start()
@@ -267,8 +311,9 @@ def _one_clear_line(rc: int, out: str, uri: str) -> None:
     assert "Traceback" not in out and len(lines) == 1, out[-4000:]
 
 
-def test_a_wrong_uri_or_a_stopped_server_is_one_clear_line(first_run, live_mlflow, tiny_embedded, api_url, home,
-                                                          tmp_path):
+def test_a_wrong_uri_or_a_stopped_server_is_one_clear_line(
+    first_run, live_mlflow, tiny_embedded, api_url, home, tmp_path
+):
     """Last in this file: it stops the module's server."""
     nobody = f"http://127.0.0.1:{_free_port()}"
     train = _train_args(str(tiny_embedded.target_dir), tiny_embedded.target_traffic, "t")

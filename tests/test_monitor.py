@@ -33,8 +33,9 @@ class Server:
 
     def serve(self, drafts: int, accepted_each: int) -> SpecCounters:
         per = tuple(p + drafts * (k < accepted_each) for k, p in enumerate(self.c.accepted_per_pos))
-        self.c = SpecCounters(self.c.drafts + drafts, self.c.draft_tokens + 3 * drafts,
-                              self.c.accepted + drafts * accepted_each, per)
+        self.c = SpecCounters(
+            self.c.drafts + drafts, self.c.draft_tokens + 3 * drafts, self.c.accepted + drafts * accepted_each, per
+        )
         return self.c
 
 
@@ -53,8 +54,10 @@ def test_the_window_reports_the_mean_load_beside_tau(tmp_path):
     a change of load."""
     from infra.vllm_server import running_requests
 
-    text = ('# HELP vllm:num_requests_running x\nvllm:num_requests_running{engine="0",model_name="t"} 3.0\n'
-            'vllm:num_requests_running{engine="1",model_name="t"} 2.0\n')
+    text = (
+        '# HELP vllm:num_requests_running x\nvllm:num_requests_running{engine="0",model_name="t"} 3.0\n'
+        'vllm:num_requests_running{engine="1",model_name="t"} 2.0\n'
+    )
     assert running_requests(text) == 5.0 and running_requests("vllm:other 1\n") is None
     srv, m = Server(), Monitor(CFG, tmp_path / "s.json", BASE)
     m.observe(srv.serve(0, 0), 0, running=2.0)
@@ -157,18 +160,26 @@ def test_baseline_prefers_the_engine_tau_and_refuses_no_champion(mlflow_store, t
     (head / "config.json").write_text("{}")
     with mlflow_store.run("h") as run_id:
         mlflow_store.log_dir(run_id, head, "head")
-        mv = mlflow_store.register(name, run_id, "head", run_key="k", tags={
-            "tau": "2.5000", "tau_vllm": "2.4000", "acceptance": "0.9 0.8 0.7", "acceptance_vllm": "0.9 0.8 0.6"})
+        mv = mlflow_store.register(
+            name,
+            run_id,
+            "head",
+            run_key="k",
+            tags={"tau": "2.5000", "tau_vllm": "2.4000", "acceptance": "0.9 0.8 0.7", "acceptance_vllm": "0.9 0.8 0.6"},
+        )
     mlflow_store.set_alias(name, CHAMPION, mv.version)
     b = baseline_of(mlflow_store, "models:/tgt/1")
     assert (b.tau, b.tau_source, b.depth, b.head_uri) == (2.4, "tau_vllm", 3, f"models:/{name}/{mv.version}")
     with mlflow_store.run("h2") as run_id:  # measured here only: our tau counted as vLLM counts, not the emitted one
         mlflow_store.log_dir(run_id, head, "head")
-        mv = mlflow_store.register(name, run_id, "head", run_key="k2", tags={
-            "tau": "2.5000", "tau_raw": "2.6000", "acceptance": "0.9 0.8 0.7"})
+        mv = mlflow_store.register(
+            name, run_id, "head", run_key="k2", tags={"tau": "2.5000", "tau_raw": "2.6000", "acceptance": "0.9 0.8 0.7"}
+        )
     mlflow_store.set_alias(name, CHAMPION, mv.version)
-    assert (baseline_of(mlflow_store, "models:/tgt/1").tau_source, baseline_of(mlflow_store, "models:/tgt/1").tau) \
-        == ("tau_raw", 2.6)
+    assert (baseline_of(mlflow_store, "models:/tgt/1").tau_source, baseline_of(mlflow_store, "models:/tgt/1").tau) == (
+        "tau_raw",
+        2.6,
+    )
 
 
 def test_newest_snapshot_is_the_last_in_name_order(tmp_path):
@@ -178,8 +189,10 @@ def test_newest_snapshot_is_the_last_in_name_order(tmp_path):
             (tmp_path / name / f).write_text("{}\n")
     (tmp_path / "2026-12-03").mkdir()  # incomplete: no heldout.jsonl
     (tmp_path / "2026-12-03" / "train.jsonl").write_text("{}\n")
-    assert newest_snapshot(tmp_path) == (str(tmp_path / "2026-12-02" / "train.jsonl"),
-                                         str(tmp_path / "2026-12-02" / "heldout.jsonl"))
+    assert newest_snapshot(tmp_path) == (
+        str(tmp_path / "2026-12-02" / "train.jsonl"),
+        str(tmp_path / "2026-12-02" / "heldout.jsonl"),
+    )
     with pytest.raises(FileNotFoundError, match="does not exist"):
         newest_snapshot(tmp_path / "nope")
     with pytest.raises(FileNotFoundError, match="holds no snapshot"):

@@ -53,8 +53,11 @@ def drift_target(tmp_path_factory):
     from embedded.config import EmbeddedConfig
 
     c = EmbeddedConfig.tiny()
-    c = dataclasses.replace(c, train=dataclasses.replace(c.train, steps=1500),
-                            traffic=dataclasses.replace(c.traffic, train_conversations=96, heldout_conversations=16))
+    c = dataclasses.replace(
+        c,
+        train=dataclasses.replace(c.train, steps=1500),
+        traffic=dataclasses.replace(c.traffic, train_conversations=96, heldout_conversations=16),
+    )
     return build_embedded(c, tmp_path_factory.mktemp("drift-embedded"), progress=False)
 
 
@@ -95,26 +98,56 @@ def drift(drift_target, tmp_path):
     (snapshot / "train.jsonl").write_text(emb.target_traffic.train.read_text())
     (snapshot / "heldout.jsonl").write_text(emb.target_traffic.heldout.read_text())
     config = tmp_path / "pipeline.json"
-    config.write_text(json.dumps({
-        "regenerate": {"max_new_tokens": 48, "limit": 64}, "train": {"steps": 300, "checkpoint_every": 300},
-        "evaluate": {"spec": {"max_new_tokens": 48}, "limit": None},
-        "monitor": {"traffic_dir": str(tmp_path / "traffic"), "ratio": RATIO}}))
+    config.write_text(
+        json.dumps(
+            {
+                "regenerate": {"max_new_tokens": 48, "limit": 64},
+                "train": {"steps": 300, "checkpoint_every": 300},
+                "evaluate": {"spec": {"max_new_tokens": 48}, "limit": None},
+                "monitor": {"traffic_dir": str(tmp_path / "traffic"), "ratio": RATIO},
+            }
+        )
+    )
     retrain = tmp_path / "retrain.json"  # what the trigger runs: that a head is registered is tested, not its τ
-    retrain.write_text(json.dumps({
-        "regenerate": {"max_new_tokens": 24, "limit": 16}, "train": {"steps": 30, "checkpoint_every": 30},
-        "evaluate": {"spec": {"max_new_tokens": 24}, "limit": 4},
-        "monitor": {"traffic_dir": str(tmp_path / "traffic"), "ratio": RATIO}}))
-    return {"train": _kind(emb.target_traffic.train, CODE, tmp_path / "code-train.jsonl"),
-            "heldout": _kind(emb.target_traffic.heldout, CODE, tmp_path / "code-heldout.jsonl"),
-            "explain": _kind(emb.target_traffic.train, {"explain"}, tmp_path / "explain.jsonl"),
-            "snapshot": snapshot, "config": config, "retrain_config": retrain}
+    retrain.write_text(
+        json.dumps(
+            {
+                "regenerate": {"max_new_tokens": 24, "limit": 16},
+                "train": {"steps": 30, "checkpoint_every": 30},
+                "evaluate": {"spec": {"max_new_tokens": 24}, "limit": 4},
+                "monitor": {"traffic_dir": str(tmp_path / "traffic"), "ratio": RATIO},
+            }
+        )
+    )
+    return {
+        "train": _kind(emb.target_traffic.train, CODE, tmp_path / "code-train.jsonl"),
+        "heldout": _kind(emb.target_traffic.heldout, CODE, tmp_path / "code-heldout.jsonl"),
+        "explain": _kind(emb.target_traffic.train, {"explain"}, tmp_path / "explain.jsonl"),
+        "snapshot": snapshot,
+        "config": config,
+        "retrain_config": retrain,
+    }
 
 
 def _champion_and_trigger(live, emb, drift, tmp_path) -> dict:
     """`eagle-heads train` registers the champion; the retrain-on-drop deployment and a worker wait for events."""
-    out = live.cli(str(BIN / "eagle-heads"), "train", "--target", emb.target_dir, "--name", TARGET, "--traffic",
-                   str(drift["train"]), "--heldout", str(drift["heldout"]), "--preset", "tiny", "--config",
-                   str(drift["config"]), timeout=600)
+    out = live.cli(
+        str(BIN / "eagle-heads"),
+        "train",
+        "--target",
+        emb.target_dir,
+        "--name",
+        TARGET,
+        "--traffic",
+        str(drift["train"]),
+        "--heldout",
+        str(drift["heldout"]),
+        "--preset",
+        "tiny",
+        "--config",
+        str(drift["config"]),
+        timeout=600,
+    )
     assert f"head=models:/{TARGET}-v1-eagle3/1" in out, out
     prefect = str(BIN / "prefect")
     live.cli(prefect, "work-pool", "create", "eagle-local", "--type", "process")
@@ -146,16 +179,31 @@ def test_a_drop_in_served_acceptance_retrains_the_head(live_prefect, drift_targe
     settings = Settings.local(Path(live.env["EAGLE_HOME"]))
     store = MlflowStore.connect(settings)
     head_name = f"{TARGET}-v1-eagle3"
-    spec = EngineSpec(emb.target_dir, str(store.resolve(store.get_alias(head_name, CHAMPION).uri)),
-                      num_speculative_tokens=cfg.evaluate.spec.depth, max_model_len=512)
+    spec = EngineSpec(
+        emb.target_dir,
+        str(store.resolve(store.get_alias(head_name, CHAMPION).uri)),
+        num_speculative_tokens=cfg.evaluate.spec.depth,
+        max_model_len=512,
+    )
 
     def serve(srv, traffic: Path, temperature: float = 0.0) -> None:
         for _, ids in engine_prompts(cfg.evaluate, emb.target_dir, str(traffic), settings):
             srv.complete(ids, cfg.evaluate.spec.max_new_tokens, temperature)
 
     with VllmServer(spec, settings) as srv:
-        monitor = [str(BIN / "eagle-heads"), "monitor", "--target", f"models:/{TARGET}/1", "--once", "--preset",
-                   "tiny", "--config", str(drift["config"]), "--metrics-url", f"{srv.base_url}/metrics"]
+        monitor = [
+            str(BIN / "eagle-heads"),
+            "monitor",
+            "--target",
+            f"models:/{TARGET}/1",
+            "--once",
+            "--preset",
+            "tiny",
+            "--config",
+            str(drift["config"]),
+            "--metrics-url",
+            f"{srv.base_url}/metrics",
+        ]
         assert _scrape(live, monitor)[3] == "warming"  # one reading: no window yet
         serve(srv, drift["heldout"])
         out, window, registered, verdict = _scrape(live, monitor)
@@ -169,8 +217,7 @@ def test_a_drop_in_served_acceptance_retrains_the_head(live_prefect, drift_targe
         out, *_, verdict = _scrape(live, monitor)
         assert verdict == "announced" and "announced eagle" not in out, out
 
-    run = live.wait_run(drop["id"], f"retrain-on-drop for {TARGET} v1 (fired by eagle.acceptance.dropped)",
-                        timeout=600)
+    run = live.wait_run(drop["id"], f"retrain-on-drop for {TARGET} v1 (fired by eagle.acceptance.dropped)", timeout=600)
     assert run["parameters"]["model_name"] == TARGET and int(run["parameters"]["version"]) == 1
     versions = store.list_versions(head_name)
     assert [v.version for v in versions] == [1, 2], "the retrain registered one new head version"

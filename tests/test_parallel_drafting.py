@@ -42,16 +42,25 @@ from eagle.ttt import TTTBatch, ttt_loss
 from eagle.vocab import count_tokens, select_draft_vocab
 from tests.test_speculative import _prompts, predictable
 
-SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=512)
+SHAPE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=256,
+    max_position_embeddings=512,
+)
 
 
 def _head(target, draft_vocab: int, ids=None, mask=None, variant: str = "parallel") -> Eagle3Draft:
     cfg = DraftConfig.from_target(target.config, draft_vocab, variant=variant)
     draft = Eagle3Draft(cfg)
     if ids is not None:
-        draft.set_draft_vocab(select_draft_vocab(count_tokens(torch.zeros(cfg.vocab_size, dtype=torch.long), ids,
-                                                              mask), draft_vocab))
+        draft.set_draft_vocab(
+            select_draft_vocab(count_tokens(torch.zeros(cfg.vocab_size, dtype=torch.long), ids, mask), draft_vocab)
+        )
     draft.init_from_target(target.get_input_embeddings().weight, target.get_output_embeddings().weight)
     if cfg.fc_norm:  # away from their initial ones, so that a missing norm shows
         with torch.no_grad():
@@ -64,8 +73,13 @@ def _combine(draft: Eagle3Draft, aux: torch.Tensor) -> torch.Tensor:
     """vLLM's `combine_hidden_states` written out: with `fc_norm`, an RMSNorm per H-chunk, then `fc`."""
     if draft.cfg.fc_norm:
         eps = draft.cfg.rms_norm_eps
-        aux = torch.cat([c * torch.rsqrt(c.pow(2).mean(-1, keepdim=True) + eps) * n.weight
-                         for c, n in zip(aux.chunk(3, -1), draft.fc_norm)], -1)
+        aux = torch.cat(
+            [
+                c * torch.rsqrt(c.pow(2).mean(-1, keepdim=True) + eps) * n.weight
+                for c, n in zip(aux.chunk(3, -1), draft.fc_norm)
+            ],
+            -1,
+        )
     return aux @ draft.fc.weight.T
 
 
@@ -85,8 +99,8 @@ def _naive_parallel(draft: Eagle3Draft, ids, aux, mask, teacher, K: int, gamma: 
             for i in range(S):
                 if i + 1 + k >= S:
                     continue
-                toks = torch.cat([nxt[b, :i + 1], torch.full((K - 1,), m)])[None]
-                hid = torch.cat([fused[b, :i + 1], mask_h.expand(K - 1, -1)])[None]
+                toks = torch.cat([nxt[b, : i + 1], torch.full((K - 1,), m)])[None]
+                hid = torch.cat([fused[b, : i + 1], mask_h.expand(K - 1, -1)])[None]
                 pos = torch.arange(i + K)[None]
                 _, logits = draft(toks, hid, pos)
                 logp = torch.log_softmax(logits[0, i + k].float(), -1)
@@ -94,7 +108,7 @@ def _naive_parallel(draft: Eagle3Draft, ids, aux, mask, teacher, K: int, gamma: 
                 w = float(i + 2 + k < S and mask[b, i + 2 + k] and teacher.in_vocab_BT[b, i + 1 + k])
                 num = num - w * (teacher.probs_BTVd[b, i + 1 + k] * logp).sum()
                 den += w
-        loss = loss + gamma ** k * num / max(den, 1.0)
+        loss = loss + gamma**k * num / max(den, 1.0)
     return loss, argmax
 
 
@@ -136,8 +150,10 @@ def test_ttt_loss_is_vllms_parallel_pass(variant):
 @pytest.mark.parametrize("variant", PARALLEL_VARIANTS)
 def test_training_lowers_the_loss_of_every_slot(variant):
     _, draft, batch = _setup(seed=1, B=4, S=32, vocab=16, draft_vocab=16, variant=variant)
-    batch = dataclasses.replace(batch, teacher=dataclasses.replace(
-        batch.teacher, probs_BTVd=torch.softmax(30 * batch.teacher.probs_BTVd.log(), -1)))  # a confident teacher
+    batch = dataclasses.replace(
+        batch,
+        teacher=dataclasses.replace(batch.teacher, probs_BTVd=torch.softmax(30 * batch.teacher.probs_BTVd.log(), -1)),
+    )  # a confident teacher
     cfg = TTTConfig(ttt_steps=3)
     first = ttt_loss(draft, batch, cfg).metrics()
     opt = torch.optim.AdamW(draft.trainable_parameters(), lr=3e-3)
@@ -170,8 +186,12 @@ def _trained_pair(variant: str, seed: int = 1) -> tuple[torch.nn.Module, Eagle3D
     for _ in range(120):
         rows = torch.randint(0, 64, (16,), generator=g)
         t = teacher
-        batch = TTTBatch(data[rows], step.aux_BT3H[rows], mask[rows],
-                         type(t)(t.probs_BTVd[rows], t.in_vocab_BT[rows], t.argmax_BT[rows]))
+        batch = TTTBatch(
+            data[rows],
+            step.aux_BT3H[rows],
+            mask[rows],
+            type(t)(t.probs_BTVd[rows], t.in_vocab_BT[rows], t.argmax_BT[rows]),
+        )
         opt.zero_grad()
         ttt_loss(draft, batch, cfg).loss.backward()
         opt.step()
@@ -198,9 +218,9 @@ def test_one_pass_drafts_are_the_head_run_from_scratch(pair):
             n = int(n_B[b])
             toks = torch.cat([packed[b, :n], torch.full((3,), draft.cfg.mask_token_id)])[None]
             hidden_mask = _combine(draft, draft.mask_hidden.view(-1)).expand(1, 3, -1)
-            hid = torch.cat([_combine(draft, aux[b:b + 1, :n]), hidden_mask], 1)
+            hid = torch.cat([_combine(draft, aux[b : b + 1, :n]), hidden_mask], 1)
             _, ref = draft(toks, hid, torch.arange(n + 3)[None])
-            torch.testing.assert_close(logits_BKVd[b], ref[0, n - 1:], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(logits_BKVd[b], ref[0, n - 1 :], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("batch", [1, 4])
@@ -221,8 +241,14 @@ def test_greedy_output_equals_plain(pair, batch):
 def test_sampled_generation_runs_and_trees_are_refused(pair):
     target, draft = pair
     ids, mask = _prompts(2)
-    out = generate_speculative(target, draft, ids, mask, SpecConfig(depth=3, max_new_tokens=16, temperature=1.0),
-                               generator=torch.Generator().manual_seed(0))
+    out = generate_speculative(
+        target,
+        draft,
+        ids,
+        mask,
+        SpecConfig(depth=3, max_new_tokens=16, temperature=1.0),
+        generator=torch.Generator().manual_seed(0),
+    )
     assert (out.lengths == 16).all() and out.stats.n_verify_steps < 16 * 2
     with pytest.raises(ValueError, match="parallel head drafts chains"):
         generate_speculative(target, draft, ids, mask, SpecConfig(method="tree", depth=3, max_new_tokens=4))
@@ -239,8 +265,9 @@ def test_export_round_trip_and_engine_keys(tmp_path, pair):
     assert cfg["fc_norm"] is cfg["norm_output"] is normed and cfg["norm_before_fc"] is False
     tensors = load_file(str(out / "model.safetensors"))
     assert tensors["mask_hidden"].shape == (1, 3 * draft.cfg.hidden_size)
-    assert {k for k in tensors if k.startswith("fc_norm")} == ({f"fc_norm.{i}.weight" for i in range(3)} if normed
-                                                               else set())
+    assert {k for k in tensors if k.startswith("fc_norm")} == (
+        {f"fc_norm.{i}.weight" for i in range(3)} if normed else set()
+    )
     back = load_head(out, target)
     assert back.cfg == draft.cfg
     for name, t in draft.state_dict().items():
@@ -251,8 +278,9 @@ def test_export_round_trip_and_engine_keys(tmp_path, pair):
     assert torch.equal(a.stats.accept_lengths, b.stats.accept_lengths)
     spec = EngineSpec(str(tmp_path), str(out), num_speculative_tokens=3)
     assert head_drafts_in_parallel(out) and spec.speculative_config()["parallel_drafting"] is True
-    eagle3 = export_head(Eagle3Draft(dataclasses.replace(draft.cfg, variant="eagle3", mask_token_id=None)),
-                         tmp_path / "eagle3")
+    eagle3 = export_head(
+        Eagle3Draft(dataclasses.replace(draft.cfg, variant="eagle3", mask_token_id=None)), tmp_path / "eagle3"
+    )
     assert "mask_token_id" not in json.loads((eagle3 / "config.json").read_text())
     assert "parallel_drafting" not in EngineSpec(str(tmp_path), str(eagle3)).speculative_config()
     from components.serving.launch import launch_commands
@@ -308,8 +336,9 @@ def _engine_eval():
     from components.evaluate.speed import SpeedupConfig
     from components.evaluate.stage import EvaluateConfig
 
-    return EvaluateConfig(spec=SpecConfig(depth=3, max_new_tokens=24), limit=6, speed=SpeedupConfig.tiny(),
-                          position_edges=(0, 8, 16, 64))
+    return EvaluateConfig(
+        spec=SpecConfig(depth=3, max_new_tokens=24), limit=6, speed=SpeedupConfig.tiny(), position_edges=(0, 8, 16, 64)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -324,8 +353,9 @@ def plain_vllm(engine_target, engine_settings):
 @pytest.mark.slow
 @pytest.mark.engine
 @pytest.mark.parametrize("variant", PARALLEL_VARIANTS)
-def test_vllm_serves_the_parallel_head_losslessly_with_our_acceptance(variant, engine_target, engine_head,
-                                                                     engine_settings, plain_vllm, tmp_path):
+def test_vllm_serves_the_parallel_head_losslessly_with_our_acceptance(
+    variant, engine_target, engine_head, engine_settings, plain_vllm, tmp_path
+):
     from components.evaluate.engine import evaluate_in_vllm, our_outputs
     from components.evaluate.stage import HeadEval, evaluate
     from components.targets.servable import is_servable
@@ -342,8 +372,14 @@ def test_vllm_serves_the_parallel_head_losslessly_with_our_acceptance(variant, e
     heldout = str(engine_target.target_traffic.heldout)
     ours = evaluate(ev, HeadEval(engine_target.target_dir, head, heldout, str(tmp_path / "local")), **quiet)
     assert ours.identical
-    res = evaluate_in_vllm(ev, HeadEval(engine_target.target_dir, head, heldout, str(tmp_path / "vllm")),
-                           engine_settings, ours=our_outputs(ours.report_file), plain=plain_vllm, **quiet)
+    res = evaluate_in_vllm(
+        ev,
+        HeadEval(engine_target.target_dir, head, heldout, str(tmp_path / "vllm")),
+        engine_settings,
+        ours=our_outputs(ours.report_file),
+        plain=plain_vllm,
+        **quiet,
+    )
     log = "\n".join(p.read_text(errors="replace") for p in (engine_settings.state_dir / "vllm").glob("*.log"))
     assert "parallel_drafting': True" in log or '"parallel_drafting": true' in log
     assert res.identical_to_plain and res.identical_to_ours

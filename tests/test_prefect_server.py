@@ -30,8 +30,9 @@ TARGET = "stdlib-llama"
 
 def _tiny_prefect_yaml(dest: Path) -> Path:
     text = (ROOT / "prefect.yaml").read_text()
-    assert text.count("preset: default") == 4, ("prefect.yaml: expected `preset: default` in retrain, the two "
-                                                "triggers and retrain-on-capture")
+    assert text.count("preset: default") == 4, (
+        "prefect.yaml: expected `preset: default` in retrain, the two triggers and retrain-on-capture"
+    )
     out = dest / "prefect.yaml"
     out.write_text(text.replace("preset: default", "preset: tiny"))
     return out
@@ -41,9 +42,15 @@ def _register(store, emb_dir: Path, traffic, role: str, base_model: str = "") ->
     from components.registry.register import register_target
     from components.targets.target import weights_sha256
 
-    ref = register_target(store, TARGET, str(emb_dir), role=role, base_model=base_model,
-                          weights_sha256=weights_sha256(emb_dir),
-                          extra_tags={"traffic_train": str(traffic.train), "traffic_heldout": str(traffic.heldout)})
+    ref = register_target(
+        store,
+        TARGET,
+        str(emb_dir),
+        role=role,
+        base_model=base_model,
+        weights_sha256=weights_sha256(emb_dir),
+        extra_tags={"traffic_train": str(traffic.train), "traffic_heldout": str(traffic.heldout)},
+    )
     return ref.version
 
 
@@ -84,8 +91,20 @@ def test_deployments_on_a_live_server_and_process_worker(live_prefect, tiny_embe
 
     v2 = _register(mlflow_store, emb.finetune_dir, emb.finetune_traffic, "finetune", f"{TARGET}/{v1}")
     t = emb.finetune_traffic
-    live.cli(prefect, "deployment", "run", "train-head/train-head", "--param", f"target=models:/{TARGET}/{v2}",
-             "--param", f"traffic={t.train}", "--param", f"heldout={t.heldout}", "--param", "preset=tiny")
+    live.cli(
+        prefect,
+        "deployment",
+        "run",
+        "train-head/train-head",
+        "--param",
+        f"target=models:/{TARGET}/{v2}",
+        "--param",
+        f"traffic={t.train}",
+        "--param",
+        f"heldout={t.heldout}",
+        "--param",
+        "preset=tiny",
+    )
     live.wait_run(train["id"], f"train-head for {TARGET} v{v2} (prefect deployment run)")
     head2 = _head_version(mlflow_store, v2)
     assert head1.tags["run_key"] != head2.tags["run_key"]

@@ -35,10 +35,15 @@ from infra.ray_cluster import StorageNotShared, storage_refusal
 
 REPO = Path(__file__).resolve().parents[1]
 RAY = str(Path(sys.executable).with_name("ray"))
-NODE_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
-            # a killed node is declared dead in ~2 s instead of ~15 s (Ray's defaults: every 3 s, 5 misses)
-            "RAY_health_check_period_ms": "500", "RAY_health_check_timeout_ms": "500",
-            "RAY_health_check_failure_threshold": "3", "RAY_health_check_initial_delay_ms": "1000"}
+NODE_ENV = {
+    "RAY_AUTH_MODE": "disabled",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    # a killed node is declared dead in ~2 s instead of ~15 s (Ray's defaults: every 3 s, 5 misses)
+    "RAY_health_check_period_ms": "500",
+    "RAY_health_check_timeout_ms": "500",
+    "RAY_health_check_failure_threshold": "3",
+    "RAY_health_check_initial_delay_ms": "1000",
+}
 
 
 # ---- the storage rule, on fake node lists ---------------------------------------------------------------------
@@ -55,8 +60,11 @@ def test_a_local_path_that_a_second_host_does_not_see_is_refused_by_name():
         asked.append(node["NodeManagerAddress"])
         return node["NodeManagerAddress"] == "10.0.0.1"
 
-    why = storage_refusal({"the checkpoint storage": "/data/ray_results"},
-                          [_node("10.0.0.1"), _node("10.0.0.1", 2), _node("10.0.0.2")], sees)
+    why = storage_refusal(
+        {"the checkpoint storage": "/data/ray_results"},
+        [_node("10.0.0.1"), _node("10.0.0.1", 2), _node("10.0.0.2")],
+        sees,
+    )
     assert why is not None
     assert "the checkpoint storage /data/ray_results is a local path that host 10.0.0.2 does not see" in why
     assert "2 hosts (10.0.0.1, 10.0.0.2)" in why
@@ -140,8 +148,7 @@ class Cluster:
     def __init__(self, logs: Path):
         self.logs, self.port, self.n_started, self.temp_dirs = logs, _free_port(), 0, []
         self.address = f"127.0.0.1:{self.port}"
-        self.head = self._start(["--head", f"--port={self.port}", "--include-dashboard=false",
-                                 "--disable-usage-stats"])
+        self.head = self._start(["--head", f"--port={self.port}", "--include-dashboard=false", "--disable-usage-stats"])
         self.wait_alive(1, self.head)
         self.node2 = self.start_node2()
 
@@ -152,8 +159,13 @@ class Cluster:
         log = open(self.logs / f"node-{self.n_started}.log", "w")
         temp = tempfile.mkdtemp(prefix="ray-node-", dir="/tmp")
         self.temp_dirs.append(temp)
-        return subprocess.Popen([RAY, "start", "--num-cpus=1", f"--temp-dir={temp}", "--block", *args], stdout=log,
-                                stderr=subprocess.STDOUT, env={**os.environ, **NODE_ENV}, start_new_session=True)
+        return subprocess.Popen(
+            [RAY, "start", "--num-cpus=1", f"--temp-dir={temp}", "--block", *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **NODE_ENV},
+            start_new_session=True,
+        )
 
     def alive_nodes(self) -> int:
         from ray._raylet import GcsClient
@@ -167,6 +179,7 @@ class Cluster:
 
     def wait_alive(self, n: int, *procs: subprocess.Popen) -> None:
         """Until the GCS counts `n` alive nodes; fails early when one of `procs` (the nodes meant to live) exits."""
+
         def ok() -> bool:
             for proc in procs:
                 if proc.poll() is not None:
@@ -216,8 +229,13 @@ def features(tiny_embedded, tmp_path_factory) -> Path:
     out, quiet = tmp_path_factory.mktemp("stages"), dict(progress=lambda s: None)
     regen = RegenerateConfig(max_new_tokens=16, temperature=1.0, batch_size=8, shard_size=8, limit=12, seed=0)
     regenerate(regen, tiny_embedded.target_dir, str(tiny_embedded.target_traffic.train), str(out / "regen"), **quiet)
-    extract(ExtractConfig(max_len=160, dtype="float32", seqs_per_shard=4, batch_size=3), tiny_embedded.target_dir,
-            str(out / "regen"), str(out / "extract"), **quiet)
+    extract(
+        ExtractConfig(max_len=160, dtype="float32", seqs_per_shard=4, batch_size=3),
+        tiny_embedded.target_dir,
+        str(out / "regen"),
+        str(out / "extract"),
+        **quiet,
+    )
     return out / "extract"
 
 
@@ -247,8 +265,10 @@ def _drive(spec_file: str) -> None:
             except Exception:  # the driver or the controller, not a worker
                 return
             with open(self.path, "a") as f:
-                f.write(json.dumps({"rank": rank, "node": ray.get_runtime_context().get_node_id(),
-                                    "pid": os.getpid()}) + "\n")
+                f.write(
+                    json.dumps({"rank": rank, "node": ray.get_runtime_context().get_node_id(), "pid": os.getpid()})
+                    + "\n"
+                )
 
         def log(self, step, metrics):
             pass
@@ -265,8 +285,13 @@ def _drive(spec_file: str) -> None:
 
     spec = json.loads(Path(spec_file).read_text())
     work = Path(spec["work"])
-    cfg = dataclasses.replace(TrainConfig.tiny(), steps=8, checkpoint_every=3, batch_size=2,
-                              ray=RayConfig(num_workers=2, cpus_per_worker=1, max_failures=2))
+    cfg = dataclasses.replace(
+        TrainConfig.tiny(),
+        steps=8,
+        checkpoint_every=3,
+        batch_size=2,
+        ray=RayConfig(num_workers=2, cpus_per_worker=1, max_failures=2),
+    )
     settings = Settings.from_env()
     out = {"ray_address": settings.ray_address}
     with ray_session(settings):
@@ -275,10 +300,19 @@ def _drive(spec_file: str) -> None:
         out["sees_missing"] = [_node_sees(n, str(work / "missing")) for n in ray.nodes() if n["Alive"]]
         for run, sinks in (("plain", ()), ("killed", (HoldAt(str(work / "held"), 4),))):
             t0 = time.perf_counter()
-            res = train(cfg, spec["features"], str(work / run), sinks=(WhereAmI(str(work / f"{run}.where")), *sinks),
-                        setup=TrainSetup(storage_dir=str(settings.ray_storage_dir)))
-            out[run] = {"head_dir": res.head_dir, "resumed_from_step": res.resumed_from_step,
-                        "history": res.history_file, "seconds": time.perf_counter() - t0}
+            res = train(
+                cfg,
+                spec["features"],
+                str(work / run),
+                sinks=(WhereAmI(str(work / f"{run}.where")), *sinks),
+                setup=TrainSetup(storage_dir=str(settings.ray_storage_dir)),
+            )
+            out[run] = {
+                "head_dir": res.head_dir,
+                "resumed_from_step": res.resumed_from_step,
+                "history": res.history_file,
+                "seconds": time.perf_counter() - t0,
+            }
     Path(spec["result"]).write_text(json.dumps(out))
 
 
@@ -297,12 +331,25 @@ def test_two_node_training_spans_both_nodes_and_survives_losing_one(cluster, fea
 
     spec = {"work": str(tmp_path), "features": str(features), "result": str(tmp_path / "result.json")}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
-    env = {**os.environ, "RAY_ADDRESS": cluster.address, "EAGLE_HOME": str(tmp_path / ".eagle"),
-           "RAY_AUTH_MODE": "disabled"}
+    env = {
+        **os.environ,
+        "RAY_ADDRESS": cluster.address,
+        "EAGLE_HOME": str(tmp_path / ".eagle"),
+        "RAY_AUTH_MODE": "disabled",
+    }
     log = open(tmp_path / "driver.log", "w")
-    driver = subprocess.Popen([sys.executable, "-c", "import sys; from tests.test_ray_multinode import _drive; "
-                               "_drive(sys.argv[1])", str(tmp_path / "spec.json")],
-                              cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    driver = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from tests.test_ray_multinode import _drive; _drive(sys.argv[1])",
+            str(tmp_path / "spec.json"),
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     first_node2, killed = cluster.node2, {}
 
     def kill_and_replace_node2():  # once rank 0 holds at step 4: the second node dies, a new one joins

@@ -57,19 +57,37 @@ def features(tiny_embedded, tmp_path_factory) -> str:
 
     root = tmp_path_factory.mktemp("side-by-side")
     quiet = dict(progress=lambda s: None)
-    regenerate(RegenerateConfig(max_new_tokens=16, batch_size=8, shard_size=8, limit=8, seed=0),
-               tiny_embedded.target_dir, str(tiny_embedded.target_traffic.train), str(root / "regen"), **quiet)
-    extract(ExtractConfig(max_len=160, dtype="float32", seqs_per_shard=8), tiny_embedded.target_dir,
-            str(root / "regen"), str(root / "extract"), **quiet)
+    regenerate(
+        RegenerateConfig(max_new_tokens=16, batch_size=8, shard_size=8, limit=8, seed=0),
+        tiny_embedded.target_dir,
+        str(tiny_embedded.target_traffic.train),
+        str(root / "regen"),
+        **quiet,
+    )
+    extract(
+        ExtractConfig(max_len=160, dtype="float32", seqs_per_shard=8),
+        tiny_embedded.target_dir,
+        str(root / "regen"),
+        str(root / "extract"),
+        **quiet,
+    )
     return str(root / "extract")
 
 
 def test_two_local_rays_side_by_side_each_keep_to_their_own(features, tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
     root = Path(__file__).resolve().parents[1]
-    runs = {me: subprocess.Popen([sys.executable, "-c", RUN, features, str(tmp_path), me, other], cwd=root, env=env,
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            for me, other in (("a", "b"), ("b", "a"))}
+    runs = {
+        me: subprocess.Popen(
+            [sys.executable, "-c", RUN, features, str(tmp_path), me, other],
+            cwd=root,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for me, other in (("a", "b"), ("b", "a"))
+    }
     outputs = {me: p.communicate(timeout=300) for me, p in runs.items()}
     for me, (out, err) in outputs.items():
         assert runs[me].returncode == 0, f"run {me} failed:\n{out}\n{err}"

@@ -25,17 +25,26 @@ import pytest
 from tests.helpers import fake_head
 from tests.helpers_bad_input import EVAL, SERVE, TRAIN, argv_with
 
-VENVS = {"missing": "no such file", "not-executable": "not executable, mode 644",
-         "dangling-link": "a symbolic link to /no/such/python3, which does not exist"}
-ENGINE_COMMANDS = {"train": ([*TRAIN, "--set", "evaluate.engine=vllm"], "evaluate.engine 'vllm' starts vLLM here"),
-                   "evaluate": (argv_with(EVAL, engine="vllm"), "evaluate.engine 'vllm' starts vLLM here"),
-                   "serve": (SERVE, "serve starts vLLM here")}
+VENVS = {
+    "missing": "no such file",
+    "not-executable": "not executable, mode 644",
+    "dangling-link": "a symbolic link to /no/such/python3, which does not exist",
+}
+ENGINE_COMMANDS = {
+    "train": ([*TRAIN, "--set", "evaluate.engine=vllm"], "evaluate.engine 'vllm' starts vLLM here"),
+    "evaluate": (argv_with(EVAL, engine="vllm"), "evaluate.engine 'vllm' starts vLLM here"),
+    "serve": (SERVE, "serve starts vLLM here"),
+}
 
 
 @pytest.fixture
 def paths(tiny_embedded, tmp_path):
-    return {"target": str(tiny_embedded.target_dir), "traffic": str(tiny_embedded.target_traffic.train),
-            "heldout": str(tiny_embedded.target_traffic.heldout), "head": fake_head(tmp_path, "head")}
+    return {
+        "target": str(tiny_embedded.target_dir),
+        "traffic": str(tiny_embedded.target_traffic.train),
+        "heldout": str(tiny_embedded.target_traffic.heldout),
+        "head": fake_head(tmp_path, "head"),
+    }
 
 
 def _checkout_without_venv(tmp_path: Path, kind: str, monkeypatch) -> Path:
@@ -71,8 +80,7 @@ def _preflight(argv: list[str], home: Path, monkeypatch, capsys) -> tuple[int, s
 
 @pytest.mark.parametrize("command", list(ENGINE_COMMANDS))
 @pytest.mark.parametrize("venv", list(VENVS))
-def test_a_command_that_starts_vllm_refuses_a_broken_project_venv(command, venv, paths, tmp_path, monkeypatch,
-                                                                    capsys):
+def test_a_command_that_starts_vllm_refuses_a_broken_project_venv(command, venv, paths, tmp_path, monkeypatch, capsys):
     python = _checkout_without_venv(tmp_path, venv, monkeypatch)
     argv, who = ENGINE_COMMANDS[command]
     home = tmp_path / "home"

@@ -42,8 +42,13 @@ def _write_traffic(path: Path, convs: list[dict]) -> str:
     return str(path)
 
 
-MULTI = [("system", "You write Python."), ("user", "def add(a, b):"), ("assistant", "    return a + b\n"),
-         ("user", "And sub?"), ("assistant", "def sub(a, b):\n    return a - b")]
+MULTI = [
+    ("system", "You write Python."),
+    ("user", "def add(a, b):"),
+    ("assistant", "    return a + b\n"),
+    ("user", "And sub?"),
+    ("assistant", "def sub(a, b):\n    return a - b"),
+]
 
 
 # ---- chat -------------------------------------------------------------------------------------------------------
@@ -80,9 +85,10 @@ def test_truncation_cuts_ids_and_mask_together(tokenizer):
 def test_a_template_that_rewrites_past_turns_is_refused(tokenizer):
     """Like templates that drop earlier turns' reasoning: the mask of a prefix would not fit the whole."""
     odd = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
-    odd.chat_template = tokenizer.chat_template.replace("{{ message['content'] }}<|end|>{% endgeneration %}",
-                                                        "{% if not loop.last %}[old] {% endif %}"
-                                                        "{{ message['content'] }}<|end|>{% endgeneration %}")
+    odd.chat_template = tokenizer.chat_template.replace(
+        "{{ message['content'] }}<|end|>{% endgeneration %}",
+        "{% if not loop.last %}[old] {% endif %}{{ message['content'] }}<|end|>{% endgeneration %}",
+    )
     assert odd.chat_template != tokenizer.chat_template
     msgs = [{"role": r, "content": c} for r, c in MULTI]
     tokenize_conversation(odd, msgs[:3], max_len=1024)  # one assistant turn, the last: fine
@@ -102,11 +108,13 @@ def test_no_chat_template_is_a_clear_error(tokenizer):
 
 @pytest.fixture(scope="module")
 def traffic(tmp_path_factory) -> str:
-    convs = [_conv("short-0", ("user", "def f(x):")),
-             _conv("multi", *MULTI),
-             _conv("short-1", ("user", "import os\n"), ("assistant", "import sys")),
-             _conv("too-long", ("user", "x = 1\n" * 1200), ("assistant", "ok")),
-             _conv("short-2", ("user", "class A:"))]
+    convs = [
+        _conv("short-0", ("user", "def f(x):")),
+        _conv("multi", *MULTI),
+        _conv("short-1", ("user", "import os\n"), ("assistant", "import sys")),
+        _conv("too-long", ("user", "x = 1\n" * 1200), ("assistant", "ok")),
+        _conv("short-2", ("user", "class A:")),
+    ]
     return _write_traffic(tmp_path_factory.mktemp("traffic") / "train.jsonl", convs)
 
 
@@ -144,8 +152,9 @@ def test_regenerate_accounts_fails_alone_and_resumes_by_shard(tiny_embedded, tra
     resumed = regenerate(CFG, tiny_embedded.target_dir, traffic, str(out), progress=lambda s: None)
     assert (resumed.total, resumed.ok, resumed.failed, resumed.skipped) == (5, 1, 0, 4)
     after = _files(out)
-    assert {k: v for k, v in after.items() if not k.startswith("shard-00002")} == \
-           {k: v for k, v in before.items() if not k.startswith("shard-00002")}
+    assert {k: v for k, v in after.items() if not k.startswith("shard-00002")} == {
+        k: v for k, v in before.items() if not k.startswith("shard-00002")
+    }
     assert after["shard-00002.jsonl"][1] == before["shard-00002.jsonl"][1]  # seeded per shard: the same samples
 
 
@@ -183,10 +192,14 @@ def test_a_batch_answers_each_conversation_as_if_alone(tiny_embedded):
     with torch.no_grad():  # the tiny target answers dots to everything; a noisy lm_head makes answers differ
         target.lm_head.weight.normal_(std=0.5)
     answer = hf_answerer(target, tok, RegenerateConfig(max_new_tokens=8, temperature=0.0))
-    batch = [[{"role": "user", "content": "def f(x):"}],
-             [{"role": "system", "content": "You write Python code for a living."},
-              {"role": "user", "content": "class Foo(object):\n    pass"}],
-             [{"role": "user", "content": "import os"}]]
+    batch = [
+        [{"role": "user", "content": "def f(x):"}],
+        [
+            {"role": "system", "content": "You write Python code for a living."},
+            {"role": "user", "content": "class Foo(object):\n    pass"},
+        ],
+        [{"role": "user", "content": "import os"}],
+    ]
     together = answer(batch)
     assert len(set(together)) == 3
     assert together == [answer([msgs])[0] for msgs in batch]
@@ -255,10 +268,18 @@ def fake_vllm():
 
 def test_endpoint_answers_turn_by_turn_and_counts_server_errors(fake_vllm, tmp_path):
     url, seen = fake_vllm
-    traffic = _write_traffic(tmp_path / "t.jsonl", [_conv("multi", *MULTI), _conv("bad", ("user", "FAIL please")),
-                                                    _conv("one", ("user", "hello"))])
-    cfg = RegenerateConfig(endpoint_url=url + "/", endpoint_model="tiny", max_new_tokens=7, temperature=0.5,
-                           shard_size=8, endpoint_timeout_s=10)
+    traffic = _write_traffic(
+        tmp_path / "t.jsonl",
+        [_conv("multi", *MULTI), _conv("bad", ("user", "FAIL please")), _conv("one", ("user", "hello"))],
+    )
+    cfg = RegenerateConfig(
+        endpoint_url=url + "/",
+        endpoint_model="tiny",
+        max_new_tokens=7,
+        temperature=0.5,
+        shard_size=8,
+        endpoint_timeout_s=10,
+    )
     res = regenerate(cfg, str(tmp_path / "no-local-target"), traffic, str(tmp_path / "out"), progress=lambda s: None)
     assert (res.total, res.ok, res.failed, res.skipped) == (3, 2, 1, 0)
     assert "500" in res.failures["bad"] and res.failures["bad"].startswith("turn 1:")
@@ -266,11 +287,18 @@ def test_endpoint_answers_turn_by_turn_and_counts_server_errors(fake_vllm, tmp_p
     multi = [r for r in seen if r["messages"][0]["role"] == "system"]
     assert [len(r["messages"]) for r in multi] == [2, 4]  # turn 2 carries turn 1's answer as its history
     assert multi[1]["messages"][2] == {"role": "assistant", "content": "echo:def add(a, b):"}
-    assert all(r["path"] == "/v1/chat/completions" and r["model"] == "tiny" and r["max_tokens"] == 7
-               and r["temperature"] == 0.5 for r in seen)
+    assert all(
+        r["path"] == "/v1/chat/completions"
+        and r["model"] == "tiny"
+        and r["max_tokens"] == 7
+        and r["temperature"] == 0.5
+        for r in seen
+    )
     convs = {c.id: c for c in read_regenerated(str(tmp_path / "out"))}
-    assert [m.content for m in convs["multi"].messages if m.role == "assistant"] == ["echo:def add(a, b):",
-                                                                                     "echo:And sub?"]
+    assert [m.content for m in convs["multi"].messages if m.role == "assistant"] == [
+        "echo:def add(a, b):",
+        "echo:And sub?",
+    ]
     assert [m.role for m in convs["one"].messages] == ["user", "assistant"]
 
 

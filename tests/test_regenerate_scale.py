@@ -34,8 +34,14 @@ from infra.settings import Settings
 from tests.helpers import send_json
 
 QUIET = dict(progress=lambda s: None)
-MULTI = [("system", "You write Python."), ("user", "def add(a, b):"), ("assistant", "    return a + b\n"),
-         ("user", "And sub?"), ("assistant", "def sub(a, b):\n    return a - b"), ("user", "And mul?")]
+MULTI = [
+    ("system", "You write Python."),
+    ("user", "def add(a, b):"),
+    ("assistant", "    return a + b\n"),
+    ("user", "And sub?"),
+    ("assistant", "def sub(a, b):\n    return a - b"),
+    ("user", "And mul?"),
+]
 
 
 def _conv(cid: str, *turns: tuple[str, str]) -> dict:
@@ -85,8 +91,10 @@ class _CountingServer(BaseHTTPRequestHandler):
             if "REFUSE" in last:
                 answer = 400, {"error": {"message": "This model's maximum context length is 512 tokens (fake)"}}
             else:
-                answer = 200, {"choices": [{"message": {"role": "assistant",
-                                                        "content": f"echo{len(body['messages'])}:{last}"}}]}
+                answer = (
+                    200,
+                    {"choices": [{"message": {"role": "assistant", "content": f"echo{len(body['messages'])}:{last}"}}]},
+                )
         finally:
             # out of flight before the answer is written: once the client has it, it may send its next request
             # while this thread would still be on its way to the decrement (a false 2 in flight under load)
@@ -122,15 +130,17 @@ def test_endpoint_requests_run_concurrently_within_the_bound(counting_server, tm
     convs = [_conv(f"one-{i}", ("user", f"print({i})")) for i in range(7)]
     convs[2:2] = [_conv("multi-a", *MULTI), _conv("refused", ("user", "REFUSE this")), _conv("multi-b", *MULTI[1:])]
     traffic = _write_traffic(tmp_path / "t.jsonl", convs)
-    base = RegenerateConfig(endpoint_url=url, endpoint_model="tiny", max_new_tokens=5, shard_size=4,
-                            endpoint_timeout_s=10)
+    base = RegenerateConfig(
+        endpoint_url=url, endpoint_model="tiny", max_new_tokens=5, shard_size=4, endpoint_timeout_s=10
+    )
     runs = {}
     for bound in (3, 1):
         reset()
         _CountingServer.expect = bound
         out = tmp_path / f"c{bound}"
-        res = regenerate(dataclasses.replace(base, endpoint_concurrency=bound), "no-local-target", traffic, str(out),
-                         **QUIET)
+        res = regenerate(
+            dataclasses.replace(base, endpoint_concurrency=bound), "no-local-target", traffic, str(out), **QUIET
+        )
         runs[bound] = (res, _digests(out), _CountingServer.max_in_flight, list(_CountingServer.requests))
     res, digests, peak, seen = runs[3]
     assert peak == 3, "the bound is reached and never exceeded"
@@ -143,8 +153,11 @@ def test_endpoint_requests_run_concurrently_within_the_bound(counting_server, tm
     turns = [len(r["messages"]) for r in seen if r["messages"][0]["content"] == "You write Python."]
     assert turns == [2, 4, 6]  # turn by turn: each request carries the previous answers
     convs_out = {c.id: c for c in read_regenerated(res.out_dir)}
-    assert [m.content for m in convs_out["multi-a"].messages if m.role == "assistant"] == \
-           ["echo2:def add(a, b):", "echo4:And sub?", "echo6:And mul?"]
+    assert [m.content for m in convs_out["multi-a"].messages if m.role == "assistant"] == [
+        "echo2:def add(a, b):",
+        "echo4:And sub?",
+        "echo6:And mul?",
+    ]
     assert [c.id for c in read_regenerated(res.out_dir)] == [c["id"] for c in convs if c["id"] != "refused"]
 
 
@@ -170,8 +183,14 @@ def test_ray_workers_write_what_one_process_writes_and_resume(tiny_embedded, tmp
     was_running = ray.is_initialized()  # the suite's own local Ray, if a test before this one started it
     settings = Settings.local(tmp_path / ".eagle", ray_auth_mode="disabled")
     lines: list[str] = []
-    on_ray = regenerate(dataclasses.replace(cfg, num_workers=2), tiny_embedded.target_dir, traffic,
-                        str(tmp_path / "ray"), progress=lines.append, context=StageContext(settings=settings))
+    on_ray = regenerate(
+        dataclasses.replace(cfg, num_workers=2),
+        tiny_embedded.target_dir,
+        traffic,
+        str(tmp_path / "ray"),
+        progress=lines.append,
+        context=StageContext(settings=settings),
+    )
     assert ray.is_initialized() == was_running, "regenerate left a Ray it started running"
     assert not any("holds" in line for line in lines), lines  # both workers fitted
     assert _counts(on_ray) == _counts(local) == (7, 6, 1, 0) and on_ray.failures == local.failures
@@ -182,13 +201,19 @@ def test_ray_workers_write_what_one_process_writes_and_resume(tiny_embedded, tmp
     mtimes = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "ray").glob("shard-*")}
     for p in (tmp_path / "ray").glob("shard-00001.*"):  # an interrupted run: one shard never finished
         p.unlink()
-    resumed = regenerate(dataclasses.replace(cfg, num_workers=2), tiny_embedded.target_dir, traffic,
-                         str(tmp_path / "ray"), context=StageContext(settings=settings), **QUIET)
+    resumed = regenerate(
+        dataclasses.replace(cfg, num_workers=2),
+        tiny_embedded.target_dir,
+        traffic,
+        str(tmp_path / "ray"),
+        context=StageContext(settings=settings),
+        **QUIET,
+    )
     assert _counts(resumed) == (7, 1, 1, 5)  # shard 1 holds "too-long" and "short-1"
     assert _digests(tmp_path / "ray") == before
-    assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "ray").glob("shard-*")
-            if not p.name.startswith("shard-00001")} == {k: v for k, v in mtimes.items()
-                                                         if not k.startswith("shard-00001")}
+    assert {
+        p.name: p.stat().st_mtime_ns for p in (tmp_path / "ray").glob("shard-*") if not p.name.startswith("shard-00001")
+    } == {k: v for k, v in mtimes.items() if not k.startswith("shard-00001")}
     assert ray.is_initialized() == was_running
 
 
@@ -207,8 +232,7 @@ def vllm_plain(engine_target, tmp_path_factory):
 
     settings = Settings.local(tmp_path_factory.mktemp("regen-engine-state") / ".eagle")
     vllm_python(settings)  # a missing vLLM venv fails here with the line that says how to make it
-    with VllmServer(EngineSpec(engine_target.target_dir, method=None, served_model_name="regen-tiny"),
-                    settings) as srv:
+    with VllmServer(EngineSpec(engine_target.target_dir, method=None, served_model_name="regen-tiny"), settings) as srv:
         yield srv
 
 
@@ -221,8 +245,14 @@ def test_regenerate_through_vllm_gives_vllms_own_answers(engine_target, vllm_pla
     convs = [c.to_openai() for c in load_traffic(engine_target.target_traffic.train).conversations[:9]]
     convs[3:3] = [_conv("multi", *MULTI), _conv("too-long", ("user", "x = 1\n" * 1200))]
     traffic = _write_traffic(tmp_path / "t.jsonl", convs)
-    cfg = RegenerateConfig(endpoint_url=vllm_plain.base_url, endpoint_model="regen-tiny", temperature=0.0,
-                           max_new_tokens=24, shard_size=4, endpoint_concurrency=4)
+    cfg = RegenerateConfig(
+        endpoint_url=vllm_plain.base_url,
+        endpoint_model="regen-tiny",
+        temperature=0.0,
+        max_new_tokens=24,
+        shard_size=4,
+        endpoint_concurrency=4,
+    )
     out = tmp_path / "regen"
     res = regenerate(cfg, "no-local-target", traffic, str(out), **QUIET)
     acc = json.loads((out / "accounting.json").read_text())

@@ -91,14 +91,17 @@ def test_the_monitor_and_the_judge_share_the_window_arithmetic():
     assert total.drafts == 25  # 20 more, then a restart counted from zero
 
 
-@pytest.mark.parametrize("field, value, needle", [
-    ("window_s", 0, "window_s must be a finite number > 0"),
-    ("window_s", float("inf"), "window_s must be a finite number > 0"),
-    ("floor_tau", 0.9, "floor_tau must be a finite number >= 1"),
-    ("min_drafts", 0, "min_drafts must be an integer >= 1"),
-    ("sustain_windows", 1.5, "sustain_windows must be an integer >= 1"),
-    ("enabled", "yes", "enabled must be true or false"),
-])
+@pytest.mark.parametrize(
+    "field, value, needle",
+    [
+        ("window_s", 0, "window_s must be a finite number > 0"),
+        ("window_s", float("inf"), "window_s must be a finite number > 0"),
+        ("floor_tau", 0.9, "floor_tau must be a finite number >= 1"),
+        ("min_drafts", 0, "min_drafts must be an integer >= 1"),
+        ("sustain_windows", 1.5, "sustain_windows must be an integer >= 1"),
+        ("enabled", "yes", "enabled must be true or false"),
+    ],
+)
 def test_bad_rollback_settings_name_the_field(field, value, needle):
     with pytest.raises(BadInput, match=needle):
         RollbackConfig(**{field: value})
@@ -112,10 +115,24 @@ def test_serve_flags_and_config_reach_monitor_rollback(tmp_path):
         return command_config(parser().parse_args(["serve", "--head", "models:/h@champion", *extra])).monitor
 
     assert cfg().rollback == RollbackConfig() and cfg().ratio == MonitorConfig().ratio
-    got = cfg("--no-rollback", "--rollback-window", "5", "--rollback-floor", "1.2", "--set", "monitor.ratio=0.9",
-              "--set", "monitor.rollback.min_drafts=7")
-    assert (got.rollback.enabled, got.rollback.window_s, got.rollback.floor_tau, got.rollback.min_drafts,
-            got.ratio) == (False, 5.0, 1.2, 7, 0.9)
+    got = cfg(
+        "--no-rollback",
+        "--rollback-window",
+        "5",
+        "--rollback-floor",
+        "1.2",
+        "--set",
+        "monitor.ratio=0.9",
+        "--set",
+        "monitor.rollback.min_drafts=7",
+    )
+    assert (
+        got.rollback.enabled,
+        got.rollback.window_s,
+        got.rollback.floor_tau,
+        got.rollback.min_drafts,
+        got.ratio,
+    ) == (False, 5.0, 1.2, 7, 0.9)
     with pytest.raises(BadInput, match="monitor.rollback.floor_tau must be a finite number >= 1"):
         cfg("--rollback-floor", "0.5")
     with pytest.raises(BadInput, match="monitor.rollback.sustain_windows"):
@@ -123,6 +140,7 @@ def test_serve_flags_and_config_reach_monitor_rollback(tmp_path):
 
 
 # ---- the follow loop, with a fake server -------------------------------------------------------------------------
+
 
 def _served(head: str) -> Served:
     spec = EngineSpec("/t", head or None, method="eagle3" if head else None)
@@ -150,17 +168,25 @@ class _FakeLive:
         return True
 
 
-def _follow(live: _FakeLive, alias: list[int], taus_by_version: dict[int, float | None], first: int,
-            window_s: float = 0.05) -> list[RolledBack]:
+def _follow(
+    live: _FakeLive, alias: list[int], taus_by_version: dict[int, float | None], first: int, window_s: float = 0.05
+) -> list[RolledBack]:
     events: list[RolledBack] = []
 
     def rolled_back(r: RolledBack) -> None:
         events.append(r)
         alias[0] = r.to_version if r.to_version is not None else 0
 
-    f = Follow(lambda: alias[0] or None, lambda v: _served(f"models:/h/{v}"), first, 0.05,
-               rollback=RollbackConfig(window_s=window_s, min_drafts=30), ratio=0.8,
-               registered_tau=lambda v: taus_by_version.get(v), rolled_back=rolled_back)
+    f = Follow(
+        lambda: alias[0] or None,
+        lambda v: _served(f"models:/h/{v}"),
+        first,
+        0.05,
+        rollback=RollbackConfig(window_s=window_s, min_drafts=30),
+        ratio=0.8,
+        registered_tau=lambda v: taus_by_version.get(v),
+        rolled_back=rolled_back,
+    )
     follow(live, f, lambda line: None)
     return events
 
@@ -189,9 +215,15 @@ def test_a_rolled_back_version_is_not_swapped_in_again():
         events.append(r)
 
     events: list[RolledBack] = []
-    f = Follow(lambda: alias[0], lambda v: _served(f"models:/h/{v}"), 1, 0.05,
-               rollback=RollbackConfig(window_s=0.05, min_drafts=30), registered_tau=lambda v: 2.6,
-               rolled_back=keep_alias_on_2)
+    f = Follow(
+        lambda: alias[0],
+        lambda v: _served(f"models:/h/{v}"),
+        1,
+        0.05,
+        rollback=RollbackConfig(window_s=0.05, min_drafts=30),
+        registered_tau=lambda v: 2.6,
+        rolled_back=keep_alias_on_2,
+    )
     alias[0] = 2
     follow(live, f, lambda line: None)
     assert live.swaps == ["models:/h/1", "models:/h/2", "models:/h/1"] and len(events) == 1
@@ -210,8 +242,13 @@ def test_with_no_previous_champion_the_loop_rolls_back_to_plain_decoding():
 
 def test_rollback_off_never_swaps_back():
     live = _FakeLive(_served("models:/h/1"), {"models:/h/1": 1.0}, budget_s=0.5)
-    f = Follow(lambda: 1, lambda v: _served(f"models:/h/{v}"), 1, 0.05,
-               rollback=RollbackConfig(enabled=False, window_s=0.05, min_drafts=1))
+    f = Follow(
+        lambda: 1,
+        lambda v: _served(f"models:/h/{v}"),
+        1,
+        0.05,
+        rollback=RollbackConfig(enabled=False, window_s=0.05, min_drafts=1),
+    )
     follow(live, f, lambda line: None)
     assert live.swaps == ["models:/h/1"] and live.reads_since_swap == 0
 

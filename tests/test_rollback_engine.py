@@ -60,8 +60,7 @@ def _register(settings, good: Path, bad: Path) -> str:
     return name
 
 
-def test_a_head_that_accepts_nothing_is_rolled_back_within_two_windows(engine_target, engine_head, tmp_path,
-                                                                        prompts):  # noqa: F811
+def test_a_head_that_accepts_nothing_is_rolled_back_within_two_windows(engine_target, engine_head, tmp_path, prompts):  # noqa: F811
     from infra.mlflow_store import MlflowStore
     from infra.settings import Settings
 
@@ -75,9 +74,25 @@ def test_a_head_that_accepts_nothing_is_rolled_back_within_two_windows(engine_ta
     env = {**os.environ, "EAGLE_HOME": str(settings.state_dir), "PYTHONPATH": str(ROOT)}
     for key in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL"):
         env.pop(key, None)
-    cmd = [sys.executable, "-m", "flows.cli", "serve", "--head", f"models:/{name}@champion", "--target",
-           engine_target.target_dir, "--k", "3", "--follow-alias", "--follow-interval", "1",
-           "--rollback-window", str(WINDOW_S), "--set", "monitor.rollback.min_drafts=20"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "flows.cli",
+        "serve",
+        "--head",
+        f"models:/{name}@champion",
+        "--target",
+        engine_target.target_dir,
+        "--k",
+        "3",
+        "--follow-alias",
+        "--follow-interval",
+        "1",
+        "--rollback-window",
+        str(WINDOW_S),
+        "--set",
+        "monitor.rollback.min_drafts=20",
+    ]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
     threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True).start()

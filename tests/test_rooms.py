@@ -22,10 +22,19 @@ from pathlib import Path
 from tests.test_layout import CYCLE_PACKAGES, MODULES, ROOT, Module, _module_name, imported_modules
 
 # room -> what it holds (ARCHITECTURE.md's rooms table names the same rooms)
-SHARED_ROOMS = {"data": "traffic, chat rendering, regenerated and captured conversations, atomic writes, safe reads",
-                "targets": "the target directory, GGUF conversion, where the target runs, the head an engine loads"}
-STAGE_ROOMS = {"regenerate": "stage 1", "extract": "stage 2", "train": "stage 3", "evaluate": "stage 4",
-               "registry": "stage 5", "serving": "the serving loop", "config": "the whole run's config"}
+SHARED_ROOMS = {
+    "data": "traffic, chat rendering, regenerated and captured conversations, atomic writes, safe reads",
+    "targets": "the target directory, GGUF conversion, where the target runs, the head an engine loads",
+}
+STAGE_ROOMS = {
+    "regenerate": "stage 1",
+    "extract": "stage 2",
+    "train": "stage 3",
+    "evaluate": "stage 4",
+    "registry": "stage 5",
+    "serving": "the serving loop",
+    "config": "the whole run's config",
+}
 ROOMS = {**SHARED_ROOMS, **STAGE_ROOMS}
 # room -> {stage room it may import: why}; every room may import the shared rooms
 ROOM_IMPORTS: dict[str, dict[str, str]] = {
@@ -53,8 +62,11 @@ def room_crossings(module: Module, ours: set[str]) -> list[str]:
     if room is None:
         return []
     found = sorted(imported_modules(module, ours).items(), key=lambda kv: kv[1])
-    return [f"{line}: imports {target}" for target, line in found
-            if target.startswith("components.") and room_of(target) not in allowed_rooms(room)]
+    return [
+        f"{line}: imports {target}"
+        for target, line in found
+        if target.startswith("components.") and room_of(target) not in allowed_rooms(room)
+    ]
 
 
 def test_the_room_rule_sees_what_it_should():
@@ -63,8 +75,10 @@ def test_the_room_rule_sees_what_it_should():
     def module(rel: str, src: str) -> Module:
         return Module(ROOT / rel, rel, "components", ast.parse(src), src.count("\n") + 1)
 
-    train = module("components/train/x.py", "from components.data.chat import a\ndef f():\n"
-                                            "    from components.extract import stage\n")
+    train = module(
+        "components/train/x.py",
+        "from components.data.chat import a\ndef f():\n    from components.extract import stage\n",
+    )
     assert room_crossings(train, ours) == ["3: imports components.extract.stage"]  # a function-level import counts
     data = module("components/data/x.py", "import components.train.stage")
     assert room_crossings(data, ours) == ["1: imports components.train.stage"]  # a shared room imports no stage
@@ -74,8 +88,11 @@ def test_the_room_rule_sees_what_it_should():
 
 def test_components_live_in_rooms():
     mods = [m for m in MODULES if m.package == "components"]
-    loose = [m.rel for m in mods if m.rel != "components/__init__.py"
-             and (len(Path(m.rel).parts) != 3 or Path(m.rel).parts[1] not in ROOMS)]
+    loose = [
+        m.rel
+        for m in mods
+        if m.rel != "components/__init__.py" and (len(Path(m.rel).parts) != 3 or Path(m.rel).parts[1] not in ROOMS)
+    ]
     assert not loose, f"a module of components/ goes in one of the rooms {sorted(ROOMS)}:\n" + "\n".join(loose)
     missing = [r for r in ROOMS if not (ROOT / "components" / r / "__init__.py").is_file()]
     assert not missing, f"rooms without an __init__.py: {missing}"
@@ -87,7 +104,9 @@ def test_rooms_import_only_shared_rooms_and_what_room_imports_allows():
     mods = [m for m in MODULES if m.package in CYCLE_PACKAGES]
     ours = {_module_name(m.rel) for m in mods}
     bad = [f"{m.rel}:{hit}" for m in mods if m.package == "components" for hit in room_crossings(m, ours)]
-    assert not bad, ("a room imports another stage's room (move what both need to a shared room, "
-                     f"{sorted(SHARED_ROOMS)}, or allow it in ROOM_IMPORTS with its reason):\n" + "\n".join(bad))
+    assert not bad, (
+        "a room imports another stage's room (move what both need to a shared room, "
+        f"{sorted(SHARED_ROOMS)}, or allow it in ROOM_IMPORTS with its reason):\n" + "\n".join(bad)
+    )
     stale = [f"{a} -> {b}" for a, to in ROOM_IMPORTS.items() for b in to if a not in ROOMS or b not in STAGE_ROOMS]
     assert not stale, f"ROOM_IMPORTS names rooms that are not stage rooms: {stale}"

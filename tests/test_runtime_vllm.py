@@ -50,9 +50,16 @@ def runtime_run(engine_target, prefect_harness, tmp_path_factory):
     # greedy answers: sampled ones through vLLM differ from run to run (vLLM 0.32's CPU worker crashes on a seeded
     # request whose prefill is chunked, "CPU Generator does not use offset"), and the 60-step head trained on them
     # read vLLM tau 1.0 to 3.6 over five runs, once with no draft accepted at all
-    cfg.write_text(json.dumps({"target": {"runtime": "vllm"}, "regenerate": {"temperature": 0.0},
-                               "train": {"steps": 60},
-                               "evaluate": {"limit": 6, "spec": {"depth": 3, "max_new_tokens": 24}}}))
+    cfg.write_text(
+        json.dumps(
+            {
+                "target": {"runtime": "vllm"},
+                "regenerate": {"temperature": 0.0},
+                "train": {"steps": 60},
+                "evaluate": {"limit": 6, "spec": {"depth": 3, "max_new_tokens": 24}},
+            }
+        )
+    )
     with state_dir_env(state), pytest.MonkeyPatch.context() as mp:
         for owner in (components.targets.target, components.extract.stage):
             mp.setattr(owner, "load_target", _refuse)
@@ -60,8 +67,14 @@ def runtime_run(engine_target, prefect_harness, tmp_path_factory):
         mp.setattr(PreTrainedModel, "from_pretrained", classmethod(_refuse))
         from flows.train_head import train_head
 
-        run = train_head(str(engine_target.target_dir), str(engine_target.target_traffic.train),
-                         str(engine_target.target_traffic.heldout), "tiny", str(cfg), "runtime-tiny")
+        run = train_head(
+            str(engine_target.target_dir),
+            str(engine_target.target_traffic.train),
+            str(engine_target.target_traffic.heldout),
+            "tiny",
+            str(cfg),
+            "runtime-tiny",
+        )
     yield run, Settings.local(state)
 
 
@@ -97,8 +110,12 @@ def test_runtime_memory_bench_quick(tmp_path):
     import sys
 
     root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, str(root / "bench" / "runtime_memory.py"), "--quick", "--cache",
-                           str(tmp_path)], capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, str(root / "bench" / "runtime_memory.py"), "--quick", "--cache", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     result = json.loads((tmp_path / "results-quick" / "runtime_memory.json").read_text())
     rows = {r["runtime"]: r for r in result["rows"]}

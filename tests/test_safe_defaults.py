@@ -37,10 +37,14 @@ WRITE_ALLOWLIST = {  # (file, source snippet of the call) -> why it need not be 
     ("components/train/state.py", "(tmp / 'DONE').write_text"): "inside the checkpoint's temp dir, renamed whole",
     ("components/train/state.py", "torch.save"): "inside the checkpoint's temp dir, renamed whole",
     ("components/train/state.py", "save_file"): "inside a temp dir or atomic_path temp file, renamed whole",
-    ("infra/vllm_plugins/cpu_hidden_states_connector.py", "save_file"):
-        "runs inside vLLM (no project imports); readers wait on the file's lock, released after the write",
-    ("components/train/stage.py", "open(self.path, 'a')"):
-        "appends one history line; a torn last line is dropped on read",
+    (
+        "infra/vllm_plugins/cpu_hidden_states_connector.py",
+        "save_file",
+    ): "runs inside vLLM (no project imports); readers wait on the file's lock, released after the write",
+    (
+        "components/train/stage.py",
+        "open(self.path, 'a')",
+    ): "appends one history line; a torn last line is dropped on read",
     ("infra/locks.py", "open(path, 'a+')"): "a lock file: its content is never read",
     ("components/targets/gguf.py", "open(path, 'a+')"): "a lock file: its content is never read",
     ("components/targets/gguf.py", "fresh.save_pretrained"): "inside the conversion's temp dir, renamed whole",
@@ -50,19 +54,23 @@ WRITE_ALLOWLIST = {  # (file, source snippet of the call) -> why it need not be 
     ("infra/vllm_server.py", "open(self.log_path, 'a')"): "the engine's log, written by the engine as it runs",
     ("infra/vllm_zygote.py", "open(log_path, 'ab')"): "the zygote's own log, read by people only",
     ("infra/vllm_sampling.py", "cache.write_text"): "a cache of the probe's answer: a torn or unreadable one is probed "
-                                                    "again",
+    "again",
     ("infra/vllm_zygote.py", "open(tmp, 'w')"): "a server's exit code into a temp file, then os.replace'd (the zygote "
-                                                "imports only the standard library, not components.data.atomic)",
+    "imports only the standard library, not components.data.atomic)",
     ("infra/prefect_env.py", "open(home / 'local-api-start.lock', 'a+')"): "a lock file: its content is never read",
     ("infra/vllm_bench.py", "Path(path).write_text"): "the load client's prompts, rewritten whole before each sweep's "
-        "first client starts; no other process reads it",
+    "first client starts; no other process reads it",
     ("infra/vllm_bench.py", "Path(tmp, 'jobs.json').write_text"): "inside the client's own temp dir, read only by "
-        "the client process started after it is written",
-    ("infra/vllm_bench.py", "open(log, 'a')"):
-        "the load client's stderr log inside its own temp dir, read by people only",
+    "the client process started after it is written",
+    (
+        "infra/vllm_bench.py",
+        "open(log, 'a')",
+    ): "the load client's stderr log inside its own temp dir, read by people only",
     ("flows/cli.py", "path.write_text"): "a failed command's traceback log, a new file each time, read by people only",
-    ("infra/mlflow_health.py", "open(Path(uri[len('sqlite:///'):]).expanduser().with_suffix('.lock'), 'a+')"):
-        "a lock file: its content is never read",
+    (
+        "infra/mlflow_health.py",
+        "open(Path(uri[len('sqlite:///'):]).expanduser().with_suffix('.lock'), 'a+')",
+    ): "a lock file: its content is never read",
 }
 
 
@@ -94,31 +102,53 @@ def _kw(call: ast.Call, name: str):
 
 
 def test_no_pickle_and_every_torch_load_is_weights_only():
-    pickles = [f"{rel}:{node.lineno}" for rel, tree in MODULES for node in ast.walk(tree)
-               if isinstance(node, (ast.Import, ast.ImportFrom))
-               and any(a.name.split(".")[0] in ("pickle", "dill", "cloudpickle") for a in node.names)
-               or isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in ("pickle", "dill")]
+    pickles = [
+        f"{rel}:{node.lineno}"
+        for rel, tree in MODULES
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        and any(a.name.split(".")[0] in ("pickle", "dill", "cloudpickle") for a in node.names)
+        or isinstance(node, ast.ImportFrom)
+        and (node.module or "").split(".")[0] in ("pickle", "dill")
+    ]
     assert not pickles, f"pickle imported at {pickles}"
     loads = list(_calls("load"))
-    torch_loads = [(rel, line, c) for rel, line, c in loads
-                   if isinstance(c.func, ast.Attribute) and ast.unparse(c.func.value) == "torch"]
+    torch_loads = [
+        (rel, line, c)
+        for rel, line, c in loads
+        if isinstance(c.func, ast.Attribute) and ast.unparse(c.func.value) == "torch"
+    ]
     assert torch_loads, "the rule should see the checkpoint's torch.load"
-    bad = [f"{rel}:{line}" for rel, line, c in torch_loads
-           if not (isinstance(_kw(c, "weights_only"), ast.Constant) and _kw(c, "weights_only").value is True)]
+    bad = [
+        f"{rel}:{line}"
+        for rel, line, c in torch_loads
+        if not (isinstance(_kw(c, "weights_only"), ast.Constant) and _kw(c, "weights_only").value is True)
+    ]
     assert not bad, f"torch.load without weights_only=True at {bad}"
 
 
 def test_every_from_pretrained_passes_trust_remote_code():
     calls = list(_calls("from_pretrained"))
     assert len(calls) >= 4
-    bad = [f"{rel}:{line}" for rel, line, c in calls if _kw(c, "trust_remote_code") is None
-           and not any(k.arg is None for k in c.keywords) and rel not in FROM_PRETRAINED_ALLOWLIST]
+    bad = [
+        f"{rel}:{line}"
+        for rel, line, c in calls
+        if _kw(c, "trust_remote_code") is None
+        and not any(k.arg is None for k in c.keywords)
+        and rel not in FROM_PRETRAINED_ALLOWLIST
+    ]
     assert not bad, f"from_pretrained without an explicit trust_remote_code at {bad}"
-    constant_true = [f"{rel}:{line}" for rel, line, c in calls
-                     if isinstance(_kw(c, "trust_remote_code"), ast.Constant) and _kw(c, "trust_remote_code").value]
+    constant_true = [
+        f"{rel}:{line}"
+        for rel, line, c in calls
+        if isinstance(_kw(c, "trust_remote_code"), ast.Constant) and _kw(c, "trust_remote_code").value
+    ]
     assert not constant_true, f"trust_remote_code=True hard-coded at {constant_true}"
-    model_loads = [c for rel, _, c in calls if rel == "components/targets/target.py"
-                   and ast.unparse(c.func).startswith("AutoModelForCausalLM")]
+    model_loads = [
+        c
+        for rel, _, c in calls
+        if rel == "components/targets/target.py" and ast.unparse(c.func).startswith("AutoModelForCausalLM")
+    ]
     assert model_loads and all(ast.unparse(_kw(c, "use_safetensors")) == "True" for c in model_loads)
 
 
@@ -151,15 +181,29 @@ def test_the_trust_setting_reaches_every_model_load(monkeypatch, tmp_path):
     monkeypatch.setattr(components.extract.stage, "load_target", spy)
     traffic = tmp_path / "t.jsonl"
     traffic.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
-    for call in (lambda: tasks.regenerate_task.fn(RegenerateConfig(), "tgt", str(traffic), str(tmp_path / "r"), True),
-                 lambda: tasks.extract_task.fn(ExtractConfig(), "tgt", "regen", str(tmp_path / "e"), True),
-                 lambda: tasks.evaluate_task.fn(EvaluateConfig(), HeadEval("tgt", "head", str(traffic),
-                                                                          str(tmp_path / "v")), True)):
+    for call in (
+        lambda: tasks.regenerate_task.fn(RegenerateConfig(), "tgt", str(traffic), str(tmp_path / "r"), True),
+        lambda: tasks.extract_task.fn(ExtractConfig(), "tgt", "regen", str(tmp_path / "e"), True),
+        lambda: tasks.evaluate_task.fn(
+            EvaluateConfig(), HeadEval("tgt", "head", str(traffic), str(tmp_path / "v")), True
+        ),
+    ):
         with pytest.raises(_Stop):
             call()
-    monkeypatch.setattr(TrainingData, "open", classmethod(lambda cls, *a, **k: type(
-        "D", (), {"manifest": {"mode": "online"}, "target_config": lambda self, trust=None: spy(
-            trust_remote_code=trust)})()))
+    monkeypatch.setattr(
+        TrainingData,
+        "open",
+        classmethod(
+            lambda cls, *a, **k: type(
+                "D",
+                (),
+                {
+                    "manifest": {"mode": "online"},
+                    "target_config": lambda self, trust=None: spy(trust_remote_code=trust),
+                },
+            )()
+        ),
+    )
     with pytest.raises(_Stop):  # online training loads the target
         train_loop(LoopArgs(TrainConfig.tiny(), "ext", str(tmp_path / "o"), "tgt", trust_remote_code=True))
     assert seen == [True, True, True, True]
@@ -178,9 +222,14 @@ def test_nothing_binds_all_interfaces_and_prefect_defaults_to_loopback():
 
     assert BIND_HOST == "127.0.0.1"
     assert prefect_env_defaults(Settings.local(Path("/x")))["PREFECT_SERVER_API_HOST"] == "127.0.0.1"
-    wide = [f"{rel}:{node.lineno}" for rel, tree in MODULES for node in ast.walk(tree)
-            if isinstance(node, ast.Constant) and isinstance(node.value, str)
-            and re.search(r"0\.0\.0\.0|--host[ =](?!127\.0\.0\.1)|\[::\]", node.value)]
+    wide = [
+        f"{rel}:{node.lineno}"
+        for rel, tree in MODULES
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant)
+        and isinstance(node.value, str)
+        and re.search(r"0\.0\.0\.0|--host[ =](?!127\.0\.0\.1)|\[::\]", node.value)
+    ]
     assert not wide, f"a service bound beyond loopback at {wide}"
 
 
@@ -200,7 +249,7 @@ def _listening(pids: set[int]) -> list[str]:
             f = line.split()
             if f[3] == "0A" and f[9] in inodes:  # LISTEN
                 raw = bytes.fromhex(f[1].split(":")[0])
-                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
                 out.append(socket.inet_ntop(family, raw))
     return out
 
@@ -223,8 +272,11 @@ def _children(pid: int) -> set[int]:
 
 @pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads /proc (Linux)")
 def test_the_prefect_api_we_start_listens_on_loopback_only(prefect_harness):
-    servers = {p for p in _children(os.getpid())  # Prefect's API server process(es), not a session's Ray
-               if b"prefect.server.api.server" in Path(f"/proc/{p}/cmdline").read_bytes()}
+    servers = {
+        p
+        for p in _children(os.getpid())  # Prefect's API server process(es), not a session's Ray
+        if b"prefect.server.api.server" in Path(f"/proc/{p}/cmdline").read_bytes()
+    }
     addresses = _listening(servers)
     assert addresses, "no listening socket found for the Prefect test server"
     assert all(a in ("127.0.0.1", "::1") for a in addresses), addresses
@@ -239,8 +291,9 @@ def test_a_local_ray_keeps_its_token_auth(monkeypatch, tmp_path):
     seen = {}
     monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
-    monkeypatch.setattr(ray, "init", lambda **kw: seen.update(kw, env=os.environ.get("RAY_AUTH_MODE")) or
-                        (_ for _ in ()).throw(_Stop()))
+    monkeypatch.setattr(
+        ray, "init", lambda **kw: seen.update(kw, env=os.environ.get("RAY_AUTH_MODE")) or (_ for _ in ()).throw(_Stop())
+    )
     with pytest.raises(_Stop):
         with ray_session(Settings.from_env({"EAGLE_HOME": str(tmp_path)})):
             pass
@@ -301,8 +354,11 @@ def test_pipeline_code_writes_files_atomically():
             if name in ("save_file", "savefig") and target is not None and "tmp" in ast.unparse(target):
                 continue  # into an atomic_path temp file
             found.append((rel, line, src))
-    bad = [f"{rel}:{line}: {src}" for rel, line, src in found
-           if not any(rel == f and src.startswith(snippet) for f, snippet in WRITE_ALLOWLIST)]
+    bad = [
+        f"{rel}:{line}: {src}"
+        for rel, line, src in found
+        if not any(rel == f and src.startswith(snippet) for f, snippet in WRITE_ALLOWLIST)
+    ]
     assert not bad, "write through components.data.atomic (atomic_path / atomic_write_text):\n" + "\n".join(bad)
 
 
@@ -334,7 +390,13 @@ def test_local_rays_with_and_without_token_auth_in_one_process(tmp_path):
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"} | {"HOME": str(tmp_path)}  # the token: here
-    run = subprocess.run([sys.executable, "-c", _AUTH_MODES_IN_TURN, "default", "disabled", "default"], env=env,
-                         cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-c", _AUTH_MODES_IN_TURN, "default", "disabled", "default"],
+        env=env,
+        cwd=Path(__file__).parents[1],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.stdout.split() == ["default", "pong", "disabled", "pong", "default", "pong"], run.stderr[-3000:]
     assert (tmp_path / ".ray" / "auth_token").is_file()  # the default really was token auth

@@ -45,11 +45,19 @@ def test_probs_temperature_and_top_p():
 # ---- the single-step rule in isolation -------------------------------------------------------------------------
 
 V, N_DRAWS = 8, 200_000
-P = torch.tensor([[.30, .05, .20, .00, .15, .10, .05, .15],  # target at positions 1, 2, 3 (context-free here)
-                  [.05, .40, .05, .10, .00, .10, .20, .10],
-                  [.10, .10, .10, .30, .10, .10, .10, .10]])
-Q = torch.tensor([[.05, .30, .05, .25, .05, .20, .10, .00],  # draft at positions 1, 2: far from P, with zeros
-                  [.30, .10, .00, .10, .30, .10, .10, .00]])
+P = torch.tensor(
+    [
+        [0.30, 0.05, 0.20, 0.00, 0.15, 0.10, 0.05, 0.15],  # target at positions 1, 2, 3 (context-free here)
+        [0.05, 0.40, 0.05, 0.10, 0.00, 0.10, 0.20, 0.10],
+        [0.10, 0.10, 0.10, 0.30, 0.10, 0.10, 0.10, 0.10],
+    ]
+)
+Q = torch.tensor(
+    [
+        [0.05, 0.30, 0.05, 0.25, 0.05, 0.20, 0.10, 0.00],  # draft at positions 1, 2: far from P, with zeros
+        [0.30, 0.10, 0.00, 0.10, 0.30, 0.10, 0.10, 0.00],
+    ]
+)
 
 
 def _always_accept(p, q, draft, generator=None):
@@ -72,8 +80,11 @@ def _chain_rule_error(rule) -> float:
     """Worst TV over: token 1 vs P1; token 2 (when draft 1 kept) vs P2; token 3 (when both kept) vs P3."""
     n, t1, t2, t3 = _emitted(rule)
     assert (n >= 1).sum() > 10_000 and (n == 2).sum() > 3_000, "both acceptance depths must be exercised"
-    errs = [tv(t1, P[0]) / tv_bound(V, N_DRAWS), tv(t2[n >= 1], P[1]) / tv_bound(V, int((n >= 1).sum())),
-            tv(t3[n == 2], P[2]) / tv_bound(V, int((n == 2).sum()))]
+    errs = [
+        tv(t1, P[0]) / tv_bound(V, N_DRAWS),
+        tv(t2[n >= 1], P[1]) / tv_bound(V, int((n >= 1).sum())),
+        tv(t3[n == 2], P[2]) / tv_bound(V, int((n == 2).sum())),
+    ]
     return max(errs)
 
 
@@ -90,7 +101,7 @@ def test_broken_chain_rules_fail(monkeypatch):
 
 
 def test_greedy_chain_rule():
-    logits = torch.tensor([[[0., 5, 0], [5., 0, 0], [0., 0, 5]], [[0., 5, 0], [0., 5, 0], [0., 0, 5]]])
+    logits = torch.tensor([[[0.0, 5, 0], [5.0, 0, 0], [0.0, 0, 5]], [[0.0, 5, 0], [0.0, 5, 0], [0.0, 0, 5]]])
     n, nxt = sampling.accept_chain_greedy(logits, torch.tensor([[1, 0], [1, 0]]))
     assert n.tolist() == [2, 1] and nxt.tolist() == [2, 1]
 
@@ -116,8 +127,16 @@ PROMPTS = [torch.tensor([3, 1, 4]), torch.tensor([5])]
 @pytest.fixture(scope="module")
 def tiny_pair():
     torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=4, num_attention_heads=1,
-                      num_key_value_heads=1, head_dim=16, vocab_size=E2E_VOCAB, max_position_embeddings=64)
+    cfg = LlamaConfig(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        head_dim=16,
+        vocab_size=E2E_VOCAB,
+        max_position_embeddings=64,
+    )
     target = LlamaForCausalLM(cfg).eval()
     draft = Eagle3Draft(DraftConfig.from_target(cfg, draft_vocab_size=6)).eval()
     draft.set_draft_vocab(torch.tensor([0, 1, 2, 4, 5, 7]))
@@ -160,8 +179,10 @@ def _sampled_tokens_2_3(target, draft, cfg: SpecConfig, draws: int = E2E_DRAWS):
 def _errors(target, draft, cfg: SpecConfig, draws: int) -> tuple[list[float], float]:
     """TV / bound for each prompt, and tau."""
     cells, tau = _sampled_tokens_2_3(target, draft, cfg, draws)
-    errs = [tv(c, _exact_tokens_2_3(target, p[None], cfg)) / tv_bound(E2E_VOCAB ** 2, c.numel())
-            for c, p in zip(cells, PROMPTS)]
+    errs = [
+        tv(c, _exact_tokens_2_3(target, p[None], cfg)) / tv_bound(E2E_VOCAB**2, c.numel())
+        for c, p in zip(cells, PROMPTS)
+    ]
     return errs, tau
 
 
@@ -205,8 +226,11 @@ def _residual_ignored(r, q):
     return r
 
 
-@pytest.mark.parametrize("cfg,broken", [(CHAIN, "residual"), (TREE, "walk"), (TREE, "residual")],
-                         ids=["chain", "tree-first-child", "tree-no-residual"])
+@pytest.mark.parametrize(
+    "cfg,broken",
+    [(CHAIN, "residual"), (TREE, "walk"), (TREE, "residual")],
+    ids=["chain", "tree-first-child", "tree-no-residual"],
+)
 def test_broken_rules_fail_end_to_end(tiny_pair, cfg, broken, monkeypatch):
     if broken == "residual":
         monkeypatch.setattr(sampling, "residual", _residual_ignored)

@@ -52,13 +52,19 @@ def prompts(engine_target) -> list[list[dict]]:
     out = []
     for c in convs:  # each conversation up to its first user turn: a request a client sends
         first_user = next(i for i, m in enumerate(c.messages) if m.role == "user")
-        out.append([{"role": m.role, "content": m.content} for m in c.messages[:first_user + 1]])
+        out.append([{"role": m.role, "content": m.content} for m in c.messages[: first_user + 1]])
     return out
 
 
 def _body(messages, stream: bool, model: str = NAME) -> dict:
-    return {"model": model, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": stream,
-            "return_token_ids": True}
+    return {
+        "model": model,
+        "messages": messages,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "stream": stream,
+        "return_token_ids": True,
+    }
 
 
 def _events(raw: bytes) -> list:
@@ -77,14 +83,16 @@ def _stream(client: httpx.Client, url: str, messages, model: str = NAME) -> byte
         return b"".join(r.iter_raw())
 
 
-def test_capture_records_what_was_served_and_pauses_on_an_unwritable_store(engine_target, engine_head,
-                                                                            engine_settings, prompts):
+def test_capture_records_what_was_served_and_pauses_on_an_unwritable_store(
+    engine_target, engine_head, engine_settings, prompts
+):
     said: list[str] = []
-    spec = EngineSpec(engine_target.target_dir, engine_head.head_dir, num_speculative_tokens=2,
-                      served_model_name=NAME)
+    spec = EngineSpec(engine_target.target_dir, engine_head.head_dir, num_speculative_tokens=2, served_model_name=NAME)
     cfg = LiveConfig(capture=CaptureConfig(rows_per_file=1, retry_s=600.0))
-    with LiveServer(cfg, Served(spec, engine_head.head_dir, NAME, "7"), engine_settings, said.append) as live, \
-            httpx.Client(timeout=120) as client:
+    with (
+        LiveServer(cfg, Served(spec, engine_head.head_dir, NAME, "7"), engine_settings, said.append) as live,
+        httpx.Client(timeout=120) as client,
+    ):
         assert client.get(live.base_url + "/health").status_code == 200
         metrics = client.get(live.base_url + "/metrics")
         assert metrics.status_code == 200 and "vllm:generation_tokens_total" in metrics.text
@@ -111,7 +119,11 @@ def test_capture_records_what_was_served_and_pauses_on_an_unwritable_store(engin
         assert r["messages"] == [*prompts[0], {"role": "assistant", "content": answer}]
         assert r["completion"] == answer and r["completion_token_ids"] == whole["choices"][0]["token_ids"]
         assert (r["max_new_tokens"], r["temperature"], r["target_name"], r["target_version"]) == (
-            MAX_TOKENS, 0.0, NAME, "7")
+            MAX_TOKENS,
+            0.0,
+            NAME,
+            "7",
+        )
         assert json.loads(r["params"]) == {"return_token_ids": True}
 
 
@@ -144,9 +156,13 @@ def _plain(engine_target, prompts) -> list[list[int]]:
     target = load_target(engine_target.target_dir)[0]
     out = []
     for msgs in prompts:
-        res = generate_plain(target, torch.tensor([prompt_ids(tok, msgs)]), None, SpecConfig(
-            max_new_tokens=MAX_TOKENS, eos_token_id=target.generation_config.eos_token_id))
-        out.append(res.sequences[0, :int(res.lengths[0])].tolist())
+        res = generate_plain(
+            target,
+            torch.tensor([prompt_ids(tok, msgs)]),
+            None,
+            SpecConfig(max_new_tokens=MAX_TOKENS, eos_token_id=target.generation_config.eos_token_id),
+        )
+        out.append(res.sequences[0, : int(res.lengths[0])].tolist())
     return out
 
 
@@ -158,8 +174,20 @@ def test_a_swap_under_streaming_load_fails_no_request(engine_target, engine_head
     name = _register_twice(settings, str(tmp_path / "head"))
     env = {**os.environ, "EAGLE_HOME": str(settings.state_dir), "PYTHONPATH": str(ROOT)}
     env.pop("MLFLOW_TRACKING_URI", None)
-    cmd = [sys.executable, "-m", "flows.cli", "serve", "--head", f"models:/{name}@champion", "--target",
-           engine_target.target_dir, "--follow-alias", "--follow-interval", "1", "--capture"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "flows.cli",
+        "serve",
+        "--head",
+        f"models:/{name}@champion",
+        "--target",
+        engine_target.target_dir,
+        "--follow-alias",
+        "--follow-interval",
+        "1",
+        "--capture",
+    ]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
 
@@ -240,11 +268,11 @@ def _until(cond, timeout_s: float = 60.0) -> None:
         time.sleep(0.1)
 
 
-def test_a_swap_that_does_not_start_or_drain_in_time_fails_no_request_it_need_not(engine_target, engine_head,
-                                                                                   engine_settings, prompts, tmp_path):
+def test_a_swap_that_does_not_start_or_drain_in_time_fails_no_request_it_need_not(
+    engine_target, engine_head, engine_settings, prompts, tmp_path
+):
     said: list[str] = []
-    spec = EngineSpec(engine_target.target_dir, engine_head.head_dir, num_speculative_tokens=2,
-                      served_model_name=NAME)
+    spec = EngineSpec(engine_target.target_dir, engine_head.head_dir, num_speculative_tokens=2, served_model_name=NAME)
     broken = tmp_path / "broken-head"
     shutil.copytree(engine_head.head_dir, broken)
     (broken / "config.json").write_text("{ not json")
@@ -253,8 +281,9 @@ def test_a_swap_that_does_not_start_or_drain_in_time_fails_no_request_it_need_no
     with LiveServer(cfg, Served(spec, engine_head.head_dir, NAME), engine_settings, said.append) as live:
         first = live.engine.base_url
         results, stop = [], threading.Event()
-        clients = [threading.Thread(target=_client, args=(live.base_url, NAME, prompts, i, stop, results))
-                   for i in range(3)]
+        clients = [
+            threading.Thread(target=_client, args=(live.base_url, NAME, prompts, i, stop, results)) for i in range(3)
+        ]
         for c in clients:
             c.start()
         try:
@@ -279,8 +308,13 @@ def test_a_swap_that_does_not_start_or_drain_in_time_fails_no_request_it_need_no
             waiter.start()
             _until(lambda: sum(live.proxy.status()["in_flight"].values()) == 1, 30)
             swapped: list[bool] = []
-            swapper = threading.Thread(target=lambda: swapped.append(live.swap_to(
-                Served(dataclasses.replace(spec, num_speculative_tokens=3), engine_head.head_dir, NAME))))
+            swapper = threading.Thread(
+                target=lambda: swapped.append(
+                    live.swap_to(
+                        Served(dataclasses.replace(spec, num_speculative_tokens=3), engine_head.head_dir, NAME)
+                    )
+                )
+            )
             swapper.start()
             _until(lambda: bool(hung), 300)  # the cut comes once the new engine is up and the drain timed out
         finally:

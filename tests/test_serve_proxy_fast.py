@@ -39,8 +39,9 @@ class _Engine(http.server.BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         if not req.get("stream"):
-            body = json.dumps({"engine": self.server.name, "choices": [
-                {"message": {"content": "hi"}, "finish_reason": "stop"}]}).encode()
+            body = json.dumps(
+                {"engine": self.server.name, "choices": [{"message": {"content": "hi"}, "finish_reason": "stop"}]}
+            ).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
@@ -52,8 +53,10 @@ class _Engine(http.server.BaseHTTPRequestHandler):
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
         for i in range(req.get("events", 3)):
-            event = {"engine": self.server.name, "choices": [{"index": 0, "delta": {"content": f"t{i}"},
-                                                              "finish_reason": None}]}
+            event = {
+                "engine": self.server.name,
+                "choices": [{"index": 0, "delta": {"content": f"t{i}"}, "finish_reason": None}],
+            }
             self._chunk(b"data: " + json.dumps(event).encode() + b"\n\n")
             time.sleep(req.get("pause", 0.0))
         self._chunk(b'data: {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}\n\ndata: [DONE]\n\n')

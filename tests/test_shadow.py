@@ -17,15 +17,18 @@ def fig(speedup: float, lo: float, hi: float, reliable: bool = True, identical: 
     return Figure(speedup, lo, hi, reliable, "" if reliable else "the rounds disagree", 5, identical, 2.5)
 
 
-@pytest.mark.parametrize("new, champion, promoted, words", [
-    (fig(1.6, 1.5, 1.7), fig(1.2, 1.1, 1.3), True, "lies wholly above"),
-    (fig(1.6, 1.3, 1.7), fig(1.2, 1.1, 1.35), False, "does not lie wholly above"),  # overlapping
-    (fig(1.6, 1.3, 1.7), fig(1.2, 1.1, 1.3), False, "does not lie wholly above"),  # touching is not above
-    (fig(1.1, 1.0, 1.2), fig(1.5, 1.4, 1.6), False, "does not lie wholly above"),  # worse
-    (fig(1.6, 1.5, 1.7, reliable=False), fig(1.2, 1.1, 1.3), False, "unreliable (new head's: the rounds"),
-    (fig(1.6, 1.5, 1.7), fig(1.2, 1.1, 1.3, reliable=False), False, "unreliable (champion's"),
-    (fig(1.6, 1.5, 1.7, identical=False), fig(1.2, 1.1, 1.3), False, "differ from plain decoding's"),
-])
+@pytest.mark.parametrize(
+    "new, champion, promoted, words",
+    [
+        (fig(1.6, 1.5, 1.7), fig(1.2, 1.1, 1.3), True, "lies wholly above"),
+        (fig(1.6, 1.3, 1.7), fig(1.2, 1.1, 1.35), False, "does not lie wholly above"),  # overlapping
+        (fig(1.6, 1.3, 1.7), fig(1.2, 1.1, 1.3), False, "does not lie wholly above"),  # touching is not above
+        (fig(1.1, 1.0, 1.2), fig(1.5, 1.4, 1.6), False, "does not lie wholly above"),  # worse
+        (fig(1.6, 1.5, 1.7, reliable=False), fig(1.2, 1.1, 1.3), False, "unreliable (new head's: the rounds"),
+        (fig(1.6, 1.5, 1.7), fig(1.2, 1.1, 1.3, reliable=False), False, "unreliable (champion's"),
+        (fig(1.6, 1.5, 1.7, identical=False), fig(1.2, 1.1, 1.3), False, "differ from plain decoding's"),
+    ],
+)
 def test_the_new_head_is_promoted_only_when_its_interval_lies_above_the_champions(new, champion, promoted, words):
     ok, why = verdict(new, champion)
     assert ok is promoted and words in why
@@ -41,8 +44,11 @@ def test_tags_hold_the_verdict_and_both_figures():
     res = _result(fig(1.6, 1.5, 1.7), fig(1.2, 1.1, 1.3, reliable=False))
     tags = res.tags()
     assert tags["shadow_verdict"] == "keep champion" and "unreliable" in tags["shadow_reason"]
-    assert (tags["shadow_speedup"], tags["shadow_speedup_lo"], tags["shadow_speedup_hi"]) == ("1.6000", "1.5000",
-                                                                                              "1.7000")
+    assert (tags["shadow_speedup"], tags["shadow_speedup_lo"], tags["shadow_speedup_hi"]) == (
+        "1.6000",
+        "1.5000",
+        "1.7000",
+    )
     assert tags["shadow_champion_speedup"] == "unreliable" and tags["shadow_champion_speedup_median"] == "1.2000"
     assert tags["shadow_champion"] == "models:/t-v1-eagle3/1" and tags["shadow_prompts"] == "6"
     assert res.gate() == (False, f"shadow: {res.reason}")
@@ -61,9 +67,23 @@ def test_a_failed_shadow_keeps_the_alias_and_says_why(mlflow_store, tmp_path):
     results = []
     for key, gate in (("first", None), ("second", res.gate())):
         with mlflow_store.run(key) as run_id:
-            results.append(register_head(mlflow_store, cfg, HeadToRegister(
-                str(head), target, "traffic", key, run_id, {"tau": 2.0}, 1.5 if gate else None,
-                notes=res.tags() if gate else None, extra_gate=gate)))
+            results.append(
+                register_head(
+                    mlflow_store,
+                    cfg,
+                    HeadToRegister(
+                        str(head),
+                        target,
+                        "traffic",
+                        key,
+                        run_id,
+                        {"tau": 2.0},
+                        1.5 if gate else None,
+                        notes=res.tags() if gate else None,
+                        extra_gate=gate,
+                    ),
+                )
+            )
     assert results[0].alias == "champion"
     assert results[1].alias == "challenger" and not results[1].promoted  # the τ gate alone would have promoted it
     assert "; shadow: new head 1.30x [1.20, 1.40] vs champion" in results[1].reason

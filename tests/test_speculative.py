@@ -26,8 +26,16 @@ from eagle.stats import SpecStats
 from eagle.tree import draft_chain, draft_tree
 from eagle.verify import DraftSetup, History
 
-SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=512)
+SHAPE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=256,
+    max_position_embeddings=512,
+)
 
 
 def predictable(target: torch.nn.Module) -> None:
@@ -46,8 +54,9 @@ def _train_pair(target: torch.nn.Module, draft_vocab: int, seed: int, variant: s
         predictable(target)
         prompts = torch.randint(0, 256, (128, 4), generator=g)
         greedy = generate_plain(target, prompts[:64], None, SpecConfig(max_new_tokens=28)).sequences
-        sampled = generate_plain(target, prompts[64:], None, SpecConfig(max_new_tokens=28, temperature=1.0),
-                                 generator=g).sequences
+        sampled = generate_plain(
+            target, prompts[64:], None, SpecConfig(max_new_tokens=28, temperature=1.0), generator=g
+        ).sequences
         data = torch.cat([prompts, torch.cat([greedy, sampled])], 1)
         step = target_forward(target, data, DraftConfig.from_target(target.config, 256).aux_layer_ids)
         best = target.lm_head(step.last_hidden_BTH).argmax(-1)
@@ -65,8 +74,9 @@ def _train_pair(target: torch.nn.Module, draft_vocab: int, seed: int, variant: s
         x, y, f = data[rows], to_draft[best[rows]], step.aux_BT3H[rows]
         out, logits = draft(x[:, 1:], draft.fuse(f[:, :-1]), pos)
         _, logits2 = draft(x[:, 2:], out[:, :-1], pos[:, 1:])
-        loss = F.cross_entropy(logits.flatten(0, 1), y[:, 1:].flatten()) \
-            + 0.8 * F.cross_entropy(logits2.flatten(0, 1), y[:, 2:].flatten())
+        loss = F.cross_entropy(logits.flatten(0, 1), y[:, 1:].flatten()) + 0.8 * F.cross_entropy(
+            logits2.flatten(0, 1), y[:, 2:].flatten()
+        )
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -101,7 +111,7 @@ def _prompts(batch: int, seed: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
     ids = torch.randint(0, 256, (batch, 9), generator=g)
     mask = torch.ones_like(ids)
     for b in range(1, batch):
-        mask[b, :2 * b] = 0
+        mask[b, : 2 * b] = 0
     return ids * mask, mask
 
 
@@ -128,8 +138,10 @@ def test_padding_side_does_not_matter(llama_pair):
     right_mask = (torch.arange(9)[None] < n[:, None]).long()
     right_ids = packed * right_mask
     cfg = SpecConfig(method="tree", max_new_tokens=10, depth=3, topk=2, budget=5)
-    _same(generate_speculative(target, draft, ids, mask, cfg),
-          generate_speculative(target, draft, right_ids, right_mask, cfg))
+    _same(
+        generate_speculative(target, draft, ids, mask, cfg),
+        generate_speculative(target, draft, right_ids, right_mask, cfg),
+    )
 
 
 @pytest.mark.parametrize("method", ["chain", "tree"])
@@ -182,12 +194,13 @@ def test_eos_and_max_length_edges(llama_pair, method):
     free = generate_plain(target, ids, mask, SpecConfig(max_new_tokens=30))
     eos = int(free.sequences[1, 7])  # a token row 1 emits mid-way; other rows may emit it earlier or never
     for max_new in (1, 2, 5, 30):
-        cfg = SpecConfig(method=method, depth=3, topk=3, budget=8, max_new_tokens=max_new, eos_token_id=(eos, 999),
-                         pad_token_id=-1)
+        cfg = SpecConfig(
+            method=method, depth=3, topk=3, budget=8, max_new_tokens=max_new, eos_token_id=(eos, 999), pad_token_id=-1
+        )
         plain = generate_plain(target, ids, mask, cfg)
         _same(generate_speculative(target, draft, ids, mask, cfg), plain)
     assert plain.lengths[1] <= 8 and plain.sequences[1, plain.lengths[1] - 1] == eos
-    assert (plain.sequences[1, plain.lengths[1]:] == -1).all()
+    assert (plain.sequences[1, plain.lengths[1] :] == -1).all()
 
 
 @pytest.mark.parametrize("method", ["chain", "tree"])
@@ -207,6 +220,7 @@ def _recording(cls: type) -> type:
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             type(self).last = self
+
     return Recording
 
 
@@ -217,8 +231,9 @@ def test_caches_hold_exactly_the_accepted_sequence(llama_pair, method, monkeypat
     monkeypatch.setattr(verify, "TargetRunner", _recording(TargetRunner))
     monkeypatch.setattr(speculative, "HeadDrafter", _recording(HeadDrafter))
     ids, mask = _prompts(2)
-    out = generate_speculative(target, draft, ids, mask, SpecConfig(method=method, depth=4, topk=3, budget=10,
-                                                                     max_new_tokens=17))
+    out = generate_speculative(
+        target, draft, ids, mask, SpecConfig(method=method, depth=4, topk=3, budget=10, max_new_tokens=17)
+    )
     target_cache, drafter = verify.TargetRunner.last.cache, speculative.HeadDrafter.last
     for b in range(2):
         full = torch.cat([ids[b][mask[b].bool()], out.sequences[b]])[None]
@@ -230,9 +245,10 @@ def test_caches_hold_exactly_the_accepted_sequence(llama_pair, method, monkeypat
             torch.testing.assert_close(got.values[b, :, :n], want.values[0, :, :n], atol=1e-5, rtol=1e-4)
         head = SlotCache(1, n + 4)
         head.plan(torch.arange(n)[None], n)
-        draft(full[:, 1:n + 1], draft.fuse(aux), torch.arange(n)[None], head.layers[0])
-        torch.testing.assert_close(drafter.head.cache.layers[0].keys[b, :, :n], head.layers[0].keys[0, :, :n],
-                                   atol=1e-5, rtol=1e-4)
+        draft(full[:, 1 : n + 1], draft.fuse(aux), torch.arange(n)[None], head.layers[0])
+        torch.testing.assert_close(
+            drafter.head.cache.layers[0].keys[b, :, :n], head.layers[0].keys[0, :, :n], atol=1e-5, rtol=1e-4
+        )
 
 
 def _uncached_head_logits(draft, tokens_T, feats_TH, path):
@@ -259,7 +275,7 @@ def _committed_head(target, draft, cfg: SpecConfig):
     history = History(ids, n, capacity)
     history.append(root[:, None], torch.ones_like(n))
     drafter.begin(history, aux)
-    shifted = history.tokens_BC[:, 1:ids.shape[1] + 1]
+    shifted = history.tokens_BC[:, 1 : ids.shape[1] + 1]
     return drafter, n, root, shifted, aux, drafter.hidden_BH, drafter.logits_BVd
 
 
@@ -270,9 +286,9 @@ def test_chain_drafting_against_uncached_reference(llama_pair):
     assert q is None and drafts.shape == (3, 4)
     with torch.no_grad():
         for b in range(3):
-            feats = draft.fuse(aux[b, :n[b]])
+            feats = draft.fuse(aux[b, : n[b]])
             for j in range(4):
-                ref = _uncached_head_logits(draft, shifted[b, :n[b]], feats, drafts[b, :j])
+                ref = _uncached_head_logits(draft, shifted[b, : n[b]], feats, drafts[b, :j])
                 assert drafts[b, j] == draft.to_target_ids(ref.argmax())
 
 
@@ -290,11 +306,11 @@ def test_tree_drafting_against_uncached_reference(llama_pair):
     assert torch.equal(tree.ancestors_BNN.sum(-1), tree.depth_BN + 1), "a node sees its root path and itself"
     with torch.no_grad():
         for b in range(3):
-            feats = draft.fuse(aux[b, :n[b]])
+            feats = draft.fuse(aux[b, : n[b]])
             assert len(set(zip(tree.parent_BN[b].tolist(), tree.tokens_BN[b].tolist()))) == budget + 1
             for i in range(1, budget + 1):
                 path = tree.ancestors_BNN[b, tree.parent_BN[b, i]].nonzero()[1:, 0]  # parent's path, root excluded
-                ref = _uncached_head_logits(draft, shifted[b, :n[b]], feats, tree.tokens_BN[b, path])
+                ref = _uncached_head_logits(draft, shifted[b, : n[b]], feats, tree.tokens_BN[b, path])
                 assert tree.tokens_BN[b, i] in draft.to_target_ids(ref.topk(k).indices)
 
 
@@ -321,8 +337,11 @@ def test_causal_mask_slices_stay_aligned_on_an_accelerator():
         for L, T in ((5, 1), (48, 3), (64, 8), (17, 8)):
             m = cm(L, T)
             assert m.shape == (1, 1, T, L + T)
-            view = m.untyped_storage().data_ptr() == cm.mask.untyped_storage().data_ptr() if device == "cpu" \
+            view = (
+                m.untyped_storage().data_ptr() == cm.mask.untyped_storage().data_ptr()
+                if device == "cpu"
                 else m._base is not None
+            )
             assert view == (device == "cpu" or (64 - L) % 16 == 0), (device, L, T)
             if device == "cpu":  # column C - L + j of row t visible iff j <= L + t
                 assert (m[0, 0] == 0).tolist() == [[j <= L + t for j in range(L + T)] for t in range(T)]
@@ -367,6 +386,7 @@ def test_forward_hooks_send_decoding_through_hf_with_one_warning(llama_pair):
             hooked = generate_speculative(target, draft, ids, mask, cfg)
         assert LeanDecoder.of(target) is None and calls, "the hook saw HF's forward passes"
         import warnings
+
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             generate_plain(target, ids, mask, cfg)  # warned once per target only

@@ -40,6 +40,7 @@ def _run(n, cfg, plain_cost, spec_cost, calls=None):
                 calls.append((kind, i, r))
             clock.t += cost(i, r)
             return 10
+
         return fn
 
     return measure_speedup(n, make("plain", plain_cost), make("spec", spec_cost), cfg, timing=Timing(clock=clock))
@@ -62,11 +63,24 @@ def test_plain_and_speculative_alternate_which_goes_first_by_prompt_and_round():
 
 def test_in_blocks_each_side_takes_a_block_and_the_side_that_ends_one_begins_the_next():
     calls: list = []
-    est = _run(6, SpeedupConfig(min_rounds=2, max_rounds=2, block=4), lambda i, r: 2.0 + i, lambda i, r: 1.0 + i / 2,
-               calls)
+    est = _run(
+        6, SpeedupConfig(min_rounds=2, max_rounds=2, block=4), lambda i, r: 2.0 + i, lambda i, r: 1.0 + i / 2, calls
+    )
     kinds = [(k, i) for k, i, r in calls if r == 0]
-    assert kinds == [("plain", 0), ("plain", 1), ("plain", 2), ("plain", 3), ("spec", 0), ("spec", 1), ("spec", 2),
-                     ("spec", 3), ("spec", 4), ("spec", 5), ("plain", 4), ("plain", 5)]
+    assert kinds == [
+        ("plain", 0),
+        ("plain", 1),
+        ("plain", 2),
+        ("plain", 3),
+        ("spec", 0),
+        ("spec", 1),
+        ("spec", 2),
+        ("spec", 3),
+        ("spec", 4),
+        ("spec", 5),
+        ("plain", 4),
+        ("plain", 5),
+    ]
     assert [(k, i) for k, i, r in calls if r == 1][0] == ("spec", 0)  # the next round begins with the other side
     assert est.plain_s[0] == [2.0 + i for i in range(6)] and est.spec_s[0] == [1.0 + i / 2 for i in range(6)]
     assert est.speedup == pytest.approx(2.0)
@@ -95,6 +109,7 @@ def test_settle_runs_before_each_decode_untimed_and_outside_the_budget():
             seen.append("decode")
             clock.t += cost
             return 10
+
         return fn
 
     def settle(kind):
@@ -139,13 +154,18 @@ def test_the_pause_between_servers_is_the_devices_unless_the_config_sets_one():
 def test_a_burst_of_load_in_one_round_does_not_move_the_median():
     def spec(i, r):
         return 3.0 if r == 1 else 1.0  # another job slowed the speculative side in round 1 only
+
     est = _run(2, SpeedupConfig(min_rounds=5, max_rounds=5, max_spread=0.5), lambda i, r: 1.5, spec)
     assert est.speedup == pytest.approx(1.5) and est.round_ratios[1] == pytest.approx(0.5)
 
 
 def test_disagreeing_rounds_make_the_figure_unreliable_and_say_why():
-    est = _run(2, SpeedupConfig(min_rounds=5, max_rounds=6, max_spread=0.05), lambda i, r: 1.0 + 0.3 * (r % 2),
-               lambda i, r: 1.0)
+    est = _run(
+        2,
+        SpeedupConfig(min_rounds=5, max_rounds=6, max_spread=0.05),
+        lambda i, r: 1.0 + 0.3 * (r % 2),
+        lambda i, r: 1.0,
+    )
     assert not est.reliable and est.rounds == 6 and "disagree" in est.reason
     assert "unreliable" in est.describe()
 
@@ -162,13 +182,24 @@ def test_median_interval_coverage_follows_the_binomial_rule():
     assert median_interval([float(x) for x in range(5)])[2] == pytest.approx(1 - 2 / 32)
 
 
-@pytest.mark.parametrize("key,value", [("min_rounds", 0), ("max_spread", 0), ("max_spread", 1.5),
-                                       ("budget_s", float("inf")), ("max_rounds", 1), ("max_other_load", -1.0),
-                                       ("max_other_load", True), ("block", -1)])
+@pytest.mark.parametrize(
+    "key,value",
+    [
+        ("min_rounds", 0),
+        ("max_spread", 0),
+        ("max_spread", 1.5),
+        ("budget_s", float("inf")),
+        ("max_rounds", 1),
+        ("max_other_load", -1.0),
+        ("max_other_load", True),
+        ("block", -1),
+    ],
+)
 def test_bad_speed_settings_fail_at_config_load_with_the_key_path(key, value):
     with pytest.raises(ConfigError, match=f"evaluate.speed.{key}"):
-        PipelineConfig.preset("tiny").override({"evaluate": {"speed": {key: value, "min_rounds": 2}
-                                                             if key != "min_rounds" else {key: value}}})
+        PipelineConfig.preset("tiny").override(
+            {"evaluate": {"speed": {key: value, "min_rounds": 2} if key != "min_rounds" else {key: value}}}
+        )
 
 
 def test_the_tiny_preset_measures_two_rounds():

@@ -52,8 +52,10 @@ def test_auto_measures_once_per_target_and_records_why():
 def test_each_role_gets_its_own_fastest_path(monkeypatch):
     """Plain decoding (1-token passes) and the speculative step (wider passes) each run on the path measured
     fastest for their own pass width, so a process's plain baseline never rides on the verify pass's timing."""
-    timed = {"decode": {"lean-packed": 1.0, "lean-torch": 0.8, "hf-packed": 1.2, "hf-torch": 1.1},
-             "verify": {"lean-packed": 1.0, "lean-torch": 1.3, "hf-packed": 1.2, "hf-torch": 1.1}}
+    timed = {
+        "decode": {"lean-packed": 1.0, "lean-torch": 0.8, "hf-packed": 1.2, "hf-torch": 1.1},
+        "verify": {"lean-packed": 1.0, "lean-torch": 1.3, "hf-packed": 1.2, "hf-torch": 1.1},
+    }
     monkeypatch.setattr("eagle.runners.time_paths", lambda target, paths: timed)
     target = _llama(6)
     assert TargetRunner(target, 64, role="decode").path == "lean-torch"
@@ -118,8 +120,7 @@ def test_every_path_decodes_the_same_tokens(llama_pair, path):  # noqa: F811
     plain = generate_plain(target, ids, mask, SpecConfig(max_new_tokens=16, path=path))
     _same(plain, ref)
     for method in ("chain", "tree"):
-        spec = generate_speculative(target, draft, ids, mask, SpecConfig(method=method, max_new_tokens=16,
-                                                                         path=path))
+        spec = generate_speculative(target, draft, ids, mask, SpecConfig(method=method, max_new_tokens=16, path=path))
         _same(spec, ref)
     _same(generate_drafted(target, PromptLookupDrafter(), ids, mask, SpecConfig(max_new_tokens=16, path=path)), ref)
 
@@ -150,18 +151,26 @@ def test_kept_timings_give_every_later_process_the_same_pick(monkeypatch, tmp_pa
     of another shape, or another thread count, keeps its own entry. An unreadable store is started afresh."""
     store = tmp_path / "target_paths.json"
     monkeypatch.setenv(target_path.STORE_ENV, str(store))
-    quiet = {"decode": {"lean-packed": 1.0, "lean-torch": 0.8, "hf-packed": 1.2, "hf-torch": 1.1},
-             "verify": {"lean-packed": 1.0, "lean-torch": 1.3, "hf-packed": 1.2, "hf-torch": 1.1}}
-    loaded = {"decode": {"lean-packed": 0.9, "lean-torch": 1.2, "hf-packed": 1.5, "hf-torch": 1.4},
-              "verify": {"lean-packed": 1.4, "lean-torch": 1.3, "hf-packed": 1.6, "hf-torch": 1.5}}
+    quiet = {
+        "decode": {"lean-packed": 1.0, "lean-torch": 0.8, "hf-packed": 1.2, "hf-torch": 1.1},
+        "verify": {"lean-packed": 1.0, "lean-torch": 1.3, "hf-packed": 1.2, "hf-torch": 1.1},
+    }
+    loaded = {
+        "decode": {"lean-packed": 0.9, "lean-torch": 1.2, "hf-packed": 1.5, "hf-torch": 1.4},
+        "verify": {"lean-packed": 1.4, "lean-torch": 1.3, "hf-packed": 1.6, "hf-torch": 1.5},
+    }
     first = target_path.measure(_llama(7), lambda target, paths: quiet)
     assert first.pick("decode") == "lean-torch" and first.kept == 1
     assert target_path.choose(loaded["decode"]) == "lean-packed"  # alone, the loaded process would flip
     second = target_path.measure(_llama(7), lambda target, paths: loaded)  # a new module: what a fresh process sees
     assert second.pick("decode") == "lean-torch" and second.pick("verify") == "lean-packed"
     assert second.kept == 2 and second.by_role["decode"].measured == loaded["decode"]
-    assert second.by_role["decode"].seconds == {"lean-packed": 0.9, "lean-torch": 0.8, "hf-packed": 1.2,
-                                                "hf-torch": 1.1}
+    assert second.by_role["decode"].seconds == {
+        "lean-packed": 0.9,
+        "lean-torch": 0.8,
+        "hf-packed": 1.2,
+        "hf-torch": 1.1,
+    }
     d = second.as_dict()
     assert d["decode"]["measurements_kept"] == 2 and d["decode"]["ms_this_process"]["lean-torch"] == 1200.0
     assert "kept over 2 measurements" in second.by_role["decode"].reason

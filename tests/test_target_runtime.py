@@ -37,8 +37,7 @@ VLLM = {"target": {"runtime": "vllm"}}
 
 
 def _asks(rt: TargetRuntime) -> tuple:
-    return (rt.regenerates_in_engine, rt.extracts_in_engine, rt.evaluates_in_engine, rt.gate_on_engine,
-            rt.loads_target)
+    return (rt.regenerates_in_engine, rt.extracts_in_engine, rt.evaluates_in_engine, rt.gate_on_engine, rt.loads_target)
 
 
 def test_each_config_variant_gives_what_each_stage_asks():
@@ -62,14 +61,29 @@ def test_the_runtime_is_built_once_per_config():
 
 def test_the_sections_keep_their_values_and_the_resolved_config_states_the_runtimes():
     cfg = PipelineConfig.tiny().override(VLLM)
-    assert (cfg.regenerate.engine, cfg.extract.engine, cfg.evaluate.engine, cfg.register.gate_tau) \
-        == ("local", "local", "local", "local")  # as written: nothing rewritten behind the reader's back
+    assert (cfg.regenerate.engine, cfg.extract.engine, cfg.evaluate.engine, cfg.register.gate_tau) == (
+        "local",
+        "local",
+        "local",
+        "local",
+    )  # as written: nothing rewritten behind the reader's back
     shown = cfg.to_dict()
-    assert (shown["regenerate"]["engine"], shown["extract"]["engine"], shown["evaluate"]["engine"],
-            shown["register"]["gate_tau"]) == ("vllm", "vllm", "vllm", "engine")
+    assert (
+        shown["regenerate"]["engine"],
+        shown["extract"]["engine"],
+        shown["evaluate"]["engine"],
+        shown["register"]["gate_tau"],
+    ) == ("vllm", "vllm", "vllm", "engine")
     assert cfg.extract == PipelineConfig.tiny().extract  # to_dict made a new dict, the section is untouched
-    spelled = PipelineConfig.tiny().override({**VLLM, "regenerate": {"engine": "vllm"}, "extract": {"engine": "vllm"},
-                                              "evaluate": {"engine": "vllm"}, "register": {"gate_tau": "engine"}})
+    spelled = PipelineConfig.tiny().override(
+        {
+            **VLLM,
+            "regenerate": {"engine": "vllm"},
+            "extract": {"engine": "vllm"},
+            "evaluate": {"engine": "vllm"},
+            "register": {"gate_tau": "engine"},
+        }
+    )
     assert spelled.fingerprint() == cfg.fingerprint() and spelled.to_dict() == shown
     assert cfg.fingerprint() != PipelineConfig.tiny().fingerprint()
     back = PipelineConfig.tiny().override(json.loads(json.dumps(shown)))  # `config show`'s JSON as a config file
@@ -87,12 +101,14 @@ def test_a_stage_alone_builds_it_from_its_section_and_refusals_name_the_key():
     assert TargetRuntime.from_sections(extract=ExtractConfig(engine="vllm")).extracts_in_engine
     assert not TargetRuntime.from_sections(extract=ExtractConfig()).extracts_in_engine
     assert TargetRuntime.from_sections(register=RegisterConfig(gate_tau="engine")).gate_on_engine
-    assert TargetRuntime.from_sections(TargetConfig(runtime="vllm"),
-                                       regenerate=RegenerateConfig()).regenerates_in_engine
-    for sections, words in (({"extract": ExtractConfig(engine="vllm", mode="online")}, "extract.engine 'vllm' needs"),
-                            ({"extract": ExtractConfig(engine_replicas=2)}, "extract.engine_replicas 2 needs engine"),
-                            ({"regenerate": RegenerateConfig(engine="vllm", num_workers=2)},
-                             "regenerate.num_workers must be 0")):
+    assert TargetRuntime.from_sections(
+        TargetConfig(runtime="vllm"), regenerate=RegenerateConfig()
+    ).regenerates_in_engine
+    for sections, words in (
+        ({"extract": ExtractConfig(engine="vllm", mode="online")}, "extract.engine 'vllm' needs"),
+        ({"extract": ExtractConfig(engine_replicas=2)}, "extract.engine_replicas 2 needs engine"),
+        ({"regenerate": RegenerateConfig(engine="vllm", num_workers=2)}, "regenerate.num_workers must be 0"),
+    ):
         with pytest.raises(FieldError, match=words):
             TargetRuntime.from_sections(**sections)
     with pytest.raises(FieldError, match="target.runtime 'vllm' runs the extract stage in the engine: extract.engine"):

@@ -17,29 +17,50 @@ import pyarrow.parquet as pq
 import pytest
 
 from components.data import traffic_sources
-from components.data.traffic_io import (TrafficFormatError, conversations_sha256, load_traffic, traffic_sha256,
-                                        write_openai_jsonl)
+from components.data.traffic_io import (
+    TrafficFormatError,
+    conversations_sha256,
+    load_traffic,
+    traffic_sha256,
+    write_openai_jsonl,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 ROWS = [
-    {"id": "a", "segment": "complete", "source_file": "json/decoder.py", "messages": [
-        {"role": "system", "content": "You are terse."},
-        {"role": "user", "content": "def f(x):\n    \"\"\"Double x.\"\"\""},
-        {"role": "assistant", "content": "    return 2 * x\n"},
-        {"role": "user", "content": "And triple? caf\u00e9"},
-        {"role": "assistant", "content": "    return 3 * x\n"}]},
+    {
+        "id": "a",
+        "segment": "complete",
+        "source_file": "json/decoder.py",
+        "messages": [
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": 'def f(x):\n    """Double x."""'},
+            {"role": "assistant", "content": "    return 2 * x\n"},
+            {"role": "user", "content": "And triple? caf\u00e9"},
+            {"role": "assistant", "content": "    return 3 * x\n"},
+        ],
+    },
     {"id": "b", "segment": None, "source_file": None, "messages": [{"role": "user", "content": "continue: import os"}]},
-    {"id": "c", "segment": "chat", "source_file": None, "messages": [
-        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
+    {
+        "id": "c",
+        "segment": "chat",
+        "source_file": None,
+        "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}],
+    },
 ]
 SHAREGPT_ROLE = {"system": "system", "user": "human", "assistant": "gpt"}
 BAD_ROW = {"id": "x", "segment": None, "source_file": None, "messages": [{"role": "tool", "content": "ls"}]}
 
 
 def _sharegpt(rows: list[dict]) -> list[dict]:
-    return [{"id": r["id"], "segment": r["segment"], "source_file": r["source_file"],
-             "conversations": [{"from": SHAREGPT_ROLE[m["role"]], "value": m["content"]} for m in r["messages"]]}
-            for r in rows]
+    return [
+        {
+            "id": r["id"],
+            "segment": r["segment"],
+            "source_file": r["source_file"],
+            "conversations": [{"from": SHAREGPT_ROLE[m["role"]], "value": m["content"]} for m in r["messages"]],
+        }
+        for r in rows
+    ]
 
 
 def _parquet(path: Path, rows: list[dict], **kw) -> Path:
@@ -65,9 +86,13 @@ def _forms(tmp_path: Path, rows: list[dict]) -> dict[str, Path]:
     jsonl = tmp_path / "t.jsonl"
     jsonl.write_text("".join(json.dumps({k: v for k, v in r.items() if v is not None}) + "\n" for r in rows))
     saved = _saved(tmp_path / "saved", rows)
-    return {"jsonl": jsonl, "parquet": _parquet(tmp_path / "t.parquet", rows),
-            "arrow-stream (a save_to_disk shard)": saved / "data-00000-of-00001.arrow",
-            "arrow-file": _ipc_file(tmp_path / "t.arrow", rows), "save_to_disk": saved}
+    return {
+        "jsonl": jsonl,
+        "parquet": _parquet(tmp_path / "t.parquet", rows),
+        "arrow-stream (a save_to_disk shard)": saved / "data-00000-of-00001.arrow",
+        "arrow-file": _ipc_file(tmp_path / "t.arrow", rows),
+        "save_to_disk": saved,
+    }
 
 
 def test_every_form_loads_the_same_conversations(tmp_path):
@@ -116,8 +141,10 @@ def test_row_numbers_run_across_batches_and_row_groups(tmp_path, monkeypatch):
 
 
 def test_nulls_are_absent_keys_and_a_row_without_id_is_numbered(tmp_path):
-    mixed = [{"id": None, "messages": ROWS[2]["messages"], "conversations": None},
-             {"id": 7, "messages": None, "conversations": _sharegpt(ROWS)[1]["conversations"]}]
+    mixed = [
+        {"id": None, "messages": ROWS[2]["messages"], "conversations": None},
+        {"id": 7, "messages": None, "conversations": _sharegpt(ROWS)[1]["conversations"]},
+    ]
     convs = load_traffic(_parquet(tmp_path / "mixed.parquet", mixed)).conversations
     assert [c.id for c in convs] == ["row-1", "7"]
     assert [m.content for m in convs[1].messages] == ["continue: import os"]
@@ -140,8 +167,9 @@ def test_dataset_dict_directory_needs_one_split(tmp_path):
     datasets.DatasetDict(train=datasets.Dataset.from_list(ROWS)).save_to_disk(str(one))
     assert load_traffic(one).conversations == load_traffic(_parquet(tmp_path / "t.parquet", ROWS)).conversations
     two = tmp_path / "two"
-    datasets.DatasetDict(train=datasets.Dataset.from_list(ROWS),
-                         test=datasets.Dataset.from_list(ROWS[:1])).save_to_disk(str(two))
+    datasets.DatasetDict(
+        train=datasets.Dataset.from_list(ROWS), test=datasets.Dataset.from_list(ROWS[:1])
+    ).save_to_disk(str(two))
     for call in (load_traffic, traffic_sha256):
         with pytest.raises(TrafficFormatError, match=r"splits \['train', 'test'\]: pass one split's directory"):
             call(two)
@@ -173,8 +201,10 @@ def test_directory_hash_covers_the_data_files_only(tmp_path):
     a = _saved(tmp_path / "a", ROWS)
     b = tmp_path / "b"
     datasets.Dataset.from_list(ROWS).map(lambda r: r).save_to_disk(str(b))  # same rows, another fingerprint
-    assert json.loads((a / "state.json").read_text())["_fingerprint"] != \
-        json.loads((b / "state.json").read_text())["_fingerprint"]
+    assert (
+        json.loads((a / "state.json").read_text())["_fingerprint"]
+        != json.loads((b / "state.json").read_text())["_fingerprint"]
+    )
     assert traffic_sha256(a) == traffic_sha256(b)
     datasets.load_from_disk(str(a)).map(lambda r: {"n": 1})  # writes a cache-*.arrow file into the directory
     assert any(p.name.startswith("cache-") for p in a.iterdir()) and traffic_sha256(a) == traffic_sha256(b)
@@ -185,8 +215,14 @@ def test_directory_hash_covers_the_data_files_only(tmp_path):
 
 def test_the_command_line_prints_counts_for_parquet(tmp_path):
     path = _parquet(tmp_path / "t.parquet", [ROWS[0], BAD_ROW, ROWS[1], ROWS[2]])
-    out = subprocess.run([sys.executable, "-m", "components.data.traffic_io", str(path)], cwd=ROOT, capture_output=True,
-                         text=True, timeout=120, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "components.data.traffic_io", str(path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
     report = json.loads(out)
     assert report["conversations"] == 3 and report["skipped"] == {"unknown role": 1}
     assert report["segments"] == {"complete": 1, "-": 1, "chat": 1}

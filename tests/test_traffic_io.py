@@ -7,25 +7,44 @@ from pathlib import Path
 
 import pytest
 
-from components.data.traffic_io import (Conversation, Message, TrafficFormatError, conversations_sha256, load_traffic,
-                                        traffic_sha256, write_openai_jsonl)
+from components.data.traffic_io import (
+    Conversation,
+    Message,
+    TrafficFormatError,
+    conversations_sha256,
+    load_traffic,
+    traffic_sha256,
+    write_openai_jsonl,
+)
 
 OPENAI = [
-    {"id": "a", "segment": "complete", "source_file": "json/decoder.py", "messages": [
-        {"role": "system", "content": "You are terse."},
-        {"role": "user", "content": "def f(x):\n    \"\"\"Double x.\"\"\""},
-        {"role": "assistant", "content": "    return 2 * x\n"},
-        {"role": "user", "content": "And triple?"},
-        {"role": "assistant", "content": "    return 3 * x\n"}]},
+    {
+        "id": "a",
+        "segment": "complete",
+        "source_file": "json/decoder.py",
+        "messages": [
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": 'def f(x):\n    """Double x."""'},
+            {"role": "assistant", "content": "    return 2 * x\n"},
+            {"role": "user", "content": "And triple?"},
+            {"role": "assistant", "content": "    return 3 * x\n"},
+        ],
+    },
     {"id": "b", "messages": [{"role": "user", "content": "continue: import os"}]},
 ]
 SHAREGPT = [
-    {"id": "a", "segment": "complete", "source_file": "json/decoder.py", "conversations": [
-        {"from": "system", "value": "You are terse."},
-        {"from": "human", "value": "def f(x):\n    \"\"\"Double x.\"\"\""},
-        {"from": "gpt", "value": "    return 2 * x\n"},
-        {"from": "human", "value": "And triple?"},
-        {"from": "gpt", "value": "    return 3 * x\n"}]},
+    {
+        "id": "a",
+        "segment": "complete",
+        "source_file": "json/decoder.py",
+        "conversations": [
+            {"from": "system", "value": "You are terse."},
+            {"from": "human", "value": 'def f(x):\n    """Double x."""'},
+            {"from": "gpt", "value": "    return 2 * x\n"},
+            {"from": "human", "value": "And triple?"},
+            {"from": "gpt", "value": "    return 3 * x\n"},
+        ],
+    },
     {"id": "b", "conversations": [{"from": "human", "value": "continue: import os"}]},
 ]
 
@@ -95,8 +114,16 @@ def test_empty_file_is_an_error(tmp_path):
 
 
 def test_skip_bad_counts_skipped_lines_by_reason(tmp_path):
-    path = _write(tmp_path, [OPENAI[0], "{oops", {"messages": [{"role": "tool", "content": "x"}]}, OPENAI[1],
-                             {"messages": [{"role": "robot", "content": "x"}]}])
+    path = _write(
+        tmp_path,
+        [
+            OPENAI[0],
+            "{oops",
+            {"messages": [{"role": "tool", "content": "x"}]},
+            OPENAI[1],
+            {"messages": [{"role": "robot", "content": "x"}]},
+        ],
+    )
     load = load_traffic(path, skip_bad=True)
     assert [c.id for c in load.conversations] == ["a", "b"]
     assert [s.line for s in load.skipped] == [2, 3, 5]

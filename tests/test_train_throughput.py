@@ -32,11 +32,13 @@ def test_bucketed_batches_cover_each_epoch_resume_exactly_and_pad_less():
     plain = _take(batches(203, 8, 0), per_epoch)
     bucketed = _take(batches(203, 8, 0, lengths=lengths), 3 * per_epoch)
     for epoch in range(3):  # each epoch: the same sequences the random order trains, once each
-        got = [i for pos in bucketed[epoch * per_epoch:(epoch + 1) * per_epoch] for i in pos]
+        got = [i for pos in bucketed[epoch * per_epoch : (epoch + 1) * per_epoch] for i in pos]
         assert len(got) == len(set(got)) == per_epoch * 8
     assert sorted(i for pos in bucketed[:per_epoch] for i in pos) == sorted(i for pos in plain for i in pos)
-    assert _take(batches(203, 8, 0, start_step=per_epoch + 5, lengths=lengths), 7) == \
-        bucketed[per_epoch + 5:per_epoch + 12]  # a resumed run continues exactly
+    assert (
+        _take(batches(203, 8, 0, start_step=per_epoch + 5, lengths=lengths), 7)
+        == bucketed[per_epoch + 5 : per_epoch + 12]
+    )  # a resumed run continues exactly
 
     def padding(b):
         return sum(len(pos) * max(lengths[i] for i in pos) - sum(lengths[i] for i in pos) for pos in b)
@@ -58,7 +60,7 @@ def test_teacher_cache_gives_the_uncached_batch_and_computes_each_sequence_once(
         got = ttt_batch(data, idx, vocab, "cpu", teacher_cache=cache)
         real = torch.zeros_like(want.loss_mask_BS, dtype=torch.bool)
         for r, i in enumerate(idx):
-            real[r, :len(data.sequence(i)[0])] = True
+            real[r, : len(data.sequence(i)[0])] = True
         assert torch.equal(got.input_ids_BS, want.input_ids_BS) and torch.equal(got.aux_BS3H, want.aux_BS3H)
         assert torch.equal(got.loss_mask_BS, want.loss_mask_BS)
         torch.testing.assert_close(got.teacher.probs_BTVd[real], want.teacher.probs_BTVd[real], rtol=1e-5, atol=1e-6)
@@ -67,8 +69,12 @@ def test_teacher_cache_gives_the_uncached_batch_and_computes_each_sequence_once(
         assert not got.teacher.in_vocab_BT[~real].any()  # padding: out of the loss whatever its mask says
     assert (cache.misses, cache.hits) == (4, 4)  # sequences 0, 3, last, 1 once; then only hits
     small = TeacherCache(1)  # nothing fits: computed every time, still right
-    torch.testing.assert_close(ttt_batch(data, [2], vocab, "cpu", teacher_cache=small).teacher.probs_BTVd,
-                               ttt_batch(data, [2], vocab, "cpu").teacher.probs_BTVd, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        ttt_batch(data, [2], vocab, "cpu", teacher_cache=small).teacher.probs_BTVd,
+        ttt_batch(data, [2], vocab, "cpu").teacher.probs_BTVd,
+        rtol=1e-5,
+        atol=1e-6,
+    )
     assert small.bytes == 0 and ttt_batch(data, [2], vocab, "cpu", teacher_cache=small) and small.misses == 2
     ttt_batch(data, [0], vocab[:-1], "cpu", teacher_cache=cache)  # another draft vocabulary: starts over
     assert cache.misses == 5 and cache.bytes > 0

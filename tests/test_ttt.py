@@ -14,8 +14,15 @@ from bench.reference_ttt import naive_ttt
 
 def _setup(vocab=16, draft_vocab=12, B=2, S=24, seed=0, variant="eagle3"):
     torch.manual_seed(seed)
-    tc = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    tc = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
     target = LlamaForCausalLM(tc).eval()
     ids = torch.randint(0, vocab, (B, S))
     mask = torch.ones(B, S, dtype=torch.long)
@@ -31,8 +38,10 @@ def _setup(vocab=16, draft_vocab=12, B=2, S=24, seed=0, variant="eagle3"):
     return target, draft, ids, mask, step
 
 
-@pytest.mark.parametrize("K,attn_chunk,loss_chunk,variant", [(1, 5, 7, "eagle3"), (4, 5, 7, "eagle3"),
-                                                             (3, 64, 64, "eagle3"), (3, 5, 7, "eagle3.1")])
+@pytest.mark.parametrize(
+    "K,attn_chunk,loss_chunk,variant",
+    [(1, 5, 7, "eagle3"), (4, 5, 7, "eagle3"), (3, 64, 64, "eagle3"), (3, 5, 7, "eagle3.1")],
+)
 def test_ttt_matches_naive_reference(K, attn_chunk, loss_chunk, variant):
     target, draft, ids, mask, step = _setup(variant=variant)
     w = target.get_output_embeddings().weight.detach()

@@ -17,8 +17,14 @@ from components.registry.variant_choice import Speedup, VariantSink, choose_vari
 def fig(value, lo, hi, reliable=True, key="speedup_vllm", tau=2.0):
     """Metrics as the evaluation stages report them, with one speedup figure `key`."""
     tau_key = "tau_vllm" if key == "speedup_vllm" else "tau"
-    return {key: value, f"{key}_lo": lo, f"{key}_hi": hi, f"{key}_reliable": float(reliable),
-            f"{key}_rounds": 5.0, tau_key: tau}
+    return {
+        key: value,
+        f"{key}_lo": lo,
+        f"{key}_hi": hi,
+        f"{key}_reliable": float(reliable),
+        f"{key}_rounds": 5.0,
+        tau_key: tau,
+    }
 
 
 def both(m3, m31):
@@ -29,34 +35,88 @@ LOCAL = dict(key="speedup")
 CASES = [
     # (name, metrics, chosen, decided by, words in the reason)
     ("above wins", both(fig(1.2, 1.15, 1.25), fig(1.5, 1.4, 1.6)), "eagle3.1", "speedup_vllm", "beaten by eagle3.1"),
-    ("overlap ties to the simpler", both(fig(1.2, 1.1, 1.3), fig(1.3, 1.25, 1.4)), "eagle3", "speedup_vllm",
-     "ties (intervals overlap)"),
+    (
+        "overlap ties to the simpler",
+        both(fig(1.2, 1.1, 1.3), fig(1.3, 1.25, 1.4)),
+        "eagle3",
+        "speedup_vllm",
+        "ties (intervals overlap)",
+    ),
     ("touching intervals tie", both(fig(1.2, 1.1, 1.3), fig(1.4, 1.3, 1.5)), "eagle3", "speedup_vllm", "ties"),
-    ("simpler above wins", both(fig(1.5, 1.4, 1.6), fig(1.2, 1.15, 1.25)), "eagle3", "speedup_vllm",
-     "eagle3.1 is beaten by eagle3"),
-    ("unreliable simpler above a reliable one: not beaten, it stays", both(fig(1.6, 1.5, 1.7, False),
-                                                                            fig(1.2, 1.15, 1.25)),
-     "eagle3", "speedup_vllm", "eagle3.1 lies below"),
-    ("unreliable above cannot beat reliable", both(fig(1.2, 1.15, 1.25), fig(1.8, 1.5, 2.1, reliable=False)),
-     "eagle3", "speedup_vllm", "unreliable and eagle3 is not"),
-    ("reliable above beats unreliable", both(fig(1.0, 0.7, 1.1, reliable=False), fig(1.5, 1.4, 1.6)), "eagle3.1",
-     "speedup_vllm", "beaten by eagle3.1"),
-    ("both unreliable, above wins", both(fig(1.0, 0.7, 1.1, False), fig(1.6, 1.2, 2.0, False)), "eagle3.1",
-     "speedup_vllm", "beaten"),
-    ("unreliable wide simpler ties", both(fig(1.3, 0.9, 1.7, reliable=False), fig(1.4, 1.35, 1.45)), "eagle3",
-     "speedup_vllm", "ties"),
-    ("no vLLM figures: ours decide", both(fig(1.2, 1.15, 1.25, **LOCAL), fig(1.5, 1.4, 1.6, **LOCAL)), "eagle3.1",
-     "speedup", "speedup (this project's decoder)"),
-    ("vLLM figure missing for one: ours for both",
-     both({**fig(1.2, 1.15, 1.25, **LOCAL), **fig(2.0, 1.9, 2.1)}, fig(1.5, 1.4, 1.6, **LOCAL)), "eagle3.1",
-     "speedup", "beaten by eagle3.1"),
-    ("vLLM wins over ours when both measured",
-     both({**fig(1.9, 1.8, 2.0, **LOCAL), **fig(1.2, 1.15, 1.25)}, {**fig(1.1, 1.0, 1.2, **LOCAL),
-                                                                      **fig(1.5, 1.4, 1.6)}),
-     "eagle3.1", "speedup_vllm", "vLLM speedup"),
+    (
+        "simpler above wins",
+        both(fig(1.5, 1.4, 1.6), fig(1.2, 1.15, 1.25)),
+        "eagle3",
+        "speedup_vllm",
+        "eagle3.1 is beaten by eagle3",
+    ),
+    (
+        "unreliable simpler above a reliable one: not beaten, it stays",
+        both(fig(1.6, 1.5, 1.7, False), fig(1.2, 1.15, 1.25)),
+        "eagle3",
+        "speedup_vllm",
+        "eagle3.1 lies below",
+    ),
+    (
+        "unreliable above cannot beat reliable",
+        both(fig(1.2, 1.15, 1.25), fig(1.8, 1.5, 2.1, reliable=False)),
+        "eagle3",
+        "speedup_vllm",
+        "unreliable and eagle3 is not",
+    ),
+    (
+        "reliable above beats unreliable",
+        both(fig(1.0, 0.7, 1.1, reliable=False), fig(1.5, 1.4, 1.6)),
+        "eagle3.1",
+        "speedup_vllm",
+        "beaten by eagle3.1",
+    ),
+    (
+        "both unreliable, above wins",
+        both(fig(1.0, 0.7, 1.1, False), fig(1.6, 1.2, 2.0, False)),
+        "eagle3.1",
+        "speedup_vllm",
+        "beaten",
+    ),
+    (
+        "unreliable wide simpler ties",
+        both(fig(1.3, 0.9, 1.7, reliable=False), fig(1.4, 1.35, 1.45)),
+        "eagle3",
+        "speedup_vllm",
+        "ties",
+    ),
+    (
+        "no vLLM figures: ours decide",
+        both(fig(1.2, 1.15, 1.25, **LOCAL), fig(1.5, 1.4, 1.6, **LOCAL)),
+        "eagle3.1",
+        "speedup",
+        "speedup (this project's decoder)",
+    ),
+    (
+        "vLLM figure missing for one: ours for both",
+        both({**fig(1.2, 1.15, 1.25, **LOCAL), **fig(2.0, 1.9, 2.1)}, fig(1.5, 1.4, 1.6, **LOCAL)),
+        "eagle3.1",
+        "speedup",
+        "beaten by eagle3.1",
+    ),
+    (
+        "vLLM wins over ours when both measured",
+        both(
+            {**fig(1.9, 1.8, 2.0, **LOCAL), **fig(1.2, 1.15, 1.25)},
+            {**fig(1.1, 1.0, 1.2, **LOCAL), **fig(1.5, 1.4, 1.6)},
+        ),
+        "eagle3.1",
+        "speedup_vllm",
+        "vLLM speedup",
+    ),
     ("no interval: the point", both({"speedup": 1.2}, {"speedup": 1.3}), "eagle3.1", "speedup", "beaten"),
-    ("nan figure: no figure", both(fig(float("nan"), 1.0, 1.0), fig(1.5, 1.4, 1.6)), "eagle3", "",
-     "no speedup measured"),
+    (
+        "nan figure: no figure",
+        both(fig(float("nan"), 1.0, 1.0), fig(1.5, 1.4, 1.6)),
+        "eagle3",
+        "",
+        "no speedup measured",
+    ),
     ("nothing measured: the simplest", both({"tau": 2.0}, {"tau": 3.0}), "eagle3", "", "the simplest"),
 ]
 
@@ -85,8 +145,10 @@ def test_choose_variant_refuses_unknown_or_no_variants():
 
 
 def test_tags_carry_every_variant_and_the_reason():
-    metrics = both({**fig(1.2, 1.15, 1.25, **LOCAL, tau=2.5), **fig(1.3, 1.2, 1.4, tau=2.4)},
-                   {**fig(1.4, 1.3, 1.5, False, **LOCAL, tau=2.9), **fig(1.6, 1.45, 1.7, tau=2.8)})
+    metrics = both(
+        {**fig(1.2, 1.15, 1.25, **LOCAL, tau=2.5), **fig(1.3, 1.2, 1.4, tau=2.4)},
+        {**fig(1.4, 1.3, 1.5, False, **LOCAL, tau=2.9), **fig(1.6, 1.45, 1.7, tau=2.8)},
+    )
     choice = choose_variant(metrics)
     tags = variant_tags(metrics, choice)
     assert tags["variant"] == choice.variant == "eagle3.1" and tags["variants"] == "eagle3 eagle3.1"
@@ -108,10 +170,15 @@ def test_variant_sink_prefixes_the_variant():
     assert got == [(3, {"eagle3.1/loss": 1.0})]
 
 
-@pytest.mark.parametrize("value,words", [(["eagle3", "eagle4"], "unknown variant"),
-                                         (["eagle3", "eagle3"], "twice"),
-                                         (["eagle3.1"], "two or more"),
-                                         ("eagle3", "is not of type")])
+@pytest.mark.parametrize(
+    "value,words",
+    [
+        (["eagle3", "eagle4"], "unknown variant"),
+        (["eagle3", "eagle3"], "twice"),
+        (["eagle3.1"], "two or more"),
+        ("eagle3", "is not of type"),
+    ],
+)
 def test_config_refuses_bad_variants_naming_the_key(tmp_path, value, words):
     from components.config.pipeline import ConfigError, PipelineConfig
 
@@ -149,8 +216,14 @@ def test_train_head_registers_the_chosen_variant_with_both_figures(tiny_embedded
     with state_dir_env(state):
         from flows.train_head import train_head
 
-        run = train_head(str(tiny_embedded.target_dir), str(tiny_embedded.target_traffic.train),
-                         str(tiny_embedded.target_traffic.heldout), "tiny", str(cfg), "variants-tiny")
+        run = train_head(
+            str(tiny_embedded.target_dir),
+            str(tiny_embedded.target_traffic.train),
+            str(tiny_embedded.target_traffic.heldout),
+            "tiny",
+            str(cfg),
+            "variants-tiny",
+        )
     work = Path(run.work_dir)
     metrics = {}
     for v in ("eagle3", "eagle3.1"):  # each variant trained on the one extraction, evaluated on its own

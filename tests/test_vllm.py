@@ -52,8 +52,9 @@ from tests.helpers import our_counts, state_dir_env
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 QUIET = dict(progress=lambda s: None)
 # position buckets small enough that these short outputs span several: the engine's buckets must equal ours
-EVAL = EvaluateConfig(spec=SpecConfig(depth=3, max_new_tokens=24), limit=6, speed=SpeedupConfig.tiny(),
-                      position_edges=(0, 8, 16, 64))
+EVAL = EvaluateConfig(
+    spec=SpecConfig(depth=3, max_new_tokens=24), limit=6, speed=SpeedupConfig.tiny(), position_edges=(0, 8, 16, 64)
+)
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -73,12 +74,21 @@ def heads(engine_target, engine_head, tmp_path_factory) -> dict[str, str]:
     the default's features; the custom head in the earlier format."""
     root = tmp_path_factory.mktemp("engine-heads")
     custom_ext = root / "custom" / "extract"
-    extract(ExtractConfig(max_len=192, dtype="float32", seqs_per_shard=8, aux_layer_ids=(2, 3, 4)),
-            engine_target.target_dir, engine_head.regen_dir, str(custom_ext), **QUIET)
+    extract(
+        ExtractConfig(max_len=192, dtype="float32", seqs_per_shard=8, aux_layer_ids=(2, 3, 4)),
+        engine_target.target_dir,
+        engine_head.regen_dir,
+        str(custom_ext),
+        **QUIET,
+    )
     custom = _train_head(engine_target, custom_ext, root / "custom")
     eagle3_1 = _train_head(engine_target, Path(engine_head.extract_dir), root / "eagle3.1", variant="eagle3.1")
-    return {"default": engine_head.head_dir, "custom": custom, "legacy": str(_as_legacy(Path(custom), root / "legacy")),
-            "eagle3.1": eagle3_1}
+    return {
+        "default": engine_head.head_dir,
+        "custom": custom,
+        "legacy": str(_as_legacy(Path(custom), root / "legacy")),
+        "eagle3.1": eagle3_1,
+    }
 
 
 def _as_legacy(head: Path, out: Path) -> Path:
@@ -105,8 +115,7 @@ def plain_run(engine_target, settings):
 
 
 @pytest.mark.parametrize("kind", ["default", "custom", "legacy", "eagle3.1"])
-def test_vllm_serves_the_head_losslessly_with_our_acceptance(kind, heads, engine_target, settings, plain_run,
-                                                             tmp_path):
+def test_vllm_serves_the_head_losslessly_with_our_acceptance(kind, heads, engine_target, settings, plain_run, tmp_path):
     head = heads[kind]
     assert is_servable(head) == (kind != "legacy")
     engine_cfg = json.loads((Path(head) / "config.json").read_text())
@@ -117,9 +126,14 @@ def test_vllm_serves_the_head_losslessly_with_our_acceptance(kind, heads, engine
     ours = evaluate(EVAL, HeadEval(engine_target.target_dir, head, heldout, str(tmp_path / "local")), **QUIET)
     assert ours.identical
     champion = head if kind == "legacy" else None  # served as the champion too: re-exported, same prompts
-    res = evaluate_in_vllm(EVAL, HeadEval(engine_target.target_dir, str(served), heldout, str(tmp_path / "vllm"),
-                                          baseline_dir=champion), settings,
-                           ours=our_outputs(ours.report_file), plain=plain_run, **QUIET)
+    res = evaluate_in_vllm(
+        EVAL,
+        HeadEval(engine_target.target_dir, str(served), heldout, str(tmp_path / "vllm"), baseline_dir=champion),
+        settings,
+        ours=our_outputs(ours.report_file),
+        plain=plain_run,
+        **QUIET,
+    )
     assert res.identical_to_plain and res.identical_to_ours
     # its engine core was forked from the server (infra/vllm_zygote.py), and its outputs are the target's, as above
     assert isinstance(plain_run.proc, ZygoteChild) and FORKED_CORE in plain_run.log_path.read_text()
@@ -146,14 +160,31 @@ def flow_run(engine_target, settings, prefect_harness, tmp_path_factory):
     engines' figures land in the registry. Our decoder untimed (`time_local: false`, as the demo runs it): vLLM's
     pair starts beside our evaluation (flows/evaluate_head.py `start_pair_early`)."""
     cfg = tmp_path_factory.mktemp("engine-flow") / "pipeline.json"
-    cfg.write_text(json.dumps({"train": {"steps": 60}, "register": {"gate_tau": "engine"}, "evaluate": {
-        "engine": "vllm", "limit": EVAL.limit, "time_local": False,
-        "spec": {"depth": EVAL.spec.depth, "max_new_tokens": EVAL.spec.max_new_tokens}}}))
+    cfg.write_text(
+        json.dumps(
+            {
+                "train": {"steps": 60},
+                "register": {"gate_tau": "engine"},
+                "evaluate": {
+                    "engine": "vllm",
+                    "limit": EVAL.limit,
+                    "time_local": False,
+                    "spec": {"depth": EVAL.spec.depth, "max_new_tokens": EVAL.spec.max_new_tokens},
+                },
+            }
+        )
+    )
     with state_dir_env(settings.state_dir):
         from flows.train_head import train_head
 
-        yield train_head(str(engine_target.target_dir), str(engine_target.target_traffic.train),
-                         str(engine_target.target_traffic.heldout), "tiny", str(cfg), "engine-tiny")
+        yield train_head(
+            str(engine_target.target_dir),
+            str(engine_target.target_traffic.train),
+            str(engine_target.target_traffic.heldout),
+            "tiny",
+            str(cfg),
+            "engine-tiny",
+        )
 
 
 def test_pipeline_with_engine_vllm_registers_both_engines_figures(flow_run, settings):
@@ -195,8 +226,9 @@ def test_serve_command_starts_vllm_with_the_champion(flow_run, engine_target, se
         url = _wait_for_url(proc, seen)
         msgs = [{"role": "user", "content": "def add(a, b):"}]
         body = {"model": "engine-tiny", "messages": msgs, "max_tokens": 16, "temperature": 0, "return_token_ids": True}
-        req = urllib.request.Request(url + "/chat/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            url + "/chat/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(req, timeout=120) as r:
             answer = json.loads(r.read())
     finally:
@@ -214,9 +246,13 @@ def test_serve_command_starts_vllm_with_the_champion(flow_run, engine_target, se
     ids = prompt_ids(tok, msgs)
     assert answer["prompt_token_ids"] == ids  # the engine applied the same chat template
     target = load_target(engine_target.target_dir)[0]
-    plain = generate_plain(target, torch.tensor([ids]), None,
-                           SpecConfig(max_new_tokens=16, eos_token_id=target.generation_config.eos_token_id))
-    assert answer["choices"][0]["token_ids"] == plain.sequences[0, :int(plain.lengths[0])].tolist()
+    plain = generate_plain(
+        target,
+        torch.tensor([ids]),
+        None,
+        SpecConfig(max_new_tokens=16, eos_token_id=target.generation_config.eos_token_id),
+    )
+    assert answer["choices"][0]["token_ids"] == plain.sequences[0, : int(plain.lengths[0])].tolist()
     port = url.rsplit(":", 1)[1].split("/")[0]
     assert not _engine_processes(port), "the serve command left vLLM processes behind"
 
@@ -271,8 +307,9 @@ def test_an_engine_that_cannot_take_its_port_is_never_reported_ready(engine_targ
     threading.Thread(target=other.serve_forever, daemon=True).start()
     try:
         own = Settings.local(tmp_path / ".eagle", vllm_zygote=False)  # an interpreter of its own: EAGLE_VLLM_ZYGOTE=0
-        srv = VllmServer(EngineSpec(engine_target.target_dir, method=None), own, port=other.server_address[1],
-                         start_timeout_s=300)
+        srv = VllmServer(
+            EngineSpec(engine_target.target_dir, method=None), own, port=other.server_address[1], start_timeout_s=300
+        )
         with pytest.raises(EngineError, match="exited with code") as e:
             srv.start()
         assert "address already in use" in str(e.value).lower() and isinstance(srv.proc, subprocess.Popen)

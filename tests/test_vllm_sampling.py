@@ -52,9 +52,11 @@ def test_the_probe_finds_the_cpu_builds_unset_temperature_once_per_installation(
 def broken_build(monkeypatch) -> list[str]:
     """This installation's answer made False without running vLLM; what asked for it is recorded."""
     asked: list[str] = []
-    monkeypatch.setattr(vllm_sampling, "sampled_drafts_ok",
-                        lambda settings, write_cache=True: asked.append(f"probe{'' if write_cache else ' (no cache)'}")
-                        or False)
+    monkeypatch.setattr(
+        vllm_sampling,
+        "sampled_drafts_ok",
+        lambda settings, write_cache=True: asked.append(f"probe{'' if write_cache else ' (no cache)'}") or False,
+    )
     return asked
 
 
@@ -70,8 +72,9 @@ def test_refused_only_for_sampled_requests_to_a_cpu_build_that_verifies_them_wro
     assert msg.startswith("evaluate.spec.temperature 0.7 with vLLM on the CPU") and "temperature 0" in msg, msg
 
 
-def test_a_sampled_engine_evaluation_is_refused_before_any_server_starts(broken_build, tiny_embedded, tmp_path,
-                                                                         monkeypatch):
+def test_a_sampled_engine_evaluation_is_refused_before_any_server_starts(
+    broken_build, tiny_embedded, tmp_path, monkeypatch
+):
     from components.evaluate import engine as evaluate_engine
     from components.evaluate.load_sweep import load_sweep
     from infra.vllm_server import VllmServer
@@ -81,10 +84,15 @@ def test_a_sampled_engine_evaluation_is_refused_before_any_server_starts(broken_
 
     monkeypatch.setattr(VllmServer, "start", no_server)
     s = Settings.local(tmp_path / ".eagle")
-    cfg = EvaluateConfig(spec=SpecConfig(method="chain", depth=3, temperature=1.0, max_new_tokens=16), limit=2,
-                         engine="vllm")
-    head = HeadEval(tiny_embedded.target_dir, str(tmp_path / "head"), str(tiny_embedded.target_traffic.heldout),
-                    str(tmp_path / "out"))
+    cfg = EvaluateConfig(
+        spec=SpecConfig(method="chain", depth=3, temperature=1.0, max_new_tokens=16), limit=2, engine="vllm"
+    )
+    head = HeadEval(
+        tiny_embedded.target_dir,
+        str(tmp_path / "head"),
+        str(tiny_embedded.target_traffic.heldout),
+        str(tmp_path / "out"),
+    )
     with pytest.raises(SampledDraftsBroken, match="evaluate.spec.temperature 1 with vLLM on the CPU"):
         evaluate_engine.evaluate_in_vllm(cfg, head, s, progress=lambda m: None)
     with pytest.raises(SampledDraftsBroken):  # the pair the train flow launches early is refused the same way
@@ -96,8 +104,9 @@ def test_a_sampled_engine_evaluation_is_refused_before_any_server_starts(broken_
 
 
 @pytest.mark.parametrize("command", ["train", "evaluate"])
-def test_the_commands_refuse_a_sampled_engine_evaluation_before_any_work(command, broken_build, tiny_embedded,
-                                                                         tmp_path, monkeypatch, capsys):
+def test_the_commands_refuse_a_sampled_engine_evaluation_before_any_work(
+    command, broken_build, tiny_embedded, tmp_path, monkeypatch, capsys
+):
     """`train` would regenerate, extract and train before its evaluation refused: the preflight refuses first, one
     line, exit 2, nothing under the state dir (the probe's answer is not cached by a preflight)."""
     from flows import cli
@@ -109,10 +118,26 @@ def test_the_commands_refuse_a_sampled_engine_evaluation_before_any_work(command
     monkeypatch.setattr("infra.prefect_env.apply_prefect_defaults", lambda settings: {})
     monkeypatch.setattr("infra.vllm_engine_spec.host_device", lambda: "cpu")  # a GPU build is never refused
     emb = tiny_embedded
-    argv = {"train": ["train", "--target", str(emb.target_dir), "--traffic", str(emb.target_traffic.train),
-                      "--heldout", str(emb.target_traffic.heldout)],
-            "evaluate": ["evaluate", "--head", fake_head(tmp_path, "head"), "--target", str(emb.target_dir),
-                         "--traffic", str(emb.target_traffic.heldout)]}[command]
+    argv = {
+        "train": [
+            "train",
+            "--target",
+            str(emb.target_dir),
+            "--traffic",
+            str(emb.target_traffic.train),
+            "--heldout",
+            str(emb.target_traffic.heldout),
+        ],
+        "evaluate": [
+            "evaluate",
+            "--head",
+            fake_head(tmp_path, "head"),
+            "--target",
+            str(emb.target_dir),
+            "--traffic",
+            str(emb.target_traffic.heldout),
+        ],
+    }[command]
     sampled = ["--preset", "tiny", "--set", "evaluate.engine=vllm", "--set", "evaluate.spec.temperature=0.7"]
     rc = cli.main(argv + sampled)
     err = capsys.readouterr().err
@@ -122,16 +147,30 @@ def test_the_commands_refuse_a_sampled_engine_evaluation_before_any_work(command
     assert cli.main([*argv, "--preset", "tiny", "--set", "evaluate.engine=vllm"]) == 99  # greedy: let through
 
 
-
 def test_the_diagnostic_refuses_bad_arguments_before_starting_anything(tiny_embedded, tmp_path):
     """bench/vllm_sampled.py: one line, exit 2, before any engine starts."""
     root = Path(__file__).resolve().parents[1]
-    base = [sys.executable, str(root / "bench" / "vllm_sampled.py"), "--target", str(tiny_embedded.target_dir),
-            "--head", str(tmp_path / "no-head"), "--heldout", str(tiny_embedded.target_traffic.heldout)]
-    for extra, needle in (([], f"--head {tmp_path / 'no-head'}: not a model directory"),
-                          (["--temperatures", "0,-1"], "--temperatures '0,-1': each must be >= 0")):
-        p = subprocess.run(base + extra, capture_output=True, text=True, timeout=120,
-                           env={**os.environ, "EAGLE_HOME": str(tmp_path / ".eagle")})
+    base = [
+        sys.executable,
+        str(root / "bench" / "vllm_sampled.py"),
+        "--target",
+        str(tiny_embedded.target_dir),
+        "--head",
+        str(tmp_path / "no-head"),
+        "--heldout",
+        str(tiny_embedded.target_traffic.heldout),
+    ]
+    for extra, needle in (
+        ([], f"--head {tmp_path / 'no-head'}: not a model directory"),
+        (["--temperatures", "0,-1"], "--temperatures '0,-1': each must be >= 0"),
+    ):
+        p = subprocess.run(
+            base + extra,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "EAGLE_HOME": str(tmp_path / ".eagle")},
+        )
         lines = [x for x in p.stderr.splitlines() if "error:" in x]
         assert p.returncode == 2 and len(lines) == 1 and needle in lines[0], p.stderr
     assert not (tmp_path / ".eagle").exists()

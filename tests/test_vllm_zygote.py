@@ -76,8 +76,9 @@ def _wait_for(path: Path, timeout_s: float = 30.0) -> dict:
 
 def test_a_child_is_what_python_dash_m_would_be(zygote, probe_env, tmp_path):
     (tmp_path / "work").mkdir()
-    child = zygote.fork(["3", "--flag"], {**probe_env, "PROBE_MARK": "mine"}, str(tmp_path / "work"),
-                        tmp_path / "child.log")
+    child = zygote.fork(
+        ["3", "--flag"], {**probe_env, "PROBE_MARK": "mine"}, str(tmp_path / "work"), tmp_path / "child.log"
+    )
     assert child.wait(30) == 3 and child.poll() == 3
     seen = json.loads((tmp_path / "probe.json").read_text())
     assert seen["argv"] == ["3", "--flag"] and seen["name"] == "__main__" and seen["mark"] == "mine"
@@ -114,6 +115,7 @@ def test_launch_keys_zygotes_by_environment_and_gives_up_cleanly(probe_env, tmp_
     monkeypatch.setattr(vllm_zygote, "_zygotes", {})
     monkeypatch.setattr(vllm_zygote, "MAX_ZYGOTES", 2)
     try:
+
         def launch(env, name, module="zygote_probe"):
             return vllm_zygote.launch(sys.executable, ["0"], env, str(tmp_path), tmp_path / f"{name}.log", module)
 
@@ -133,12 +135,15 @@ def test_launch_keys_zygotes_by_environment_and_gives_up_cleanly(probe_env, tmp_
 def test_a_killed_starter_takes_its_zygote_and_its_children_along(probe_env, tmp_path):
     """`kill -9` of the process that started the zygote (no atexit, no `close()`): the zygote sees its request pipe
     close and stops the children it forked, then exits."""
-    starter = ("import sys, time\nfrom pathlib import Path\nfrom infra.vllm_zygote import Zygote\n"
-               f"z = Zygote(sys.executable, {probe_env!r}, Path({str(tmp_path / 'z.log')!r}), module='zygote_probe')\n"
-               f"c = z.fork(['sleep'], {probe_env!r}, {str(tmp_path)!r}, Path({str(tmp_path / 'c.log')!r}))\n"
-               "print(z.proc.pid, c.pid, flush=True)\ntime.sleep(120)\n")
-    proc = subprocess.Popen([sys.executable, "-c", starter], stdout=subprocess.PIPE, text=True,
-                            cwd=Path(__file__).resolve().parents[1])
+    starter = (
+        "import sys, time\nfrom pathlib import Path\nfrom infra.vllm_zygote import Zygote\n"
+        f"z = Zygote(sys.executable, {probe_env!r}, Path({str(tmp_path / 'z.log')!r}), module='zygote_probe')\n"
+        f"c = z.fork(['sleep'], {probe_env!r}, {str(tmp_path)!r}, Path({str(tmp_path / 'c.log')!r}))\n"
+        "print(z.proc.pid, c.pid, flush=True)\ntime.sleep(120)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", starter], stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1]
+    )
     try:
         zygote_pid, child_pid = map(int, proc.stdout.readline().split())
         _wait_for(tmp_path / "probe.json")

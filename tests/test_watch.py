@@ -30,8 +30,9 @@ def home(mlflow_settings, monkeypatch, tmp_path) -> Path:
     target = tmp_path / "target"
     target.mkdir()
     (target / "config.json").write_text("{}")
-    register_target(MlflowStore.connect(mlflow_settings), "tgt", str(target), role="base", base_model="",
-                    weights_sha256=SHA)
+    register_target(
+        MlflowStore.connect(mlflow_settings), "tgt", str(target), role="base", base_model="", weights_sha256=SHA
+    )
     return mlflow_settings.state_dir
 
 

@@ -69,18 +69,24 @@ class PipelineConfig:
         """Rules across sections (each section checks its own values when built); returns self."""
         rt = self.runtime
         if rt.gate_on_engine and not rt.evaluates_in_engine:
-            raise ConfigError(f"{where}: register.gate_tau 'engine' needs evaluate.engine 'vllm' (the gate's τ is "
-                              "vLLM's); set register.gate_tau to 'local' to gate on this project's τ")
+            raise ConfigError(
+                f"{where}: register.gate_tau 'engine' needs evaluate.engine 'vllm' (the gate's τ is "
+                "vLLM's); set register.gate_tau to 'local' to gate on this project's τ"
+            )
         c, load = self.register.gate_concurrency, self.evaluate.load
         if c and (not rt.evaluates_in_engine or c not in load.concurrency):  # else registration fails, at the end
-            raise ConfigError(f"{where}: register.gate_concurrency {c} needs the load sweep to measure concurrency {c} "
-                              f"(evaluate.engine 'vllm', {c} in evaluate.load.concurrency; now engine "
-                              f"{rt.engine_of('evaluate')!r}, concurrency {list(load.concurrency)}); 0 turns this gate "
-                              "off")
+            raise ConfigError(
+                f"{where}: register.gate_concurrency {c} needs the load sweep to measure concurrency {c} "
+                f"(evaluate.engine 'vllm', {c} in evaluate.load.concurrency; now engine "
+                f"{rt.engine_of('evaluate')!r}, concurrency {list(load.concurrency)}); 0 turns this gate "
+                "off"
+            )
         par = [v for v in PARALLEL_VARIANTS if v in (self.train.variant, *self.train.variants)]
         if par and self.evaluate.spec.method != "chain":  # else refused when evaluation starts
-            raise ConfigError(f"{where}: train.variant {par[0]!r} drafts chains (vLLM's parallel drafting), not a "
-                              f"{self.evaluate.spec.method}: set evaluate.spec.method to 'chain'")
+            raise ConfigError(
+                f"{where}: train.variant {par[0]!r} drafts chains (vLLM's parallel drafting), not a "
+                f"{self.evaluate.spec.method}: set evaluate.spec.method to 'chain'"
+            )
         return self
 
     @classmethod
@@ -139,8 +145,7 @@ class PipelineConfig:
         return hashlib.sha256(json.dumps(made, sort_keys=True).encode()).hexdigest()
 
 
-def resolve(name: str, config_path: str | None = None,
-            assignments: Sequence[tuple[str, Any]] = ()) -> PipelineConfig:
+def resolve(name: str, config_path: str | None = None, assignments: Sequence[tuple[str, Any]] = ()) -> PipelineConfig:
     """Preset `name`, then the JSON file's sections, then the `--set` assignments (errors say `--set` and the key)."""
     cfg = PipelineConfig.load(config_path, name)
     return cfg.override(presets.assignments_tree(assignments), where="--set") if assignments else cfg
@@ -156,8 +161,9 @@ def monitor_config(preset: str, config_path: str | None, **overrides: Any) -> Pi
 def _identity(cfg: Any) -> Any:
     if not dataclasses.is_dataclass(cfg):
         return list(cfg) if isinstance(cfg, tuple) else cfg
-    return {f.name: _identity(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)
-            if f.metadata.get("identity", True)}
+    return {
+        f.name: _identity(getattr(cfg, f.name)) for f in dataclasses.fields(cfg) if f.metadata.get("identity", True)
+    }
 
 
 def override_values(cfg: Any, values: Any, where: str, path: str = "") -> Any:
@@ -174,8 +180,11 @@ def override_values(cfg: Any, values: Any, where: str, path: str = "") -> Any:
         if k not in fields:
             raise ConfigError(f"{where}: unknown key {key}; known: {sorted(fields)}{_moved_hint(cfg, k, path)}")
         current = getattr(cfg, k)
-        changes[k] = (override_values(current, v, where, key) if dataclasses.is_dataclass(current)
-                      else _typed(v, hints[k], f"{where}: {key}"))
+        changes[k] = (
+            override_values(current, v, where, key)
+            if dataclasses.is_dataclass(current)
+            else _typed(v, hints[k], f"{where}: {key}")
+        )
     try:
         return dataclasses.replace(cfg, **changes)
     except FieldError as e:
@@ -220,10 +229,15 @@ def _typed(value: Any, hint: Any, what: str) -> Any:
     """`value` checked against the field's annotation (JSON ints become floats, arrays tuples, where declared)."""
     if not _fits(value, hint):
         raise ConfigError(f"{what}: {value!r} is not of type {hint.__name__ if isinstance(hint, type) else hint}")
-    if hint is float or (typing.get_origin(hint) in (Union, types.UnionType) and float in typing.get_args(hint)
-                         and isinstance(value, int)):
+    if hint is float or (
+        typing.get_origin(hint) in (Union, types.UnionType)
+        and float in typing.get_args(hint)
+        and isinstance(value, int)
+    ):
         return float(value)
-    if isinstance(value, list) and (typing.get_origin(hint) is tuple or any(
-            typing.get_origin(h) is tuple and _fits(value, h) for h in typing.get_args(hint))):
+    if isinstance(value, list) and (
+        typing.get_origin(hint) is tuple
+        or any(typing.get_origin(h) is tuple and _fits(value, h) for h in typing.get_args(hint))
+    ):
         return tuple(value)  # a JSON array for a tuple field (also inside `int | tuple[int, ...] | None`)
     return value

@@ -35,9 +35,12 @@ def tiny_stages() -> dict[str, Any]:
     from components.regenerate.stage import RegenerateConfig
     from components.train.stage import TrainConfig
 
-    return dict(regenerate=RegenerateConfig(max_new_tokens=16, batch_size=8, shard_size=8, limit=16),
-                extract=ExtractConfig(max_len=192, seqs_per_shard=8), train=TrainConfig.tiny(),
-                evaluate=EvaluateConfig.tiny())
+    return dict(
+        regenerate=RegenerateConfig(max_new_tokens=16, batch_size=8, shard_size=8, limit=16),
+        extract=ExtractConfig(max_len=192, seqs_per_shard=8),
+        train=TrainConfig.tiny(),
+        evaluate=EvaluateConfig.tiny(),
+    )
 
 
 def tiny() -> dict[str, Any]:
@@ -46,8 +49,12 @@ def tiny() -> dict[str, Any]:
     from components.registry.register import RegisterConfig
     from components.serving.monitor import MonitorConfig
 
-    return dict(**tiny_stages(), register=RegisterConfig(tau_floor=1.0, gate_speedup="off"),  # random heads
-                monitor=MonitorConfig.tiny(), capture=CapturedTrafficConfig.tiny())
+    return dict(
+        **tiny_stages(),
+        register=RegisterConfig(tau_floor=1.0, gate_speedup="off"),  # random heads
+        monitor=MonitorConfig.tiny(),
+        capture=CapturedTrafficConfig.tiny(),
+    )
 
 
 def default() -> dict[str, Any]:
@@ -83,20 +90,37 @@ def default() -> dict[str, Any]:
     from eagle.run_config import OptimConfig, SpecConfig, TTTConfig
 
     return dict(
-        regenerate=RegenerateConfig(max_new_tokens=96, batch_size=32, shard_size=80, limit=160, engine="vllm",
-                                    endpoint_concurrency=32),
+        regenerate=RegenerateConfig(
+            max_new_tokens=96, batch_size=32, shard_size=80, limit=160, engine="vllm", endpoint_concurrency=32
+        ),
         extract=ExtractConfig(max_len=512, seqs_per_shard=128, engine="vllm"),
-        train=TrainConfig(steps=160, batch_size=8, draft_vocab_size=2048, checkpoint_every=40, log_every=10,
-                          warm_start_steps=80, eval_every=40, holdout_seqs=32, autocast="auto", loss_on="all",
-                          bucket_by_length=True, teacher_cache_mib=2048,
-                          ttt=TTTConfig(ttt_steps=5), optim=OptimConfig(lr=3e-3, warmup_steps=10),
-                          ray=RayConfig(num_workers=1, cpus_per_worker=2)),
-        evaluate=EvaluateConfig(spec=SpecConfig(method="chain", depth=5, max_new_tokens=64), limit=6, engine="vllm",
-                                speed=SpeedupConfig(min_rounds=3, max_rounds=4, budget_s=150.0),
-                                load=LoadConfig(concurrency=(1, 4), k_values=(5,), requests=8, repeats=1,
-                                                verify_schedule=False),
-                                time_local=False),
-        register=RegisterConfig(tau_floor=1.5, gate_tau="engine"))
+        train=TrainConfig(
+            steps=160,
+            batch_size=8,
+            draft_vocab_size=2048,
+            checkpoint_every=40,
+            log_every=10,
+            warm_start_steps=80,
+            eval_every=40,
+            holdout_seqs=32,
+            autocast="auto",
+            loss_on="all",
+            bucket_by_length=True,
+            teacher_cache_mib=2048,
+            ttt=TTTConfig(ttt_steps=5),
+            optim=OptimConfig(lr=3e-3, warmup_steps=10),
+            ray=RayConfig(num_workers=1, cpus_per_worker=2),
+        ),
+        evaluate=EvaluateConfig(
+            spec=SpecConfig(method="chain", depth=5, max_new_tokens=64),
+            limit=6,
+            engine="vllm",
+            speed=SpeedupConfig(min_rounds=3, max_rounds=4, budget_s=150.0),
+            load=LoadConfig(concurrency=(1, 4), k_values=(5,), requests=8, repeats=1, verify_schedule=False),
+            time_local=False,
+        ),
+        register=RegisterConfig(tau_floor=1.5, gate_tau="engine"),
+    )
 
 
 def gpu_stages() -> dict[str, Any]:
@@ -111,11 +135,20 @@ def gpu_stages() -> dict[str, Any]:
     return dict(
         regenerate=RegenerateConfig(max_new_tokens=128, batch_size=64, shard_size=256, limit=1024, device="cuda"),
         extract=ExtractConfig(max_len=512, seqs_per_shard=256, device="cuda"),
-        train=TrainConfig(steps=600, batch_size=16, draft_vocab_size=4096, checkpoint_every=200, log_every=25,
-                          eval_every=100, holdout_seqs=32, ttt=TTTConfig(ttt_steps=7),
-                          optim=OptimConfig(lr=2e-3, warmup_steps=30), ray=RayConfig(num_workers=0, use_gpu=True)),
-        evaluate=EvaluateConfig(spec=SpecConfig(method="chain", depth=5, max_new_tokens=128), limit=32,
-                                device="cuda"))
+        train=TrainConfig(
+            steps=600,
+            batch_size=16,
+            draft_vocab_size=4096,
+            checkpoint_every=200,
+            log_every=25,
+            eval_every=100,
+            holdout_seqs=32,
+            ttt=TTTConfig(ttt_steps=7),
+            optim=OptimConfig(lr=2e-3, warmup_steps=30),
+            ray=RayConfig(num_workers=0, use_gpu=True),
+        ),
+        evaluate=EvaluateConfig(spec=SpecConfig(method="chain", depth=5, max_new_tokens=128), limit=32, device="cuda"),
+    )
 
 
 def gpu() -> dict[str, Any]:
@@ -158,4 +191,3 @@ def assignments_tree(assignments: Sequence[tuple[str, Any]]) -> dict[str, Any]:
             node = node[s]
         node[leaf] = value
     return tree
-

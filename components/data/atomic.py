@@ -41,8 +41,11 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     except BaseException as err:
         tmp.unlink(missing_ok=True)
         if isinstance(err, OSError) and str(path) not in str(err):
-            raise OSError(err.errno, f"cannot write {path}: {err.strerror or err}; nothing was left half-written: "
-                                     "free space (or fix the permissions) and re-run") from err
+            raise OSError(
+                err.errno,
+                f"cannot write {path}: {err.strerror or err}; nothing was left half-written: "
+                "free space (or fix the permissions) and re-run",
+            ) from err
         raise
 
 

@@ -45,23 +45,48 @@ SCHEMA_VERSION = "1"
 FILE_PATTERN = "capture-*.parquet"  # a finished file (components/serving/capture.py writes `.tmp` names until complete)
 META_KEY = b"eagle.capture"  # the file metadata naming the schema version and the target of its rows
 # request keys that have columns of their own; the rest go to `params`
-_OWN_KEYS = {"messages", "prompt", "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
-             "stream"}
+_OWN_KEYS = {
+    "messages",
+    "prompt",
+    "model",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "stream",
+}
 
 
 def schema():
     import pyarrow as pa
 
     message = pa.struct([("role", pa.string()), ("content", pa.string())])
-    return pa.schema([
-        ("id", pa.string()), ("time", pa.timestamp("ms", tz="UTC")), ("endpoint", pa.string()),
-        ("model", pa.string()), ("target_name", pa.string()), ("target_version", pa.string()), ("head", pa.string()),
-        ("messages", pa.list_(message)), ("prompt", pa.string()), ("completion", pa.string()),
-        ("finish_reason", pa.string()), ("completion_token_ids", pa.list_(pa.int64())),
-        ("max_new_tokens", pa.int64()), ("temperature", pa.float64()), ("top_p", pa.float64()), ("seed", pa.int64()),
-        ("stream", pa.bool_()), ("params", pa.string()), ("prompt_tokens", pa.int64()),
-        ("completion_tokens", pa.int64()), ("latency_s", pa.float64()),
-    ])
+    return pa.schema(
+        [
+            ("id", pa.string()),
+            ("time", pa.timestamp("ms", tz="UTC")),
+            ("endpoint", pa.string()),
+            ("model", pa.string()),
+            ("target_name", pa.string()),
+            ("target_version", pa.string()),
+            ("head", pa.string()),
+            ("messages", pa.list_(message)),
+            ("prompt", pa.string()),
+            ("completion", pa.string()),
+            ("finish_reason", pa.string()),
+            ("completion_token_ids", pa.list_(pa.int64())),
+            ("max_new_tokens", pa.int64()),
+            ("temperature", pa.float64()),
+            ("top_p", pa.float64()),
+            ("seed", pa.int64()),
+            ("stream", pa.bool_()),
+            ("params", pa.string()),
+            ("prompt_tokens", pa.int64()),
+            ("completion_tokens", pa.int64()),
+            ("latency_s", pa.float64()),
+        ]
+    )
 
 
 def exchange_record(ex: Exchange) -> dict[str, Any] | None:
@@ -83,18 +108,27 @@ def exchange_record(ex: Exchange) -> dict[str, Any] | None:
     prompt = req.get("prompt")
     max_new = req.get("max_tokens", req.get("max_completion_tokens"))
     return {
-        "id": f"cap-{uuid.uuid4().hex}", "time": dt.datetime.fromtimestamp(ex.started, dt.timezone.utc),
-        "endpoint": "chat" if chat else "completions", "model": _str(req.get("model")),
-        "target_name": ex.meta.get("target_name", ""), "target_version": ex.meta.get("target_version", ""),
-        "head": ex.meta.get("head", ""), "messages": messages,
+        "id": f"cap-{uuid.uuid4().hex}",
+        "time": dt.datetime.fromtimestamp(ex.started, dt.timezone.utc),
+        "endpoint": "chat" if chat else "completions",
+        "model": _str(req.get("model")),
+        "target_name": ex.meta.get("target_name", ""),
+        "target_version": ex.meta.get("target_version", ""),
+        "head": ex.meta.get("head", ""),
+        "messages": messages,
         "prompt": None if chat else (prompt if isinstance(prompt, str) else json.dumps(prompt)),
-        "completion": answer["text"], "finish_reason": answer["finish_reason"],
-        "completion_token_ids": answer["token_ids"], "max_new_tokens": _int(max_new),
-        "temperature": _float(req.get("temperature")), "top_p": _float(req.get("top_p")), "seed": _int(req.get("seed")),
+        "completion": answer["text"],
+        "finish_reason": answer["finish_reason"],
+        "completion_token_ids": answer["token_ids"],
+        "max_new_tokens": _int(max_new),
+        "temperature": _float(req.get("temperature")),
+        "top_p": _float(req.get("top_p")),
+        "seed": _int(req.get("seed")),
         "stream": bool(req.get("stream")),
         "params": json.dumps({k: v for k, v in req.items() if k not in _OWN_KEYS}, sort_keys=True),
         "prompt_tokens": _int(answer["usage"].get("prompt_tokens")),
-        "completion_tokens": _int(answer["usage"].get("completion_tokens")), "latency_s": float(ex.seconds),
+        "completion_tokens": _int(answer["usage"].get("completion_tokens")),
+        "latency_s": float(ex.seconds),
     }
 
 
@@ -106,8 +140,12 @@ def _whole(body: bytes, chat: bool) -> dict[str, Any] | None:
     except (ValueError, KeyError, IndexError, TypeError, AttributeError):
         return None
     ids = choice.get("token_ids")
-    return {"text": text or "", "finish_reason": choice.get("finish_reason"),
-            "token_ids": [int(t) for t in ids] if isinstance(ids, list) else None, "usage": obj.get("usage") or {}}
+    return {
+        "text": text or "",
+        "finish_reason": choice.get("finish_reason"),
+        "token_ids": [int(t) for t in ids] if isinstance(ids, list) else None,
+        "usage": obj.get("usage") or {},
+    }
 
 
 def _streamed(body: bytes, chat: bool) -> dict[str, Any] | None:

@@ -64,9 +64,13 @@ class CapturedTrafficConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.mix, bool) or not 0.0 < self.mix < 1.0:
-            raise FieldError(self, "mix", f"must be a number in (0, 1): the share of captured conversations in "
-                                          f"training, the rest registered traffic so the head does not forget it; "
-                                          f"got {self.mix!r}")
+            raise FieldError(
+                self,
+                "mix",
+                f"must be a number in (0, 1): the share of captured conversations in "
+                f"training, the rest registered traffic so the head does not forget it; "
+                f"got {self.mix!r}",
+            )
         at_least(self, {"heldout": 1, "trigger_new": 1})
 
     @classmethod
@@ -125,8 +129,9 @@ def row_conversation(row: dict[str, Any], source: str) -> tuple[Conversation | N
     if not row.get("completion"):
         return None, "empty completion"
     try:
-        conv = parse_record({"id": row["id"], "messages": row["messages"], "segment": SEGMENT,
-                             "source_file": source}, 0, "openai")
+        conv = parse_record(
+            {"id": row["id"], "messages": row["messages"], "segment": SEGMENT, "source_file": source}, 0, "openai"
+        )
     except Exception as e:  # noqa: BLE001 (traffic_io's per-row error: the row is skipped, its reason counted)
         return None, f"not a valid chat ({str(e).split(':')[0]})"
     if conv.messages[-1].role != "assistant":
@@ -213,45 +218,72 @@ class CapturePlan:
         names = " ".join(Path(f).name for f in self.files)
         if len(names) > 4000:  # a tag holds 5000 characters; the whole list is in plan.json, logged with the run
             names = f"{len(self.files)} files, {Path(self.files[0]).name} .. {Path(self.files[-1]).name}"
-        return {"capture_files": names, "capture_conversations": str(self.captured),
-                "capture_greedy": str(self.greedy), "capture_sampled": str(self.sampled),
-                "capture_heldout": str(self.heldout), "capture_registered": str(self.registered),
-                "capture_mix": f"{self.mix:g}", "capture_until_ms": str(self.newest_ms),
-                "capture_skipped": "; ".join(f"{k}: {v}" for k, v in sorted(self.skipped.items())) or "none",
-                "capture_plan_sha256": self.sha256}
+        return {
+            "capture_files": names,
+            "capture_conversations": str(self.captured),
+            "capture_greedy": str(self.greedy),
+            "capture_sampled": str(self.sampled),
+            "capture_heldout": str(self.heldout),
+            "capture_registered": str(self.registered),
+            "capture_mix": f"{self.mix:g}",
+            "capture_until_ms": str(self.newest_ms),
+            "capture_skipped": "; ".join(f"{k}: {v}" for k, v in sorted(self.skipped.items())) or "none",
+            "capture_plan_sha256": self.sha256,
+        }
 
 
-def prepare_capture_plan(cfg: CapturedTrafficConfig, capture_root: str | Path, target_name: str,
-                         target_version: int | str, registered_traffic: str, out_dir: str | Path,
-                         regenerate_limit: int | None = None) -> CapturePlan:
+def prepare_capture_plan(
+    cfg: CapturedTrafficConfig,
+    capture_root: str | Path,
+    target_name: str,
+    target_version: int | str,
+    registered_traffic: str,
+    out_dir: str | Path,
+    regenerate_limit: int | None = None,
+) -> CapturePlan:
     """The plan of the next head of `target_name`/`target_version` from what it served (see the module doc);
     `regenerate_limit`: the config's `regenerate.limit` (the registered share never exceeds it). CaptureError when
     fewer than `cfg.heldout` + 1 usable conversations were captured."""
     sel = select_captured(capture_root, target_name, target_version)
     train, held = split_heldout(sel.conversations, cfg.heldout)
     if len(held) < cfg.heldout or not train:
-        raise CaptureError(f"{capture_root}: {len(sel.conversations)} usable captured conversations of "
-                           f"{target_name}/{target_version} ({_skips(sel.skipped)}); the newest capture.heldout "
-                           f"{cfg.heldout} distinct prompts are held out for the shadow test, so at least one more "
-                           "is needed to train on: capture more, or lower capture.heldout")
+        raise CaptureError(
+            f"{capture_root}: {len(sel.conversations)} usable captured conversations of "
+            f"{target_name}/{target_version} ({_skips(sel.skipped)}); the newest capture.heldout "
+            f"{cfg.heldout} distinct prompts are held out for the shadow test, so at least one more "
+            "is needed to train on: capture more, or lower capture.heldout"
+        )
     available = len(load_traffic(registered_traffic).conversations)
     n_cap, n_reg = mix_counts(len(train), min(available, regenerate_limit or available), cfg.mix)
-    train = train[len(train) - n_cap:]  # the newest
+    train = train[len(train) - n_cap :]  # the newest
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     lines = "".join(json.dumps(_record(c)) + "\n" for c in train)
     atomic_write_text(out / "captured.jsonl", lines)
-    atomic_write_text(out / "heldout.jsonl", "".join(json.dumps(_record(c, sel.limits.get(c.id))) + "\n"
-                                                     for c in held))
+    atomic_write_text(out / "heldout.jsonl", "".join(json.dumps(_record(c, sel.limits.get(c.id))) + "\n" for c in held))
     used = [*train, *held]
-    plan = CapturePlan(target_name, str(target_version), str(out / "captured.jsonl"), str(out / "heldout.jsonl"),
-                       str(registered_traffic), n_reg, n_cap, sum(c.id in sel.greedy for c in train),
-                       sum(c.id not in sel.greedy for c in train), len(held), cfg.mix,
-                       sorted({f for f in sel.files if any(Path(f).name == c.source_file for c in used)}),
-                       sel.skipped, max(sel.times[c.id] for c in used))
-    digest = hashlib.sha256(json.dumps({**asdict(plan), "captured_file": lines,
-                                        "heldout_file": (out / "heldout.jsonl").read_text()},
-                                       sort_keys=True).encode()).hexdigest()
+    plan = CapturePlan(
+        target_name,
+        str(target_version),
+        str(out / "captured.jsonl"),
+        str(out / "heldout.jsonl"),
+        str(registered_traffic),
+        n_reg,
+        n_cap,
+        sum(c.id in sel.greedy for c in train),
+        sum(c.id not in sel.greedy for c in train),
+        len(held),
+        cfg.mix,
+        sorted({f for f in sel.files if any(Path(f).name == c.source_file for c in used)}),
+        sel.skipped,
+        max(sel.times[c.id] for c in used),
+    )
+    digest = hashlib.sha256(
+        json.dumps(
+            {**asdict(plan), "captured_file": lines, "heldout_file": (out / "heldout.jsonl").read_text()},
+            sort_keys=True,
+        ).encode()
+    ).hexdigest()
     plan = replace(plan, sha256=digest)
     atomic_write_text(out / "plan.json", json.dumps(asdict(plan), indent=2) + "\n")
     return plan
@@ -260,8 +292,12 @@ def prepare_capture_plan(cfg: CapturedTrafficConfig, capture_root: str | Path, t
 def _record(c: Conversation, max_new_tokens: int | None = None) -> dict[str, Any]:
     """A shard line, as components/regenerate/endpoint.py `conversation_record` writes an answered conversation
     (with `max_new_tokens`: a held-out request's served length)."""
-    rec = {"id": c.id, "segment": c.segment, "source_file": c.source_file,
-           "messages": [{"role": m.role, "content": m.content} for m in c.messages]}
+    rec = {
+        "id": c.id,
+        "segment": c.segment,
+        "source_file": c.source_file,
+        "messages": [{"role": m.role, "content": m.content} for m in c.messages],
+    }
     return {**rec, "max_new_tokens": max_new_tokens} if max_new_tokens else rec
 
 

@@ -35,8 +35,10 @@ def _messages(conv: Conversation | Sequence[dict[str, str]]) -> list[dict[str, s
 
 def _render(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
     if not getattr(tokenizer, "chat_template", None):
-        raise ChatTemplateError(f"tokenizer {getattr(tokenizer, 'name_or_path', '?')} has no chat template; "
-                                "set one (tokenizer.chat_template) before regenerating or extracting")
+        raise ChatTemplateError(
+            f"tokenizer {getattr(tokenizer, 'name_or_path', '?')} has no chat template; "
+            "set one (tokenizer.chat_template) before regenerating or extracting"
+        )
     out = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt)
     if isinstance(out, dict) or hasattr(out, "keys"):
         out = out["input_ids"]
@@ -48,8 +50,7 @@ def prompt_ids(tokenizer: Any, messages: Sequence[dict[str, str]]) -> list[int]:
     return _render(tokenizer, list(messages), add_generation_prompt=True)
 
 
-def tokenize_conversation(tokenizer: Any, conv: Conversation | Sequence[dict[str, str]],
-                          max_len: int) -> TokenizedChat:
+def tokenize_conversation(tokenizer: Any, conv: Conversation | Sequence[dict[str, str]], max_len: int) -> TokenizedChat:
     """Token ids of the whole conversation and a mask that is 1 exactly on assistant-turn tokens."""
     msgs = _messages(conv)
     ids = _render(tokenizer, msgs, add_generation_prompt=False)
@@ -62,8 +63,10 @@ def tokenize_conversation(tokenizer: Any, conv: Conversation | Sequence[dict[str
         end = len(_render(tokenizer, msgs[: i + 1], add_generation_prompt=False))
         prefix_text = tokenizer.apply_chat_template(msgs[: i + 1], tokenize=False)  # e.g. no rewritten past turns
         if end > len(ids) or start > end or not text.startswith(prefix_text):
-            raise ChatTemplateError("the chat template does not render a prefix of the conversation as a prefix "
-                                    "of its tokens; cannot locate assistant turns")
+            raise ChatTemplateError(
+                "the chat template does not render a prefix of the conversation as a prefix "
+                "of its tokens; cannot locate assistant turns"
+            )
         for j in range(start, end):
             mask[j] = 1
     truncated = len(ids) > max_len

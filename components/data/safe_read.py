@@ -45,8 +45,12 @@ MAX_DEPTH = 64
 MODEL_FILES = ("*.json", "*.safetensors", "*.jinja", "*.model", "*.txt")
 # JSON read by the Rust `tokenizers` library (serde_json, which refuses nesting past 128 with an error of its own)
 RUST_PARSED = ("tokenizer.json",)
-_BOMS = ((b"\x00\x00\xfe\xff", "UTF-32 (big-endian)"), (b"\xff\xfe\x00\x00", "UTF-32 (little-endian)"),
-         (b"\xfe\xff", "UTF-16 (big-endian)"), (b"\xff\xfe", "UTF-16 (little-endian)"))
+_BOMS = (
+    (b"\x00\x00\xfe\xff", "UTF-32 (big-endian)"),
+    (b"\xff\xfe\x00\x00", "UTF-32 (little-endian)"),
+    (b"\xfe\xff", "UTF-16 (big-endian)"),
+    (b"\xff\xfe", "UTF-16 (little-endian)"),
+)
 UTF8_BOM = b"\xef\xbb\xbf"
 RESAVE = "re-save it as UTF-8"
 
@@ -68,12 +72,19 @@ def _kind(mode: int) -> str | None:
     if stat.S_ISREG(mode):
         return None
     if stat.S_ISFIFO(mode):
-        return ("a named pipe (FIFO), not a regular file: reading it would wait for a writer; save what it carries "
-                "to a file and pass that")
+        return (
+            "a named pipe (FIFO), not a regular file: reading it would wait for a writer; save what it carries "
+            "to a file and pass that"
+        )
     if stat.S_ISDIR(mode):
         return "a directory where a file is expected; pass the file itself"
-    kind = "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else \
-        "a special file"
+    kind = (
+        "a device"
+        if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+        else "a socket"
+        if stat.S_ISSOCK(mode)
+        else "a special file"
+    )
     return f"{kind}, not a regular file; pass a file that holds the data"
 
 
@@ -116,8 +127,11 @@ def read_capped(path: Path | str, limit: int) -> bytes:
     except OSError as e:
         raise UnreadableFile(path, f"cannot be read ({e.strerror or e}); copy it again") from None
     if len(raw) > limit:
-        raise UnreadableFile(path, f"larger than {limit >> 20} MiB, the most a file of this kind may be here; "
-                                   "check that this is the right file")
+        raise UnreadableFile(
+            path,
+            f"larger than {limit >> 20} MiB, the most a file of this kind may be here; "
+            "check that this is the right file",
+        )
     return raw
 
 
@@ -138,14 +152,20 @@ def decode_utf8(raw: bytes, path: Path | str, bom_ok: bool = True) -> str:
         raise UnreadableFile(path, problem)
     if raw.startswith(UTF8_BOM):
         if not bom_ok:
-            raise UnreadableFile(path, "starts with a UTF-8 byte-order mark, which transformers, vLLM and the head "
-                                       "loader refuse in model files; re-save it as UTF-8 without one")
-        raw = raw[len(UTF8_BOM):]
+            raise UnreadableFile(
+                path,
+                "starts with a UTF-8 byte-order mark, which transformers, vLLM and the head "
+                "loader refuse in model files; re-save it as UTF-8 without one",
+            )
+        raw = raw[len(UTF8_BOM) :]
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise UnreadableFile(path, f"not UTF-8 text: byte 0x{raw[e.start]:02x} at offset {e.start} (Latin-1 or "
-                                   f"another 8-bit encoding?); {RESAVE}") from None
+        raise UnreadableFile(
+            path,
+            f"not UTF-8 text: byte 0x{raw[e.start]:02x} at offset {e.start} (Latin-1 or "
+            f"another 8-bit encoding?); {RESAVE}",
+        ) from None
 
 
 def json_depth_over(value: Any, limit: int = MAX_DEPTH) -> bool:
@@ -164,8 +184,10 @@ def json_depth_over(value: Any, limit: int = MAX_DEPTH) -> bool:
 
 def loads_json(text: str, limit: int = MAX_DEPTH) -> Any:
     """`json.loads(text)`; ValueError (JSONDecodeError for bad syntax) when it nests deeper than `limit`."""
-    too_deep = ValueError(f"JSON nested deeper than {limit} levels; no config, chat or model file needs that many: "
-                          "check how it was written")
+    too_deep = ValueError(
+        f"JSON nested deeper than {limit} levels; no config, chat or model file needs that many: "
+        "check how it was written"
+    )
     try:
         value = json.loads(text)
     except RecursionError:

@@ -116,12 +116,15 @@ def load_traffic(path: Path | str, format: Format = "auto", skip_bad: bool = Fal
     if kind == "jsonl":
         _check_encoding(path)
         unit, records = "line", _jsonl_lines(path)
+
         def parse(raw: Any, n: int) -> Conversation:
             return parse_line(_decode(raw, n), n, format)
     else:
         unit, records = "row", table_records(path, kind)
+
         def parse(rec: Any, n: int) -> Conversation:
             return parse_record(rec, n, format, id_prefix="row")
+
     convs: list[Conversation] = []
     skipped: list[SkippedLine] = []
     seen_any = False
@@ -138,11 +141,17 @@ def load_traffic(path: Path | str, format: Format = "auto", skip_bad: bool = Fal
     except SourceError as e:
         raise TrafficFormatError(path, e.row, e.reason, unit) from None
     if not seen_any:
-        raise TrafficFormatError(path, 0, "empty file: no conversations" if unit == "line" else
-                                 "empty table: no rows", unit)
+        raise TrafficFormatError(
+            path, 0, "empty file: no conversations" if unit == "line" else "empty table: no rows", unit
+        )
     if not convs:
-        raise TrafficFormatError(path, 0, f"no valid conversation; all {len(skipped)} {unit}s were bad "
-                                          f"(first: {unit} {skipped[0].line}: {skipped[0].reason})", unit)
+        raise TrafficFormatError(
+            path,
+            0,
+            f"no valid conversation; all {len(skipped)} {unit}s were bad "
+            f"(first: {unit} {skipped[0].line}: {skipped[0].reason})",
+            unit,
+        )
     return TrafficLoad(path, tuple(convs), tuple(skipped))
 
 
@@ -173,8 +182,9 @@ class _LineError(Exception):
 
 def _decode(raw: bytes | None, lineno: int) -> str:
     if raw is None:
-        raise _LineError(f"line too long: over {MAX_LINE_BYTES >> 20} MiB (one conversation per line; a line this "
-                         "long is not one)")
+        raise _LineError(
+            f"line too long: over {MAX_LINE_BYTES >> 20} MiB (one conversation per line; a line this long is not one)"
+        )
     if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte-order mark, as some editors write
         raw = raw[3:]
     if b"\x00" in raw:  # valid UTF-8, but never in JSON text: UTF-16 without a byte-order mark
@@ -182,8 +192,10 @@ def _decode(raw: bytes | None, lineno: int) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise _LineError(f"not UTF-8 text: byte 0x{raw[e.start]:02x} at column {e.start + 1} (Latin-1 or another "
-                         "8-bit encoding?); re-save the file as UTF-8") from None
+        raise _LineError(
+            f"not UTF-8 text: byte 0x{raw[e.start]:02x} at column {e.start + 1} (Latin-1 or another "
+            "8-bit encoding?); re-save the file as UTF-8"
+        ) from None
 
 
 def parse_line(raw: str, lineno: int, format: Format = "auto") -> Conversation:
@@ -211,9 +223,13 @@ def parse_record(obj: Any, n: int, format: Format = "auto", id_prefix: str = "li
     for k, v in meta.items():
         if v is not None and not isinstance(v, (str, int)):
             raise _LineError(f"bad field: {k!r} must be a string, got {type(v).__name__}")
-    return Conversation(id=str(meta["id"]) if meta["id"] is not None else f"{id_prefix}-{n}",
-                        messages=tuple(messages), segment=_opt_str(meta["segment"]),
-                        source_file=_opt_str(meta["source_file"]), max_new_tokens=_max_new_tokens(obj))
+    return Conversation(
+        id=str(meta["id"]) if meta["id"] is not None else f"{id_prefix}-{n}",
+        messages=tuple(messages),
+        segment=_opt_str(meta["segment"]),
+        source_file=_opt_str(meta["source_file"]),
+        max_new_tokens=_max_new_tokens(obj),
+    )
 
 
 def _max_new_tokens(obj: dict[str, Any]) -> int | None:
@@ -269,8 +285,9 @@ def _content(value: Any, i: int) -> str:
 def _check_turns(messages: list[Message]) -> None:
     systems = [i for i, m in enumerate(messages) if m.role == "system"]
     if systems and systems != [0]:
-        raise _LineError(f"misplaced system message: at position {systems[-1]}; only one leading system "
-                         "prompt is supported")
+        raise _LineError(
+            f"misplaced system message: at position {systems[-1]}; only one leading system prompt is supported"
+        )
     if not any(m.role == "user" for m in messages):
         raise _LineError("no user turn: the conversation has only " + ", ".join(sorted({m.role for m in messages})))
 
@@ -315,8 +332,11 @@ def conversations_sha256(conversations: Iterable[Conversation]) -> str:
 def main(argv: list[str] | None = None) -> int:
     paths = argv if argv is not None else sys.argv[1:]
     if not paths:
-        print("usage: python -m components.data.traffic_io PATH... (.jsonl, .parquet, .arrow or a save_to_disk "
-              "directory)", file=sys.stderr)
+        print(
+            "usage: python -m components.data.traffic_io PATH... (.jsonl, .parquet, .arrow or a save_to_disk "
+            "directory)",
+            file=sys.stderr,
+        )
         return 2
     for p in paths:
         try:
@@ -325,9 +345,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"traffic_io: error: {e}", file=sys.stderr)
             return 2
         segments = collections.Counter(c.segment or "-" for c in load.conversations)
-        print(json.dumps({"path": str(p), "conversations": len(load.conversations), "segments": dict(segments),
-                          "skipped": load.skipped_reasons, "sha256": traffic_sha256(p),
-                          "content_sha256": conversations_sha256(load.conversations)}))
+        print(
+            json.dumps(
+                {
+                    "path": str(p),
+                    "conversations": len(load.conversations),
+                    "segments": dict(segments),
+                    "skipped": load.skipped_reasons,
+                    "sha256": traffic_sha256(p),
+                    "content_sha256": conversations_sha256(load.conversations),
+                }
+            )
+        )
     return 0
 
 

@@ -25,8 +25,10 @@ from typing import Any, Iterator
 
 from components.data.safe_read import UnreadableFile, file_problem, read_json
 
-ACCEPTED = ("JSON Lines (.jsonl, .json, .ndjson), Parquet (.parquet), Arrow IPC file or stream (.arrow), or a "
-            "directory written by datasets' save_to_disk")
+ACCEPTED = (
+    "JSON Lines (.jsonl, .json, .ndjson), Parquet (.parquet), Arrow IPC file or stream (.arrow), or a "
+    "directory written by datasets' save_to_disk"
+)
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 # the only columns a row is parsed from
 COLUMNS = ("id", "segment", "source_file", "max_new_tokens", "messages", "conversations")
@@ -47,8 +49,10 @@ def traffic_kind(path: Path) -> str:
     if path.is_dir():
         if (path / "state.json").is_file() or (path / "dataset_dict.json").is_file():
             return "dataset"
-        raise SourceError("a directory that is not a saved dataset (no state.json or dataset_dict.json, as "
-                          f"Dataset.save_to_disk writes); accepted: {ACCEPTED}")
+        raise SourceError(
+            "a directory that is not a saved dataset (no state.json or dataset_dict.json, as "
+            f"Dataset.save_to_disk writes); accepted: {ACCEPTED}"
+        )
     problem = file_problem(path)  # before any open: a named pipe would block it for ever
     if problem:
         raise SourceError(problem)

@@ -41,8 +41,14 @@ from typing import Callable
 
 from components.data.atomic import atomic_write_text
 from components.evaluate.speed import SpeedupEstimate, Timing, measure_speedup
-from components.evaluate.stage import (EvaluateConfig, HeadEval, HeldOut, NotLosslessError, held_out_samples,
-                                       position_metrics)
+from components.evaluate.stage import (
+    EvaluateConfig,
+    HeadEval,
+    HeldOut,
+    NotLosslessError,
+    held_out_samples,
+    position_metrics,
+)
 from components.targets.target import target_context
 from eagle.stats import acceptance_by_position, raw_steps
 from infra.settings import Settings
@@ -80,11 +86,22 @@ class EngineEvalResult:
     by_position: list[dict] = field(default_factory=list)  # eagle.stats.acceptance_by_position, raw ([]: not given)
 
     def metrics(self) -> dict[str, float]:
-        m = {"tau_vllm": self.tau, "speedup_vllm": self.speedup, "identical_vllm": float(self.identical_to_plain),
-             "spec_tokens_per_s_vllm": self.spec_tokens_per_s, "plain_tokens_per_s_vllm": self.plain_tokens_per_s,
-             "speedup_vllm_reliable": float(self.speedup_reliable), "speedup_vllm_rounds": float(self.speedup_rounds)}
-        m.update({k: v for k, v in (("speedup_vllm_lo", self.speedup_lo), ("speedup_vllm_hi", self.speedup_hi))
-                  if v is not None})
+        m = {
+            "tau_vllm": self.tau,
+            "speedup_vllm": self.speedup,
+            "identical_vllm": float(self.identical_to_plain),
+            "spec_tokens_per_s_vllm": self.spec_tokens_per_s,
+            "plain_tokens_per_s_vllm": self.plain_tokens_per_s,
+            "speedup_vllm_reliable": float(self.speedup_reliable),
+            "speedup_vllm_rounds": float(self.speedup_rounds),
+        }
+        m.update(
+            {
+                k: v
+                for k, v in (("speedup_vllm_lo", self.speedup_lo), ("speedup_vllm_hi", self.speedup_hi))
+                if v is not None
+            }
+        )
         m.update({f"alpha_vllm_{k + 1}": a for k, a in enumerate(self.acceptance)})
         m.update(position_metrics(self.by_position, "_vllm"))
         return m
@@ -102,9 +119,14 @@ def our_outputs(report_file: str | Path) -> list[list[int]]:
     return [s["output_ids"] for s in json.loads(Path(report_file).read_text())["samples"]]
 
 
-def time_requests(server: VllmServer, prompts: list[list[int]], max_tokens: int | list[int], temperature: float = 0.0,
-                  progress: Callable[[int], None] | None = None,
-                  ignore_eos: bool = False) -> tuple[list[list[int]], float]:
+def time_requests(
+    server: VllmServer,
+    prompts: list[list[int]],
+    max_tokens: int | list[int],
+    temperature: float = 0.0,
+    progress: Callable[[int], None] | None = None,
+    ignore_eos: bool = False,
+) -> tuple[list[list[int]], float]:
     """Each prompt in turn (batch 1): its output token ids and the summed request seconds. `max_tokens`: one limit
     for all, or one per prompt. Warm the server up first: every request is timed."""
     limits = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
@@ -132,15 +154,24 @@ def engine_prompts(cfg: EvaluateConfig, target_dir: str, traffic_path: str, sett
     return [(s.segment, s.ids) for s in engine_samples(cfg, target_dir, traffic_path, settings)]
 
 
-def eval_spec(cfg: EvaluateConfig, target_dir: str, head_dir: str | None = None, pair: bool = True,
-              max_new_tokens: int | None = None) -> EngineSpec:
+def eval_spec(
+    cfg: EvaluateConfig,
+    target_dir: str,
+    head_dir: str | None = None,
+    pair: bool = True,
+    max_new_tokens: int | None = None,
+) -> EngineSpec:
     """The engine the evaluation runs: plain (`head_dir` None) or EAGLE-3 with `head_dir` at `cfg.spec.depth`;
     `pair`: one of two servers up at once, each with `PAIR_MEMORY_SHARE` of the memory; `max_new_tokens`: the
     longest sample's limit (None: `cfg.spec.max_new_tokens`)."""
-    spec = EngineSpec(str(target_dir), str(head_dir) if head_dir else None, method="eagle3" if head_dir else None,
-                      num_speculative_tokens=cfg.spec.depth,
-                      max_model_len=engine_max_len(target_dir, cfg, max_new_tokens),
-                      extra_args=PER_REQUEST_METRICS if head_dir else ())
+    spec = EngineSpec(
+        str(target_dir),
+        str(head_dir) if head_dir else None,
+        method="eagle3" if head_dir else None,
+        num_speculative_tokens=cfg.spec.depth,
+        max_model_len=engine_max_len(target_dir, cfg, max_new_tokens),
+        extra_args=PER_REQUEST_METRICS if head_dir else (),
+    )
     if not pair:
         return spec
     if spec.resolved_device() == "cpu":
@@ -156,29 +187,44 @@ def refuse_sampled(cfg: EvaluateConfig, settings: Settings) -> None:
     refuse_sampled_drafts(host_device(), cfg.spec.temperature, settings, "evaluate.spec.temperature")
 
 
-def plain_server(cfg: EvaluateConfig, target_dir: str, settings: Settings,
-                 max_new_tokens: int | None = None) -> VllmServer:
+def plain_server(
+    cfg: EvaluateConfig, target_dir: str, settings: Settings, max_new_tokens: int | None = None
+) -> VllmServer:
     """vLLM without speculation for this target and config, not yet started (`with plain_server(...) as srv`); one
     running server can be handed to several `evaluate_in_vllm` calls of the same target and config (`max_new_tokens`:
     the longest sample's limit, when the traffic gives per-sample limits)."""
     return VllmServer(eval_spec(cfg, target_dir, max_new_tokens=max_new_tokens), settings)
 
 
-def eval_pair(cfg: EvaluateConfig, target_dir: str, head_dir: str, traffic_path: str, settings: Settings,
-              longest: int | None = None) -> tuple[VllmServer, VllmServer]:
+def eval_pair(
+    cfg: EvaluateConfig,
+    target_dir: str,
+    head_dir: str,
+    traffic_path: str,
+    settings: Settings,
+    longest: int | None = None,
+) -> tuple[VllmServer, VllmServer]:
     """The plain and speculative servers `evaluate_in_vllm` runs for these held-out prompts, not started (also to be
     started early, `EnginePool.launch`: built here alike, the evaluation takes them); `longest`: the samples'
     longest length limit (None: read from the traffic)."""
     refuse_sampled(cfg, settings)
     if longest is None:
         longest = max(p.max_new_tokens for p in engine_samples(cfg, target_dir, traffic_path, settings))
-    return (plain_server(cfg, target_dir, settings, longest),
-            VllmServer(eval_spec(cfg, target_dir, head_dir, max_new_tokens=longest), settings))
+    return (
+        plain_server(cfg, target_dir, settings, longest),
+        VllmServer(eval_spec(cfg, target_dir, head_dir, max_new_tokens=longest), settings),
+    )
 
 
-def evaluate_in_vllm(cfg: EvaluateConfig, head: HeadEval, settings: Settings, ours: list[list[int]] | None = None,
-                     plain: VllmServer | None = None, progress: Callable[[str], None] = print,
-                     engines=None) -> EngineEvalResult:
+def evaluate_in_vllm(
+    cfg: EvaluateConfig,
+    head: HeadEval,
+    settings: Settings,
+    ours: list[list[int]] | None = None,
+    plain: VllmServer | None = None,
+    progress: Callable[[str], None] = print,
+    engines=None,
+) -> EngineEvalResult:
     """`head.head_dir` on `head.target_dir` over the held-out prompts of `head.heldout`, the report into
     `head.out_dir` (`head.history_file` plays no part here). `ours`: this project's greedy outputs on the same prompts
     (from `evaluate.json`); `plain`: a running `plain_server` for this target and config (else one is started beside
@@ -196,22 +242,29 @@ def evaluate_in_vllm(cfg: EvaluateConfig, head: HeadEval, settings: Settings, ou
         plain = None  # too short a context for these samples' limits: one of the right length is started
     with ExitStack() as stack:
         if plain is None:  # both started at once: their start-ups overlap
-            progress(f"evaluate (vLLM): starting the engine without speculation and with the head "
-                     f"({cfg.spec.depth} speculative tokens), side by side")
+            progress(
+                f"evaluate (vLLM): starting the engine without speculation and with the head "
+                f"({cfg.spec.depth} speculative tokens), side by side"
+            )
             both = eval_pair(cfg, target_dir, head_dir, head.heldout, settings, longest)
-            plain, srv = stack.enter_context(engines.running(*both, keep=not head.baseline_dir)  # the champion's
-                                              if engines else running(*both))  # server needs their memory
+            plain, srv = stack.enter_context(
+                engines.running(*both, keep=not head.baseline_dir)  # the champion's
+                if engines
+                else running(*both)
+            )  # server needs their memory
         else:
             progress(f"evaluate (vLLM): starting the engine with the head ({cfg.spec.depth} speculative tokens)")
-            srv = stack.enter_context(VllmServer(eval_spec(cfg, target_dir, head_dir, max_new_tokens=longest),
-                                                 settings))
+            srv = stack.enter_context(
+                VllmServer(eval_spec(cfg, target_dir, head_dir, max_new_tokens=longest), settings)
+            )
         measured = _interleaved(cfg, plain, srv, prompts, progress)
     baseline = None
     if head.baseline_dir:
         from components.targets.servable import servable_head
 
-        served = servable_head(head.baseline_dir, target_dir, settings.state_dir / "servable",
-                               settings.trust_remote_code)
+        served = servable_head(
+            head.baseline_dir, target_dir, settings.state_dir / "servable", settings.trust_remote_code
+        )
         baseline = _run_head(cfg, target_dir, str(served), prompts, settings, progress, "champion")[1].tau
     return _finish(cfg, out, prompts, measured, ours, baseline)
 
@@ -236,15 +289,30 @@ def _interleaved(cfg: EvaluateConfig, plain: VllmServer, srv: VllmServer, prompt
                     counters.append(srv.spec_counters() - before)
         return len(c.token_ids)
 
-    pause = SwitchPause.between(plain.spec, last="spec",  # the warm-up's last request went to the head's server
-                                seconds=cfg.speed.switch_pause_s)
-    speed = measure_speedup(n, lambda i, r: run(plain, "plain", i, r), lambda i, r: run(srv, "spec", i, r),
-                            cfg.speed, progress, Timing(
-                                what=" (vLLM)",
-                                own_pgids=[s.proc.pid for s in (plain, srv) if s.proc is not None],  # own sessions
-                                settle=pause, block=cfg.speed.block_for(switch_costs=pause.seconds > 0)))
-    return Interleaved(EngineRun(outs["plain"], sum(speed.plain_s[0])),
-                       EngineRun(outs["spec"], sum(speed.spec_s[0]), outs["steps"]), counters[0], speed)
+    pause = SwitchPause.between(
+        plain.spec,
+        last="spec",  # the warm-up's last request went to the head's server
+        seconds=cfg.speed.switch_pause_s,
+    )
+    speed = measure_speedup(
+        n,
+        lambda i, r: run(plain, "plain", i, r),
+        lambda i, r: run(srv, "spec", i, r),
+        cfg.speed,
+        progress,
+        Timing(
+            what=" (vLLM)",
+            own_pgids=[s.proc.pid for s in (plain, srv) if s.proc is not None],  # own sessions
+            settle=pause,
+            block=cfg.speed.block_for(switch_costs=pause.seconds > 0),
+        ),
+    )
+    return Interleaved(
+        EngineRun(outs["plain"], sum(speed.plain_s[0])),
+        EngineRun(outs["spec"], sum(speed.spec_s[0]), outs["steps"]),
+        counters[0],
+        speed,
+    )
 
 
 class SwitchPause:
@@ -290,21 +358,34 @@ class Interleaved:
     speed: SpeedupEstimate
 
 
-def _run_head(cfg: EvaluateConfig, target_dir: str, head_dir: str, prompts, settings: Settings,
-              progress: Callable[[str], None], what: str) -> tuple[EngineRun, SpecCounters]:
+def _run_head(
+    cfg: EvaluateConfig,
+    target_dir: str,
+    head_dir: str,
+    prompts,
+    settings: Settings,
+    progress: Callable[[str], None],
+    what: str,
+) -> tuple[EngineRun, SpecCounters]:
     """vLLM with `head_dir` (EAGLE-3, `cfg.spec.depth` tokens) alone over `prompts`: outputs, seconds, counters."""
     progress(f"evaluate (vLLM): starting the engine with the {what} head ({cfg.spec.depth} speculative tokens)")
     longest = max(p.max_new_tokens for p in prompts)
     with VllmServer(eval_spec(cfg, target_dir, head_dir, pair=False, max_new_tokens=longest), settings) as srv:
         srv.complete(prompts[0].ids, 4)  # warm-up, before the counters are read
         before = srv.spec_counters()
-        outputs, seconds = time_requests(srv, [p.ids for p in prompts], [p.max_new_tokens for p in prompts],
-                                         cfg.spec.temperature, ignore_eos=cfg.ignore_eos)
+        outputs, seconds = time_requests(
+            srv,
+            [p.ids for p in prompts],
+            [p.max_new_tokens for p in prompts],
+            cfg.spec.temperature,
+            ignore_eos=cfg.ignore_eos,
+        )
         return EngineRun(outputs, seconds), srv.spec_counters() - before
 
 
-def _finish(cfg: EvaluateConfig, out: Path, prompts, measured: Interleaved, ours,
-            baseline_tau: float | None = None) -> EngineEvalResult:
+def _finish(
+    cfg: EvaluateConfig, out: Path, prompts, measured: Interleaved, ours, baseline_tau: float | None = None
+) -> EngineEvalResult:
     spec_run, counters, speed = measured.spec, measured.counters, measured.speed
     plain, spec = measured.plain.outputs, spec_run.outputs
     n_tokens = sum(len(s) for s in spec)
@@ -314,19 +395,45 @@ def _finish(cfg: EvaluateConfig, out: Path, prompts, measured: Interleaved, ours
     given = all(s is not None for s in steps)  # a vLLM without per-request metrics gives none: no buckets then
     by_position = acceptance_by_position([raw_steps(s) for s in steps], cfg.position_edges) if given else []
     res = EngineEvalResult(
-        engine="vllm", tau=counters.tau, acceptance=counters.acceptance, drafts=counters.drafts,
-        accepted_per_pos=list(counters.accepted_per_pos), speedup=speed.speedup,
-        plain_tokens_per_s=speed.plain_tokens_per_s, spec_tokens_per_s=speed.spec_tokens_per_s,
-        identical_to_plain=all(same_plain), identical_to_ours=None if same_ours is None else all(same_ours),
-        n_samples=len(prompts), n_tokens=n_tokens, report_file=str(out / REPORT), baseline_tau=baseline_tau,
-        speedup_lo=speed.lo, speedup_hi=speed.hi, speedup_reliable=speed.reliable, speedup_note=speed.reason,
-        speedup_rounds=speed.rounds, by_position=by_position)
-    samples = [{"segment": h.segment, "prompt_len": len(h.ids), "max_new_tokens": h.max_new_tokens, "plain": p,
-                "spec": s, "identical_to_plain": sp, "accept_lengths": steps[i],
-                **({} if same_ours is None else {"identical_to_ours": same_ours[i]})}
-               for i, (h, p, s, sp) in enumerate(zip(prompts, plain, spec, same_plain))]
-    atomic_write_text(out / REPORT, json.dumps({"config": asdict(cfg), "result": asdict(res), "speed": asdict(speed),
-                                                "samples": samples}, indent=2) + "\n")
+        engine="vllm",
+        tau=counters.tau,
+        acceptance=counters.acceptance,
+        drafts=counters.drafts,
+        accepted_per_pos=list(counters.accepted_per_pos),
+        speedup=speed.speedup,
+        plain_tokens_per_s=speed.plain_tokens_per_s,
+        spec_tokens_per_s=speed.spec_tokens_per_s,
+        identical_to_plain=all(same_plain),
+        identical_to_ours=None if same_ours is None else all(same_ours),
+        n_samples=len(prompts),
+        n_tokens=n_tokens,
+        report_file=str(out / REPORT),
+        baseline_tau=baseline_tau,
+        speedup_lo=speed.lo,
+        speedup_hi=speed.hi,
+        speedup_reliable=speed.reliable,
+        speedup_note=speed.reason,
+        speedup_rounds=speed.rounds,
+        by_position=by_position,
+    )
+    samples = [
+        {
+            "segment": h.segment,
+            "prompt_len": len(h.ids),
+            "max_new_tokens": h.max_new_tokens,
+            "plain": p,
+            "spec": s,
+            "identical_to_plain": sp,
+            "accept_lengths": steps[i],
+            **({} if same_ours is None else {"identical_to_ours": same_ours[i]}),
+        }
+        for i, (h, p, s, sp) in enumerate(zip(prompts, plain, spec, same_plain))
+    ]
+    atomic_write_text(
+        out / REPORT,
+        json.dumps({"config": asdict(cfg), "result": asdict(res), "speed": asdict(speed), "samples": samples}, indent=2)
+        + "\n",
+    )
     if by_position:
         from components.evaluate.plots import plot_by_output_position
 
@@ -334,6 +441,8 @@ def _finish(cfg: EvaluateConfig, out: Path, prompts, measured: Interleaved, ours
     if cfg.spec.greedy and (not res.identical_to_plain or res.identical_to_ours is False):
         bad_plain = sum(not s for s in same_plain)
         bad_ours = 0 if same_ours is None else sum(not s for s in same_ours)
-        raise NotLosslessError(f"in vLLM, {bad_plain}/{len(prompts)} speculative outputs differ from vLLM's plain "
-                               f"greedy output and {bad_ours} from this project's; see {out / REPORT}")
+        raise NotLosslessError(
+            f"in vLLM, {bad_plain}/{len(prompts)} speculative outputs differ from vLLM's plain "
+            f"greedy output and {bad_ours} from this project's; see {out / REPORT}"
+        )
     return res

@@ -38,11 +38,16 @@ class LoadConfig:
         if self.concurrency and not self.k_values:
             raise FieldError(self, "k_values", "must name at least one K when concurrency levels are given")
         if any(k > 16 for k in self.k_values):
-            raise FieldError(self, "k_values", f"must be <= 16 (the heads here draft at most 16), got "
-                                               f"{list(self.k_values)}")
+            raise FieldError(
+                self, "k_values", f"must be <= 16 (the heads here draft at most 16), got {list(self.k_values)}"
+            )
         if self.concurrency and self.requests < self.concurrency[-1]:
-            raise FieldError(self, "requests", f"must be >= the top concurrency {self.concurrency[-1]} (else that "
-                                               f"level never runs full), got {self.requests}")
+            raise FieldError(
+                self,
+                "requests",
+                f"must be >= the top concurrency {self.concurrency[-1]} (else that "
+                f"level never runs full), got {self.requests}",
+            )
         if not 0.0 <= self.margin < 1.0:
             raise FieldError(self, "margin", f"must be in [0, 1), got {self.margin}")
 

@@ -40,13 +40,13 @@ Writes `load_sweep.json` (cells with their spreads, the order of every round, th
 `load_sweep.png` (output tokens/s against concurrency with the spread as error bars: plain, each K, the schedule).
 Concurrency here is what the client keeps in flight; vLLM's schedule is keyed by the scheduler's batch size, which
 equals it in steady state (ramp-up and drain have smaller batches).
+The cells, the judgement and the schedule from the samples: components/evaluate/load_cells.py.
 Not here: batch-1 latency and speedup (components/evaluate/engine.py), registering (components/registry/register.py).
 """
 
 from __future__ import annotations
 
 import json
-import statistics
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -54,69 +54,13 @@ from typing import Callable
 
 from components.data.atomic import atomic_write_text
 from components.evaluate.engine import PAIR_MEMORY_SHARE, engine_max_len, refuse_sampled
-from components.evaluate.load_config import MAX_BATCH, LoadConfig  # noqa: F401  (LoadConfig re-exported)
+from components.evaluate.load_cells import SweepResult, cells_of, crossover_of, derive_schedule, evaluation_cells, judge
+from components.evaluate.load_config import LoadConfig  # noqa: F401  (LoadConfig re-exported)
 from components.evaluate.plots import plot_load_sweep
 from components.evaluate.stage import HeadEval, NotLosslessError, held_out_messages
 
 SCHEDULE = -1  # the `k` of the served schedule's cells
 FRONTEND_BYTES = 2**30  # host memory of one server besides its engine's share (the API process, the client's load)
-
-
-@dataclass(frozen=True)
-class SweepResult:
-    cells: list[dict]  # one per (k, concurrency); k 0 plain, k -1 the schedule; figures are medians over rounds
-    schedule: list[list[int]]  # [[first batch size, last batch size, K], ...] (vLLM's ranges)
-    crossover: int | None  # first concurrency where plain wins (None: speculation pays everywhere measured)
-    best_k: dict[int, int]  # concurrency -> best K (0: plain)
-    speedup_at: dict[int, float]  # concurrency -> the schedule's (or the best K's) tokens/s over plain's
-    batch_variant: int  # plain outputs that changed with the batch alone
-    mismatches: int  # speculative outputs that differ from plain where plain itself did not vary
-    report_file: str
-    plot_file: str
-    mode: str = "all"  # "all": every server of the sweep up at once; "pairs": plain beside one K at a time
-    repeats: int = 1
-    rounds: tuple = ()  # {"phase", "round", "concurrency", "order": [k, ...]} in the order measured
-
-    def metrics(self) -> dict[str, float]:
-        m = {f"speedup_at_{c}": v for c, v in self.speedup_at.items()}
-        if self.crossover is not None:
-            m["crossover"] = float(self.crossover)
-        return m
-
-    def tags(self) -> dict[str, str]:
-        return {"crossover": str(self.crossover) if self.crossover is not None else "none",
-                "k_schedule": json.dumps(self.schedule),
-                **{f"speedup_at_{c}": f"{v:.4f}" for c, v in self.speedup_at.items()}}
-
-
-def derive_schedule(throughput: dict[int, dict[int, float]], margin: float,
-                    spread: dict[int, dict[int, tuple[float, float]]] | None = None
-                    ) -> tuple[list[list[int]], dict[int, int]]:
-    """From `throughput[K][concurrency]` (K 0: plain; medians over rounds) and their `spread[K][concurrency]`
-    (min, max over rounds; None: single figures), vLLM's ranges and the best K per level. A K beats plain at a level
-    only when its median exceeds plain's by more than `margin` AND its spread does not overlap plain's (its min above
-    plain's max); the best K is the fastest of those (the smaller on a tie), else 0."""
-    levels = sorted(throughput[0])
-    best: dict[int, int] = {}
-    for c in levels:
-        plain = throughput[0][c]
-        plain_hi = spread[0][c][1] if spread else plain
-        wins = [(k, t[c]) for k, t in throughput.items() if k > 0 and c in t and t[c] > plain * (1.0 + margin)
-                and (spread is None or spread[k][c][0] > plain_hi)]
-        best[c] = max(wins, key=lambda kt: (kt[1], -kt[0]))[0] if wins else 0
-    ranges: list[list[int]] = []
-    for i, c in enumerate(levels):
-        first = 1 if i == 0 else c
-        last = levels[i + 1] - 1 if i + 1 < len(levels) else MAX_BATCH
-        if ranges and ranges[-1][2] == best[c]:
-            ranges[-1][1] = last
-        else:
-            ranges.append([first, last, best[c]])
-    return ranges, best
-
-
-def crossover_of(best: dict[int, int]) -> int | None:
-    return next((c for c in sorted(best) if best[c] == 0), None)
 
 
 def round_order(keys: list[int], round_i: int, level_i: int) -> list[int]:
@@ -125,8 +69,9 @@ def round_order(keys: list[int], round_i: int, level_i: int) -> list[int]:
     return list(keys) if (round_i + level_i) % 2 == 0 else list(reversed(keys))
 
 
-def load_sweep(cfg, head: HeadEval, settings, progress: Callable[[str], None] = print, engines=None,
-               evaluation: str | None = None) -> SweepResult:
+def load_sweep(
+    cfg, head: HeadEval, settings, progress: Callable[[str], None] = print, engines=None, evaluation: str | None = None
+) -> SweepResult:
     """`cfg` is the EvaluateConfig (its `load`, `spec.max_new_tokens`, `spec.temperature`, `max_prompt_tokens`,
     `ignore_eos`): the first `load.requests` prompts of `head.heldout` that fit, as texts with the chat template, the
     report in `head.out_dir` (the head alone: no baseline, no curves); see the module doc. `engines`: see `run_sweep`;
@@ -148,38 +93,28 @@ def load_sweep(cfg, head: HeadEval, settings, progress: Callable[[str], None] = 
         if len(prompts) >= load.requests:
             break
     if len(prompts) < load.requests:
-        raise ValueError(f"{traffic_path}: only {len(prompts)} held-out prompts fit ({cfg.max_prompt_tokens} prompt "
-                         f"tokens, {output_len} new, context {max_len}); evaluate.load.requests asks for "
-                         f"{load.requests}")
-    plan = SweepPlan(prompts, str(target_dir), str(head.head_dir), Path(head.out_dir), output_len, cfg.spec.temperature,
-                     max_len, progress, ignore_eos=cfg.ignore_eos)
-    batch1 = evaluation_cells(evaluation, load.k_values[0]) \
-        if evaluation and len(load.k_values) == 1 and 1 in load.concurrency and cfg.spec.temperature == 0.0 else None
+        raise ValueError(
+            f"{traffic_path}: only {len(prompts)} held-out prompts fit ({cfg.max_prompt_tokens} prompt "
+            f"tokens, {output_len} new, context {max_len}); evaluate.load.requests asks for "
+            f"{load.requests}"
+        )
+    plan = SweepPlan(
+        prompts,
+        str(target_dir),
+        str(head.head_dir),
+        Path(head.out_dir),
+        output_len,
+        cfg.spec.temperature,
+        max_len,
+        progress,
+        ignore_eos=cfg.ignore_eos,
+    )
+    batch1 = (
+        evaluation_cells(evaluation, load.k_values[0])
+        if evaluation and len(load.k_values) == 1 and 1 in load.concurrency and cfg.spec.temperature == 0.0
+        else None
+    )
     return run_sweep(load, plan, settings, engines, batch1)
-
-
-def evaluation_cells(report_file: str | Path, k: int) -> list[dict] | None:
-    """Concurrency 1 as the engine evaluation timed it (components/evaluate/engine.py, `engine_evaluation.json`):
-    a cell for plain (K 0) and one for the head at K `k`, shaped as `cells_of` makes them, each round's output
-    tokens/s that side's tokens over its seconds in the round (greedy: every round decodes the same tokens), the
-    head's counters those of the evaluation; None when the evaluation drafted another K than `k`."""
-    report = json.loads(Path(report_file).read_text())
-    if report["config"]["spec"]["depth"] != k:
-        return None
-    res, speed, samples = report["result"], report["speed"], report["samples"]
-    cells = []
-    for kk, key in ((0, "plain"), (k, "spec")):
-        tokens = sum(len(s[key]) for s in samples)
-        tps = [tokens / sum(secs) for secs in speed[f"{key}_s"]]
-        drafts = res["drafts"] if kk else None
-        cells.append({"k": kk, "concurrency": 1, "requests": len(samples), **_rounds_tps(tps),
-                      **{m: None for m in ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms")},
-                      "duration_s": statistics.median(sum(secs) for secs in speed[f"{key}_s"]),
-                      "drafts": drafts, "accepted": sum(res["accepted_per_pos"]) if kk else None,
-                      "acceptance_length": res["tau"] if kk else None,
-                      "per_position": [a / drafts for a in res["accepted_per_pos"]] if kk and drafts else None,
-                      "identical_to_plain": sum(s["identical_to_plain"] for s in samples), "source": "evaluation"})
-    return cells
 
 
 @dataclass(frozen=True)
@@ -212,25 +147,35 @@ def memory_fit(spec, n: int, target_dir: str) -> tuple[dict, str]:
         share = PAIR_MEMORY_SHARE["cpu"]
         kv = cpu_kv_cache_bytes(target_dir, spec.head_dir, spec.dtype, spec.max_model_len, share)
         need = n * ((kv + 2 * weights if kv else share * total) + FRONTEND_BYTES)
-        why = "" if total and need <= available else (f"{n} servers need ~{need / 2**30:.1f} GiB, "
-                                                       f"{available / 2**30:.1f} GiB available")
+        why = (
+            ""
+            if total and need <= available
+            else (f"{n} servers need ~{need / 2**30:.1f} GiB, {available / 2**30:.1f} GiB available")
+        )
         return {"cpu_memory_share": share}, why
     share = round(2 * PAIR_MEMORY_SHARE["cuda"] / n, 3)
-    why = "" if total and share * total >= 2 * weights and available >= 2 * PAIR_MEMORY_SHARE["cuda"] * total else (
-        f"{n} servers at {share:.2f} of {total / 2**30:.0f} GiB each leave too little beside "
-        f"{weights / 2**30:.1f} GiB of weights ({available / 2**30:.0f} GiB free)")
+    why = (
+        ""
+        if total and share * total >= 2 * weights and available >= 2 * PAIR_MEMORY_SHARE["cuda"] * total
+        else (
+            f"{n} servers at {share:.2f} of {total / 2**30:.0f} GiB each leave too little beside "
+            f"{weights / 2**30:.1f} GiB of weights ({available / 2**30:.0f} GiB free)"
+        )
+    )
     return {"extra_args": ("--gpu-memory-utilization", str(share))}, why
 
 
-def run_sweep(cfg: LoadConfig, plan: SweepPlan, settings, engines=None, batch1: list[dict] | None = None
-              ) -> SweepResult:
+def run_sweep(
+    cfg: LoadConfig, plan: SweepPlan, settings, engines=None, batch1: list[dict] | None = None
+) -> SweepResult:
     """Plain and every K up at once (else plain beside one K at a time), cells in alternating rounds; then the
     schedule beside plain; see the module doc. `engines`: an `infra.engine_pool.EnginePool` whose parked servers
     (the vLLM evaluation's plain and speculative pair) stand in for the sweep's servers of the same engines; the
     parked ones it does not take are stopped before it starts any. `batch1`: `evaluation_cells` of those servers,
     taken for concurrency 1 when plain and every K were handed on (else concurrency 1 is measured)."""
     from infra.vllm_bench import write_dataset
-    from infra.vllm_server import PER_REQUEST_METRICS, EngineSpec, VllmServer
+    from infra.vllm_engine_spec import EngineSpec
+    from infra.vllm_server import PER_REQUEST_METRICS, VllmServer
 
     plan.out.mkdir(parents=True, exist_ok=True)
     dataset = str(write_dataset(plan.prompts, plan.out / "prompts.sharegpt.json"))
@@ -240,16 +185,30 @@ def run_sweep(cfg: LoadConfig, plan: SweepPlan, settings, engines=None, batch1: 
     mode = "pairs" if why else "all"
 
     def spec_of(k: int, schedule=None, pair: bool = False) -> EngineSpec:
-        spec = base if k == 0 else replace(base, head_dir=plan.head_dir, method="eagle3", num_speculative_tokens=k,
-                                           k_schedule=tuple(tuple(r) for r in schedule) if schedule else None,
-                                           extra_args=PER_REQUEST_METRICS)  # as the evaluation's: one engine
+        spec = (
+            base
+            if k == 0
+            else replace(
+                base,
+                head_dir=plan.head_dir,
+                method="eagle3",
+                num_speculative_tokens=k,
+                k_schedule=tuple(tuple(r) for r in schedule) if schedule else None,
+                extra_args=PER_REQUEST_METRICS,
+            )
+        )  # as the evaluation's: one engine
         fit = pair_changes if pair else changes
-        return replace(spec, **{k_: v for k_, v in fit.items() if k_ != "extra_args"},
-                       extra_args=(*spec.extra_args, *fit.get("extra_args", ())))
+        return replace(
+            spec,
+            **{k_: v for k_, v in fit.items() if k_ != "extra_args"},
+            extra_args=(*spec.extra_args, *fit.get("extra_args", ())),
+        )
 
-    plan.progress(f"load sweep: plain and K {', '.join(map(str, cfg.k_values))} "
-                  + ("up at once" if mode == "all" else f"in pairs with plain ({why})")
-                  + f", {cfg.repeats} rounds at concurrency {', '.join(map(str, cfg.concurrency))}")
+    plan.progress(
+        f"load sweep: plain and K {', '.join(map(str, cfg.k_values))} "
+        + ("up at once" if mode == "all" else f"in pairs with plain ({why})")
+        + f", {cfg.repeats} rounds at concurrency {', '.join(map(str, cfg.concurrency))}"
+    )
     with ExitStack() as stack:
         plain = VllmServer(spec_of(0, pair=mode == "pairs"), settings)
         handed: dict = {}  # K -> a server the evaluation left running (its plain under 0)
@@ -258,8 +217,11 @@ def run_sweep(cfg: LoadConfig, plan: SweepPlan, settings, engines=None, batch1: 
             took = engines.take_each([plain, *(VllmServer(spec_of(k), settings) for k in ks)])
             handed = {k: t for k, t in zip((0, *ks), took) if t is not None}
             if handed:
-                plan.progress("load sweep: " + ", ".join("plain" if k == 0 else f"K {k}" for k in handed)
-                              + " handed on by the evaluation, running already")
+                plan.progress(
+                    "load sweep: "
+                    + ", ".join("plain" if k == 0 else f"K {k}" for k in handed)
+                    + " handed on by the evaluation, running already"
+                )
         from_eval = batch1 is not None and mode == "all" and {0, *cfg.k_values} <= set(handed)
         plain = handed.pop(0, plain)
         stack.callback(plain.stop)
@@ -267,12 +229,17 @@ def run_sweep(cfg: LoadConfig, plan: SweepPlan, settings, engines=None, batch1: 
             plain.launch()  # from this thread, so that it lives as long as the sweep; it starts beside the K servers
         measured = replace(cfg, concurrency=tuple(c for c in cfg.concurrency if c != 1)) if from_eval else cfg
         if from_eval:
-            plan.progress("load sweep: concurrency 1 from the evaluation of these servers ("
-                          + ", ".join(f"{'plain' if c['k'] == 0 else 'K ' + str(c['k'])} "
-                                      f"{c['output_tokens_per_s']:.0f} tok/s" for c in batch1)
-                          + f", {batch1[0]['repeats']} rounds)")
-        mode, why, samples, rounds = _sweep_phase(measured, plan, settings, {0: plain, **handed}, spec_of,
-                                                  (mode, why), dataset)
+            plan.progress(
+                "load sweep: concurrency 1 from the evaluation of these servers ("
+                + ", ".join(
+                    f"{'plain' if c['k'] == 0 else 'K ' + str(c['k'])} {c['output_tokens_per_s']:.0f} tok/s"
+                    for c in batch1
+                )
+                + f", {batch1[0]['repeats']} rounds)"
+            )
+        mode, why, samples, rounds = _sweep_phase(
+            measured, plan, settings, {0: plain, **handed}, spec_of, (mode, why), dataset
+        )
         cells = (list(batch1) if from_eval else []) + cells_of([s for s in samples if s["phase"] == "sweep"])
         tput = {c["k"]: {} for c in cells}
         spread = {c["k"]: {} for c in cells}
@@ -289,23 +256,29 @@ def run_sweep(cfg: LoadConfig, plan: SweepPlan, settings, engines=None, batch1: 
             phase = cells_of([s for s in samples if s["phase"] == "schedule"])
             if from_eval:  # at batch size 1 the schedule drafts best[1] tokens: that server's cell is the schedule's
                 at1 = next(c for c in batch1 if c["k"] == best[1])
-                phase += [next(c for c in batch1 if c["k"] == 0),
-                          {**at1, "k": SCHEDULE, "source": f"evaluation (the schedule drafts K {best[1]} there)"}]
+                phase += [
+                    next(c for c in batch1 if c["k"] == 0),
+                    {**at1, "k": SCHEDULE, "source": f"evaluation (the schedule drafts K {best[1]} there)"},
+                ]
             plain_then = {c["concurrency"]: c["output_tokens_per_s"] for c in phase if c["k"] == 0}
             cells += [{**c, "plain_tokens_per_s": plain_then[c["concurrency"]]} for c in phase if c["k"] == SCHEDULE]
         if from_eval and plan.temperature == 0.0 and judge(samples)[1]:
             # the evaluation keeps token ids, not the client's texts: without plain's texts at batch 1, a plain output
             # that batching alone changed at the lowest level measured here would read as the head's mismatch
-            plan.progress("load sweep: speculative outputs differ from plain's under load; plain at concurrency 1 "
-                          "once, as the batching baseline")
-            got = measure_rounds(replace(measured, concurrency=(1,), repeats=1), plan, settings, {0: plain}, dataset,
-                                 "baseline")
+            plan.progress(
+                "load sweep: speculative outputs differ from plain's under load; plain at concurrency 1 "
+                "once, as the batching baseline"
+            )
+            got = measure_rounds(
+                replace(measured, concurrency=(1,), repeats=1), plan, settings, {0: plain}, dataset, "baseline"
+            )
             samples, rounds = samples + got[0], rounds + got[1]
     return _finish(cfg, plan, cells, samples, schedule, best, {"mode": mode, "mode_reason": why, "rounds": rounds})
 
 
-def _sweep_phase(cfg: LoadConfig, plan: SweepPlan, settings, up: dict, spec_of, how: tuple[str, str],
-                 dataset: str) -> tuple[str, str, list[dict], list[dict]]:
+def _sweep_phase(
+    cfg: LoadConfig, plan: SweepPlan, settings, up: dict, spec_of, how: tuple[str, str], dataset: str
+) -> tuple[str, str, list[dict], list[dict]]:
     """The sweep's cells beside the running plain server (`up[0]`): in mode "all" every K server up at once (those
     in `up`, K -> server, running already; falling back to pairs when one does not start beside the others), else
     each K beside plain in turn; returns the mode it ran in, why not "all", the samples and the rounds' orders."""
@@ -318,8 +291,10 @@ def _sweep_phase(cfg: LoadConfig, plan: SweepPlan, settings, up: dict, spec_of, 
         started = False
         fresh = [k for k in cfg.k_values if k not in handed]
         try:
-            with running(*(VllmServer(spec_of(k), settings) for k in fresh)) as started_up, \
-                    stopping(*handed.values()):  # started at once
+            with (
+                running(*(VllmServer(spec_of(k), settings) for k in fresh)) as started_up,
+                stopping(*handed.values()),
+            ):  # started at once
                 plain.wait_ready()
                 by_k = {**dict(zip(fresh, started_up)), **handed}
                 servers = {0: plain, **{k: by_k[k] for k in cfg.k_values}}
@@ -339,8 +314,9 @@ def _sweep_phase(cfg: LoadConfig, plan: SweepPlan, settings, up: dict, spec_of, 
     return "pairs", why, samples, rounds
 
 
-def measure_rounds(cfg: LoadConfig, plan: SweepPlan, settings, servers: dict, dataset: str, phase: str,
-                   first_round: int = 0) -> tuple[list[dict], list[dict]]:
+def measure_rounds(
+    cfg: LoadConfig, plan: SweepPlan, settings, servers: dict, dataset: str, phase: str, first_round: int = 0
+) -> tuple[list[dict], list[dict]]:
     """Every server (`{k: running VllmServer}`) at every level, `cfg.repeats` rounds (numbered from `first_round`) in
     `round_order`, by one client process; returns (one sample per cell measured, each level's order) for the caller
     to add to what it measured before."""
@@ -351,15 +327,31 @@ def measure_rounds(cfg: LoadConfig, plan: SweepPlan, settings, servers: dict, da
         for i, c in enumerate(cfg.concurrency):
             order = round_order(list(servers), r, i)
             rounds.append({"phase": phase, "round": r, "concurrency": c, "order": order})
-            jobs += [(k, r, LoadRequest(dataset, plan.target_dir, c, len(plan.prompts), plan.output_len,
-                                        plan.temperature, ignore_eos=plan.ignore_eos)) for k in order]
+            jobs += [
+                (
+                    k,
+                    r,
+                    LoadRequest(
+                        dataset,
+                        plan.target_dir,
+                        c,
+                        len(plan.prompts),
+                        plan.output_len,
+                        plan.temperature,
+                        ignore_eos=plan.ignore_eos,
+                    ),
+                )
+                for k in order
+            ]
 
     def done(i: int, cell) -> None:
         k, r, _ = jobs[i]
         what = "plain" if k == 0 else ("the schedule" if k == SCHEDULE else f"K = {k}")
-        plan.progress(f"load sweep: round {r + 1} {what} at {cell.concurrency}: "
-                      f"{cell.output_tokens_per_s:.0f} tok/s"
-                      + (f", tau {cell.acceptance_length:.2f}" if cell.acceptance_length else ""))
+        plan.progress(
+            f"load sweep: round {r + 1} {what} at {cell.concurrency}: "
+            f"{cell.output_tokens_per_s:.0f} tok/s"
+            + (f", tau {cell.acceptance_length:.2f}" if cell.acceptance_length else "")
+        )
 
     if not jobs:
         return [], rounds
@@ -367,83 +359,74 @@ def measure_rounds(cfg: LoadConfig, plan: SweepPlan, settings, servers: dict, da
     return [{"phase": phase, "round": r, "k": k, **asdict(cell)} for (k, r, _), cell in zip(jobs, cells)], rounds
 
 
-def _rounds_tps(tps: list[float]) -> dict:
-    """A cell's tokens/s fields from its rounds' figures: the median, the spread and every round, and how many."""
-    return {"repeats": len(tps), "output_tokens_per_s": statistics.median(tps), "output_tokens_per_s_min": min(tps),
-            "output_tokens_per_s_max": max(tps), "output_tokens_per_s_rounds": tps}
-
-
-def cells_of(samples: list[dict]) -> list[dict]:
-    """One cell per (k, concurrency) of `samples`: latencies and tokens/s the medians over rounds, tokens/s also
-    min, max and per round; the speculative counters summed; `texts` of each round in `texts_by_round`."""
-    keys = sorted({(s["k"], s["concurrency"]) for s in samples}, key=lambda kc: (kc[0] < 0, kc))
-    cells = []
-    for k, c in keys:
-        rows = [s for s in samples if (s["k"], s["concurrency"]) == (k, c)]
-        cell = {"k": k, "concurrency": c, "requests": rows[0]["requests"],
-                **_rounds_tps([s["output_tokens_per_s"] for s in rows]),
-                **{m: statistics.median(s[m] for s in rows)
-                   for m in ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "duration_s")}}
-        drafts = [s for s in rows if s["drafts"]]
-        n = sum(s["drafts"] for s in drafts)
-        acc = sum(s["accepted"] for s in drafts)
-        per_pos = [sum(s["per_position"][j] * s["drafts"] for s in drafts) / n
-                   for j in range(min(len(s["per_position"] or []) for s in drafts))] if drafts else None
-        cell.update(drafts=n if drafts else None, accepted=acc if drafts else None,
-                    acceptance_length=1.0 + acc / n if drafts else None, per_position=per_pos,
-                    texts=rows[0]["texts"], texts_by_round=[s["texts"] for s in rows], source="sweep")
-        cells.append(cell)
-    return cells
-
-
-def judge(samples: list[dict]) -> tuple[set, set]:
-    """(batch-variant (concurrency, prompt) keys, mismatched (k, concurrency, prompt) keys) of the measured samples.
-    The baseline is each prompt's plain output at the lowest concurrency where plain was measured by the load
-    client (any phase: a "baseline" one included); a plain output that differs from it, or between rounds, is batch
-    variance; a speculative output that is none of the plain outputs at its concurrency, where plain did not vary, a
-    mismatch."""
-    plain_seen: dict[tuple[int, int], set[str]] = {}  # (concurrency, prompt) -> every plain output there
-    for s in samples:
-        if s["k"] == 0:
-            for i, t in enumerate(s["texts"]):
-                plain_seen.setdefault((s["concurrency"], i), set()).add(t)
-    low = min((s["concurrency"] for s in samples if s["k"] == 0), default=None)
-    base = next((s["texts"] for s in samples if s["k"] == 0 and s["concurrency"] == low), [])
-    variant = {key for key, seen in plain_seen.items() if seen != {base[key[1]]}}
-    mismatched = {(s["k"], s["concurrency"], i) for s in samples if s["k"] != 0 for i, t in enumerate(s["texts"])
-                  if t not in plain_seen[(s["concurrency"], i)] and (s["concurrency"], i) not in variant}
-    return variant, mismatched
-
-
-def _finish(cfg: LoadConfig, plan: SweepPlan, cells: list[dict], samples: list[dict], schedule, best,
-            how: dict) -> SweepResult:
+def _finish(
+    cfg: LoadConfig, plan: SweepPlan, cells: list[dict], samples: list[dict], schedule, best, how: dict
+) -> SweepResult:
     variant, mismatched = judge(samples)
     plain = {c["concurrency"]: c["texts"] for c in cells if c["k"] == 0 and c["source"] == "sweep"}
     for c in cells:
         if c["source"] != "sweep":  # the evaluation's: its own identity count
             continue
-        c["identical_to_plain"] = sum(all(t[i] == plain[c["concurrency"]][i] for t in c["texts_by_round"])
-                                      for i in range(len(plain[c["concurrency"]])))
+        c["identical_to_plain"] = sum(
+            all(t[i] == plain[c["concurrency"]][i] for t in c["texts_by_round"])
+            for i in range(len(plain[c["concurrency"]]))
+        )
     by = {(c["k"], c["concurrency"]): c for c in cells}
     speedup_at = {}
     for lvl in sorted({c["concurrency"] for c in cells if c["k"] == 0}):
         sched = by.get((SCHEDULE, lvl))
-        speedup_at[lvl] = (sched["output_tokens_per_s"] / sched["plain_tokens_per_s"] if sched else
-                           by[(best[lvl], lvl)]["output_tokens_per_s"] / by[(0, lvl)]["output_tokens_per_s"])
-    res = SweepResult(cells=cells, schedule=schedule, crossover=crossover_of(best), best_k=best,
-                      speedup_at=speedup_at, batch_variant=len(variant), mismatches=len(mismatched),
-                      report_file=str(plan.out / "load_sweep.json"), plot_file=str(plan.out / "load_sweep.png"),
-                      mode=how["mode"], repeats=cfg.repeats, rounds=tuple(how["rounds"]))
+        speedup_at[lvl] = (
+            sched["output_tokens_per_s"] / sched["plain_tokens_per_s"]
+            if sched
+            else by[(best[lvl], lvl)]["output_tokens_per_s"] / by[(0, lvl)]["output_tokens_per_s"]
+        )
+    res = SweepResult(
+        cells=cells,
+        schedule=schedule,
+        crossover=crossover_of(best),
+        best_k=best,
+        speedup_at=speedup_at,
+        batch_variant=len(variant),
+        mismatches=len(mismatched),
+        report_file=str(plan.out / "load_sweep.json"),
+        plot_file=str(plan.out / "load_sweep.png"),
+        mode=how["mode"],
+        repeats=cfg.repeats,
+        rounds=tuple(how["rounds"]),
+    )
     slim = [{k: v for k, v in c.items() if k not in ("texts", "texts_by_round")} for c in cells]
-    atomic_write_text(plan.out / "load_sweep.json", json.dumps(
-        {"config": asdict(cfg), "output_len": plan.output_len, "max_model_len": plan.max_model_len,
-         "mode": how["mode"], "mode_reason": how["mode_reason"], "repeats": cfg.repeats, "schedule": schedule,
-         "crossover": res.crossover, "best_k": best, "speedup_at": speedup_at, "batch_variant": res.batch_variant,
-         "mismatches": res.mismatches, "cells": slim, "rounds": how["rounds"], **plan.extra}, indent=2) + "\n")
+    atomic_write_text(
+        plan.out / "load_sweep.json",
+        json.dumps(
+            {
+                "config": asdict(cfg),
+                "output_len": plan.output_len,
+                "max_model_len": plan.max_model_len,
+                "mode": how["mode"],
+                "mode_reason": how["mode_reason"],
+                "repeats": cfg.repeats,
+                "schedule": schedule,
+                "crossover": res.crossover,
+                "best_k": best,
+                "speedup_at": speedup_at,
+                "batch_variant": res.batch_variant,
+                "mismatches": res.mismatches,
+                "cells": slim,
+                "rounds": how["rounds"],
+                **plan.extra,
+            },
+            indent=2,
+        )
+        + "\n",
+    )
     plot_load_sweep(cells, schedule, res.plot_file)
     if plan.temperature == 0.0 and res.mismatches:
-        raise NotLosslessError(f"under load in vLLM, {res.mismatches} speculative outputs differ from plain decoding "
-                               f"at the same concurrency (not explained by batching); see {res.report_file}")
-    plan.progress(f"load sweep: schedule {schedule}, crossover {res.crossover}; {res.batch_variant} plain outputs "
-                  f"varied with the batch alone")
+        raise NotLosslessError(
+            f"under load in vLLM, {res.mismatches} speculative outputs differ from plain decoding "
+            f"at the same concurrency (not explained by batching); see {res.report_file}"
+        )
+    plan.progress(
+        f"load sweep: schedule {schedule}, crossover {res.crossover}; {res.batch_variant} plain outputs "
+        f"varied with the batch alone"
+    )
     return res

@@ -94,8 +94,10 @@ def plot_load_sweep(cells: list[dict], schedule: list[list[int]], path: str | Pa
         label = "plain" if k == 0 else ("schedule " + json.dumps(schedule) if k < 0 else f"K = {k}")
         style = dict(color="black", lw=2) if k == 0 else (dict(color="C3", lw=2, ls="--") if k < 0 else {})
         ys = [c["output_tokens_per_s"] for c in rows]
-        err = [[y - c.get("output_tokens_per_s_min", y) for y, c in zip(ys, rows)],
-               [c.get("output_tokens_per_s_max", y) - y for y, c in zip(ys, rows)]]
+        err = [
+            [y - c.get("output_tokens_per_s_min", y) for y, c in zip(ys, rows)],
+            [c.get("output_tokens_per_s_max", y) - y for y, c in zip(ys, rows)],
+        ]
         ax.errorbar([c["concurrency"] for c in rows], ys, yerr=err, marker="o", capsize=3, label=label, **style)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("concurrent requests")
@@ -105,8 +107,9 @@ def plot_load_sweep(cells: list[dict], schedule: list[list[int]], path: str | Pa
     return _save(plt, fig, path)
 
 
-def plot_by_output_position(buckets: list[dict], path: str | Path, engine: list[dict] | None = None,
-                             label: str = "ours") -> Path:
+def plot_by_output_position(
+    buckets: list[dict], path: str | Path, engine: list[dict] | None = None, label: str = "ours"
+) -> Path:
     """τ per output-position bucket (bars; the engine's beside them when given), α_1 as a line on a second axis;
     an empty bucket is drawn empty and labelled with its step count 0 (eagle.stats.acceptance_by_position).
     `label` names whose `buckets` they are."""

@@ -92,8 +92,12 @@ class ShadowResult:
         return self.promoted, f"shadow: {self.reason}"
 
     def tags(self) -> dict[str, str]:
-        tags = {"shadow_verdict": "promote" if self.promoted else "keep champion", "shadow_reason": self.reason,
-                "shadow_prompts": str(self.prompts), "shadow_champion": self.champion_uri}
+        tags = {
+            "shadow_verdict": "promote" if self.promoted else "keep champion",
+            "shadow_reason": self.reason,
+            "shadow_prompts": str(self.prompts),
+            "shadow_champion": self.champion_uri,
+        }
         for name, f in (("shadow_speedup", self.new), ("shadow_champion_speedup", self.champion)):
             tags[name] = f"{f.speedup:.4f}" if f.reliable else "unreliable"
             if not f.reliable:
@@ -122,16 +126,27 @@ def shadow_samples(cfg: EvaluateConfig, tokenizer, heldout_path: str | Path) -> 
         if len(ids) > cfg.max_prompt_tokens:
             skipped += 1
             continue
-        out.append(HeldOut(conv.segment or "captured", ids,
-                           min(conv.max_new_tokens or cfg.spec.max_new_tokens, cfg.spec.max_new_tokens)))
+        out.append(
+            HeldOut(
+                conv.segment or "captured",
+                ids,
+                min(conv.max_new_tokens or cfg.spec.max_new_tokens, cfg.spec.max_new_tokens),
+            )
+        )
     if not out:
-        raise ValueError(f"{heldout_path}: no held-out request fits in evaluate.max_prompt_tokens "
-                         f"{cfg.max_prompt_tokens}")
+        raise ValueError(
+            f"{heldout_path}: no held-out request fits in evaluate.max_prompt_tokens {cfg.max_prompt_tokens}"
+        )
     return out, skipped
 
 
-def shadow_test(cfg: EvaluateConfig, head: HeadEval, settings: Settings, champion_uri: str = "",
-                progress: Callable[[str], None] = print) -> ShadowResult:
+def shadow_test(
+    cfg: EvaluateConfig,
+    head: HeadEval,
+    settings: Settings,
+    champion_uri: str = "",
+    progress: Callable[[str], None] = print,
+) -> ShadowResult:
     """Measure the new head (`head.head_dir`) and the champion (`head.baseline_dir`) in vLLM on the held-out requests
     (`head.heldout`) into `head.out_dir` (see the module doc)."""
     from transformers import AutoTokenizer
@@ -140,16 +155,26 @@ def shadow_test(cfg: EvaluateConfig, head: HeadEval, settings: Settings, champio
 
     target_dir, head_dir, champion_dir, heldout_path = head.target_dir, head.head_dir, head.baseline_dir, head.heldout
     out = Path(head.out_dir)
-    key = hashlib.sha256(json.dumps([file_sha256(Path(head_dir) / "model.safetensors"),
-                                     file_sha256(Path(champion_dir) / "model.safetensors"),
-                                     file_sha256(heldout_path), asdict(cfg)], sort_keys=True).encode()).hexdigest()
+    key = hashlib.sha256(
+        json.dumps(
+            [
+                file_sha256(Path(head_dir) / "model.safetensors"),
+                file_sha256(Path(champion_dir) / "model.safetensors"),
+                file_sha256(heldout_path),
+                asdict(cfg),
+            ],
+            sort_keys=True,
+        ).encode()
+    ).hexdigest()
     if (out / REPORT).is_file() and (done := ShadowResult.read(out / REPORT)).key == key:
         return done
     refuse_sampled(cfg, settings)
     tokenizer = AutoTokenizer.from_pretrained(target_dir, trust_remote_code=settings.trust_remote_code)
     samples, skipped = shadow_samples(cfg, tokenizer, heldout_path)
-    heads = [str(servable_head(d, target_dir, settings.state_dir / "servable", settings.trust_remote_code))
-             for d in (head_dir, champion_dir)]
+    heads = [
+        str(servable_head(d, target_dir, settings.state_dir / "servable", settings.trust_remote_code))
+        for d in (head_dir, champion_dir)
+    ]
     longest = max(s.max_new_tokens for s in samples)
 
     def server(served: str | None) -> VllmServer:
@@ -165,15 +190,25 @@ def shadow_test(cfg: EvaluateConfig, head: HeadEval, settings: Settings, champio
     promoted, reason = verdict(new, champion)
     res = ShadowResult(new, champion, promoted, reason, len(samples), skipped, champion_uri, key, str(out / REPORT))
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out / REPORT, json.dumps({"result": asdict(res), "heads": heads,
-                                                "max_model_len": engine_max_len(target_dir, cfg, longest)},
-                                               indent=2) + "\n")
+    atomic_write_text(
+        out / REPORT,
+        json.dumps(
+            {"result": asdict(res), "heads": heads, "max_model_len": engine_max_len(target_dir, cfg, longest)}, indent=2
+        )
+        + "\n",
+    )
     progress(f"shadow: {'promote' if promoted else 'keep the champion'}: {reason}")
     return res
 
 
-def _measure(cfg: EvaluateConfig, plain: VllmServer, srv: VllmServer, samples: list[HeldOut],
-             progress: Callable[[str], None], what: str) -> Figure:
+def _measure(
+    cfg: EvaluateConfig,
+    plain: VllmServer,
+    srv: VllmServer,
+    samples: list[HeldOut],
+    progress: Callable[[str], None],
+    what: str,
+) -> Figure:
     """Interleaved rounds of plain and speculative requests (as the engine evaluation times them)."""
     for s in (plain, srv):
         s.complete(samples[0].ids, 4)  # warm-up: first-request costs out of the timing and the counters
@@ -187,10 +222,18 @@ def _measure(cfg: EvaluateConfig, plain: VllmServer, srv: VllmServer, samples: l
         return len(c.token_ids)
 
     pause = SwitchPause.between(plain.spec, last="spec", seconds=cfg.speed.switch_pause_s)
-    est = measure_speedup(len(samples), lambda i, r: run(plain, "plain", i, r), lambda i, r: run(srv, "spec", i, r),
-                          cfg.speed, progress, Timing(
-                              what=f" (shadow, {what})", settle=pause,
-                              own_pgids=[s.proc.pid for s in (plain, srv) if s.proc is not None],
-                              block=cfg.speed.block_for(switch_costs=pause.seconds > 0)))
+    est = measure_speedup(
+        len(samples),
+        lambda i, r: run(plain, "plain", i, r),
+        lambda i, r: run(srv, "spec", i, r),
+        cfg.speed,
+        progress,
+        Timing(
+            what=f" (shadow, {what})",
+            settle=pause,
+            own_pgids=[s.proc.pid for s in (plain, srv) if s.proc is not None],
+            block=cfg.speed.block_for(switch_costs=pause.seconds > 0),
+        ),
+    )
     identical = outs["plain"] == outs["spec"] or not cfg.spec.greedy  # sampled outputs are not comparable
     return Figure.of(est, identical, (srv.spec_counters() - before).tau)

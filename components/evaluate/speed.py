@@ -62,10 +62,14 @@ class SpeedupConfig:
 
     def __post_init__(self) -> None:
         at_least(self, {"min_rounds": 1, "max_rounds": 1, "block": 0})
-        if self.switch_pause_s is not None and (isinstance(self.switch_pause_s, bool) or
-                                                not 0.0 <= self.switch_pause_s < float("inf")):
-            raise FieldError(self, "switch_pause_s", f"must be a number of seconds >= 0 (null: the device's own), "
-                                                     f"got {self.switch_pause_s}")
+        if self.switch_pause_s is not None and (
+            isinstance(self.switch_pause_s, bool) or not 0.0 <= self.switch_pause_s < float("inf")
+        ):
+            raise FieldError(
+                self,
+                "switch_pause_s",
+                f"must be a number of seconds >= 0 (null: the device's own), got {self.switch_pause_s}",
+            )
         if self.max_rounds < self.min_rounds:
             raise FieldError(self, "max_rounds", f"must be >= min_rounds ({self.min_rounds}), got {self.max_rounds}")
         if not 0.0 < self.max_spread < 1.0:
@@ -73,8 +77,9 @@ class SpeedupConfig:
         if not 0.0 < self.budget_s < float("inf"):
             raise FieldError(self, "budget_s", f"must be a positive number of seconds, got {self.budget_s}")
         if isinstance(self.max_other_load, bool) or not self.max_other_load >= 0.0:
-            raise FieldError(self, "max_other_load", f"must be a number of CPU cores >= 0 (inf: no bound), got "
-                                                     f"{self.max_other_load}")
+            raise FieldError(
+                self, "max_other_load", f"must be a number of CPU cores >= 0 (inf: no bound), got {self.max_other_load}"
+            )
 
     def block_for(self, switch_costs: bool) -> int:
         """The block size to run: `block` when set, else 1 (prompt by prompt) where switching sides is free and
@@ -110,7 +115,7 @@ class SpeedupEstimate:
         return max(self.hi / self.speedup - 1.0, 1.0 - self.lo / self.speedup) if self.speedup > 0 else float("inf")
 
     def describe(self) -> str:
-        """"1.52x [1.47, 1.58] over 5 rounds", with "unreliable: <why>" when it is."""
+        """ "1.52x [1.47, 1.58] over 5 rounds", with "unreliable: <why>" when it is."""
         text = f"{self.speedup:.2f}x [{self.lo:.2f}, {self.hi:.2f}] over {self.rounds} round(s)"
         return text if self.reliable else f"{text}, unreliable: {self.reason}"
 
@@ -118,8 +123,13 @@ class SpeedupEstimate:
         """`speedup<suffix>` (the median), `_lo`, `_hi`, `_reliable` (1/0), `_rounds`, `_other_load` when known (e.g.
         suffix "_vllm")."""
         base = f"speedup{suffix}"
-        out = {base: self.speedup, f"{base}_lo": self.lo, f"{base}_hi": self.hi,
-               f"{base}_reliable": float(self.reliable), f"{base}_rounds": float(self.rounds)}
+        out = {
+            base: self.speedup,
+            f"{base}_lo": self.lo,
+            f"{base}_hi": self.hi,
+            f"{base}_reliable": float(self.reliable),
+            f"{base}_rounds": float(self.rounds),
+        }
         if self.other_load is not None:
             out[f"{base}_other_load"] = self.other_load
         return out
@@ -134,7 +144,7 @@ def median_interval(values: list[float], coverage: float = COVERAGE) -> tuple[fl
         raise ValueError("no values")
 
     def cover(k: int) -> float:
-        return 1.0 - 2.0 * sum(comb(n, j) for j in range(k)) / 2 ** n
+        return 1.0 - 2.0 * sum(comb(n, j) for j in range(k)) / 2**n
 
     k = 1
     while k + 1 <= (n + 1) // 2 and cover(k + 1) >= coverage:
@@ -156,9 +166,14 @@ class Timing:
     block: int | None = None
 
 
-def measure_speedup(n_prompts: int, plain: Callable[[int, int], int], spec: Callable[[int, int], int],
-                    cfg: SpeedupConfig, progress: Callable[[str], None] | None = None,
-                    timing: Timing = Timing()) -> SpeedupEstimate:
+def measure_speedup(
+    n_prompts: int,
+    plain: Callable[[int, int], int],
+    spec: Callable[[int, int], int],
+    cfg: SpeedupConfig,
+    progress: Callable[[str], None] | None = None,
+    timing: Timing = Timing(),
+) -> SpeedupEstimate:
     """Rounds of interleaved plain and speculative decoding over `n_prompts`; each callable returns the tokens it
     produced (for tokens/s), timed as `timing` says. See the module doc."""
     what, clock, settle = timing.what, timing.clock, timing.settle
@@ -193,16 +208,24 @@ def measure_speedup(n_prompts: int, plain: Callable[[int, int], int], spec: Call
         spec_s.append(row_s)
         est = _estimate(plain_s, spec_s, tokens_plain, tokens_spec, cfg, clock() - t_start - settled, probe.cores())
         if progress:
-            progress(f"speedup{what}: round {r + 1}: {sum(row_p) / max(sum(row_s), 1e-9):.2f}x; "
-                     f"so far {est.describe()}")
+            progress(
+                f"speedup{what}: round {r + 1}: {sum(row_p) / max(sum(row_s), 1e-9):.2f}x; so far {est.describe()}"
+            )
         if len(plain_s) >= cfg.min_rounds and est.spread <= cfg.max_spread:
             break
     assert est is not None
     return est
 
 
-def _estimate(plain_s, spec_s, tokens_plain: int, tokens_spec: int, cfg: SpeedupConfig,
-              elapsed: float, other_load: float | None = None) -> SpeedupEstimate:
+def _estimate(
+    plain_s,
+    spec_s,
+    tokens_plain: int,
+    tokens_spec: int,
+    cfg: SpeedupConfig,
+    elapsed: float,
+    other_load: float | None = None,
+) -> SpeedupEstimate:
     ratios = [sum(p) / max(sum(s), 1e-9) for p, s in zip(plain_s, spec_s)]
     med = statistics.median(ratios)
     lo, hi, cov = median_interval(ratios)
@@ -210,23 +233,42 @@ def _estimate(plain_s, spec_s, tokens_plain: int, tokens_spec: int, cfg: Speedup
     spread = max(hi / med - 1.0, 1.0 - lo / med) if med > 0 else float("inf")
     reason = ""
     if n < cfg.min_rounds:
-        reason = (f"only {n} of {cfg.min_rounds} rounds fitted in the {cfg.budget_s:.0f} s budget"
-                  if elapsed >= cfg.budget_s or n >= cfg.max_rounds else f"{n} of {cfg.min_rounds} rounds so far")
+        reason = (
+            f"only {n} of {cfg.min_rounds} rounds fitted in the {cfg.budget_s:.0f} s budget"
+            if elapsed >= cfg.budget_s or n >= cfg.max_rounds
+            else f"{n} of {cfg.min_rounds} rounds so far"
+        )
     elif spread > cfg.max_spread:
-        reason = (f"the rounds disagree: median {med:.2f}x, interval [{lo:.2f}, {hi:.2f}] is +-{spread:.0%} "
-                  f"(bound +-{cfg.max_spread:.0%}); the machine was probably busy")
+        reason = (
+            f"the rounds disagree: median {med:.2f}x, interval [{lo:.2f}, {hi:.2f}] is +-{spread:.0%} "
+            f"(bound +-{cfg.max_spread:.0%}); the machine was probably busy"
+        )
     if other_load is not None and other_load > cfg.max_other_load:
-        busy = (f"the machine was busy: other processes used {other_load:.2f} CPU cores on average while it was "
-                f"measured (bound {cfg.max_other_load:g}, speed.max_other_load); re-run on quiet cores")
+        busy = (
+            f"the machine was busy: other processes used {other_load:.2f} CPU cores on average while it was "
+            f"measured (bound {cfg.max_other_load:g}, speed.max_other_load); re-run on quiet cores"
+        )
         reason = f"{reason}; {busy}" if reason else busy
     return SpeedupEstimate(
-        speedup=med, lo=lo, hi=hi, coverage=cov, rounds=n, reliable=not reason, reason=reason,
+        speedup=med,
+        lo=lo,
+        hi=hi,
+        coverage=cov,
+        rounds=n,
+        reliable=not reason,
+        reason=reason,
         plain_tokens_per_s=tokens_plain / max(statistics.median(sum(p) for p in plain_s), 1e-9),
         spec_tokens_per_s=tokens_spec / max(statistics.median(sum(s) for s in spec_s), 1e-9),
-        other_load=other_load, round_ratios=ratios, plain_s=plain_s, spec_s=spec_s)
+        other_load=other_load,
+        round_ratios=ratios,
+        plain_s=plain_s,
+        spec_s=spec_s,
+    )
 
 
 if __name__ == "__main__":
     for n in range(1, 13):
-        print(f"{n:>2} rounds: interval of the median from order statistics covers "
-              f"{median_interval(list(range(n)))[2]:.3f}")
+        print(
+            f"{n:>2} rounds: interval of the median from order statistics covers "
+            f"{median_interval(list(range(n)))[2]:.3f}"
+        )

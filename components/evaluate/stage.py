@@ -95,8 +95,13 @@ class EvaluateConfig:
         if not isinstance(self.ignore_eos, bool):
             raise FieldError(self, "ignore_eos", f"must be true or false, got {self.ignore_eos!r}")
         e = self.position_edges
-        if (not isinstance(e, tuple) or len(e) < 2 or any(isinstance(x, bool) or not isinstance(x, int) for x in e)
-                or e[0] < 0 or any(a >= b for a, b in zip(e, e[1:]))):
+        if (
+            not isinstance(e, tuple)
+            or len(e) < 2
+            or any(isinstance(x, bool) or not isinstance(x, int) for x in e)
+            or e[0] < 0
+            or any(a >= b for a, b in zip(e, e[1:]))
+        ):
             raise FieldError(self, "position_edges", f"must be >= 2 ascending integers >= 0, got {e!r}")
 
     def engine_conflict(self, in_engine: bool) -> tuple[str, str] | None:
@@ -170,11 +175,18 @@ class EvaluateResult:
     def metrics(self) -> dict[str, float]:
         m = {"tau": self.tau}
         if self.timed:
-            m.update({"speedup": self.speedup, "plain_tokens_per_s": self.plain_tokens_per_s,
-                      "spec_tokens_per_s": self.spec_tokens_per_s, "speedup_reliable": float(self.speedup_reliable),
-                      "speedup_rounds": float(self.speedup_rounds)})
-            m.update({k: v for k, v in (("speedup_lo", self.speedup_lo), ("speedup_hi", self.speedup_hi))
-                      if v is not None})
+            m.update(
+                {
+                    "speedup": self.speedup,
+                    "plain_tokens_per_s": self.plain_tokens_per_s,
+                    "spec_tokens_per_s": self.spec_tokens_per_s,
+                    "speedup_reliable": float(self.speedup_reliable),
+                    "speedup_rounds": float(self.speedup_rounds),
+                }
+            )
+            m.update(
+                {k: v for k, v in (("speedup_lo", self.speedup_lo), ("speedup_hi", self.speedup_hi)) if v is not None}
+            )
         if self.tau_raw is not None:
             m["tau_raw"] = self.tau_raw
         if self.identical is not None:  # sampled runs are not comparable token for token
@@ -239,8 +251,9 @@ def held_out_prompts(tokenizer, traffic_path: str, cfg: EvaluateConfig) -> list[
     return [(s.segment, s.ids) for s in held_out_samples(tokenizer, traffic_path, cfg)]
 
 
-def evaluate(cfg: EvaluateConfig, head: HeadEval, progress: Callable[[str], None] = print,
-             trust_remote_code: bool = False) -> EvaluateResult:
+def evaluate(
+    cfg: EvaluateConfig, head: HeadEval, progress: Callable[[str], None] = print, trust_remote_code: bool = False
+) -> EvaluateResult:
     """Decode the held-out prompts (`head.heldout`) plainly and with the head (and the baseline head), on
     `cfg.threads` torch threads, into `head.out_dir`; see the module doc."""
     from eagle import target_path
@@ -249,8 +262,9 @@ def evaluate(cfg: EvaluateConfig, head: HeadEval, progress: Callable[[str], None
         return _evaluate(cfg, head, progress, trust_remote_code)
 
 
-def _evaluate(cfg: EvaluateConfig, head: HeadEval, progress: Callable[[str], None],
-              trust_remote_code: bool) -> EvaluateResult:
+def _evaluate(
+    cfg: EvaluateConfig, head: HeadEval, progress: Callable[[str], None], trust_remote_code: bool
+) -> EvaluateResult:
     import torch
 
     from components.targets.target import load_target
@@ -282,9 +296,16 @@ def _evaluate(cfg: EvaluateConfig, head: HeadEval, progress: Callable[[str], Non
     def speculative(i: int, r: int) -> int:
         sp = generate_speculative(target, draft, xs[i], None, specs[i], generator=gen)
         if r == 0:
-            samples.append({"segment": prompts[i].segment, "max_new_tokens": prompts[i].max_new_tokens,
-                            **_sample_counts(sp.stats), "tokens": int(sp.lengths.sum()),
-                            "output_ids": sp.sequences[0, :int(sp.lengths[0])].tolist(), "_seq": sp.sequences})
+            samples.append(
+                {
+                    "segment": prompts[i].segment,
+                    "max_new_tokens": prompts[i].max_new_tokens,
+                    **_sample_counts(sp.stats),
+                    "tokens": int(sp.lengths.sum()),
+                    "output_ids": sp.sequences[0, : int(sp.lengths[0])].tolist(),
+                    "_seq": sp.sequences,
+                }
+            )
             stats.append(sp.stats)
             progress(f"evaluate: {i + 1}/{len(prompts)} [{prompts[i].segment}] tau {sp.stats.tau:.2f}")
         return int(sp.lengths.sum())
@@ -300,8 +321,11 @@ def _evaluate(cfg: EvaluateConfig, head: HeadEval, progress: Callable[[str], Non
             for i in range(len(prompts)):
                 plain(i, 0)
                 speculative(i, 0)
-        base_stats = [generate_speculative(target, baseline, x, None, sp, generator=gen).stats
-                      for x, sp in zip(xs, specs)] if baseline is not None else []
+        base_stats = (
+            [generate_speculative(target, baseline, x, None, sp, generator=gen).stats for x, sp in zip(xs, specs)]
+            if baseline is not None
+            else []
+        )
     for i, s in enumerate(samples):  # round 0's outputs, in prompt order
         s["identical"] = bool(torch.equal(plains[i].sequences, s.pop("_seq")))
         if speed is not None:
@@ -318,8 +342,11 @@ def _sample_counts(stats) -> dict[str, list[int]]:
     that reached the output, and tokens drafted."""
     acc, emitted, drafted = (t.cpu() for t in (stats.accept_lengths, stats.emitted_lengths, stats.drafted))
     live = acc[:, 0] >= 0  # the counts live on the target's device, `drafted` on the CPU
-    return {"accept_lengths": acc[live, 0].tolist(), "emitted_lengths": emitted[live, 0].tolist(),
-            "drafted": drafted[live].tolist()}
+    return {
+        "accept_lengths": acc[live, 0].tolist(),
+        "emitted_lengths": emitted[live, 0].tolist(),
+        "drafted": drafted[live].tolist(),
+    }
 
 
 def _finish(cfg, head: HeadEval, samples, speed: SpeedupEstimate | None, identical, runs, path_record: dict):
@@ -335,36 +362,79 @@ def _finish(cfg, head: HeadEval, samples, speed: SpeedupEstimate | None, identic
     seg: dict[str, list] = defaultdict(list)
     for s, st in zip(samples, stats):
         seg[s["segment"]].append(st)
-    per_segment = {k: {"tau": SpecStats.cat(v).tau, "verify_steps": sum(x.n_verify_steps for x in v)}
-                   for k, v in sorted(seg.items())}
+    per_segment = {
+        k: {"tau": SpecStats.cat(v).tau, "verify_steps": sum(x.n_verify_steps for x in v)}
+        for k, v in sorted(seg.items())
+    }
     baseline_tau = SpecStats.cat(base_stats).tau if base_stats else None
-    by_position = acceptance_by_position([(s["accept_lengths"], s["emitted_lengths"]) for s in samples],
-                                         cfg.position_edges)
+    by_position = acceptance_by_position(
+        [(s["accept_lengths"], s["emitted_lengths"]) for s in samples], cfg.position_edges
+    )
     by_position_raw = acceptance_by_position([raw_steps(s["accept_lengths"]) for s in samples], cfg.position_edges)
-    plots = [str(plot_acceptance(cond, cum, tau, out / "acceptance_by_position.png")),
-             str(plot_by_output_position(by_position, out / "acceptance_by_output_position.png"))]
+    plots = [
+        str(plot_acceptance(cond, cum, tau, out / "acceptance_by_position.png")),
+        str(plot_by_output_position(by_position, out / "acceptance_by_output_position.png")),
+    ]
     if history_file and Path(history_file).is_file():
         plots.append(str(plot_training(history_file, out / "training_curves.png")))
     greedy = cfg.spec.greedy
     nan = float("nan")
-    timing = (dict(speedup=speed.speedup, plain_tokens_per_s=speed.plain_tokens_per_s,
-                   spec_tokens_per_s=speed.spec_tokens_per_s, speedup_lo=speed.lo, speedup_hi=speed.hi,
-                   speedup_reliable=speed.reliable, speedup_note=speed.reason, speedup_rounds=speed.rounds)
-              if speed is not None else dict(speedup=nan, plain_tokens_per_s=nan, spec_tokens_per_s=nan,
-                                             speedup_rounds=0, speedup_reliable=False,
-                                             speedup_note="not timed (evaluate.time_local false)"))
-    res = EvaluateResult(tau=tau, identical=identical if greedy else None,
-                         acceptance=cond, acceptance_cumulative=cum, per_segment=per_segment,
-                         n_samples=len(samples), n_tokens=n_tokens, baseline_tau=baseline_tau,
-                         report_file=str(out / "evaluation.json"), plots=tuple(plots), tau_raw=every.tau_raw,
-                         acceptance_raw=every.per_position_acceptance_raw, by_position=by_position, **timing)
-    atomic_write_text(out / "evaluation.json", json.dumps({"config": asdict(cfg), "result": asdict(res),
-                                                           "by_position_raw": by_position_raw,
-                                                           "speed": asdict(speed) if speed else None,
-                                                           "target_path": path_record,
-                                                           "samples": samples}, indent=2) + "\n")
+    timing = (
+        dict(
+            speedup=speed.speedup,
+            plain_tokens_per_s=speed.plain_tokens_per_s,
+            spec_tokens_per_s=speed.spec_tokens_per_s,
+            speedup_lo=speed.lo,
+            speedup_hi=speed.hi,
+            speedup_reliable=speed.reliable,
+            speedup_note=speed.reason,
+            speedup_rounds=speed.rounds,
+        )
+        if speed is not None
+        else dict(
+            speedup=nan,
+            plain_tokens_per_s=nan,
+            spec_tokens_per_s=nan,
+            speedup_rounds=0,
+            speedup_reliable=False,
+            speedup_note="not timed (evaluate.time_local false)",
+        )
+    )
+    res = EvaluateResult(
+        tau=tau,
+        identical=identical if greedy else None,
+        acceptance=cond,
+        acceptance_cumulative=cum,
+        per_segment=per_segment,
+        n_samples=len(samples),
+        n_tokens=n_tokens,
+        baseline_tau=baseline_tau,
+        report_file=str(out / "evaluation.json"),
+        plots=tuple(plots),
+        tau_raw=every.tau_raw,
+        acceptance_raw=every.per_position_acceptance_raw,
+        by_position=by_position,
+        **timing,
+    )
+    atomic_write_text(
+        out / "evaluation.json",
+        json.dumps(
+            {
+                "config": asdict(cfg),
+                "result": asdict(res),
+                "by_position_raw": by_position_raw,
+                "speed": asdict(speed) if speed else None,
+                "target_path": path_record,
+                "samples": samples,
+            },
+            indent=2,
+        )
+        + "\n",
+    )
     if greedy and not identical:
         bad = sum(not s["identical"] for s in samples)
-        raise NotLosslessError(f"{bad}/{len(samples)} greedy speculative outputs differ from plain greedy decoding; "
-                               f"see {out / 'evaluation.json'}. This is a bug: the head must never change outputs.")
+        raise NotLosslessError(
+            f"{bad}/{len(samples)} greedy speculative outputs differ from plain greedy decoding; "
+            f"see {out / 'evaluation.json'}. This is a bug: the head must never change outputs."
+        )
     return res

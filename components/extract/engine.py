@@ -81,9 +81,11 @@ def target_final_norm(target_dir: str, config) -> FinalNorm:
     model_type = str(getattr(config, "model_type", ""))
     found = read_tensors(target_dir, [NORM, NORM.replace(".weight", ".bias")])
     if model_type.startswith("gemma") or len(found) != 1 or NORM not in found:
-        raise TargetError(f"{target_dir}: extraction through the engine needs a final RMSNorm `{NORM}` (no bias, "
-                          f"Llama/Mistral/Qwen families); this {model_type or 'model'} target has "
-                          f"{sorted(found) or 'none'}: use extract.engine 'local'")
+        raise TargetError(
+            f"{target_dir}: extraction through the engine needs a final RMSNorm `{NORM}` (no bias, "
+            f"Llama/Mistral/Qwen families); this {model_type or 'model'} target has "
+            f"{sorted(found) or 'none'}: use extract.engine 'local'"
+        )
     return FinalNorm(found[NORM].float(), float(getattr(config, "rms_norm_eps", 1e-6)))
 
 
@@ -91,11 +93,15 @@ def target_heads(target_dir: str, config) -> dict:
     """{"embed_tokens", "lm_head"} (float32) by tensor name; `lm_head` is the embedding when the weights are tied."""
     found = read_tensors(target_dir, [EMBED, LM_HEAD])
     if EMBED not in found:
-        raise TargetError(f"{target_dir}: its safetensors have no `{EMBED}`; extraction through the engine reads the "
-                          "embedding by that name (Llama/Mistral/Qwen families): use extract.engine 'local'")
+        raise TargetError(
+            f"{target_dir}: its safetensors have no `{EMBED}`; extraction through the engine reads the "
+            "embedding by that name (Llama/Mistral/Qwen families): use extract.engine 'local'"
+        )
     if LM_HEAD not in found and not getattr(config, "tie_word_embeddings", False):
-        raise TargetError(f"{target_dir}: its safetensors have no `{LM_HEAD}` and config.json does not tie it to the "
-                          "embedding (tie_word_embeddings); the weights are incomplete")
+        raise TargetError(
+            f"{target_dir}: its safetensors have no `{LM_HEAD}` and config.json does not tie it to the "
+            "embedding (tie_word_embeddings); the weights are incomplete"
+        )
     embed = found[EMBED].float().contiguous()
     return {"embed_tokens": embed, "lm_head": found[LM_HEAD].float().contiguous() if LM_HEAD in found else embed}
 
@@ -103,7 +109,7 @@ def target_heads(target_dir: str, config) -> dict:
 def engine_features(hidden_TnH, norm: FinalNorm):
     """(aux_hidden_states [T, 3H], last_hidden_state [T, H]) from the engine's [T, 4, H] (three fused ids, then N)."""
     T, n, H = hidden_TnH.shape
-    return hidden_TnH[:, :n - 1].reshape(T, (n - 1) * H), norm(hidden_TnH[:, n - 1])
+    return hidden_TnH[:, : n - 1].reshape(T, (n - 1) * H), norm(hidden_TnH[:, n - 1])
 
 
 def engine_shard(server, norm: FinalNorm, part: list, dtype: str, pool: ThreadPoolExecutor) -> bytes:
@@ -137,8 +143,15 @@ class EngineShape:
 
         from infra.vllm_extract import hidden_states_spec
 
-        spec = hidden_states_spec(target_dir, list(self.layer_ids), storage, self.max_model_len, self.dtype,
-                                  context=self.context, kv_cache_bytes=self.kv_cache_bytes)
+        spec = hidden_states_spec(
+            target_dir,
+            list(self.layer_ids),
+            storage,
+            self.max_model_len,
+            self.dtype,
+            context=self.context,
+            kv_cache_bytes=self.kv_cache_bytes,
+        )
         return dataclasses.replace(spec, env=(*spec.env, (ENGINE_MARK, str(Path(storage).resolve()))))
 
 
@@ -163,8 +176,15 @@ class CaptureTarget:
     layer_ids: list[int]
 
 
-def run_in_engine(cfg, target: CaptureTarget, pending: dict[int, list], finish: Callable[[int, bytes, float], None],
-                  out: Path, settings=None, progress: Callable[[str], None] = print) -> None:
+def run_in_engine(
+    cfg,
+    target: CaptureTarget,
+    pending: dict[int, list],
+    finish: Callable[[int, bytes, float], None],
+    out: Path,
+    settings=None,
+    progress: Callable[[str], None] = print,
+) -> None:
     """Compute every pending shard (index -> sequences (input_ids, loss_mask)) in one vLLM started here, or in
     `cfg.engine_replicas` engines on Ray (`run_on_replicas`); `finish(shard, bytes, seconds)` writes each.
     `settings`: infra.settings.Settings (None: from the environment)."""
@@ -180,20 +200,30 @@ def run_in_engine(cfg, target: CaptureTarget, pending: dict[int, list], finish: 
     storage.mkdir(parents=True)
     replicas = min(cfg.engine_replicas, len(pending))
     ids, dtype = (*layer_ids, int(config.num_hidden_layers)), declared_dtype(target_dir)
-    shape = EngineShape(ids, cfg.max_len + 1, dtype, getattr(config, "max_position_embeddings", None),
-                        kv_cache_bytes(config, len(ids), cfg.max_len + 1, cfg.batch_size, dtype))
+    shape = EngineShape(
+        ids,
+        cfg.max_len + 1,
+        dtype,
+        getattr(config, "max_position_embeddings", None),
+        kv_cache_bytes(config, len(ids), cfg.max_len + 1, cfg.batch_size, dtype),
+    )
     if replicas > 1:
-        progress(f"extract (vLLM): {replicas} engine replicas on Ray for layer ids {list(ids)} ({len(pending)} "
-                 f"shards; their logs under {settings.state_dir / 'vllm'})")
+        progress(
+            f"extract (vLLM): {replicas} engine replicas on Ray for layer ids {list(ids)} ({len(pending)} "
+            f"shards; their logs under {settings.state_dir / 'vllm'})"
+        )
         try:
-            run_on_replicas(ReplicaSetup(cfg, target_dir, norm, shape, str(storage), settings), replicas, pending,
-                            finish, progress)
+            run_on_replicas(
+                ReplicaSetup(cfg, target_dir, norm, shape, str(storage), settings), replicas, pending, finish, progress
+            )
         finally:
             stop_engines(storage)
     else:
         progress(f"extract (vLLM): starting the engine for layer ids {list(ids)} ({len(pending)} shards)")
-        with VllmServer(shape.spec(target_dir, storage), settings) as server, \
-                ThreadPoolExecutor(max_workers=cfg.batch_size) as pool:
+        with (
+            VllmServer(shape.spec(target_dir, storage), settings) as server,
+            ThreadPoolExecutor(max_workers=cfg.batch_size) as pool,
+        ):
             for k, part in pending.items():
                 t0 = time.perf_counter()
                 finish(k, engine_shard(server, norm, part, cfg.dtype, pool), time.perf_counter() - t0)
@@ -228,8 +258,13 @@ class EngineReplica:
     under `setup.storage` (its engine's process group recorded there, `PID_FILE`), and the target's final norm."""
 
     def __init__(self, pool: ReplicaPool, setup: ReplicaSetup):
-        self.cfg, self.target_dir, self.norm, self.shape, self.settings = (setup.cfg, setup.target_dir, setup.norm,
-                                                                           setup.shape, setup.settings)
+        self.cfg, self.target_dir, self.norm, self.shape, self.settings = (
+            setup.cfg,
+            setup.target_dir,
+            setup.norm,
+            setup.shape,
+            setup.settings,
+        )
         self.storage = Path(setup.storage) / f"replica-{uuid.uuid4().hex[:12]}"
         self.requests = ThreadPoolExecutor(max_workers=setup.cfg.batch_size)
         self.server = None
@@ -280,8 +315,13 @@ def _exits(proc, wait_s: float) -> bool:
         return False
 
 
-def run_on_replicas(setup: ReplicaSetup, replicas: int, pending: dict[int, list],
-                    finish: Callable[[int, bytes, float], None], progress: Callable[[str], None]) -> None:
+def run_on_replicas(
+    setup: ReplicaSetup,
+    replicas: int,
+    pending: dict[int, list],
+    finish: Callable[[int, bytes, float], None],
+    progress: Callable[[str], None],
+) -> None:
     """Every pending shard computed by `replicas` `EngineReplica` actors (`setup.cfg.cpus_per_worker` CPUs each), a
     shard per task, on the Ray of `setup.settings` (a local one started here when RAY_ADDRESS is unset); `finish` in
     this process as each shard returns, so the files and the resume rule are those of one engine."""
@@ -350,8 +390,11 @@ def kill_group(pid: int) -> None:
     not reused while its group has members, so a missing leader still means our group)."""
     proc = Path(f"/proc/{pid}")
     try:
-        if proc.exists() and b"vllm" not in (proc / "cmdline").read_bytes() \
-                and (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+        if (
+            proc.exists()
+            and b"vllm" not in (proc / "cmdline").read_bytes()
+            and (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        ):
             return
         os.killpg(pid, signal.SIGKILL)
     except (ProcessLookupError, FileNotFoundError, PermissionError):

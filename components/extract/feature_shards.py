@@ -16,8 +16,12 @@ import copy
 
 FEATURES = ("aux_hidden_states", "last_hidden_state")  # the hidden-state tensors of a shard
 FP8 = "float8_e4m3fn"  # eagle.fp8.DTYPE_NAME (eagle.fp8 imports torch: not at import time here)
-FP8_SCALES = {"layout": "per_row", "dtype": "float32", "rule": "amax(|row|) / 448",
-              "tensors": {name: f"{name}_scale" for name in FEATURES}}  # the manifest's `scales` of fp8 features
+FP8_SCALES = {
+    "layout": "per_row",
+    "dtype": "float32",
+    "rule": "amax(|row|) / 448",
+    "tensors": {name: f"{name}_scale" for name in FEATURES},
+}  # the manifest's `scales` of fp8 features
 
 
 def scale_layout(dtype: str) -> dict | None:
@@ -32,12 +36,15 @@ def pack_shard(seqs, features, dtype: str) -> bytes:
     import torch
     from safetensors.torch import save
 
-    parts = [{**_stored(FEATURES[0], aux_TC, dtype), **_stored(FEATURES[1], last_TH, dtype)}
-             for aux_TC, last_TH in features]
-    tensors = {"input_ids": torch.tensor([i for s, _ in seqs for i in s], dtype=torch.int32),
-               "loss_mask": torch.tensor([m for _, ms in seqs for m in ms], dtype=torch.uint8),
-               "offsets": torch.tensor([0] + [len(s) for s, _ in seqs]).cumsum(0),
-               **{k: torch.cat([p[k] for p in parts]) for k in parts[0]}}
+    parts = [
+        {**_stored(FEATURES[0], aux_TC, dtype), **_stored(FEATURES[1], last_TH, dtype)} for aux_TC, last_TH in features
+    ]
+    tensors = {
+        "input_ids": torch.tensor([i for s, _ in seqs for i in s], dtype=torch.int32),
+        "loss_mask": torch.tensor([m for _, ms in seqs for m in ms], dtype=torch.uint8),
+        "offsets": torch.tensor([0] + [len(s) for s, _ in seqs]).cumsum(0),
+        **{k: torch.cat([p[k] for p in parts]) for k in parts[0]},
+    }
     del parts
     return save(tensors)
 

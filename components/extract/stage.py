@@ -77,12 +77,25 @@ class ExtractConfig:
         one_of(self, "mode", ("offline", "online"))
         one_of(self, "dtype", FEATURE_DTYPES)  # of the stored features
         one_of(self, "engine", STAGE_ENGINES)  # who computes the hidden states (components/extract/engine.py: vLLM)
-        at_least(self, {"max_len": 2, "batch_size": 1, "seqs_per_shard": 1, "num_workers": 0, "cpus_per_worker": 1,
-                        "engine_replicas": 1})
+        at_least(
+            self,
+            {
+                "max_len": 2,
+                "batch_size": 1,
+                "seqs_per_shard": 1,
+                "num_workers": 0,
+                "cpus_per_worker": 1,
+                "engine_replicas": 1,
+            },
+        )
         ids = tuple(self.aux_layer_ids)
         if ids and not (len(ids) == 3 and all(type(i) is int for i in ids) and 1 <= ids[0] < ids[1] < ids[2]):
-            raise FieldError(self, "aux_layer_ids", f"{list(ids)} must be three distinct ascending layer ids >= 1, or "
-                             "empty for the default rule of the target's depth")
+            raise FieldError(
+                self,
+                "aux_layer_ids",
+                f"{list(ids)} must be three distinct ascending layer ids >= 1, or "
+                "empty for the default rule of the target's depth",
+            )
         object.__setattr__(self, "aux_layer_ids", ids)
 
     def engine_conflict(self, in_engine: bool) -> tuple[str, str] | None:
@@ -90,14 +103,18 @@ class ExtractConfig:
         for the whole config at load and again when the stage starts): online features or Ray actors beside the
         engine, or engine replicas without one."""
         if in_engine and self.mode == "online":
-            return "engine", ("'vllm' needs mode 'offline': online features are computed inside training by this "
-                              "process")
+            return "engine", (
+                "'vllm' needs mode 'offline': online features are computed inside training by this process"
+            )
         if in_engine and self.num_workers:
-            return "num_workers", ("must be 0 with engine 'vllm' (one engine computes every shard), "
-                                   f"got {self.num_workers}")
+            return "num_workers", (
+                f"must be 0 with engine 'vllm' (one engine computes every shard), got {self.num_workers}"
+            )
         if not in_engine and self.engine_replicas > 1:
-            return "engine_replicas", (f"{self.engine_replicas} needs engine 'vllm' (replicas of the engine; local "
-                                       "extraction scales with num_workers)")
+            return "engine_replicas", (
+                f"{self.engine_replicas} needs engine 'vllm' (replicas of the engine; local "
+                "extraction scales with num_workers)"
+            )
         return None
 
 
@@ -160,8 +177,10 @@ def _open_target(cfg: ExtractConfig, target_dir: str, trust_remote_code: bool, i
         config, tokenizer = check_target(target_dir, trust_remote_code)
         return None, config, tokenizer, target_heads(target_dir, config)
     target, tokenizer = load_target(target_dir, cfg.device, trust_remote_code=trust_remote_code)
-    heads = {"embed_tokens": target.get_input_embeddings().weight.detach().float().contiguous().cpu(),
-             "lm_head": target.get_output_embeddings().weight.detach().float().contiguous().cpu()}
+    heads = {
+        "embed_tokens": target.get_input_embeddings().weight.detach().float().contiguous().cpu(),
+        "lm_head": target.get_output_embeddings().weight.detach().float().contiguous().cpu(),
+    }
     return target, target.config, tokenizer, heads
 
 
@@ -192,21 +211,27 @@ def _local_features(target, layer_ids, seqs, cfg: ExtractConfig):
     from eagle.features import target_forward
 
     for b in range(0, len(seqs), cfg.batch_size):
-        chunk = seqs[b:b + cfg.batch_size]
+        chunk = seqs[b : b + cfg.batch_size]
         width = max(len(s) for s, _ in chunk)
         ids = torch.zeros(len(chunk), width, dtype=torch.long)
         att = torch.zeros_like(ids)
         for r, (s, _) in enumerate(chunk):
-            ids[r, :len(s)] = torch.tensor(s)
-            att[r, :len(s)] = 1
+            ids[r, : len(s)] = torch.tensor(s)
+            att[r, : len(s)] = 1
         with torch.no_grad():
             step = target_forward(target, ids.to(cfg.device), layer_ids, attention_mask=att.to(cfg.device))
         for r, (s, _) in enumerate(chunk):
-            yield step.aux_BT3H[r, :len(s)], step.last_hidden_BTH[r, :len(s)]
+            yield step.aux_BT3H[r, : len(s)], step.last_hidden_BTH[r, : len(s)]
 
 
-def extract(cfg: ExtractConfig, target_dir: str, regen_dir: str, out_dir: str,
-            progress: Callable[[str], None] = print, context: StageContext = StageContext()) -> ExtractResult:
+def extract(
+    cfg: ExtractConfig,
+    target_dir: str,
+    regen_dir: str,
+    out_dir: str,
+    progress: Callable[[str], None] = print,
+    context: StageContext = StageContext(),
+) -> ExtractResult:
     """Extract into `out_dir` (resuming a previous run). `cfg.num_workers` >= 1 computes the shards on Ray; where
     `context.runtime` (components/targets/runtime.py; None: the one `cfg` alone says) extracts in the engine, a vLLM
     started here does (`context.settings`: the infra.settings.Settings that say where Ray runs and where vLLM's venv
@@ -225,17 +250,31 @@ def extract(cfg: ExtractConfig, target_dir: str, regen_dir: str, out_dir: str,
     _save_target_config(out, config, target_dir)
     target_sha = weights_sha256(target_dir)  # once: hashing a real target's weights takes a while
     previous = _previous_manifest(out / MANIFEST)
-    same_source = (previous.get("dtype"), previous.get("scales"), previous.get("layer_ids"),
-                   previous.get("target", {}).get("weights_sha256"), previous.get("engine", "local")) \
-        == (cfg.dtype, scale_layout(cfg.dtype), layer_ids, target_sha, engine)  # else other features
+    same_source = (
+        previous.get("dtype"),
+        previous.get("scales"),
+        previous.get("layer_ids"),
+        previous.get("target", {}).get("weights_sha256"),
+        previous.get("engine", "local"),
+    ) == (cfg.dtype, scale_layout(cfg.dtype), layer_ids, target_sha, engine)  # else other features
     known = {s["file"]: (s["sha256"], s.get("tokens_sha256")) for s in previous.get("shards", []) if same_source}
-    parts = [seqs[i:i + cfg.seqs_per_shard] for i in range(0, len(seqs), cfg.seqs_per_shard)] \
-        if cfg.mode == "offline" else []
+    parts = (
+        [seqs[i : i + cfg.seqs_per_shard] for i in range(0, len(seqs), cfg.seqs_per_shard)]
+        if cfg.mode == "offline"
+        else []
+    )
     shards, pending = _kept_shards(out, parts, known)  # shard index -> manifest entry; index -> sequences to write
 
     def save_manifest() -> dict:
-        manifest = _manifest(cfg, engine, target_dir, target_sha, layer_ids, (seqs, n_trained, truncated),
-                             [shards[k] for k in sorted(shards)])
+        manifest = _manifest(
+            cfg,
+            engine,
+            target_dir,
+            target_sha,
+            layer_ids,
+            (seqs, n_trained, truncated),
+            [shards[k] for k in sorted(shards)],
+        )
         atomic_write_text(out / MANIFEST, json.dumps(manifest, indent=2) + "\n")
         return manifest
 
@@ -258,15 +297,24 @@ def extract(cfg: ExtractConfig, target_dir: str, regen_dir: str, out_dir: str,
             import torch
 
             torch.cuda.empty_cache()
-        run_on_ray(cfg, FeatureWorker, (target_dir, list(layer_ids), trust_remote_code), pending, finish, "extract",
-                   ray_settings, progress)
+        run_on_ray(
+            cfg,
+            FeatureWorker,
+            (target_dir, list(layer_ids), trust_remote_code),
+            pending,
+            finish,
+            "extract",
+            ray_settings,
+            progress,
+        )
     else:
         for k, part in pending.items():
             t0 = time.perf_counter()
             finish(k, shard_bytes(target, layer_ids, part, cfg), time.perf_counter() - t0)
     manifest = save_manifest()
-    return ExtractResult(str(out), cfg.mode, str(out / MANIFEST), len(seqs), manifest["n_tokens"], n_trained,
-                         manifest["bytes_per_token"])
+    return ExtractResult(
+        str(out), cfg.mode, str(out / MANIFEST), len(seqs), manifest["n_tokens"], n_trained, manifest["bytes_per_token"]
+    )
 
 
 def _shard_path(out: Path, k: int) -> Path:
@@ -279,8 +327,14 @@ def _tokens_sha256(part) -> str:
 
 
 def _shard_entry(path: Path, part, sha: str) -> dict:
-    return {"file": path.name, "sha256": sha, "tokens_sha256": _tokens_sha256(part), "n_seqs": len(part),
-            "n_tokens": sum(len(s) for s, _ in part), "bytes": path.stat().st_size}
+    return {
+        "file": path.name,
+        "sha256": sha,
+        "tokens_sha256": _tokens_sha256(part),
+        "n_seqs": len(part),
+        "n_tokens": sum(len(s) for s, _ in part),
+        "bytes": path.stat().st_size,
+    }
 
 
 def _kept_shards(out: Path, parts, known: dict) -> tuple[dict[int, dict], dict[int, list]]:
@@ -325,15 +379,27 @@ def _previous_manifest(path: Path) -> dict:
     return previous if isinstance(previous, dict) else {}
 
 
-def _manifest(cfg: ExtractConfig, engine: str, target_dir: str, target_sha: str, layer_ids,
-              counts: tuple[list, int, int], shards):
+def _manifest(
+    cfg: ExtractConfig, engine: str, target_dir: str, target_sha: str, layer_ids, counts: tuple[list, int, int], shards
+):
     """The manifest; `engine` who computed the features ("local" or the engine's name), `counts` (the tokenised
     sequences, trained tokens, truncated sequences)."""
     seqs, n_trained, truncated = counts
     n_tokens = sum(len(s) for s, _ in seqs)
     total = sum(s["bytes"] for s in shards)
-    return {"format_version": 1, "mode": cfg.mode, "engine": engine,
-            "target": {"path": str(target_dir), "weights_sha256": target_sha},
-            "layer_ids": layer_ids, "dtype": cfg.dtype, "scales": scale_layout(cfg.dtype), "max_len": cfg.max_len,
-            "n_seqs": len(seqs), "n_tokens": n_tokens, "n_trained_tokens": n_trained, "n_truncated": truncated,
-            "shards": shards, "bytes_per_token": total / n_tokens if shards else 0.0}
+    return {
+        "format_version": 1,
+        "mode": cfg.mode,
+        "engine": engine,
+        "target": {"path": str(target_dir), "weights_sha256": target_sha},
+        "layer_ids": layer_ids,
+        "dtype": cfg.dtype,
+        "scales": scale_layout(cfg.dtype),
+        "max_len": cfg.max_len,
+        "n_seqs": len(seqs),
+        "n_tokens": n_tokens,
+        "n_trained_tokens": n_trained,
+        "n_truncated": truncated,
+        "shards": shards,
+        "bytes_per_token": total / n_tokens if shards else 0.0,
+    }

@@ -63,9 +63,15 @@ def endpoint_ask(cfg: Any, retries: int = 3) -> Ask:
     url = cfg.endpoint_url.rstrip("/") + "/v1/chat/completions"
 
     def ask(msgs: list[dict[str, str]], max_new_tokens: int | None = None) -> str | Exception:
-        body = json.dumps({"model": cfg.endpoint_model, "messages": msgs,
-                           "max_tokens": max_new_tokens or cfg.max_new_tokens,
-                           "temperature": cfg.temperature, "top_p": cfg.top_p}).encode()
+        body = json.dumps(
+            {
+                "model": cfg.endpoint_model,
+                "messages": msgs,
+                "max_tokens": max_new_tokens or cfg.max_new_tokens,
+                "temperature": cfg.temperature,
+                "top_p": cfg.top_p,
+            }
+        ).encode()
         err: Exception = RuntimeError("no attempt")
         for attempt in range(retries):
             try:
@@ -82,15 +88,20 @@ def endpoint_ask(cfg: Any, retries: int = 3) -> Ask:
             except (urllib.error.URLError, OSError, KeyError, IndexError, TypeError, ValueError) as e:
                 err = RuntimeError(f"{url}: {e}")
             if attempt + 1 < retries:
-                time.sleep(0.5 * 2 ** attempt)
+                time.sleep(0.5 * 2**attempt)
         return err
 
     return ask
 
 
 @contextmanager
-def engine_endpoint(cfg: Any, target_dir: str, settings: Any = None, progress: Callable[[str], None] = print,
-                    runtime: TargetRuntime | None = None) -> Iterator[Any]:
+def engine_endpoint(
+    cfg: Any,
+    target_dir: str,
+    settings: Any = None,
+    progress: Callable[[str], None] = print,
+    runtime: TargetRuntime | None = None,
+) -> Iterator[Any]:
     """`cfg` (a RegenerateConfig) as it is, unless `runtime` (None: the one `cfg` alone says) regenerates in the
     engine and `cfg` names no `endpoint_url`: then a plain vLLM started here for `target_dir` (the dtype its
     config.json states, its whole context), and `cfg` pointed at it while it runs. `settings`:
@@ -104,8 +115,9 @@ def engine_endpoint(cfg: Any, target_dir: str, settings: Any = None, progress: C
     from infra.vllm_engine_spec import EngineSpec
     from infra.vllm_server import VllmServer
 
-    spec = EngineSpec(str(target_dir), method=None, dtype=declared_dtype(target_dir),
-                      max_model_len=target_context(target_dir))
+    spec = EngineSpec(
+        str(target_dir), method=None, dtype=declared_dtype(target_dir), max_model_len=target_context(target_dir)
+    )
     progress(f"regenerate (vLLM): starting the engine for {target_dir}")
     with VllmServer(spec, settings or Settings.from_env()) as srv:
         yield dataclasses.replace(cfg, endpoint_url=srv.base_url, endpoint_model=spec.served_model_name)
@@ -123,8 +135,9 @@ def endpoint_answerer(cfg: Any, retries: int = 3) -> Callable[..., list[str | Ex
     return answer
 
 
-def answer_concurrently(convs: Sequence[Conversation], ask: Ask, concurrency: int,
-                        on_progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+def answer_concurrently(
+    convs: Sequence[Conversation], ask: Ask, concurrency: int, on_progress: Callable[[str], None] | None = None
+) -> list[dict[str, Any]]:
     """Every conversation answered turn by turn, at most `concurrency` requests in flight; records in `convs` order."""
     done, lock, t0 = [0], threading.Lock(), time.perf_counter()
     step = max(1, len(convs) // 4)
@@ -143,8 +156,10 @@ def answer_concurrently(convs: Sequence[Conversation], ask: Ask, concurrency: in
             done[0] += 1
             n = done[0]
         if on_progress and (n % step == 0 or n == len(convs)):
-            on_progress(f"  endpoint: {n}/{len(convs)} conversations ({time.perf_counter() - t0:.1f} s, "
-                        f"{concurrency} in flight at most)")
+            on_progress(
+                f"  endpoint: {n}/{len(convs)} conversations ({time.perf_counter() - t0:.1f} s, "
+                f"{concurrency} in flight at most)"
+            )
         return conversation_record(conv, msgs, error)
 
     if not convs:

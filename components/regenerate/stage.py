@@ -36,15 +36,31 @@ from components.data.atomic import atomic_write_text, remove_stale_temps
 from components.data.chat import prompt_ids
 from components.data.regenerated import shard_paths
 from components.data.traffic_io import Conversation, load_traffic
-from components.regenerate.endpoint import (answer_concurrently, conversation_record, endpoint_answerer, endpoint_ask,
-                                            engine_endpoint, history_turns)
+from components.regenerate.endpoint import (
+    answer_concurrently,
+    conversation_record,
+    endpoint_answerer,
+    endpoint_ask,
+    engine_endpoint,
+    history_turns,
+)
 from components.targets.runtime import STAGE_ENGINES, StageContext, TargetRuntime
 from eagle.config_checks import NOT_IDENTITY, FieldError, at_least, finite, one_of
 from eagle.errors import BadInput
 from infra.settings import http_url_problem
 
-__all__ = ["Answerer", "RegenerateConfig", "RegenerateError", "RegenerateResult", "answer_all", "answer_shard",
-           "endpoint_answerer", "hf_answerer", "regenerate", "responder"]
+__all__ = [
+    "Answerer",
+    "RegenerateConfig",
+    "RegenerateError",
+    "RegenerateResult",
+    "answer_all",
+    "answer_shard",
+    "endpoint_answerer",
+    "hf_answerer",
+    "regenerate",
+    "responder",
+]
 
 
 @dataclass(frozen=True)
@@ -67,8 +83,18 @@ class RegenerateConfig:
     cpus_per_worker: int = field(default=1, metadata=NOT_IDENTITY)  # of each actor (one GPU each too on CUDA)
 
     def __post_init__(self) -> None:
-        at_least(self, {"max_new_tokens": 1, "batch_size": 1, "shard_size": 1, "seed": 0, "endpoint_concurrency": 1,
-                        "num_workers": 0, "cpus_per_worker": 1})
+        at_least(
+            self,
+            {
+                "max_new_tokens": 1,
+                "batch_size": 1,
+                "shard_size": 1,
+                "seed": 0,
+                "endpoint_concurrency": 1,
+                "num_workers": 0,
+                "cpus_per_worker": 1,
+            },
+        )
         if self.limit is not None:
             at_least(self, {"limit": 1})
         finite(self, "temperature", lambda x: x >= 0, ">= 0")
@@ -82,8 +108,9 @@ class RegenerateConfig:
         """(key, why) when this section cannot run where the runtime puts it (components/targets/runtime.py asks):
         Ray actors, each loading the target, beside the one engine started for the run."""
         if in_engine and self.num_workers and not self.endpoint_url:
-            return "num_workers", ("must be 0 with engine 'vllm' (one engine answers every shard), "
-                                   f"got {self.num_workers}")
+            return "num_workers", (
+                f"must be 0 with engine 'vllm' (one engine answers every shard), got {self.num_workers}"
+            )
         return None
 
 
@@ -106,8 +133,9 @@ class RegenerateError(BadInput):
     """No conversation of the traffic could be regenerated (every one failed)."""
 
 
-def answer_all(convs: Sequence[Conversation], answer: Answerer, batch_size: int,
-               on_batch: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+def answer_all(
+    convs: Sequence[Conversation], answer: Answerer, batch_size: int, on_batch: Callable[[str], None] | None = None
+) -> list[dict[str, Any]]:
     """Regenerate every conversation turn by turn; each record is ok (messages) or failed (reason). A turn's
     conversations are batched by their `max_new_tokens` (in order of first appearance; one group without any)."""
     states = []
@@ -119,10 +147,12 @@ def answer_all(convs: Sequence[Conversation], answer: Answerer, batch_size: int,
         live = [s for s in states if s["error"] is None and t < len(s["users"])]
         for s in live:
             s["msgs"].append({"role": "user", "content": s["users"][t]})
-        groups = [[s for s in live if s["conv"].max_new_tokens == n]
-                  for n in dict.fromkeys(s["conv"].max_new_tokens for s in live)]
+        groups = [
+            [s for s in live if s["conv"].max_new_tokens == n]
+            for n in dict.fromkeys(s["conv"].max_new_tokens for s in live)
+        ]
         for group, b in ((g, b) for g in groups for b in range(0, len(g), batch_size)):
-            chunk = group[b:b + batch_size]
+            chunk = group[b : b + batch_size]
             t0, limit = time.perf_counter(), chunk[0]["conv"].max_new_tokens
             msgs = [s["msgs"] for s in chunk]
             for s, reply in zip(chunk, answer(msgs) if limit is None else answer(msgs, max_new_tokens=limit)):
@@ -131,9 +161,11 @@ def answer_all(convs: Sequence[Conversation], answer: Answerer, batch_size: int,
                 else:
                     s["msgs"].append({"role": "assistant", "content": reply})
             if on_batch:
-                on_batch(f"  turn {t + 1}: {min(b + batch_size, len(group))}/{len(group)} conversations"
-                         f"{'' if limit is None else f' of {limit} new tokens'} "
-                         f"({time.perf_counter() - t0:.1f} s for this batch)")
+                on_batch(
+                    f"  turn {t + 1}: {min(b + batch_size, len(group))}/{len(group)} conversations"
+                    f"{'' if limit is None else f' of {limit} new tokens'} "
+                    f"({time.perf_counter() - t0:.1f} s for this batch)"
+                )
     return [conversation_record(s["conv"], s["msgs"], s["error"]) for s in states]
 
 
@@ -162,8 +194,10 @@ def hf_answerer(target: Any, tokenizer: Any, cfg: RegenerateConfig) -> Answerer:
         new = max_new_tokens or cfg.max_new_tokens
         limit = prompt_room(target.config, new)[1]
         ids = [prompt_ids(tokenizer, msgs) for msgs in batch]
-        results: list[str | Exception] = [ValueError(f"prompt of {len(x)} tokens exceeds the target's context "
-                                                     f"({limit} tokens left for the prompt)") for x in ids]
+        results: list[str | Exception] = [
+            ValueError(f"prompt of {len(x)} tokens exceeds the target's context ({limit} tokens left for the prompt)")
+            for x in ids
+        ]
         keep = [i for i, x in enumerate(ids) if len(x) <= limit]
         if not keep:
             return results
@@ -171,10 +205,16 @@ def hf_answerer(target: Any, tokenizer: Any, cfg: RegenerateConfig) -> Answerer:
         inp = torch.full((len(keep), width), pad, dtype=torch.long)
         att = torch.zeros_like(inp)
         for r, i in enumerate(keep):
-            inp[r, width - len(ids[i]):] = torch.tensor(ids[i])
-            att[r, width - len(ids[i]):] = 1
-        spec = SpecConfig(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=new,
-                          eos_token_id=tuple(eos) if isinstance(eos, list) else eos, pad_token_id=pad, path=path)
+            inp[r, width - len(ids[i]) :] = torch.tensor(ids[i])
+            att[r, width - len(ids[i]) :] = 1
+        spec = SpecConfig(
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            max_new_tokens=new,
+            eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
+            pad_token_id=pad,
+            path=path,
+        )
         with torch.inference_mode():  # the same model and sampling rule as HF generate, with the lean KV cache
             out = generate_plain(target, inp.to(cfg.device), att.to(cfg.device), spec)
         for r, i in enumerate(keep):
@@ -200,8 +240,9 @@ def _load_local(target_dir: str, cfg: RegenerateConfig, trust_remote_code: bool)
     return hf_answerer(target, tokenizer, cfg)
 
 
-def responder(cfg: RegenerateConfig, target_dir: str, trust_remote_code: bool = False,
-              answer: Answerer | None = None) -> Responder:
+def responder(
+    cfg: RegenerateConfig, target_dir: str, trust_remote_code: bool = False, answer: Answerer | None = None
+) -> Responder:
     """What answers a shard's conversations: `answer` in batches if given, else the endpoint (concurrent requests)
     when `cfg.endpoint_url` is set, else the local target, loaded here once, in batches."""
     if answer is None and cfg.endpoint_url:
@@ -217,8 +258,13 @@ def _seed_shard(seed: int, shard: int) -> None:
     torch.manual_seed(seed * 1_000_003 + shard)
 
 
-def answer_shard(cfg: RegenerateConfig, shard: int, convs: Sequence[Conversation], respond: Responder,
-                 progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+def answer_shard(
+    cfg: RegenerateConfig,
+    shard: int,
+    convs: Sequence[Conversation],
+    respond: Responder,
+    progress: Callable[[str], None] | None = None,
+) -> list[dict[str, Any]]:
     """One shard's records. Seeded by its index alone: its samples do not depend on which shards ran before it, in
     which process (resume = clean run, Ray = in-process)."""
     _seed_shard(cfg.seed, shard)
@@ -249,8 +295,9 @@ def _finished_ok(out: Path, s: int, chunk: Sequence[Conversation]) -> int | None
     return None
 
 
-def _write_shard(out: Path, s: int, chunk: Sequence[Conversation],
-                 records: list[dict[str, Any]]) -> tuple[int, dict[str, str]]:
+def _write_shard(
+    out: Path, s: int, chunk: Sequence[Conversation], records: list[dict[str, Any]]
+) -> tuple[int, dict[str, str]]:
     """Shard `s`'s files (the data first, then the sidecar that marks it done; nothing when every conversation
     failed, so a re-run tries it again); returns (ok, failures)."""
     good = [r for r in records if "messages" in r]
@@ -262,9 +309,15 @@ def _write_shard(out: Path, s: int, chunk: Sequence[Conversation],
     return len(good), bad
 
 
-def regenerate(cfg: RegenerateConfig, target_dir: str, traffic_path: str, out_dir: str,
-               answer: Answerer | None = None, progress: Callable[[str], None] = print,
-               context: StageContext = StageContext()) -> RegenerateResult:
+def regenerate(
+    cfg: RegenerateConfig,
+    target_dir: str,
+    traffic_path: str,
+    out_dir: str,
+    answer: Answerer | None = None,
+    progress: Callable[[str], None] = print,
+    context: StageContext = StageContext(),
+) -> RegenerateResult:
     """Regenerate the traffic's answers into `out_dir` (resuming a previous run) and return the accounting.
 
     A shard whose every conversation failed is not marked done, so a re-run tries it again (an endpoint that was
@@ -282,21 +335,24 @@ def regenerate(cfg: RegenerateConfig, target_dir: str, traffic_path: str, out_di
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(out)  # left by a run killed mid-write
-    chunks = [convs[i:i + cfg.shard_size] for i in range(0, len(convs), cfg.shard_size)]
+    chunks = [convs[i : i + cfg.shard_size] for i in range(0, len(convs), cfg.shard_size)]
     before = {s: _finished_ok(out, s, chunk) for s, chunk in enumerate(chunks)}
     pending = {s: chunks[s] for s, n_ok in before.items() if n_ok is None}
     outcomes: dict[int, tuple[int, dict[str, str]]] = {}
 
     def finish(s: int, records: list[dict[str, Any]], seconds: float) -> None:
         outcomes[s] = _write_shard(out, s, chunks[s], records)
-        progress(f"regenerate: shard {s + 1}/{len(chunks)}: {outcomes[s][0]} ok, {len(outcomes[s][1])} failed "
-                 f"({seconds:.1f} s)")
+        progress(
+            f"regenerate: shard {s + 1}/{len(chunks)}: {outcomes[s][0]} ok, {len(outcomes[s][1])} failed "
+            f"({seconds:.1f} s)"
+        )
 
     if pending and cfg.num_workers:
         from infra.actor_pool import run_on_ray
 
-        run_on_ray(cfg, ShardWorker, (target_dir, trust_remote_code), pending, finish, "regenerate", ray_settings,
-                   progress)
+        run_on_ray(
+            cfg, ShardWorker, (target_dir, trust_remote_code), pending, finish, "regenerate", ray_settings, progress
+        )
     elif pending:  # the target is loaded, or its engine started, only when work is left
         with engine_endpoint(cfg, target_dir, ray_settings, progress, runtime) as run_cfg:
             respond = responder(run_cfg, target_dir, trust_remote_code, answer)
@@ -306,8 +362,13 @@ def regenerate(cfg: RegenerateConfig, target_dir: str, traffic_path: str, out_di
     return _account(out, traffic_path, chunks, before, outcomes)
 
 
-def _account(out: Path, traffic_path: str, chunks: list[list[Conversation]], before: dict[int, int | None],
-             outcomes: dict[int, tuple[int, dict[str, str]]]) -> RegenerateResult:
+def _account(
+    out: Path,
+    traffic_path: str,
+    chunks: list[list[Conversation]],
+    before: dict[int, int | None],
+    outcomes: dict[int, tuple[int, dict[str, str]]],
+) -> RegenerateResult:
     """The run's accounting in shard order (accounting.json); `RegenerateError` when nothing at all is usable."""
     ok = sum(n for n, _ in outcomes.values())
     failed = sum(len(bad) for _, bad in outcomes.values())
@@ -318,12 +379,17 @@ def _account(out: Path, traffic_path: str, chunks: list[list[Conversation]], bef
     shards = tuple(str(shard_paths(out, s)[0]) for s in range(len(chunks)))
     res = RegenerateResult(str(out), shards, total, ok, failed, skipped, failures)
     assert res.total == res.ok + res.failed + res.skipped
-    atomic_write_text(out / "accounting.json", json.dumps({"total": res.total, "ok": ok, "failed": failed,
-                                                            "skipped": skipped, "failures": failures}, indent=2))
+    atomic_write_text(
+        out / "accounting.json",
+        json.dumps(
+            {"total": res.total, "ok": ok, "failed": failed, "skipped": skipped, "failures": failures}, indent=2
+        ),
+    )
     if usable == 0:
         first = next(iter(failures.items()), ("-", "-"))
-        raise RegenerateError(f"{traffic_path}: none of {total} conversations could be regenerated by the target "
-                              f"(first failure: {first[0]}: {first[1]}); every reason is in {out / 'accounting.json'}. "
-                              "Shorten the prompts, lower regenerate.max_new_tokens, or check the endpoint")
+        raise RegenerateError(
+            f"{traffic_path}: none of {total} conversations could be regenerated by the target "
+            f"(first failure: {first[0]}: {first[1]}); every reason is in {out / 'accounting.json'}. "
+            "Shorten the prompts, lower regenerate.max_new_tokens, or check the endpoint"
+        )
     return res
-

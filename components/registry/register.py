@@ -106,8 +106,15 @@ def head_model_name(target: TargetRef, suffix: str = "-eagle3") -> str:
     return f"{target.name}-v{target.version}{suffix}"
 
 
-def register_target(store: MlflowStore, name: str, target_dir: str, role: str, base_model: str,
-                    weights_sha256: str, extra_tags: dict[str, str] | None = None) -> TargetRef:
+def register_target(
+    store: MlflowStore,
+    name: str,
+    target_dir: str,
+    role: str,
+    base_model: str,
+    weights_sha256: str,
+    extra_tags: dict[str, str] | None = None,
+) -> TargetRef:
     """Register a target directory as a version of `name`; the same weights are registered once.
 
     `extra_tags` may name the version's traffic (`traffic_train`, `traffic_heldout`): the scheduled retrain and
@@ -119,9 +126,14 @@ def register_target(store: MlflowStore, name: str, target_dir: str, role: str, b
         return TargetRef(name, existing[0].version, weights_sha256, target_dir)
     with store.run(f"register-target-{name}-{role}", tags={"role": role}) as run_id:
         store.log_dir(run_id, Path(target_dir), "target")
-        mv = store.register(name, run_id, "target", run_key=f"target:{weights_sha256}", kind=TARGET_KIND,
-                            tags={"weights_sha256": weights_sha256, "base_model": base_model, "role": role,
-                                  **(extra_tags or {})})
+        mv = store.register(
+            name,
+            run_id,
+            "target",
+            run_key=f"target:{weights_sha256}",
+            kind=TARGET_KIND,
+            tags={"weights_sha256": weights_sha256, "base_model": base_model, "role": role, **(extra_tags or {})},
+        )
     return TargetRef(name, mv.version, weights_sha256, target_dir)
 
 
@@ -148,8 +160,10 @@ def _load_gate(cfg: RegisterConfig, metrics: dict[str, float], promoted: bool, r
     """The τ gate's verdict, and the throughput gate at `cfg.gate_concurrency` (`speedup_at_<c>` of the sweep)."""
     c, key = cfg.gate_concurrency, f"speedup_at_{cfg.gate_concurrency}"
     if key not in metrics:
-        raise ValueError(f"register.gate_concurrency is {c} but the load sweep did not measure concurrency {c}: add "
-                         f"it to evaluate.load.concurrency (with evaluate.engine 'vllm')")
+        raise ValueError(
+            f"register.gate_concurrency is {c} but the load sweep did not measure concurrency {c}: add "
+            f"it to evaluate.load.concurrency (with evaluate.engine 'vllm')"
+        )
     x = float(metrics[key])
     if x < cfg.gate_min_speedup:
         return False, f"{reason}; but at concurrency {c} it serves {x:.2f}x plain < {cfg.gate_min_speedup}"
@@ -176,8 +190,9 @@ def _gate_inputs(runtime: TargetRuntime, head: HeadToRegister) -> tuple[float, f
     if not runtime.gate_on_engine:
         return float(head.metrics["tau"]), head.champion_tau
     if "tau_vllm" not in head.metrics:
-        raise ValueError("register.gate_tau is 'engine' but the head was not measured in vLLM: set "
-                         "evaluate.engine to 'vllm'")
+        raise ValueError(
+            "register.gate_tau is 'engine' but the head was not measured in vLLM: set evaluate.engine to 'vllm'"
+        )
     return float(head.metrics["tau_vllm"]), head.champion_tau_engine
 
 
@@ -199,15 +214,15 @@ def finish_registration(store: MlflowStore, name: str, version: int) -> ModelVer
 
 
 def _alphas(metrics: dict[str, float], prefix: str) -> list[float]:
-    keys = [k for k in metrics if k.startswith(prefix) and k[len(prefix):].isdigit()]
-    return [metrics[k] for k in sorted(keys, key=lambda k: int(k[len(prefix):]))]
+    keys = [k for k in metrics if k.startswith(prefix) and k[len(prefix) :].isdigit()]
+    return [metrics[k] for k in sorted(keys, key=lambda k: int(k[len(prefix) :]))]
 
 
 def _by_position(metrics: dict[str, float], prefix: str) -> list[tuple[int, int, float]]:
     """(lo, hi, value) of the `<prefix><lo>_<hi>` metrics, by lo."""
     out = []
     for k, v in metrics.items():
-        lo, _, hi = k[len(prefix):].partition("_") if k.startswith(prefix) else ("", "", "")
+        lo, _, hi = k[len(prefix) :].partition("_") if k.startswith(prefix) else ("", "", "")
         if lo.isdigit() and hi.isdigit():
             out.append((int(lo), int(hi), v))
     return sorted(out)
@@ -223,8 +238,11 @@ def _acceptance_tags(metrics: dict[str, float]) -> dict[str, str]:
     for name, prefix in (("tau_by_position", "tau_pos_"), ("tau_by_position_vllm", "tau_vllm_pos_")):
         if buckets := _by_position(metrics, prefix):
             tags[name] = " ".join(f"{lo}-{hi}:{float(v):.4f}" for lo, hi, v in buckets)
-    for name, prefix in (("acceptance", "alpha_"), ("acceptance_raw", "alpha_raw_"),
-                         ("acceptance_vllm", "alpha_vllm_")):
+    for name, prefix in (
+        ("acceptance", "alpha_"),
+        ("acceptance_raw", "alpha_raw_"),
+        ("acceptance_vllm", "alpha_vllm_"),
+    ):
         if alphas := _alphas(metrics, prefix):
             tags[name] = " ".join(f"{a:.4f}" for a in alphas)
     for k in ("tau_raw", "tau_vllm"):
@@ -273,8 +291,11 @@ def _checkpoint_tags(choice: dict[str, Any]) -> dict[str, str]:
         tags["checkpoint_step"] = str(choice["selected_step"])
     if choice.get("selection_rule"):
         tags["checkpoint_rule"] = str(choice["selection_rule"])
-    for tag, key in (("heldout_tau", "selected_heldout_tau"), ("heldout_tau_last", "last_heldout_tau"),
-                     ("heldout_tau_warm_start", "warm_start_heldout_tau")):
+    for tag, key in (
+        ("heldout_tau", "selected_heldout_tau"),
+        ("heldout_tau_last", "last_heldout_tau"),
+        ("heldout_tau_warm_start", "warm_start_heldout_tau"),
+    ):
         if choice.get(key) is not None:
             tags[tag] = f"{float(choice[key]):.4f}"
     return tags
@@ -299,8 +320,15 @@ class RegisteredRun:
 
     def result(self) -> RegisterResult:
         v = self.version
-        return RegisterResult(v.name, v.version, v.uri, self.alias, self.alias == CHAMPION,
-                              "already registered for this run key", v.run_id or "")
+        return RegisterResult(
+            v.name,
+            v.version,
+            v.uri,
+            self.alias,
+            self.alias == CHAMPION,
+            "already registered for this run key",
+            v.run_id or "",
+        )
 
 
 def registered_run(store: MlflowStore, name: str, run_key: str) -> RegisteredRun | None:
@@ -314,8 +342,9 @@ def registered_run(store: MlflowStore, name: str, run_key: str) -> RegisteredRun
     return RegisteredRun(v, alias)
 
 
-def register_head(store: MlflowStore, cfg: RegisterConfig, head: HeadToRegister,
-                  runtime: TargetRuntime | None = None) -> RegisterResult:
+def register_head(
+    store: MlflowStore, cfg: RegisterConfig, head: HeadToRegister, runtime: TargetRuntime | None = None
+) -> RegisterResult:
     """Register the head (once per run key) and move the alias its gate decides; the gate's τ is the engine's where
     `runtime` (components/targets/runtime.py; None: the one `cfg` alone says) gates on it."""
     runtime = runtime or TargetRuntime.from_sections(register=cfg)
@@ -327,8 +356,10 @@ def register_head(store: MlflowStore, cfg: RegisterConfig, head: HeadToRegister,
     gate_tau, champion_tau = _gate_inputs(runtime, head)
     champion = store.get_alias(name, CHAMPION)
     if champion_tau is None and champion is not None:
-        raise ValueError(f"{name} has a champion (version {champion.version}) but no champion τ was given for the "
-                         f"{runtime.gate_tau} gate: evaluate the champion on the same held-out traffic")
+        raise ValueError(
+            f"{name} has a champion (version {champion.version}) but no champion τ was given for the "
+            f"{runtime.gate_tau} gate: evaluate the champion on the same held-out traffic"
+        )
     promoted, reason = _gate(cfg, gate_tau, champion_tau)
     if runtime.gate_on_engine:
         reason = f"vLLM {reason}" + (f" (local tau {tau:.3f})" if tau is not None else " (no local evaluation)")
@@ -338,19 +369,29 @@ def register_head(store: MlflowStore, cfg: RegisterConfig, head: HeadToRegister,
         promoted, reason = _speedup_gate(head.metrics, promoted, reason)
     if head.extra_gate is not None:
         promoted, reason = promoted and head.extra_gate[0], f"{reason}; {head.extra_gate[1]}"
-    tags = {"target_name": head.target.name, "target_version": str(head.target.version),
-            "target_weights_sha256": head.target.weights_sha256, "traffic_sha256": head.traffic_sha256,
-            "gate": reason, "gate_tau": runtime.gate_tau, PROMOTED_TAG: str(promoted).lower(),
-            **({"tau": f"{tau:.4f}"} if tau is not None else {})}
+    tags = {
+        "target_name": head.target.name,
+        "target_version": str(head.target.version),
+        "target_weights_sha256": head.target.weights_sha256,
+        "traffic_sha256": head.traffic_sha256,
+        "gate": reason,
+        "gate_tau": runtime.gate_tau,
+        PROMOTED_TAG: str(promoted).lower(),
+        **({"tau": f"{tau:.4f}"} if tau is not None else {}),
+    }
     if head.init_from:
         tags["init_from"] = head.init_from
     tags.update(_acceptance_tags(head.metrics))
     tags.update(_checkpoint_tags(head.checkpoint or {}))
     tags.update({k: v for k, v in (head.notes or {}).items() if v})
     run_id = head.run_id
-    store.log_params(run_id, {"target": f"{head.target.name}/{head.target.version}",
-                              **{k: json.dumps(v) if isinstance(v, (dict, list)) else v
-                                 for k, v in (head.params or {}).items()}})
+    store.log_params(
+        run_id,
+        {
+            "target": f"{head.target.name}/{head.target.version}",
+            **{k: json.dumps(v) if isinstance(v, (dict, list)) else v for k, v in (head.params or {}).items()},
+        },
+    )
     store.log_metrics(run_id, head.metrics)
     if head.evaluation_dir:
         store.log_dir(run_id, Path(head.evaluation_dir), "evaluation")

@@ -69,7 +69,7 @@ class VariantChoice:
 
 
 def served_key(metrics: Mapping[str, Mapping[str, float]]) -> str:
-    """"speedup_vllm" when every variant has a finite vLLM figure, else "speedup" when every one has ours, else ""."""
+    """ "speedup_vllm" when every variant has a finite vLLM figure, else "speedup" when every one has ours, else ""."""
     for key in ("speedup_vllm", "speedup"):
         if all(Speedup.of(m, key) is not None for m in metrics.values()):
             return key
@@ -94,9 +94,13 @@ def choose_variant(metrics: Mapping[str, Mapping[str, float]]) -> VariantChoice:
             why.append(f"{v} is beaten by {', '.join(beaten_by[v])} (interval above)")
         elif v != chosen:
             a, b = figs[v], figs[chosen]
-            why.append(f"{v} lies above but is unreliable and {chosen} is not" if a.lo > b.hi
-                       else f"{v} lies below" if b.lo > a.hi
-                       else f"{v} ties (intervals overlap), and ties go to the simpler")
+            why.append(
+                f"{v} lies above but is unreliable and {chosen} is not"
+                if a.lo > b.hi
+                else f"{v} lies below"
+                if b.lo > a.hi
+                else f"{v} ties (intervals overlap), and ties go to the simpler"
+            )
     figures = ", ".join(f"{v} {figs[v].describe()}" for v in order)
     return VariantChoice(chosen, key, f"{chosen} by {LABELS[key]} ({figures}): {'; '.join(why)}")
 

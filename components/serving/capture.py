@@ -91,8 +91,15 @@ class CaptureWriter:
         return self.pause_reason is not None
 
     def stats(self) -> dict[str, Any]:
-        return {"root": str(self.root), "rate": self.cfg.rate, "rows_written": self.written, "files": self.files,
-                "dropped": self.dropped, "unparsed": self.unparsed, "paused": self.pause_reason}
+        return {
+            "root": str(self.root),
+            "rate": self.cfg.rate,
+            "rows_written": self.written,
+            "files": self.files,
+            "dropped": self.dropped,
+            "unparsed": self.unparsed,
+            "paused": self.pause_reason,
+        }
 
     # ---- life cycle ----------------------------------------------------------------------------------------------
     def start(self) -> "CaptureWriter":
@@ -178,8 +185,11 @@ class CaptureWriter:
         folder.mkdir(parents=True, exist_ok=True)
         free = shutil.disk_usage(folder).free
         if free < self.cfg.min_free_bytes:
-            raise OSError(errno.ENOSPC, f"{free >> 20} MiB free on the disk of {folder} (capture keeps "
-                                        f"{self.cfg.min_free_bytes >> 20} MiB free)")
+            raise OSError(
+                errno.ENOSPC,
+                f"{free >> 20} MiB free on the disk of {folder} (capture keeps "
+                f"{self.cfg.min_free_bytes >> 20} MiB free)",
+            )
         self._seq += 1
         stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
         path = folder / f"capture-{stamp}-{self._seq:06d}.parquet"
@@ -193,8 +203,10 @@ class CaptureWriter:
         self._paused_until = time.monotonic() + self.cfg.retry_s
         reason = f"{err.strerror or err}" + (f": {err.filename}" if getattr(err, "filename", None) else "")
         if self.pause_reason is None:
-            self._say(f"serve: warning: capture paused, the store {self.root} cannot be written ({reason}); serving "
-                      f"goes on, captured requests are dropped; retrying every {self.cfg.retry_s:.0f} s")
+            self._say(
+                f"serve: warning: capture paused, the store {self.root} cannot be written ({reason}); serving "
+                f"goes on, captured requests are dropped; retrying every {self.cfg.retry_s:.0f} s"
+            )
         self.pause_reason = reason
 
     def _cap(self, keep: Path) -> None:

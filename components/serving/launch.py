@@ -20,21 +20,64 @@ def launch_commands(spec: EngineSpec, port: int = 8000) -> dict[str, str]:
     """Equivalent launch commands: vLLM (`vllm serve`) and SGLang (`python -m sglang.launch_server`)."""
     head = str(spec.head_dir)
     if spec.method is None:  # plain decoding (`serve --concurrency` above the crossover): no head in either engine
-        gpu = EngineSpec(spec.target_dir, None, method=None, dtype="auto", max_model_len=spec.max_model_len,
-                         served_model_name=spec.served_model_name, device="cuda")
-        sglang = ["python", "-m", "sglang.launch_server", "--model-path", str(spec.target_dir),
-                  "--served-model-name", spec.served_model_name, "--port", str(port)]
+        gpu = EngineSpec(
+            spec.target_dir,
+            None,
+            method=None,
+            dtype="auto",
+            max_model_len=spec.max_model_len,
+            served_model_name=spec.served_model_name,
+            device="cuda",
+        )
+        sglang = [
+            "python",
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            str(spec.target_dir),
+            "--served-model-name",
+            spec.served_model_name,
+            "--port",
+            str(port),
+        ]
         return {"vllm": gpu.launch_command(port), "sglang": " ".join(shlex.quote(a) for a in sglang)}
     parallel = spec.drafts_in_parallel()
-    gpu = EngineSpec(spec.target_dir, head, method="eagle3", num_speculative_tokens=spec.num_speculative_tokens,
-                     dtype="auto", max_model_len=spec.max_model_len, served_model_name=spec.served_model_name,
-                     device="cuda", k_schedule=spec.k_schedule, parallel_drafting=parallel)
+    gpu = EngineSpec(
+        spec.target_dir,
+        head,
+        method="eagle3",
+        num_speculative_tokens=spec.num_speculative_tokens,
+        dtype="auto",
+        max_model_len=spec.max_model_len,
+        served_model_name=spec.served_model_name,
+        device="cuda",
+        k_schedule=spec.k_schedule,
+        parallel_drafting=parallel,
+    )
     if parallel:
-        return {"vllm": gpu.launch_command(port),
-                "sglang": "# none: the head drafts in parallel (vLLM's parallel_drafting); serve it with vLLM"}
-    sglang = ["python", "-m", "sglang.launch_server", "--model-path", str(spec.target_dir),
-              "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", head,
-              "--speculative-num-steps", str(spec.num_speculative_tokens), "--speculative-eagle-topk", "1",
-              "--speculative-num-draft-tokens", str(spec.num_speculative_tokens + 1),
-              "--served-model-name", spec.served_model_name, "--port", str(port)]
+        return {
+            "vllm": gpu.launch_command(port),
+            "sglang": "# none: the head drafts in parallel (vLLM's parallel_drafting); serve it with vLLM",
+        }
+    sglang = [
+        "python",
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        str(spec.target_dir),
+        "--speculative-algorithm",
+        "EAGLE3",
+        "--speculative-draft-model-path",
+        head,
+        "--speculative-num-steps",
+        str(spec.num_speculative_tokens),
+        "--speculative-eagle-topk",
+        "1",
+        "--speculative-num-draft-tokens",
+        str(spec.num_speculative_tokens + 1),
+        "--served-model-name",
+        spec.served_model_name,
+        "--port",
+        str(port),
+    ]
     return {"vllm": gpu.launch_command(port), "sglang": " ".join(shlex.quote(a) for a in sglang)}

@@ -17,8 +17,8 @@ of it and, with `LiveConfig.capture`, a capture writer (components/serving/captu
   x `ratio` and the collapse floor; a rollback swaps back to what served before it (plain decoding when nothing
   did), never swaps the rolled-back version in again, and hands `RolledBack` to `rolled_back` (the flow moves the
   alias back with the reason and announces it).
-Run: `eagle-heads serve --capture` / `--follow-alias` (flows/command_runs.py `serve`).
-Not here: choosing the head and its K (flows/command_runs.py), the proxy's HTTP (infra/serve_proxy.py), the
+Run: `eagle-heads serve --capture` / `--follow-alias` (flows/command_serve.py `serve`).
+Not here: choosing the head and its K (flows/command_serve.py), the proxy's HTTP (infra/serve_proxy.py), the
 dataset (components/serving/capture.py), the rollback's rules (components/serving/rollback.py), the registry and the
 event.
 """
@@ -89,8 +89,9 @@ class LiveServer:
         self.served = first
         self.engine: VllmServer | None = None
         self.proxy: ServeProxy | None = None
-        self.capture = (CaptureWriter(settings.state_dir / "capture", cfg.capture, say)
-                        if cfg.capture is not None else None)
+        self.capture = (
+            CaptureWriter(settings.state_dir / "capture", cfg.capture, say) if cfg.capture is not None else None
+        )
 
     @property
     def base_url(self) -> str:
@@ -102,10 +103,13 @@ class LiveServer:
             self.engine = VllmServer(self.served.spec, self.settings).start()
             if self.capture is not None:
                 self.capture.start()
-            self.proxy = ServeProxy(Backend(self.engine.base_url, self.served.meta()), port=self.cfg.port or 0,
-                                    record=self.capture.submit if self.capture else None,
-                                    rate=self.cfg.capture.rate if self.cfg.capture else 1.0,
-                                    status_extra=self.capture.stats if self.capture else None).start()
+            self.proxy = ServeProxy(
+                Backend(self.engine.base_url, self.served.meta()),
+                port=self.cfg.port or 0,
+                record=self.capture.submit if self.capture else None,
+                rate=self.cfg.capture.rate if self.cfg.capture else 1.0,
+                status_extra=self.capture.stats if self.capture else None,
+            ).start()
         except BaseException:
             self.__exit__()
             raise
@@ -136,8 +140,9 @@ class LiveServer:
             new.start()
         except EngineError as e:
             new.stop()
-            self.say(f"serve: warning: the engine for {served.head} did not start ({e}); still serving "
-                     f"{self.served.head}")
+            self.say(
+                f"serve: warning: the engine for {served.head} did not start ({e}); still serving {self.served.head}"
+            )
             return False
         except BaseException:  # Ctrl-C while it starts: the running one is stopped by __exit__, this one here
             new.stop()
@@ -148,9 +153,12 @@ class LiveServer:
         drained = self.proxy.drain(old, self.cfg.drain_timeout_s)
         cut = 0 if drained else self.proxy.cut(old)  # before the stop: they end as cut, not as short answers
         old_engine.stop()
-        how = (f"drained in {time.monotonic() - t0:.1f} s" if drained else
-               f"drain timed out after {self.cfg.drain_timeout_s:g} s: {cut} request(s) still running were cut, "
-               "their clients' connections closed before the answer's end")
+        how = (
+            f"drained in {time.monotonic() - t0:.1f} s"
+            if drained
+            else f"drain timed out after {self.cfg.drain_timeout_s:g} s: {cut} request(s) still running were cut, "
+            "their clients' connections closed before the answer's end"
+        )
         self.say(f"serve: swapped {previous.head} -> {served.head} ({how}); new requests go to {new.base_url}")
         return True
 
@@ -213,8 +221,10 @@ class _Following:
         try:
             tau = self.f.registered_tau(before) if before is not None else None
         except Exception as e:  # a registry that does not answer: the collapse floor still holds
-            self.say(f"serve: warning: cannot read version {before}'s registered tau ({type(e).__name__}: {e}); "
-                     "judging against the collapse floor only")
+            self.say(
+                f"serve: warning: cannot read version {before}'s registered tau ({type(e).__name__}: {e}); "
+                "judging against the collapse floor only"
+            )
         self.judge = Judge(rb, self.f.ratio, tau)
         self._read(now)
 
@@ -236,8 +246,9 @@ class _Following:
         to_version, to = self.history[-2] if len(self.history) > 1 else (None, plain(bad))
         self.say(f"serve: rolling back {bad.head} -> {to.head or 'plain decoding'} ({j.reason})")
         if not self.live.swap_to(to):
-            self.say(f"serve: warning: the rollback did not start; still serving {bad.head}, the next window judges "
-                     "again")
+            self.say(
+                f"serve: warning: the rollback did not start; still serving {bad.head}, the next window judges again"
+            )
             return
         self.history.pop()
         if not self.history:
@@ -259,8 +270,9 @@ class _Following:
         try:
             served = self.f.prepare(now)
         except Exception as e:  # a version whose files cannot be fetched or served: keep the one that works
-            self.say(f"serve: warning: version {now} cannot be served ({type(e).__name__}: {e}); serving "
-                     f"{self.version}")
+            self.say(
+                f"serve: warning: version {now} cannot be served ({type(e).__name__}: {e}); serving {self.version}"
+            )
             self.failed = now
             return
         if self.live.swap_to(served):

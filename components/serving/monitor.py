@@ -113,18 +113,27 @@ class WindowReport:
 
     def line(self) -> str:
         alphas = " ".join(f"{a:.2f}" for a in self.acceptance)
-        return (f"{self.baseline.target}: window tau {self.window_tau:.2f} (registered {self.registered_tau:.2f}, "
-                f"{self.baseline.tau_source}) over {self.drafts} drafts in {self.window_s:.0f} s, alpha {alphas or '-'}"
-                f"{'' if self.mean_running is None else f', mean running requests {self.mean_running:.1f}'}"
-                f": {self.verdict}")
+        return (
+            f"{self.baseline.target}: window tau {self.window_tau:.2f} (registered {self.registered_tau:.2f}, "
+            f"{self.baseline.tau_source}) over {self.drafts} drafts in {self.window_s:.0f} s, alpha {alphas or '-'}"
+            f"{'' if self.mean_running is None else f', mean running requests {self.mean_running:.1f}'}"
+            f": {self.verdict}"
+        )
 
     def payload(self) -> dict:
         name, version, _ = parse_model_uri(self.baseline.target)
-        return {"name": name, "version": version, "window_tau": round(self.window_tau, 4),
-                "registered_tau": round(self.registered_tau, 4), "tau_source": self.baseline.tau_source,
-                "head": self.baseline.head_uri, "drafts": self.drafts, "window_s": round(self.window_s, 1),
-                "acceptance": [round(a, 4) for a in self.acceptance],
-                "mean_running": None if self.mean_running is None else round(self.mean_running, 2)}
+        return {
+            "name": name,
+            "version": version,
+            "window_tau": round(self.window_tau, 4),
+            "registered_tau": round(self.registered_tau, 4),
+            "tau_source": self.baseline.tau_source,
+            "head": self.baseline.head_uri,
+            "drafts": self.drafts,
+            "window_s": round(self.window_s, 1),
+            "acceptance": [round(a, 4) for a in self.acceptance],
+            "mean_running": None if self.mean_running is None else round(self.mean_running, 2),
+        }
 
 
 @dataclass
@@ -145,12 +154,16 @@ def baseline_of(store: MlflowStore, target: str, suffix: str = "-eagle3") -> Bas
     head = head_model_name(TargetRef(name, version, "", ""), suffix)
     champion = store.get_alias(head, CHAMPION) if store.find_versions(head) else None
     if champion is None:
-        raise MonitorError(f"models:/{name}/{version} has no champion head (no model {head} with alias champion): "
-                           "train and register one first (eagle-heads train)")
+        raise MonitorError(
+            f"models:/{name}/{version} has no champion head (no model {head} with alias champion): "
+            "train and register one first (eagle-heads train)"
+        )
     tau, source, depth = registered_tau(champion.tags)
     if tau is None:
-        raise MonitorError(f"models:/{head}/{champion.version} has no registered tau tag: register it with its "
-                           "evaluation (eagle-heads train)")
+        raise MonitorError(
+            f"models:/{head}/{champion.version} has no registered tau tag: register it with its "
+            "evaluation (eagle-heads train)"
+        )
     return Baseline(f"models:/{name}/{version}", f"models:/{head}/{champion.version}", tau, source, depth)
 
 
@@ -178,8 +191,9 @@ class Monitor:
     def _load(self) -> _State:
         try:
             raw = json.loads(self.path.read_text())
-            return _State(raw["head_uri"], [(float(t), c) for t, c in raw["readings"]], raw["below_since"],
-                          bool(raw["announced"]))
+            return _State(
+                raw["head_uri"], [(float(t), c) for t, c in raw["readings"]], raw["below_since"], bool(raw["announced"])
+            )
         except (OSError, ValueError, KeyError, TypeError):  # none yet, or torn: start a fresh window
             return _State()
 
@@ -191,15 +205,23 @@ class Monitor:
         there."""
         depth = len(counters.accepted_per_pos)
         if self.baseline.depth and depth and depth != self.baseline.depth:
-            raise MonitorError(f"the server drafts {depth} tokens per step but {self.baseline.head_uri} was evaluated "
-                               f"at {self.baseline.depth}: τ is not comparable; serve it with "
-                               f"num_speculative_tokens {self.baseline.depth}")
+            raise MonitorError(
+                f"the server drafts {depth} tokens per step but {self.baseline.head_uri} was evaluated "
+                f"at {self.baseline.depth}: τ is not comparable; serve it with "
+                f"num_speculative_tokens {self.baseline.depth}"
+            )
         self.state.readings.append((now, {**asdict(counters), "running": running}))
         start = window_start([t for t, _ in self.state.readings], now, self.cfg.window_s)
         self.state.readings = self.state.readings[start:]
-        window = window_counts([SpecCounters(**{k: v for k, v in c.items() if k != "running"}
-                                              | {"accepted_per_pos": tuple(c["accepted_per_pos"])})
-                                 for _, c in self.state.readings])
+        window = window_counts(
+            [
+                SpecCounters(
+                    **{k: v for k, v in c.items() if k != "running"}
+                    | {"accepted_per_pos": tuple(c["accepted_per_pos"])}
+                )
+                for _, c in self.state.readings
+            ]
+        )
         report = self._judge(window, now, now - self.state.readings[0][0])
         loads = [c["running"] for _, c in self.state.readings if c.get("running") is not None]
         report = replace(report, mean_running=sum(loads) / len(loads) if loads else None)
@@ -219,8 +241,9 @@ class Monitor:
                 verdict = "announced"
             else:
                 verdict = "dropped" if now - st.below_since >= cfg.sustain_s else "low"
-        return WindowReport(now, verdict, window.tau, self.baseline.tau, window.acceptance, window.drafts, span_s,
-                            self.baseline)
+        return WindowReport(
+            now, verdict, window.tau, self.baseline.tau, window.acceptance, window.drafts, span_s, self.baseline
+        )
 
     def mark_announced(self) -> None:
         """The drop's event was sent: no other until the window recovers or the champion changes."""
@@ -251,8 +274,10 @@ def newest_snapshot(traffic_dir: str | Path) -> tuple[str, str]:
     holds both `train.jsonl` and `heldout.jsonl`."""
     root = Path(traffic_dir)
     if not root.is_dir():
-        raise FileNotFoundError(f"traffic directory {root} does not exist: set monitor.traffic_dir to a directory "
-                                "of snapshots <name>/train.jsonl + heldout.jsonl")
+        raise FileNotFoundError(
+            f"traffic directory {root} does not exist: set monitor.traffic_dir to a directory "
+            "of snapshots <name>/train.jsonl + heldout.jsonl"
+        )
     snaps = sorted(p for p in root.iterdir() if (p / "train.jsonl").is_file() and (p / "heldout.jsonl").is_file())
     if not snaps:
         raise FileNotFoundError(f"{root} holds no snapshot (a subdirectory with train.jsonl and heldout.jsonl)")

@@ -13,7 +13,7 @@ and the rollback goes to plain decoding. `Judgement.reason` is the one line the 
 carry. `move_alias_back(store, name, alias, from_version, to_version, reason)` tags the rolled-back version with
 `rollback_reason` and points the alias at `to_version` (None: removes it, so that no version claims to be served).
 Run: inside `eagle-heads serve --follow-alias` (components/serving/live.py `follow`); tests/test_rollback.py.
-Not here: the swap (components/serving/live.py), the event (flows/command_runs.py `serve`), the drop monitor that
+Not here: the swap (components/serving/live.py), the event (flows/command_serve.py `serve`), the drop monitor that
 retrains (components/serving/monitor.py).
 """
 
@@ -67,8 +67,15 @@ class Judge:
             window = window_counts([c for _, c in self.readings[start:]])
         span = now - self.readings[start][0]
         if window.drafts < self.cfg.min_drafts:
-            return Judgement(now, "warming", window.tau, window.drafts, span, self.windows,
-                             f"{window.drafts} drafts in {span:.0f} s, fewer than {self.cfg.min_drafts}: not judged")
+            return Judgement(
+                now,
+                "warming",
+                window.tau,
+                window.drafts,
+                span,
+                self.windows,
+                f"{window.drafts} drafts in {span:.0f} s, fewer than {self.cfg.min_drafts}: not judged",
+            )
         self.readings = self.readings[start:]
         return self._judge(window, now, span)
 
@@ -81,8 +88,10 @@ class Judge:
         elif self.previous_tau is not None and window.tau < self.ratio * self.previous_tau:
             self.low_in_row += 1
             verdict = "below" if self.low_in_row >= self.cfg.sustain_windows else "low"
-            reason = (f"window tau {window.tau:.2f} < {self.ratio:g} x {self.previous_tau:.2f} (the previous "
-                      f"champion's registered tau) {over}, {self.low_in_row} window(s) in a row")
+            reason = (
+                f"window tau {window.tau:.2f} < {self.ratio:g} x {self.previous_tau:.2f} (the previous "
+                f"champion's registered tau) {over}, {self.low_in_row} window(s) in a row"
+            )
         else:
             self.low_in_row = 0
             verdict = "ok"
@@ -92,8 +101,9 @@ class Judge:
         return Judgement(now, verdict, window.tau, window.drafts, span, self.windows, reason)
 
 
-def move_alias_back(store: MlflowStore, name: str, alias: str, from_version: int, to_version: int | None,
-                    reason: str) -> None:
+def move_alias_back(
+    store: MlflowStore, name: str, alias: str, from_version: int, to_version: int | None, reason: str
+) -> None:
     """The registry's side of a rollback: the reason on the version rolled back, the alias on the one served now."""
     store.set_version_tag(name, from_version, REASON_TAG, reason)
     if to_version is None:

@@ -86,14 +86,23 @@ def check_gguf(path: str | Path) -> GgufInfo:
     if architecture not in supported:
         import transformers
 
-        raise GgufError(f"{path}: architecture {architecture!r} is not one transformers {transformers.__version__} "
-                        f"loads from GGUF as a causal LM; supported: {', '.join(sorted(supported))}")
+        raise GgufError(
+            f"{path}: architecture {architecture!r} is not one transformers {transformers.__version__} "
+            f"loads from GGUF as a causal LM; supported: {', '.join(sorted(supported))}"
+        )
     if not _field(reader, "tokenizer.chat_template"):
-        raise GgufError(f"{path}: the GGUF carries no chat template (tokenizer.chat_template), and a target needs "
-                        "one; use a GGUF of the chat (instruct) model, or a HF directory with its template")
+        raise GgufError(
+            f"{path}: the GGUF carries no chat template (tokenizer.chat_template), and a target needs "
+            "one; use a GGUF of the chat (instruct) model, or a HF directory with its template"
+        )
     name = _field(reader, "general.name")
-    return GgufInfo(path=path, architecture=architecture, quantization=_quantization(reader),
-                    name=name if isinstance(name, str) and name else path.stem, size=path.stat().st_size)
+    return GgufInfo(
+        path=path,
+        architecture=architecture,
+        quantization=_quantization(reader),
+        name=name if isinstance(name, str) and name else path.stem,
+        size=path.stat().st_size,
+    )
 
 
 def _check_file(path: Path) -> None:
@@ -107,8 +116,10 @@ def _check_file(path: Path) -> None:
     except OSError as e:
         raise GgufError(f"{path}: cannot be read ({e.strerror or e})") from None
     if head != MAGIC:
-        raise GgufError(f"{path}: not a GGUF file (it starts with {head!r}, not {MAGIC!r}); pass a llama.cpp "
-                        ".gguf file or a Hugging Face model directory")
+        raise GgufError(
+            f"{path}: not a GGUF file (it starts with {head!r}, not {MAGIC!r}); pass a llama.cpp "
+            ".gguf file or a Hugging Face model directory"
+        )
 
 
 def _reader(path: Path):
@@ -122,8 +133,9 @@ def _reader(path: Path):
         return gguf.GGUFReader(path, "r")
     except Exception as e:  # gguf raises ValueError, IndexError, struct errors... for a cut-off file
         detail = " ".join(str(e).split())[:160]
-        raise GgufError(f"{path}: truncated or corrupt GGUF file ({type(e).__name__}: {detail}); "
-                        "copy it again") from None
+        raise GgufError(
+            f"{path}: truncated or corrupt GGUF file ({type(e).__name__}: {detail}); copy it again"
+        ) from None
 
 
 def _field(reader, key: str):
@@ -197,14 +209,20 @@ def convert_gguf(path: str | Path, state_dir: str | Path, progress: Callable[[st
         for stale in root.glob(f".{final.name}.*.tmp"):  # left by a killed conversion (the lock holder owns them)
             shutil.rmtree(stale, ignore_errors=True)
         eta = max(10, round(info.size / 1e9 * _SECONDS_PER_GB, -1))
-        progress(f"converting {info.path.name} ({info.quantization}) to fp32 safetensors under {final}; "
-                 f"once, ~{eta:.0f} s")
+        progress(
+            f"converting {info.path.name} ({info.quantization}) to fp32 safetensors under {final}; once, ~{eta:.0f} s"
+        )
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=root))
         try:
             tmp.chmod(0o755)  # mkdtemp makes 0700; the cache is read by whoever runs the target
             _write_hf_dir(info, tmp)
-            tags = {"gguf_file": info.path.name, "gguf_sha256": sha, "gguf_quantization": info.quantization,
-                    "architecture": info.architecture, "gguf_name": info.name}
+            tags = {
+                "gguf_file": info.path.name,
+                "gguf_sha256": sha,
+                "gguf_quantization": info.quantization,
+                "architecture": info.architecture,
+                "gguf_name": info.name,
+            }
             atomic_write_text(tmp / MARKER, json.dumps(tags, indent=1) + "\n")
             if final.exists():  # a directory without the marker: not ours to trust
                 shutil.rmtree(final)
@@ -233,15 +251,19 @@ def _write_hf_dir(info: GgufInfo, out: Path) -> None:
 
     where, name = info.path.parent, info.path.name
     try:
-        loaded = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32,
-                                                      trust_remote_code=False)  # a GGUF ships no code
+        loaded = AutoModelForCausalLM.from_pretrained(
+            where, gguf_file=name, dtype=torch.float32, trust_remote_code=False
+        )  # a GGUF ships no code
         tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name, trust_remote_code=False)
     except ImportError as e:
-        raise GgufError(f"{info.path}: loading a GGUF target needs more packages ({_one_line(e)}): "
-                        f"{PIP_HINT}") from None
+        raise GgufError(
+            f"{info.path}: loading a GGUF target needs more packages ({_one_line(e)}): {PIP_HINT}"
+        ) from None
     except (OSError, ValueError, RuntimeError, KeyError, TypeError, NotImplementedError) as e:
-        raise GgufError(f"{info.path}: transformers cannot load it ({_one_line(e)}); the file may be a variant "
-                        "of its architecture that transformers does not read") from None
+        raise GgufError(
+            f"{info.path}: transformers cannot load it ({_one_line(e)}); the file may be a variant "
+            "of its architecture that transformers does not read"
+        ) from None
     config = loaded.config
     if hasattr(config, "quantization_config"):  # the loaded model is marked GGUF-quantized: save_pretrained refuses
         del config.quantization_config
@@ -286,8 +308,10 @@ def materialize_target(target: str, state_dir: str | Path, progress: Callable[[s
 
 def main(argv: list[str]) -> int:
     if not 1 <= len(argv) <= 2:
-        print("usage: python -m components.targets.gguf FILE.gguf [STATE_DIR]  (default state dir: .eagle)",
-              file=sys.stderr)
+        print(
+            "usage: python -m components.targets.gguf FILE.gguf [STATE_DIR]  (default state dir: .eagle)",
+            file=sys.stderr,
+        )
         return 2
     try:
         print(convert_gguf(argv[0], argv[1] if len(argv) > 1 else ".eagle"))

@@ -46,8 +46,10 @@ class RuntimeKind:
     loads_target: bool = True
 
 
-KINDS = {"local": RuntimeKind(),
-         "vllm": RuntimeKind(engine=ENGINE, stages=TARGET_STAGES, gate_on_engine=True, loads_target=False)}
+KINDS = {
+    "local": RuntimeKind(),
+    "vllm": RuntimeKind(engine=ENGINE, stages=TARGET_STAGES, gate_on_engine=True, loads_target=False),
+}
 RUNTIMES = tuple(KINDS)
 
 
@@ -76,8 +78,12 @@ class TargetConfig:
         """The scale as infra.vllm_scale.EngineScale."""
         from infra.vllm_scale import EngineScale
 
-        return EngineScale(self.tensor_parallel_size, self.pipeline_parallel_size, self.data_parallel_size,
-                           self.distributed_executor_backend)
+        return EngineScale(
+            self.tensor_parallel_size,
+            self.pipeline_parallel_size,
+            self.data_parallel_size,
+            self.distributed_executor_backend,
+        )
 
 
 @dataclass(frozen=True)
@@ -93,12 +99,20 @@ class TargetRuntime:
     @classmethod
     def from_config(cls, cfg: Any) -> "TargetRuntime":
         """The runtime of a whole PipelineConfig (its `target` section and the stages' own knobs)."""
-        return cls.from_sections(cfg.target, regenerate=cfg.regenerate, extract=cfg.extract, evaluate=cfg.evaluate,
-                                 register=cfg.register)
+        return cls.from_sections(
+            cfg.target, regenerate=cfg.regenerate, extract=cfg.extract, evaluate=cfg.evaluate, register=cfg.register
+        )
 
     @classmethod
-    def from_sections(cls, target: TargetConfig | None = None, *, regenerate: Any = None, extract: Any = None,
-                      evaluate: Any = None, register: Any = None) -> "TargetRuntime":
+    def from_sections(
+        cls,
+        target: TargetConfig | None = None,
+        *,
+        regenerate: Any = None,
+        extract: Any = None,
+        evaluate: Any = None,
+        register: Any = None,
+    ) -> "TargetRuntime":
         """The runtime from the sections given (None: that section's knob is not asked; `target` None: "local", one
         device). FieldError naming the key (`extract.num_workers`, or `target.runtime` when it put the stage in the
         engine) when a section asks what its runtime cannot run."""
@@ -113,8 +127,11 @@ class TargetRuntime:
                 continue
             key, reason = problem
             if stage in kind.stages and stage not in own:  # the runtime put it there, not the section
-                raise FieldError("TargetRuntime", "target.runtime", f"{target.runtime!r} runs the {stage} stage in "
-                                 f"the engine: {stage}.{key} {reason}")
+                raise FieldError(
+                    "TargetRuntime",
+                    "target.runtime",
+                    f"{target.runtime!r} runs the {stage} stage in the engine: {stage}.{key} {reason}",
+                )
             raise FieldError("TargetRuntime", f"{stage}.{key}", reason)
         gate = kind.gate_on_engine or (register is not None and register.gate_tau == "engine")
         return cls(target.runtime, target.engine_scale(), stages, gate, kind.loads_target)

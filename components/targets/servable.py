@@ -6,7 +6,7 @@ top-level `*.safetensors`); otherwise (a head exported before that format: probe
 config.json, maybe a repeated layer id) a re-export under `cache_dir`, folded losslessly by `eagle.export.load_head`,
 made once per head (keyed by the weights' hash).
 Run: every stage that hands a head to an engine: the engine evaluation and the shadow test
-(components/evaluate/engine.py, components/evaluate/shadow.py) and `eagle-heads serve` (flows/command_runs.py).
+(components/evaluate/engine.py, components/evaluate/shadow.py) and `eagle-heads serve` (flows/command_serve.py).
 Not here: the engine's command lines (components/serving/launch.py), starting it (infra/vllm_server.py), writing a
 head (eagle/export.py).
 """
@@ -32,8 +32,9 @@ def is_servable(head_dir: str | Path) -> bool:
     return distinct and sorted(p.name for p in d.glob("*.safetensors")) == [WEIGHTS]
 
 
-def servable_head(head_dir: str | Path, target_dir: str | Path, cache_dir: str | Path,
-                  trust_remote_code: bool = False) -> Path:
+def servable_head(
+    head_dir: str | Path, target_dir: str | Path, cache_dir: str | Path, trust_remote_code: bool = False
+) -> Path:
     """A directory vLLM and SGLang load unmodified holding the same head (see the module docstring)."""
     head_dir = Path(head_dir)
     if is_servable(head_dir):

@@ -35,8 +35,13 @@ class TargetError(BadInput):
 # hook in vLLM 0.32: SupportsEagle3 in models/llama.py (Mistral too), qwen2.py, qwen3.py, qwen3_moe.py); the
 # embedded default and SmolLM2 are Llama. Another family may load and still draft wrongly (its own norms, attention,
 # tied layouts): it joins this table with its row in tests/test_families.py.
-PROVEN_FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                   "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+PROVEN_FAMILIES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
 # the dtypes a target runs in: vLLM's `--dtype` choices (the config's dtype is passed as the engine's --dtype, and
 # a head is exported in it) and the float tensors its CPU build runs (platforms/cpu.py `supported_dtypes`);
 # integer or 8-bit float tensors are a quantized checkpoint (GPTQ/AWQ packs int32, fp8 scales), not supported yet
@@ -51,10 +56,12 @@ def check_family(model_type: str, architectures: list[str], where: str) -> None:
     if model_type in PROVEN_FAMILIES and (not architectures or set(architectures) & set(PROVEN_FAMILIES.values())):
         return
     archs = f" (architectures {architectures})" if architectures else ""
-    raise TargetError(f"{where}: model_type {model_type!r}{archs} is not a family this pipeline is proven on "
-                      f"({proven}: tests/test_families.py runs each through training and vLLM's EAGLE-3); use a "
-                      "target of one of them, or prove the family there first and add it to PROVEN_FAMILIES "
-                      "(components/targets/target.py)")
+    raise TargetError(
+        f"{where}: model_type {model_type!r}{archs} is not a family this pipeline is proven on "
+        f"({proven}: tests/test_families.py runs each through training and vLLM's EAGLE-3); use a "
+        "target of one of them, or prove the family there first and add it to PROVEN_FAMILIES "
+        "(components/targets/target.py)"
+    )
 
 
 def check_target(path: str | Path, trust_remote_code: bool = False):
@@ -63,16 +70,22 @@ def check_target(path: str | Path, trust_remote_code: bool = False):
 
     path = Path(path)
     if not (path / "config.json").is_file():
-        raise TargetError(f"{path}: not a Hugging Face model directory (no config.json); pass the directory that "
-                          "holds config.json, the tokenizer and *.safetensors")
+        raise TargetError(
+            f"{path}: not a Hugging Face model directory (no config.json); pass the directory that "
+            "holds config.json, the tokenizer and *.safetensors"
+        )
     if not list(path.glob("*.safetensors")):
-        raise TargetError(f"{path}: no .safetensors weights; only safetensors are loaded (no pickle): convert the "
-                          "checkpoint with `save_pretrained(..., safe_serialization=True)`")
+        raise TargetError(
+            f"{path}: no .safetensors weights; only safetensors are loaded (no pickle): convert the "
+            "checkpoint with `save_pretrained(..., safe_serialization=True)`"
+        )
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as e:  # malformed JSON, unknown model_type, remote code refused
-        raise TargetError(f"{path}/config.json: cannot be read as a transformers config ({e}); for a model that "
-                          "ships its own code set EAGLE_TRUST_REMOTE_CODE=1 if you trust it") from None
+        raise TargetError(
+            f"{path}/config.json: cannot be read as a transformers config ({e}); for a model that "
+            "ships its own code set EAGLE_TRUST_REMOTE_CODE=1 if you trust it"
+        ) from None
     archs = getattr(config, "architectures", None) or []
     if not any(a.endswith("ForCausalLM") for a in archs):
         raise TargetError(f"{path}: architectures {archs} is not a causal LM (need e.g. LlamaForCausalLM)")
@@ -85,14 +98,20 @@ def check_target(path: str | Path, trust_remote_code: bool = False):
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as e:
-        raise TargetError(f"{path}: cannot load its tokenizer ({e}); save the target's tokenizer beside it "
-                          "(tokenizer.save_pretrained)") from None
+        raise TargetError(
+            f"{path}: cannot load its tokenizer ({e}); save the target's tokenizer beside it "
+            "(tokenizer.save_pretrained)"
+        ) from None
     if len(tokenizer) > config.vocab_size:
-        raise TargetError(f"{path}: tokenizer has {len(tokenizer)} tokens but the model's vocabulary is "
-                          f"{config.vocab_size}: the tokenizer does not belong to this model")
+        raise TargetError(
+            f"{path}: tokenizer has {len(tokenizer)} tokens but the model's vocabulary is "
+            f"{config.vocab_size}: the tokenizer does not belong to this model"
+        )
     if not getattr(tokenizer, "chat_template", None):
-        raise TargetError(f"{path}: the tokenizer has no chat template; add one (tokenizer.chat_template, saved "
-                          "in tokenizer_config.json or chat_template.jinja)")
+        raise TargetError(
+            f"{path}: the tokenizer has no chat template; add one (tokenizer.chat_template, saved "
+            "in tokenizer_config.json or chat_template.jinja)"
+        )
     _check_output_layer(path, config)
     check_dtypes(path)
     return config, tokenizer
@@ -103,9 +122,11 @@ def _check_config_dtype(path: Path, config) -> None:
 
     dtype = dtype_name(config)
     if dtype not in ENGINE_DTYPES:
-        raise TargetError(f"{path}/config.json: dtype {dtype!r} is not one the engine runs a target in "
-                          f"({', '.join(ENGINE_DTYPES)}: vLLM's --dtype, and the head is exported in it); save the "
-                          "target in bfloat16 or float32 (model.to(torch.bfloat16).save_pretrained(...))")
+        raise TargetError(
+            f"{path}/config.json: dtype {dtype!r} is not one the engine runs a target in "
+            f"({', '.join(ENGINE_DTYPES)}: vLLM's --dtype, and the head is exported in it); save the "
+            "target in bfloat16 or float32 (model.to(torch.bfloat16).save_pretrained(...))"
+        )
 
 
 def _header(f: Path) -> dict:
@@ -123,13 +144,18 @@ def check_dtypes(path: str | Path) -> None:
     """Every tensor of the target's safetensors (each shard, by its header) is float32, bfloat16 or float16: an
     integer or 8-bit tensor is a quantized checkpoint, which neither vLLM's `--dtype` nor our float32 load runs."""
     for f in sorted(Path(path).glob("*.safetensors")):
-        odd = {k: v.get("dtype") for k, v in _header(f).items()
-               if isinstance(v, dict) and v.get("dtype") not in TENSOR_DTYPES}
+        odd = {
+            k: v.get("dtype")
+            for k, v in _header(f).items()
+            if isinstance(v, dict) and v.get("dtype") not in TENSOR_DTYPES
+        }
         if odd:
             name, dtype = next(iter(sorted(odd.items())))
-            raise TargetError(f"{f}: tensor {name} is stored as {dtype} ({len(odd)} tensor(s) not float32, bfloat16 "
-                              "or float16): a quantized checkpoint (GPTQ, AWQ, int8, fp8), which the pipeline does "
-                              "not run yet; give the unquantized checkpoint (bfloat16 or float32 safetensors)")
+            raise TargetError(
+                f"{f}: tensor {name} is stored as {dtype} ({len(odd)} tensor(s) not float32, bfloat16 "
+                "or float16): a quantized checkpoint (GPTQ, AWQ, int8, fp8), which the pipeline does "
+                "not run yet; give the unquantized checkpoint (bfloat16 or float32 safetensors)"
+            )
 
 
 def weight_names(path: str | Path) -> set[str]:
@@ -146,8 +172,10 @@ def weight_names(path: str | Path) -> set[str]:
             raise TargetError(f"{index}: not a readable safetensors index ({e})") from None
         missing = sorted({f for f in weight_map.values() if not (path / str(f)).is_file()})
         if missing:
-            raise TargetError(f"{path}: the index names shard(s) {', '.join(missing[:3])} that are not there; "
-                              "copy every shard of the checkpoint")
+            raise TargetError(
+                f"{path}: the index names shard(s) {', '.join(missing[:3])} that are not there; "
+                "copy every shard of the checkpoint"
+            )
         return set(weight_map)
     names: set[str] = set()
     for f in sorted(path.glob("*.safetensors")):
@@ -165,10 +193,15 @@ def _check_output_layer(path: Path, config) -> None:
     tied = bool(getattr(config, "tie_word_embeddings", False))
     if "lm_head.weight" in names or (tied and any(n.endswith("embed_tokens.weight") for n in names)):
         return
-    raise TargetError(f"{path}: the weights hold no lm_head.weight" + (
-        " and no embed_tokens.weight to tie it to" if tied else
-        " and config.json does not tie it to the embedding (tie_word_embeddings is false)")
-        + "; the checkpoint is incomplete")
+    raise TargetError(
+        f"{path}: the weights hold no lm_head.weight"
+        + (
+            " and no embed_tokens.weight to tie it to"
+            if tied
+            else " and config.json does not tie it to the embedding (tie_word_embeddings is false)"
+        )
+        + "; the checkpoint is incomplete"
+    )
 
 
 def load_target(path: str | Path, device: str = "cpu", trust_remote_code: bool = False, dtype: Any = None):
@@ -177,11 +210,14 @@ def load_target(path: str | Path, device: str = "cpu", trust_remote_code: bool =
 
     config, tokenizer = check_target(path, trust_remote_code)  # before the (slow) weights
     try:
-        model = AutoModelForCausalLM.from_pretrained(Path(path), dtype=dtype or torch.float32, use_safetensors=True,
-                                                     trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(
+            Path(path), dtype=dtype or torch.float32, use_safetensors=True, trust_remote_code=trust_remote_code
+        )
     except (OSError, ValueError, RuntimeError) as e:  # truncated file, shapes that do not fit config.json
-        raise TargetError(f"{path}: cannot load its weights ({str(e)[:400]}); check that the *.safetensors files "
-                          "are complete and belong to config.json") from None
+        raise TargetError(
+            f"{path}: cannot load its weights ({str(e)[:400]}); check that the *.safetensors files "
+            "are complete and belong to config.json"
+        ) from None
     return model.to(device).eval(), tokenizer
 
 

@@ -78,16 +78,39 @@ class TrainConfig:
 
     @classmethod
     def tiny(cls) -> "TrainConfig":
-        return cls(steps=12, batch_size=4, draft_vocab_size=128, checkpoint_every=5, log_every=2, warm_start_steps=6,
-                   eval_every=4, holdout_seqs=2, ttt=TTTConfig(ttt_steps=3), optim=OptimConfig(lr=3e-3, warmup_steps=2),
-                   ray=RayConfig(num_workers=0))
+        return cls(
+            steps=12,
+            batch_size=4,
+            draft_vocab_size=128,
+            checkpoint_every=5,
+            log_every=2,
+            warm_start_steps=6,
+            eval_every=4,
+            holdout_seqs=2,
+            ttt=TTTConfig(ttt_steps=3),
+            optim=OptimConfig(lr=3e-3, warmup_steps=2),
+            ray=RayConfig(num_workers=0),
+        )
 
 
 def _check_config(cfg: TrainConfig) -> None:
     """Refuse out-of-range values, naming the field (a pipeline config file then fails at load)."""
-    at_least(cfg, {"steps": 1, "batch_size": 1, "draft_vocab_size": 1, "seed": 0, "checkpoint_every": 1,
-                   "keep_checkpoints": 1, "log_every": 1, "warm_start_steps": 0, "eval_every": 0, "holdout_seqs": 0,
-                   "teacher_cache_mib": 0})
+    at_least(
+        cfg,
+        {
+            "steps": 1,
+            "batch_size": 1,
+            "draft_vocab_size": 1,
+            "seed": 0,
+            "checkpoint_every": 1,
+            "keep_checkpoints": 1,
+            "log_every": 1,
+            "warm_start_steps": 0,
+            "eval_every": 0,
+            "holdout_seqs": 0,
+            "teacher_cache_mib": 0,
+        },
+    )
     if not isinstance(cfg.bucket_by_length, bool):
         raise FieldError(cfg, "bucket_by_length", f"must be true or false, got {cfg.bucket_by_length!r}")
     one_of(cfg, "select", ("best_tau", "last"))
@@ -99,22 +122,35 @@ def _check_config(cfg: TrainConfig) -> None:
         if not isinstance(getattr(cfg, name), kind):
             raise FieldError(cfg, name, f"must be a {kind.__name__}, got {getattr(cfg, name)!r}")
     if (par := [v for v in (cfg.variant, *cfg.variants) if v in PARALLEL_VARIANTS]) and cfg.ttt.ttt_steps < 2:
-        raise FieldError(cfg, "variant", f"{par[0]!r} needs ttt.ttt_steps >= 2 (its masked slots are TTT's steps "
-                         f"1..K-1), got ttt_steps {cfg.ttt.ttt_steps}")
+        raise FieldError(
+            cfg,
+            "variant",
+            f"{par[0]!r} needs ttt.ttt_steps >= 2 (its masked slots are TTT's steps "
+            f"1..K-1), got ttt_steps {cfg.ttt.ttt_steps}",
+        )
     if cfg.select == "best_tau" and cfg.eval_every == 0:
-        raise FieldError(cfg, "select", "'best_tau' needs the held-out evaluation: set eval_every >= 1, or select "
-                         "'last'")
+        raise FieldError(
+            cfg, "select", "'best_tau' needs the held-out evaluation: set eval_every >= 1, or select 'last'"
+        )
     if cfg.eval_every and cfg.holdout_seqs == 0:
-        raise FieldError(cfg, "holdout_seqs", "must be >= 1 when eval_every >= 1 (eval_every 0 turns the held-out "
-                         "evaluation off)")
+        raise FieldError(
+            cfg, "holdout_seqs", "must be >= 1 when eval_every >= 1 (eval_every 0 turns the held-out evaluation off)"
+        )
 
 
 def _check_variants(cfg: TrainConfig) -> None:
     """`variants`: empty, or two or more distinct names of eagle.config.VARIANTS."""
     vs = cfg.variants
-    bad = ("must be a list of variant names" if not isinstance(vs, tuple) or not all(isinstance(v, str) for v in vs)
-           else f"names an unknown variant; known: {', '.join(VARIANTS)}" if set(vs) - set(VARIANTS)
-           else "names a variant twice" if len(set(vs)) < len(vs)
-           else "must list two or more variants (for one, set train.variant), or none" if len(vs) == 1 else "")
+    bad = (
+        "must be a list of variant names"
+        if not isinstance(vs, tuple) or not all(isinstance(v, str) for v in vs)
+        else f"names an unknown variant; known: {', '.join(VARIANTS)}"
+        if set(vs) - set(VARIANTS)
+        else "names a variant twice"
+        if len(set(vs)) < len(vs)
+        else "must list two or more variants (for one, set train.variant), or none"
+        if len(vs) == 1
+        else ""
+    )
     if bad:
         raise FieldError(cfg, "variants", f"{bad}, got {list(vs) if isinstance(vs, tuple) else vs!r}")

@@ -58,16 +58,25 @@ class TrainingData:
             manifest = json.loads(mpath.read_text())
             manifest["mode"], manifest["shards"], manifest["dtype"]
         except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
-            raise FeatureStoreError(f"{mpath}: not a readable extract manifest ({type(e).__name__}: {e}); "
-                                    "delete it and re-run extract") from None
+            raise FeatureStoreError(
+                f"{mpath}: not a readable extract manifest ({type(e).__name__}: {e}); delete it and re-run extract"
+            ) from None
         _check_scale_layout(manifest, mpath)
         try:
             tok = load_file(str(root / "tokens.safetensors"))
             heads = load_file(str(root / "target_heads.safetensors"))
         except Exception as e:  # safetensors raises several types for truncated files
             raise FeatureStoreError(f"{root}: unreadable tokens/target_heads file ({e}); re-run extract") from None
-        data = cls(root, manifest, tok["input_ids"], tok["loss_mask"], tok["offsets"], tok["token_counts"],
-                   heads["embed_tokens"], heads.get("lm_head", heads["embed_tokens"]))  # tied: stored once
+        data = cls(
+            root,
+            manifest,
+            tok["input_ids"],
+            tok["loss_mask"],
+            tok["offsets"],
+            tok["token_counts"],
+            heads["embed_tokens"],
+            heads.get("lm_head", heads["embed_tokens"]),
+        )  # tied: stored once
         if manifest["mode"] == "offline":
             data._shards = data._open_shards(verify)
         return data
@@ -94,15 +103,17 @@ class TrainingData:
             if not path.is_file():
                 raise FeatureStoreError(f"{path}: feature shard missing; re-run extract (it resumes)")
             if verify and file_sha256(path) != s["sha256"]:
-                raise FeatureStoreError(f"{path}: sha256 does not match the manifest (corrupted or truncated); "
-                                        "delete it and re-run extract")
+                raise FeatureStoreError(
+                    f"{path}: sha256 does not match the manifest (corrupted or truncated); delete it and re-run extract"
+                )
             if self.scales:
                 _check_fp8_shard(path, self.scales, s["n_tokens"])
             shards.append((start, start + s["n_seqs"], path))
             start += s["n_seqs"]
         if start != self.n_seqs:
-            raise FeatureStoreError(f"{self.root}: shards hold {start} sequences, tokens hold {self.n_seqs}; "
-                                    "re-run extract")
+            raise FeatureStoreError(
+                f"{self.root}: shards hold {start} sequences, tokens hold {self.n_seqs}; re-run extract"
+            )
         return shards
 
     def sequence(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,11 +145,18 @@ def _check_scale_layout(manifest: dict, mpath: Path) -> None:
         if scales:
             raise FeatureStoreError(f"{mpath}: scales {scales} given for {manifest['dtype']} features; re-run extract")
         return
-    ok = isinstance(scales, dict) and scales.get("layout") == "per_row" and scales.get("dtype") == "float32" \
-        and isinstance(scales.get("tensors"), dict) and set(scales["tensors"]) == want
+    ok = (
+        isinstance(scales, dict)
+        and scales.get("layout") == "per_row"
+        and scales.get("dtype") == "float32"
+        and isinstance(scales.get("tensors"), dict)
+        and set(scales["tensors"]) == want
+    )
     if not ok:
-        raise FeatureStoreError(f"{mpath}: {fp8.DTYPE_NAME} features need `scales` with layout per_row, dtype float32 "
-                                f"and a scale tensor for each of {sorted(want)}, got {scales!r}; re-run extract")
+        raise FeatureStoreError(
+            f"{mpath}: {fp8.DTYPE_NAME} features need `scales` with layout per_row, dtype float32 "
+            f"and a scale tensor for each of {sorted(want)}, got {scales!r}; re-run extract"
+        )
 
 
 def _check_fp8_shard(path: Path, scales: dict[str, str], n_tokens: int) -> None:
@@ -152,12 +170,16 @@ def _check_fp8_shard(path: Path, scales: dict[str, str], n_tokens: int) -> None:
     for name, scale in scales.items():
         shape, dtype = header.get(name, (None, None))
         if dtype != "F8_E4M3" or not shape or shape[0] != n_tokens:
-            raise FeatureStoreError(f"{path}: {name} is {dtype} {shape}, expected F8_E4M3 [{n_tokens}, ...] as the "
-                                    "manifest says; delete the shard and re-run extract")
+            raise FeatureStoreError(
+                f"{path}: {name} is {dtype} {shape}, expected F8_E4M3 [{n_tokens}, ...] as the "
+                "manifest says; delete the shard and re-run extract"
+            )
         problem = fp8.check_scale(*header.get(scale, (None, None)), n_tokens)
         if problem:
-            raise FeatureStoreError(f"{path}: the per-row scales of {name} ({scale}) {problem}; the shard cannot be "
-                                    "dequantised: delete it and re-run extract")
+            raise FeatureStoreError(
+                f"{path}: the per-row scales of {name} ({scale}) {problem}; the shard cannot be "
+                "dequantised: delete it and re-run extract"
+            )
 
 
 def epoch_order(n: int, epoch: int, seed: int) -> list[int]:
@@ -178,8 +200,15 @@ def heldout_split(n_seqs: int, n_heldout: int, seed: int) -> tuple[list[int], li
 BUCKET_STEPS = 16  # steps whose sequences are sorted by length together when `lengths` are given
 
 
-def batches(n_seqs: int, batch_size: int, seed: int, start_step: int = 0, rank: int = 0,
-            world: int = 1, lengths: list[int] | None = None) -> Iterator[tuple[int, list[int]]]:
+def batches(
+    n_seqs: int,
+    batch_size: int,
+    seed: int,
+    start_step: int = 0,
+    rank: int = 0,
+    world: int = 1,
+    lengths: list[int] | None = None,
+) -> Iterator[tuple[int, list[int]]]:
     """Endless (step, sequence indices) for this rank, in a seeded order, starting at `start_step`.
 
     With `lengths` (each sequence's token count), every run of `BUCKET_STEPS` steps of an epoch's order is sorted by
@@ -197,7 +226,7 @@ def batches(n_seqs: int, batch_size: int, seed: int, start_step: int = 0, rank: 
             order = (order * (per_step // max(n_seqs, 1) + 1))[:per_step]
         if lengths is not None:
             order = _bucketed(order, lengths, per_step, steps_per_epoch, seed * 100003 + epoch)
-        chunk = order[k * per_step:(k + 1) * per_step]
+        chunk = order[k * per_step : (k + 1) * per_step]
         yield step, chunk[rank::world]
         step += 1
 
@@ -209,9 +238,9 @@ def _bucketed(order: list[int], lengths: list[int], per_step: int, steps: int, s
     g = torch.Generator().manual_seed(seed)
     for w in range(0, steps, BUCKET_STEPS):
         n = min(BUCKET_STEPS, steps - w)
-        window = sorted(order[w * per_step:(w + n) * per_step], key=lambda i: lengths[i])
+        window = sorted(order[w * per_step : (w + n) * per_step], key=lambda i: lengths[i])
         for j in torch.randperm(n, generator=g).tolist():
-            out.extend(window[j * per_step:(j + 1) * per_step])
+            out.extend(window[j * per_step : (j + 1) * per_step])
     return out
 
 
@@ -228,8 +257,9 @@ class TeacherCache:
         self._kept: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._vocab: torch.Tensor | None = None
 
-    def get(self, lm_head: torch.Tensor, idx: list[int], last: dict[int, torch.Tensor], draft_ids: torch.Tensor,
-            device) -> list[tuple]:
+    def get(
+        self, lm_head: torch.Tensor, idx: list[int], last: dict[int, torch.Tensor], draft_ids: torch.Tensor, device
+    ) -> list[tuple]:
         """(probs [T, Vd], in_vocab [T], argmax [T]) of each sequence of `idx`, computed for those not kept from
         `last[i]`, its final hidden states as the batch read them."""
         if self._vocab is None or not torch.equal(self._vocab, draft_ids.cpu()):
@@ -239,12 +269,13 @@ class TeacherCache:
         self.misses += len(missing)
         fresh = {}
         if missing:
-            t = teacher_targets(torch.cat([last[i] for i in missing]).to(device).float()[None], lm_head.to(device),
-                                draft_ids.to(device))
+            t = teacher_targets(
+                torch.cat([last[i] for i in missing]).to(device).float()[None], lm_head.to(device), draft_ids.to(device)
+            )
             at = 0
             for i in missing:
                 n = last[i].shape[0]
-                fresh[i] = tuple(x[0, at:at + n].cpu() for x in (t.probs_BTVd, t.in_vocab_BT, t.argmax_BT))
+                fresh[i] = tuple(x[0, at : at + n].cpu() for x in (t.probs_BTVd, t.in_vocab_BT, t.argmax_BT))
                 at += n
                 size = sum(x.numel() * x.element_size() for x in fresh[i])
                 if self.bytes + size <= self.max_bytes:
@@ -252,9 +283,15 @@ class TeacherCache:
         return [self._kept.get(i) or fresh[i] for i in idx]
 
 
-def ttt_batch(data: TrainingData, idx: list[int], draft_ids: torch.Tensor, device: str | torch.device,
-              target: torch.nn.Module | None = None, every_token: bool = False,
-              teacher_cache: TeacherCache | None = None) -> TTTBatch:
+def ttt_batch(
+    data: TrainingData,
+    idx: list[int],
+    draft_ids: torch.Tensor,
+    device: str | torch.device,
+    target: torch.nn.Module | None = None,
+    every_token: bool = False,
+    teacher_cache: TeacherCache | None = None,
+) -> TTTBatch:
     """Right-padded TTT batch of sequences `idx`: stored features (offline) or the target's (online). Its loss mask
     marks the assistant tokens, or with `every_token` every token of the sequences (prompts too: the teacher is the
     target's distribution wherever it reads, so the prompt's positions are training signal the features already
@@ -266,14 +303,14 @@ def ttt_batch(data: TrainingData, idx: list[int], draft_ids: torch.Tensor, devic
     ids = torch.zeros(len(idx), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for r, (s, m) in enumerate(seqs):
-        ids[r, :len(s)], mask[r, :len(s)] = s, (1 if every_token else m)
+        ids[r, : len(s)], mask[r, : len(s)] = s, (1 if every_token else m)
     if target is None:
         H = data.embed_tokens.shape[1]
         aux = torch.zeros(len(idx), width, 3 * H, dtype=dtype)
         last = torch.zeros(len(idx), width, H, dtype=dtype)
         for r, i in enumerate(idx):
             a, b = data.features(i)
-            aux[r, :a.shape[0]], last[r, :b.shape[0]] = a, b
+            aux[r, : a.shape[0]], last[r, : b.shape[0]] = a, b
     else:
         from eagle.features import target_forward
 
@@ -283,9 +320,13 @@ def ttt_batch(data: TrainingData, idx: list[int], draft_ids: torch.Tensor, devic
             step = target_forward(target, ids.to(device), layer_ids, attention_mask=att.to(device))
         aux, last = _as_stored(step.aux_BT3H, stored), _as_stored(step.last_hidden_BTH, stored)
     if target is None and teacher_cache is not None:
-        rows = {i: last[r, :len(seqs[r][0])] for r, i in enumerate(idx)}  # read once above, not again
-        return TTTBatch(ids.to(device), aux.to(device).float(), mask.to(device),
-                        _padded_teacher(teacher_cache.get(data.lm_head, idx, rows, draft_ids, device), width, device))
+        rows = {i: last[r, : len(seqs[r][0])] for r, i in enumerate(idx)}  # read once above, not again
+        return TTTBatch(
+            ids.to(device),
+            aux.to(device).float(),
+            mask.to(device),
+            _padded_teacher(teacher_cache.get(data.lm_head, idx, rows, draft_ids, device), width, device),
+        )
     aux, last = aux.to(device).float(), last.to(device).float()
     teacher = teacher_targets(last, data.lm_head.to(device), draft_ids.to(device))
     return TTTBatch(ids.to(device), aux, mask.to(device), teacher)
@@ -298,7 +339,7 @@ def _padded_teacher(rows: list[tuple], width: int, device) -> Teacher:
     in_vocab = torch.zeros(len(rows), width, dtype=torch.bool)
     argmax = torch.zeros(len(rows), width, dtype=torch.long)
     for r, (p, v, a) in enumerate(rows):
-        probs[r, :len(p)], in_vocab[r, :len(v)], argmax[r, :len(a)] = p, v, a
+        probs[r, : len(p)], in_vocab[r, : len(v)], argmax[r, : len(a)] = p, v, a
     return Teacher(probs.to(device), in_vocab.to(device), argmax.to(device))
 
 

@@ -22,8 +22,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from components.train.config import TrainConfig
-from components.train.state import (HISTORY, latest_checkpoint, load_checkpoint, save_checkpoint, sync_best,
-                                    trim_history, write_best)
+from components.train.state import (
+    HISTORY,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+    sync_best,
+    trim_history,
+    write_best,
+)
 from eagle.config import default_mask_token_id
 
 WARM_START_FILE = "warm_start.json"  # the warm-start head's held-out figures before any step (kept across a resume)
@@ -85,8 +92,9 @@ def train_loop(args: LoopArgs) -> None:
             if step >= cfg.steps:
                 break
             ids = [train_ids[i] for i in pos]
-            batch = ttt_batch(data, ids, draft.draft_ids(), device, target, every_token=cfg.loss_on == "all",
-                              teacher_cache=cache)
+            batch = ttt_batch(
+                data, ids, draft.draft_ids(), device, target, every_token=cfg.loss_on == "all", teacher_cache=cache
+            )
             try:
                 res = train_step(model, draft, batch, cfg.ttt, opt, sched, cfg.optim.grad_clip, amp)
             except FloatingPointError as e:  # before the optimiser step: the checkpoints stay clean
@@ -96,15 +104,26 @@ def train_loop(args: LoopArgs) -> None:
             done = step + 1
             if rank == 0:
                 t = time.perf_counter()
-                held = _heldout(cfg, data, heldout_ids, draft, amp, target, cache) \
-                    if cfg.eval_every and _due(done, cfg.eval_every, cfg.steps) else {}
+                held = (
+                    _heldout(cfg, data, heldout_ids, draft, amp, target, cache)
+                    if cfg.eval_every and _due(done, cfg.eval_every, cfg.steps)
+                    else {}
+                )
                 t0 += time.perf_counter() - t  # tokens/s counts training time only
                 if held and best.record(done, held["heldout_tau"], held["heldout_loss"], draft):
                     write_best(out, best)
                 if held or _due(done, cfg.log_every, cfg.steps):
-                    _log(args, done, {**res.metrics(), "lr": sched.get_last_lr()[0],
-                                      "tokens_per_s": seen * world / max(time.perf_counter() - t0, 1e-9),
-                                      "seq_tokens_per_s": real * world / max(time.perf_counter() - t0, 1e-9), **held})
+                    _log(
+                        args,
+                        done,
+                        {
+                            **res.metrics(),
+                            "lr": sched.get_last_lr()[0],
+                            "tokens_per_s": seen * world / max(time.perf_counter() - t0, 1e-9),
+                            "seq_tokens_per_s": real * world / max(time.perf_counter() - t0, 1e-9),
+                            **held,
+                        },
+                    )
             if done % cfg.checkpoint_every == 0 or done == cfg.steps:
                 path = save_checkpoint(out, done, draft, opt, sched, cfg.keep_checkpoints, best) if rank == 0 else None
                 if cfg.ray.num_workers:  # in the driver (0 workers) there is no Ray to report to, nor imported
@@ -117,10 +136,15 @@ def _warm_start_figures(out: Path, held: dict[str, float]) -> None:
     """The warm-start head's held-out figures before any step: printed and kept for the lineage."""
     from components.data.atomic import atomic_write_text
 
-    print(f"train: the warm-start head on these features, before any step: held-out tau {held['heldout_tau']:.2f} "
-          f"loss {held['heldout_loss']:.3f}", flush=True)
-    atomic_write_text(out / WARM_START_FILE, json.dumps({"heldout_tau": held["heldout_tau"],
-                                                          "heldout_loss": held["heldout_loss"]}) + "\n")
+    print(
+        f"train: the warm-start head on these features, before any step: held-out tau {held['heldout_tau']:.2f} "
+        f"loss {held['heldout_loss']:.3f}",
+        flush=True,
+    )
+    atomic_write_text(
+        out / WARM_START_FILE,
+        json.dumps({"heldout_tau": held["heldout_tau"], "heldout_loss": held["heldout_loss"]}) + "\n",
+    )
 
 
 def _due(done: int, every: int, steps: int) -> bool:
@@ -133,10 +157,13 @@ def _heldout(cfg: TrainConfig, data, heldout_ids: list[int], draft, amp, target,
     from eagle.train import heldout_metrics
 
     device, b = next(draft.parameters()).device, cfg.batch_size
-    chunks = (heldout_ids[i:i + b] for i in range(0, len(heldout_ids), b))
-    return heldout_metrics(draft, (ttt_batch(data, c, draft.draft_ids(), device, target, teacher_cache=cache)
-                                   for c in chunks),
-                           cfg.ttt, amp)
+    chunks = (heldout_ids[i : i + b] for i in range(0, len(heldout_ids), b))
+    return heldout_metrics(
+        draft,
+        (ttt_batch(data, c, draft.draft_ids(), device, target, teacher_cache=cache) for c in chunks),
+        cfg.ttt,
+        amp,
+    )
 
 
 def _ddp(model, world: int, device):
@@ -161,8 +188,11 @@ def _log(args: LoopArgs, step: int, m: dict[str, float]) -> None:
     for s in args.sinks:
         s.log(step, m)
     held = f" heldout tau {m['heldout_tau']:.2f} loss {m['heldout_loss']:.3f}" if "heldout_tau" in m else ""
-    print(f"train: step {step}/{args.cfg.steps} loss {m['loss']:.3f} acc_0 {m['acc_0']:.3f} "
-          f"acc_{k} {m[f'acc_{k}']:.3f} tau(sim) {m['tau']:.2f}{held} {m['tokens_per_s']:.0f} tok/s", flush=True)
+    print(
+        f"train: step {step}/{args.cfg.steps} loss {m['loss']:.3f} acc_0 {m['acc_0']:.3f} "
+        f"acc_{k} {m[f'acc_{k}']:.3f} tau(sim) {m['tau']:.2f}{held} {m['tokens_per_s']:.0f} tok/s",
+        flush=True,
+    )
 
 
 def _export(args: LoopArgs, draft, best: BestSoFar, start: int, n_heldout: int) -> None:
@@ -175,10 +205,18 @@ def _export(args: LoopArgs, draft, best: BestSoFar, start: int, n_heldout: int) 
         draft.load_state_dict(best.weights, strict=False)
     warm = Path(args.out_dir) / WARM_START_FILE
     warm_tau = json.loads(warm.read_text())["heldout_tau"] if args.init_head_dir and warm.is_file() else None
-    export_head(draft, Path(args.out_dir) / "head", lineage={**args.lineage, "train_config": asdict(cfg),
-                                                            "resumed_from_step": start, **choice,
-                                                            "heldout_seqs": n_heldout,
-                                                            "warm_start_heldout_tau": warm_tau})
+    export_head(
+        draft,
+        Path(args.out_dir) / "head",
+        lineage={
+            **args.lineage,
+            "train_config": asdict(cfg),
+            "resumed_from_step": start,
+            **choice,
+            "heldout_seqs": n_heldout,
+            "warm_start_heldout_tau": warm_tau,
+        },
+    )
 
 
 def holdout_size(cfg: TrainConfig, n_seqs: int) -> int:
@@ -187,8 +225,10 @@ def holdout_size(cfg: TrainConfig, n_seqs: int) -> int:
     if not cfg.eval_every:
         return 0
     if n_seqs < 2:
-        raise ValueError(f"held-out evaluation needs at least 2 sequences, the features hold {n_seqs}: extract more "
-                         "traffic, or train with eval_every 0 and select 'last'")
+        raise ValueError(
+            f"held-out evaluation needs at least 2 sequences, the features hold {n_seqs}: extract more "
+            "traffic, or train with eval_every 0 and select 'last'"
+        )
     return min(cfg.holdout_seqs, max(1, n_seqs // 4))
 
 
@@ -198,10 +238,20 @@ def new_head(args: LoopArgs, data):
 
     layer_ids, tcfg = data.manifest["layer_ids"], data.target_config(args.trust_remote_code)
     if args.init_head_dir:
-        return as_variant(warm_start_head(args.init_head_dir, tcfg, data.embed_tokens, layer_ids), args.cfg.variant,
-                          default_mask_token_id(tcfg))
-    return head_from_tensors(tcfg, data.token_counts, data.embed_tokens, data.lm_head, args.cfg.draft_vocab_size,
-                             aux_layer_ids=layer_ids, variant=args.cfg.variant)
+        return as_variant(
+            warm_start_head(args.init_head_dir, tcfg, data.embed_tokens, layer_ids),
+            args.cfg.variant,
+            default_mask_token_id(tcfg),
+        )
+    return head_from_tensors(
+        tcfg,
+        data.token_counts,
+        data.embed_tokens,
+        data.lm_head,
+        args.cfg.draft_vocab_size,
+        aux_layer_ids=layer_ids,
+        variant=args.cfg.variant,
+    )
 
 
 def warm_start_head(head_dir: str, target_config, embed_VH, aux_layer_ids):
@@ -213,9 +263,11 @@ def warm_start_head(head_dir: str, target_config, embed_VH, aux_layer_ids):
     draft = load_head(head_dir)
     check_head_fits(draft.cfg, target_config, where=f"warm-start head {head_dir}")
     if list(draft.cfg.aux_layer_ids) != list(aux_layer_ids):
-        raise HeadMismatchError(f"warm-start head {head_dir} fuses layers {list(draft.cfg.aux_layer_ids)}, but the "
-                                f"features are of layers {list(aux_layer_ids)}: extract with aux_layer_ids "
-                                f"{list(draft.cfg.aux_layer_ids)} or train without the warm start")
+        raise HeadMismatchError(
+            f"warm-start head {head_dir} fuses layers {list(draft.cfg.aux_layer_ids)}, but the "
+            f"features are of layers {list(aux_layer_ids)}: extract with aux_layer_ids "
+            f"{list(draft.cfg.aux_layer_ids)} or train without the warm start"
+        )
     draft.embed_tokens.weight.data.copy_(embed_VH.float())
     return draft
 

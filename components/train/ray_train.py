@@ -23,8 +23,7 @@ import logging
 from pathlib import Path
 from typing import Any, Callable
 
-from ray.train import (FailureConfig, LoggingConfig, RunConfig, ScalingConfig, TrainingFailedError,
-                       UserCallback)
+from ray.train import FailureConfig, LoggingConfig, RunConfig, ScalingConfig, TrainingFailedError, UserCallback
 from ray.train.torch import TorchTrainer
 
 from eagle.errors import BadInput
@@ -45,13 +44,19 @@ def fit_with_ray(loop: Callable[[Any], None], args: Any, storage: str) -> None:
     storage = storage if "://" in storage else str(Path(storage).resolve())  # a URI (s3://, file://) as it is
     check_shared_paths({"the checkpoint storage": storage, "the output directory": args.out_dir})  # workers span hosts
     trainer = TorchTrainer(
-        functools.partial(_worker_loop, loop), train_loop_config=args,
-        scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_gpu,
-                                     resources_per_worker={"CPU": cfg.cpus_per_worker}),
-        run_config=RunConfig(name=_ray_run_name(args.out_dir), storage_path=storage,
-                             failure_config=FailureConfig(max_failures=cfg.max_failures),
-                             logging_config=LoggingConfig(log_level="WARNING"),  # no INFO lines per worker start
-                             callbacks=[RefuseBadInput()]))
+        functools.partial(_worker_loop, loop),
+        train_loop_config=args,
+        scaling_config=ScalingConfig(
+            num_workers=cfg.num_workers, use_gpu=cfg.use_gpu, resources_per_worker={"CPU": cfg.cpus_per_worker}
+        ),
+        run_config=RunConfig(
+            name=_ray_run_name(args.out_dir),
+            storage_path=storage,
+            failure_config=FailureConfig(max_failures=cfg.max_failures),
+            logging_config=LoggingConfig(log_level="WARNING"),  # no INFO lines per worker start
+            callbacks=[RefuseBadInput()],
+        ),
+    )
     try:
         trainer.fit()  # raises the run's TrainingFailedError when it fails
     except TrainingFailedError as e:

@@ -43,8 +43,16 @@ from components.train.loop import WARM_START_FILE, LoopArgs, holdout_size, train
 from components.train.state import HISTORY, check_checkpoint, history_rows, latest_checkpoint
 
 # what the exported head's lineage and the TrainResult say of the selection (eagle.train.Selection.lineage)
-CHOICE_KEYS = ("selected_step", "selection_rule", "selected_heldout_tau", "last_heldout_tau", "best_step",
-               "best_heldout_tau", "heldout_seqs", "warm_start_heldout_tau")
+CHOICE_KEYS = (
+    "selected_step",
+    "selection_rule",
+    "selected_heldout_tau",
+    "last_heldout_tau",
+    "best_step",
+    "best_heldout_tau",
+    "heldout_seqs",
+    "warm_start_heldout_tau",
+)
 
 __all__ = ["RayConfig", "TrainConfig", "TrainResult", "TrainSetup", "latest_checkpoint", "train"]
 
@@ -95,8 +103,15 @@ class TrainSetup:
     trust_remote_code: bool = False
 
 
-def train(cfg: TrainConfig, extract_dir: str, out_dir: str, target_dir: str | None = None,
-          lineage: dict[str, Any] | None = None, sinks: tuple = (), setup: TrainSetup = TrainSetup()) -> TrainResult:
+def train(
+    cfg: TrainConfig,
+    extract_dir: str,
+    out_dir: str,
+    target_dir: str | None = None,
+    lineage: dict[str, Any] | None = None,
+    sinks: tuple = (),
+    setup: TrainSetup = TrainSetup(),
+) -> TrainResult:
     """Train a head on the extract stage's output; resumes from `out_dir/checkpoints` when present. `setup`: a warm
     start, Ray's storage, trust in the target's code (`TrainSetup`)."""
     init_head_dir, trust_remote_code = setup.init_head_dir, setup.trust_remote_code
@@ -108,8 +123,11 @@ def train(cfg: TrainConfig, extract_dir: str, out_dir: str, target_dir: str | No
     layer_ids, n_layers, n_seqs = _check_extract(extract_dir, target_dir, trust_remote_code)  # fail fast, here
     n_heldout = holdout_size(cfg, n_seqs)
     if cfg.eval_every and n_heldout < cfg.holdout_seqs:
-        print(f"train: holding out {n_heldout} of {n_seqs} sequences (holdout_seqs {cfg.holdout_seqs}: at most a "
-              "quarter of them)", flush=True)
+        print(
+            f"train: holding out {n_heldout} of {n_seqs} sequences (holdout_seqs {cfg.holdout_seqs}: at most a "
+            "quarter of them)",
+            flush=True,
+        )
     history = out / HISTORY
     ckpt = latest_checkpoint(out)
     if ckpt:
@@ -123,8 +141,16 @@ def train(cfg: TrainConfig, extract_dir: str, out_dir: str, target_dir: str | No
         (out / WARM_START_FILE).unlink(missing_ok=True)
     if init_head_dir:
         init_head_dir = str(Path(init_head_dir).resolve())
-    args = LoopArgs(cfg, extract_dir, str(out), target_dir, dict(lineage or {}),
-                    (JsonlSink(str(history)), *sinks), trust_remote_code, init_head_dir)
+    args = LoopArgs(
+        cfg,
+        extract_dir,
+        str(out),
+        target_dir,
+        dict(lineage or {}),
+        (JsonlSink(str(history)), *sinks),
+        trust_remote_code,
+        init_head_dir,
+    )
     t0 = time.perf_counter()
     if cfg.ray.num_workers == 0:
         train_loop(args)
@@ -136,8 +162,15 @@ def train(cfg: TrainConfig, extract_dir: str, out_dir: str, target_dir: str | No
 
     rows = history_rows(history)
     lineage = read_head_meta(out / "head")["lineage"]
-    return TrainResult(str(out / "head"), cfg.steps, resumed, rows[-1] if rows else {}, str(history),
-                       time.perf_counter() - t0, **{k: lineage.get(k) for k in CHOICE_KEYS})
+    return TrainResult(
+        str(out / "head"),
+        cfg.steps,
+        resumed,
+        rows[-1] if rows else {},
+        str(history),
+        time.perf_counter() - t0,
+        **{k: lineage.get(k) for k in CHOICE_KEYS},
+    )
 
 
 def _check_extract(extract_dir: str, target_dir: str | None, trust_remote_code: bool) -> tuple[list[int], int, int]:

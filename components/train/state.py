@@ -51,15 +51,26 @@ def save_checkpoint(out_dir: Path, step: int, draft, opt, sched, keep: int, best
         save_file(head_state_dict(draft), str(tmp / "head.safetensors"))
         if best.weights is not None:
             save_file(best.weights, str(tmp / BEST_WEIGHTS))
-        torch.save({"opt": opt.state_dict(), "sched": sched.state_dict(), "step": step,
-                    "rng": torch.get_rng_state(), "aux_layer_ids": list(draft.cfg.aux_layer_ids),
-                    "selection": asdict(best.selection)}, tmp / "state.pt")
+        torch.save(
+            {
+                "opt": opt.state_dict(),
+                "sched": sched.state_dict(),
+                "step": step,
+                "rng": torch.get_rng_state(),
+                "aux_layer_ids": list(draft.cfg.aux_layer_ids),
+                "selection": asdict(best.selection),
+            },
+            tmp / "state.pt",
+        )
         (tmp / "DONE").write_text(str(step))
     except BaseException as err:  # a full disk: leave no half checkpoint, say where
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(err, OSError):
-            raise OSError(err.errno, f"cannot write checkpoint {final}: {err.strerror or err}; the previous "
-                                     "checkpoint is intact: free space and re-run (training resumes)") from err
+            raise OSError(
+                err.errno,
+                f"cannot write checkpoint {final}: {err.strerror or err}; the previous "
+                "checkpoint is intact: free space and re-run (training resumes)",
+            ) from err
         raise
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
@@ -100,8 +111,11 @@ def write_best(out_dir: Path, best: BestSoFar) -> None:
     name = f"head-{sel.best_step:07d}.safetensors"
     with atomic_path(root / name) as tmp:
         save_file(best.weights, str(tmp))
-    atomic_write_text(root / "best.json", json.dumps({"step": sel.best_step, "heldout_tau": sel.best_tau,
-                                                      "heldout_loss": sel.best_loss, "weights": name}) + "\n")
+    atomic_write_text(
+        root / "best.json",
+        json.dumps({"step": sel.best_step, "heldout_tau": sel.best_tau, "heldout_loss": sel.best_loss, "weights": name})
+        + "\n",
+    )
     for old in root.glob("head-*.safetensors"):
         if old.name != name:
             old.unlink(missing_ok=True)
@@ -128,9 +142,11 @@ def check_checkpoint(path: Path, state: dict, layer_ids, num_layers: int) -> Non
     n = num_layers
     theirs = list(state.get("aux_layer_ids") or (2, n // 2, n - 3))  # a checkpoint without ids used (2, N//2, N-3)
     if theirs != list(layer_ids):
-        raise ValueError(f"checkpoint {path} was trained on features of layers {theirs}, but the features are of "
-                         f"layers {list(layer_ids)}: delete {path.parent} to train afresh, or extract with "
-                         f"aux_layer_ids {theirs}")
+        raise ValueError(
+            f"checkpoint {path} was trained on features of layers {theirs}, but the features are of "
+            f"layers {list(layer_ids)}: delete {path.parent} to train afresh, or extract with "
+            f"aux_layer_ids {theirs}"
+        )
 
 
 def history_rows(path: Path) -> list[dict]:

@@ -38,6 +38,7 @@ def _hook_renames(text: str, truncate: bool) -> None:
                     os.truncate(src, os.path.getsize(src) // 2)
                 _pause(f"rename {os.fspath(src)} -> {os.fspath(dst)}")
             return real(src, dst, *args, **kwargs)
+
         return renamer
 
     os.replace, os.rename = wrap(os.replace), wrap(os.rename)
@@ -82,6 +83,7 @@ def _pausing(real):
     def method(*args, **kwargs):
         _pause(f"call {real.__qualname__}")
         return real(*args, **kwargs)
+
     return method
 
 
@@ -96,10 +98,13 @@ def _failing(times: int):
                 from mlflow.protos.databricks_pb2 import TEMPORARILY_UNAVAILABLE
 
                 sys.stderr.write(f"FAULT-FAIL {real.__qualname__} call {calls[0]}\n")
-                raise MlflowException("(sqlite3.OperationalError) database is locked",
-                                      error_code=TEMPORARILY_UNAVAILABLE)
+                raise MlflowException(
+                    "(sqlite3.OperationalError) database is locked", error_code=TEMPORARILY_UNAVAILABLE
+                )
             return real(*args, **kwargs)
+
         return method
+
     return make
 
 
