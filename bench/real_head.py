@@ -9,11 +9,11 @@ conversations and steps than the `default` preset and measures the head as serve
    tau every `--eval-every`), is evaluated and registered as the pipeline always does;
 3. `bench/vllm_speedup.py --runs N` on the registered head: N fresh vLLM servers per method (plain, the head, prompt
    lookup), tokens/s and x plain (median, minimum), tau and alpha from the engine's counters, mismatches.
-Run: `python bench/real_head.py [--conversations 1200 (0: 1200)] [--steps 1200] [--runs 5]` (2 cores: ~25 min of
-regeneration and extraction, ~2.3 s a training step, ~3 min per speedup run). Writes `real_head.json` (+ `.png`: the
-held-out tau against steps) with the training curve, stage seconds and the served figures. `--summary
-<run>/summary.json` reports a finished run instead of training one; `--runs 0` skips the fresh-server measurement
-(the pipeline's own vLLM evaluation, in the summary, stays).
+Run: `python bench/real_head.py [--conversations 1200 (0: 1200)] [--steps 1200] [--runs 5] [--set KEY=VALUE ...]`
+(2 cores: ~25 min of regeneration and extraction, ~2.3 s a training step, ~3 min per speedup run). Writes
+`real_head.json` (+ `.png`: the held-out tau against steps) with the training curve, stage seconds and the served
+figures. `--summary <run>/summary.json` reports a finished run instead of training one; `--runs 0` skips the
+fresh-server measurement (the pipeline's own vLLM evaluation, in the summary, stays).
 Not here: the demo's heads (`make demo`), the data/steps trade-off on fixed features (bench/data_curve.py).
 """
 
@@ -60,7 +60,8 @@ def overrides(args) -> list[str]:
         "evaluate.limit": 8,
         "evaluate.spec.max_new_tokens": 96,
     }
-    return [f for k, v in sets.items() for f in ("--set", f"{k}={v}")]
+    extra = dict(x.split("=", 1) for x in args.set)  # --set KEY=VALUE: this run's own, over the above
+    return [f for k, v in {**sets, **extra}.items() for f in ("--set", f"{k}={v}")]
 
 
 def train(args, target: Path, traffic: Path, heldout: Path) -> tuple[dict, float]:
@@ -158,7 +159,16 @@ def main() -> None:
         default="",
         help="skip training: a finished run's summary.json (its curve, gate and head are reported)",
     )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a pipeline config value over this benchmark's (repeatable), e.g. train.ttt.shallow_fraction=0.78",
+    )
     args = p.parse_args()
+    if bad := [x for x in args.set if "=" not in x]:
+        p.error(f"--set {bad[0]}: expected KEY=VALUE, e.g. train.ttt.shallow_fraction=0.78")
     for name in ("steps", "eval_every", "draft_vocab", "prompts", "max_new"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1, not {getattr(args, name)}")

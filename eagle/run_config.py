@@ -19,16 +19,36 @@ TARGET_PATHS = ("lean-packed", "lean-torch", "hf-packed", "hf-torch")
 
 @dataclass(frozen=True)
 class TTTConfig:
-    """The TTT loss (eagle/ttt.py): K unrolled steps weighted gamma^k, and the chunk sizes that bound its memory."""
+    """The TTT loss (eagle/ttt.py): K unrolled steps weighted gamma^k, and the chunk sizes that bound its memory.
+
+    `shallow_steps` / `shallow_fraction`: the first `shallow_fraction` of a run's training steps unroll only
+    `shallow_steps` steps (`depth_at`), the rest `ttt_steps`. A step's cost grows with its depth (each unrolled step
+    runs the layer, the draft `lm_head` and the loss again), so a shallow step is several times cheaper and the head
+    sees several times the tokens early on; the deep phase then teaches it to draft from its own outputs. Held-out
+    figures are always taken at `ttt_steps`.
+    """
 
     ttt_steps: int = 7
     gamma: float = 0.8
     attn_chunk: int = 512  # query rows per attention chunk
     loss_chunk: int = 2048  # rows per lm_head/loss chunk
+    shallow_steps: int = 1  # the depth of the shallow phase (used only when shallow_fraction > 0)
+    shallow_fraction: float = 0.0  # the share of a run's steps, from its start, trained at shallow_steps
 
     def __post_init__(self) -> None:
-        at_least(self, {"ttt_steps": 1, "attn_chunk": 1, "loss_chunk": 1})
+        at_least(self, {"ttt_steps": 1, "attn_chunk": 1, "loss_chunk": 1, "shallow_steps": 1})
         finite(self, "gamma", lambda g: 0 < g <= 1, "in (0, 1]")
+        finite(self, "shallow_fraction", lambda f: 0 <= f < 1, "in [0, 1)")
+        if self.shallow_fraction and self.shallow_steps >= self.ttt_steps:
+            raise FieldError(
+                self,
+                "shallow_steps",
+                f"must be below ttt_steps ({self.ttt_steps}) for a shallow phase, got {self.shallow_steps}",
+            )
+
+    def depth_at(self, step: int, total_steps: int) -> int:
+        """The unrolled depth of training step `step` (0-based) of a run of `total_steps`."""
+        return self.shallow_steps if step < round(self.shallow_fraction * total_steps) else self.ttt_steps
 
     @classmethod
     def tiny(cls) -> "TTTConfig":

@@ -150,7 +150,7 @@ def train_step(
     opt.zero_grad(set_to_none=True)
     device_type = batch.input_ids_BS.device.type
     with torch.autocast(device_type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
-        out = ttt_loss(draft, batch, ttt) if model is draft else model(batch)
+        out = ttt_loss(draft, batch, ttt) if model is draft else model(batch, ttt)
     if not torch.isfinite(out.loss):
         raise FloatingPointError(
             f"non-finite TTT loss {out.loss.item()}: lower the learning rate or check the "
@@ -256,5 +256,5 @@ class TTTModule(nn.Module):
         self.draft = draft
         self.ttt = ttt
 
-    def forward(self, batch: TTTBatch) -> TTTOutput:
-        return ttt_loss(self.draft, batch, self.ttt)
+    def forward(self, batch: TTTBatch, ttt: TTTConfig | None = None) -> TTTOutput:
+        return ttt_loss(self.draft, batch, ttt or self.ttt)

@@ -66,9 +66,10 @@ def plot_training(history_file: str | Path, path: str | Path) -> Path:
     a.set_xlabel("step")
     a.set_ylabel("TTT loss")
     a.grid(True, alpha=0.3)
-    accs = sorted((k for k in rows[0] if k.startswith("acc_")), key=lambda k: int(k.split("_")[1])) if rows else []
+    # every depth any row has: a shallow phase (train.ttt.shallow_fraction) logs fewer steps first, gaps there
+    accs = sorted({k for r in rows for k in r if k.startswith("acc_")}, key=lambda k: int(k.split("_")[1]))
     for k in accs:
-        b.plot(steps, [r[k] for r in rows], label=k)
+        b.plot(steps, [r.get(k, float("nan")) for r in rows], label=k)
     if rows and "tau" in rows[0]:
         b2 = b.twinx()
         b2.plot(steps, [r["tau"] for r in rows], "k--", label="τ (simulated)")

@@ -128,6 +128,13 @@ def _check_config(cfg: TrainConfig) -> None:
             f"{par[0]!r} needs ttt.ttt_steps >= 2 (its masked slots are TTT's steps "
             f"1..K-1), got ttt_steps {cfg.ttt.ttt_steps}",
         )
+    if par and cfg.ttt.shallow_fraction and cfg.ttt.shallow_steps < 2:
+        raise FieldError(
+            cfg,
+            "variant",
+            f"{par[0]!r} needs ttt.shallow_steps >= 2 in a shallow phase (its masked slots are TTT's steps "
+            f"1..K-1), got shallow_steps {cfg.ttt.shallow_steps}",
+        )
     if cfg.select == "best_tau" and cfg.eval_every == 0:
         raise FieldError(
             cfg, "select", "'best_tau' needs the held-out evaluation: set eval_every >= 1, or select 'last'"

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -95,8 +95,10 @@ def train_loop(args: LoopArgs) -> None:
             batch = ttt_batch(
                 data, ids, draft.draft_ids(), device, target, every_token=cfg.loss_on == "all", teacher_cache=cache
             )
+            depth = cfg.ttt.depth_at(step, cfg.steps)
+            ttt = cfg.ttt if depth == cfg.ttt.ttt_steps else replace(cfg.ttt, ttt_steps=depth, shallow_fraction=0.0)
             try:
-                res = train_step(model, draft, batch, cfg.ttt, opt, sched, cfg.optim.grad_clip, amp)
+                res = train_step(model, draft, batch, ttt, opt, sched, cfg.optim.grad_clip, amp)
             except FloatingPointError as e:  # before the optimiser step: the checkpoints stay clean
                 raise FloatingPointError(f"{args.extract_dir}, step {step + 1}: {e}") from None
             seen += int(batch.input_ids_BS.numel())
@@ -118,6 +120,7 @@ def train_loop(args: LoopArgs) -> None:
                         done,
                         {
                             **res.metrics(),
+                            "ttt_depth": depth,
                             "lr": sched.get_last_lr()[0],
                             "tokens_per_s": seen * world / max(time.perf_counter() - t0, 1e-9),
                             "seq_tokens_per_s": real * world / max(time.perf_counter() - t0, 1e-9),
@@ -184,7 +187,7 @@ def _empty_best() -> BestSoFar:
 
 def _log(args: LoopArgs, step: int, m: dict[str, float]) -> None:
     """One row to every sink and a progress line (held-out figures when the step has them)."""
-    k = args.cfg.ttt.ttt_steps - 1
+    k = max(int(key[4:]) for key in m if key.startswith("acc_"))  # the step's depth - 1 (shallow phase: less)
     for s in args.sinks:
         s.log(step, m)
     held = f" heldout tau {m['heldout_tau']:.2f} loss {m['heldout_loss']:.3f}" if "heldout_tau" in m else ""
