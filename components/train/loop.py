@@ -193,7 +193,8 @@ def _log(args: LoopArgs, step: int, m: dict[str, float]) -> None:
     held = f" heldout tau {m['heldout_tau']:.2f} loss {m['heldout_loss']:.3f}" if "heldout_tau" in m else ""
     print(
         f"train: step {step}/{args.cfg.steps} loss {m['loss']:.3f} acc_0 {m['acc_0']:.3f} "
-        f"acc_{k} {m[f'acc_{k}']:.3f} tau(sim) {m['tau']:.2f}{held} {m['tokens_per_s']:.0f} tok/s",
+        + (f"acc_{k} {m[f'acc_{k}']:.3f} " if k else "")
+        + f"tau(sim) {m['tau']:.2f}{held} {m['tokens_per_s']:.0f} tok/s",
         flush=True,
     )
 
