@@ -330,6 +330,20 @@ def pyplot():
     return plt
 
 
+def line_plot(path: Path, lines: dict[str, tuple[list, list]], xlabel: str, ylabel: str, title: str) -> None:
+    """One marked line per label (`lines`: label -> (xs, ys)) on one axis, saved as `path` (a .png)."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, (xs, ys) in lines.items():
+        ax.plot(xs, ys, marker="o", label=label)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def base_args(description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--quick", action="store_true", help="tiny embedded preset, under 2 minutes (for tests)")

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import common  # noqa: F401  (puts the repository on sys.path)
-from common import base_args, print_table, pyplot, start, write_results
+from common import base_args, line_plot, print_table, start, write_results
 
 
 def curve(extract_dir: str, fraction: float, steps: int, eval_every: int) -> tuple[int, list[dict]]:
@@ -101,23 +101,14 @@ def main() -> None:
         f"held-out tau by data and steps ({args.extract})",
     )
     path = write_results("data_curve", args.quick, {"extract_dir": args.extract, "rows": out}, load_before)
-    plt = pyplot()
-    if plt is not None:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for f in sorted(args.fractions):
-            pts = [r for r in out if r["fraction"] == f]
-            ax.plot(
-                [r["step"] for r in pts],
-                [r["heldout_tau"] for r in pts],
-                marker="o",
-                label=f"{pts[0]['sequences']} sequences" if pts else str(f),
-            )
-        ax.set_xlabel("training step")
-        ax.set_ylabel("held-out tau (simulated)")
-        ax.set_title("held-out tau by data and steps")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(path.with_suffix(".png"), dpi=110)
+    lines = {}
+    for f in sorted(args.fractions):
+        pts = [r for r in out if r["fraction"] == f]
+        label = f"{pts[0]['sequences']} sequences" if pts else str(f)
+        lines[label] = ([r["step"] for r in pts], [r["heldout_tau"] for r in pts])
+    line_plot(
+        path.with_suffix(".png"), lines, "training step", "held-out tau (simulated)", "held-out tau by data and steps"
+    )
 
 
 if __name__ == "__main__":

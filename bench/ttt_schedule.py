@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import common  # noqa: F401  (puts the repository on sys.path)
-from common import base_args, print_table, pyplot, start, write_results
+from common import base_args, line_plot, print_table, start, write_results
 
 
 def parse_schedule(text: str) -> list[tuple[int, float]]:
@@ -164,18 +164,17 @@ def main() -> None:
     print_table(out, cols, f"held-out tau (K {args.eval_depth}) by TTT schedule, {args.minutes:g} min each")
     record = {"extract_dir": args.extract, "minutes": args.minutes, "rows": out}
     path = write_results("ttt_schedule", args.quick, record, load_before)
-    plt = pyplot()
-    if plt is not None:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for s in args.schedules:
-            pts = [r for r in out if r["schedule"] == s]
-            ax.plot([r["minutes"] for r in pts], [r["heldout_tau"] for r in pts], marker="o", label=s)
-        ax.set_xlabel("training minutes (2 cores)")
-        ax.set_ylabel(f"held-out tau (simulated, K {args.eval_depth})")
-        ax.set_title("TTT depth schedules at equal time")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(path.with_suffix(".png"), dpi=110)
+    lines = {}
+    for s in args.schedules:
+        pts = [r for r in out if r["schedule"] == s]
+        lines[s] = ([r["minutes"] for r in pts], [r["heldout_tau"] for r in pts])
+    line_plot(
+        path.with_suffix(".png"),
+        lines,
+        "training minutes (2 cores)",
+        f"held-out tau (simulated, K {args.eval_depth})",
+        "TTT depth schedules at equal time",
+    )
 
 
 if __name__ == "__main__":
