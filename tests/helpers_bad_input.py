@@ -48,6 +48,11 @@ CONFIG_ROWS: dict[str, tuple[dict, str]] = {
         "train.bucket_by_length: 'yes' is not of type bool",
     ),
     "train-teacher-cache-negative": ({"train": {"teacher_cache_mib": -1}}, "train.teacher_cache_mib must be"),
+    "train-shallow-not-below-ttt": (
+        {"train": {"ttt": {"ttt_steps": 3, "shallow_steps": 3, "shallow_fraction": 0.5}}},
+        "train.ttt.shallow_steps must be below ttt_steps (3)",
+    ),
+    "train-shallow-fraction-one": ({"train": {"ttt": {"shallow_fraction": 1}}}, "train.ttt.shallow_fraction must be"),
     "capture-mix-one": ({"capture": {"mix": 1}}, "capture.mix must be a number in (0, 1)"),
     "capture-heldout-zero": ({"capture": {"heldout": 0}}, "capture.heldout must be an integer >= 1, got 0"),
     "capture-trigger-not-int": ({"capture": {"trigger_new": 2.5}}, "capture.trigger_new: 2.5 is not of type int"),
