@@ -87,6 +87,7 @@ def train_loop(args: LoopArgs) -> None:
     sizes = (data.offsets[1:] - data.offsets[:-1]).tolist()
     lengths = [sizes[i] for i in train_ids] if cfg.bucket_by_length else None
     cache = TeacherCache(cfg.teacher_cache_mib << 20) if cfg.teacher_cache_mib and target is None else None
+    shallow = replace(cfg.ttt, ttt_steps=cfg.ttt.shallow_steps, shallow_fraction=0.0)  # the shallow phase's loss
     with kept_heap(device.type == "cpu"):  # eagle/heap.py: no page faults for each step's freed tensors
         for step, pos in batches(len(train_ids), cfg.batch_size, cfg.seed, start, rank, world, lengths):
             if step >= cfg.steps:
@@ -96,7 +97,7 @@ def train_loop(args: LoopArgs) -> None:
                 data, ids, draft.draft_ids(), device, target, every_token=cfg.loss_on == "all", teacher_cache=cache
             )
             depth = cfg.ttt.depth_at(step, cfg.steps)
-            ttt = cfg.ttt if depth == cfg.ttt.ttt_steps else replace(cfg.ttt, ttt_steps=depth, shallow_fraction=0.0)
+            ttt = cfg.ttt if depth == cfg.ttt.ttt_steps else shallow
             try:
                 res = train_step(model, draft, batch, ttt, opt, sched, cfg.optim.grad_clip, amp)
             except FloatingPointError as e:  # before the optimiser step: the checkpoints stay clean
