@@ -138,3 +138,25 @@ def test_bench_serving_scripts_refuse_bad_arguments_in_one_line_before_any_work(
         timeout=120,
     )
     assert out.returncode == 2 and says in out.stderr.strip().splitlines()[-1], out.stderr
+
+
+def test_serving_loop_offline_plan_keeps_the_captured_traffic_and_one_registered(tmp_path: Path) -> None:
+    """bench/serving_loop_offline.py: the offline head's plan is the retrain's with 1 registered conversation and a
+    run key of its own; its config turns warm start off and keeps the rest; the summary's ratios are shadow taus'."""
+    import json
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import serving_loop_offline as off
+
+    plan = {"captured": 88, "registered": 88, "mix": 0.5, "sha256": "ab" * 32, "captured_file": "c.jsonl"}
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    copy = json.loads(off.offline_plan(tmp_path / "plan.json", tmp_path / "off").read_text())
+    assert (copy["registered"], copy["captured"], copy["captured_file"]) == (1, 88, "c.jsonl")
+    assert copy["mix"] == round(88 / 89, 4) and copy["sha256"] != plan["sha256"] and len(copy["sha256"]) == 64
+    cfg = json.loads(
+        off.offline_config({"capture": {"heldout": 8}, "train": {"steps": 9}}, tmp_path / "c.json").read_text()
+    )
+    assert cfg == {"capture": {"heldout": 8}, "train": {"steps": 9, "warm_start": False}}
+    s = off.summary({"head_uri": "models:/h/3", "tags": {"shadow_tau": "2.0", "shadow_champion_tau": "1.9"}}, 1.8)
+    assert (s["retrained_over_offline"], s["live_over_offline"]) == (0.95, 0.9)
+    assert "0.95x offline" in off.line(s) and off.summary({}, None)["retrained_over_offline"] is None
