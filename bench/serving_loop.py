@@ -170,14 +170,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--no-offline",
         action="store_true",
-        help="skip the offline reference after the cycle (a fresh head on the captured shifted traffic, measured "
-        "beside the retrained head in vLLM: bench/serving_loop_offline.py)",
+        help="skip the offline reference after the cycle (bench/serving_loop_offline.py)",
     )
     p.add_argument(
         "--retrain-pause",
         type=float,
         help="seconds between a client's requests while the retrain runs "
-        "(default 1.5 quick, 2 otherwise): on 2 cores the live traffic disturbs the shadow test's timing",
+        "(default 1.5 quick, 20 otherwise): on 2 cores live traffic slows the retrain's own vLLM engines and "
+        "disturbs the shadow test's timing",
     )
     p.add_argument(
         "--promote-anyway",

@@ -44,8 +44,11 @@ QUICK = Sizes(
     60.0,
     64,
 )
+# While the retrain runs, a client waits 20 s between requests: the retrain starts vLLM engines of its own (regenerate,
+# extract, the shadow test) beside the serving one, and on 2 cores a real target's engine did not come up in 600 s
+# beside live traffic at a 2 s pause (2026-12-07, docs/operations.md).
 DEFAULT = Sizes(
-    "default", {"capture": {"heldout": 8, "trigger_new": 96}}, 64, 400, 2, 0.5, 2.0, 10.0, 60.0, 300.0, 96, 300.0, 32
+    "default", {"capture": {"heldout": 8, "trigger_new": 96}}, 64, 400, 2, 0.5, 20.0, 10.0, 60.0, 300.0, 96, 300.0, 32
 )
 
 
