@@ -175,9 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--retrain-pause",
         type=float,
-        help="seconds between a client's requests while the retrain runs "
-        "(default 1.5 quick, 20 otherwise): on 2 cores live traffic slows the retrain's own vLLM engines and "
-        "disturbs the shadow test's timing",
+        help="seconds between a client's requests during the retrain (default 1.5 quick, 20 otherwise): on 2 cores "
+        "live traffic slows the retrain's own vLLM engines and disturbs the shadow test's timing",
     )
     p.add_argument(
         "--promote-anyway",

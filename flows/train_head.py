@@ -56,7 +56,8 @@ from components.evaluate.engine import EngineEvalResult
 from components.evaluate.shadow import shadow_test
 from components.evaluate.stage import HeadEval
 from components.extract.stage import ExtractResult
-from components.regenerate.stage import RegenerateResult
+from components.regenerate.reuse import earlier, mark, source_key
+from components.regenerate.stage import RegenerateResult, link_twins
 from components.registry.register import (
     HeadToRegister,
     RegisteredRun,
@@ -265,9 +266,11 @@ def _run(cfg: PipelineConfig, settings: Settings, store: MlflowStore, run: RunSp
         return HeadRun.from_registered(done, work)
     regen_dir, ext_dir = str(work / "regenerate"), str(work / "extract")
     trust = settings.trust_remote_code
-    regen = fresh_if_missing(regenerate_task, regen_dir)(
-        cfg.regenerate, tref.path, traffic, regen_dir, trust, ray_settings=settings, runtime=cfg.runtime
-    )
+    regen_step = fresh_if_missing(regenerate_task, regen_dir)
+    answers = source_key(tref.weights_sha256, traffic_sha256(traffic), cfg.regenerate_fingerprint())
+    link_twins(cfg.regenerate, traffic, regen_dir, earlier(regen_dir, answers, work.parent))  # another run's answers
+    regen = regen_step(cfg.regenerate, tref.path, traffic, regen_dir, trust, ray_settings=settings, runtime=cfg.runtime)
+    mark(regen_dir, answers)
     print(f"regenerate: {regen.ok} ok, {regen.failed} failed, {regen.skipped} skipped of {regen.total}")
     if plan is not None:  # the target's own served answers, beside the regenerated ones: nothing to regenerate
         print(f"capture: {plan.add_to(regen_dir)} captured conversations as served ({plan.greedy} greedy)")

@@ -152,3 +152,23 @@ def test_the_engines_pair_starts_beside_our_evaluation_only_when_ours_is_untimed
     assert not _start_pair_early(demo, str(tmp_path))
     monkeypatch.setattr(EngineSpec, "resolved_device", lambda self: "cuda")
     assert not _start_pair_early(demo, str(tmp_path / "fresh"))
+
+
+def test_a_run_that_differs_past_regenerate_links_the_first_runs_answers(demo_run, tmp_path):
+    """components/regenerate/reuse.py through the flow: a second run of the base version whose config differs only
+    in `train.steps` answers nothing again; its regenerate folder's shards are the first run's files (links)."""
+    from components.config.pipeline import PipelineConfig
+    from flows.train_head import train_head
+
+    base = _store().list_versions("stdlib-llama")[0]
+    cfg = tmp_path / "more-steps.json"
+    cfg.write_text(json.dumps({"train": {"steps": PipelineConfig.tiny().train.steps + 2}}))
+    run = train_head(
+        "models:/stdlib-llama/1", base.tags["traffic_train"], base.tags["traffic_heldout"], "tiny", str(cfg)
+    )
+    assert run.created
+    runs = sorted(p for p in Path(run.work_dir).parent.iterdir() if (p / "regenerate" / "source.json").is_file())
+    assert len(runs) == 2, runs
+    first, second = (sorted((p / "regenerate").glob("shard-0*.jsonl")) for p in runs)
+    assert first and [p.name for p in first] == [p.name for p in second]
+    assert [p.stat().st_ino for p in first] == [p.stat().st_ino for p in second]

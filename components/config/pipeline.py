@@ -144,6 +144,14 @@ class PipelineConfig:
         made = {k: v for k, v in with_resolved(_identity(self), self.runtime).items() if k != "monitor"}
         return hashlib.sha256(json.dumps(made, sort_keys=True).encode()).hexdigest()
 
+    def regenerate_fingerprint(self) -> str:
+        """The hash of what decides the regenerated answers (components/regenerate/reuse.py: runs of one target
+        version share them): the `target` and `regenerate` sections as `fingerprint` counts them, less
+        `regenerate.limit` (how many conversations, not their answers; each shard's ids are checked)."""
+        made = with_resolved(_identity(self), self.runtime)
+        part = {"target": made["target"], "regenerate": {k: v for k, v in made["regenerate"].items() if k != "limit"}}
+        return hashlib.sha256(json.dumps(part, sort_keys=True).encode()).hexdigest()
+
 
 def resolve(name: str, config_path: str | None = None, assignments: Sequence[tuple[str, Any]] = ()) -> PipelineConfig:
     """Preset `name`, then the JSON file's sections, then the `--set` assignments (errors say `--set` and the key)."""

@@ -295,6 +295,34 @@ def _finished_ok(out: Path, s: int, chunk: Sequence[Conversation]) -> int | None
     return None
 
 
+def _chunks(cfg: RegenerateConfig, traffic_path: str) -> list[list[Conversation]]:
+    """The shards' conversations: the traffic's first `cfg.limit`, `cfg.shard_size` a shard."""
+    convs = list(load_traffic(traffic_path).conversations)[: cfg.limit]
+    return [convs[i : i + cfg.shard_size] for i in range(0, len(convs), cfg.shard_size)]
+
+
+def link_twins(
+    cfg: RegenerateConfig, traffic_path: str, out_dir: str, reuse: Sequence[str], progress=print
+) -> dict[str, int]:
+    """Before the stage runs: each shard of `out_dir` not finished there whose twin is finished in a `reuse` folder
+    (earlier runs' folders of the same answers, components/regenerate/reuse.py: the same index, the same
+    conversation ids) is linked from there, so the stage skips it. Returns {folder: shards linked}."""
+    from components.regenerate.reuse import link_shard
+
+    out, linked = Path(out_dir), {}
+    for s, chunk in enumerate(_chunks(cfg, traffic_path)):
+        if _finished_ok(out, s, chunk) is not None:
+            continue
+        folder = next((Path(f) for f in reuse if _finished_ok(Path(f), s, chunk) is not None), None)
+        if folder is not None:
+            out.mkdir(parents=True, exist_ok=True)
+            link_shard(*shard_paths(folder, s), out)
+            linked[str(folder)] = linked.get(str(folder), 0) + 1
+    for folder, n in linked.items():
+        progress(f"regenerate: {n} finished shard(s) of the same answers linked from {folder}")
+    return linked
+
+
 def _write_shard(
     out: Path, s: int, chunk: Sequence[Conversation], records: list[dict[str, Any]]
 ) -> tuple[int, dict[str, str]]:
@@ -331,11 +359,10 @@ def regenerate(
     runtime = context.runtime or TargetRuntime.from_sections(regenerate=cfg)
     if answer is not None and cfg.num_workers:
         raise ValueError("regenerate: `answer` runs in this process only; use num_workers 0 with it")
-    convs = list(load_traffic(traffic_path).conversations)[: cfg.limit]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(out)  # left by a run killed mid-write
-    chunks = [convs[i : i + cfg.shard_size] for i in range(0, len(convs), cfg.shard_size)]
+    chunks = _chunks(cfg, traffic_path)
     before = {s: _finished_ok(out, s, chunk) for s, chunk in enumerate(chunks)}
     pending = {s: chunks[s] for s, n_ok in before.items() if n_ok is None}
     outcomes: dict[int, tuple[int, dict[str, str]]] = {}
