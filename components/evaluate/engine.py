@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Callable
 
 from components.data.atomic import atomic_write_text
-from components.evaluate.speed import SpeedupEstimate, Timing, measure_speedup
+from components.evaluate.speed import SpeedupEstimate, Timing, measure_speedup, warm_up
 from components.evaluate.stage import (
     EvaluateConfig,
     HeadEval,
@@ -273,8 +273,7 @@ def _interleaved(cfg: EvaluateConfig, plain: VllmServer, srv: VllmServer, prompt
     """Rounds of plain and speculative requests, interleaved prompt by prompt (components/evaluate/speed.py): round 0's
     outputs of both, the speculative server's counter deltas over round 0 (the prompts once, as ours), the timing."""
     n, temp = len(prompts), cfg.spec.temperature
-    for s in (plain, srv):
-        s.complete(prompts[0].ids, 4)  # warm-up: first-request costs out of the timing, before the counters
+    warm_up((plain, srv), [p.ids for p in prompts])
     before = srv.spec_counters()
     outs: dict[str, list] = {"plain": [None] * n, "spec": [None] * n, "steps": [None] * n}
     counters: list[SpecCounters] = []

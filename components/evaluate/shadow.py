@@ -32,7 +32,7 @@ from typing import Callable
 
 from components.data.atomic import atomic_write_text, file_sha256
 from components.evaluate.engine import SwitchPause, engine_max_len, eval_spec, refuse_sampled
-from components.evaluate.speed import SpeedupEstimate, Timing, measure_speedup
+from components.evaluate.speed import SpeedupEstimate, Timing, measure_speedup, warm_up
 from components.evaluate.stage import EvaluateConfig, HeadEval, HeldOut
 from infra.settings import Settings
 from infra.vllm_server import VllmServer, running
@@ -210,8 +210,7 @@ def _measure(
     what: str,
 ) -> Figure:
     """Interleaved rounds of plain and speculative requests (as the engine evaluation times them)."""
-    for s in (plain, srv):
-        s.complete(samples[0].ids, 4)  # warm-up: first-request costs out of the timing and the counters
+    warm_up((plain, srv), [s.ids for s in samples])  # first-visit costs out of the timing and the counters
     before = srv.spec_counters()
     outs: dict[str, list] = {"plain": [None] * len(samples), "spec": [None] * len(samples)}
 

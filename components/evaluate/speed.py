@@ -21,6 +21,7 @@ evaluation (components/evaluate/stage.py) and the engine evaluation (components/
   neighbour on the cores moves the ratio itself, not only its noise (on 2 cores one busy thread beside the
   evaluation raised the median 6%, one process 10%), so a figure measured beside one is that busy machine's, not
   the head's. An unreliable figure is registered as such, never as a number (components/registry/register.py).
+- `warm_up(servers, prompt_ids)`: the engine callers' untimed pass over every prompt on each server first.
 Run: the evaluation calls it; `python -m components.evaluate.speed` prints the interval rule's coverages.
 Not here: what is decoded, identity checks, acceptance (the callers do that).
 """
@@ -164,6 +165,15 @@ class Timing:
     own_pgids: Iterable[int] = ()
     settle: Callable[[str], None] | None = None
     block: int | None = None
+
+
+def warm_up(servers: Iterable, prompt_ids: list[list[int]]) -> None:
+    """Each prompt once on each server (4 new tokens), untimed, before the counters are read. A head's server pays a
+    cost the first time it sees a prompt (its prefill's kernels for that length) that a plain server does not, so
+    a timed first round without this reads the head slower than every later one (bench/README.md)."""
+    for s in servers:
+        for ids in prompt_ids:
+            s.complete(ids, 4)
 
 
 def measure_speedup(
