@@ -44,6 +44,7 @@ def offline_plan(plan_path: str | Path, out_dir: Path) -> Path:
 def offline_config(config: dict, out: Path) -> Path:
     """The cycle's pipeline config with warm start off (a fresh head, the preset's full `train.steps`)."""
     train = {**config.get("train", {}), "warm_start": False}
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({**config, "train": train}, indent=1) + "\n")
     return out
 
@@ -84,14 +85,14 @@ def run_offline(run_child, store, p: dict, retrained_uri: str) -> dict:
 def reference(run_child, store, work: Path, sizes, target: tuple[str, int], retrain: dict, spans: dict) -> dict:
     """The offline head of one cycle and its summary (`target`: the served target's name and version; `retrain`: the
     retrain child's result, with its plan and head); {"error": ...} when it failed (the cycle's figures stay)."""
-    p = {
-        "name": target[0],
-        "version": int(target[1]),
-        "preset": sizes.preset,
-        "config": str(offline_config(sizes.config, work / "pipeline.json")),
-        "plan": str(offline_plan(retrain["plan"], work / "plan")),
-    }
     try:
+        p = {
+            "name": target[0],
+            "version": int(target[1]),
+            "preset": sizes.preset,
+            "config": str(offline_config(sizes.config, work / "pipeline.json")),
+            "plan": str(offline_plan(retrain["plan"], work / "plan")),
+        }
         return summary(run_offline(run_child, store, p, retrain["head_uri"]), spans["after_swap"]["tau"])
     except Exception as e:  # noqa: BLE001
         return {"error": f"{type(e).__name__}: {e}"}

@@ -154,7 +154,7 @@ def test_serving_loop_offline_plan_keeps_the_captured_traffic_and_one_registered
     assert (copy["registered"], copy["captured"], copy["captured_file"]) == (1, 88, "c.jsonl")
     assert copy["mix"] == round(88 / 89, 4) and copy["sha256"] != plan["sha256"] and len(copy["sha256"]) == 64
     cfg = json.loads(
-        off.offline_config({"capture": {"heldout": 8}, "train": {"steps": 9}}, tmp_path / "c.json").read_text()
+        off.offline_config({"capture": {"heldout": 8}, "train": {"steps": 9}}, tmp_path / "new" / "c.json").read_text()
     )
     assert cfg == {"capture": {"heldout": 8}, "train": {"steps": 9, "warm_start": False}}
     s = off.summary({"head_uri": "models:/h/3", "tags": {"shadow_tau": "2.0", "shadow_champion_tau": "1.9"}}, 1.8)
