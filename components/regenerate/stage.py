@@ -310,6 +310,8 @@ def link_twins(
     from components.regenerate.reuse import link_shard
 
     out, linked = Path(out_dir), {}
+    if not reuse:  # the common case (no earlier run of the same answers): the traffic is not read for nothing
+        return linked
     for s, chunk in enumerate(_chunks(cfg, traffic_path)):
         if _finished_ok(out, s, chunk) is not None:
             continue
