@@ -17,7 +17,8 @@ trained once and reused, the alias is put back on it and the captures cleared at
    served) every `sample_s`, over a sliding `window_s`;
 5. once `threshold` shifted conversations are in the capture files, runs the `retrain-on-capture` flow (a child
    process: warm start from the champion, the shadow test in vLLM; the alias moves only when the shadow passes) while
-   traffic goes on more slowly; serve swaps when the alias moves (or rolls back, `monitor.rollback`);
+   traffic goes on more slowly, held while the shadow test measures (`--shadow-beside-traffic`: not held; on 2 cores
+   its served figures then read unreliable); serve swaps when the alias moves (or rolls back, `monitor.rollback`);
 6. keeps sending shifted prompts never trained on for `after_s` after the swap, stops, and checks the served greedy
    outputs of `check` distinct prompts against a plain vLLM of the same target (0 mismatches expected).
 7. then (unless `--no-offline`) the offline reference: a fresh head trained on the same captured shifted traffic,
@@ -41,7 +42,7 @@ from pathlib import Path
 import common
 import serving_loop_offline
 
-from serving_loop_live import Sampler, Serve, Traffic, plain_check, plot, prompts
+from serving_loop_live import Sampler, Serve, Traffic, plain_check, plot, prompts, serve_events, shadow_hold
 from serving_loop_setup import CODE, DEFAULT, QUICK, build, segments_file
 
 RESULT = "SERVING_LOOP_RESULT "  # the line a child prints its result on
@@ -93,7 +94,7 @@ def child(kind: str, p: dict) -> dict:
     }
 
 
-def run_child(kind: str, p: dict, env: dict) -> dict:
+def run_child(kind: str, p: dict, env: dict, on_line=None) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", kind, json.dumps(p)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out = None
@@ -102,28 +103,14 @@ def run_child(kind: str, p: dict, env: dict) -> dict:
             out = json.loads(line[len(RESULT) :])
         else:
             _say(f"  {kind}: {line.rstrip()}")
+            if on_line is not None:
+                on_line(line)
     if proc.wait() != 0 or out is None:
         raise RuntimeError(f"the {kind} child failed (exit {proc.returncode})")
     return out
 
 
 # ---- the cycle --------------------------------------------------------------------------------------------------
-
-
-def serve_events(serve: Serve, after: float) -> list[dict]:
-    """What serve said after `after`: the alias moving, swaps, rollbacks (one event each)."""
-    out, rolled = [], False
-    for t, ln in serve.lines:
-        if t < after:
-            continue
-        if "serve: the alias moved to version" in ln:
-            out.append({"t": round(t, 2), "kind": "alias moved", "line": ln})
-        elif "serve: rolling back" in ln:
-            rolled = True
-            out.append({"t": round(t, 2), "kind": "rollback", "line": ln})
-        elif "serve: swapped" in ln:
-            out.append({"t": round(t, 2), "kind": "swap back" if rolled else "swap", "line": ln})
-    return out
 
 
 def verdict(s: dict, swapped: bool, tags: dict) -> str:
@@ -177,6 +164,13 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         help="seconds between a client's requests during the retrain (default 1.5 quick, 20 otherwise): on 2 cores "
         "live traffic slows the retrain's own vLLM engines and disturbs the shadow test's timing",
+    )
+    p.add_argument(
+        "--shadow-beside-traffic",
+        action="store_true",
+        help="send live traffic while the retrain's shadow test measures (by default the clients hold their "
+        "requests from the shadow test's first line to the retrain's end: on 2 cores a served speedup measured "
+        "beside live traffic read unreliable; in production the shadow test runs on other cores)",
     )
     p.add_argument(
         "--promote-anyway",
@@ -305,7 +299,9 @@ def main(argv: list[str] | None = None) -> int:
             "retrain",
             {"name": name, "version": champ["target_version"], "preset": sizes.preset, "config": str(cfg_path)},
             env,
+            None if a.shadow_beside_traffic else shadow_hold(traffic, ev),
         )
+        traffic.hold(False)
         if result.get("head_uri"):
             hn, hv = result["head_uri"].removeprefix("models:/").split("/")
             tags = {

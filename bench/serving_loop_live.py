@@ -2,8 +2,9 @@
 the check against plain decoding, the plot.
 
 Purpose: `prompts(...)` picks distinct requests from traffic files; `Traffic` sends greedy chat requests of the current
-phase from a few client threads and keeps every result (token ids, errors); `Serve` runs serve and keeps its lines
-with their times; `Sampler` reads vLLM's spec-decode counters through the proxy (`/metrics`, and `/eagle/status` for
+phase from a few client threads and keeps every result (token ids, errors), its clients held while the retrain's
+shadow test measures (`shadow_hold`, a callback on the retrain child's lines); `Serve` runs serve and keeps its lines
+with their times (`serve_events`: what it said of aliases, swaps and rollbacks); `Sampler` reads vLLM's spec-decode counters through the proxy (`/metrics`, and `/eagle/status` for
 the head served) and keeps the live τ (since the last reading, and over a sliding window) per engine; `plain_check`
 compares served greedy outputs with a plain vLLM of the same target; `plot` draws live τ over time with the events.
 Run: imported by bench/serving_loop.py.
@@ -80,6 +81,8 @@ class Traffic:
         self.lock, self.stop = threading.Lock(), threading.Event()
         self.next_base, self.queue, self.sent, self.late = 0, list(range(len(pools["shift"]))), set(), []
         self.retraining = False
+        self.open = threading.Event()  # cleared: clients hold their next request (the shadow test measuring)
+        self.open.set()
         self.trained: set[int] = set()  # shifted prompts the retrained head was trained on: not sent again
         self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(sizes.clients)]
 
@@ -95,6 +98,10 @@ class Traffic:
     def retrain_started(self) -> None:
         with self.lock:
             self.retraining = True
+
+    def hold(self, on: bool) -> None:
+        """Hold every client's next request (on) or let them go on: requests in flight finish either way."""
+        (self.open.clear if on else self.open.set)()
 
     def mark_trained(self, captured_file: str) -> int:
         """The shifted prompts among the conversations a retrain trained on (its plan's captured.jsonl)."""
@@ -136,6 +143,9 @@ class Traffic:
 
         with httpx.Client(timeout=900) as http:
             while not self.stop.is_set():
+                if not self.open.is_set():
+                    self.stop.wait(1.0)
+                    continue
                 phase, i, fresh = self._pick()
                 body = {
                     "model": self.model,
@@ -166,6 +176,17 @@ class Traffic:
                 with self.lock:
                     self.results.append(r)
                 self.stop.wait(self.pause_s)
+
+
+def shadow_hold(traffic: Traffic, ev):
+    """A child-line callback: at the shadow test's first line the clients hold their requests (an event)."""
+
+    def on_line(line: str) -> None:
+        if line.startswith("shadow: ") and "held-out captured requests" in line and traffic.open.is_set():
+            traffic.hold(True)
+            ev("shadow start: traffic held")
+
+    return on_line
 
 
 # ---- serve and the live τ ---------------------------------------------------------------------------------------
@@ -208,6 +229,22 @@ class Serve:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             return self.proc.wait()
+
+
+def serve_events(serve: Serve, after: float) -> list[dict]:
+    """What serve said after `after`: the alias moving, swaps, rollbacks (one event each)."""
+    out, rolled = [], False
+    for t, ln in serve.lines:
+        if t < after:
+            continue
+        if "serve: the alias moved to version" in ln:
+            out.append({"t": round(t, 2), "kind": "alias moved", "line": ln})
+        elif "serve: rolling back" in ln:
+            rolled = True
+            out.append({"t": round(t, 2), "kind": "rollback", "line": ln})
+        elif "serve: swapped" in ln:
+            out.append({"t": round(t, 2), "kind": "swap back" if rolled else "swap", "line": ln})
+    return out
 
 
 class Sampler:

@@ -3,7 +3,8 @@
 Purpose: keep bench/'s scripts honest where a quick run would not show it: real_head.py, capture_mix.py and
 proxy_overhead.py refuse bad arguments in one line (exit 2) before any work; speedup's `CallCounter`
 (bench/speedup_methods.py) hooks the target only while counting (a hook anywhere makes our loops leave their lean
-decoder); proxy_overhead.py's ratios pair the direct and proxy cells of each round. Marked slow, as the quick runs
+decoder); proxy_overhead.py's ratios pair the direct and proxy cells of each round; serving_loop.py's live clients hold their
+requests while the retrain's shadow test measures. Marked slow, as the quick runs
 in tests/test_bench_quick.py, whose module they were part of.
 Run: `python -m pytest -m slow tests/test_bench_checks.py` (1-2 minutes on 2 busy cores: each refusal is a fresh
 process).
@@ -160,3 +161,58 @@ def test_serving_loop_offline_plan_keeps_the_captured_traffic_and_one_registered
     s = off.summary({"head_uri": "models:/h/3", "tags": {"shadow_tau": "2.0", "shadow_champion_tau": "1.9"}}, 1.8)
     assert (s["retrained_over_offline"], s["live_over_offline"]) == (0.95, 0.9)
     assert "0.95x offline" in off.line(s) and off.summary({}, None)["retrained_over_offline"] is None
+
+
+def test_serving_loop_clients_hold_their_requests_while_the_shadow_test_measures() -> None:
+    """The retrain child's first shadow line holds the live clients (on 2 cores a served speedup measured beside
+    live traffic reads unreliable): no request starts until the hold is lifted, and the hold is one event."""
+    import http.server
+    import json
+    import threading
+    import time
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from serving_loop_live import Traffic, shadow_hold
+    from serving_loop_setup import QUICK
+
+    starts: list[float] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            starts.append(time.monotonic())
+            self.rfile.read(int(self.headers["Content-Length"]))
+            body = json.dumps({"choices": [{"token_ids": [1], "finish_reason": "length"}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    events: list[str] = []
+    msgs = [{"role": "user", "content": "hi"}]
+    traffic = Traffic(f"http://127.0.0.1:{srv.server_port}", "m", {"base": [msgs], "shift": [msgs]}, QUICK, 0.0)
+    traffic.pause_s = 0.05
+    try:
+        traffic.start()
+        time.sleep(0.5)
+        on_line = shadow_hold(traffic, lambda kind, **kw: events.append(kind))
+        on_line("retrain: extract 3/4\n")  # any other line changes nothing
+        assert traffic.open.is_set() and not events
+        on_line("shadow: 8 held-out captured requests; the new head and plain decoding side by side\n")
+        on_line("shadow: 8 held-out captured requests; the new head and plain decoding side by side\n")
+        held_at = time.monotonic()
+        time.sleep(1.5)
+        during = [t for t in starts if t > held_at + 0.5]  # a request in flight at the hold may finish
+        assert not during, f"{len(during)} requests started while held"
+        assert events == ["shadow start: traffic held"]
+        traffic.hold(False)
+        time.sleep(1.5)
+        assert any(t > held_at + 1.5 for t in starts), "the clients did not go on after the hold"
+    finally:
+        traffic.join()
+        srv.shutdown()
+    assert all(r["error"] is None for r in traffic.results)
