@@ -13,8 +13,11 @@ import pytest
 from components.evaluate.shadow import Figure, ShadowResult, verdict
 
 
-def fig(speedup: float, lo: float, hi: float, reliable: bool = True, identical: bool = True) -> Figure:
-    return Figure(speedup, lo, hi, reliable, "" if reliable else "the rounds disagree", 5, identical, 2.5)
+def fig(
+    speedup: float, lo: float, hi: float, reliable: bool = True, identical: bool = True, wide: bool = False
+) -> Figure:
+    note = "" if reliable else ("the rounds disagree" if wide else "only 2 of 3 rounds fitted in the budget")
+    return Figure(speedup, lo, hi, reliable, note, 5, identical, 2.5, wide_only=wide)
 
 
 @pytest.mark.parametrize(
@@ -24,8 +27,13 @@ def fig(speedup: float, lo: float, hi: float, reliable: bool = True, identical: 
         (fig(1.6, 1.3, 1.7), fig(1.2, 1.1, 1.35), False, "does not lie wholly above"),  # overlapping
         (fig(1.6, 1.3, 1.7), fig(1.2, 1.1, 1.3), False, "does not lie wholly above"),  # touching is not above
         (fig(1.1, 1.0, 1.2), fig(1.5, 1.4, 1.6), False, "does not lie wholly above"),  # worse
-        (fig(1.6, 1.5, 1.7, reliable=False), fig(1.2, 1.1, 1.3), False, "unreliable (new head's: the rounds"),
+        (fig(1.6, 1.5, 1.7, reliable=False), fig(1.2, 1.1, 1.3), False, "unreliable (new head's: only 2 of 3"),
         (fig(1.6, 1.5, 1.7), fig(1.2, 1.1, 1.3, reliable=False), False, "unreliable (champion's"),
+        # an interval unreliable only for its width is compared: here it still lies below the new one ...
+        (fig(1.16, 1.15, 1.18), fig(0.96, 0.90, 1.08, False, wide=True), True, "judged on a wide interval"),
+        # ... and here its width is what keeps the champion
+        (fig(1.16, 1.05, 1.18), fig(0.96, 0.90, 1.08, False, wide=True), False, "does not lie wholly above"),
+        (fig(1.6, 1.3, 1.9, False, wide=True), fig(1.2, 1.1, 1.25), True, "harder: new head's: the rounds disagree"),
         (fig(1.6, 1.5, 1.7, identical=False), fig(1.2, 1.1, 1.3), False, "differ from plain decoding's"),
     ],
 )

@@ -168,11 +168,13 @@ def test_disagreeing_rounds_make_the_figure_unreliable_and_say_why():
     )
     assert not est.reliable and est.rounds == 6 and "disagree" in est.reason
     assert "unreliable" in est.describe()
+    assert est.wide_only  # enough rounds, no other load: an honest interval, only wide
 
 
 def test_the_budget_stops_the_rounds_and_too_few_rounds_are_unreliable():
     est = _run(2, SpeedupConfig(min_rounds=5, max_rounds=9, budget_s=10.0), lambda i, r: 3.0, lambda i, r: 1.5)
     assert est.rounds == 2 and not est.reliable and "budget" in est.reason and est.speedup == pytest.approx(2.0)
+    assert not est.wide_only
 
 
 def test_median_interval_coverage_follows_the_binomial_rule():
@@ -256,6 +258,7 @@ def test_a_figure_measured_beside_a_busy_neighbour_is_unreliable_and_says_so(nei
     est = measure_speedup(2, decode, decode, SpeedupConfig(min_rounds=2, max_rounds=2, max_other_load=0.3))
     assert est.other_load is not None and est.other_load > 0.3
     assert not est.reliable and "the machine was busy" in est.reason and "speed.max_other_load" in est.reason
+    assert not est.wide_only  # other load moves the ratio itself: not comparable, however wide
     assert est.metrics()["speedup_other_load"] == est.other_load
     calm = measure_speedup(2, decode, decode, SpeedupConfig(min_rounds=2, max_rounds=2, max_other_load=float("inf")))
     assert calm.reliable and calm.other_load is not None

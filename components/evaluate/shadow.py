@@ -10,8 +10,11 @@ speculation runs throughout; the new head's server beside it is measured first, 
 started beside the same plain server and measured the same way: for each head the served speedup over plain at
 batch 1 is the median of interleaved rounds with its interval (components/evaluate/speed.py `measure_speedup`, the
 engine evaluation's pause between servers, `evaluate.speed`), so both figures are ratios to the same plain server.
-The verdict (`verdict`): promote only when the new head's greedy outputs equal plain decoding's, both figures are
-reliable, and the new head's interval lies wholly above the champion's (its low end above the champion's high end).
+The verdict (`verdict`): promote only when the new head's greedy outputs equal plain decoding's, both figures can be
+compared, and the new head's interval lies wholly above the champion's (its low end above the champion's high end).
+A figure can be compared when it is reliable, or unreliable only because its interval is wider than
+`evaluate.speed.max_spread` (enough rounds, no other load: an honest interval, only wide, which makes the new head's
+harder to clear); not when too few rounds fit or other processes used the cores (they move the ratio itself).
 `ShadowResult.gate()` is the extra gate components/registry/register.py applies (`HeadToRegister.extra_gate`), `tags()`
 the registry tags (`shadow_verdict`, `shadow_reason`, `shadow_speedup[_lo|_hi]`, `shadow_champion_speedup[_lo|_hi]`,
 `shadow_tau`, `shadow_champion_tau`, `shadow_prompts`; an unreliable figure is tagged "unreliable", its number kept as
@@ -52,27 +55,32 @@ class Figure:
     rounds: int
     identical: bool  # greedy outputs equal to plain decoding's (round 0)
     tau: float  # vLLM's counters over every round
+    wide_only: bool = False  # unreliable only for a wide interval (speed.py `SpeedupEstimate.wide_only`)
 
     @classmethod
     def of(cls, est: SpeedupEstimate, identical: bool, tau: float) -> "Figure":
-        return cls(est.speedup, est.lo, est.hi, est.reliable, est.reason, est.rounds, identical, tau)
+        return cls(est.speedup, est.lo, est.hi, est.reliable, est.reason, est.rounds, identical, tau, est.wide_only)
 
     def describe(self) -> str:
         return f"{self.speedup:.2f}x [{self.lo:.2f}, {self.hi:.2f}]"
 
 
 def verdict(new: Figure, champion: Figure) -> tuple[bool, str]:
-    """(promote, why): only when the new head is lossless, both figures reliable, and the new interval lies wholly
-    above the champion's."""
+    """(promote, why): only when the new head is lossless, both figures can be compared, and the new interval lies
+    wholly above the champion's. A figure unreliable only for its width can be compared (a wider interval only makes
+    the new head's harder to clear); one from too few rounds or measured beside other load cannot."""
     both = f"new head {new.describe()} vs champion {champion.describe()} over plain at batch 1"
     if not new.identical:
         return False, f"the new head's greedy outputs differ from plain decoding's ({both})"
-    bad = [f"{who}'s: {f.note}" for who, f in (("new head", new), ("champion", champion)) if not f.reliable]
+    figs = (("new head", new), ("champion", champion))
+    bad = [f"{who}'s: {f.note}" for who, f in figs if not f.reliable and not f.wide_only]
     if bad:
         return False, f"{both}; not judged, a figure is unreliable ({'; '.join(bad)})"
+    wide = [f"{who}'s: {f.note}" for who, f in figs if not f.reliable]
+    also = f" (judged on a wide interval, which only makes this harder: {'; '.join(wide)})" if wide else ""
     if new.lo > champion.hi:
-        return True, f"{both}: the new interval lies wholly above the champion's"
-    return False, f"{both}: the new interval does not lie wholly above the champion's"
+        return True, f"{both}: the new interval lies wholly above the champion's{also}"
+    return False, f"{both}: the new interval does not lie wholly above the champion's{also}"
 
 
 @dataclass(frozen=True)

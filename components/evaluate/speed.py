@@ -106,6 +106,9 @@ class SpeedupEstimate:
     plain_tokens_per_s: float  # round 0's tokens over the median round's seconds
     spec_tokens_per_s: float
     other_load: float | None = None  # mean CPU cores other processes used while it was measured (None: unknown)
+    # unreliable only because [lo, hi] is wider than `max_spread`: enough rounds, no other load. Such an interval is
+    # honest at its coverage, only wide, so a comparison of intervals may still use it (the shadow test's verdict)
+    wide_only: bool = False
     round_ratios: list[float] = field(default_factory=list)
     plain_s: list[list[float]] = field(default_factory=list)  # [round][prompt]
     spec_s: list[list[float]] = field(default_factory=list)
@@ -253,7 +256,9 @@ def _estimate(
             f"the rounds disagree: median {med:.2f}x, interval [{lo:.2f}, {hi:.2f}] is +-{spread:.0%} "
             f"(bound +-{cfg.max_spread:.0%}); the machine was probably busy"
         )
+    wide_only = bool(reason) and n >= cfg.min_rounds
     if other_load is not None and other_load > cfg.max_other_load:
+        wide_only = False
         busy = (
             f"the machine was busy: other processes used {other_load:.2f} CPU cores on average while it was "
             f"measured (bound {cfg.max_other_load:g}, speed.max_other_load); re-run on quiet cores"
@@ -270,6 +275,7 @@ def _estimate(
         plain_tokens_per_s=tokens_plain / max(statistics.median(sum(p) for p in plain_s), 1e-9),
         spec_tokens_per_s=tokens_spec / max(statistics.median(sum(s) for s in spec_s), 1e-9),
         other_load=other_load,
+        wide_only=wide_only,
         round_ratios=ratios,
         plain_s=plain_s,
         spec_s=spec_s,
