@@ -15,10 +15,11 @@ trained once and reused, the alias is put back on it and the captures cleared at
    each shifted prompt sent once while fresh ones last;
 4. reads the live τ from the engine's own counters through the proxy (`/metrics`, and `/eagle/status` for the head
    served) every `sample_s`, over a sliding `window_s`;
-5. once `threshold` shifted conversations are in the capture files, runs the `retrain-on-capture` flow (a child
-   process: warm start from the champion, the shadow test in vLLM; the alias moves only when the shadow passes) while
-   traffic goes on more slowly, held while the shadow test measures (`--shadow-beside-traffic`: not held; on 2 cores
-   its served figures then read unreliable); serve swaps when the alias moves (or rolls back, `monitor.rollback`);
+5. once `threshold` shifted conversations are in the capture files, runs the `retrain-on-capture` flow (a child process:
+   warm start from the champion, the shadow test in vLLM; the alias moves only when the shadow passes) while traffic
+   goes on more slowly, held while the retrain measures in vLLM (its engine evaluation and shadow test;
+   `--measure-beside-traffic`: not held, and on 2 cores their served figures then read unreliable); serve swaps when the
+   alias moves (or rolls back, `monitor.rollback`);
 6. keeps sending shifted prompts never trained on for `after_s` after the swap, stops, and checks the served greedy
    outputs of `check` distinct prompts against a plain vLLM of the same target (0 mismatches expected).
 7. then (unless `--no-offline`) the offline reference: a fresh head trained on the same captured shifted traffic,
@@ -42,7 +43,7 @@ from pathlib import Path
 import common
 import serving_loop_offline
 
-from serving_loop_live import Sampler, Serve, Traffic, plain_check, plot, prompts, serve_events, shadow_hold
+from serving_loop_live import Sampler, Serve, Traffic, plain_check, plot, prompts, serve_events, measure_hold
 from serving_loop_setup import CODE, DEFAULT, QUICK, build, segments_file
 
 RESULT = "SERVING_LOOP_RESULT "  # the line a child prints its result on
@@ -166,11 +167,11 @@ def main(argv: list[str] | None = None) -> int:
         "live traffic slows the retrain's own vLLM engines and disturbs the shadow test's timing",
     )
     p.add_argument(
-        "--shadow-beside-traffic",
+        "--measure-beside-traffic",
         action="store_true",
-        help="send live traffic while the retrain's shadow test measures (by default the clients hold their "
-        "requests from the shadow test's first line to the retrain's end: on 2 cores a served speedup measured "
-        "beside live traffic read unreliable; in production the shadow test runs on other cores)",
+        help="send live traffic while the retrain measures in vLLM (by default the clients hold their requests from "
+        "the start of its engine evaluation to the retrain's end: on 2 cores a served speedup measured beside live "
+        "traffic read unreliable; in production the retrain runs on other cores)",
     )
     p.add_argument(
         "--promote-anyway",
@@ -299,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
             "retrain",
             {"name": name, "version": champ["target_version"], "preset": sizes.preset, "config": str(cfg_path)},
             env,
-            None if a.shadow_beside_traffic else shadow_hold(traffic, ev),
+            None if a.measure_beside_traffic else measure_hold(traffic, ev),
         )
         traffic.hold(False)
         if result.get("head_uri"):

@@ -2,11 +2,12 @@
 the check against plain decoding, the plot.
 
 Purpose: `prompts(...)` picks distinct requests from traffic files; `Traffic` sends greedy chat requests of the current
-phase from a few client threads and keeps every result (token ids, errors), its clients held while the retrain's
-shadow test measures (`shadow_hold`, a callback on the retrain child's lines); `Serve` runs serve and keeps its lines
-with their times (`serve_events`: what it said of aliases, swaps and rollbacks); `Sampler` reads vLLM's spec-decode counters through the proxy (`/metrics`, and `/eagle/status` for
-the head served) and keeps the live τ (since the last reading, and over a sliding window) per engine; `plain_check`
-compares served greedy outputs with a plain vLLM of the same target; `plot` draws live τ over time with the events.
+phase from a few client threads and keeps every result (token ids, errors), its clients held while the retrain measures
+in vLLM (`measure_hold`, a callback on the retrain child's lines); `Serve` runs serve and keeps its lines with their
+times (`serve_events`: what it said of aliases, swaps and rollbacks); `Sampler` reads vLLM's spec-decode counters
+through the proxy (`/metrics`, and `/eagle/status` for the head served) and keeps the live τ (since the last reading,
+and over a sliding window) per engine; `plain_check` compares served greedy outputs with a plain vLLM of the same
+target; `plot` draws live τ over time with the events.
 Run: imported by bench/serving_loop.py.
 Not here: the cycle itself and its flows (bench/serving_loop.py).
 """
@@ -178,13 +179,17 @@ class Traffic:
                 self.stop.wait(self.pause_s)
 
 
-def shadow_hold(traffic: Traffic, ev):
-    """A child-line callback: at the shadow test's first line the clients hold their requests (an event)."""
+def measure_hold(traffic: Traffic, ev):
+    """A child-line callback: when the retrain starts measuring in vLLM (its engine evaluation, then the shadow test)
+    the clients hold their requests (an event), until the bench lifts the hold at the retrain's end."""
 
     def on_line(line: str) -> None:
-        if line.startswith("shadow: ") and "held-out captured requests" in line and traffic.open.is_set():
+        starts = line.startswith("evaluate (vLLM): starting") or (
+            line.startswith("shadow: ") and "held-out captured requests" in line
+        )
+        if starts and traffic.open.is_set():
             traffic.hold(True)
-            ev("shadow start: traffic held")
+            ev("measuring: traffic held")
 
     return on_line
 

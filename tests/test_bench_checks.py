@@ -3,9 +3,9 @@
 Purpose: keep bench/'s scripts honest where a quick run would not show it: real_head.py, capture_mix.py and
 proxy_overhead.py refuse bad arguments in one line (exit 2) before any work; speedup's `CallCounter`
 (bench/speedup_methods.py) hooks the target only while counting (a hook anywhere makes our loops leave their lean
-decoder); proxy_overhead.py's ratios pair the direct and proxy cells of each round; serving_loop.py's live clients hold their
-requests while the retrain's shadow test measures. Marked slow, as the quick runs
-in tests/test_bench_quick.py, whose module they were part of.
+decoder); proxy_overhead.py's ratios pair the direct and proxy cells of each round; serving_loop.py's live clients hold
+their requests while the retrain measures in vLLM. Marked slow, as the quick runs in tests/test_bench_quick.py, whose
+module they were part of.
 Run: `python -m pytest -m slow tests/test_bench_checks.py` (1-2 minutes on 2 busy cores: each refusal is a fresh
 process).
 Not here: the quick runs and their result files (tests/test_bench_quick.py), the figures (bench/README.md).
@@ -163,16 +163,17 @@ def test_serving_loop_offline_plan_keeps_the_captured_traffic_and_one_registered
     assert "0.95x offline" in off.line(s) and off.summary({}, None)["retrained_over_offline"] is None
 
 
-def test_serving_loop_clients_hold_their_requests_while_the_shadow_test_measures() -> None:
-    """The retrain child's first shadow line holds the live clients (on 2 cores a served speedup measured beside
-    live traffic reads unreliable): no request starts until the hold is lifted, and the hold is one event."""
+def test_serving_loop_clients_hold_their_requests_while_the_retrain_measures_in_vllm() -> None:
+    """The retrain child's first line of its engine evaluation (or of its shadow test) holds the live clients (on 2
+    cores a served speedup measured beside live traffic reads unreliable): no request starts until the hold is
+    lifted, and the hold is one event."""
     import http.server
     import json
     import threading
     import time
 
     sys.path.insert(0, str(ROOT / "bench"))
-    from serving_loop_live import Traffic, shadow_hold
+    from serving_loop_live import Traffic, measure_hold
     from serving_loop_setup import QUICK
 
     starts: list[float] = []
@@ -199,16 +200,16 @@ def test_serving_loop_clients_hold_their_requests_while_the_shadow_test_measures
     try:
         traffic.start()
         time.sleep(0.5)
-        on_line = shadow_hold(traffic, lambda kind, **kw: events.append(kind))
+        on_line = measure_hold(traffic, lambda kind, **kw: events.append(kind))
         on_line("retrain: extract 3/4\n")  # any other line changes nothing
         assert traffic.open.is_set() and not events
-        on_line("shadow: 8 held-out captured requests; the new head and plain decoding side by side\n")
+        on_line("evaluate (vLLM): starting the engine without speculation and with the head, side by side\n")
         on_line("shadow: 8 held-out captured requests; the new head and plain decoding side by side\n")
         held_at = time.monotonic()
         time.sleep(1.5)
         during = [t for t in starts if t > held_at + 0.5]  # a request in flight at the hold may finish
         assert not during, f"{len(during)} requests started while held"
-        assert events == ["shadow start: traffic held"]
+        assert events == ["measuring: traffic held"]
         traffic.hold(False)
         time.sleep(1.5)
         assert any(t > held_at + 1.5 for t in starts), "the clients did not go on after the hold"
