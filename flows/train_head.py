@@ -332,7 +332,12 @@ def _run(cfg: PipelineConfig, settings: Settings, store: MlflowStore, run: RunSp
                 settings,
                 champion.uri,
             )
-            head = dataclasses.replace(head, extra_gate=shadow.gate(), notes={**head.notes, **shadow.tags()})
+            head = dataclasses.replace(
+                head,
+                extra_gate=shadow.gate(),
+                notes={**head.notes, **shadow.tags()},
+                metrics={**head.metrics, **shadow.metrics()},  # the served-speedup gate judges the shadow's figure
+            )
         reg = register_task(settings, cfg.register, head, cfg.runtime)
     nan = float("nan")  # a figure of this project's decoding, not measured when vLLM runs the target
     summary = HeadRun(

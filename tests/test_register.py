@@ -271,3 +271,24 @@ def test_the_served_speedup_gate_keeps_a_head_that_does_not_pay_from_champion(ml
         _head(mlflow_store, target_ref, head.head_dir, "k5", 2.7, 2.6, speedup_vllm=0.5),
     )
     assert off.promoted and "speedup" not in off.reason
+    # a retrain on served traffic: its shadow test's figure on the held-out captured requests decides before vLLM's
+    # on the registered held-out traffic (across 1 here)
+    shadow = register_head(
+        mlflow_store,
+        cfg,
+        _head(
+            mlflow_store,
+            target_ref,
+            head.head_dir,
+            "k6",
+            2.8,
+            2.7,
+            speedup_vllm=1.04,
+            speedup_vllm_lo=0.95,
+            speedup_vllm_hi=1.11,
+            speedup_shadow=1.15,
+            speedup_shadow_lo=1.12,
+            speedup_shadow_hi=1.16,
+        ),
+    )
+    assert shadow.promoted and "on the held-out captured requests (shadow test) 1.15x" in shadow.reason

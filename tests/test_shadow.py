@@ -98,3 +98,13 @@ def test_a_failed_shadow_keeps_the_alias_and_says_why(mlflow_store, tmp_path):
     v = mlflow_store.get_version(results[1].model_name, results[1].version)
     assert v.tags["shadow_verdict"] == "keep champion" and v.tags["gate"] == results[1].reason
     assert v.tags["shadow_speedup_lo"] == "1.2000" and v.tags["shadow_champion_speedup_hi"] == "1.4000"
+
+
+def test_the_served_speedup_gate_gets_the_new_heads_figure_when_it_can_be_compared():
+    assert _result(fig(1.6, 1.5, 1.7), fig(1.2, 1.1, 1.3)).metrics() == {
+        "speedup_shadow": 1.6,
+        "speedup_shadow_lo": 1.5,
+        "speedup_shadow_hi": 1.7,
+    }
+    assert _result(fig(1.6, 1.3, 1.9, False, wide=True), fig(1.2, 1.1, 1.3)).metrics()["speedup_shadow_lo"] == 1.3
+    assert _result(fig(1.6, 1.5, 1.7, reliable=False), fig(1.2, 1.1, 1.3)).metrics() == {}  # too few rounds

@@ -18,7 +18,8 @@ harder to clear); not when too few rounds fit or other processes used the cores 
 `ShadowResult.gate()` is the extra gate components/registry/register.py applies (`HeadToRegister.extra_gate`), `tags()`
 the registry tags (`shadow_verdict`, `shadow_reason`, `shadow_speedup[_lo|_hi]`, `shadow_champion_speedup[_lo|_hi]`,
 `shadow_tau`, `shadow_champion_tau`, `shadow_prompts`; an unreliable figure is tagged "unreliable", its number kept as
-`..._median`). `shadow.json` in `out_dir` holds both measurements; a re-run with the same inputs reads it back.
+`..._median`), `metrics()` the new head's figure for the served-speedup gate (`speedup_shadow[_lo|_hi]`).
+`shadow.json` in `out_dir` holds both measurements; a re-run with the same inputs reads it back.
 Run: inside the `train-head` flow when it trains on a capture plan and the head model has a champion
 (flows/train_head.py, started by flows/retrain_capture.py).
 Not here: what is held out (components/data/captured_traffic.py), the τ and served-speedup gates
@@ -113,6 +114,15 @@ class ShadowResult:
             tags[f"{name}_lo"], tags[f"{name}_hi"] = f"{f.lo:.4f}", f"{f.hi:.4f}"
         tags["shadow_tau"], tags["shadow_champion_tau"] = f"{self.new.tau:.4f}", f"{self.champion.tau:.4f}"
         return tags
+
+    def metrics(self) -> dict[str, float]:
+        """The new head's served speedup on the held-out captured requests, for the served-speedup gate
+        (components/registry/register.py judges it before the engine evaluation's figure on the registered held-out
+        traffic: a head retrained on what is served must pay on it); none when the figure cannot be compared."""
+        f = self.new
+        if not (f.reliable or f.wide_only):
+            return {}
+        return {"speedup_shadow": f.speedup, "speedup_shadow_lo": f.lo, "speedup_shadow_hi": f.hi}
 
     @classmethod
     def read(cls, path: str | Path) -> "ShadowResult":

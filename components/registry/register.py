@@ -17,8 +17,9 @@ Purpose:
   champion served on the same prompts: `head.champion_tau_engine`); both are tagged either way (`tau`,
   `tau_vllm`), and `gate_tau` says which decided.
   Then the served-speedup gate (`cfg.gate_speedup`, "served" by default): a head whose speedup at batch 1 is
-  not surely above 1 (the low end of its interval, vLLM's figure where measured, else ours, is <= 1) is not made
-  champion, the first head of a target included: the head a user would serve must pay. Where no speedup was
+  not surely above 1 (the low end of its interval is <= 1) is not made champion, the first head of a target included:
+  the head a user would serve must pay. The figure judged (`SPEEDUP_FIGURES`): a retrain on served traffic's shadow
+  test figure on the held-out captured requests (what is served now), else vLLM's, else ours. Where no speedup was
   measured the reason says so and the τ gate alone decides ("off": never judged on speed).
   The training step exported (best held-out τ, or the last) is tagged too: `checkpoint_step`, `checkpoint_rule`,
   `heldout_tau`, `heldout_tau_last`.
@@ -170,10 +171,21 @@ def _load_gate(cfg: RegisterConfig, metrics: dict[str, float], promoted: bool, r
     return promoted, f"{reason}; at concurrency {c} it serves {x:.2f}x plain >= {cfg.gate_min_speedup}"
 
 
+# the figure the served-speedup gate judges: the first measured of these. A retrain on served traffic judges its
+# shadow test's (the held-out captured requests: what is served now) before the engine evaluation's on the registered
+# held-out traffic; else vLLM's figure, else ours
+SPEEDUP_FIGURES = (
+    ("speedup_shadow", "served in vLLM on the held-out captured requests (shadow test)"),
+    ("speedup_vllm", "served in vLLM"),
+    ("speedup", "in our decoder"),
+)
+
+
 def _speedup_gate(metrics: dict[str, float], promoted: bool, reason: str) -> tuple[bool, str]:
-    """The τ gate's verdict, and whether the head pays at batch 1: the low end of its speedup interval above 1
-    (vLLM's `speedup_vllm_lo` where served, else ours `speedup_lo`; a figure without interval stands for both ends)."""
-    for key, who in (("speedup_vllm", "served in vLLM"), ("speedup", "in our decoder")):
+    """The τ gate's verdict, and whether the head pays at batch 1: the low end of its speedup interval above 1 (the
+    first of `SPEEDUP_FIGURES` measured: the shadow test's, vLLM's, ours; a figure without interval stands for both
+    ends)."""
+    for key, who in SPEEDUP_FIGURES:
         x = metrics.get(key)
         if x is None or x != x:  # not measured, or untimed (nan)
             continue
