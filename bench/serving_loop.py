@@ -163,8 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--retrain-pause",
         type=float,
-        help="seconds between a client's requests during the retrain (default 1.5 quick, 20 otherwise): on 2 cores "
-        "live traffic slows the retrain's own vLLM engines and disturbs the shadow test's timing",
+        help="seconds between a client's requests during the retrain and until the swap (default 1.5 quick, 20 "
+        "otherwise): on 2 cores live traffic at the full rate starves the vLLM engines the retrain and the swap start",
     )
     p.add_argument(
         "--measure-beside-traffic",
@@ -313,7 +313,6 @@ def main(argv: list[str] | None = None) -> int:
         at["retrain_end"] = ev(
             "retrain end", head=result.get("head_uri"), alias=result.get("alias"), shadow=tags.get("shadow_verdict")
         )
-        traffic.pause_s = sizes.pause_s
         if result.get("plan"):  # from now on only shifted prompts the new head was not trained on
             trained = traffic.mark_trained(CapturePlan.read(result["plan"]).captured_file)
             _say(f"serving-loop: {trained} shifted prompts were trained on; they are not sent again")
@@ -331,6 +330,9 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(1)
             if t is not None:
                 at["swap"] = t
+        # the retrain's pause holds until the swap: serve starts the new head's vLLM beside the serving one, and on 2
+        # cores at the full rate its worker was starved (5.8 s of CPU in 8 min, not healthy in 15 min: bench/README.md)
+        traffic.pause_s = sizes.pause_s
         end = t0 + at.get("swap", time.monotonic() - t0) + sizes.after_s
         while time.monotonic() < end and serve.proc.poll() is None:
             time.sleep(1)
