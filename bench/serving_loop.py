@@ -43,7 +43,7 @@ from pathlib import Path
 import common
 import serving_loop_offline
 
-from serving_loop_live import Sampler, Serve, Traffic, plain_check, plot, prompts, serve_events, measure_hold
+from serving_loop_live import Sampler, Serve, Traffic, measure_hold, plain_check, plot, prompts, serve_events
 from serving_loop_setup import CODE, DEFAULT, QUICK, build, segments_file
 
 RESULT = "SERVING_LOOP_RESULT "  # the line a child prints its result on

@@ -82,7 +82,7 @@ class Traffic:
         self.lock, self.stop = threading.Lock(), threading.Event()
         self.next_base, self.queue, self.sent, self.late = 0, list(range(len(pools["shift"]))), set(), []
         self.retraining = False
-        self.open = threading.Event()  # cleared: clients hold their next request (the shadow test measuring)
+        self.open = threading.Event()  # cleared: clients hold their next request (the retrain measuring)
         self.open.set()
         self.trained: set[int] = set()  # shifted prompts the retrained head was trained on: not sent again
         self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(sizes.clients)]
