@@ -15,6 +15,7 @@ Not here: the cycle itself and its flows (bench/serving_loop.py).
 from __future__ import annotations
 
 import json
+import math
 import signal
 import subprocess
 import sys
@@ -363,18 +364,19 @@ def plain_check(
 
 
 def plot(path: Path, points: list[dict], events: list[dict], title: str, note: str) -> None:
-    """Window τ per head served (lines), τ between readings (dots), a dashed vertical line per event."""
+    """Window τ per head served (lines, broken where a window holds no drafts: traffic held), τ between readings
+    (dots), a dashed vertical line per event."""
     import textwrap
 
     plt = common.pyplot()
     fig, ax = plt.subplots(figsize=(11, 5.6))
     heads = list(dict.fromkeys(p["head"] for p in points))
     for n, head in enumerate(heads):
-        mine = [p for p in points if p["head"] == head and p["tau_window"] is not None]
+        mine = [p for p in points if p["head"] == head]  # a reading with no drafts in its window breaks the line
         color = f"C{n}"
         ax.plot(
             [p["t"] / 60 for p in mine],
-            [p["tau_window"] for p in mine],
+            [math.nan if p["tau_window"] is None else p["tau_window"] for p in mine],
             "-",
             color=color,
             label=f"window tau, {head.removeprefix('models:/')}",

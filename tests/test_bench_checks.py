@@ -4,8 +4,8 @@ Purpose: keep bench/'s scripts honest where a quick run would not show it: real_
 proxy_overhead.py refuse bad arguments in one line (exit 2) before any work; speedup's `CallCounter`
 (bench/speedup_methods.py) hooks the target only while counting (a hook anywhere makes our loops leave their lean
 decoder); proxy_overhead.py's ratios pair the direct and proxy cells of each round; serving_loop.py's live clients hold
-their requests while the retrain measures in vLLM. Marked slow, as the quick runs in tests/test_bench_quick.py, whose
-module they were part of.
+their requests while the retrain measures in vLLM; rollback_live.py's collapsed head accepts nothing. Marked slow,
+as the quick runs in tests/test_bench_quick.py, whose module they were part of.
 Run: `python -m pytest -m slow tests/test_bench_checks.py` (1-2 minutes on 2 busy cores: each refusal is a fresh
 process).
 Not here: the quick runs and their result files (tests/test_bench_quick.py), the figures (bench/README.md).
@@ -217,3 +217,27 @@ def test_serving_loop_clients_hold_their_requests_while_the_retrain_measures_in_
         traffic.join()
         srv.shutdown()
     assert all(r["error"] is None for r in traffic.results)
+
+
+def test_rollback_bench_makes_a_head_that_accepts_nothing(tmp_path) -> None:
+    """rollback_live.py's collapsed copy keeps the head's format and maps every draft token to one target token no
+    answer emitted (so every draft is rejected); its other tensors are the champion's."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from rollback_live import accepting_nothing, unused_token
+
+    good = tmp_path / "good"
+    good.mkdir()
+    weights = {"d2t": torch.tensor([0, 5, 5, 7]), "fc.weight": torch.ones(2, 3)}
+    save_file(weights, good / "model.safetensors")
+    (good / "config.json").write_text('{"vocab_size": 16}')
+    answers = [{"token_ids": [15, 3, 14]}, {"token_ids": [13, 1]}, {"token_ids": []}]
+    never = unused_token(answers, 16)
+    assert never == 12
+    accepting_nothing(good, tmp_path / "bad", never)
+    bad = load_file(tmp_path / "bad" / "model.safetensors")
+    assert (bad["d2t"] + torch.arange(4)).tolist() == [12] * 4  # draft id j -> target id j + d2t[j]
+    assert torch.equal(bad["fc.weight"], weights["fc.weight"]) and (tmp_path / "bad" / "config.json").is_file()
+    assert load_file(good / "model.safetensors")["d2t"].tolist() == [0, 5, 5, 7]  # the champion's own is untouched
