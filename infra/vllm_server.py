@@ -85,10 +85,11 @@ class VllmServer:
         port: int | None = None,
         start_timeout_s: float = 600.0,
         log_dir: Path | None = None,
+        cpu_bind: str | None = None,  # VLLM_CPU_OMP_THREADS_BIND of its worker (None: vLLM's; infra/vllm_cpus.py)
     ):
         if spec.scale is None and settings.engine_scale is not None:  # the run's scale reaches every engine it starts
             spec = dataclasses.replace(spec, scale=settings.engine_scale)
-        self.spec, self.settings, self.start_timeout_s = spec, settings, start_timeout_s
+        self.spec, self.settings, self.start_timeout_s, self.cpu_bind = spec, settings, start_timeout_s, cpu_bind
         self.port = port or free_port()
         self.base_url = f"http://{BIND_HOST}:{self.port}"
         self.log_path = (log_dir or settings.state_dir / "vllm") / time.strftime(f"vllm-%Y%m%d-%H%M%S-{self.port}.log")
@@ -112,6 +113,8 @@ class VllmServer:
         }
         env.pop("PYTHONPATH", None)  # our venv's packages must not shadow vLLM's pinned ones
         env.update(dict(self.spec.env))
+        if self.cpu_bind is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_bind
         cmd = [str(python), "-m", vllm_zygote.SERVER, *self.spec.server_args(self.port)]
         self.log_path.write_text("$ " + " ".join(shlex.quote(c) for c in cmd) + "\n")
         forked = self.settings.vllm_zygote and not self.spec.env and self.spec.resolved_device() == "cpu"

@@ -9,8 +9,8 @@ interpreter's own exit) in its own session (its pid leads its process group, as 
 the request's environment, working directory and log.
 Only the imports differ from a fresh interpreter: they ran before the fork, in the zygote's environment. So a zygote
 takes only requests whose environment equals the one it was started with (but for variables vLLM does not read,
-`VOLATILE`); another environment gets a zygote of its own, at most `MAX_ZYGOTES` per process (then `launch` returns
-None and the caller starts a fresh interpreter).
+`VOLATILE`, and those it reads only after the fork, `AFTER_FORK`); another environment gets a zygote of its own, at
+most `MAX_ZYGOTES` per process (then `launch` returns None and the caller starts a fresh interpreter).
 The handle `launch` returns acts as `subprocess.Popen`'s for what infra/vllm_server.py uses: `pid`, `poll()`,
 `wait(timeout)`, `returncode` (negative: killed by that signal). The zygote reaps its children and writes each exit
 code to `<log>.rc`, which the handle reads.
@@ -49,6 +49,9 @@ SERVER = "vllm.entrypoints.openai.api_server"
 MAX_ZYGOTES = 3  # per process: each holds an imported vLLM (~0.6 GB) until the process exits
 # environment that vLLM does not read and that may change between requests: pytest's, ours and other services'
 VOLATILE = ("PYTEST_", "EAGLE_", "MLFLOW_", "PREFECT_")
+# vLLM's variables that its engine core reads only after the fork, when it spawns the worker: they may differ between
+# requests of one zygote (a swap binds its new engine's worker to other CPUs: infra/vllm_cpus.py)
+AFTER_FORK = ("VLLM_CPU_OMP_THREADS_BIND",)
 # imported by a zygote of vLLM's server after it, for the engine core forked from each child (optional: a module
 # that vLLM does not have is left out, its error in the zygote's log)
 PRELOAD = (
@@ -186,7 +189,8 @@ def launch(
 ) -> ZygoteChild | None:
     """`python -m MODULE ARGV` (vLLM's server) forked from a zygote for this interpreter, environment and module
     (started on first use); None when no zygote can take it (the caller then starts it directly)."""
-    key = (python, module, tuple(sorted((k, v) for k, v in env.items() if not k.startswith(VOLATILE))))
+    kept = ((k, v) for k, v in env.items() if not k.startswith(VOLATILE) and k not in AFTER_FORK)
+    key = (python, module, tuple(sorted(kept)))
     with _registry_lock:
         if key not in _zygotes:
             if len([z for z in _zygotes.values() if z is not None]) >= MAX_ZYGOTES:

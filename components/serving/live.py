@@ -3,8 +3,9 @@
 Purpose: `LiveServer(LiveConfig(...), Served(spec, head, target_name, target_version), settings)` is a context
 manager that starts vLLM on a free loopback port, puts the proxy (infra/serve_proxy.py) on the public port in front
 of it and, with `LiveConfig.capture`, a capture writer (components/serving/capture.py) under `<state>/capture`.
-- `swap_to(served)`: starts a second vLLM with the new head beside the running one (another loopback port), waits
-  for its health, routes new requests to it, waits until the old one has finished the requests it had (at most
+- `swap_to(served)`: starts a second vLLM with the new head beside the running one (another loopback port; on the
+  CPU its worker on the CPUs the running one's leaves, infra/vllm_cpus.py, when they are enough), waits for its
+  health, routes new requests to it, waits until the old one has finished the requests it had (at most
   `drain_timeout_s`), then stops it. A new engine that does not start leaves the old one serving (False).
 - `follow(live, Follow(...), say)`: the loop of `eagle-heads serve --follow-alias`: every `interval_s` it asks
   `alias_version()` which version the alias names and, when it moved, `prepare(version)` (the flow builds the
@@ -36,6 +37,7 @@ from components.serving.rollback import Judge, Judgement
 from infra.serve_proxy import Backend, ServeProxy
 from infra.settings import Settings
 from infra.vllm_engine_spec import EngineSpec
+from infra.vllm_cpus import allowed_cpus, beside, bound_cpus
 from infra.vllm_server import EngineError, SpecCounters, VllmServer, read_metrics
 
 
@@ -134,8 +136,10 @@ class LiveServer:
     def swap_to(self, served: Served) -> bool:
         """Serve `served` from now on without failing a request (see the module docstring); False: not swapped."""
         assert self.proxy is not None and self.engine is not None
-        new = VllmServer(served.spec, self.settings)
-        self.say(f"serve: starting vLLM with {served.head} beside the running one (log {new.log_path})")
+        bound = bound_cpus(self.engine.log_path) if served.spec.resolved_device() == "cpu" else None
+        new = VllmServer(served.spec, self.settings, cpu_bind=beside(bound, allowed_cpus()))
+        where = f" on CPU(s) {new.cpu_bind} (its worker holds {bound})" if new.cpu_bind else ""
+        self.say(f"serve: starting vLLM with {served.head} beside the running one{where} (log {new.log_path})")
         try:
             new.start()
         except EngineError as e:
