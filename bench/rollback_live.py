@@ -36,8 +36,8 @@ from pathlib import Path
 import common
 import serving_loop
 
-from serving_loop_live import Sampler, Serve, Traffic, plain_check, plot, prompts, serve_events
-from serving_loop_setup import DEFAULT, QUICK, build
+from serving_loop_live import Sampler, Serve, Traffic, plain_check, plot, prompts, serve_events, stop_all
+from serving_loop_setup import DEFAULT, QUICK, build, isolated_env, write_config
 
 GOAL_WINDOWS = 2
 
@@ -95,18 +95,12 @@ def main(argv: list[str] | None = None) -> int:
     state.mkdir(parents=True, exist_ok=True)
     from transformers import AutoTokenizer
 
-    from components.config.pipeline import PipelineConfig
     from infra.mlflow_store import MlflowStore
-    from infra.settings import Settings, env_with
+    from infra.settings import Settings
 
-    env = {
-        k: v
-        for k, v in env_with({"EAGLE_HOME": str(state), "PYTHONPATH": str(common.ROOT)}).items()
-        if k not in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL")
-    }
+    env = isolated_env(state)
     cfg_path = state.parent / "rollback.json"
-    cfg_path.write_text(json.dumps(sizes.config, indent=1) + "\n")
-    cfg = PipelineConfig.load(str(cfg_path), sizes.preset)
+    cfg = write_config(sizes, cfg_path)
     emb, name = build(a.quick)
     train, heldout = emb.target_traffic.train, emb.target_traffic.heldout
     _say(f"rollback: target {emb.target_dir}; training (or finding) its champion head in {state}")
@@ -189,12 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         ev("error", error=error)
     finally:
         at["end"] = time.monotonic() - t0
-        if traffic is not None:
-            traffic.join()
-        if sampler is not None:
-            sampler.stop.set()
-            sampler.thread.join(60)
-        rc = serve.stop()
+        rc = stop_all(traffic, sampler, serve)
     if traffic is None or sampler is None:
         raise RuntimeError(error or "serve did not come up")
     events += serve_events(serve, 0.0)

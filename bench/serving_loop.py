@@ -43,8 +43,8 @@ from pathlib import Path
 import common
 import serving_loop_offline
 
-from serving_loop_live import Sampler, Serve, Traffic, measure_hold, plain_check, plot, prompts, serve_events
-from serving_loop_setup import CODE, DEFAULT, QUICK, build, segments_file
+from serving_loop_live import Sampler, Serve, Traffic, measure_hold, plain_check, plot, prompts, serve_events, stop_all
+from serving_loop_setup import CODE, DEFAULT, QUICK, build, isolated_env, segments_file, write_config
 
 RESULT = "SERVING_LOOP_RESULT "  # the line a child prints its result on
 
@@ -193,21 +193,13 @@ def main(argv: list[str] | None = None) -> int:
     state.mkdir(parents=True, exist_ok=True)
     from transformers import AutoTokenizer
 
-    from components.config.pipeline import PipelineConfig
     from components.data.captured_traffic import CapturePlan, new_conversations
     from infra.mlflow_store import MlflowStore
-    from infra.settings import Settings, env_with
+    from infra.settings import Settings
 
-    # its own registry and Prefect in its own state dir, never the user's (their tracking or Prefect API ignored)
-    env = {
-        k: v
-        for k, v in env_with({"EAGLE_HOME": str(state), "PYTHONPATH": str(common.ROOT)}).items()
-        if k not in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL")
-    }
-
+    env = isolated_env(state)
     cfg_path = state.parent / "pipeline.json"
-    cfg_path.write_text(json.dumps(sizes.config, indent=1) + "\n")
-    cfg = PipelineConfig.load(str(cfg_path), sizes.preset)
+    cfg = write_config(sizes, cfg_path)
     emb, name = build(a.quick)
     train, heldout = emb.target_traffic.train, emb.target_traffic.heldout
     if a.shift == "explain":  # the champion never sees an explain request: its traffic is the code requests
@@ -330,8 +322,8 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(1)
             if t is not None:
                 at["swap"] = t
-        # the retrain's pause holds until the swap: serve starts the new head's vLLM beside the serving one, and on 2
-        # cores at the full rate its worker was starved (5.8 s of CPU in 8 min, not healthy in 15 min: bench/README.md)
+        # the retrain's pause holds until the swap, as in the cycles measured: before serve bound the new engine's
+        # worker apart from the serving one's (infra/vllm_cpus.py), that worker starved at the full rate on 2 cores
         traffic.pause_s = sizes.pause_s
         end = t0 + at.get("swap", time.monotonic() - t0) + sizes.after_s
         while time.monotonic() < end and serve.proc.poll() is None:
@@ -341,12 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         ev("error", error=error)
     finally:
         at["end"] = time.monotonic() - t0
-        if traffic is not None:
-            traffic.join()
-        if sampler is not None:
-            sampler.stop.set()
-            sampler.thread.join(60)
-        rc = serve.stop()
+        rc = stop_all(traffic, sampler, serve)
     if sampler is None:
         raise RuntimeError(error or "serve did not come up")
     events += serve_events(serve, 0.0)

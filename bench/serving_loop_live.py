@@ -237,6 +237,16 @@ class Serve:
             return self.proc.wait()
 
 
+def stop_all(traffic: Traffic | None, sampler: "Sampler | None", serve: Serve) -> int:
+    """The end of a live run: the clients and the sampler stopped, then serve; serve's exit code."""
+    if traffic is not None:
+        traffic.join()
+    if sampler is not None:
+        sampler.stop.set()
+        sampler.thread.join(60)
+    return serve.stop()
+
+
 def serve_events(serve: Serve, after: float) -> list[dict]:
     """What serve said after `after`: the alias moving, swaps, rollbacks (one event each)."""
     out, rolled = [], False

@@ -1,11 +1,12 @@
 """What one cycle of bench/serving_loop.py runs on: its sizes, its target and the traffic files of a segment.
 
 Purpose: `QUICK` and `DEFAULT` (the `Sizes` of a `--quick` and of a default cycle: the pipeline preset and the config
-over it, request and traffic sizes, timings, the capture threshold); `build(quick)` (the target: the tiny toy trained
-long enough that its answers depend on the prompt, or the real SmolLM2, with its registry name); `segments_file(...)`
-(the conversations of a traffic file in some segments, written once: the champion's code-only traffic of
-`--shift explain`, the segments in `CODE`).
-Run: imported by bench/serving_loop.py.
+over it, request and traffic sizes, timings, the capture threshold); `isolated_env(state)` and `write_config(sizes,
+path)` (the children's environment and config, shared with bench/rollback_live.py); `build(quick)` (the target: the
+tiny toy trained long enough that its answers depend on the prompt, or the real SmolLM2, with its registry name);
+`segments_file(...)` (the conversations of a traffic file in some segments, written once: the champion's code-only
+traffic of `--shift explain`, the segments in `CODE`).
+Run: imported by bench/serving_loop.py and bench/rollback_live.py.
 Not here: the cycle itself (bench/serving_loop.py), its live parts (bench/serving_loop_live.py).
 """
 
@@ -50,6 +51,26 @@ QUICK = Sizes(
 DEFAULT = Sizes(
     "default", {"capture": {"heldout": 8, "trigger_new": 96}}, 64, 400, 2, 0.5, 20.0, 10.0, 60.0, 300.0, 96, 300.0, 32
 )
+
+
+def isolated_env(state: Path) -> dict:
+    """The children's environment: their own registry and Prefect in the state dir `state`, never the user's (their
+    tracking URI and Prefect API left out)."""
+    from infra.settings import env_with
+
+    return {
+        k: v
+        for k, v in env_with({"EAGLE_HOME": str(state), "PYTHONPATH": str(common.ROOT)}).items()
+        if k not in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL")
+    }
+
+
+def write_config(sizes: Sizes, path: Path):
+    """The sizes' pipeline config written to `path` (the children read it) and loaded over their preset."""
+    from components.config.pipeline import PipelineConfig
+
+    path.write_text(json.dumps(sizes.config, indent=1) + "\n")
+    return PipelineConfig.load(str(path), sizes.preset)
 
 
 def _say(msg: str) -> None:
