@@ -164,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         "--retrain-pause",
         type=float,
         help="seconds between a client's requests during the retrain and until the swap (default 1.5 quick, 20 "
-        "otherwise): on 2 cores live traffic at the full rate starves the vLLM engines the retrain and the swap start",
+        "otherwise): on 2 cores live traffic at the full rate starves the vLLM engines the retrain starts beside the "
+        "serving one (serve's own swap binds its new engine apart: infra/vllm_cpus.py)",
     )
     p.add_argument(
         "--measure-beside-traffic",

@@ -1,11 +1,11 @@
 """The benchmarks' own checks that need no quick run: bad arguments refused, the call counter, the ratio pairing.
 
-Purpose: keep bench/'s scripts honest where a quick run would not show it: real_head.py, capture_mix.py and
-proxy_overhead.py refuse bad arguments in one line (exit 2) before any work; speedup's `CallCounter`
-(bench/speedup_methods.py) hooks the target only while counting (a hook anywhere makes our loops leave their lean
-decoder); proxy_overhead.py's ratios pair the direct and proxy cells of each round; serving_loop.py's live clients hold
-their requests while the retrain measures in vLLM; rollback_live.py's collapsed head accepts nothing. Marked slow,
-as the quick runs in tests/test_bench_quick.py, whose module they were part of.
+Purpose: keep bench/'s scripts honest where a quick run would not show it: real_head.py, capture_mix.py,
+proxy_overhead.py and rollback_live.py refuse bad arguments in one line (exit 2) before any work; speedup's
+`CallCounter` (bench/speedup_methods.py) hooks the target only while counting (a hook anywhere makes our loops leave
+their lean decoder); proxy_overhead.py's ratios pair the direct and proxy cells of each round; serving_loop.py's live
+clients hold their requests while the retrain measures in vLLM; rollback_live.py's collapsed head accepts nothing.
+Marked slow, as the quick runs in tests/test_bench_quick.py, whose module they were part of.
 Run: `python -m pytest -m slow tests/test_bench_checks.py` (1-2 minutes on 2 busy cores: each refusal is a fresh
 process).
 Not here: the quick runs and their result files (tests/test_bench_quick.py), the figures (bench/README.md).
@@ -70,6 +70,19 @@ def test_real_head_refuses_bad_arguments_in_one_line_before_any_work(argv, says)
         timeout=120,
     )
     assert out.returncode == 2 and says in out.stderr.strip().splitlines()[-1], out.stderr
+
+
+@pytest.mark.parametrize("argv", [["--window", "0"], ["--clients", "0"], ["--after", "-1"], ["--check", "-2"]])
+def test_rollback_bench_refuses_bad_arguments_in_one_line_before_any_work(argv):
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "rollback_live.py"), *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    last = out.stderr.strip().splitlines()[-1]
+    assert out.returncode == 2 and "--window > 0, --after >= 0, --clients >= 1, --check >= 0" in last, out.stderr
 
 
 def test_proxy_overhead_ratios_pair_the_cells_of_each_round() -> None:
