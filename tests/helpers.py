@@ -5,9 +5,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import runpy
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+import pytest
 
 
 def target_copy(tiny_embedded, tmp_path: Path, edit=None) -> Path:
@@ -86,3 +90,15 @@ def fake_head(root: Path, name: str, damage=None) -> str:
     if damage:
         damage(d)
     return str(d)
+
+
+def refusal(script: str, argv: list[str], capsys, monkeypatch) -> tuple[int, list[str]]:
+    """(exit code, lines on stderr) of `bench/<script>.py argv`, run as `__main__` in this process: the refusal
+    comes before any work, so it needs none of a fresh interpreter's ~3 s of imports (torch, transformers)."""
+    root = Path(__file__).resolve().parent.parent
+    monkeypatch.syspath_prepend(str(root / "bench"))
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", *argv])
+    monkeypatch.chdir(root)
+    with pytest.raises(SystemExit) as out:
+        runpy.run_path(str(root / "bench" / f"{script}.py"), run_name="__main__")
+    return out.value.code, capsys.readouterr().err.strip().splitlines() or [""]

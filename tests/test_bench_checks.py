@@ -13,11 +13,12 @@ Not here: the quick runs and their result files (tests/test_bench_quick.py), the
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import refusal
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
@@ -61,28 +62,15 @@ def test_call_counter_hooks_the_target_only_while_counting() -> None:
         (["--head", ".", "--summary", "."], "give one"),
     ],
 )
-def test_real_head_refuses_bad_arguments_in_one_line_before_any_work(argv, says):
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "real_head.py"), *argv],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 2 and says in out.stderr.strip().splitlines()[-1], out.stderr
+def test_real_head_refuses_bad_arguments_in_one_line_before_any_work(argv, says, capsys, monkeypatch):
+    code, (*_, last) = refusal("real_head", argv, capsys, monkeypatch)
+    assert code == 2 and says in last, last
 
 
 @pytest.mark.parametrize("argv", [["--window", "0"], ["--clients", "0"], ["--after", "-1"], ["--check", "-2"]])
-def test_rollback_bench_refuses_bad_arguments_in_one_line_before_any_work(argv):
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "rollback_live.py"), *argv],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    last = out.stderr.strip().splitlines()[-1]
-    assert out.returncode == 2 and "--window > 0, --after >= 0, --clients >= 1, --check >= 0" in last, out.stderr
+def test_rollback_bench_refuses_bad_arguments_in_one_line_before_any_work(argv, capsys, monkeypatch):
+    code, (*_, last) = refusal("rollback_live", argv, capsys, monkeypatch)
+    assert code == 2 and "--window > 0, --after >= 0, --clients >= 1, --check >= 0" in last, last
 
 
 def test_proxy_overhead_ratios_pair_the_cells_of_each_round() -> None:
@@ -143,15 +131,11 @@ def test_proxy_overhead_ratios_pair_the_cells_of_each_round() -> None:
         ("proxy_overhead", ["--prompts", "8"], "--prompts >= 16"),
     ],
 )
-def test_bench_serving_scripts_refuse_bad_arguments_in_one_line_before_any_work(script, argv, says):
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / f"{script}.py"), *argv],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 2 and says in out.stderr.strip().splitlines()[-1], out.stderr
+def test_bench_serving_scripts_refuse_bad_arguments_in_one_line_before_any_work(
+    script, argv, says, capsys, monkeypatch
+):
+    code, (*_, last) = refusal(script, argv, capsys, monkeypatch)
+    assert code == 2 and says in last, last
 
 
 def test_serving_loop_offline_plan_keeps_the_captured_traffic_and_one_registered(tmp_path: Path) -> None:

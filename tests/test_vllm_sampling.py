@@ -18,10 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -31,6 +28,7 @@ from eagle.run_config import SpecConfig
 from infra import vllm_sampling
 from infra.settings import Settings
 from infra.vllm_sampling import CACHE, SampledDraftsBroken, refuse_sampled_drafts, sampled_drafts_ok
+from tests.helpers import refusal
 
 
 @pytest.mark.engine
@@ -147,30 +145,16 @@ def test_the_commands_refuse_a_sampled_engine_evaluation_before_any_work(
     assert cli.main([*argv, "--preset", "tiny", "--set", "evaluate.engine=vllm"]) == 99  # greedy: let through
 
 
-def test_the_diagnostic_refuses_bad_arguments_before_starting_anything(tiny_embedded, tmp_path):
+def test_the_diagnostic_refuses_bad_arguments_before_starting_anything(tiny_embedded, tmp_path, capsys, monkeypatch):
     """bench/vllm_sampled.py: one line, exit 2, before any engine starts."""
-    root = Path(__file__).resolve().parents[1]
-    base = [
-        sys.executable,
-        str(root / "bench" / "vllm_sampled.py"),
-        "--target",
-        str(tiny_embedded.target_dir),
-        "--head",
-        str(tmp_path / "no-head"),
-        "--heldout",
-        str(tiny_embedded.target_traffic.heldout),
-    ]
+    monkeypatch.setenv("EAGLE_HOME", str(tmp_path / ".eagle"))
+    base = ["--target", str(tiny_embedded.target_dir), "--head", str(tmp_path / "no-head")]
+    base += ["--heldout", str(tiny_embedded.target_traffic.heldout)]
     for extra, needle in (
         ([], f"--head {tmp_path / 'no-head'}: not a model directory"),
         (["--temperatures", "0,-1"], "--temperatures '0,-1': each must be >= 0"),
     ):
-        p = subprocess.run(
-            base + extra,
-            capture_output=True,
-            text=True,
-            timeout=120,
-            env={**os.environ, "EAGLE_HOME": str(tmp_path / ".eagle")},
-        )
-        lines = [x for x in p.stderr.splitlines() if "error:" in x]
-        assert p.returncode == 2 and len(lines) == 1 and needle in lines[0], p.stderr
+        code, err = refusal("vllm_sampled", base + extra, capsys, monkeypatch)
+        lines = [x for x in err if "error:" in x]
+        assert code == 2 and len(lines) == 1 and needle in lines[0], err
     assert not (tmp_path / ".eagle").exists()
