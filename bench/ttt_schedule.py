@@ -11,8 +11,11 @@ the simulated held-out tau at the serving depth (`--eval-depth`, the preset's K 
 A schedule is `K` (one depth throughout) or `K1:F1/K2` (depth K1 for the first fraction F1 of the time, then K2),
 e.g. `5`, `1:0.6/5`, `2:0.5/5`. The learning rate follows the preset's warm-up, then a cosine over the schedule's
 wall time (so every schedule decays to the same floor at its budget's end), since the steps a budget holds differ.
-Run: `python bench/ttt_schedule.py --extract DIR [--minutes 10] [--schedules 5 1:0.6/5 ...]` on quiet cores (the
-comparison is of wall time). Writes `ttt_schedule.json` (+ `.png`: held-out tau against minutes, one line each).
+`--inits random target-layer` also compares how a fresh head starts (`train.head_init`) under each schedule; an
+extract made before the stage saved the target's layer gets it from the target named in its manifest.
+Run: `python bench/ttt_schedule.py --extract DIR [--minutes 10] [--schedules 5 1:0.6/5 ...] [--inits ...]` on quiet
+cores (the comparison is of wall time). Writes `ttt_schedule.json` (+ `.png`: held-out tau against minutes, a line
+each).
 Not here: the served speedup of the winner (bench/real_head.py trains it through the pipeline, then serves it).
 """
 
@@ -57,6 +60,12 @@ def teacher_kept(extract_dir: str, mib: int):
 
     cfg = PipelineConfig.preset("default").train
     data = TrainingData.open(extract_dir)
+    if not data.target_layer:  # an extract made before the stage saved the target's layer: read it from the target
+        from components.extract.stage import target_layer_tensors
+
+        layer = target_layer_tensors(None, data.manifest["target"]["path"], data.manifest["layer_ids"][-1])
+        data.target_layer = {k.removeprefix("layer."): v for k, v in layer.items() if k.startswith("layer.")}
+        data.final_norm = layer.get("norm")
     draft_ids = new_head(LoopArgs(cfg, extract_dir, "", None), data).draft_ids()
     cache, t0 = TeacherCache(mib << 20), time.perf_counter()
     for s in range(0, data.n_seqs, cfg.batch_size):
@@ -68,7 +77,7 @@ def teacher_kept(extract_dir: str, mib: int):
     return data, cache
 
 
-def run(data, cache, schedule: str, minutes: float, eval_every_min: float, eval_depth: int) -> list[dict]:
+def run(data, cache, schedule: str, minutes: float, eval_every_min: float, eval_depth: int, init: str) -> list[dict]:
     import torch
 
     from components.config.pipeline import PipelineConfig
@@ -76,7 +85,7 @@ def run(data, cache, schedule: str, minutes: float, eval_every_min: float, eval_
     from components.train.loop import LoopArgs, new_head
     from eagle.train import TTTModule, autocast_dtype, heldout_metrics, make_optimizer, train_step
 
-    cfg = PipelineConfig.preset("default").train
+    cfg = dataclasses.replace(PipelineConfig.preset("default").train, head_init=init)
     phases = parse_schedule(schedule)
     train_ids, held_ids = heldout_split(data.n_seqs, HELD_OUT, cfg.seed)
     sizes = (data.offsets[1:] - data.offsets[:-1]).tolist()
@@ -100,13 +109,14 @@ def run(data, cache, schedule: str, minutes: float, eval_every_min: float, eval_
         )
         row = {
             "schedule": schedule,
+            "head_init": init,
             "minutes": round(elapsed / 60, 2),
             "step": step,
             "tokens": tokens,
             "heldout_tau": round(m["heldout_tau"], 3),
             "heldout_acc_0": round(m["heldout_acc_0"], 3),
         }
-        print(f"ttt_schedule: {schedule} at {row['minutes']:.1f} min, step {step}: {row}", flush=True)
+        print(f"ttt_schedule: {schedule} ({init}) at {row['minutes']:.1f} min, step {step}: {row}", flush=True)
         return row
 
     rows, elapsed, tokens, next_eval = [], 0.0, 0, eval_every_min * 60.0
@@ -140,6 +150,9 @@ def main() -> None:
     p = base_args(__doc__.splitlines()[0])
     p.add_argument("--extract", required=True, help="an extract stage's output directory (the real model's)")
     p.add_argument("--schedules", nargs="+", default=["5", "1:0.6/5", "2:0.5/5"], help="TTT depth schedules")
+    p.add_argument(
+        "--inits", nargs="+", default=["random"], choices=["random", "target-layer"], help="train.head_init values"
+    )
     p.add_argument("--minutes", type=float, default=10.0, help="training wall time per schedule")
     p.add_argument("--eval-every", type=float, default=2.5, help="held-out tau every N training minutes")
     p.add_argument("--eval-depth", type=int, default=5, help="the depth the held-out tau is simulated at")
@@ -159,15 +172,18 @@ def main() -> None:
     data, cache = teacher_kept(args.extract, args.teacher_cache_mib)
     out = []
     for s in args.schedules:
-        out += run(data, cache, s, args.minutes, args.eval_every, args.eval_depth)
-    cols = ["schedule", "minutes", "step", "tokens", "heldout_tau", "heldout_acc_0"]
+        for init in args.inits:
+            out += run(data, cache, s, args.minutes, args.eval_every, args.eval_depth, init)
+    cols = ["schedule", "head_init", "minutes", "step", "tokens", "heldout_tau", "heldout_acc_0"]
     print_table(out, cols, f"held-out tau (K {args.eval_depth}) by TTT schedule, {args.minutes:g} min each")
-    record = {"extract_dir": args.extract, "minutes": args.minutes, "rows": out}
+    record = {"extract_dir": args.extract, "minutes": args.minutes, "inits": args.inits, "rows": out}
     path = write_results("ttt_schedule", args.quick, record, load_before)
     lines = {}
     for s in args.schedules:
-        pts = [r for r in out if r["schedule"] == s]
-        lines[s] = ([r["minutes"] for r in pts], [r["heldout_tau"] for r in pts])
+        for init in args.inits:
+            pts = [r for r in out if r["schedule"] == s and r["head_init"] == init]
+            name = s if len(args.inits) == 1 else f"{s}, {init}"
+            lines[name] = ([r["minutes"] for r in pts], [r["heldout_tau"] for r in pts])
     line_plot(
         path.with_suffix(".png"),
         lines,

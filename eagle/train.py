@@ -1,7 +1,7 @@
 """The head-training step, shared by the self-check and the distributed trainer (components/train/stage.py).
 
 Purpose: build a head for a target from token counts (`init_head`; `as_variant` for a warm start across head
-variants), turn token batches into TTT batches with
+variants; `start_from_target_layer` to begin as the target's next layer), turn token batches into TTT batches with
 the target's features computed on the fly (`online_batch`) or from stored features (`TTTBatch` directly),
 an AdamW optimiser with linear warm-up and cosine decay (`make_optimizer`), one optimisation step with
 gradient clipping and optional autocast (`train_step`), the TTT loss and simulated tau of a head on held-out
@@ -68,6 +68,64 @@ def head_from_tensors(
     draft.set_draft_vocab(select_draft_vocab(token_counts_V, cfg.draft_vocab_size, always_include))
     draft.init_from_target(embed_VH.detach().float().cpu(), lm_head_VH.detach().float().cpu())
     return draft
+
+
+# A target decoder layer's tensors (named as in a Llama-family checkpoint, after `model.layers.<i>.`) that the head's
+# layer has at the same shape. q/k/v read the fused feature in the head's right half of their input.
+TARGET_LAYER_PARTS = (
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+)
+
+
+@torch.no_grad()
+def start_from_target_layer(draft: Eagle3Draft, layer: dict[str, torch.Tensor], norm: torch.Tensor | None) -> list:
+    """Start a fresh head as the target's own next layer: `layer` holds the decoder layer the highest fused state
+    enters in the target (TARGET_LAYER_PARTS, any subset), `norm` its final norm. The fusion starts by passing that
+    state through (`fc` = [0, 0, I]), the layer's attention and MLP are the target layer's (the attention's
+    embedding half keeps a tenth of its random start), its norms and the output norm the target's; the draft then
+    begins from a function of the target's own features rather than from noise (bench/README.md "A head started
+    from the target's layer"). Tensors absent or of another shape (an MoE layer's experts, another family's
+    names) keep their random start. Returns the names copied."""
+    m, H = draft.midlayer, draft.cfg.hidden_size
+    dest = {
+        "self_attn.o_proj.weight": m.self_attn.o_proj.weight,
+        "mlp.gate_proj.weight": m.mlp.gate_proj.weight,
+        "mlp.up_proj.weight": m.mlp.up_proj.weight,
+        "mlp.down_proj.weight": m.mlp.down_proj.weight,
+        "input_layernorm.weight": m.hidden_norm.weight,  # the norm the feature passes through in the head
+        "post_attention_layernorm.weight": m.post_attention_layernorm.weight,
+    }
+    copied = []
+    for name, src in layer.items():
+        src = src.to(torch.float32)
+        proj = name.removeprefix("self_attn.").removesuffix(".weight")
+        if proj in ("q_proj", "k_proj", "v_proj"):
+            w = getattr(m.self_attn, proj).weight
+            if src.shape != (w.shape[0], H):
+                continue
+            w[:, H:] = src.to(w.dtype)
+            w[:, :H] *= 0.1
+        elif name in dest and dest[name].shape == src.shape:
+            dest[name].copy_(src.to(dest[name].dtype))
+        else:
+            continue
+        copied.append(name)
+    if norm is not None and norm.shape == draft.norm.weight.shape:
+        draft.norm.weight.copy_(norm.to(draft.norm.weight.dtype))
+        copied.append("norm.weight")
+    if copied and draft.fc.weight.shape == (H, 3 * H):
+        draft.fc.weight.zero_()
+        draft.fc.weight[:, 2 * H :] = torch.eye(H, dtype=draft.fc.weight.dtype)
+        copied.append("fc.weight")
+    return copied
 
 
 def as_variant(draft: Eagle3Draft, variant: str, mask_token_id: int | None = None) -> Eagle3Draft:

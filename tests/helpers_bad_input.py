@@ -65,6 +65,7 @@ CONFIG_ROWS: dict[str, tuple[dict, str]] = {
 BAD_CONFIGS: dict[str, tuple[dict, str]] = {
     "speed-min-rounds-zero": ({"evaluate": {"speed": {"min_rounds": 0}}}, "evaluate.speed.min_rounds must be"),
     "train-loss-on-unknown": ({"train": {"loss_on": "prompts"}}, "train.loss_on"),
+    "train-head-init-unknown": ({"train": {"head_init": "target"}}, "train.head_init must be one of"),
     "register-gate-speedup-unknown": ({"register": {"gate_speedup": "on"}}, "register.gate_speedup"),
     "speed-max-below-min": (
         {"evaluate": {"speed": {"min_rounds": 5, "max_rounds": 3}}},

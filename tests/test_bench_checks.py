@@ -238,3 +238,19 @@ def test_rollback_bench_makes_a_head_that_accepts_nothing(tmp_path) -> None:
     assert (bad["d2t"] + torch.arange(4)).tolist() == [12] * 4  # draft id j -> target id j + d2t[j]
     assert torch.equal(bad["fc.weight"], weights["fc.weight"]) and (tmp_path / "bad" / "config.json").is_file()
     assert load_file(good / "model.safetensors")["d2t"].tolist() == [0, 5, 5, 7]  # the champion's own is untouched
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["--extract", "/no/such/extract"], "not an extract stage's output"),
+        (["--extract", "EXTRACT", "--inits", "target"], "invalid choice: 'target'"),
+        (["--extract", "EXTRACT", "--schedules", "1/5"], "needs ':FRACTION'"),
+        (["--extract", "EXTRACT", "--minutes", "0"], "--minutes and --eval-every must be > 0"),
+    ],
+)
+def test_ttt_schedule_refuses_bad_arguments_in_one_line_before_any_work(argv, says, capsys, monkeypatch, tmp_path):
+    (tmp_path / "manifest.json").write_text("{}")  # passes the directory check; the refusal comes before reading it
+    argv = [str(tmp_path) if a == "EXTRACT" else a for a in argv]
+    code, (*_, last) = refusal("ttt_schedule", argv, capsys, monkeypatch)
+    assert code == 2 and says in last, last

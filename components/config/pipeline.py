@@ -236,6 +236,8 @@ def _item_hints(hint: Any, value: Any) -> list[Any]:
 def _typed(value: Any, hint: Any, what: str) -> Any:
     """`value` checked against the field's annotation (JSON ints become floats, arrays tuples, where declared)."""
     if not _fits(value, hint):
+        if typing.get_origin(hint) is Literal:
+            raise ConfigError(f"{what} must be one of {list(typing.get_args(hint))}, got {value!r}")
         raise ConfigError(f"{what}: {value!r} is not of type {hint.__name__ if isinstance(hint, type) else hint}")
     if hint is float or (
         typing.get_origin(hint) in (Union, types.UnionType)

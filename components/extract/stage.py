@@ -4,7 +4,8 @@ Purpose: `extract(cfg, target_dir, regen_dir, out_dir, context=StageContext()) -
 components/targets/runtime.py, whether the target's code is trusted, the Settings, the run's `TargetRuntime`).
 - Always: tokenises every conversation with the target's chat template (assistant-only loss mask) into
   `tokens.safetensors`, counts the trained tokens (`token_counts`, for the draft vocabulary) and saves the
-  target's embedding and lm_head (`target_heads.safetensors`), so training never needs more of the target in
+  target's embedding and lm_head, the decoder layer the highest fused state enters and the final norm
+  (`target_heads.safetensors`), so training never needs more of the target in
   offline mode.
   Its config goes to `target_config/config.json`, with the dtype the target's own config states (the head is
   exported in it).
@@ -156,14 +157,34 @@ def _save_tokens(out: Path, seqs, vocab_size: int) -> int:
 
 
 def _save_target_heads(out: Path, heads: dict) -> None:
-    """The embedding and `lm_head`; a tied `lm_head` (the embedding itself: `tie_word_embeddings`) is stored once,
-    as `embed_tokens` alone, and read back as both (components/train/data.py `TrainingData.open`)."""
+    """The embedding, `lm_head` and the rest of `heads` (the target layer); a tied `lm_head` (the embedding itself:
+    `tie_word_embeddings`) is stored once, as `embed_tokens`, and read back as both (components/train/data.py
+    `TrainingData.open`)."""
     from safetensors.torch import save_file
 
     embed, lm_head = heads["embed_tokens"], heads["lm_head"]
     tied = lm_head is embed or (lm_head.shape == embed.shape and lm_head.data_ptr() == embed.data_ptr())
     with atomic_path(out / "target_heads.safetensors") as tmp:
-        save_file({"embed_tokens": embed} if tied else heads, str(tmp), metadata={"tied": str(tied).lower()})
+        kept = {k: v for k, v in heads.items() if not (tied and k == "lm_head")}
+        save_file(kept, str(tmp), metadata={"tied": str(tied).lower()})
+
+
+def target_layer_tensors(target, target_dir: str, index: int) -> dict:
+    """{"layer.<part>": tensor, "norm": tensor}: the decoder layer the highest fused state enters and the final norm
+    (eagle/train.py `start_from_target_layer`, `train.head_init: target-layer`), from the loaded target or, when
+    the engine extracts, read by tensor name; parts the target does not have (another family's names) are left
+    out."""
+    from eagle.train import TARGET_LAYER_PARTS
+
+    names = {f"model.layers.{index}.{p}": f"layer.{p}" for p in TARGET_LAYER_PARTS} | {"model.norm.weight": "norm"}
+    if target is None:
+        from components.targets.target import read_tensors
+
+        found = read_tensors(target_dir, list(names))
+    else:
+        state = target.state_dict()
+        found = {n: state[n] for n in names if n in state}
+    return {names[n]: t.detach().float().contiguous().cpu() for n, t in found.items()}
 
 
 def _open_target(cfg: ExtractConfig, target_dir: str, trust_remote_code: bool, in_engine: bool):
@@ -246,7 +267,7 @@ def extract(
     layer_ids = fused_layer_ids(cfg, config.num_hidden_layers, target_dir)
     seqs, truncated = tokenize_all(tokenizer, regen_dir, cfg.max_len)
     n_trained = _save_tokens(out, seqs, config.vocab_size)
-    _save_target_heads(out, heads)
+    _save_target_heads(out, {**heads, **target_layer_tensors(target, target_dir, layer_ids[-1])})
     _save_target_config(out, config, target_dir)
     target_sha = weights_sha256(target_dir)  # once: hashing a real target's weights takes a while
     previous = _previous_manifest(out / MANIFEST)

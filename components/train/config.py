@@ -55,6 +55,9 @@ class TrainConfig:
     # where the teacher is the target's distribution as well; more signal from the same features, no extra compute).
     # The held-out figures score the answers either way.
     loss_on: Literal["assistant", "all"] = "assistant"
+    # how a fresh head starts: "random", or "target-layer": as the target's own decoder layer that the highest fused
+    # state enters, with the fusion passing that state through (eagle/train.py `start_from_target_layer`)
+    head_init: Literal["random", "target-layer"] = "random"
     # the head's architecture (eagle/config.py): eagle3, eagle3.1, parallel (P-EAGLE: drafts K tokens in one pass;
     # TTT's steps 1..K-1 become its masked slots, eagle/ttt.py) or eagle3.1-parallel (both); TTT trains each
     variant: str = "eagle3"
@@ -115,6 +118,7 @@ def _check_config(cfg: TrainConfig) -> None:
         raise FieldError(cfg, "bucket_by_length", f"must be true or false, got {cfg.bucket_by_length!r}")
     one_of(cfg, "select", ("best_tau", "last"))
     one_of(cfg, "loss_on", ("assistant", "all"))
+    one_of(cfg, "head_init", ("random", "target-layer"))
     one_of(cfg, "autocast", ("gpu", "auto", "off"))
     one_of(cfg, "variant", VARIANTS)
     _check_variants(cfg)

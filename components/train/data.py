@@ -17,7 +17,7 @@ Not here: the training loop (components/train/loop.py).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
@@ -47,6 +47,10 @@ class TrainingData:
     embed_tokens: torch.Tensor
     lm_head: torch.Tensor
     _shards: list | None = None
+    # the target's decoder layer the highest fused state enters ({part: tensor}, eagle/train.py TARGET_LAYER_PARTS)
+    # and its final norm, saved by the extract stage (empty / None in an extract made before it saved them)
+    target_layer: dict = field(default_factory=dict)
+    final_norm: torch.Tensor | None = None
 
     @classmethod
     def open(cls, extract_dir: str | Path, verify: bool = True) -> "TrainingData":
@@ -75,8 +79,10 @@ class TrainingData:
             tok["offsets"],
             tok["token_counts"],
             heads["embed_tokens"],
-            heads.get("lm_head", heads["embed_tokens"]),
-        )  # tied: stored once
+            heads.get("lm_head", heads["embed_tokens"]),  # tied: stored once
+            target_layer={k.removeprefix("layer."): v for k, v in heads.items() if k.startswith("layer.")},
+            final_norm=heads.get("norm"),
+        )
         if manifest["mode"] == "offline":
             data._shards = data._open_shards(verify)
         return data

@@ -248,7 +248,7 @@ def new_head(args: LoopArgs, data):
             args.cfg.variant,
             default_mask_token_id(tcfg),
         )
-    return head_from_tensors(
+    head = head_from_tensors(
         tcfg,
         data.token_counts,
         data.embed_tokens,
@@ -257,6 +257,29 @@ def new_head(args: LoopArgs, data):
         aux_layer_ids=layer_ids,
         variant=args.cfg.variant,
     )
+    if args.cfg.head_init == "target-layer":
+        start_from_layer(head, data)
+    return head
+
+
+def start_from_layer(head, data) -> None:
+    """`train.head_init: target-layer`: the fresh head starts as the target's layer that its highest fused state
+    enters (eagle/train.py `start_from_target_layer`); refused, by name, when the features' directory holds no
+    such layer (extracted before the extract stage saved it) or none of it fits the head."""
+    from components.train.data import FeatureStoreError
+    from eagle.train import start_from_target_layer
+
+    if not data.target_layer:
+        raise FeatureStoreError(
+            f"{data.root}: train.head_init 'target-layer' needs the target's layer beside the features, and this "
+            "extract has none (made before the extract stage saved it): re-run extract (it resumes, keeping its "
+            "shards) or set train.head_init 'random'"
+        )
+    if not start_from_target_layer(head, data.target_layer, data.final_norm):
+        raise FeatureStoreError(
+            f"{data.root}: train.head_init 'target-layer': none of the target layer's tensors "
+            f"({sorted(data.target_layer)}) fits the head; set train.head_init 'random'"
+        )
 
 
 def warm_start_head(head_dir: str, target_config, embed_VH, aux_layer_ids):
