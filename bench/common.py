@@ -47,7 +47,8 @@ from eagle.run_config import OptimConfig, TTTConfig  # noqa: E402
 from embedded import EmbeddedConfig, build_embedded, load_result  # noqa: E402
 from embedded.result import EmbeddedResult  # noqa: E402
 
-CACHE = ROOT / ".eagle" / "bench"  # `--cache DIR` moves it (set by `start`); read it as `common.CACHE`
+DEFAULT_CACHE = ROOT / ".eagle" / "bench"
+CACHE = DEFAULT_CACHE  # `--cache DIR` moves it (set by `start`); read it as `common.CACHE`
 SETUP_THREADS = 0  # torch threads for the cached setup (regenerate, extract, head training); 0: as --threads
 EMBEDDED_ROOT = ROOT / ".eagle" / "embedded"
 RESULTS = ROOT / "bench" / "results"
@@ -370,7 +371,7 @@ def base_args(description: str) -> argparse.ArgumentParser:
     p.add_argument(
         "--cache",
         default="",
-        help=f"cache directory (default {CACHE.relative_to(ROOT)}; the embedded "
+        help=f"cache directory (default {DEFAULT_CACHE.relative_to(ROOT)}; the embedded "
         "default is still looked for in .eagle/embedded)",
     )
     return p
