@@ -39,7 +39,7 @@ def test_presets_and_overrides(tmp_path):
         ({"trian": {"steps": 1}}, "unknown section 'trian'"),
         ({"train": {"stepz": 1}}, "unknown key train.stepz"),
         ({"train": 5}, "section 'train' must be a mapping"),
-        ({"extract": {"mode": "sideways"}}, r"extract.mode: 'sideways' is not of type .*'offline', 'online'"),
+        ({"extract": {"mode": "sideways"}}, r"extract.mode must be one of \['offline', 'online'\], got 'sideways'"),
         ({"extract": {"dtype": "int8"}}, "extract.dtype must be one of"),
         ({"extract": {"engine": "sglang"}}, "extract.engine must be one of 'local', 'vllm'"),
         ({"extract": {"engine": "vllm", "mode": "online"}}, "extract.engine 'vllm' needs mode 'offline'"),
