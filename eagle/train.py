@@ -93,7 +93,7 @@ def start_from_target_layer(draft: Eagle3Draft, layer: dict[str, torch.Tensor], 
     embedding half keeps a tenth of its random start), its norms and the output norm the target's; the draft then
     begins from a function of the target's own features rather than from noise (bench/README.md "A head started
     from the target's layer"). Tensors absent or of another shape (an MoE layer's experts, another family's
-    names) keep their random start. Returns the names copied."""
+    names) keep their random start; when no tensor of the layer fits, nothing changes. Returns the names set."""
     m, H = draft.midlayer, draft.cfg.hidden_size
     dest = {
         "self_attn.o_proj.weight": m.self_attn.o_proj.weight,
@@ -118,13 +118,14 @@ def start_from_target_layer(draft: Eagle3Draft, layer: dict[str, torch.Tensor], 
         else:
             continue
         copied.append(name)
+    if not copied:  # nothing of the layer fits: the head stays as it was
+        return copied
+    draft.fc.weight.zero_()
+    draft.fc.weight[:, 2 * H :] = torch.eye(H, dtype=draft.fc.weight.dtype)
+    copied.append("fc.weight")
     if norm is not None and norm.shape == draft.norm.weight.shape:
         draft.norm.weight.copy_(norm.to(draft.norm.weight.dtype))
         copied.append("norm.weight")
-    if copied and draft.fc.weight.shape == (H, 3 * H):
-        draft.fc.weight.zero_()
-        draft.fc.weight[:, 2 * H :] = torch.eye(H, dtype=draft.fc.weight.dtype)
-        copied.append("fc.weight")
     return copied
 
 

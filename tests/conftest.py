@@ -23,7 +23,7 @@ Order: the modules that took longest in a measured run go first (`pytest_collect
 tests/module_seconds.py), so that under `make test`'s worker processes (pytest-xdist, a whole module per worker,
 xdist's own reordering off) the long modules start early and the short ones fill in at the end, instead of one long
 module running alone at the end.
-Run: `python -m pytest tests/` (the fixtures are found by pytest); `make test` runs it in 3 worker processes.
+Run: `python -m pytest tests/` (the fixtures are found by pytest); `make test` runs it in 2 worker processes.
 Not here: assertions. Heavy libraries are imported inside the fixtures, never at module scope.
 """
 

@@ -84,3 +84,17 @@ def test_features_without_the_target_layer_are_refused_by_name(offline_dir, tmp_
         train(FROM_LAYER, str(old), str(tmp_path / "train"))
     with pytest.raises(ValueError, match="head_init must be one of"):
         dataclasses.replace(TrainConfig.tiny(), head_init="target")
+
+
+def test_a_layer_of_which_nothing_fits_leaves_the_head_as_it_was(offline_dir):
+    """An MoE layer's experts, another family's names, another shape: nothing is copied, the norm included."""
+    from eagle.train import start_from_target_layer
+
+    data = TrainingData.open(offline_dir)
+    torch.manual_seed(0)
+    head = new_head(LoopArgs(TrainConfig.tiny(), str(offline_dir), "", None), data)
+    before = {k: v.clone() for k, v in head.state_dict().items()}
+    q = data.target_layer["self_attn.q_proj.weight"]
+    odd = {"mlp.experts.0.gate_proj.weight": q, "self_attn.q_proj.weight": q[:, :-1]}
+    assert start_from_target_layer(head, odd, data.final_norm) == []
+    assert all(torch.equal(v, before[k]) for k, v in head.state_dict().items())
