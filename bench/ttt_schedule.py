@@ -63,9 +63,9 @@ def teacher_kept(extract_dir: str, mib: int):
     if not data.target_layer:  # an extract made before the stage saved the target's layer: read it from the target
         from components.extract.stage import target_layer_tensors
 
-        layer = target_layer_tensors(None, data.manifest["target"]["path"], data.manifest["layer_ids"][-1])
-        data.target_layer = {k.removeprefix("layer."): v for k, v in layer.items() if k.startswith("layer.")}
-        data.final_norm = layer.get("norm")
+        data.take_target_layer(
+            target_layer_tensors(None, data.manifest["target"]["path"], data.manifest["layer_ids"][-1])
+        )
     draft_ids = new_head(LoopArgs(cfg, extract_dir, "", None), data).draft_ids()
     cache, t0 = TeacherCache(mib << 20), time.perf_counter()
     for s in range(0, data.n_seqs, cfg.batch_size):

@@ -80,12 +80,17 @@ class TrainingData:
             tok["token_counts"],
             heads["embed_tokens"],
             heads.get("lm_head", heads["embed_tokens"]),  # tied: stored once
-            target_layer={k.removeprefix("layer."): v for k, v in heads.items() if k.startswith("layer.")},
-            final_norm=heads.get("norm"),
         )
+        data.take_target_layer(heads)
         if manifest["mode"] == "offline":
             data._shards = data._open_shards(verify)
         return data
+
+    def take_target_layer(self, saved: dict) -> None:
+        """The target layer and final norm from tensors named as the extract stage saves them (`layer.<part>`,
+        `norm`: components/extract/stage.py `target_layer_tensors`); other names are ignored."""
+        self.target_layer = {k.removeprefix("layer."): v for k, v in saved.items() if k.startswith("layer.")}
+        self.final_norm = saved.get("norm")
 
     def target_config(self, trust_remote_code: bool = False):
         """The target's HF config, saved beside the features by the extract stage."""
