@@ -40,6 +40,13 @@ def _registered_schedule(uri: str, settings) -> list[list[int]] | None:
     return json.loads(text) if text else None
 
 
+def _registered_depth(uri: str, settings) -> int | None:
+    """The `depth` tag of a registered head version: the K measured best at batch size 1 (evaluate.pick; None: not
+    picked, or a directory)."""
+    text = _registered_tags(uri, settings).get("depth")
+    return int(text) if text else None
+
+
 def gate_note(uri: str, settings) -> str | None:
     """What `serve` says of a registered head its gate did not make champion (None: champion, or a directory)."""
     tags = _registered_tags(uri, settings)
@@ -84,7 +91,8 @@ def _serve_spec(a, settings, uri: str, name: str | None = None):
     served = servable_head(head, target, settings.state_dir / "servable", settings.trust_remote_code)
     lineage["target_name"] = lineage.get("target_name") or Path(target).name
     schedule = None if a.k else _registered_schedule(uri, settings)
-    k = a.k or (max(max(r[2] for r in schedule), 1) if schedule else 5)
+    picked = None if a.k or schedule else _registered_depth(uri, settings)
+    k = a.k or (max(max(r[2] for r in schedule), 1) if schedule else picked or 5)
     at = getattr(a, "concurrency", None)
     if at:  # one fixed K for the stated load: the schedule's, or no head where plain wins
         k, how = _k_at(schedule, at, uri)
@@ -93,7 +101,8 @@ def _serve_spec(a, settings, uri: str, name: str | None = None):
         how = (
             f"the registered K schedule {json.dumps(schedule)} ([first batch size, last, K]; K 0: no drafts)"
             if schedule
-            else f"{k} speculative tokens" + ("" if a.k else " (no K schedule registered)")
+            else f"{k} speculative tokens"
+            + ("" if a.k else " (measured best at batch size 1)" if picked else " (no K schedule registered)")
         )
     spec = EngineSpec(
         target,

@@ -94,6 +94,13 @@ def sweep_load(cfg: EvaluateConfig, head: HeadEval, settings, engines=None, eval
     )
 
 
+def pick_served_depth(cfg: EvaluateConfig, head: HeadEval, settings):
+    """The K at batch size 1 by measurement in vLLM, into `out_dir/depth` (components/evaluate/depth_pick.py)."""
+    from components.evaluate.depth_pick import pick_depth
+
+    return pick_depth(cfg, dataclasses.replace(head, out_dir=str(Path(head.out_dir) / "depth")), settings)
+
+
 def _as_is(stage: Callable, done: Path) -> Callable:
     return stage
 
@@ -125,6 +132,7 @@ class EvalStages:
     engine: Callable = evaluate_served
     sweep: Callable = sweep_load
     fresh: Callable[[Callable, Path], Callable] = _as_is
+    pick: Callable = pick_served_depth
 
 
 def evaluate_head(
@@ -145,6 +153,15 @@ def evaluate_head(
             baseline_dir=head.baseline_dir if cfg.runtime.gate_on_engine else None,
         )
 
+    if plan.engine and cfg.evaluate.pick.enabled:  # first the K it drafts at batch size 1, measured in vLLM
+        from components.evaluate.depth_pick import REPORT as PICKED, applied
+
+        picked = stages.fresh(stages.pick, out / "depth" / PICKED)(
+            cfg.evaluate, dataclasses.replace(served(), baseline_dir=None), settings
+        )
+        cfg = dataclasses.replace(cfg, evaluate=applied(cfg.evaluate, picked.depth))
+        plan = dataclasses.replace(plan, sweep=cfg.evaluate.load if plan.sweep is not None else None)
+        metrics.update(picked.metrics())
     with _pool(plan) as engines:  # the evaluation's plain/speculative pair goes on running for the sweep
         if plan.early:
             from components.evaluate.engine import eval_pair
@@ -152,7 +169,7 @@ def evaluate_head(
             engines.launch(*eval_pair(cfg.evaluate, head.target_dir, served().head_dir, head.heldout, settings))
         if plan.local:
             ev = stages.fresh(stages.local, out / "evaluation.json")(cfg.evaluate, head, settings.trust_remote_code)
-            metrics = ev.metrics()
+            metrics = ev.metrics() | metrics
         if plan.engine:  # the head as production serves it: in vLLM, on the same prompts
             engine = stages.fresh(stages.engine, out / "vllm" / REPORT)(
                 cfg.evaluate, served(), ev.report_file if ev else None, settings, engines

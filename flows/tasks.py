@@ -24,7 +24,7 @@ from components.regenerate.stage import RegenerateConfig, RegenerateResult, rege
 from components.targets.runtime import StageContext, TargetRuntime
 from components.train.stage import TrainConfig, TrainResult, TrainSetup, train
 from eagle.errors import BadInput
-from flows.evaluate_head import EvalStages, evaluate_locally, evaluate_served, sweep_load
+from flows.evaluate_head import EvalStages, evaluate_locally, evaluate_served, pick_served_depth, sweep_load
 
 CACHE = INPUTS + TASK_SOURCE
 
@@ -155,5 +155,13 @@ load_sweep_task = task(
     retry_delay_seconds=5,
     retry_condition_fn=transient,
 )(sweep_load)
+pick_depth_task = task(
+    name="pick-depth",
+    cache_policy=CACHE - "settings",
+    persist_result=True,
+    retries=1,
+    retry_delay_seconds=5,
+    retry_condition_fn=transient,
+)(pick_served_depth)
 # what `evaluate_head` runs in a flow: these tasks, each with its cache refreshed when its report is missing
-TASKS = EvalStages(evaluate_task, engine_eval_task, load_sweep_task, fresh_if_missing)
+TASKS = EvalStages(evaluate_task, engine_eval_task, load_sweep_task, fresh_if_missing, pick_depth_task)

@@ -51,6 +51,9 @@ PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 # core for that second (bench/README.md, "An idle vLLM server spins a core"). A second server timed during that
 # second shares its cores with the spin (components/evaluate/engine.py waits it out).
 IDLE_SPIN_S = 1.0
+# how often a starting engine is asked whether it is healthy: a start takes 10-25 s on 2 cores, and each poll is one
+# local HTTP request and one read of its log (a 1 s poll left ~0.5 s idle per start; the suite starts ~80)
+HEALTH_POLL_S = 0.25
 UNSUPPORTED = "are not supported for now"  # vLLM 0.32's refusal of a model architecture it does not have
 
 
@@ -156,7 +159,7 @@ class VllmServer:
                         return
             except (urllib.error.URLError, OSError):
                 pass
-            time.sleep(1.0)
+            time.sleep(HEALTH_POLL_S)
         self.stop()
         raise EngineError(f"vLLM did not become healthy in {self.start_timeout_s:.0f} s; log: {self.log_path}")
 

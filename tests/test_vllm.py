@@ -56,6 +56,7 @@ EVAL = EvaluateConfig(
     spec=SpecConfig(depth=3, max_new_tokens=24), limit=6, speed=SpeedupConfig.tiny(), position_edges=(0, 8, 16, 64)
 )
 ROOT = Path(__file__).resolve().parent.parent
+PICK = (1, 2)  # the flow's K choices at batch size 1 (evaluate.pick): the evaluation then runs at the faster one
 
 
 @pytest.fixture(scope="module")
@@ -170,6 +171,7 @@ def flow_run(engine_target, settings, prefect_harness, tmp_path_factory):
                     "limit": EVAL.limit,
                     "time_local": False,
                     "spec": {"depth": EVAL.spec.depth, "max_new_tokens": EVAL.spec.max_new_tokens},
+                    "pick": {"choices": list(PICK), "requests": 2, "repeats": 1},
                 },
             }
         )
@@ -204,6 +206,26 @@ def test_pipeline_with_engine_vllm_registers_both_engines_figures(flow_run, sett
     assert tags["gate_tau"] == "engine" and tags["gate"].startswith("vLLM tau")  # the engine's τ decided
     # our decoder untimed: no speedup of ours registered, the reason said; vLLM's is the figure
     assert "speedup" not in tags and "time_local" in tags["speedup_note"] and "speedup_vllm" in tags
+
+
+def test_the_k_measured_fastest_at_batch_1_is_the_one_evaluated_registered_and_served(flow_run, settings):
+    from components.evaluate.depth_pick import REPORT, choose, read_pick
+    from flows.command_serve import _registered_depth
+    from infra.mlflow_store import MlflowStore
+
+    name, version = flow_run.head_uri.split("/")[1:]
+    tags = MlflowStore.connect(settings).get_version(name, int(version)).tags
+    reports = list((Path(settings.state_dir) / "runs").rglob(REPORT))  # (and a copy among the run's artifacts)
+    assert len(reports) == 1, reports
+    pick = read_pick(reports[0])
+    assert set(pick.tokens_per_s) == {0, *PICK} and all(t > 0 for t in pick.tokens_per_s.values())
+    assert pick.depth == choose(pick.tokens_per_s) and tags["depth"] == str(pick.depth)
+    assert float(tags["depth_pick_speedup"]) == pytest.approx(
+        pick.tokens_per_s[pick.depth] / pick.tokens_per_s[0], 1e-3
+    )
+    # everything after the pick ran at its K: vLLM's acceptance by position and ours have that many positions
+    assert len(tags["acceptance_vllm"].split()) == pick.depth == len(tags["acceptance"].split())
+    assert _registered_depth(flow_run.head_uri, settings) == pick.depth  # what `serve` drafts without a schedule
 
 
 def _cli_env(settings: Settings) -> dict[str, str]:

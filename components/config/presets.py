@@ -78,11 +78,13 @@ def default() -> dict[str, Any]:
     Each head is also served by vLLM and measured there (`evaluate.engine: vllm`), as production will run it, one
     request at a time (3-4 interleaved rounds over 6 held-out prompts of up to 64 new tokens) and at 4 concurrent
     requests (`evaluate.load`, K 5 against plain, which gives the K schedule the engine is served with; the schedule
-    is derived, not served again: `verify_schedule: false`). Our own decoder still measures τ, acceptance and
-    identity, once each way and untimed (`evaluate.time_local: false`). The promotion gate judges the served speedup
-    (`register.gate_speedup: served`).
+    is derived, not served again: `verify_schedule: false`). Before all that, the K it drafts at batch size 1 is
+    measured (`evaluate.pick`: K 2, 3 and 5 beside plain, 4 prompts, 2 rounds; ~1 min): one draft step's cost is the
+    machine's, and on 2 Zen 5 cores K 5 served below plain where K 2 paid ~1.2x. Our own decoder still measures τ,
+    acceptance and identity, once each way and untimed (`evaluate.time_local: false`). The promotion gate judges the
+    served speedup (`register.gate_speedup: served`).
     """
-    from components.evaluate.load_config import LoadConfig
+    from components.evaluate.load_config import DepthPickConfig, LoadConfig
     from components.evaluate.speed import SpeedupConfig
     from components.evaluate.stage import EvaluateConfig
     from components.extract.stage import ExtractConfig
@@ -120,6 +122,7 @@ def default() -> dict[str, Any]:
             engine="vllm",
             speed=SpeedupConfig(min_rounds=3, max_rounds=4, budget_s=150.0),
             load=LoadConfig(concurrency=(1, 4), k_values=(5,), requests=8, repeats=1, verify_schedule=False),
+            pick=DepthPickConfig(choices=(2, 3, 5)),
             time_local=False,
         ),
         register=RegisterConfig(tau_floor=1.5, gate_tau="engine"),

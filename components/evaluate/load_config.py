@@ -54,3 +54,36 @@ class LoadConfig:
     @property
     def enabled(self) -> bool:
         return bool(self.concurrency)
+
+
+@dataclass(frozen=True)
+class DepthPickConfig:
+    """The K the head drafts at batch size 1, chosen by measurement (`evaluate.pick` in a pipeline config; empty
+    `choices`: no pick, `evaluate.spec.depth` as set). vLLM's per-draft-step cost is a machine's, not the head's: on
+    2 Zen 5 cores one extra draft step cost ~0.15 of a target step (a head at K 5 ran at 0.94x plain, the same head at
+    K 2 at 1.19x), on Zen 4 a few hundredths, where K 5 paid most (bench/README.md "K by measurement"). Where vLLM
+    evaluates the head (components/evaluate/depth_pick.py), plain and the head at each K of `choices` are served at
+    once, one request at a time over the first `requests` held-out prompts, in `repeats` alternating rounds; the K
+    with the most output tokens/s (median over the rounds; the smaller K on a tie) becomes `evaluate.spec.depth` for
+    everything measured after it (ours, vLLM's evaluation, the load sweep) and for what is registered and served."""
+
+    choices: tuple[int, ...] = ()
+    requests: int = 4
+    repeats: int = 2
+
+    def __post_init__(self) -> None:
+        at_least(self, {"requests": 1, "repeats": 1})
+        c = self.choices
+        if not isinstance(c, tuple) or any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in c):
+            shown = list(c) if isinstance(c, tuple) else c
+            raise FieldError(self, "choices", f"must be whole numbers >= 1, got {shown!r}")
+        if list(c) != sorted(set(c)):
+            raise FieldError(self, "choices", f"must be ascending without repeats, got {list(c)}")
+        if any(k > 16 for k in c):
+            raise FieldError(self, "choices", f"must be <= 16 (the heads here draft at most 16), got {list(c)}")
+        if len(c) == 1:
+            raise FieldError(self, "choices", f"must name at least two K to choose from (or none), got {list(c)}")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.choices)

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Callable, NamedTuple
 
 from components.data.atomic import atomic_write_text, remove_stale_temps
-from components.evaluate.load_config import LoadConfig
+from components.evaluate.load_config import DepthPickConfig, LoadConfig
 from components.evaluate.speed import SpeedupConfig, SpeedupEstimate, measure_speedup
 from components.targets.runtime import STAGE_ENGINES
 from eagle.config_checks import FieldError, at_least, one_of
@@ -65,6 +65,8 @@ class EvaluateConfig:
     speed: SpeedupConfig = field(default_factory=SpeedupConfig)  # how long the speedup is measured, in both engines
     # throughput by concurrency in vLLM (components/evaluate/load_sweep.py)
     load: LoadConfig = field(default_factory=LoadConfig)
+    # the K at batch size 1, measured in vLLM before anything else (components/evaluate/depth_pick.py)
+    pick: DepthPickConfig = field(default_factory=DepthPickConfig)
     position_edges: tuple[int, ...] = POSITION_EDGES  # output-position buckets of tau/alpha_1 (ascending, >= 0)
     # decode every prompt to its length limit, past EOS (for measuring acceptance at long output positions; vLLM's
     # `ignore_eos` in the engine evaluation)
@@ -92,6 +94,8 @@ class EvaluateConfig:
             raise FieldError(self, "speed", f"must be a SpeedupConfig, got {self.speed!r}")
         if not isinstance(self.load, LoadConfig):
             raise FieldError(self, "load", f"must be a LoadConfig, got {self.load!r}")
+        if not isinstance(self.pick, DepthPickConfig):
+            raise FieldError(self, "pick", f"must be a DepthPickConfig, got {self.pick!r}")
         if not isinstance(self.ignore_eos, bool):
             raise FieldError(self, "ignore_eos", f"must be true or false, got {self.ignore_eos!r}")
         e = self.position_edges
