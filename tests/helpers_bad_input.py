@@ -92,6 +92,8 @@ BAD_CONFIGS: dict[str, tuple[dict, str]] = {
         "evaluate.load.requests must be >= the top concurrency 32",
     ),
     "load-margin-above-one": ({"evaluate": {"load": {"margin": 1.5}}}, "evaluate.load.margin must be in [0, 1)"),
+    "pick-one-choice": ({"evaluate": {"pick": {"choices": [5]}}}, "evaluate.pick.choices must name at least two K"),
+    "pick-descending": ({"evaluate": {"pick": {"choices": [5, 2]}}}, "evaluate.pick.choices must be ascending"),
     "target-unknown-runtime": ({"target": {"runtime": "tpu"}}, "target.runtime must be one of 'local', 'vllm'"),
     "target-tp-zero": ({"target": {"tensor_parallel_size": 0}}, "target.tensor_parallel_size must be an integer >= 1"),
     "target-pp-negative": (
