@@ -2,7 +2,8 @@
 when it captures or follows an alias.
 
 Purpose: `serve(args, settings, cfg) -> exit code`, the `serve` row's run function of flows/commands.py: the head's
-engine spec (`_serve_spec`: a registered K schedule, or the schedule's K at `--concurrency`, or `--k`), a note when
+engine spec (`_serve_spec`: a registered K schedule, or the schedule's K at `--concurrency`, or `--k`, else the K
+measured best at batch size 1, tag `depth`, else 5), a note when
 the registry's gate did not make it champion (`gate_note`), the launch commands with `--print-only`; else vLLM alone,
 or vLLM behind our proxy (`--capture`, `--follow-alias`: swaps, and a rollback that moves the alias back and
 announces it). Run: through `eagle-heads serve ...` (flows/cli.py). Heavy imports happen inside the functions.
