@@ -2,7 +2,7 @@
 
 Purpose: `pick_depth(cfg, head, settings) -> DepthPick` (`cfg.pick`: components/evaluate/load_config.py
 `DepthPickConfig`). How many tokens a head should draft is not the head's alone: each draft step is a pass of vLLM's
-proposer whose fixed cost is the machine's. On 2 Zen 5 cores one more draft step of SmolLM2's head cost ~0.15 of a
+proposer whose fixed cost is the machine's. On 2 Zen 5 cores one more draft step of SmolLM2's head cost ~0.14 of a
 target step, so a head served at K 5 ran below plain and the same head at K 2 at ~1.2x; on Zen 4 it cost a few
 hundredths and K 5 paid most (bench/README.md "K by measurement"). So the K is measured where it is served: the load
 sweep's machinery (components/evaluate/load_sweep.py) serves the target plainly and with the head at each K of
@@ -111,6 +111,7 @@ def pick_depth(cfg: EvaluateConfig, head: HeadEval, settings, progress: Callable
 
 
 def read_pick(report_file: str | Path) -> DepthPick:
-    """A pick from its report (a resumed run takes the K it chose before)."""
+    """A pick from its report in a run's directory (the tests read it so; the flow's resumed run gets the same from
+    its Prefect task's cache)."""
     r = json.loads(Path(report_file).read_text())
     return DepthPick(int(r["depth"]), {int(q): float(t) for q, t in r["tokens_per_s"].items()}, str(report_file))

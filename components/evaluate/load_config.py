@@ -60,7 +60,7 @@ class LoadConfig:
 class DepthPickConfig:
     """The K the head drafts at batch size 1, chosen by measurement (`evaluate.pick` in a pipeline config; empty
     `choices`: no pick, `evaluate.spec.depth` as set). vLLM's per-draft-step cost is a machine's, not the head's: on
-    2 Zen 5 cores one extra draft step cost ~0.15 of a target step (a head at K 5 ran at 0.94x plain, the same head at
+    2 Zen 5 cores one extra draft step cost ~0.14 of a target step (a head at K 5 ran at 0.94x plain, the same head at
     K 2 at 1.19x), on Zen 4 a few hundredths, where K 5 paid most (bench/README.md "K by measurement"). Where vLLM
     evaluates the head (components/evaluate/depth_pick.py), plain and the head at each K of `choices` are served at
     once, one request at a time over the first `requests` held-out prompts, in `repeats` alternating rounds; the K
