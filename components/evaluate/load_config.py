@@ -16,6 +16,19 @@ from eagle.config_checks import FieldError, at_least
 MAX_BATCH = 1024  # the last range of a schedule reaches this batch size (vLLM caps it at its max_num_seqs)
 
 
+MAX_K = 16  # the heads here draft at most this many tokens
+
+
+def check_ascending(owner: object, name: str, values: tuple[int, ...], top: int | None = None) -> None:
+    """`values` whole numbers >= 1, ascending without repeats, each <= `top` when given (K: `MAX_K`)."""
+    if any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in values):
+        raise FieldError(owner, name, f"must be whole numbers >= 1, got {list(values)}")
+    if list(values) != sorted(set(values)):
+        raise FieldError(owner, name, f"must be ascending without repeats, got {list(values)}")
+    if top is not None and any(v > top for v in values):
+        raise FieldError(owner, name, f"must be <= {top} (the heads here draft at most {top}), got {list(values)}")
+
+
 @dataclass(frozen=True)
 class LoadConfig:
     """The sweep (`evaluate.load` in a pipeline config): empty `concurrency` means no sweep."""
@@ -30,17 +43,10 @@ class LoadConfig:
 
     def __post_init__(self) -> None:
         at_least(self, {"requests": 1, "output_len": 0, "repeats": 1})
-        for name, values, low in (("concurrency", self.concurrency, 1), ("k_values", self.k_values, 1)):
-            if any(not isinstance(v, int) or isinstance(v, bool) or v < low for v in values):
-                raise FieldError(self, name, f"must be whole numbers >= {low}, got {list(values)}")
-            if list(values) != sorted(set(values)):
-                raise FieldError(self, name, f"must be ascending without repeats, got {list(values)}")
+        check_ascending(self, "concurrency", self.concurrency)
+        check_ascending(self, "k_values", self.k_values, MAX_K)
         if self.concurrency and not self.k_values:
             raise FieldError(self, "k_values", "must name at least one K when concurrency levels are given")
-        if any(k > 16 for k in self.k_values):
-            raise FieldError(
-                self, "k_values", f"must be <= 16 (the heads here draft at most 16), got {list(self.k_values)}"
-            )
         if self.concurrency and self.requests < self.concurrency[-1]:
             raise FieldError(
                 self,
@@ -60,8 +66,8 @@ class LoadConfig:
 class DepthPickConfig:
     """The K the head drafts at batch size 1, chosen by measurement (`evaluate.pick` in a pipeline config; empty
     `choices`: no pick, `evaluate.spec.depth` as set). vLLM's per-draft-step cost is a machine's, not the head's: on
-    2 Zen 5 cores one extra draft step cost ~0.14 of a target step (a head at K 5 ran at 0.94x plain, the same head at
-    K 2 at 1.19x), on Zen 4 a few hundredths, where K 5 paid most (bench/README.md "K by measurement"). Where vLLM
+    2 Zen 5 cores one extra draft step cost ~0.14 of a target step (a head at K 5 ran at 0.96x plain, the same head at
+    K 2 at 1.21x), on Zen 4 a few hundredths, where K 5 paid most (bench/README.md "K by measurement"). Where vLLM
     evaluates the head (components/evaluate/depth_pick.py), plain and the head at each K of `choices` are served at
     once, one request at a time over the first `requests` held-out prompts, in `repeats` alternating rounds; the K
     with the most output tokens/s (median over the rounds; the smaller K on a tie) becomes `evaluate.spec.depth` for
@@ -73,16 +79,11 @@ class DepthPickConfig:
 
     def __post_init__(self) -> None:
         at_least(self, {"requests": 1, "repeats": 1})
-        c = self.choices
-        if not isinstance(c, tuple) or any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in c):
-            shown = list(c) if isinstance(c, tuple) else c
-            raise FieldError(self, "choices", f"must be whole numbers >= 1, got {shown!r}")
-        if list(c) != sorted(set(c)):
-            raise FieldError(self, "choices", f"must be ascending without repeats, got {list(c)}")
-        if any(k > 16 for k in c):
-            raise FieldError(self, "choices", f"must be <= 16 (the heads here draft at most 16), got {list(c)}")
-        if len(c) == 1:
-            raise FieldError(self, "choices", f"must name at least two K to choose from (or none), got {list(c)}")
+        check_ascending(self, "choices", self.choices, MAX_K)
+        if len(self.choices) == 1:
+            raise FieldError(
+                self, "choices", f"must name at least two K to choose from (or none), got {list(self.choices)}"
+            )
 
     @property
     def enabled(self) -> bool:
