@@ -95,6 +95,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--heldout", default="", help="held-out traffic, with --head")
     p.add_argument("--head-steps", type=int, default=0)
     p.add_argument("--name", default="", help="suffix of the result file with --head (default: from the head's URI)")
+    p.add_argument(
+        "--compiled", action="store_true", help="vLLM on the CPU compiled (its default), not eager (evaluate.compiled)"
+    )
     args = p.parse_args(argv)
     load_before = start(args)
     from dataclasses import replace
@@ -103,7 +106,7 @@ def main(argv: list[str] | None = None) -> dict:
     from infra.settings import Settings
     from infra.vllm_engine_spec import EngineSpec
 
-    settings = Settings.from_env()
+    settings = replace(Settings.from_env(), engine_compiled=args.compiled)
     if args.quick:
         args.concurrency, args.k_values, args.requests, args.output_len = (1, 4), (2, 3), 4, 16
         args.sweep_repeats = min(args.sweep_repeats, 2)

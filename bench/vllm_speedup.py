@@ -1,25 +1,27 @@
 """vLLM as the yardstick: our head inside the engine users run, next to vLLM plain and vLLM prompt lookup.
 
-Run: `python bench/vllm_speedup.py [--quick] [--depth K] [--runs N] [--head-steps N] [--conversations N]`, or on any
-target and head (the real model's: `--target DIR --head DIR --heldout FILE [--prompts N] [--max-new N]`, for
-instance the registered ones under `.eagle/runs/<target>-v1/<run>/`)
-Each run starts a fresh vLLM server per method on the embedded default's target (fp32, eager, CPU build here) and
-sends the same held-out prompts one at a time (batch 1, greedy, the same token budget): `plain` (no speculation),
-`eagle3` (our head, `bench/speedup.py`'s cached one, K speculative tokens) and `ngram` (vLLM's prompt lookup, K
-tokens). The order of the methods rotates from run to run. Per method: tokens/s, x vLLM plain (per run, then the
-median and minimum over runs), tau and alpha_k from the engine's own counters (raw: they count drafts accepted past
-EOS or the token budget too; labelled `tau raw`, `alpha raw`), and mismatches: greedy outputs that differ from vLLM
-plain. Our own evaluation of the same head on the same prompts (`eagle.speculative`, chain of depth K) gives the raw
-tau, alpha and per-position counts to compare with vLLM's (equal when the engine loads the head faithfully) and,
-beside them, the emitted tau and alpha (`SpecStats.tau`, `per_position_acceptance`) that this project reports.
+Run: `python bench/vllm_speedup.py [--quick] [--depth K] [--runs N] [--head-steps N] [--conversations N] [--compiled]`,
+or on any target and head (the real model's: `--target DIR --head DIR --heldout FILE [--prompts N] [--max-new N]`,
+for instance the registered ones under `.eagle/runs/<target>-v1/<run>/`)
+Each run starts a fresh vLLM server per method on the embedded default's target (fp32, CPU build here; eager, or with
+`--compiled` as vLLM runs by default, torch.compile with inductor) and sends the same held-out prompts one at a time
+(batch 1, greedy, the same token budget): `plain` (no speculation), `eagle3` (our head, `bench/speedup.py`'s cached one,
+K speculative tokens) and `ngram` (vLLM's prompt lookup, K tokens). The order of the methods rotates from run to run.
+Per method: tokens/s, x vLLM plain (per run, then the median and minimum over runs), tau and alpha_k from the engine's
+own counters (raw: they count drafts accepted past EOS or the token budget too; labelled `tau raw`, `alpha raw`), and
+mismatches: greedy outputs that differ from vLLM plain. Our own evaluation of the same head on the same prompts
+(`eagle.speculative`, chain of depth K) gives the raw tau, alpha and per-position counts to compare with vLLM's (equal
+when the engine loads the head faithfully) and, beside them, the emitted tau and alpha (`SpecStats.tau`,
+`per_position_acceptance`) that this project reports.
 Goals (medians; met only with 0 mismatches anywhere): eagle3 >= 1.8x vLLM plain, and its gain >= 1.5x that of
 ngram (both in the same engine).
-Writes vllm_speedup*.json (`-head<N>`, `-conv<N>`, `-depth<K>`, `-runs<N>` name non-default settings).
+Writes vllm_speedup*.json (`-head<N>`, `-conv<N>`, `-depth<K>`, `-runs<N>`, `-compiled` name non-default settings).
 Not measured here: batches > 1, T > 0, trees (vLLM's CPU build runs EAGLE-3 chains).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import sys
 from pathlib import Path
@@ -161,6 +163,9 @@ def main() -> None:
     p.add_argument("--heldout", help="held-out traffic of --target (its first user turns are the prompts)")
     p.add_argument("--prompts", type=int, default=16, help="with --head: held-out prompts (default 16)")
     p.add_argument("--max-new", type=int, default=96, help="with --head: new tokens per prompt (default 96)")
+    p.add_argument(
+        "--compiled", action="store_true", help="vLLM on the CPU compiled (its default), not eager (evaluate.compiled)"
+    )
     args = p.parse_args()
     given = [args.target, args.head, args.heldout]
     if any(given) and not all(given):
@@ -185,7 +190,7 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(setup.target_dir)
     prompts = heldout_prompts(tok, setup.heldout_traffic, setup.preset.eval_prompts)
     max_new = setup.preset.max_new_tokens
-    settings = Settings.from_env()
+    settings = dataclasses.replace(Settings.from_env(), engine_compiled=args.compiled)
     runs = []
     for r in range(args.runs):
         order = METHODS[r % 3 :] + METHODS[: r % 3]
@@ -213,12 +218,14 @@ def main() -> None:
         + suffix
         + (f"-depth{args.depth}" if args.depth != 5 else "")
         + (f"-runs{args.runs}" if args.runs > 1 else "")
+        + ("-compiled" if args.compiled else "")
     )
     payload = {
         "rows": rows,
         "goals": goals(rows),
         "depth": args.depth,
         "runs": args.runs,
+        "compiled": args.compiled,
         "head": str(head.head_dir),
         "prompts": len(prompts),
         "max_new_tokens": max_new,

@@ -48,6 +48,12 @@ def _registered_depth(uri: str, settings) -> int | None:
     return int(text) if text else None
 
 
+def _registered_compiled(uri: str, settings) -> bool:
+    """Whether vLLM ran compiled where the registered head was measured (tag `compiled`, evaluate.compiled): `serve`
+    runs it the same way on the CPU. False for a directory or a head measured before the tag (eager, as then)."""
+    return _registered_tags(uri, settings).get("compiled") == "true"
+
+
 def gate_note(uri: str, settings) -> str | None:
     """What `serve` says of a registered head its gate did not make champion (None: champion, or a directory)."""
     tags = _registered_tags(uri, settings)
@@ -113,6 +119,7 @@ def _serve_spec(a, settings, uri: str, name: str | None = None):
         max_model_len=min(target_context(target), 4096),
         served_model_name=name or lineage["target_name"],
         k_schedule=tuple(tuple(r) for r in schedule) if schedule else None,
+        compiled=_registered_compiled(uri, settings),
     )
     if served != Path(head):
         print(f"serve: {uri} predates the engine format; serving its lossless re-export {served}")
@@ -294,7 +301,12 @@ def serve(a, settings, cfg) -> int:
         )
     if getattr(a, "capture", False) or getattr(a, "follow_alias", False):
         return _serve_live(a, settings, Serving(uri, spec, lineage, how), followed, cfg.monitor)
-    print(f"serve: starting vLLM with {a.head} ({how}); log under {settings.state_dir / 'vllm'}", flush=True)
+    mode = (
+        "; compiled, as it was measured (the first start on a machine compiles for about a minute)"
+        if spec.compiled and spec.resolved_device() == "cpu"
+        else ""
+    )
+    print(f"serve: starting vLLM with {a.head} ({how}{mode}); log under {settings.state_dir / 'vllm'}", flush=True)
     with VllmServer(spec, settings, port=a.port) as srv:
         print(
             f"serve: ready at {srv.base_url}/v1 (model {name!r}); try\n  curl {srv.base_url}/v1/chat/completions "

@@ -139,10 +139,15 @@ def evaluate_head(
     cfg: PipelineConfig, head: HeadEval, settings, plan: EvalPlan, stages: EvalStages = EvalStages()
 ) -> Figures:
     """The head against `head.baseline_dir` on the held-out traffic: ours, vLLM's, the sweep, as `plan` says (see the
-    module doc). `settings` carry the target's scale (`cfg.runtime.engine_settings`)."""
+    module doc). `settings` carry the target's scale (`cfg.runtime.engine_settings`); the engines started here are
+    compiled as `evaluate.compiled` says."""
     from components.evaluate.engine import REPORT
 
     ev, engine, sweep, metrics, out = None, None, None, {}, Path(head.out_dir)
+    # every engine timed here runs as `serve` will run the head: compiled or eager (`evaluate.compiled`)
+    settings = dataclasses.replace(settings, engine_compiled=cfg.evaluate.compiled)
+    if plan.engine:
+        metrics["engine_compiled"] = float(cfg.evaluate.compiled)
 
     @functools.cache
     def served() -> HeadEval:  # vLLM's: the head as the engines load it, the champion only where the gate is vLLM's

@@ -239,6 +239,10 @@ class Settings:
     # not from the environment: the run's vLLM scale (infra.vllm_server.EngineScale), put here by the train flow from
     # its config's `target` section so that every engine the run starts, in any stage, is started with it
     engine_scale: Any = None
+    # not from the environment: whether vLLM on the CPU runs the target and head compiled (vLLM's own default there:
+    # torch.compile with inductor) rather than eager, put here by the evaluation from `evaluate.compiled` so that
+    # every engine whose speed it measures, and the champion's beside it, runs as `serve` will run the head
+    engine_compiled: bool = False
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, cwd: Path | None = None) -> Settings:

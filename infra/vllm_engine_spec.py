@@ -50,6 +50,10 @@ class EngineSpec:
     scale: EngineScale | None = None  # None: the run's (`Settings.engine_scale`, set by the flow), else one device
     # vLLM's `parallel_drafting` (P-EAGLE: all K drafts in one head pass); None: on when the head is made for it
     parallel_drafting: bool | None = None
+    # on the CPU: compiled (vLLM's default, torch.compile with inductor; a start compiles ~50 s the first time on a
+    # machine, ~12 s from the cache after) or eager (`--enforce-eager`, starts in seconds; per draft step ~4 ms of
+    # Python on Zen 5 against ~1 compiled). None: the run's (`Settings.engine_compiled`, set by the evaluation).
+    compiled: bool | None = None
 
     def __post_init__(self) -> None:
         if self.method == "eagle3" and not self.head_dir:
@@ -108,7 +112,8 @@ class EngineSpec:
             kv = cpu_kv_cache_bytes(
                 self.target_dir, self.head_dir, self.dtype, self.max_model_len, self.cpu_memory_share
             )
-            args += ["--gpu-memory-utilization", str(self.cpu_memory_share), "--enforce-eager"]
+            args += ["--gpu-memory-utilization", str(self.cpu_memory_share)]
+            args += [] if self.compiled else ["--enforce-eager"]
             args += ["--kv-cache-memory-bytes", str(kv)] if kv else []
         spec = self.speculative_config()
         if spec is not None:

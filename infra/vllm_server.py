@@ -92,6 +92,8 @@ class VllmServer:
     ):
         if spec.scale is None and settings.engine_scale is not None:  # the run's scale reaches every engine it starts
             spec = dataclasses.replace(spec, scale=settings.engine_scale)
+        if spec.compiled is None:  # the run's: compiled where the evaluation measures what `serve` will serve
+            spec = dataclasses.replace(spec, compiled=settings.engine_compiled)
         self.spec, self.settings, self.start_timeout_s, self.cpu_bind = spec, settings, start_timeout_s, cpu_bind
         self.port = port or free_port()
         self.base_url = f"http://{BIND_HOST}:{self.port}"
@@ -113,6 +115,10 @@ class VllmServer:
             "DO_NOT_TRACK": "1",
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
+            # compiled on the CPU: vLLM 0.32's ahead-of-time artefacts do not load back with torch 2.13 ("'function'
+            # object has no attribute 'finalize_loading'", so every start compiled again, ~50 s); without them
+            # inductor's own cache serves later starts (~12 s). Eager engines read nothing of it (one zygote for all)
+            "VLLM_USE_AOT_COMPILE": "0",
         }
         env.pop("PYTHONPATH", None)  # our venv's packages must not shadow vLLM's pinned ones
         env.update(dict(self.spec.env))

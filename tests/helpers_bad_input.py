@@ -134,6 +134,7 @@ BAD_CONFIGS: dict[str, tuple[dict, str]] = {
     ),
     "ignore-eos-not-bool": ({"evaluate": {"ignore_eos": "yes"}}, "evaluate.ignore_eos"),
     "time-local-not-bool": ({"evaluate": {"time_local": 0}}, "evaluate.time_local"),
+    "compiled-not-bool": ({"evaluate": {"compiled": "yes"}}, "evaluate.compiled"),
     "eval-threads-negative": ({"evaluate": {"threads": -1}}, "evaluate.threads must be an integer >= 0"),
     "parallel-with-tree": (
         {"train": {"variant": "parallel"}, "evaluate": {"spec": {"method": "tree", "topk": 2, "budget": 8}}},

@@ -18,6 +18,7 @@ from components.evaluate.load_config import DepthPickConfig, LoadConfig
 from components.evaluate.stage import EvaluateConfig
 from eagle.config_checks import FieldError
 from eagle.run_config import SpecConfig
+from infra.settings import Settings
 
 
 def test_the_fastest_k_is_chosen_the_smaller_on_a_tie_and_never_plain():
@@ -75,8 +76,11 @@ def test_the_pick_runs_first_and_every_stage_after_it_at_its_k(tmp_path, monkeyp
         def metrics(self):
             return self.m
 
+    compiled: list[bool] = []
+
     def pick(cfg, head, settings):
         seen.append(("pick", cfg.spec.depth))
+        compiled.append(settings.engine_compiled)
         return DepthPick(3, {0: 30.0, 2: 31.0, 3: 36.0, 5: 29.0}, "p.json")
 
     def local(cfg, head, trust):
@@ -85,10 +89,12 @@ def test_the_pick_runs_first_and_every_stage_after_it_at_its_k(tmp_path, monkeyp
 
     def engine(cfg, head, report, settings, engines):
         seen.append(("engine", cfg.spec.depth))
+        compiled.append(settings.engine_compiled)
         return Result({"tau_vllm": 1.6})
 
     def sweep(cfg, head, settings, engines, report):
         seen.append(("sweep", cfg.load.k_values[0]))
+        compiled.append(settings.engine_compiled)
         return Result({"crossover": 4.0})
 
     monkeypatch.setattr(eh, "_servable", lambda head, settings: head.head_dir)
@@ -96,7 +102,9 @@ def test_the_pick_runs_first_and_every_stage_after_it_at_its_k(tmp_path, monkeyp
     cfg = PipelineConfig.load(None, "default")
     head = HeadEval("target", "head", "heldout.jsonl", str(tmp_path))
     plan = eh.EvalPlan(local=True, engine=True, sweep=cfg.evaluate.load, early=False)
-    settings = dataclasses.make_dataclass("S", [("trust_remote_code", bool, False)])()
+    settings = Settings.local(tmp_path / ".eagle")  # not compiled: the evaluation says so from its config
     figures = eh.evaluate_head(cfg, head, settings, plan, eh.EvalStages(local, engine, sweep, pick=pick))
     assert seen == [("pick", 5), ("local", 3), ("engine", 3), ("sweep", 3)]
     assert figures.metrics["picked_depth"] == 3.0 and figures.metrics["tau"] == 1.5 and "crossover" in figures.metrics
+    # every engine it timed ran as `serve` will run the head (`evaluate.compiled`, the default preset's: compiled)
+    assert compiled == [True, True, True] and figures.metrics["engine_compiled"] == 1.0

@@ -11,7 +11,8 @@ unmodified by vLLM and served next to vLLM's plain decoding on the same held-out
   the weights, no ids in config.json, a repeated layer id), which `servable_head` re-exports folded;
 - the `train-head` flow with `evaluate.engine: vllm` registers vLLM's tau and alpha_k next to ours (equal), and its
   gate decides on vLLM's tau (`register.gate_tau: engine`); a champion head served on the same prompts gives the
-  champion's tau in vLLM;
+  champion's tau in vLLM; that flow's engines run compiled (`evaluate.compiled`, vLLM's default on the CPU), their
+  outputs still identical to ours, and `serve` runs the head compiled as registered (tag `compiled`);
 - `eagle-heads serve` resolves the registered champion, starts vLLM and answers a chat completion with the target's
   greedy output; `--print-only` prints the vLLM and SGLang commands; a missing vLLM, an engine that dies at start
   (forked from a zygote, infra/vllm_zygote.py, as every engine here, its engine core forked from it) and one that
@@ -172,6 +173,7 @@ def flow_run(engine_target, settings, prefect_harness, tmp_path_factory):
                     "time_local": False,
                     "spec": {"depth": EVAL.spec.depth, "max_new_tokens": EVAL.spec.max_new_tokens},
                     "pick": {"choices": list(PICK), "requests": 2, "repeats": 1},
+                    "compiled": True,  # vLLM's own default on the CPU: what `serve` then runs (tag `compiled`)
                 },
             }
         )
@@ -206,6 +208,8 @@ def test_pipeline_with_engine_vllm_registers_both_engines_figures(flow_run, sett
     assert tags["gate_tau"] == "engine" and tags["gate"].startswith("vLLM tau")  # the engine's τ decided
     # our decoder untimed: no speedup of ours registered, the reason said; vLLM's is the figure
     assert "speedup" not in tags and "time_local" in tags["speedup_note"] and "speedup_vllm" in tags
+    # measured compiled (`evaluate.compiled`): vLLM's compiled engines gave outputs identical to ours and to plain
+    assert tags["compiled"] == "true"
 
 
 def test_the_k_measured_fastest_at_batch_1_is_the_one_evaluated_registered_and_served(flow_run, settings):
@@ -259,6 +263,7 @@ def test_serve_command_starts_vllm_with_the_champion(flow_run, engine_target, se
     assert rc in (0, 130)
     # this vLLM's CPU build verifies sampled drafts wrongly (infra/vllm_sampling.py): serve says to send greedy requests
     assert any("serve: note: this vLLM's CPU build verifies sampled drafts wrongly" in ln for ln in seen), seen
+    assert any("compiled, as it was measured" in ln for ln in seen), seen  # the registered tag `compiled`
     from components.data.chat import prompt_ids
     from components.targets.target import load_target
     from eagle.speculative import generate_plain

@@ -80,11 +80,15 @@ class EvaluateConfig:
     # acceptance and identity as before) and our speedup is not measured: where vLLM measures the head
     # (`engine: vllm`), its figure is the one registered and served, and our rounds cost the demo ~1 min
     time_local: bool = True
+    # vLLM on the CPU compiled (its default) in every engine the evaluation times and in `serve` (tag `compiled`);
+    # false: eager, which starts in seconds (ARCHITECTURE.md's knob row; regeneration and extraction stay eager)
+    compiled: bool = False
 
     def __post_init__(self) -> None:
         one_of(self, "engine", STAGE_ENGINES)
-        if not isinstance(self.time_local, bool):
-            raise FieldError(self, "time_local", f"must be true or false, got {self.time_local!r}")
+        for name in ("time_local", "compiled"):
+            if not isinstance(getattr(self, name), bool):
+                raise FieldError(self, name, f"must be true or false, got {getattr(self, name)!r}")
         at_least(self, {"max_prompt_tokens": 1, "seed": 0, "threads": 0})
         if self.limit is not None:
             at_least(self, {"limit": 1})

@@ -266,6 +266,8 @@ def _acceptance_tags(metrics: dict[str, float]) -> dict[str, str]:
     for k in ("identical", "identical_vllm"):
         if k in metrics:
             tags[k] = "true" if metrics[k] else "false"
+    if "engine_compiled" in metrics:  # how vLLM ran where it was measured (evaluate.compiled): `serve` runs it so
+        tags["compiled"] = "true" if metrics["engine_compiled"] else "false"
     if "picked_depth" in metrics:  # the K measured best at batch size 1 (evaluate.pick): evaluated and served at it
         tags["depth"] = str(int(metrics["picked_depth"]))
         if "picked_depth_speedup" in metrics:

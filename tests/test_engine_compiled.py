@@ -1,0 +1,71 @@
+"""`evaluate.compiled`: vLLM on the CPU compiled (its own default) or eager, the same in what is measured and served.
+
+Purpose: no engine is started (a second):
+- an `EngineSpec` on the CPU passes `--enforce-eager` unless it is compiled; one that says nothing is what the run
+  says (`Settings.engine_compiled`, put there by the evaluation), one that says is kept; every CPU engine starts with
+  vLLM's ahead-of-time artefacts off (they do not load back in vLLM 0.32 with torch 2.13: inductor's cache instead);
+- the evaluation hands every stage it runs (the pick, ours, vLLM's, the sweep) settings that say `evaluate.compiled`,
+  and records it; the registry keeps it as tag `compiled`, and `serve` runs a head the way it was measured;
+- the setting is checked at config load, and the `default` preset (the real model) measures compiled.
+Run: `python -m pytest tests/test_engine_compiled.py`.
+Not here: a compiled engine serving a head with output identical to ours (tests/test_vllm.py `flow_run`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from components.config.pipeline import ConfigError, PipelineConfig
+from infra.settings import Settings
+from infra.vllm_engine_spec import EngineSpec
+from infra.vllm_server import VllmServer
+
+
+def test_a_compiled_cpu_engine_is_not_eager_and_an_unsaid_one_follows_the_run(tmp_path):
+    spec = EngineSpec(str(tmp_path), method=None, device="cpu")
+    assert "--enforce-eager" in spec.server_args(8000)
+    assert "--enforce-eager" not in dataclasses.replace(spec, compiled=True).server_args(8000)
+    assert "--enforce-eager" not in dataclasses.replace(spec, device="cuda").server_args(8000)  # a GPU: vLLM's own
+    run = dataclasses.replace(Settings.local(tmp_path / ".eagle"), engine_compiled=True)
+    assert VllmServer(spec, run).spec.compiled is True
+    assert VllmServer(spec, Settings.local(tmp_path / ".eagle")).spec.compiled is False
+    assert VllmServer(dataclasses.replace(spec, compiled=False), run).spec.compiled is False  # its own is kept
+
+
+def test_every_cpu_engine_starts_without_vllms_ahead_of_time_artefacts(tmp_path, monkeypatch):
+    import infra.vllm_server as vs
+
+    seen: dict[str, str] = {}
+
+    def launch(python, argv, env, cwd, log_path):
+        seen.update(env)
+        raise RuntimeError("not started")
+
+    monkeypatch.setattr(vs.vllm_zygote, "launch", launch)
+    monkeypatch.setattr(vs, "vllm_python", lambda settings: tmp_path / "python")
+    server = VllmServer(EngineSpec(str(tmp_path), method=None, device="cpu"), Settings.local(tmp_path / ".eagle"))
+    with pytest.raises(RuntimeError, match="not started"):
+        server.launch()
+    assert seen["VLLM_USE_AOT_COMPILE"] == "0"
+
+
+def test_the_setting_is_checked_and_the_real_models_preset_measures_compiled():
+    assert PipelineConfig.preset("default").evaluate.compiled is True
+    assert PipelineConfig.preset("tiny").evaluate.compiled is False  # the tests' engines start in seconds
+    with pytest.raises(ConfigError, match="evaluate.compiled: 'yes' is not of type bool"):
+        PipelineConfig.preset("tiny").override({"evaluate": {"compiled": "yes"}}, where="test")
+
+
+def test_the_registry_keeps_how_vllm_ran_and_serve_runs_it_so(monkeypatch):
+    import flows.command_serve as cs
+    from components.registry.register import _acceptance_tags
+
+    assert _acceptance_tags({"engine_compiled": 1.0})["compiled"] == "true"
+    assert _acceptance_tags({"engine_compiled": 0.0})["compiled"] == "false"
+    assert "compiled" not in _acceptance_tags({})  # not measured in vLLM: nothing said
+    monkeypatch.setattr(cs, "_registered_tags", lambda uri, settings: {"compiled": "true"})
+    assert cs._registered_compiled("models:/h/1", None) is True
+    monkeypatch.setattr(cs, "_registered_tags", lambda uri, settings: {})
+    assert cs._registered_compiled("models:/h/1", None) is False  # a head measured before the tag: eager, as then
