@@ -24,7 +24,7 @@ import contextlib
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Iterator
 
-from infra.vllm_server import EngineError, VllmServer
+from infra.vllm_server import EngineError, VllmServer, start_each, start_groups
 
 MAX_THREADS = 16  # engines one pool can start at once; more wait for a thread
 
@@ -70,7 +70,10 @@ class EnginePool:
     def launch(self, *servers: VllmServer) -> None:
         """Start `servers` now, from the pool's threads, without waiting for them, and park them: a later `running`
         (or `take`) of the same engine takes each and waits until it is up, so that its start overlaps whatever this
-        process does meanwhile. One that fails to start is stopped there and started anew by the taker."""
+        process does meanwhile. One that fails to start is stopped there and started anew by the taker. Of compiled
+        CPU engines only the first is launched (their starts go one at a time, `start_groups`): the taker starts the
+        rest."""
+        servers = tuple(group[0] for group in start_groups(servers))  # every eager one, the first compiled one
         for f in [self._threads.submit(s.launch) for s in servers]:
             f.result()
         self.started += len(servers)
@@ -90,7 +93,7 @@ class EnginePool:
         self.started += len(fresh)
         ok = False
         try:
-            starts = [self._threads.submit(s.start) for s in fresh]
+            starts = [self._threads.submit(start_each, group) for group in start_groups(fresh)]
             wait(starts)
             for f in starts:
                 f.result()

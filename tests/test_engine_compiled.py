@@ -6,7 +6,9 @@ Purpose: no engine is started (a second):
   vLLM's ahead-of-time artefacts off (they do not load back in vLLM 0.32 with torch 2.13: inductor's cache instead);
 - the evaluation hands every stage it runs (the pick, ours, vLLM's, the sweep) settings that say `evaluate.compiled`,
   and records it; the registry keeps it as tag `compiled`, and `serve` runs a head the way it was measured;
-- the setting is checked at config load, and the `default` preset (the real model) measures compiled.
+- the setting is checked at config load, and the `default` preset (the real model) measures compiled;
+- compiled CPU engines start one at a time (`start_groups`: in `running`, the engine pool's `running` and `launch`),
+  eager ones at once.
 Run: `python -m pytest tests/test_engine_compiled.py`.
 Not here: a compiled engine serving a head with output identical to ours (tests/test_vllm.py `flow_run`).
 """
@@ -69,3 +71,47 @@ def test_the_registry_keeps_how_vllm_ran_and_serve_runs_it_so(monkeypatch):
     assert cs._registered_compiled("models:/h/1", None) is True
     monkeypatch.setattr(cs, "_registered_tags", lambda uri, settings: {})
     assert cs._registered_compiled("models:/h/1", None) is False  # a head measured before the tag: eager, as then
+
+
+def test_compiled_cpu_engines_start_one_at_a_time_and_eager_ones_at_once(tmp_path):
+    """While a compiled engine's worker compiles, its engine core busy-polls a core: four such starts at once on 2
+    cores took ~320 s each. `running` and the engine pool start them in turn (each process a real `sleep`)."""
+    import subprocess
+    import threading
+    import time
+
+    from infra.engine_pool import EnginePool
+    from infra.vllm_server import running, start_groups
+
+    spans: dict[str, tuple[float, float]] = {}
+    lock = threading.Lock()
+
+    class Sleeper(VllmServer):
+        def __init__(self, name: str, compiled: bool):
+            spec = EngineSpec(str(tmp_path), method=None, device="cpu", compiled=compiled, served_model_name=name)
+            super().__init__(spec, Settings.local(tmp_path / ".e"))
+
+        def launch(self):
+            self.proc = subprocess.Popen(["sleep", "60"], start_new_session=True)
+            return self
+
+        def start(self):
+            t0 = time.monotonic()
+            time.sleep(0.3)
+            with lock:
+                spans[self.spec.served_model_name] = (t0, time.monotonic())
+            return self.launch()
+
+        def wait_ready(self):
+            return self
+
+    servers = [Sleeper("c1", True), Sleeper("e1", False), Sleeper("c2", True), Sleeper("e2", False)]
+    assert [[s.spec.served_model_name for s in g] for g in start_groups(servers)] == [["e1"], ["e2"], ["c1", "c2"]]
+    with running(*servers):
+        pass
+    assert spans["c2"][0] >= spans["c1"][1], "the second compiled start waited for the first"
+    assert spans["e2"][0] < spans["e1"][1] and spans["e1"][0] < spans["c1"][1], "the eager ones started at once"
+    with EnginePool() as pool:
+        first, second = Sleeper("c1", True), Sleeper("c2", True)
+        pool.launch(first, second)  # the first compiled one launched early; the taker starts the second
+        assert first.proc is not None and second.proc is None and pool.started == 1
