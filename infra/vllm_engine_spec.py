@@ -51,8 +51,8 @@ class EngineSpec:
     # vLLM's `parallel_drafting` (P-EAGLE: all K drafts in one head pass); None: on when the head is made for it
     parallel_drafting: bool | None = None
     # on the CPU: compiled (vLLM's default, torch.compile with inductor; a start compiles ~50 s the first time on a
-    # machine, ~12 s from the cache after) or eager (`--enforce-eager`, starts in seconds; per draft step ~4 ms of
-    # Python on Zen 5 against ~1 compiled). None: the run's (`Settings.engine_compiled`, set by the evaluation).
+    # machine, ~12 s from inductor's cache after; it decoded 12-16% faster on 2 Zen 5 cores) or eager
+    # (`--enforce-eager`, starts in seconds). None: the run's (`Settings.engine_compiled`, set by the evaluation).
     compiled: bool | None = None
 
     def __post_init__(self) -> None:

@@ -1,18 +1,17 @@
 """vLLM adapter: start the serving engine users run (an OpenAI-compatible server) with or without a head, talk to it.
 
-Purpose: `VllmServer(EngineSpec(...), settings)` is a context manager that starts
-`python -m vllm.entrypoints.openai.api_server` from vLLM's own virtual environment (vLLM pins other torch and
-transformers versions than this project, so it never shares our venv) on 127.0.0.1 at a free port, waits for
-`/health`, keeps the engine's log under the state dir, and stops it by its own process group (and the engine dies
-with us). On the CPU it is forked from a process that imported vLLM once (infra/vllm_zygote.py). While it runs:
-`chat(...)` and `complete(...)` return token ids (greedy by default) and, from a server started with
-`PER_REQUEST_METRICS`, the drafts accepted per verification step;
-`spec_counters()` reads the speculative-decoding counters from `/metrics`. `running(a, b, ...)` starts several
-servers at once and stops them all on exit or when one fails to start; `launch()`, `wait_ready()`: a start in two.
-What to serve is an `EngineSpec` (infra/vllm_engine_spec.py: the server's arguments, the exact `--speculative-config`
-a user passes on a GPU cluster, the CPU build's memory settings). Errors: a missing vLLM
-environment, an engine that dies or stays unhealthy at start-up, and a refused request (HTTP 4xx: its JSON body,
-which names the reason) are each one `EngineError` line that says what to do.
+Purpose: `VllmServer(EngineSpec(...), settings)` is a context manager that starts `python -m
+vllm.entrypoints.openai.api_server` from vLLM's own virtual environment (vLLM pins other torch and transformers versions
+than this project, so it never shares our venv) on 127.0.0.1 at a free port, waits for `/health`, keeps the engine's log
+under the state dir, and stops it by its own process group (and the engine dies with us). On the CPU it is forked from a
+process that imported vLLM once (infra/vllm_zygote.py). While it runs: `chat(...)` and `complete(...)` return token ids
+(greedy by default) and, from a server started with `PER_REQUEST_METRICS`, the drafts accepted per verification step;
+`spec_counters()` reads the speculative-decoding counters from `/metrics`. `running(a, b, ...)` starts several servers
+at once (compiled CPU engines one at a time, `start_groups`) and stops them all on exit or when one fails to start;
+`launch()`, `wait_ready()`: a start in two. What to serve is an `EngineSpec` (infra/vllm_engine_spec.py: the server's
+arguments, the exact `--speculative-config` a user passes on a GPU cluster, the CPU build's memory settings). Errors: a
+missing vLLM environment, an engine that dies or stays unhealthy at start-up, and a refused request (HTTP 4xx: its JSON
+body, which names the reason) are each one `EngineError` line that says what to do.
 Run: `python -m infra.vllm_server TARGET_DIR [HEAD_DIR]` serves until Ctrl-C (what `eagle-heads serve` does).
 Not here: choosing a head (flows/cli.py resolves registry URIs) or comparing engines (components/evaluate/stage.py).
 """
@@ -51,8 +50,8 @@ PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 # core for that second (bench/README.md, "An idle vLLM server spins a core"). A second server timed during that
 # second shares its cores with the spin (components/evaluate/engine.py waits it out).
 IDLE_SPIN_S = 1.0
-# how often a starting engine is asked whether it is healthy: a start takes 10-25 s on 2 cores, and each poll is one
-# local HTTP request and one read of its log (a 1 s poll left ~0.5 s idle per start; the suite starts ~80)
+# how often a starting engine is asked if it is healthy: one local request and one read of its log per poll (a 1 s
+# poll left ~0.5 s idle per start of 10-25 s on 2 cores; the suite starts ~80)
 HEALTH_POLL_S = 0.25
 UNSUPPORTED = "are not supported for now"  # vLLM 0.32's refusal of a model architecture it does not have
 
@@ -120,9 +119,8 @@ class VllmServer:
             "DO_NOT_TRACK": "1",
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
-            # compiled on the CPU: vLLM 0.32's ahead-of-time artefacts do not load back with torch 2.13 ("'function'
-            # object has no attribute 'finalize_loading'", so every start compiled again, ~50 s); without them
-            # inductor's own cache serves later starts (~12 s). Eager engines read nothing of it (one zygote for all)
+            # compiled: vLLM 0.32's AOT artefacts never load back with torch 2.13 (every start compiled again, ~50 s);
+            # inductor's own cache does (~12 s). Eager engines ignore it (so one zygote serves both; STACK-NOTES)
             "VLLM_USE_AOT_COMPILE": "0",
         }
         env.pop("PYTHONPATH", None)  # our venv's packages must not shadow vLLM's pinned ones
@@ -305,10 +303,9 @@ def running(*servers: VllmServer) -> Iterator[list[VllmServer]]:
 
 
 def start_groups(servers) -> list[list[VllmServer]]:
-    """The servers in groups whose starts run at once, each group's one after another: every engine alone, but the
-    compiled CPU engines in one group. While a worker compiles (~12 s from inductor's cache, ~50 s cold for a 30-layer
-    target on 2 cores), its engine core busy-polls a core for it; four such starts at once took ~320 s each cold on 2
-    cores, where one at a time each takes its own compile (bench/README.md "Compiled, not eager")."""
+    """The servers in groups started at once, each group's one after another: every engine alone, but the compiled
+    CPU engines in one group. While a worker compiles, its engine core busy-polls a core: four cold compiled starts
+    at once took ~320 s each on 2 cores (bench/README.md "Compiled, not eager")."""
     servers = list(servers)
     compiled = [s for s in servers if s.compiles]
     return [[s] for s in servers if not s.compiles] + ([compiled] if compiled else [])

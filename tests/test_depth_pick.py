@@ -100,11 +100,12 @@ def test_the_pick_runs_first_and_every_stage_after_it_at_its_k(tmp_path, monkeyp
     monkeypatch.setattr(eh, "_servable", lambda head, settings: head.head_dir)
     monkeypatch.setattr(eh, "_pool", lambda plan: __import__("contextlib").nullcontext())
     cfg = PipelineConfig.load(None, "default")
+    cfg = dataclasses.replace(cfg, evaluate=dataclasses.replace(cfg.evaluate, compiled=True))
     head = HeadEval("target", "head", "heldout.jsonl", str(tmp_path))
     plan = eh.EvalPlan(local=True, engine=True, sweep=cfg.evaluate.load, early=False)
     settings = Settings.local(tmp_path / ".eagle")  # not compiled: the evaluation says so from its config
     figures = eh.evaluate_head(cfg, head, settings, plan, eh.EvalStages(local, engine, sweep, pick=pick))
     assert seen == [("pick", 5), ("local", 3), ("engine", 3), ("sweep", 3)]
     assert figures.metrics["picked_depth"] == 3.0 and figures.metrics["tau"] == 1.5 and "crossover" in figures.metrics
-    # every engine it timed ran as `serve` will run the head (`evaluate.compiled`, the default preset's: compiled)
+    # every engine it timed ran as `serve` will run the head (`evaluate.compiled`, set here)
     assert compiled == [True, True, True] and figures.metrics["engine_compiled"] == 1.0

@@ -6,7 +6,7 @@ Purpose: no engine is started (a second):
   vLLM's ahead-of-time artefacts off (they do not load back in vLLM 0.32 with torch 2.13: inductor's cache instead);
 - the evaluation hands every stage it runs (the pick, ours, vLLM's, the sweep) settings that say `evaluate.compiled`,
   and records it; the registry keeps it as tag `compiled`, and `serve` runs a head the way it was measured;
-- the setting is checked at config load, and the `default` preset (the real model) measures compiled;
+- the setting is checked at config load, and is off in the presets (a cold compiled demo overran its budget);
 - compiled CPU engines start one at a time (`start_groups`: in `running`, the engine pool's `running` and `launch`),
   eager ones at once.
 Run: `python -m pytest tests/test_engine_compiled.py`.
@@ -53,8 +53,9 @@ def test_every_cpu_engine_starts_without_vllms_ahead_of_time_artefacts(tmp_path,
     assert seen["VLLM_USE_AOT_COMPILE"] == "0"
 
 
-def test_the_setting_is_checked_and_the_real_models_preset_measures_compiled():
-    assert PipelineConfig.preset("default").evaluate.compiled is True
+def test_the_setting_is_checked_and_off_in_the_presets():
+    # off: a cold compiled demo took 34 min on 2 cores against the 30 budget (bench/README.md "Compiled, not eager")
+    assert PipelineConfig.preset("default").evaluate.compiled is False
     assert PipelineConfig.preset("tiny").evaluate.compiled is False  # the tests' engines start in seconds
     with pytest.raises(ConfigError, match="evaluate.compiled: 'yes' is not of type bool"):
         PipelineConfig.preset("tiny").override({"evaluate": {"compiled": "yes"}}, where="test")

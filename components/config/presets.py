@@ -124,7 +124,6 @@ def default() -> dict[str, Any]:
             load=LoadConfig(concurrency=(1, 4), k_values=(5,), requests=8, repeats=1, verify_schedule=False),
             pick=DepthPickConfig(choices=(2, 3, 5)),
             time_local=False,
-            compiled=True,
         ),
         register=RegisterConfig(tau_floor=1.5, gate_tau="engine"),
     )

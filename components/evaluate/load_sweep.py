@@ -227,6 +227,8 @@ def run_sweep(
         stack.callback(plain.stop)
         if plain.proc is None:
             plain.launch()  # from this thread, so that it lives as long as the sweep; it starts beside the K servers
+            if plain.compiles:  # but a compiled one first: compiling starts go one at a time (vllm_server.start_groups)
+                plain.wait_ready()
         measured = replace(cfg, concurrency=tuple(c for c in cfg.concurrency if c != 1)) if from_eval else cfg
         if from_eval:
             plan.progress(
