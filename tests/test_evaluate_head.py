@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 from components.config.pipeline import PipelineConfig
 from components.evaluate.stage import HeadEval
 from flows.evaluate_head import EvalPlan, EvalStages, evaluate_head
+from infra.settings import Settings
 
 
 class _Result:
@@ -56,7 +56,7 @@ def test_each_stage_runs_as_the_plan_says_with_the_reports_before_it(tmp_path):
     cfg = PipelineConfig.tiny().override(
         {"evaluate": {"engine": "vllm", "load": {"concurrency": [1, 4]}}, "register": {"gate_tau": "engine"}}
     )
-    head, settings = _head(tmp_path), SimpleNamespace(trust_remote_code=True, state_dir=tmp_path)
+    head, settings = _head(tmp_path), Settings.local(tmp_path, trust_remote_code=True)
     calls, done = [], []
     fig = evaluate_head(cfg, head, settings, EvalPlan(True, True, cfg.evaluate.load), _stages(calls, done))
     assert calls == [
@@ -69,7 +69,8 @@ def test_each_stage_runs_as_the_plan_says_with_the_reports_before_it(tmp_path):
         "vllm/engine_evaluation.json",
         "load/load_sweep.json",
     ]
-    assert fig.metrics == {"tau": 2.0, "tau_vllm": 1.9, "speedup_at_4": 1.5}
+    # and how vLLM ran where it was measured (eager: `evaluate.compiled` false), for the registry's tag `compiled`
+    assert fig.metrics == {"tau": 2.0, "tau_vllm": 1.9, "speedup_at_4": 1.5, "engine_compiled": 0.0}
     assert (fig.local.report_file, fig.engine.report_file, fig.sweep.report_file) == (
         "ours.json",
         "vllm.json",
