@@ -301,11 +301,8 @@ def serve(a, settings, cfg) -> int:
         )
     if getattr(a, "capture", False) or getattr(a, "follow_alias", False):
         return _serve_live(a, settings, Serving(uri, spec, lineage, how), followed, cfg.monitor)
-    mode = (
-        "; compiled, as it was measured (the first start on a machine compiles for about a minute)"
-        if spec.compiled and spec.resolved_device() == "cpu"
-        else ""
-    )
+    compiled = "; compiled, as it was measured (the first start on a machine compiles for about a minute)"
+    mode = compiled if spec.compiles else ""
     print(f"serve: starting vLLM with {a.head} ({how}{mode}); log under {settings.state_dir / 'vllm'}", flush=True)
     with VllmServer(spec, settings, port=a.port) as srv:
         print(

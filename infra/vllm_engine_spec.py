@@ -93,6 +93,11 @@ class EngineSpec:
     def resolved_device(self) -> str:
         return self.device if self.device != "auto" else host_device()
 
+    @property
+    def compiles(self) -> bool:
+        """Whether its start compiles: compiled on the CPU (a GPU's vLLM is never given `--enforce-eager` here)."""
+        return bool(self.compiled) and self.resolved_device() == "cpu"
+
     def server_args(self, port: int, host: str | None = BIND_HOST) -> list[str]:
         """Arguments of vLLM's OpenAI server; `host=None` leaves the interface to vLLM (printed commands only)."""
         args = [

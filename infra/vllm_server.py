@@ -106,7 +106,7 @@ class VllmServer:
     @property
     def compiles(self) -> bool:
         """Whether its start compiles (a compiled engine on the CPU): such starts go one at a time (`start_groups`)."""
-        return bool(self.spec.compiled) and self.spec.resolved_device() == "cpu"
+        return self.spec.compiles
 
     def launch(self) -> "VllmServer":
         """Start the engine's process, not waiting for it (`wait_ready()`); it dies with the thread that launched it."""
