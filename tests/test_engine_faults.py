@@ -22,7 +22,6 @@ import json
 import os
 import signal
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -31,6 +30,7 @@ from safetensors.torch import load_file
 
 from components.extract.stage import ExtractConfig, extract
 from components.targets.runtime import StageContext
+import infra.vllm_extract as vllm_extract
 from infra.settings import Settings
 from infra.vllm_server import EngineError, vllm_python
 
@@ -55,23 +55,28 @@ def _our_engines() -> list[int]:
     return found
 
 
-def _kill_when_next_shard_starts(storage: Path, after: threading.Event, killed: list[int]) -> None:
-    """Once shard 1 is written (`after`), SIGKILL the engine's process group as soon as it writes hidden states of
-    the next shard (a shard in flight)."""
-    after.wait(600)
-    shard_1 = set(storage.glob("*.safetensors"))  # still there when shard 1's line is printed
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and not killed:
-        if storage.is_dir() and set(storage.glob("*.safetensors")) - shard_1:
-            for pid in _our_engines():
-                os.killpg(pid, signal.SIGKILL)
-                killed.append(pid)
-        time.sleep(0.005)
+def _killing_on_next_shard(request, after: threading.Event, killed: list[int]):
+    """`request_hidden_states` that, once shard 1 is written (`after`), SIGKILLs the engines' process groups right
+    after the next shard's first request is answered: the rest of that shard's requests are in flight or not sent.
+    In the request threads themselves, so the kill cannot come too late on busy cores (a watcher thread polling the
+    engine's files once missed a whole tiny shard)."""
+    lock = threading.Lock()
+
+    def wrapped(server, ids, *args, **kw):
+        path = request(server, ids, *args, **kw)
+        with lock:
+            if after.is_set() and not killed:
+                for pid in _our_engines():
+                    os.killpg(pid, signal.SIGKILL)
+                    killed.append(pid)
+        return path
+
+    return wrapped
 
 
 @pytest.mark.slow
 @pytest.mark.engine
-def test_engine_killed_mid_extraction_resumes_at_the_shard_it_was_on(tiny_embedded, tmp_path):
+def test_engine_killed_mid_extraction_resumes_at_the_shard_it_was_on(tiny_embedded, tmp_path, monkeypatch):
     from components.regenerate.stage import RegenerateConfig, regenerate
 
     settings = Settings.local(tmp_path / ".eagle")
@@ -87,10 +92,11 @@ def test_engine_killed_mid_extraction_resumes_at_the_shard_it_was_on(tiny_embedd
     extract(CFG, tiny_embedded.target_dir, str(regen), str(ref), **QUIET)  # the uninterrupted reference
     cfg = dataclasses.replace(CFG, engine="vllm")
     first, killed = threading.Event(), []
-    watcher = threading.Thread(
-        target=_kill_when_next_shard_starts, args=(out / "engine-hidden-states", first, killed), daemon=True
+    monkeypatch.setattr(
+        vllm_extract,
+        "request_hidden_states",
+        _killing_on_next_shard(vllm_extract.request_hidden_states, first, killed),
     )
-    watcher.start()
 
     def progress(line: str) -> None:
         if line.startswith("extract: shard 1/"):
@@ -105,7 +111,6 @@ def test_engine_killed_mid_extraction_resumes_at_the_shard_it_was_on(tiny_embedd
             progress=progress,
             context=StageContext(settings=settings),
         )
-    watcher.join(10)
     assert killed, "the engine was not killed"
     assert "\n" not in str(e.value) and "vLLM" in str(e.value)
     manifest = json.loads((out / "manifest.json").read_text())
@@ -114,6 +119,7 @@ def test_engine_killed_mid_extraction_resumes_at_the_shard_it_was_on(tiny_embedd
     kept = {f: (out / f).read_bytes() for f in done}
     assert sorted(p.name for p in out.glob("features-*.safetensors")) == done  # no half-written shard
 
+    monkeypatch.undo()
     lines: list[str] = []
     extract(
         cfg,
