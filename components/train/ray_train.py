@@ -10,6 +10,9 @@ found as the worker builds its head): Ray's failure policy restarts the worker g
 the controller (`RefuseBadInput`) ends the run at the first such error instead (an error raised in a callback
 is the controller's own, which it does not retry), and the caller gets the worker's own exception, message and
 type, which the CLI prints as its one line (exit 2); Ray's tracebacks of it (worker and controller) are dropped.
+A run's placement groups are removed when `fit` returns or raises (`groups_released`): Ray Train's cleaner can miss
+one (a worker group of 2 x 1 CPU was left on a test session's local Ray), and the next run in the same Ray then waits
+for those CPUs forever (its controller retries a worker group it cannot place without limit).
 Run: through `components.train.stage.train`; tests/test_bad_input_stages.py (a refusal in a worker),
 test_extract_train.py (restarts). Not here: the loop itself (components/train/loop.py), Ray sessions
 (infra/ray_cluster.py).
@@ -17,11 +20,12 @@ test_extract_train.py (restarts). Not here: the loop itself (components/train/lo
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from ray.train import FailureConfig, LoggingConfig, RunConfig, ScalingConfig, TrainingFailedError, UserCallback
 from ray.train.torch import TorchTrainer
@@ -58,12 +62,40 @@ def fit_with_ray(loop: Callable[[Any], None], args: Any, storage: str) -> None:
         ),
     )
     try:
-        trainer.fit()  # raises the run's TrainingFailedError when it fails
+        with groups_released():
+            trainer.fit()  # raises the run's TrainingFailedError when it fails
     except TrainingFailedError as e:
         bad = _worker_bad_input(e)
         if bad is None:
             raise
         raise bad from None  # the worker's own error and message; Ray's wrapping adds nothing for the user
+
+
+@contextlib.contextmanager
+def groups_released() -> Iterator[None]:
+    """The block's placement groups (those created in it, placed or pending) are removed when it ends, whatever
+    removed them or not: runs in this process are sequential, so none is still in use once the block's run ended.
+    Groups that existed before the block are left alone. No-op where Ray is not initialised here."""
+    import ray
+
+    before = set(ray.util.placement_group_table()) if ray.is_initialized() else None
+    try:
+        yield
+    finally:
+        if before is not None and ray.is_initialized():
+            remove_groups_since(before)
+
+
+def remove_groups_since(before: set[str]) -> list[str]:
+    """Remove the placement groups not in `before` that Ray has not removed; their ids."""
+    import ray
+    from ray._raylet import PlacementGroupID
+    from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+    left = [k for k, v in ray.util.placement_group_table().items() if k not in before and v.get("state") != "REMOVED"]
+    for k in left:
+        remove_placement_group(PlacementGroup(PlacementGroupID(bytes.fromhex(k))))
+    return left
 
 
 # Ray Train's loggers that report a failure with a traceback: the worker's ("Error in training function") and the
