@@ -6,7 +6,8 @@ features; the TTT batch is the same from stored features and from the target, an
 exports a head the target accepts; held-out tau is logged every `eval_every` steps, the best held-out weights are
 exported (`select="last"`: the last), also after a kill and resume, past checkpoint rotation; bad config values are
 refused by name; a run killed mid-way resumes from its last checkpoint and ends where an uninterrupted run ends;
-under Ray, FailureConfig restarts the failed worker group and the run completes.
+under Ray, FailureConfig restarts the failed worker group and the run completes, and the placement groups a run leaves
+are removed (a leftover one held every CPU and the next run waited without end).
 Run: `python -m pytest tests/test_extract_train.py` (about 20 s; `-m "not slow"` skips the ~40 s Ray test).
 Not here: mocks (Ray is a real local Ray, the `ray_local` fixture); chosen layer ids (tests/test_layer_ids.py).
 """
@@ -416,3 +417,24 @@ def test_ray_failure_config_restarts_and_completes(offline_dir, ray_local, tmp_p
     steps = _steps(res.history_file)
     assert steps == sorted(set(steps)) and steps[-1] == cfg.steps
     assert latest_checkpoint(out).name == f"step-{cfg.steps:07d}"
+
+
+def test_a_runs_leftover_placement_groups_are_removed_and_older_ones_kept(ray_local):
+    """A worker group's placement group left behind (2 x 1 CPU, as one was on a test session's local Ray) held every
+    CPU, and the next Ray Train run waited for them without end: `groups_released` removes what its block created."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from components.train.ray_train import groups_released
+
+    older = placement_group([{"memory": 1024}])  # holds no CPU
+    with groups_released():
+        left = placement_group([{"CPU": 1}, {"CPU": 1}])  # the run "forgot" it
+        assert left.wait(30)
+    table = ray.util.placement_group_table()
+    assert table[left.id.hex()]["state"] == "REMOVED" and table[older.id.hex()]["state"] != "REMOVED"
+    remove_placement_group(older)
+    with groups_released():
+        nxt = placement_group([{"CPU": 1}, {"CPU": 1}])
+        assert nxt.wait(30)  # both CPUs free for the next run
+    assert ray.util.placement_group_table()[nxt.id.hex()]["state"] == "REMOVED"

@@ -174,27 +174,6 @@ def test_local_ray_session_and_a_nested_one(ray_local, tmp_path):
     assert runtime_env.get("worker_process_setup_hook")
 
 
-def test_a_runs_leftover_placement_groups_are_removed_and_older_ones_kept(ray_local):
-    """A worker group's placement group left behind (2 x 1 CPU, as one was on a test session's local Ray) held every
-    CPU, and the next Ray Train run waited for them without end: `groups_released` removes what its block created."""
-    import ray
-    from ray.util.placement_group import placement_group, remove_placement_group
-
-    from components.train.ray_train import groups_released
-
-    older = placement_group([{"memory": 1024}])  # holds no CPU
-    with groups_released():
-        left = placement_group([{"CPU": 1}, {"CPU": 1}])  # the run "forgot" it
-        assert left.wait(30)
-    table = ray.util.placement_group_table()
-    assert table[left.id.hex()]["state"] == "REMOVED" and table[older.id.hex()]["state"] != "REMOVED"
-    remove_placement_group(older)
-    with groups_released():
-        nxt = placement_group([{"CPU": 1}, {"CPU": 1}])
-        assert nxt.wait(30)  # both CPUs free for the next run
-    assert ray.util.placement_group_table()[nxt.id.hex()]["state"] == "REMOVED"
-
-
 def test_unreachable_ray_address_fails_fast(tmp_path, monkeypatch):
     import ray
 
