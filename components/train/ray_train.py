@@ -73,29 +73,20 @@ def fit_with_ray(loop: Callable[[Any], None], args: Any, storage: str) -> None:
 
 @contextlib.contextmanager
 def groups_released() -> Iterator[None]:
-    """The block's placement groups (those created in it, placed or pending) are removed when it ends, whatever
-    removed them or not: runs in this process are sequential, so none is still in use once the block's run ended.
-    Groups that existed before the block are left alone. No-op where Ray is not initialised here."""
+    """When the block ends, remove the placement groups created in it that Ray has not removed (placed or pending):
+    runs in this process are sequential, so none is in use once the block's run ended. Groups that existed before
+    the block are left alone. No-op where Ray is not initialised here."""
     import ray
+    from ray.util.placement_group import PlacementGroup, remove_placement_group
 
     before = set(ray.util.placement_group_table()) if ray.is_initialized() else None
     try:
         yield
     finally:
         if before is not None and ray.is_initialized():
-            remove_groups_since(before)
-
-
-def remove_groups_since(before: set[str]) -> list[str]:
-    """Remove the placement groups not in `before` that Ray has not removed; their ids."""
-    import ray
-    from ray._raylet import PlacementGroupID
-    from ray.util.placement_group import PlacementGroup, remove_placement_group
-
-    left = [k for k, v in ray.util.placement_group_table().items() if k not in before and v.get("state") != "REMOVED"]
-    for k in left:
-        remove_placement_group(PlacementGroup(PlacementGroupID(bytes.fromhex(k))))
-    return left
+            for k, v in ray.util.placement_group_table().items():
+                if k not in before and v.get("state") != "REMOVED":
+                    remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(k))))
 
 
 # Ray Train's loggers that report a failure with a traceback: the worker's ("Error in training function") and the
